@@ -1,0 +1,71 @@
+"""The exception families paramsync raises.
+
+Every failure that comes from a peer's bytes is a `ProtocolError`; every failure to join a
+group (wrong secret, version, group, world size, taken rank) is a `HandshakeError`, itself a
+`ProtocolError`, so one ``except ProtocolError`` covers all hostile or broken input.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ParamsyncError",
+    "ProtocolError",
+    "FrameTooLarge",
+    "HandshakeError",
+    "AuthenticationError",
+    "PeerClosed",
+    "CollectiveError",
+    "ActorFailed",
+]
+
+
+class ParamsyncError(Exception):
+    """Base class of every error paramsync raises on purpose."""
+
+
+class ProtocolError(ParamsyncError):
+    """A peer sent bytes that are not a valid paramsync message, or the wrong message now.
+
+    ``peer`` names the peer (a rank or an address) when it is known.
+    """
+
+    def __init__(self, message: str, *, peer: object = None) -> None:
+        self.peer = peer
+        self.reason = message
+        super().__init__(f"peer {peer}: {message}" if peer is not None else message)
+
+    def with_peer(self, peer: object) -> ProtocolError:
+        """Return a copy of this error that names ``peer`` (keeps the subclass)."""
+        if self.peer is not None:
+            return self
+        err = type(self).__new__(type(self))
+        ProtocolError.__init__(err, self.reason, peer=peer)
+        return err
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's length prefix announced more bytes than this receiver accepts."""
+
+
+class HandshakeError(ProtocolError):
+    """A connection handshake was refused (version, group, world size or rank)."""
+
+
+class AuthenticationError(HandshakeError):
+    """The peer failed the HMAC challenge: it does not hold the shared secret."""
+
+
+class PeerClosed(ProtocolError):
+    """The peer closed the connection (cleanly or not) in the middle of an exchange."""
+
+
+class CollectiveError(ParamsyncError):
+    """A collective was called with arguments that cannot work (dtype, size, rank)."""
+
+
+class ActorFailed(ParamsyncError):
+    """An actor raised; the message names the actor, the cause is chained."""
+
+    def __init__(self, actor: str, cause: BaseException) -> None:
+        self.actor = actor
+        super().__init__(f"actor {actor!r} failed: {type(cause).__name__}: {cause}")
