@@ -1,0 +1,50 @@
+"""paramsync's engine: configuration, CBOR wire protocol, transports and collectives."""
+
+from .collectives import (
+    DEFAULT_CHUNK_BYTES,
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    reduce_scatter,
+    segment_bounds,
+)
+from .config import DistributedConfig, parse_address
+from .errors import (
+    ActorFailed,
+    AuthenticationError,
+    CollectiveError,
+    FrameTooLarge,
+    HandshakeError,
+    ParamsyncError,
+    PeerClosed,
+    ProtocolError,
+)
+from .tcp import TcpTransport
+from .transport import InProcessTransport, Transport
+from .wire import BFLOAT16_TAG, PROTOCOL_VERSION
+
+__all__ = [
+    "ActorFailed",
+    "AuthenticationError",
+    "BFLOAT16_TAG",
+    "CollectiveError",
+    "DEFAULT_CHUNK_BYTES",
+    "DistributedConfig",
+    "FrameTooLarge",
+    "HandshakeError",
+    "InProcessTransport",
+    "PROTOCOL_VERSION",
+    "ParamsyncError",
+    "PeerClosed",
+    "ProtocolError",
+    "TcpTransport",
+    "Transport",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "parse_address",
+    "reduce_scatter",
+    "segment_bounds",
+]
