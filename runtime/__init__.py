@@ -1,5 +1,10 @@
 """paramsync's engine: configuration, CBOR wire protocol, transports and collectives."""
 
+from .aggregators import (
+    AllReduceAggregator,
+    GradientAggregator,
+    ParameterServerAggregator,
+)
 from .collectives import (
     DEFAULT_CHUNK_BYTES,
     all_gather,
@@ -19,12 +24,17 @@ from .errors import (
     ParamsyncError,
     PeerClosed,
     ProtocolError,
+    StallError,
 )
 from .tcp import TcpTransport
 from .transport import InProcessTransport, Transport
 from .wire import BFLOAT16_TAG, PROTOCOL_VERSION
 
 __all__ = [
+    "AllReduceAggregator",
+    "GradientAggregator",
+    "ParameterServerAggregator",
+    "StallError",
     "ActorFailed",
     "AuthenticationError",
     "BFLOAT16_TAG",

@@ -12,7 +12,9 @@ Frames carry the collective's id, hop and part; anything else from a peer is a P
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -37,6 +39,8 @@ __all__ = [
 ReduceOp = Literal["sum", "avg"]
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Bytes per frame in the ring: small enough to pipeline, large enough to amortise a frame."""
+THREADED_MIN_BYTES = int(__import__("os").environ.get("PS_THREADED", 256 * 1024))
+"""From this size the ring runs on OS threads with blocking sockets (when the transport can)."""
 SMALL_ALLREDUCE_BYTES = 32 * 1024
 """At or below this size all-reduce exchanges whole tensors in one round instead of 2(n-1) hops."""
 
@@ -116,6 +120,103 @@ def _chunk_elems(tensor: torch.Tensor, chunk_bytes: int) -> int:
 
 
 async def _ring(
+    transport: Transport,
+    flat: torch.Tensor,
+    op_id: int,
+    bounds: list[tuple[int, int]],
+    hops: list[tuple[int, int]],
+    chunk: int,
+    fold: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    fold_hops: int = 0,
+) -> None:
+    """Run the ring on worker threads when the transport lends blocking links and the
+    tensor is large enough to repay a thread hand-off; else on trio tasks."""
+    links = getattr(transport, "blocking_links", None)
+    nbytes = flat.numel() * flat.element_size()
+    if links is not None and nbytes >= THREADED_MIN_BYTES:
+        n = transport.world_size
+        peers = {(transport.rank + 1) % n, (transport.rank - 1) % n}
+        async with links(peers) as io:
+            await _ring_threaded(transport, io, flat, op_id, bounds, hops, chunk, fold, fold_hops)
+        return
+    await _ring_async(transport, flat, op_id, bounds, hops, chunk, fold, fold_hops)
+
+
+async def _ring_threaded(
+    transport: Transport,
+    io: Any,
+    flat: torch.Tensor,
+    op_id: int,
+    bounds: list[tuple[int, int]],
+    hops: list[tuple[int, int]],
+    chunk: int,
+    fold: Callable[[int, torch.Tensor, torch.Tensor], None] | None,
+    fold_hops: int,
+) -> None:
+    """The same schedule as `_ring_async`, with a sender and a receiver OS thread.
+
+    Blocking calls move whole parts per system call and release the GIL, so the kernel copies
+    out and in run on two cores at once. A failure on either thread aborts the links, which
+    wakes the other thread, and the first error surfaces.
+    """
+    n = transport.world_size
+    nxt, prv = (transport.rank + 1) % n, (transport.rank - 1) % n
+    send_parts = [_parts(*bounds[seg], chunk) for seg, _ in hops]
+    recv_parts = [_parts(*bounds[seg], chunk) for _, seg in hops]
+    done = [0] * len(hops)
+    ready = threading.Condition()
+    failed: list[BaseException] = []
+
+    def sender() -> None:
+        for hop, parts in enumerate(send_parts):
+            for index, (lo, hi) in enumerate(parts):
+                if hop > 0:
+                    with ready:
+                        while done[hop - 1] <= index and not failed:
+                            ready.wait()
+                        if failed:
+                            return
+                io.send(nxt, "coll", {"op": op_id, "hop": hop, "part": index}, flat[lo:hi])
+
+    def receiver() -> None:
+        scratch = torch.empty(chunk if fold_hops else 0, dtype=flat.dtype)
+        for hop, parts in enumerate(recv_parts):
+            for index, (lo, hi) in enumerate(parts):
+                dest = flat[lo:hi]
+                if hop < fold_hops:
+                    buf = scratch[: hi - lo]
+                    message = io.recv_into(prv, buf)
+                    _expect(message, op_id, hop, index, prv)
+                    assert fold is not None
+                    fold(hop, dest, buf)
+                else:
+                    message = io.recv_into(prv, dest)
+                    _expect(message, op_id, hop, index, prv)
+                with ready:
+                    done[hop] += 1
+                    ready.notify_all()
+
+    def guarded(body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                with ready:
+                    failed.append(exc)
+                    ready.notify_all()
+                io.abort()
+                raise
+
+        return run
+
+    async with trio.open_nursery() as nursery:
+        for body in (sender, receiver):
+            nursery.start_soon(
+                partial(trio.to_thread.run_sync, guarded(body), abandon_on_cancel=True)
+            )
+
+
+async def _ring_async(
     transport: Transport,
     flat: torch.Tensor,
     op_id: int,

@@ -14,6 +14,7 @@ __all__ = [
     "HandshakeError",
     "AuthenticationError",
     "PeerClosed",
+    "StallError",
     "CollectiveError",
     "ActorFailed",
 ]
@@ -57,6 +58,10 @@ class AuthenticationError(HandshakeError):
 
 class PeerClosed(ProtocolError):
     """The peer closed the connection (cleanly or not) in the middle of an exchange."""
+
+
+class StallError(PeerClosed):
+    """A peer moved no byte within the deadline: it is stalled, or gone without a word."""
 
 
 class CollectiveError(ParamsyncError):

@@ -9,17 +9,19 @@ message costs one system call.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
+import struct
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import torch
 import trio
 
 from .config import DistributedConfig
-from .errors import HandshakeError, PeerClosed, ProtocolError
+from .errors import HandshakeError, PeerClosed, ProtocolError, StallError
 from .handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
 from .transport import Transport
 from .wire import (
@@ -35,14 +37,14 @@ from .wire import (
     tensor_buffer,
 )
 
-__all__ = ["TcpTransport", "Connection", "DEFAULT_GROUP"]
+__all__ = ["TcpTransport", "Connection", "BlockingLinks", "DEFAULT_GROUP"]
 
 log = logging.getLogger("paramsync.tcp")
 
 DEFAULT_GROUP = "paramsync"
 _BUFFER_SIZE = 256 * 1024
 _DIRECT_READ = 64 * 1024
-_SOCKET_BUFFER = 4 * 1024 * 1024
+_SOCKET_BUFFER = int(__import__("os").environ.get("PS_SOCKBUF", 4 * 1024 * 1024))
 
 register_message("rdv_join", host=Field(str, max_len=256), port=Field(int, min=1, max=65535))
 register_message("rdv_table", addresses=Field(list, max_len=1 << 16, items=list))
@@ -62,6 +64,7 @@ class Connection:
         self._start = 0
         self._end = 0
         self.closed = False
+        self._raw: socket.socket | None = None
         _tune(self._sock)
 
     # ---------------------------------------------------------------- sending
@@ -176,17 +179,110 @@ class Connection:
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
 
+    # ---------------------------------------------------------------- blocking bulk path
+    #
+    # Large transfers run in worker threads with the socket switched to blocking mode: one
+    # system call moves a whole part (MSG_WAITALL), the GIL is free meanwhile, and sends and
+    # receives proceed on two cores at once. Only `BlockingLinks` switches the mode, while it
+    # holds both of this connection's locks, so the trio path never sees a blocking socket.
+
+    def _raw_socket(self) -> socket.socket:
+        if self._raw is None:
+            fd = self._sock.fileno()
+            self._raw = socket.socket(self._sock.family, self._sock.type, fileno=os.dup(fd))
+        return self._raw
+
+    def send_blocking(
+        self, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        """Send one message from a worker thread (blocking mode only)."""
+        views = [memoryview(part).cast("B") for part in encode_frame(kind, fields, bulk)]
+        raw = self._raw_socket()
+        try:
+            while views:
+                sent = raw.sendmsg(views)
+                while sent:
+                    if sent >= len(views[0]):
+                        sent -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        except BlockingIOError:
+            raise StallError(f"send to peer {self.peer} stalled past its deadline") from None
+        except OSError as exc:
+            raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+
+    def _read_blocking(self, view: memoryview) -> None:
+        got = min(len(view), self._end - self._start)
+        if got:
+            view[:got] = self._view[self._start : self._start + got]
+            self._start += got
+            if self._start == self._end:
+                self._start = self._end = 0
+        raw = self._raw_socket()
+        while got < len(view):
+            try:
+                count = raw.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
+            except OSError as exc:
+                raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+            if count == 0:
+                raise PeerClosed("connection closed by the peer", peer=self.peer)
+            got += count
+
+    def recv_into_blocking(
+        self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> dict[str, Any]:
+        """Receive one message into ``out`` from a worker thread (blocking mode only)."""
+        try:
+            prefix = bytearray(PREFIX_SIZE)
+            self._read_blocking(memoryview(prefix))
+            item_len, bulk_len = parse_prefix(prefix, max_frame)
+            head = bytearray(item_len - bulk_len)
+            self._read_blocking(memoryview(head))
+            message, spec = decode_head(head, bulk_len)
+            check_bulk_destination(spec, out, self.peer)
+            if spec is not None:
+                self._read_blocking(tensor_buffer(out))
+            message["data"] = out
+            return message
+        except ProtocolError as exc:
+            raise exc.with_peer(self.peer) from None
+
+    def set_blocking(self, blocking: bool, deadline_seconds: float | None = None) -> None:
+        """Switch the socket between trio's non-blocking mode and the threads' blocking mode."""
+        raw = self._raw_socket()
+        raw.setblocking(blocking)
+        seconds = deadline_seconds if blocking and deadline_seconds else 0.0
+        timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+    def abort(self) -> None:
+        """Wake any thread blocked on this connection by shutting the socket down."""
+        self.closed = True
+        try:
+            self._raw_socket().shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     async def aclose(self) -> None:
         """Close the stream; safe to call twice."""
         self.closed = True
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
         await self.stream.aclose()
 
 
 def _tune(sock: Any) -> None:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        if _SOCKET_BUFFER:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
     except OSError:  # pragma: no cover - options are advisory
         pass
 
@@ -281,6 +377,29 @@ async def _refuse(conn: Connection, reason: str) -> None:
 # -------------------------------------------------------------------------- transport
 
 
+class BlockingLinks:
+    """Blocking send/receive on a few connections, for collectives' worker threads."""
+
+    def __init__(self, conns: dict[int, Connection], max_frame: int) -> None:
+        self._conns = conns
+        self._max_frame = max_frame
+
+    def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        """Send one message to ``peer``; returns when the kernel has taken every byte."""
+        self._conns[peer].send_blocking(kind, fields, bulk)
+
+    def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        """Receive the next message from ``peer`` with its bulk written into ``out``."""
+        return self._conns[peer].recv_into_blocking(out, self._max_frame)
+
+    def abort(self) -> None:
+        """Shut every lent connection down, waking blocked threads with an error."""
+        for conn in self._conns.values():
+            conn.abort()
+
+
 class TcpTransport(Transport):
     """A rank's authenticated TCP connections to every other rank of its group."""
 
@@ -294,6 +413,8 @@ class TcpTransport(Transport):
         super().__init__(rank, world_size)
         self.connections = connections
         self.max_frame = max_frame
+        self.stall_seconds = 300.0
+        """A blocking transfer that moves no byte for this long fails as a stall."""
 
     def _conn(self, peer: int) -> Connection:
         self.check_peer(peer)
@@ -313,6 +434,33 @@ class TcpTransport(Transport):
     async def aclose(self) -> None:
         for conn in self.connections.values():
             await conn.aclose()
+
+    @asynccontextmanager
+    async def blocking_links(self, peers: set[int]) -> AsyncIterator[BlockingLinks]:
+        """Lend the connections to ``peers`` to worker threads, in blocking mode.
+
+        Holds both locks of each connection meanwhile, so no trio task uses them. If the block
+        is left by an error or a cancellation, the connections are shut down: threads blocked on
+        them wake up, and the transport is broken, as it is after any failed collective.
+        """
+        conns = {peer: self._conn(peer) for peer in sorted(peers)}
+        async with AsyncExitStack() as stack:
+            for conn in conns.values():
+                await stack.enter_async_context(conn._send_lock)
+                await stack.enter_async_context(conn._recv_lock)
+            for conn in conns.values():
+                conn.set_blocking(True, self.stall_seconds)
+            links = BlockingLinks(conns, self.max_frame)
+            ok = False
+            try:
+                yield links
+                ok = True
+            finally:
+                if not ok:
+                    links.abort()
+                for conn in conns.values():
+                    if not conn.closed:
+                        conn.set_blocking(False)
 
     # ---------------------------------------------------------------- group formation
 

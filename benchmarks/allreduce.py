@@ -1,0 +1,228 @@
+"""All-reduce benchmark: paramsync's TCP ring against torch.distributed on gloo, same run.
+
+One OS process per worker for both systems, on this machine's loopback. For each world size and
+float32 message size it times back-to-back all-reduces (after a barrier) and reports the median
+over repeats of: time per all-reduce, algorithm bandwidth (bytes / time) and bus bandwidth
+(algbw x 2(n-1)/n, as nccl-tests define it), and the paramsync/gloo bus-bandwidth ratio.
+The two systems alternate round by round so that drift in machine load hits both alike.
+
+    python benchmarks/allreduce.py --json out/allreduce.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
+SYSTEMS = ("gloo", "paramsync")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _iterations(nbytes: int) -> int:
+    """Enough back-to-back operations that one repeat takes a measurable while."""
+    if nbytes <= 64 * 1024:
+        return 200
+    if nbytes <= 2 << 20:
+        return 20
+    if nbytes <= 32 << 20:
+        return 5
+    return 2
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _worker_gloo(rank: int, world: int, port: int, sizes: list[int], repeats: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    try:
+        for nbytes in sizes:
+            tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+            iters = _iterations(nbytes)
+            dist.all_reduce(tensor)  # warm-up: connections, buffers
+            for repeat in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(tensor)
+                elapsed = (time.perf_counter() - start) / iters
+                rows.append({"bytes": nbytes, "repeat": repeat, "seconds": elapsed})
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def _worker_paramsync(
+    rank: int, world: int, port: int, sizes: list[int], repeats: int
+) -> list[dict]:
+    import torch
+    import trio
+
+    from runtime import DistributedConfig, TcpTransport, all_reduce, barrier
+
+    rows: list[dict] = []
+
+    async def main() -> None:
+        config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
+        async with TcpTransport.connect(config, secret="benchmark-secret") as transport:
+            for nbytes in sizes:
+                tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+                iters = _iterations(nbytes)
+                await all_reduce(transport, tensor)
+                for repeat in range(repeats):
+                    await barrier(transport)
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        await all_reduce(transport, tensor)
+                    elapsed = (time.perf_counter() - start) / iters
+                    rows.append({"bytes": nbytes, "repeat": repeat, "seconds": elapsed})
+            await barrier(transport)
+
+    trio.run(main)
+    return rows
+
+
+def _run_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    worker = _worker_gloo if args.worker == "gloo" else _worker_paramsync
+    rows = worker(args.rank, args.world, args.port, args.sizes, args.repeats)
+    if args.rank == 0:
+        print(json.dumps(rows), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _launch(system: str, world: int, sizes: list[int], repeats: int) -> list[dict]:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = []
+    for rank in range(world):
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            system,
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--port",
+            str(port),
+            "--repeats",
+            str(repeats),
+            "--sizes",
+            *map(str, sizes),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outputs = []
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{system} worker {rank} of {world} failed:\n{err}")
+        outputs.append(out)
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+def _summarise(samples: dict, worlds: list[int], sizes: list[int]) -> list[dict]:
+    table = []
+    for world in worlds:
+        for nbytes in sizes:
+            row: dict = {"world_size": world, "bytes": nbytes}
+            for system in SYSTEMS:
+                seconds = statistics.median(samples[(system, world, nbytes)])
+                algbw = nbytes / seconds / 1e9
+                row[system] = {
+                    "seconds": seconds,
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": algbw * 2 * (world - 1) / world,
+                    "samples": len(samples[(system, world, nbytes)]),
+                }
+            row["busbw_ratio"] = row["paramsync"]["busbw_GBps"] / row["gloo"]["busbw_GBps"]
+            row["time_ratio"] = row["paramsync"]["seconds"] / row["gloo"]["seconds"]
+            table.append(row)
+    return table
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _print_table(table: list[dict]) -> None:
+    header = (
+        f"{'n':>2} {'size':>8} | {'gloo time':>11} {'busbw':>7} | "
+        f"{'paramsync':>11} {'busbw':>7} | {'busbw ratio':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in table:
+        gloo, ours = row["gloo"], row["paramsync"]
+        print(
+            f"{row['world_size']:>2} {_human(row['bytes']):>8} | "
+            f"{gloo['seconds'] * 1e3:>8.3f} ms {gloo['busbw_GBps']:>7.3f} | "
+            f"{ours['seconds'] * 1e3:>8.3f} ms {ours['busbw_GBps']:>7.3f} | "
+            f"{row['busbw_ratio']:>10.2f}x"
+        )
+    print("(busbw in GB/s; time is the median over repeats of back-to-back all-reduces)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per system")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per round")
+    parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _run_worker(args)
+        return
+    samples: dict = {}
+    for world in args.worlds:
+        for round_index in range(args.rounds):
+            order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+            for system in order:
+                for row in _launch(system, world, args.sizes, args.repeats):
+                    key = (system, world, row["bytes"])
+                    samples.setdefault(key, []).append(row["seconds"])
+            print(f"world size {world}: round {round_index + 1}/{args.rounds} done", flush=True)
+    table = _summarise(samples, args.worlds, args.sizes)
+    _print_table(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": table}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
