@@ -31,9 +31,9 @@ def format_duration(seconds: float) -> str:
 
 
 def format_metric(value: Any) -> str:
-    """Floats to 4 significant digits, everything else as ``str``."""
+    """Floats to 4 significant digits (whole numbers from 1000 up), others as ``str``."""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.0f}" if 1e3 <= abs(value) < 1e15 else f"{value:.4g}"
     if hasattr(value, "item") and callable(value.item):  # a 0-d tensor or numpy scalar
         try:
             return format_metric(value.item())

@@ -166,4 +166,6 @@ def test_formatting_helpers() -> None:
     assert format_metric(0.000123456) == "0.0001235"
     assert format_metric(torch.tensor(2.5)) == "2.5"
     assert format_metric(7) == "7"
+    assert format_metric(12345.6) == "12346"
+    assert format_metric(-2.5e20) == "-2.5e+20"
     assert format_metric("x") == "x"
