@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Bucket", "plan_buckets", "model_signature", "DEFAULT_BUCKET_BYTES"]
+from runtime.coordinator_core import dtype_name
+
+__all__ = ["Bucket", "plan_buckets", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 1 << 20
 """Default bucket size: large enough to amortise a collective, small enough to overlap."""
@@ -41,7 +43,8 @@ class Bucket:
 
     def spec(self) -> list[list[object]]:
         """What every rank must agree on before this bucket is reduced: shapes and dtype."""
-        return [[list(shape), str(self.dtype)] for shape in self.shapes]
+        dtype = dtype_name(self.dtype)
+        return [[list(shape), dtype] for shape in self.shapes]
 
     def pack(self, grads: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Copy ``grads`` (in bucket order) into the flat buffer ``out``; return it."""
@@ -93,14 +96,3 @@ def plan_buckets(
         size += nbytes
     close()
     return buckets
-
-
-def model_signature(model: torch.nn.Module) -> list[list[object]]:
-    """Every parameter's name, shape, dtype and trainability, in registration order.
-
-    Workers whose signatures differ cannot train one model; the coordinator refuses them.
-    """
-    return [
-        [name, list(param.shape), str(param.dtype), bool(param.requires_grad)]
-        for name, param in model.named_parameters()
-    ]

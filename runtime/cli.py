@@ -63,6 +63,59 @@ def build_parser() -> argparse.ArgumentParser:
     allreduce.add_argument("--size", type=parse_size, default=16 << 20, help="bytes (float32)")
     allreduce.add_argument("--repeats", type=int, default=5)
     allreduce.add_argument("--summary-json", help="write this rank's result here")
+
+    coordinator = sub.add_parser(
+        "coordinator",
+        help="run the coordinator daemon of one training run",
+        description="Admit authenticated workers, sequence every all-reduce and check that all "
+        "workers hold identical weights after every step (C-DDP-001). Exit codes: 0 the run "
+        "finished, 1 the run was aborted (the log says why), 2 bad configuration, 130/143 "
+        "stopped by SIGINT/SIGTERM.",
+    )
+    coordinator.add_argument("--world-size", type=int, required=True)
+    coordinator.add_argument(
+        "--bind", default="127.0.0.1:29500", help="host:port to listen on (default %(default)s)"
+    )
+    coordinator.add_argument("--digest-interval", type=int, default=1)
+    coordinator.add_argument("--heartbeat-deadline", type=float, default=10.0)
+    coordinator.add_argument(
+        "--resync", action="store_true", help="re-sync a diverged minority instead of aborting"
+    )
+    coordinator.add_argument(
+        "--port-file", help="write the bound port here once listening (for --bind host:0)"
+    )
+
+    worker = sub.add_parser(
+        "worker",
+        help="run one worker of the built-in LM training job",
+        description="Join a run (flags > torchrun variables RANK/WORLD_SIZE/LOCAL_RANK/"
+        "MASTER_ADDR/MASTER_PORT > --config TOML) and train the character-level transformer "
+        "on CPython's sources. Exit codes: 0 finished, 1 failed, 2 bad configuration, "
+        "130/143 stopped by SIGINT/SIGTERM after the step in flight.",
+    )
+    worker.add_argument("--rank", type=int)
+    worker.add_argument("--world-size", type=int)
+    worker.add_argument("--local-rank", type=int)
+    worker.add_argument("--coordinator", help="host:port of the coordinator")
+    worker.add_argument("--role", choices=["worker", "coordinator"], default="worker")
+    from actors.lm_job import build_parser as build_job_parser
+
+    build_job_parser(worker)
+
+    launch = sub.add_parser(
+        "launch",
+        help="start a coordinator and N workers on this machine (like torchrun)",
+        description="Start a coordinator process and N worker processes running SCRIPT (or "
+        "-m MODULE) with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and a fresh "
+        "PARAMSYNC_SECRET set. Signals are forwarded; when a worker fails the whole run is "
+        "stopped and the failed rank named.",
+    )
+    launch.add_argument("--nproc", type=int, required=True, help="number of workers")
+    launch.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    launch.add_argument("--summary-json", help="write every rank's summary here")
+    launch.add_argument("--digest-interval", type=int, default=1)
+    launch.add_argument("--heartbeat-deadline", type=float, default=10.0)
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="[--] SCRIPT|-m MODULE [ARGS]")
     return parser
 
 
@@ -138,6 +191,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "allreduce":
         return _run_allreduce(args)
+    if args.command == "coordinator":
+        from .daemons import run_coordinator
+
+        return run_coordinator(args)
+    if args.command == "worker":
+        from .daemons import run_worker
+
+        return run_worker(args)
+    if args.command == "launch":
+        from .launch import run_launch
+
+        return run_launch(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

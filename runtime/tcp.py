@@ -37,7 +37,16 @@ from .wire import (
     tensor_buffer,
 )
 
-__all__ = ["TcpTransport", "Connection", "BlockingLinks", "DEFAULT_GROUP"]
+__all__ = [
+    "TcpTransport",
+    "Connection",
+    "BlockingLinks",
+    "DEFAULT_GROUP",
+    "dial",
+    "dial_with_retry",
+    "accept",
+    "form_mesh",
+]
 
 log = logging.getLogger("paramsync.tcp")
 
@@ -602,9 +611,10 @@ async def _serve_until(
         nursery.cancel_scope.cancel()
 
 
-async def _dial_with_retry(
+async def dial_with_retry(
     address: tuple[str, int], secret: bytes, me: Identity
 ) -> tuple[Connection, Identity]:
+    """`dial`, retrying with backoff while nobody listens yet; the caller sets the deadline."""
     delay = 0.01
     while True:
         try:
@@ -627,7 +637,7 @@ async def _form_mesh(
     above = {rank for rank in members if rank > me.rank}
 
     async def dial_one(rank: int) -> None:
-        conn, peer = await _dial_with_retry(addresses[rank], secret, me)
+        conn, peer = await dial_with_retry(addresses[rank], secret, me)
         if peer.rank != rank:
             await conn.aclose()
             raise HandshakeError(f"dialed rank {rank} at {addresses[rank]}, found rank {peer.rank}")
@@ -638,6 +648,23 @@ async def _form_mesh(
             nursery.start_soon(dial_one, rank)
         if above and listener is not None:
             nursery.start_soon(_serve_until, listener, me, secret, mesh, above)
+
+
+async def form_mesh(
+    me: Identity,
+    listener: trio.SocketListener,
+    addresses: list[tuple[str, int]],
+    secret: bytes,
+) -> dict[int, Connection]:
+    """Connect ``me`` to every rank listed in ``addresses`` (by rank): dial the ranks below,
+    accept the ranks above on ``listener``. Returns the connections by rank."""
+    if len(addresses) != me.world_size:
+        raise HandshakeError(
+            f"{len(addresses)} addresses for a group of {me.world_size}: cannot form the mesh"
+        )
+    mesh: dict[int, Connection] = {}
+    await _form_mesh(me, listener, addresses, secret, mesh, range(me.world_size))
+    return mesh
 
 
 async def _rendezvous_root(
@@ -665,7 +692,7 @@ async def _rendezvous_root(
 async def _rendezvous_member(
     me: Identity, address: tuple[str, int], secret: bytes, mesh: dict[int, Connection]
 ) -> None:
-    conn, peer = await _dial_with_retry(address, secret, me)
+    conn, peer = await dial_with_retry(address, secret, me)
     if peer.rank != 0:
         await conn.aclose()
         raise HandshakeError(f"{address[0]}:{address[1]} is rank {peer.rank}, not rank 0")

@@ -1,0 +1,152 @@
+"""The worker's side of the control link: join, negotiate buckets, report digests, heartbeat.
+
+One task reads the coordinator's messages and routes them: go to the gradient-comm actor (in
+the coordinator's order), commits to whoever waits for them, shutdown and abort as errors that
+name the coordinator's reason. Another sends heartbeats. Both live in the nursery of whoever
+runs `CoordinatorClient.serve`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from runtime.coordinator_core import (
+    AbortRun,
+    Commit,
+    Go,
+    JoinRefused,
+    ResyncOrder,
+    Shutdown,
+    Signature,
+    StartRun,
+    message_from_wire,
+)
+from runtime.errors import ParamsyncError, ProtocolError
+from runtime.link import Link
+
+__all__ = ["CoordinatorClient", "RunAborted", "Go", "JoinResult"]
+
+log = logging.getLogger("paramsync.worker")
+
+
+class RunAborted(ParamsyncError):
+    """The coordinator stopped the run; the message carries its reason."""
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What the coordinator answered to a join: everyone's data-plane address, the step."""
+
+    addresses: list[tuple[str, int]]
+    step: int
+
+
+class CoordinatorClient:
+    """A worker's conversation with the coordinator over one `Link`."""
+
+    def __init__(self, link: Link, rank: int, heartbeat_seconds: float = 1.0) -> None:
+        self.link = link
+        self.rank = rank
+        self.heartbeat_seconds = heartbeat_seconds
+        self.on_go: Callable[[Go], Awaitable[None]] | None = None
+        self.on_resync: Callable[[ResyncOrder], Awaitable[None]] | None = None
+        self.digest_interval = 1
+        self.start_step = 0
+        self.shutdown_reason: str | None = None
+        self._committed = -1
+        self._commit_changed = trio.Event()
+        self._failure: BaseException | None = None
+
+    async def join(self, signature: Signature, address: tuple[str, int]) -> JoinResult:
+        """Send this worker's model signature and data-plane address; wait for the start."""
+        params = [[name, list(shape), dtype, grad] for name, shape, dtype, grad in signature]
+        await self._send("join", host=address[0], port=address[1], params=params)
+        message = message_from_wire(await self.link.recv())
+        if isinstance(message, JoinRefused | AbortRun | Shutdown):
+            raise RunAborted(f"coordinator refused rank {self.rank}: {message.reason}")
+        if not isinstance(message, StartRun):
+            raise ProtocolError(
+                f"expected the run's start, got {type(message).__name__}", peer="coordinator"
+            )
+        self.start_step = message.step
+        self.digest_interval = message.digest_interval
+        self.heartbeat_seconds = min(self.heartbeat_seconds, message.heartbeat_deadline / 4)
+        self._committed = message.step - 1
+        return JoinResult(list(message.addresses), message.step)
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        await self.link.send(kind, fields)
+
+    async def ready(self, step: int, bucket: int, spec: Sequence[Any]) -> None:
+        """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go."""
+        await self._send("ready", step=step, bucket=bucket, spec=[list(item) for item in spec])
+
+    async def digest(self, step: int, digest: bytes, tensors: list[tuple[str, bytes]]) -> None:
+        """Report the state digest after ``step``'s optimizer step."""
+        await self._send(
+            "digest", step=step, digest=digest, tensors=[[name, value] for name, value in tensors]
+        )
+
+    async def step_done(self, step: int) -> None:
+        """Report ``step`` done on a step without a digest check."""
+        await self._send("step_done", step=step)
+
+    async def finished(self, step: int) -> None:
+        """Tell the coordinator this worker has taken its last step."""
+        await self._send("finished", step=step)
+
+    async def wait_commit(self, step: int) -> None:
+        """Wait until the coordinator commits ``step`` (every rank agreed)."""
+        while self._committed < step:
+            if self._failure is not None:
+                raise self._failure
+            await self._commit_changed.wait()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Route the coordinator's messages and send heartbeats until shutdown."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats)
+            task_status.started()
+            try:
+                await self._route()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _route(self) -> None:
+        while True:
+            message = message_from_wire(await self.link.recv())
+            if isinstance(message, Go):
+                if self.on_go is None:
+                    raise ProtocolError("go before the trainer started", peer="coordinator")
+                await self.on_go(message)
+            elif isinstance(message, Commit):
+                self._committed = max(self._committed, message.step)
+                self._wake()
+            elif isinstance(message, Shutdown):
+                self.shutdown_reason = message.reason
+                self._wake()
+                return
+            elif isinstance(message, AbortRun | JoinRefused):
+                self._failure = RunAborted(f"coordinator stopped the run: {message.reason}")
+                self._wake()
+                raise self._failure
+            elif isinstance(message, ResyncOrder) and self.on_resync is not None:
+                await self.on_resync(message)
+            else:
+                raise ProtocolError(
+                    f"unexpected {type(message).__name__} during the run", peer="coordinator"
+                )
+
+    def _wake(self) -> None:
+        self._commit_changed.set()
+        self._commit_changed = trio.Event()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._send("heartbeat")
+            await trio.sleep(self.heartbeat_seconds)

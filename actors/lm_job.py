@@ -1,0 +1,169 @@
+"""The built-in training job: a character-level transformer LM on CPython's own sources.
+
+Run one rank per process (``paramsync launch --nproc 4 -- -m actors.lm_job``, or
+``paramsync worker`` with a coordinator started by hand). Rank 0 shows a progress bar; every
+rank records its actors' spans for the Chrome trace; at the end the ranks gather their loss
+curves, rank 0 plots them, and every rank writes its summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import torch
+import trio
+
+from runtime.collectives import all_gather
+from runtime.coordinator import CoordinatorOptions
+from runtime.plot import write_loss_plot
+from runtime.progress import ProgressBar
+from runtime.trace import TraceRecorder
+
+from .corpus import load_char_dataset
+from .model import CharTransformer
+from .run import trainer_from_env, write_summary
+from .trainer import TrainerOptions
+
+__all__ = ["main", "build_parser", "run"]
+
+log = logging.getLogger("paramsync.lm_job")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of the LM job (shared by ``paramsync worker``)."""
+    parser = parser or argparse.ArgumentParser(prog="python -m actors.lm_job")
+    group = parser.add_argument_group("training job")
+    group.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    group.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
+    group.add_argument("--context", type=int, default=64)
+    group.add_argument("--d-model", type=int, default=128)
+    group.add_argument("--layers", type=int, default=2)
+    group.add_argument("--heads", type=int, default=4)
+    group.add_argument("--lr", type=float, default=3e-3)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--corpus-bytes", type=int, default=2 << 20)
+    group.add_argument("--bucket-bytes", type=int, default=256 * 1024)
+    group.add_argument("--accumulation-steps", type=int, default=1)
+    group.add_argument("--digest-interval", type=int, default=1)
+    group.add_argument("--config", help="TOML file with a [distributed] table")
+    group.add_argument("--trace", help="write this rank's Chrome trace here ({rank} expands)")
+    group.add_argument("--plot", help="rank 0 writes the loss-curve PNG here")
+    group.add_argument("--summary-json", help="write this rank's summary here ({rank} expands)")
+    group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Train with ``args``; returns the exit code."""
+    torch.manual_seed(args.seed)
+    vocab, dataset = load_char_dataset(args.context, max_bytes=args.corpus_bytes)
+    model = CharTransformer(
+        len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    options = TrainerOptions(
+        bucket_bytes=args.bucket_bytes,
+        accumulation_steps=args.accumulation_steps,
+        max_steps=args.steps,
+        digest_interval=args.digest_interval,
+    )
+    rank = int(os.environ.get("RANK", "0"))
+    trace = TraceRecorder(f"rank {rank}", pid=rank) if args.trace else TraceRecorder.disabled()
+    stop = {"signal": None}
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return model.loss(inputs, targets)
+
+    async with trio.open_nursery() as nursery:
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    stop["signal"] = signum
+                    log.warning(
+                        "rank %d: %s, stopping after the step in flight",
+                        rank,
+                        signal.Signals(signum).name,
+                    )
+
+        nursery.start_soon(watch_signals)
+        coordinator_options = CoordinatorOptions(digest_interval=args.digest_interval)
+        async with trainer_from_env(
+            model,
+            optimizer,
+            loss_fn,
+            options=options,
+            coordinator_options=coordinator_options,
+            trace=trace,
+            toml_path=args.config,
+        ) as trainer:
+            rank = trainer.dist_config.rank
+            bar = (
+                ProgressBar(args.steps, description=f"training ({trainer.world_size} workers)")
+                if rank == 0 and args.progress
+                else None
+            )
+
+            def on_step(step: int, loss: float) -> None:
+                if bar is not None:
+                    bar.update(step + 1, loss=loss)
+
+            await trainer.fit(
+                dataset,
+                args.batch_size,
+                seed=args.seed,
+                on_step=on_step,
+                should_stop=lambda: stop["signal"] is not None,
+            )
+            if bar is not None:
+                bar.close()
+            if stop["signal"] is None:
+                await _gather_and_plot(trainer, args)
+            summary = trainer.summary()
+        nursery.cancel_scope.cancel()
+    if args.trace:
+        path = trace.write(args.trace.format(rank=rank))
+        log.info("rank %d wrote its trace to %s", rank, path)
+    if args.summary_json:
+        write_summary(args.summary_json.format(rank=rank), summary)
+    if stop["signal"] == signal.SIGINT:
+        return EXIT_INTERRUPTED
+    if stop["signal"] == signal.SIGTERM:
+        return EXIT_TERMINATED
+    return EXIT_OK
+
+
+async def _gather_and_plot(trainer: object, args: argparse.Namespace) -> None:
+    losses = torch.tensor([loss for _, loss in trainer.losses], dtype=torch.float64)
+    curves = await all_gather(trainer.transport, losses)
+    if trainer.dist_config.rank == 0 and args.plot:
+        steps = [step for step, _ in trainer.losses]
+        series = {f"rank {r}": list(zip(steps, curves[r].tolist())) for r in range(curves.shape[0])}
+        series["mean over ranks"] = list(zip(steps, curves.mean(0).tolist()))
+        write_loss_plot(args.plot, series, title="paramsync: char-level LM on CPython sources")
+        log.info("wrote the loss curve to %s", args.plot)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m actors.lm_job``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return trio.run(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

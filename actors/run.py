@@ -1,0 +1,75 @@
+"""Starting a trainer the way torchrun users expect: from the environment.
+
+`trainer_from_env` reads `DistributedTrainConfig` (flags > RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT > TOML), hosts the coordinator in this process when this rank's role is
+COORDINATOR (rank 0 by default, like torchrun's rendezvous host; ``paramsync launch`` runs a
+separate coordinator and marks every rank a worker), joins the run and yields the trainer.
+On a clean exit it writes the summary to ``$PARAMSYNC_SUMMARY_JSON`` when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+import trio
+
+from runtime.coordinator import Coordinator, CoordinatorOptions
+from runtime.trace import TraceRecorder
+from runtime.train_config import DistributedRole, DistributedTrainConfig
+
+from .trainer import DistributedTrainer, LossFn, TrainerOptions
+from .worker import join_run
+
+__all__ = ["trainer_from_env", "SUMMARY_ENV", "write_summary"]
+
+SUMMARY_ENV = "PARAMSYNC_SUMMARY_JSON"
+
+
+def write_summary(path: str | os.PathLike[str], summary: Mapping[str, object]) -> Path:
+    """Write ``summary`` as JSON atomically (temporary file, then rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(target)
+    return target
+
+
+@asynccontextmanager
+async def trainer_from_env(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    *,
+    options: TrainerOptions | None = None,
+    coordinator_options: CoordinatorOptions | None = None,
+    trace: TraceRecorder | None = None,
+    toml_path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+    secret: bytes | str | None = None,
+) -> AsyncIterator[DistributedTrainer]:
+    """Join (and, for the COORDINATOR role, also host) the run this environment describes."""
+    config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
+    async with trio.open_nursery() as nursery:
+        if config.role is DistributedRole.COORDINATOR:
+            coordinator = Coordinator(config.world_size, coordinator_options, secret=secret)
+            host, port = config.address
+            await nursery.start(coordinator.serve_tcp, host, port)
+        async with join_run(
+            model,
+            optimizer,
+            loss_fn,
+            config.to_distributed_config(),
+            secret=secret,
+            options=options,
+            trace=trace,
+        ) as trainer:
+            yield trainer
+            summary_path = os.environ.get(SUMMARY_ENV)
+        if summary_path:
+            write_summary(summary_path, trainer.summary())

@@ -1,0 +1,145 @@
+"""Joining a run: connect to the coordinator, form the data mesh, start the trainer.
+
+`join_run` is the multi-process form (TCP: the coordinator at ``coordinator_addr``, a data
+listener of this worker's own); `train_in_process` runs a coordinator and ``n`` workers in one
+trio run over in-process links and transports, for tests and notebooks. Both hand the caller a
+`DistributedTrainer` inside the caller's nursery, and both tell the coordinator when the caller
+is done, so the run ends cleanly for everyone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+import trio
+
+from runtime.config import DistributedConfig
+from runtime.coordinator import Coordinator, CoordinatorOptions
+from runtime.coordinator_core import model_signature
+from runtime.handshake import Identity, load_secret
+from runtime.link import MemoryLink
+from runtime.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
+from runtime.trace import TraceRecorder
+from runtime.transport import InProcessTransport, Transport
+
+from .client import CoordinatorClient
+from .trainer import DistributedTrainer, LossFn, TrainerOptions
+
+__all__ = ["join_run", "train_in_process", "WorkerBody"]
+
+WorkerBody = Callable[[DistributedTrainer], Awaitable[Any]]
+"""What one in-process worker does with its trainer; its return value is collected."""
+
+
+@asynccontextmanager
+async def _trainer_session(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    config: DistributedConfig,
+    transport: Transport,
+    client: CoordinatorClient,
+    options: TrainerOptions | None,
+    trace: TraceRecorder | None,
+) -> AsyncIterator[DistributedTrainer]:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.serve)
+        async with DistributedTrainer.open(
+            model, optimizer, loss_fn, config, transport, client, options, trace
+        ) as trainer:
+            yield trainer
+            await client.finished(trainer.step)
+        # client.serve returns when the coordinator says the run is over.
+
+
+@asynccontextmanager
+async def join_run(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    config: DistributedConfig,
+    *,
+    secret: bytes | str | None = None,
+    group: str = DEFAULT_GROUP,
+    options: TrainerOptions | None = None,
+    trace: TraceRecorder | None = None,
+    join_seconds: float = 120.0,
+) -> AsyncIterator[DistributedTrainer]:
+    """Join the run whose coordinator listens at ``config.coordinator_addr``.
+
+    Authenticates, sends this model's signature (a mismatch is refused with the first
+    difference named), waits until every rank has joined, connects to every other worker, and
+    starts from rank 0's weights.
+    """
+    key = load_secret(secret)
+    me = Identity(group, config.world_size, config.rank)
+    with trio.fail_after(join_seconds):
+        conn, _ = await dial_with_retry(config.address, key, me)
+        local_host = conn.stream.socket.getsockname()[0]
+        listeners = await trio.open_tcp_listeners(0, host=local_host)
+    try:
+        client = CoordinatorClient(conn, config.rank)
+        port = listeners[0].socket.getsockname()[1]
+        with trio.fail_after(join_seconds):
+            start = await client.join(model_signature(model.named_parameters()), (local_host, port))
+            mesh = await form_mesh(me, listeners[0], start.addresses, key)
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+    transport = TcpTransport(config.rank, config.world_size, mesh)
+    try:
+        async with _trainer_session(
+            model, optimizer, loss_fn, config, transport, client, options, trace
+        ) as trainer:
+            yield trainer
+    finally:
+        with trio.CancelScope(shield=True):
+            await transport.aclose()
+            await conn.aclose()
+
+
+async def train_in_process(
+    world_size: int,
+    make_replica: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    loss_fn: LossFn,
+    body: WorkerBody,
+    *,
+    options: TrainerOptions | None = None,
+    coordinator_options: CoordinatorOptions | None = None,
+    transports: list[Transport] | None = None,
+) -> list[Any]:
+    """Run a coordinator and ``world_size`` workers in this trio run; return each body's result.
+
+    ``make_replica(rank)`` builds that rank's model and optimizer; ``body(trainer)`` trains.
+    Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
+    data plane; the default is `InProcessTransport`.
+    """
+    transports = transports or list(InProcessTransport.create_group(world_size))
+    coordinator = Coordinator(world_size, coordinator_options)
+    pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(world_size)]
+    results: list[Any] = [None] * world_size
+
+    async def worker(rank: int) -> None:
+        model, optimizer = make_replica(rank)
+        link = pairs[rank][1]
+        client = CoordinatorClient(link, rank)
+        try:
+            await client.join(model_signature(model.named_parameters()), ("in-process", rank + 1))
+            config = DistributedConfig(world_size, rank)
+            async with _trainer_session(
+                model, optimizer, loss_fn, config, transports[rank], client, options, None
+            ) as trainer:
+                results[rank] = await body(trainer)
+        finally:
+            await link.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            coordinator.serve_links, {rank: pair[0] for rank, pair in enumerate(pairs)}
+        )
+        for rank in range(world_size):
+            nursery.start_soon(worker, rank)
+    return results

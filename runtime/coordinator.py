@@ -1,0 +1,306 @@
+"""The coordinator actor: a thin shell that moves messages for `CoordinatorCore`.
+
+It accepts authenticated worker connections (or is handed in-process links), decodes each
+message into a core event, feeds the core, and executes the actions it returns. Every member has
+an outbound queue filled synchronously when the core speaks, so all members see the core's
+messages in the core's order; a writer task per member drains it. A member that stops reading
+until its queue is full is a stalled member, and the run stops naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from .coordinator_core import (
+    Abort,
+    Action,
+    Broadcast,
+    CoordinatorCore,
+    Disconnected,
+    Malformed,
+    Message,
+    Refuse,
+    Resync,
+    RunState,
+    Send,
+    Tick,
+    event_from_wire,
+)
+from .errors import ParamsyncError, PeerClosed, ProtocolError
+from .handshake import Identity, load_secret
+from .link import Link
+from .tcp import DEFAULT_GROUP, accept
+
+__all__ = ["Coordinator", "CoordinatorOptions", "RunFailed"]
+
+log = logging.getLogger("paramsync.coordinator")
+
+_QUEUE = 1024
+_FLUSH_SECONDS = 5.0
+
+
+class RunFailed(ParamsyncError):
+    """The coordinator aborted the run; the message is the core's reason."""
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """How the coordinator checks the run."""
+
+    digest_interval: int = 1
+    resync: bool = False
+    heartbeat_deadline: float = 10.0
+    start_step: int = 0
+
+
+class _Member:
+    def __init__(self, rank: int, link: Link) -> None:
+        self.rank = rank
+        self.link = link
+        self.outbox_send, self.outbox = trio.open_memory_channel[Message | None](_QUEUE)
+        self.flushed = trio.Event()
+
+
+class Coordinator:
+    """Sequences one run of ``world_size`` workers around a `CoordinatorCore`."""
+
+    def __init__(
+        self,
+        world_size: int,
+        options: CoordinatorOptions | None = None,
+        *,
+        secret: bytes | str | None = None,
+        group: str = DEFAULT_GROUP,
+    ) -> None:
+        self.options = options or CoordinatorOptions()
+        self.core = CoordinatorCore(
+            world_size,
+            digest_interval=self.options.digest_interval,
+            resync=self.options.resync,
+            heartbeat_deadline=self.options.heartbeat_deadline,
+            start_step=self.options.start_step,
+        )
+        self.world_size = world_size
+        self.group = group
+        self._secret = secret
+        self._members: dict[int, _Member] = {}
+        self._active = 0
+        self._all_ended = trio.Event()
+        self.finished = trio.Event()
+        self._stop_reason: str | None = None
+        self.bound_address: tuple[str, int] | None = None
+        self.hostile_refused = 0
+
+    finished: trio.Event
+    """Set when the run is over, whichever way."""
+
+    @property
+    def state(self) -> RunState:
+        """The run's state, as the core sees it."""
+        return self.core.state
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve_links(self, links: Mapping[int, Link]) -> None:
+        """Run with already-connected in-process links, one per rank; returns when the run ends.
+
+        Raises RunFailed with the core's reason if the run was aborted.
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._ticker)
+            for rank, link in links.items():
+                nursery.start_soon(self._serve_member, rank, link)
+            await self._wind_down()
+            nursery.cancel_scope.cancel()
+        self._raise_if_aborted()
+
+    async def _wind_down(self) -> None:
+        """Wait for the run's end, then briefly for members to read their last message."""
+        await self.finished.wait()
+        with trio.move_on_after(_FLUSH_SECONDS):
+            while self._active:
+                await self._all_ended.wait()
+
+    async def serve_tcp(
+        self,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen at host:port, admit authenticated workers and run until the run ends.
+
+        ``task_status.started`` receives the bound address (port 0 picks a free port). A
+        connection that fails its handshake is logged and dropped; serving goes on.
+        """
+        key = load_secret(self._secret)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.bound_address = tuple(listeners[0].socket.getsockname()[:2])  # type: ignore[assignment]
+        me = Identity(self.group, self.world_size, -1)
+
+        def admit(peer: Identity) -> str | None:
+            if not 0 <= peer.rank < self.world_size:
+                return f"rank {peer.rank} is outside 0..{self.world_size - 1}"
+            if peer.rank in self._members:
+                return f"rank {peer.rank} is already taken"
+            return None
+
+        async def handle(stream: trio.SocketStream) -> None:
+            try:
+                conn, peer = await accept(stream, key, me, admit)
+            except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+                self.hostile_refused += 1
+                log.warning("refused a connection: %s", exc)
+                return
+            await self._serve_member(peer.rank, conn)
+
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery, handle)
+            nursery.start_soon(self._ticker)
+            task_status.started(self.bound_address)
+            try:
+                await self._wind_down()
+            finally:
+                nursery.cancel_scope.cancel()
+                for listener in listeners:
+                    await listener.aclose()
+        self._raise_if_aborted()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: Any, handle: Any) -> None:
+        while True:
+            stream = await listener.accept()
+            nursery.start_soon(handle, stream)
+
+    def _raise_if_aborted(self) -> None:
+        if self._stop_reason is not None:
+            raise RunFailed(self._stop_reason)
+        if self.core.state is RunState.ABORTED:
+            raise RunFailed(self.core.abort_reason or "aborted")
+
+    def stop(self, reason: str) -> None:
+        """End the run from outside (a signal): every member is told ``reason`` and stops."""
+        if self.finished.is_set():
+            return
+        self._stop_reason = reason
+        self._apply([Abort(reason)])
+
+    async def _ticker(self) -> None:
+        period = max(0.05, min(1.0, self.options.heartbeat_deadline / 4))
+        while True:
+            await trio.sleep(period)
+            self._apply(self.core.handle(Tick(trio.current_time())))
+
+    # ------------------------------------------------------------------ one member
+
+    async def _serve_member(self, rank: int, link: Link) -> None:
+        member = _Member(rank, link)
+        self._members[rank] = member
+        self._active += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer, member)
+                await self._reader(member)
+                # Let the writer deliver what is queued (a refusal, the abort), then stop.
+                with trio.move_on_after(_FLUSH_SECONDS):
+                    try:
+                        member.outbox_send.send_nowait(None)
+                    except (trio.WouldBlock, trio.ClosedResourceError):
+                        pass
+                    await member.flushed.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            if self._members.get(rank) is member:
+                del self._members[rank]
+            self._active -= 1
+            if not self._active:
+                self._all_ended.set()
+                self._all_ended = trio.Event()
+            with trio.CancelScope(shield=True):
+                await link.aclose()
+
+    async def _reader(self, member: _Member) -> None:
+        rank = member.rank
+        while True:
+            try:
+                message = await member.link.recv()
+                event = event_from_wire(message, rank=rank, now=trio.current_time())
+            except PeerClosed as exc:
+                if not self.finished.is_set():
+                    self._apply(self.core.handle(Disconnected(rank, exc.reason)))
+                return
+            except ProtocolError as exc:
+                log.warning("rank %d sent a bad message: %s", rank, exc)
+                self._apply(self.core.handle(Malformed(rank, exc.reason)))
+                return
+            log.debug("event %r", event)
+            refused = self._apply(self.core.handle(event), source=rank)
+            if refused:
+                return
+
+    async def _writer(self, member: _Member) -> None:
+        try:
+            async for message in member.outbox:
+                if message is None:
+                    return
+                try:
+                    await member.link.send(*message.to_wire())
+                except PeerClosed:
+                    return
+        finally:
+            member.flushed.set()
+
+    # ------------------------------------------------------------------ actions
+
+    def _enqueue(self, rank: int, message: Message | None) -> None:
+        member = self._members.get(rank)
+        if member is None:
+            return
+        try:
+            member.outbox_send.send_nowait(message)
+        except trio.WouldBlock:
+            self._apply(self.core.handle(Disconnected(rank, "stopped reading (outbox full)")))
+        except trio.ClosedResourceError:
+            pass
+
+    def _apply(self, actions: list[Action], source: int | None = None) -> bool:
+        """Execute the core's actions; True when the source connection was refused."""
+        refused = False
+        for action in actions:
+            if isinstance(action, Send):
+                self._enqueue(action.rank, action.message)
+            elif isinstance(action, Broadcast):
+                for rank in self.core.members:
+                    self._enqueue(rank, action.message)
+                if self.core.state is RunState.FINISHED:
+                    self._finish()
+            elif isinstance(action, Resync):
+                for rank in action.recipients:
+                    self._enqueue(rank, action.message)
+            elif isinstance(action, Refuse):
+                log.warning("refused rank %d: %s", action.rank, action.reason)
+                if source == action.rank:
+                    member = self._members.pop(action.rank, None)
+                    if member is not None:
+                        member.outbox_send.send_nowait(action.message)
+                        member.outbox_send.send_nowait(None)
+                        refused = True
+            elif isinstance(action, Abort):
+                log.error("run aborted: %s", action.reason)
+                for rank in list(self._members):
+                    self._enqueue(rank, action.message)
+                self._finish()
+        return refused
+
+    def _finish(self) -> None:
+        for member in list(self._members.values()):
+            try:
+                member.outbox_send.send_nowait(None)
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                pass
+        self.finished.set()

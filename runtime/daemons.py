@@ -1,0 +1,140 @@
+"""The long-lived daemons behind ``paramsync coordinator`` and ``paramsync worker``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+import trio
+
+from .config import parse_address
+from .coordinator import Coordinator, CoordinatorOptions, RunFailed
+
+__all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+
+log = logging.getLogger("paramsync.daemon")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    """Serve one run until it finishes, aborts, or a signal stops it; returns the exit code."""
+    try:
+        host, port = parse_address(args.bind)
+        options = CoordinatorOptions(
+            digest_interval=args.digest_interval,
+            resync=args.resync,
+            heartbeat_deadline=args.heartbeat_deadline,
+        )
+        coordinator = Coordinator(args.world_size, options)
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return EXIT_USAGE
+    stopped: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        stopped.append(signum)
+                        name = signal.Signals(signum).name
+                        log.warning("%s: stopping the run", name)
+                        coordinator.stop(f"the coordinator was stopped by {name}")
+
+            nursery.start_soon(watch)
+
+            async def serve(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+                await coordinator.serve_tcp(host, port, task_status=task_status)
+                nursery.cancel_scope.cancel()  # served to the end: stop watching signals
+
+            bound = await nursery.start(serve)
+            log.info("coordinator for %d workers listening on %s:%d", args.world_size, *bound)
+            if args.port_file:
+                await trio.Path(args.port_file).write_text(f"{bound[1]}\n")
+
+    try:
+        trio.run(main)
+    except BaseException as exc:
+        cause = root_cause(exc)
+        if stopped:
+            return _SIGNAL_EXIT[signal.Signals(stopped[0])]
+        if isinstance(cause, RunFailed):
+            log.error("run aborted: %s", cause)
+            return EXIT_FAILED
+        if isinstance(cause, ValueError | OSError):  # no secret, port taken, ...
+            log.error("cannot serve: %s", cause)
+            return EXIT_USAGE
+        raise
+    if stopped:
+        return _SIGNAL_EXIT[signal.Signals(stopped[0])]
+    log.info("run finished")
+    return EXIT_OK
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The most telling leaf of a (nested) exception group: a paramsync error if there is one.
+
+    trio's nurseries wrap failures in groups; a daemon reports the error that says what
+    happened, not the group."""
+    from .errors import ParamsyncError
+
+    leaves: list[BaseException] = []
+
+    def walk(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                walk(inner)
+        else:
+            leaves.append(error)
+
+    walk(exc)
+    for leaf in leaves:
+        if isinstance(leaf, ParamsyncError):
+            return leaf
+    return leaves[0] if leaves else exc
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Run the built-in LM job as one worker; returns the exit code."""
+    import os
+
+    from actors.client import RunAborted
+    from actors.lm_job import run
+
+    from .errors import ParamsyncError
+
+    for flag, variable in (
+        ("rank", "RANK"),
+        ("world_size", "WORLD_SIZE"),
+        ("local_rank", "LOCAL_RANK"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            os.environ[variable] = str(value)
+    if args.coordinator:
+        try:
+            host, port = parse_address(args.coordinator)
+        except ValueError as exc:
+            log.error("bad configuration: %s", exc)
+            return EXIT_USAGE
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    os.environ.setdefault("PARAMSYNC_ROLE", args.role)
+    try:
+        return trio.run(run, args)
+    except BaseException as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, KeyboardInterrupt):
+            return _SIGNAL_EXIT[signal.SIGINT]
+        if isinstance(cause, ValueError):
+            log.error("bad configuration: %s", cause)
+            return EXIT_USAGE
+        if isinstance(cause, RunAborted | ParamsyncError):
+            log.error("rank %s stopped: %s", os.environ.get("RANK", "?"), cause)
+            return EXIT_FAILED
+        raise
