@@ -1,0 +1,1164 @@
+"""The coordinator's sans-I/O core: rendezvous, bucket negotiation and step commits (pure).
+
+A coordinator sequences a data-parallel run of ``world_size`` workers. This module is its brain
+and nothing else: :class:`CoordinatorCore` is fed events (decoded messages, disconnects, clock
+ticks) and returns actions (messages to send, refusals, aborts). It opens no socket, starts no
+task and reads no clock, so an actor shell runs it and hypothesis drives it directly.
+
+One run, as the workers see it (worker -> coordinator kinds on the left)::
+
+    join {host, port, params}          -> start_run {addresses, ring, step, ...}  (all joined)
+    ready {step, bucket, spec}         -> go {step, bucket, seq}                  (all ready)
+    digest {step, digest, tensors}     -> commit {step}   (digest steps: step % interval == 0)
+      or step_done {step}              -> commit {step}   (other steps)
+    finished {step}                    -> shutdown {reason}                       (all finished)
+    heartbeat {}                          (every fraction of heartbeat_deadline, from join on)
+
+The coordinator may instead answer ``join_refused {reason}`` to one worker, ``resync {step,
+source, targets}`` before a commit whose digests diverged (``resync=True``), or ``abort
+{reason}`` to all. A worker runs its buckets' collectives in ``go`` order (``seq`` grows by one
+per ``go``), and sends nothing for step ``s + 1`` before it has received ``commit {s}``.
+
+Every inconsistency is caught as soon as it is observable and becomes an :class:`Abort` whose
+reason names the ranks, the step and what differs; ``handle`` never raises on logic errors.
+Malformed wire input raises :class:`~runtime.errors.ProtocolError` in the ``from_wire`` parsers,
+before an event exists.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from .errors import ProtocolError
+from .wire import Field, register_message, validate_message
+
+__all__ = [
+    "ParamSpec",
+    "Signature",
+    "BucketSpec",
+    "RunState",
+    # messages, coordinator -> worker
+    "StartRun",
+    "Go",
+    "Commit",
+    "ResyncOrder",
+    "Shutdown",
+    "AbortRun",
+    "JoinRefused",
+    "Message",
+    "message_from_wire",
+    # events
+    "Joined",
+    "Ready",
+    "Digest",
+    "StepDone",
+    "Heartbeat",
+    "Tick",
+    "Disconnected",
+    "Finished",
+    "Malformed",
+    "Event",
+    "event_from_wire",
+    # actions
+    "Send",
+    "Broadcast",
+    "Refuse",
+    "Abort",
+    "Resync",
+    "Action",
+    # helpers and the core
+    "dtype_name",
+    "model_signature",
+    "bucket_spec",
+    "CoordinatorCore",
+]
+
+ParamSpec = tuple[str, tuple[int, ...], str, bool]
+"""One parameter of a model signature: (name, shape, dtype name, requires_grad)."""
+Signature = tuple[ParamSpec, ...]
+"""A model's parameters in registration order."""
+BucketSpec = tuple[tuple[tuple[int, ...], str], ...] | str
+"""A gradient bucket's layout, ((shape, dtype name), ...), or a hash string of it."""
+
+_MAX_WORLD = 1 << 16
+_MAX_ITEMS = 1 << 20
+_MAX_INT = 2**63 - 1
+_MAX_NAME = 1024
+_MAX_DTYPE = 64
+_MAX_HASH = 256
+_MAX_DIGEST = 64
+_MAX_DIMS = 32
+_MAX_REASON = 4096
+
+_STEP = Field(int, min=0, max=_MAX_INT)
+_BUCKET = Field(int, min=0, max=_MAX_INT)
+_REASON = Field(str, max_len=_MAX_REASON)
+
+# worker -> coordinator
+register_message(
+    "join",
+    host=Field(str, max_len=256),
+    port=Field(int, min=1, max=65535),
+    params=Field(list, max_len=_MAX_ITEMS, items=list),
+)
+register_message("ready", step=_STEP, bucket=_BUCKET, spec=Field((list, str), max_len=_MAX_ITEMS))
+register_message(
+    "digest",
+    step=_STEP,
+    digest=Field(bytes, max_len=_MAX_DIGEST),
+    tensors=Field(list, max_len=_MAX_ITEMS, items=list),
+)
+register_message("step_done", step=_STEP)
+register_message("heartbeat")
+register_message("finished", step=_STEP)
+# coordinator -> worker
+register_message(
+    "start_run",
+    addresses=Field(list, max_len=_MAX_WORLD, items=list),
+    ring=Field(list, max_len=_MAX_WORLD, items=int),
+    step=_STEP,
+    digest_interval=Field(int, min=1, max=_MAX_INT),
+    heartbeat_deadline=Field(float, min=0),
+)
+register_message("go", step=_STEP, bucket=_BUCKET, seq=Field(int, min=0, max=_MAX_INT))
+register_message("commit", step=_STEP)
+register_message(
+    "resync",
+    step=_STEP,
+    source=Field(int, min=0, max=_MAX_WORLD),
+    targets=Field(list, max_len=_MAX_WORLD, items=int),
+)
+register_message("shutdown", reason=_REASON)
+register_message("abort", reason=_REASON)
+register_message("join_refused", reason=_REASON)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _bad(label: str, detail: str, peer: object) -> ProtocolError:
+    return ProtocolError(f"{label} {detail}", peer=peer)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seq(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _norm_int(value: Any, label: str, peer: object, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if not _is_int(value) or not lo <= value <= hi:
+        raise _bad(label, f"must be an int in [{lo}, {hi}], got {value!r:.64}", peer)
+    return int(value)
+
+
+def _norm_str(value: Any, label: str, peer: object, max_len: int) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= max_len:
+        raise _bad(label, f"must be a non-empty string of at most {max_len} characters", peer)
+    return value
+
+
+def _norm_shape(value: Any, label: str, peer: object) -> tuple[int, ...]:
+    if not _is_seq(value) or len(value) > _MAX_DIMS:
+        raise _bad(label, f"must be a list of at most {_MAX_DIMS} dimensions", peer)
+    return tuple(_norm_int(dim, f"{label}[{i}]", peer, 0, 2**40) for i, dim in enumerate(value))
+
+
+def _norm_signature(value: Any, label: str, peer: object) -> Signature:
+    if not _is_seq(value) or len(value) > _MAX_ITEMS:
+        raise _bad(label, "must be a list of [name, shape, dtype, requires_grad]", peer)
+    params = []
+    for i, item in enumerate(value):
+        where = f"{label}[{i}]"
+        if not _is_seq(item) or len(item) != 4:
+            raise _bad(where, "must be [name, shape, dtype, requires_grad]", peer)
+        name, shape, dtype, requires_grad = item
+        if not isinstance(requires_grad, bool):
+            raise _bad(where, "requires_grad must be a bool", peer)
+        params.append(
+            (
+                _norm_str(name, f"{where} name", peer, _MAX_NAME),
+                _norm_shape(shape, f"{where} shape", peer),
+                _norm_str(dtype, f"{where} dtype", peer, _MAX_DTYPE),
+                requires_grad,
+            )
+        )
+    return tuple(params)
+
+
+def _norm_spec(value: Any, label: str, peer: object) -> BucketSpec:
+    if isinstance(value, str):
+        return _norm_str(value, label, peer, _MAX_HASH)
+    if not _is_seq(value) or len(value) > _MAX_ITEMS:
+        raise _bad(label, "must be a hash string or a list of [shape, dtype]", peer)
+    spec = []
+    for i, item in enumerate(value):
+        if not _is_seq(item) or len(item) != 2:
+            raise _bad(f"{label}[{i}]", "must be [shape, dtype]", peer)
+        spec.append(
+            (
+                _norm_shape(item[0], f"{label}[{i}] shape", peer),
+                _norm_str(item[1], f"{label}[{i}] dtype", peer, _MAX_DTYPE),
+            )
+        )
+    return tuple(spec)
+
+
+def _norm_bytes(value: Any, label: str, peer: object, max_len: int) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview) or len(value) > max_len:
+        raise _bad(label, f"must be a byte string of at most {max_len} bytes", peer)
+    return bytes(value)
+
+
+def _norm_tensor_digests(value: Any, label: str, peer: object) -> tuple[tuple[str, bytes], ...]:
+    if not _is_seq(value) or len(value) > _MAX_ITEMS:
+        raise _bad(label, "must be a list of [name, digest]", peer)
+    out = []
+    for i, item in enumerate(value):
+        if not _is_seq(item) or len(item) != 2:
+            raise _bad(f"{label}[{i}]", "must be [name, digest]", peer)
+        out.append(
+            (
+                _norm_str(item[0], f"{label}[{i}] name", peer, _MAX_NAME),
+                _norm_bytes(item[1], f"{label}[{i}] digest", peer, _MAX_DIGEST),
+            )
+        )
+    return tuple(out)
+
+
+def _norm_address(value: Any, label: str, peer: object) -> tuple[str, int]:
+    if not _is_seq(value) or len(value) != 2:
+        raise _bad(label, "must be (host, port)", peer)
+    return _norm_str(value[0], f"{label} host", peer, 256), _norm_int(
+        value[1], f"{label} port", peer, 1, 65535
+    )
+
+
+def _norm_ranks(value: Any, label: str, peer: object) -> tuple[int, ...]:
+    if not _is_seq(value):
+        raise _bad(label, "must be a list of ranks", peer)
+    return tuple(_norm_int(r, f"{label}[{i}]", peer, 0, _MAX_WORLD) for i, r in enumerate(value))
+
+
+def _expect(message: Mapping[str, Any], kind: str, peer: object = None) -> Mapping[str, Any]:
+    """Validate a decoded message against its schema and check that it is a ``kind``."""
+    try:
+        validate_message(message)
+    except ProtocolError as exc:
+        raise exc.with_peer(peer) if peer is not None else exc from None
+    if message["kind"] != kind:
+        raise ProtocolError(
+            f"expected a {kind} message, got a {message['kind']} message", peer=peer
+        )
+    return message
+
+
+def _clip(reason: str) -> str:
+    return reason if len(reason) <= _MAX_REASON else reason[: _MAX_REASON - 3] + "..."
+
+
+def _spec_wire(spec: BucketSpec) -> list[Any] | str:
+    return spec if isinstance(spec, str) else [[list(shape), dtype] for shape, dtype in spec]
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class StartRun:
+    """All ranks joined: the data-plane addresses by rank, the ring order, the first step."""
+
+    KIND: ClassVar[str] = "start_run"
+    addresses: tuple[tuple[str, int], ...]
+    ring: tuple[int, ...]
+    step: int = 0
+    digest_interval: int = 1
+    heartbeat_deadline: float = 10.0
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {
+            "addresses": [[host, port] for host, port in self.addresses],
+            "ring": list(self.ring),
+            "step": self.step,
+            "digest_interval": self.digest_interval,
+            "heartbeat_deadline": float(self.heartbeat_deadline),
+        }
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> StartRun:
+        _expect(message, cls.KIND)
+        addresses = tuple(
+            _norm_address(a, f"start_run message: field 'addresses'[{i}]", None)
+            for i, a in enumerate(message["addresses"])
+        )
+        ring = _norm_ranks(message["ring"], "start_run message: field 'ring'", None)
+        if sorted(ring) != list(range(len(addresses))):
+            raise ProtocolError("start_run message: field 'ring' is not a permutation of the ranks")
+        return cls(
+            addresses,
+            ring,
+            message["step"],
+            message["digest_interval"],
+            float(message["heartbeat_deadline"]),
+        )
+
+
+@dataclass(frozen=True)
+class Go:
+    """Every rank is ready: run bucket ``bucket`` of ``step`` now; ``seq`` orders all Gos."""
+
+    KIND: ClassVar[str] = "go"
+    step: int
+    bucket: int
+    seq: int
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"step": self.step, "bucket": self.bucket, "seq": self.seq}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> Go:
+        _expect(message, cls.KIND)
+        return cls(message["step"], message["bucket"], message["seq"])
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Step ``step`` is verified and done everywhere: go on with ``step + 1``."""
+
+    KIND: ClassVar[str] = "commit"
+    step: int
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"step": self.step}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> Commit:
+        _expect(message, cls.KIND)
+        return cls(message["step"])
+
+
+@dataclass(frozen=True)
+class ResyncOrder:
+    """``source`` sends its parameters and optimizer state (after ``step``) to ``targets``."""
+
+    KIND: ClassVar[str] = "resync"
+    step: int
+    source: int
+    targets: tuple[int, ...]
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"step": self.step, "source": self.source, "targets": list(self.targets)}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> ResyncOrder:
+        _expect(message, cls.KIND)
+        return cls(message["step"], message["source"], tuple(message["targets"]))
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The run is over (``reason`` is "finished" after a clean end): close down."""
+
+    KIND: ClassVar[str] = "shutdown"
+    reason: str
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"reason": _clip(self.reason)}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> Shutdown:
+        _expect(message, cls.KIND)
+        return cls(message["reason"])
+
+
+@dataclass(frozen=True)
+class AbortRun:
+    """The run stopped on an error: ``reason`` says which ranks and what went wrong."""
+
+    KIND: ClassVar[str] = "abort"
+    reason: str
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"reason": _clip(self.reason)}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> AbortRun:
+        _expect(message, cls.KIND)
+        return cls(message["reason"])
+
+
+@dataclass(frozen=True)
+class JoinRefused:
+    """This worker may not join (rank taken or out of range, model differs, run started)."""
+
+    KIND: ClassVar[str] = "join_refused"
+    reason: str
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"reason": _clip(self.reason)}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> JoinRefused:
+        _expect(message, cls.KIND)
+        return cls(message["reason"])
+
+
+Message = StartRun | Go | Commit | ResyncOrder | Shutdown | AbortRun | JoinRefused
+"""What the coordinator sends a worker."""
+
+_MESSAGES: dict[str, Any] = {
+    cls.KIND: cls for cls in (StartRun, Go, Commit, ResyncOrder, Shutdown, AbortRun, JoinRefused)
+}
+
+
+def message_from_wire(message: Mapping[str, Any]) -> Message:
+    """Parse a decoded coordinator -> worker message (the worker's side)."""
+    kind = message.get("kind") if isinstance(message, Mapping) else None
+    cls = _MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        validate_message(message)  # names a missing version or kind
+        raise ProtocolError(f"a {kind} message does not come from the coordinator")
+    return cls.from_wire(message)
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Rank ``rank`` authenticated and announced its model and data-plane listen address.
+
+    ``now`` is the shell's clock at the join (heartbeat baseline); None: the next Tick's.
+    """
+
+    KIND: ClassVar[str] = "join"
+    rank: int
+    signature: Signature
+    address: tuple[str, int]
+    now: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "signature", _norm_signature(self.signature, "Joined.signature", self.rank)
+        )
+        object.__setattr__(
+            self, "address", _norm_address(self.address, "Joined.address", self.rank)
+        )
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        params = [[n, list(s), d, g] for n, s, d, g in self.signature]
+        return self.KIND, {"host": self.address[0], "port": self.address[1], "params": params}
+
+    @classmethod
+    def from_wire(
+        cls, message: Mapping[str, Any], *, rank: int, now: float | None = None
+    ) -> Joined:
+        _expect(message, cls.KIND, rank)
+        sig = _norm_signature(message["params"], "join message: field 'params'", rank)
+        return cls(rank, sig, (message["host"], message["port"]), now)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Rank ``rank``'s gradient bucket ``bucket`` of ``step`` is ready; ``spec`` is its layout."""
+
+    KIND: ClassVar[str] = "ready"
+    rank: int
+    step: int
+    bucket: int
+    spec: BucketSpec
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", _norm_spec(self.spec, "Ready.spec", self.rank))
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"step": self.step, "bucket": self.bucket, "spec": _spec_wire(self.spec)}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Ready:
+        _expect(message, cls.KIND, rank)
+        spec = _norm_spec(message["spec"], "ready message: field 'spec'", rank)
+        return cls(rank, message["step"], message["bucket"], spec)
+
+
+@dataclass(frozen=True)
+class Digest:
+    """After the optimizer step of ``step``: a hash of all parameters and optimizer state, and
+    per-tensor hashes in a fixed order (to name the first tensor that differs)."""
+
+    KIND: ClassVar[str] = "digest"
+    rank: int
+    step: int
+    digest: bytes
+    tensor_digests: tuple[tuple[str, bytes], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "digest", _norm_bytes(self.digest, "Digest.digest", self.rank, _MAX_DIGEST)
+        )
+        object.__setattr__(
+            self,
+            "tensor_digests",
+            _norm_tensor_digests(self.tensor_digests, "Digest.tensor_digests", self.rank),
+        )
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        tensors = [[name, digest] for name, digest in self.tensor_digests]
+        return self.KIND, {"step": self.step, "digest": self.digest, "tensors": tensors}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Digest:
+        _expect(message, cls.KIND, rank)
+        tensors = _norm_tensor_digests(message["tensors"], "digest message: field 'tensors'", rank)
+        return cls(rank, message["step"], message["digest"], tensors)
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """Rank ``rank`` finished ``step`` (on steps that carry no digest)."""
+
+    KIND: ClassVar[str] = "step_done"
+    rank: int
+    step: int
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"step": self.step}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> StepDone:
+        _expect(message, cls.KIND, rank)
+        return cls(rank, message["step"])
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Rank ``rank`` is alive at the shell's time ``now`` (seconds)."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    rank: int
+    now: float
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int, now: float) -> Heartbeat:
+        _expect(message, cls.KIND, rank)
+        return cls(rank, now)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Rank ``rank`` ran all its steps; ``step`` is the first step it will not run."""
+
+    KIND: ClassVar[str] = "finished"
+    rank: int
+    step: int
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"step": self.step}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Finished:
+        _expect(message, cls.KIND, rank)
+        return cls(rank, message["step"])
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The shell's clock reads ``now`` seconds: time to check heartbeat deadlines."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """Rank ``rank``'s accepted connection closed or failed."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Rank ``rank`` sent something the shell could not parse (``error``: the ProtocolError)."""
+
+    rank: int
+    error: str
+
+
+Event = Joined | Ready | Digest | StepDone | Heartbeat | Finished | Tick | Disconnected | Malformed
+"""What the shell feeds :meth:`CoordinatorCore.handle`."""
+
+_WIRE_EVENTS = (Joined, Ready, Digest, StepDone, Heartbeat, Finished)
+
+
+def event_from_wire(message: Mapping[str, Any], *, rank: int, now: float) -> Event:
+    """Parse a decoded worker -> coordinator message from authenticated rank ``rank``.
+
+    Raises ProtocolError naming the kind and field when the message does not fit.
+    """
+    kind = message.get("kind") if isinstance(message, Mapping) else None
+    if kind == Joined.KIND:
+        return Joined.from_wire(message, rank=rank, now=now)
+    if kind == Heartbeat.KIND:
+        return Heartbeat.from_wire(message, rank=rank, now=now)
+    for cls in (Ready, Digest, StepDone, Finished):
+        if kind == cls.KIND:
+            return cls.from_wire(message, rank=rank)
+    try:
+        validate_message(message)
+    except ProtocolError as exc:
+        raise exc.with_peer(rank) from None
+    raise ProtocolError(f"a {kind} message is not for the coordinator", peer=rank)
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to rank ``rank``."""
+
+    rank: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """Send ``message`` to every member."""
+
+    message: Message
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Refuse the connection whose event was just handled: send ``message``, then close it.
+
+    The run goes on; this rank's accepted connection, if any, is untouched.
+    """
+
+    rank: int
+    reason: str
+
+    @property
+    def message(self) -> JoinRefused:
+        return JoinRefused(self.reason)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop the run: send ``message`` to every member, close everything."""
+
+    reason: str
+
+    @property
+    def message(self) -> AbortRun:
+        return AbortRun(self.reason)
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Before the commit that follows: ``source_rank`` sends its state to ``targets``.
+
+    Send ``message`` to every rank of ``recipients`` (the source and the targets).
+    """
+
+    step: int
+    source_rank: int
+    targets: tuple[int, ...]
+
+    @property
+    def message(self) -> ResyncOrder:
+        return ResyncOrder(self.step, self.source_rank, self.targets)
+
+    @property
+    def recipients(self) -> tuple[int, ...]:
+        return (self.source_rank, *self.targets)
+
+
+Action = Send | Broadcast | Refuse | Abort | Resync
+"""What :meth:`CoordinatorCore.handle` asks the shell to do, in order."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def dtype_name(dtype: object) -> str:
+    """The dtype string signatures and specs use: ``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def model_signature(named_parameters: Iterable[tuple[str, Any]]) -> Signature:
+    """A model's signature from ``model.named_parameters()`` (anything with shape and dtype)."""
+    return tuple(
+        (name, tuple(int(d) for d in p.shape), dtype_name(p.dtype), bool(p.requires_grad))
+        for name, p in named_parameters
+    )
+
+
+def bucket_spec(tensors: Iterable[Any]) -> BucketSpec:
+    """A bucket's spec from its gradient tensors, in bucket order."""
+    return tuple((tuple(int(d) for d in t.shape), dtype_name(t.dtype)) for t in tensors)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if abs(value - round(value, 1)) < 1e-9 else f"{value:.3g}"
+
+
+def _spec_text(spec: BucketSpec) -> str:
+    if isinstance(spec, str):
+        return f"spec {spec!r}"
+    return "[" + "; ".join(f"{shape}, {dtype}" for shape, dtype in spec) + "]"
+
+
+def _signature_mismatch(mine: Signature, ref: Signature) -> str | None:
+    """Where ``mine`` first differs from ``ref``: "at parameter 'x': ..." (None if equal)."""
+    mine_names = {p[0] for p in mine}
+    ref_names = {p[0] for p in ref}
+    for index, (m, r) in enumerate(zip(mine, ref)):
+        if m[0] != r[0]:
+            if r[0] not in mine_names:
+                return f"at parameter {r[0]!r}: missing"
+            if m[0] not in ref_names:
+                return f"at parameter {m[0]!r}: extra parameter"
+            return f"at position {index}: parameter {m[0]!r} vs {r[0]!r} (order differs)"
+        if m[1] != r[1]:
+            return f"at parameter {m[0]!r}: shape {m[1]} vs {r[1]}"
+        if m[2] != r[2]:
+            return f"at parameter {m[0]!r}: dtype {m[2]} vs {r[2]}"
+        if m[3] != r[3]:
+            return f"at parameter {m[0]!r}: requires_grad {m[3]} vs {r[3]}"
+    if len(mine) < len(ref):
+        return f"at parameter {ref[len(mine)][0]!r}: missing"
+    if len(mine) > len(ref):
+        return f"at parameter {mine[len(ref)][0]!r}: extra parameter"
+    return None
+
+
+def _first_tensor_difference(
+    mine: tuple[tuple[str, bytes], ...], ref: tuple[tuple[str, bytes], ...]
+) -> str:
+    for (m_name, m_digest), (r_name, r_digest) in zip(mine, ref):
+        if m_name != r_name:
+            return f"tensor {m_name!r} (where it has {r_name!r})"
+        if m_digest != r_digest:
+            return f"tensor {m_name!r}"
+    if len(mine) < len(ref):
+        return f"tensor {ref[len(mine)][0]!r} (missing)"
+    if len(mine) > len(ref):
+        return f"tensor {mine[len(ref)][0]!r} (extra)"
+    return "no listed tensor (every per-tensor digest matches)"
+
+
+# --------------------------------------------------------------------------- the core
+
+
+class RunState(enum.Enum):
+    """Where the run is."""
+
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_DONE = (RunState.FINISHED, RunState.ABORTED)
+
+
+class CoordinatorCore:
+    """The coordinator's state machine: feed it events, execute the actions it returns.
+
+    ``signature`` fixes the reference model (else the first worker to join does);
+    ``digest_interval``: steps with ``step % digest_interval == 0`` end with digests, others with
+    step_done; ``resync``: on diverged digests with a strict majority, resync the minority from
+    the lowest good rank instead of aborting; ``heartbeat_deadline``: seconds of silence after
+    which a Tick aborts the run; ``ring``: the ring order (default: rank order);
+    ``start_step``: the first step (a resumed run).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        signature: Iterable[ParamSpec] | None = None,
+        digest_interval: int = 1,
+        resync: bool = False,
+        heartbeat_deadline: float = 10.0,
+        ring: Sequence[int] | None = None,
+        start_step: int = 0,
+    ) -> None:
+        if not _is_int(world_size) or not 1 <= world_size <= _MAX_WORLD:
+            raise ValueError(f"world_size must be in [1, {_MAX_WORLD}], got {world_size!r}")
+        if not _is_int(digest_interval) or digest_interval < 1:
+            raise ValueError(f"digest_interval must be a positive int, got {digest_interval!r}")
+        if not heartbeat_deadline > 0:
+            raise ValueError(f"heartbeat_deadline must be positive, got {heartbeat_deadline!r}")
+        if not _is_int(start_step) or start_step < 0:
+            raise ValueError(f"start_step must be a non-negative int, got {start_step!r}")
+        ring = tuple(range(world_size)) if ring is None else tuple(ring)
+        if sorted(ring) != list(range(world_size)):
+            raise ValueError(f"ring {list(ring)} is not a permutation of ranks 0..{world_size - 1}")
+        self._n = world_size
+        self._interval = digest_interval
+        self._resync = bool(resync)
+        self._deadline = float(heartbeat_deadline)
+        self._ring = ring
+        self._reference: Signature | None = None
+        self._reference_rank: int | None = None
+        if signature is not None:
+            self._reference = _norm_signature(tuple(signature), "signature", None)
+        self._state = RunState.RENDEZVOUS
+        self._addresses: dict[int, tuple[str, int]] = {}
+        self._last_heartbeat: dict[int, float | None] = {}
+        self._step = start_step
+        self._seq = 0
+        self._abort_reason: str | None = None
+        self._finished: set[int] = set()
+        self._pending: dict[int, dict[int, BucketSpec]] = {}
+        self._gone: set[int] = set()
+        self._done: dict[int, Digest | StepDone] = {}
+
+    # ------------------------------------------------------------------- observability
+
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @property
+    def step(self) -> int:
+        """The step now running (the next one to commit)."""
+        return self._step
+
+    @property
+    def seq(self) -> int:
+        """The seq the next Go will carry (= Gos sent so far, counted from 0)."""
+        return self._seq
+
+    @property
+    def world_size(self) -> int:
+        return self._n
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Ranks that have joined, ascending."""
+        return tuple(sorted(self._addresses))
+
+    @property
+    def addresses(self) -> Mapping[int, tuple[str, int]]:
+        return MappingProxyType(dict(self._addresses))
+
+    @property
+    def last_heartbeat(self) -> Mapping[int, float | None]:
+        """Each member's last heartbeat (or join) time; None: not known until the next Tick."""
+        return MappingProxyType(dict(self._last_heartbeat))
+
+    @property
+    def abort_reason(self) -> str | None:
+        return self._abort_reason
+
+    @property
+    def reference_signature(self) -> Signature | None:
+        return self._reference
+
+    @property
+    def digest_interval(self) -> int:
+        return self._interval
+
+    @property
+    def pending_buckets(self) -> Mapping[int, tuple[int, ...]]:
+        """Buckets of this step some rank reported ready, not yet sent a Go: bucket -> ranks."""
+        return MappingProxyType({b: tuple(sorted(r)) for b, r in self._pending.items()})
+
+    def is_digest_step(self, step: int) -> bool:
+        return step % self._interval == 0
+
+    # ------------------------------------------------------------------- dispatch
+
+    def handle(self, event: Event) -> list[Action]:
+        """Feed one event; return the actions to execute, in order.
+
+        Inconsistent input becomes an Abort, never an exception; once the run is FINISHED or
+        ABORTED every event returns []. Raises TypeError only for an object that is no event.
+        """
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a coordinator event: {type(event).__name__}")
+        if self._state in _DONE:
+            return []
+        return handler(self, event)
+
+    def _abort(self, reason: str) -> list[Action]:
+        self._state = RunState.ABORTED
+        self._abort_reason = reason
+        return [Abort(reason)]
+
+    def _observe(self, now: float) -> None:
+        for rank, seen in self._last_heartbeat.items():
+            if seen is None:
+                self._last_heartbeat[rank] = now
+
+    # ------------------------------------------------------------------- rendezvous
+
+    def _on_joined(self, event: Joined) -> list[Action]:
+        rank = event.rank
+        if self._state is RunState.RUNNING:
+            return [Refuse(rank, f"rank {rank} cannot join: the run has already started")]
+        if not 0 <= rank < self._n:
+            return [Refuse(rank, f"rank {rank} is out of range for a world of {self._n} ranks")]
+        if rank in self._addresses:
+            return [Refuse(rank, f"rank {rank} has already joined")]
+        for other, address in self._addresses.items():
+            if address == event.address:
+                host, port = address
+                return [Refuse(rank, f"rank {rank}'s address {host}:{port} is rank {other}'s")]
+        if self._reference is None:
+            self._reference = event.signature
+            self._reference_rank = rank
+        else:
+            where = _signature_mismatch(event.signature, self._reference)
+            if where is not None:
+                ref = (
+                    "the reference model"
+                    if self._reference_rank is None
+                    else f"rank {self._reference_rank}'s"
+                )
+                return [Refuse(rank, f"rank {rank}'s model differs from {ref} {where}")]
+        self._addresses[rank] = event.address
+        self._last_heartbeat[rank] = event.now
+        if len(self._addresses) < self._n:
+            return []
+        self._state = RunState.RUNNING
+        start = StartRun(
+            addresses=tuple(self._addresses[r] for r in range(self._n)),
+            ring=self._ring,
+            step=self._step,
+            digest_interval=self._interval,
+            heartbeat_deadline=self._deadline,
+        )
+        return [Broadcast(start)]
+
+    def _not_running(self, rank: int, what: str) -> list[Action] | None:
+        """The answer to a run message that cannot be taken now (None: go on)."""
+        if rank not in self._addresses:
+            return [Refuse(rank, f"rank {rank} sent {what} but has not joined")]
+        if self._state is RunState.RENDEZVOUS:
+            return self._abort(f"rank {rank} sent {what} before the run started")
+        if self._finished:
+            return self._abort(
+                f"rank {rank} sent {what} after ranks {sorted(self._finished)} finished the run "
+                f"at step {self._step}"
+            )
+        return None
+
+    # ------------------------------------------------------------------- buckets
+
+    def _on_ready(self, event: Ready) -> list[Action]:
+        rank, step, bucket = event.rank, event.step, event.bucket
+        early = self._not_running(rank, f"bucket {bucket} ready for step {step}")
+        if early is not None:
+            return early
+        if step != self._step:
+            return self._abort(
+                f"rank {rank} reported bucket {bucket} ready for step {step}, "
+                f"but the run is at step {self._step}"
+            )
+        if rank in self._done:
+            return self._abort(
+                f"step {step}: rank {rank} reported bucket {bucket} ready after finishing the step"
+            )
+        reports = self._pending.get(bucket, {})
+        if bucket in self._gone or rank in reports:
+            return self._abort(f"step {step}: rank {rank} reported bucket {bucket} twice")
+        if self._done:
+            return self._abort(
+                f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
+                f"{sorted(self._done)} finished the step without it"
+            )
+        reports = self._pending.setdefault(bucket, {})
+        reports[rank] = event.spec
+        if len(set(reports.values())) > 1:
+            return self._abort(f"step {step} bucket {bucket}: {self._spec_groups(reports)}")
+        if len(reports) < self._n:
+            return []
+        del self._pending[bucket]
+        self._gone.add(bucket)
+        go = Go(step, bucket, self._seq)
+        self._seq += 1
+        return [Broadcast(go)]
+
+    @staticmethod
+    def _spec_groups(reports: Mapping[int, BucketSpec]) -> str:
+        groups: dict[BucketSpec, list[int]] = {}
+        for rank in sorted(reports):
+            groups.setdefault(reports[rank], []).append(rank)
+        parts = []
+        for index, (spec, ranks) in enumerate(groups.items()):
+            text = _spec_text(spec)
+            if index == 0 and not isinstance(spec, str):
+                text = "shapes " + text
+            parts.append(f"ranks {ranks} report {text}")
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------- steps
+
+    def _on_step_end(self, event: Digest | StepDone) -> list[Action]:
+        rank, step = event.rank, event.step
+        what = "a digest" if isinstance(event, Digest) else "step_done"
+        early = self._not_running(rank, f"{what} for step {step}")
+        if early is not None:
+            return early
+        if step != self._step:
+            return self._abort(
+                f"rank {rank} sent {what} for step {step}, but the run is at step {self._step}"
+            )
+        digest_step = self.is_digest_step(step)
+        if isinstance(event, Digest) != digest_step:
+            expected = "a digest" if digest_step else "step_done"
+            kind = "a digest step" if digest_step else "not a digest step"
+            return self._abort(
+                f"rank {rank} sent {what} for step {step}, which is {kind} "
+                f"(digest_interval {self._interval}): expected {expected}"
+            )
+        if rank in self._done:
+            return self._abort(f"step {step}: rank {rank} finished the step twice")
+        if self._pending:
+            bucket = min(self._pending)
+            return self._abort(
+                f"step {step}: rank {rank} finished the step while bucket {bucket} is still "
+                f"being negotiated (ready from ranks {sorted(self._pending[bucket])})"
+            )
+        self._done[rank] = event
+        if len(self._done) < self._n:
+            return []
+        if digest_step:
+            return self._verdict()
+        return self._commit()
+
+    def _commit(self) -> list[Action]:
+        commit = Commit(self._step)
+        self._step += 1
+        self._pending = {}
+        self._gone = set()
+        self._done = {}
+        return [Broadcast(commit)]
+
+    def _verdict(self) -> list[Action]:
+        """All digests of this step are in: commit, resync or abort."""
+        step = self._step
+        reports: dict[int, Digest] = {r: d for r, d in self._done.items() if isinstance(d, Digest)}
+        counts = Counter(d.digest for d in reports.values())
+        if len(counts) == 1:
+            return self._commit()
+        top, votes = counts.most_common(1)[0]
+        if votes * 2 > self._n:
+            good = sorted(r for r, d in reports.items() if d.digest == top)
+            bad = sorted(r for r, d in reports.items() if d.digest != top)
+            if self._resync:
+                return [Resync(step, good[0], tuple(bad)), *self._commit()]
+            head = (
+                f"step {step}: parameter digests diverged: ranks {bad} differ from the majority "
+                f"(ranks {good})"
+            )
+            return self._abort(f"{head}; {self._tensor_report(reports, good[0], bad)}")
+        groups: dict[bytes, list[int]] = {}
+        for rank in sorted(reports):
+            groups.setdefault(reports[rank].digest, []).append(rank)
+        listing = ", ".join(f"ranks {ranks} have {d.hex()[:12]}" for d, ranks in groups.items())
+        ref = min(reports)
+        others = [r for r in sorted(reports) if reports[r].digest != reports[ref].digest]
+        return self._abort(
+            f"step {step}: parameter digests diverged with no majority: {listing}; "
+            f"{self._tensor_report(reports, ref, others)}"
+        )
+
+    @staticmethod
+    def _tensor_report(reports: Mapping[int, Digest], ref: int, ranks: Sequence[int]) -> str:
+        shown = [
+            f"rank {r} first differs from rank {ref} at "
+            + _first_tensor_difference(reports[r].tensor_digests, reports[ref].tensor_digests)
+            for r in ranks[:4]
+        ]
+        if len(ranks) > 4:
+            shown.append(f"{len(ranks) - 4} more")
+        return "; ".join(shown)
+
+    def _on_finished(self, event: Finished) -> list[Action]:
+        rank, step = event.rank, event.step
+        if rank not in self._addresses:
+            return [Refuse(rank, f"rank {rank} sent finished but has not joined")]
+        if self._state is RunState.RENDEZVOUS:
+            return self._abort(f"rank {rank} sent finished before the run started")
+        if rank in self._finished:
+            return self._abort(f"rank {rank} finished the run twice")
+        if step != self._step:
+            return self._abort(
+                f"rank {rank} finished the run at step {step}, but the run is at step {self._step}"
+            )
+        if self._pending or self._gone or self._done:
+            active = set(self._done)
+            for reports in self._pending.values():
+                active.update(reports)
+            if self._gone:
+                active.update(range(self._n))
+            return self._abort(
+                f"rank {rank} finished the run at step {step}, but ranks {sorted(active)} "
+                f"have started step {step}"
+            )
+        self._finished.add(rank)
+        if len(self._finished) < self._n:
+            return []
+        self._state = RunState.FINISHED
+        return [Broadcast(Shutdown("finished"))]
+
+    # ------------------------------------------------------------------- liveness
+
+    def _on_heartbeat(self, event: Heartbeat) -> list[Action]:
+        self._observe(event.now)
+        if event.rank in self._last_heartbeat:
+            seen = self._last_heartbeat[event.rank]
+            if seen is None or event.now > seen:
+                self._last_heartbeat[event.rank] = event.now
+        return []
+
+    def _on_tick(self, event: Tick) -> list[Action]:
+        now = event.now
+        self._observe(now)
+        silent = [
+            (rank, now - seen)
+            for rank, seen in sorted(self._last_heartbeat.items())
+            if seen is not None and now - seen > self._deadline
+        ]
+        if not silent:
+            return []
+        parts = [f"rank {rank} missed heartbeats for {_seconds(gap)} s" for rank, gap in silent]
+        return self._abort(f"{'; '.join(parts)} (deadline {_seconds(self._deadline)} s)")
+
+    def _on_disconnected(self, event: Disconnected) -> list[Action]:
+        if event.rank not in self._addresses:
+            return []
+        return self._abort(f"rank {event.rank} disconnected: {event.reason}")
+
+    def _on_malformed(self, event: Malformed) -> list[Action]:
+        if event.rank not in self._addresses:
+            return [Refuse(event.rank, f"malformed message: {event.error}")]
+        return self._abort(f"rank {event.rank} sent a malformed message: {event.error}")
+
+    _handlers: ClassVar[dict[type, Any]] = {
+        Joined: _on_joined,
+        Ready: _on_ready,
+        Digest: _on_step_end,
+        StepDone: _on_step_end,
+        Finished: _on_finished,
+        Heartbeat: _on_heartbeat,
+        Tick: _on_tick,
+        Disconnected: _on_disconnected,
+        Malformed: _on_malformed,
+    }
