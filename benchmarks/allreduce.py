@@ -136,7 +136,9 @@ def _launch(system: str, world: int, sizes: list[int], repeats: int) -> list[dic
             *map(str, sizes),
         ]
         procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
         )
     outputs = []
     for rank, proc in enumerate(procs):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 import trio
 
-from .errors import CollectiveError, ProtocolError
+from .errors import CollectiveError, ProtocolError, first_error
 from .transport import Transport
 from .wire import DTYPE_TAGS, Field, register_message
 
@@ -113,6 +113,11 @@ def _parts(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk, stop)) for lo in range(start, stop, chunk)]
 
 
+def _largest(hop_parts: list[list[tuple[int, int]]]) -> int:
+    """Elements in the largest part of these hops: the scratch buffer a receiver needs."""
+    return max((hi - lo for parts in hop_parts for lo, hi in parts), default=0)
+
+
 def _chunk_elems(tensor: torch.Tensor, chunk_bytes: int) -> int:
     if chunk_bytes < 1:
         raise CollectiveError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -179,7 +184,7 @@ async def _ring_threaded(
                 io.send(nxt, "coll", {"op": op_id, "hop": hop, "part": index}, flat[lo:hi])
 
     def receiver() -> None:
-        scratch = torch.empty(chunk if fold_hops else 0, dtype=flat.dtype)
+        scratch = torch.empty(_largest(recv_parts[:fold_hops]), dtype=flat.dtype)
         for hop, parts in enumerate(recv_parts):
             for index, (lo, hi) in enumerate(parts):
                 dest = flat[lo:hi]
@@ -209,11 +214,17 @@ async def _ring_threaded(
 
         return run
 
-    async with trio.open_nursery() as nursery:
-        for body in (sender, receiver):
-            nursery.start_soon(
-                partial(trio.to_thread.run_sync, guarded(body), abandon_on_cancel=True)
-            )
+    try:
+        with first_error():
+            async with trio.open_nursery() as nursery:
+                for body in (sender, receiver):
+                    nursery.start_soon(
+                        partial(trio.to_thread.run_sync, guarded(body), abandon_on_cancel=True)
+                    )
+    except BaseException:
+        if failed:  # the first thread's error is the cause; the other's is its echo
+            raise failed[0] from None
+        raise
 
 
 async def _ring_async(
@@ -251,7 +262,7 @@ async def _ring_async(
                 )
 
     async def receiver() -> None:
-        scratch = torch.empty(chunk if fold_hops else 0, dtype=flat.dtype)
+        scratch = torch.empty(_largest(recv_parts[:fold_hops]), dtype=flat.dtype)
         for hop, parts in enumerate(recv_parts):
             for index, (lo, hi) in enumerate(parts):
                 dest = flat[lo:hi]
@@ -267,9 +278,10 @@ async def _ring_async(
                 done[hop] += 1
                 lot.unpark_all()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(sender)
-        await receiver()
+    with first_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender)
+            await receiver()
 
 
 async def all_reduce(
@@ -288,6 +300,9 @@ async def all_reduce(
     """
     flat = _check_tensor(tensor, "all_reduce")
     _check_op(op)
+    chunk = _chunk_elems(flat, chunk_bytes)
+    if small_bytes < 0:
+        raise CollectiveError(f"small_bytes must be >= 0, got {small_bytes}")
     n = transport.world_size
     op_id = transport.next_op_id()
     if n == 1:
@@ -298,7 +313,6 @@ async def all_reduce(
         await _all_reduce_direct(transport, flat, op, op_id)
         return tensor
     rank = transport.rank
-    chunk = _chunk_elems(flat, chunk_bytes)
     owned_hop = n - 2  # the reduce-scatter hop after which this rank's segment is complete
     reduce_hops = [((rank - k) % n, (rank - k - 1) % n) for k in range(n - 1)]
     gather_hops = [((rank + 1 - k) % n, (rank - k) % n) for k in range(n - 1)]
@@ -325,12 +339,13 @@ async def _all_reduce_direct(transport: Transport, flat: torch.Tensor, op: str, 
                 (rank + step) % n, "coll", {"op": op_id, "hop": 0, "part": 0}, flat
             )
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(send_all)
-        for step in range(1, n):
-            peer = (rank - step) % n
-            message = await transport.recv_into(peer, gathered[peer])
-            _expect(message, op_id, 0, 0, peer)
+    with first_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all)
+            for step in range(1, n):
+                peer = (rank - step) % n
+                message = await transport.recv_into(peer, gathered[peer])
+                _expect(message, op_id, 0, 0, peer)
     result = gathered[0].clone()
     for peer in range(1, n):
         result.add_(gathered[peer])
@@ -353,6 +368,7 @@ async def reduce_scatter(
     """
     flat = _check_tensor(tensor, "reduce_scatter")
     _check_op(op)
+    chunk = _chunk_elems(flat, chunk_bytes)
     n, rank = transport.world_size, transport.rank
     op_id = transport.next_op_id()
     bounds = segment_bounds(flat.numel(), n)
@@ -365,7 +381,6 @@ async def reduce_scatter(
             if op == "avg" and hop == n - 2:
                 _divide(dest, n)
 
-        chunk = _chunk_elems(flat, chunk_bytes)
         await _ring(transport, flat, op_id, bounds, hops, chunk, fold, n - 1)
     elif op == "avg":
         _divide(flat, 1)
@@ -381,6 +396,7 @@ async def all_gather(
     Returns a new tensor of shape ``(world_size, *tensor.shape)`` whose row r is rank r's.
     """
     flat = _check_tensor(tensor, "all_gather")
+    chunk = _chunk_elems(flat, chunk_bytes)
     n, rank = transport.world_size, transport.rank
     op_id = transport.next_op_id()
     numel = flat.numel()
@@ -389,7 +405,7 @@ async def all_gather(
     if n > 1 and numel:
         hops = [((rank - k) % n, (rank - k - 1) % n) for k in range(n - 1)]
         rows = [(row * numel, (row + 1) * numel) for row in range(n)]
-        await _ring(transport, out, op_id, rows, hops, _chunk_elems(flat, chunk_bytes))
+        await _ring(transport, out, op_id, rows, hops, chunk)
     return out.view((n, *tensor.shape))
 
 
@@ -405,6 +421,7 @@ async def broadcast(
     The data flows along the ring from the root in pipelined parts, so each rank sends it once.
     """
     flat = _check_tensor(tensor, "broadcast")
+    chunk = _chunk_elems(flat, chunk_bytes)
     n, rank = transport.world_size, transport.rank
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < n:
         raise CollectiveError(f"broadcast root {root!r} is not a rank of a group of {n}")
@@ -413,7 +430,7 @@ async def broadcast(
         return tensor
     position = (rank - root) % n  # 0 for the root, n-1 for the last rank of the chain
     nxt, prv = (rank + 1) % n, (rank - 1) % n
-    parts = _parts(0, flat.numel(), _chunk_elems(flat, chunk_bytes))
+    parts = _parts(0, flat.numel(), chunk)
     if position == 0:
         for index, (lo, hi) in enumerate(parts):
             await transport.send(nxt, "coll", {"op": op_id, "hop": 0, "part": index}, flat[lo:hi])
@@ -429,14 +446,15 @@ async def broadcast(
                 nxt, "coll", {"op": op_id, "hop": position, "part": index}, flat[lo:hi]
             )
 
-    async with trio.open_nursery() as nursery:
-        if position < n - 1:
-            nursery.start_soon(forward)
-        for index, (lo, hi) in enumerate(parts):
-            message = await transport.recv_into(prv, flat[lo:hi])
-            _expect(message, op_id, position - 1, index, prv)
-            received += 1
-            lot.unpark_all()
+    with first_error():
+        async with trio.open_nursery() as nursery:
+            if position < n - 1:
+                nursery.start_soon(forward)
+            for index, (lo, hi) in enumerate(parts):
+                message = await transport.recv_into(prv, flat[lo:hi])
+                _expect(message, op_id, position - 1, index, prv)
+                received += 1
+                lot.unpark_all()
     return tensor
 
 

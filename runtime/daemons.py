@@ -10,6 +10,7 @@ import trio
 
 from .config import parse_address
 from .coordinator import Coordinator, CoordinatorOptions, RunFailed
+from .errors import pick_error
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
 
@@ -61,7 +62,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         trio.run(main)
     except BaseException as exc:
-        cause = root_cause(exc)
+        cause = pick_error(exc)
         if stopped:
             return _SIGNAL_EXIT[signal.Signals(stopped[0])]
         if isinstance(cause, RunFailed):
@@ -75,29 +76,6 @@ def run_coordinator(args: argparse.Namespace) -> int:
         return _SIGNAL_EXIT[signal.Signals(stopped[0])]
     log.info("run finished")
     return EXIT_OK
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The most telling leaf of a (nested) exception group: a paramsync error if there is one.
-
-    trio's nurseries wrap failures in groups; a daemon reports the error that says what
-    happened, not the group."""
-    from .errors import ParamsyncError
-
-    leaves: list[BaseException] = []
-
-    def walk(error: BaseException) -> None:
-        if isinstance(error, BaseExceptionGroup):
-            for inner in error.exceptions:
-                walk(inner)
-        else:
-            leaves.append(error)
-
-    walk(exc)
-    for leaf in leaves:
-        if isinstance(leaf, ParamsyncError):
-            return leaf
-    return leaves[0] if leaves else exc
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -128,7 +106,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         return trio.run(run, args)
     except BaseException as exc:
-        cause = root_cause(exc)
+        cause = pick_error(exc)
         if isinstance(cause, KeyboardInterrupt):
             return _SIGNAL_EXIT[signal.SIGINT]
         if isinstance(cause, ValueError):

@@ -7,6 +7,9 @@ group (wrong secret, version, group, world size, taken rank) is a `HandshakeErro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 __all__ = [
     "ParamsyncError",
     "ProtocolError",
@@ -17,6 +20,8 @@ __all__ = [
     "StallError",
     "CollectiveError",
     "ActorFailed",
+    "pick_error",
+    "first_error",
 ]
 
 
@@ -74,3 +79,46 @@ class ActorFailed(ParamsyncError):
     def __init__(self, actor: str, cause: BaseException) -> None:
         self.actor = actor
         super().__init__(f"actor {actor!r} failed: {type(cause).__name__}: {cause}")
+
+
+def pick_error(error: BaseException) -> BaseException:
+    """The most telling leaf of a (nested) exception group: a paramsync error other than a
+    hang-up, else a hang-up, else the first leaf that is not a cancellation; the group itself
+    if all leaves are cancellations."""
+    import trio
+
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        elif not isinstance(exc, trio.Cancelled):
+            leaves.append(exc)
+
+    walk(error)
+    # A hang-up is usually the echo of an error found elsewhere: prefer the error itself.
+    for wanted in (
+        lambda e: isinstance(e, ParamsyncError) and not isinstance(e, PeerClosed),
+        lambda e: isinstance(e, ParamsyncError),
+    ):
+        for leaf in leaves:
+            if wanted(leaf):
+                return leaf
+    return leaves[0] if leaves else error
+
+
+@contextmanager
+def first_error() -> Iterator[None]:
+    """Around a nursery: raise its most telling error (see `pick_error`) instead of the group.
+
+    trio wraps every failure of a nursery's tasks in an exception group; callers of a
+    collective want ``except ProtocolError`` to work.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf = pick_error(group)
+        if leaf is group:
+            raise
+        raise leaf from None

@@ -60,7 +60,7 @@ register_message(
 )
 register_message("auth", proof=Field(bytes, max_len=64))
 register_message("welcome")
-register_message("refuse", reason=Field(str, max_len=1024))
+register_message("refuse", reason=Field(str, max_len=1024), auth=Field(bool, required=False))
 
 
 def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | None = None) -> bytes:
@@ -149,9 +149,8 @@ class DialerHandshake:
     def on_verdict(self, message: dict[str, Any]) -> Identity:
         """The listener's last word: welcome (returns its identity) or refuse (raises)."""
         if message["kind"] == "refuse":
-            reason = message["reason"]
-            error = AuthenticationError if "secret" in reason else HandshakeError
-            raise error(f"refused: {reason}")
+            error = AuthenticationError if message.get("auth") else HandshakeError
+            raise error(f"refused: {message['reason']}")
         if message["kind"] != "welcome" or self.peer is None:
             raise HandshakeError(f"expected welcome or refuse, got a {message['kind']} message")
         return self.peer
@@ -202,7 +201,7 @@ class ListenerHandshake:
         )
         if not hmac.compare_digest(expected, message["proof"]):
             reason = "authentication failed: wrong shared secret"
-            return "refuse", {"reason": reason}, AuthenticationError(reason)
+            return "refuse", {"reason": reason, "auth": True}, AuthenticationError(reason)
         reason = self._admit_reason(self.peer)
         if reason is not None:
             return "refuse", {"reason": reason}, HandshakeError(reason)

@@ -21,7 +21,7 @@ import torch
 import trio
 
 from .config import DistributedConfig
-from .errors import HandshakeError, PeerClosed, ProtocolError, StallError
+from .errors import FrameTooLarge, HandshakeError, PeerClosed, ProtocolError, StallError
 from .handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
 from .transport import Transport
 from .wire import (
@@ -100,6 +100,8 @@ class Connection:
                         sent = 0
         except OSError as exc:
             raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise PeerClosed("connection closed", peer=self.peer) from None
 
     # ---------------------------------------------------------------- receiving
 
@@ -123,6 +125,8 @@ class Connection:
             count = await self._sock.recv_into(view)
         except OSError as exc:
             raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise PeerClosed("connection closed", peer=self.peer) from None
         if count == 0:
             raise PeerClosed("connection closed by the peer", peer=self.peer)
         return count
@@ -161,11 +165,20 @@ class Connection:
         return message, spec, bulk_len
 
     async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-        """Receive one message; a bulk tensor is allocated and filled."""
+        """Receive one message; a bulk tensor is allocated and filled.
+
+        With no destination given, the bulk counts against ``max_frame`` too: a peer cannot
+        make this side allocate more than that (before authentication: 4 KiB).
+        """
         async with self._recv_lock:
             try:
-                message, spec, _ = await self._read_head(max_frame)
+                message, spec, bulk_len = await self._read_head(max_frame)
                 if spec is not None:
+                    if bulk_len > max_frame:
+                        raise FrameTooLarge(
+                            f"{message['kind']} message carries {bulk_len} bulk bytes, more "
+                            f"than this receiver's limit of {max_frame}"
+                        )
                     out = torch.empty(spec.shape, dtype=spec.dtype)
                     await self._read_into(tensor_buffer(out))
                     message["data"] = out
@@ -180,7 +193,7 @@ class Connection:
         async with self._recv_lock:
             try:
                 message, spec, _ = await self._read_head(max_frame)
-                check_bulk_destination(spec, out, self.peer)
+                check_bulk_destination(spec, out, self.peer, message)
                 if spec is not None:
                     await self._read_into(tensor_buffer(out))
                 message["data"] = out
@@ -252,7 +265,7 @@ class Connection:
             head = bytearray(item_len - bulk_len)
             self._read_blocking(memoryview(head))
             message, spec = decode_head(head, bulk_len)
-            check_bulk_destination(spec, out, self.peer)
+            check_bulk_destination(spec, out, self.peer, message)
             if spec is not None:
                 self._read_blocking(tensor_buffer(out))
             message["data"] = out

@@ -104,7 +104,9 @@ def tensor_buffer(tensor: torch.Tensor) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._owner = tensor  # the view keeps the array alive, the array keeps the memory alive
+    return memoryview(array).cast("B")
 
 
 def _tensor_tag(tensor: torch.Tensor) -> int:
@@ -307,8 +309,8 @@ def validate_message(message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError(f"a frame must hold a CBOR map, got {type(message).__name__}")
     version = message.get("v")
-    if version != PROTOCOL_VERSION:
-        if isinstance(version, int) and not isinstance(version, bool):
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        if type(version) is int:
             raise ProtocolError(
                 f"unsupported protocol version {version} (this peer speaks {PROTOCOL_VERSION})"
             )
@@ -496,12 +498,26 @@ def decode_frame(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, 
     return message
 
 
-def check_bulk_destination(spec: BulkSpec | None, out: torch.Tensor, peer: object) -> None:
-    """Refuse a bulk that does not fit the destination the receiver expects."""
+def check_bulk_destination(
+    spec: BulkSpec | None, out: torch.Tensor, peer: object, message: Mapping[str, Any]
+) -> None:
+    """Refuse a bulk that does not fit the destination the receiver expects.
+
+    Without a bulk, the message must carry an inline ``data`` tensor of the destination's
+    dtype and size (an empty tensor travels inline)."""
     if spec is None:
-        if out.numel() == 0:
+        data = message.get("data")
+        if (
+            isinstance(data, torch.Tensor)
+            and data.dtype == out.dtype
+            and data.numel() == out.numel()
+        ):
             return
-        raise ProtocolError(f"expected a {out.dtype} tensor of {out.numel()} elements", peer=peer)
+        raise ProtocolError(
+            f"{message.get('kind')} message does not carry the expected {out.dtype} tensor "
+            f"of {out.numel()} elements",
+            peer=peer,
+        )
     if spec.dtype != out.dtype or spec.nbytes != out.numel() * out.element_size():
         raise ProtocolError(
             f"sent a {spec.dtype} tensor of shape {list(spec.shape)}, expected {out.dtype} "
