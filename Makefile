@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench soak lint format clean setup
+.PHONY: test demo demo-allreduce bench bench-ddp soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -23,10 +23,16 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
 demo: $(STAMP)
-	$(BIN)/python -m runtime.demo
+	$(BIN)/python -m actors.demo
+
+demo-allreduce: $(STAMP)
+	$(BIN)/python -m runtime.allreduce_demo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py --json out/allreduce.json
+
+bench-ddp: $(STAMP)
+	$(BIN)/python benchmarks/ddp.py --json out/ddp.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -53,7 +53,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument("--lr", type=float, default=3e-3)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--corpus-bytes", type=int, default=2 << 20)
-    group.add_argument("--bucket-bytes", type=int, default=256 * 1024)
+    group.add_argument("--bucket-bytes", type=int, default=1 << 20)
     group.add_argument("--accumulation-steps", type=int, default=1)
     group.add_argument("--digest-interval", type=int, default=1)
     group.add_argument("--config", help="TOML file with a [distributed] table")

@@ -89,6 +89,15 @@ class BucketReady:
 
 @dataclass(frozen=True)
 class OptimizerStep:
+    """Apply the averaged gradients of ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Report ``step``'s state digest and wait for the coordinator's commit."""
+
     step: int
 
 
@@ -221,6 +230,8 @@ class GradCommActor(Actor):
             bucket.pack([g for g in grads if g is not None], flat)
             if self.options.accumulation_steps > 1:
                 flat.div_(self.options.accumulation_steps)
+        # The coordinator takes nothing of step s+1 before step s is committed everywhere.
+        await self.client.wait_commit(message.step - 1)
         await self.client.ready(message.step, bucket.index, bucket.spec())
 
     async def _reduce(self, go: Go) -> None:
@@ -241,9 +252,14 @@ class GradCommActor(Actor):
 
 
 class OptimizerActor(Actor):
-    """Applies the averaged gradients and reports the state digest (C-DDP-001)."""
+    """Applies the averaged gradients and reports the state digest (C-DDP-001).
 
-    accepts = (OptimizerStep,)
+    Verification of step s (hashing, reporting, waiting for the commit) runs while step s+1
+    computes forward and backward, which only read the weights; the next optimizer step waits
+    in the mailbox behind it, so no weight changes before step s is committed everywhere.
+    """
+
+    accepts = (OptimizerStep, Verify)
 
     def __init__(
         self,
@@ -262,11 +278,13 @@ class OptimizerActor(Actor):
         self.last_digest: bytes | None = None
 
     async def handle(self, message: object) -> None:
-        assert isinstance(message, OptimizerStep)
+        if isinstance(message, OptimizerStep):
+            with self.trace.span("optimizer", actor="optimizer", step=message.step):
+                await trio.to_thread.run_sync(self._apply)
+            return
+        assert isinstance(message, Verify)
         step = message.step
-        with self.trace.span("optimizer", actor="optimizer", step=step):
-            await trio.to_thread.run_sync(self._apply)
-        if step % self.options.digest_interval == 0:
+        if step % self.client.digest_interval == 0:
             with self.trace.span("digest", actor="optimizer", step=step):
                 digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
             self.last_digest = digest.digest
@@ -348,7 +366,7 @@ class DistributedTrainer:
         ``client`` must already have joined the run (its coordinator accepted this model).
         """
         options = options or TrainerOptions()
-        trace = trace or TraceRecorder.disabled()
+        trace = trace if trace is not None else TraceRecorder.disabled()
         if (transport.rank, transport.world_size) != (config.rank, config.world_size):
             raise ValueError("transport and config disagree on rank or world size")
         async with ActorSystem() as system:
@@ -407,7 +425,8 @@ class DistributedTrainer:
         """One optimizer step on this worker's ``batch``; returns its mean loss.
 
         A batch that is a tensor, or a tuple/list of tensors, is split along dimension 0 into
-        ``accumulation_steps`` micro-batches.
+        ``accumulation_steps`` micro-batches. The identical-weights check of this step finishes
+        during the next one (or in `verified`); a divergence fails the next call.
         """
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
@@ -422,11 +441,16 @@ class DistributedTrainer:
         with self.trace.span("grad-wait", actor="trainer", step=step):
             await state.all_reduced.wait()
         await self.optimizer_actor.ask(OptimizerStep(step))
+        await self.optimizer_actor.tell(Verify(step))
         loss = total / len(micro_batches)
         self.step += 1
         self.losses.append((step, loss))
         self.step_seconds.append(time.perf_counter() - started)
         return loss
+
+    async def verified(self) -> None:
+        """Wait until every step taken so far is committed: all ranks' digests agreed."""
+        await self.client.wait_commit(self.step - 1)
 
     async def fit(
         self,
@@ -480,6 +504,7 @@ class DistributedTrainer:
             "rank": self._config.rank,
             "world_size": self._config.world_size,
             "final_step": self.step,
+            "first_loss": self.losses[0][1] if self.losses else None,
             "final_loss": self.losses[-1][1] if self.losses else None,
             "digest": digest.hex() if digest is not None else None,
             "steps_per_second": len(self.step_seconds) / seconds if seconds else None,

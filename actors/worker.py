@@ -51,6 +51,7 @@ async def _trainer_session(
             model, optimizer, loss_fn, config, transport, client, options, trace
         ) as trainer:
             yield trainer
+            await trainer.verified()
             await client.finished(trainer.step)
         # client.serve returns when the coordinator says the run is over.
 

@@ -82,6 +82,12 @@ def run_launch(args: argparse.Namespace) -> int:
         WORLD_SIZE=str(args.nproc),
         PARAMSYNC_ROLE="worker",
     )
+    # Like torchrun: one intra-op thread per worker unless the user says otherwise, so N
+    # workers do not oversubscribe the machine's cores.
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base.setdefault(
+        "PARAMSYNC_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    )
     summary_dir = Path(tempfile.mkdtemp(prefix="paramsync-launch-"))
     coordinator = subprocess.Popen(
         [

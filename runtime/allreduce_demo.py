@@ -1,4 +1,4 @@
-"""``make demo``: 4 worker processes average a tensor over TCP loopback and check it.
+"""``make demo-allreduce``: 4 worker processes average a tensor over TCP loopback and check it.
 
 Each worker is a separate OS process running ``paramsync allreduce``; they meet through rank
 0's rendezvous, authenticate with a shared secret made for this run, average a 16 MiB float32
