@@ -49,7 +49,7 @@ class JoinResult:
 class CoordinatorClient:
     """A worker's conversation with the coordinator over one `Link`."""
 
-    def __init__(self, link: Link, rank: int, heartbeat_seconds: float = 1.0) -> None:
+    def __init__(self, link: Link, rank: int, heartbeat_seconds: float = 0.1) -> None:
         self.link = link
         self.rank = rank
         self.heartbeat_seconds = heartbeat_seconds
@@ -66,7 +66,11 @@ class CoordinatorClient:
         """Send this worker's model signature and data-plane address; wait for the start."""
         params = [[name, list(shape), dtype, grad] for name, shape, dtype, grad in signature]
         await self._send("join", host=address[0], port=address[1], params=params)
-        message = message_from_wire(await self.link.recv())
+        # Heartbeats flow from the join on: waiting for slow peers is not silence.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._heartbeats, True)
+            message = message_from_wire(await self.link.recv())
+            nursery.cancel_scope.cancel()
         if isinstance(message, JoinRefused | AbortRun | Shutdown):
             raise RunAborted(f"coordinator refused rank {self.rank}: {message.reason}")
         if not isinstance(message, StartRun):
@@ -129,6 +133,10 @@ class CoordinatorClient:
                 self._wake()
             elif isinstance(message, Shutdown):
                 self.shutdown_reason = message.reason
+                if message.reason != "finished":
+                    self._failure = RunAborted(f"coordinator ended the run: {message.reason}")
+                    self._wake()
+                    raise self._failure
                 self._wake()
                 return
             elif isinstance(message, AbortRun | JoinRefused):
@@ -146,7 +154,9 @@ class CoordinatorClient:
         self._commit_changed.set()
         self._commit_changed = trio.Event()
 
-    async def _heartbeats(self) -> None:
+    async def _heartbeats(self, wait_first: bool = False) -> None:
+        if wait_first:
+            await trio.sleep(self.heartbeat_seconds)
         while True:
             await self._send("heartbeat")
             await trio.sleep(self.heartbeat_seconds)

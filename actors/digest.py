@@ -14,7 +14,7 @@ import torch
 
 from runtime.wire import tensor_buffer
 
-__all__ = ["StateDigest", "state_digest"]
+__all__ = ["StateDigest", "state_digest", "named_state"]
 
 
 class StateDigest:
@@ -34,9 +34,11 @@ class StateDigest:
         return f"StateDigest({self.digest.hex()[:16]}..., {len(self.tensors)} tensors)"
 
 
-def _named_state(
+def named_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and optimizer-state tensor with a stable name, in a fixed order: what
+    the digest covers and what a re-sync copies."""
     items = [(f"param/{name}", param.detach()) for name, param in model.named_parameters()]
     if optimizer is not None:
         names = {id(param): name for name, param in model.named_parameters()}
@@ -59,7 +61,7 @@ def state_digest(
     host after the stream is synchronized, C-STREAMSYNC-001)."""
     whole = hashlib.sha256()
     per_tensor = []
-    for name, tensor in _named_state(model, optimizer):
+    for name, tensor in named_state(model, optimizer):
         if tensor.device.type == "cuda":
             torch.cuda.current_stream(tensor.device).synchronize()
             tensor = tensor.to("cpu")

@@ -20,6 +20,7 @@ import trio
 
 from runtime.collectives import all_gather
 from runtime.coordinator import CoordinatorOptions
+from runtime.errors import pick_error
 from runtime.plot import write_loss_plot
 from runtime.progress import ProgressBar
 from runtime.trace import TraceRecorder
@@ -80,67 +81,80 @@ async def run(args: argparse.Namespace) -> int:
     )
     rank = int(os.environ.get("RANK", "0"))
     trace = TraceRecorder(f"rank {rank}", pid=rank) if args.trace else TraceRecorder.disabled()
-    stop = {"signal": None}
+    stop: dict[str, int | None] = {"signal": None}
 
     def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         return model.loss(inputs, targets)
 
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
 
-        async def watch_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    stop["signal"] = signum
-                    log.warning(
-                        "rank %d: %s, stopping after the step in flight",
-                        rank,
-                        signal.Signals(signum).name,
-                    )
+            async def watch_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        stop["signal"] = signum
+                        log.warning(
+                            "rank %d: %s, stopping after the step in flight",
+                            rank,
+                            signal.Signals(signum).name,
+                        )
 
-        nursery.start_soon(watch_signals)
-        coordinator_options = CoordinatorOptions(digest_interval=args.digest_interval)
-        async with trainer_from_env(
-            model,
-            optimizer,
-            loss_fn,
-            options=options,
-            coordinator_options=coordinator_options,
-            trace=trace,
-            toml_path=args.config,
-        ) as trainer:
-            rank = trainer.dist_config.rank
-            bar = (
-                ProgressBar(args.steps, description=f"training ({trainer.world_size} workers)")
-                if rank == 0 and args.progress
-                else None
-            )
+            nursery.start_soon(watch_signals)
+            coordinator_options = CoordinatorOptions(digest_interval=args.digest_interval)
+            async with trainer_from_env(
+                model,
+                optimizer,
+                loss_fn,
+                options=options,
+                coordinator_options=coordinator_options,
+                trace=trace,
+                toml_path=args.config,
+            ) as trainer:
+                rank = trainer.dist_config.rank
+                bar = (
+                    ProgressBar(args.steps, description=f"training ({trainer.world_size} workers)")
+                    if rank == 0 and args.progress
+                    else None
+                )
 
-            def on_step(step: int, loss: float) -> None:
+                def on_step(step: int, loss: float) -> None:
+                    if bar is not None:
+                        bar.update(step + 1, loss=loss)
+
+                await trainer.fit(
+                    dataset,
+                    args.batch_size,
+                    seed=args.seed,
+                    on_step=on_step,
+                    should_stop=lambda: stop["signal"] is not None,
+                )
                 if bar is not None:
-                    bar.update(step + 1, loss=loss)
-
-            await trainer.fit(
-                dataset,
-                args.batch_size,
-                seed=args.seed,
-                on_step=on_step,
-                should_stop=lambda: stop["signal"] is not None,
-            )
-            if bar is not None:
-                bar.close()
-            if stop["signal"] is None:
-                await _gather_and_plot(trainer, args)
-            summary = trainer.summary()
-        nursery.cancel_scope.cancel()
+                    bar.close()
+                if stop["signal"] is None:
+                    await _gather_and_plot(trainer, args)
+                summary = trainer.summary()
+            nursery.cancel_scope.cancel()
+    except BaseException as exc:
+        if stop["signal"] is None:
+            raise
+        # Stopped by a signal: the run's end (an abort, a hang-up) is the expected echo.
+        log.warning(
+            "rank %d stopped by %s: %s", rank, signal.Signals(stop["signal"]).name, pick_error(exc)
+        )
+        return _exit_code(stop["signal"])
     if args.trace:
         path = trace.write(args.trace.format(rank=rank))
         log.info("rank %d wrote its trace to %s", rank, path)
     if args.summary_json:
         write_summary(args.summary_json.format(rank=rank), summary)
-    if stop["signal"] == signal.SIGINT:
+    return _exit_code(stop["signal"])
+
+
+def _exit_code(signum: int | None) -> int:
+    if signum == signal.SIGINT:
         return EXIT_INTERRUPTED
-    if stop["signal"] == signal.SIGTERM:
+    if signum == signal.SIGTERM:
         return EXIT_TERMINATED
     return EXIT_OK
 

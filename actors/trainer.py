@@ -15,6 +15,7 @@ A worker is a trio nursery of actors joined by bounded mailboxes:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -27,12 +28,15 @@ import trio
 from runtime.actor import Actor, ActorSystem
 from runtime.collectives import all_reduce, broadcast
 from runtime.config import DistributedConfig
+from runtime.coordinator_core import ResyncOrder
+from runtime.errors import ProtocolError
 from runtime.trace import TraceRecorder
 from runtime.transport import Transport
+from runtime.wire import Field, register_message
 
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from .client import CoordinatorClient, Go
-from .digest import state_digest
+from .digest import named_state, state_digest
 from .loader import BatchSource, DataLoaderActor, LoadNext
 
 __all__ = [
@@ -43,6 +47,15 @@ __all__ = [
     "TrainerOptions",
     "LossFn",
 ]
+
+log = logging.getLogger("paramsync.trainer")
+
+register_message(
+    "state",
+    step=Field(int, min=0),
+    index=Field(int, min=0),
+    data=Field(torch.Tensor),
+)
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch) -> scalar loss``: the user's forward pass."""
@@ -57,6 +70,9 @@ class TrainerOptions:
     max_steps: int | None = None
     digest_interval: int = 1
     chunk_bytes: int = 1 << 20
+    verify_overlap: bool = True
+    """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
+    diverged workers (``resync``): a re-sync must not overwrite weights a forward is reading."""
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -347,6 +363,7 @@ class DistributedTrainer:
         self.compute = ComputeActor(model, loss_fn, self.buckets, on_bucket, trace)
         self.optimizer_actor = OptimizerActor(model, optimizer, client, options, trace)
         client.on_go = self.comm.tell
+        client.on_resync = self._resync
 
     @classmethod
     @asynccontextmanager
@@ -441,12 +458,48 @@ class DistributedTrainer:
         with self.trace.span("grad-wait", actor="trainer", step=step):
             await state.all_reduced.wait()
         await self.optimizer_actor.ask(OptimizerStep(step))
-        await self.optimizer_actor.tell(Verify(step))
+        if self.options.verify_overlap:
+            await self.optimizer_actor.tell(Verify(step))
+        else:
+            await self.optimizer_actor.ask(Verify(step))
         loss = total / len(micro_batches)
         self.step += 1
         self.losses.append((step, loss))
         self.step_seconds.append(time.perf_counter() - started)
         return loss
+
+    async def _resync(self, order: ResyncOrder) -> None:
+        """Copy the source rank's parameters and optimizer state to the diverged ranks."""
+        rank = self._config.rank
+        if rank != order.source and rank not in order.targets:
+            return
+        tensors = [tensor for _, tensor in named_state(self.model, self.optimizer)]
+        log.warning(
+            "step %d: re-syncing ranks %s from rank %d",
+            order.step,
+            list(order.targets),
+            order.source,
+        )
+        for index, tensor in enumerate(tensors):
+            fields = {"step": order.step, "index": index}
+            if rank == order.source:
+                host = tensor.detach().to("cpu").contiguous()
+                for target in order.targets:
+                    await self.transport.send(target, "state", fields, host)
+            else:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype)
+                message = await self.transport.recv_into(order.source, host)
+                if (message["kind"], message["step"], message["index"]) != (
+                    "state",
+                    *fields.values(),
+                ):
+                    raise ProtocolError(
+                        f"re-sync of step {order.step}: expected state tensor {index}, got "
+                        f"{message['kind']} {message.get('index')}",
+                        peer=order.source,
+                    )
+                with torch.no_grad():
+                    tensor.copy_(host)
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""

@@ -40,13 +40,16 @@ async def _trainer_session(
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
     config: DistributedConfig,
-    transport: Transport,
+    connect: Callable[[], Awaitable[Transport]],
     client: CoordinatorClient,
     options: TrainerOptions | None,
     trace: TraceRecorder | None,
 ) -> AsyncIterator[DistributedTrainer]:
+    """Listen to the coordinator from the start, so an abort reaches this worker even while
+    it is still connecting its data plane (``connect``), then train."""
     async with trio.open_nursery() as nursery:
         await nursery.start(client.serve)
+        transport = await connect()
         async with DistributedTrainer.open(
             model, optimizer, loss_fn, config, transport, client, options, trace
         ) as trainer:
@@ -81,24 +84,33 @@ async def join_run(
         conn, _ = await dial_with_retry(config.address, key, me)
         local_host = conn.stream.socket.getsockname()[0]
         listeners = await trio.open_tcp_listeners(0, host=local_host)
+    client = CoordinatorClient(conn, config.rank)
+    transports: list[TcpTransport] = []
+
+    async def connect() -> Transport:
+        try:
+            with trio.fail_after(join_seconds):
+                mesh = await form_mesh(me, listeners[0], start.addresses, key)
+        finally:
+            for listener in listeners:
+                await listener.aclose()
+        transports.append(TcpTransport(config.rank, config.world_size, mesh))
+        return transports[0]
+
     try:
-        client = CoordinatorClient(conn, config.rank)
         port = listeners[0].socket.getsockname()[1]
         with trio.fail_after(join_seconds):
             start = await client.join(model_signature(model.named_parameters()), (local_host, port))
-            mesh = await form_mesh(me, listeners[0], start.addresses, key)
-    finally:
-        for listener in listeners:
-            await listener.aclose()
-    transport = TcpTransport(config.rank, config.world_size, mesh)
-    try:
         async with _trainer_session(
-            model, optimizer, loss_fn, config, transport, client, options, trace
+            model, optimizer, loss_fn, config, connect, client, options, trace
         ) as trainer:
             yield trainer
     finally:
         with trio.CancelScope(shield=True):
-            await transport.aclose()
+            for listener in listeners:
+                await listener.aclose()
+            for transport in transports:
+                await transport.aclose()
             await conn.aclose()
 
 
@@ -130,8 +142,12 @@ async def train_in_process(
         try:
             await client.join(model_signature(model.named_parameters()), ("in-process", rank + 1))
             config = DistributedConfig(world_size, rank)
+
+            async def connect() -> Transport:
+                return transports[rank]
+
             async with _trainer_session(
-                model, optimizer, loss_fn, config, transports[rank], client, options, None
+                model, optimizer, loss_fn, config, connect, client, options, None
             ) as trainer:
                 results[rank] = await body(trainer)
         finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
+DEFAULT_CHUNK_BYTES = 1 << 20
 SYSTEMS = ("gloo", "paramsync")
 
 
@@ -72,7 +73,7 @@ def _worker_gloo(rank: int, world: int, port: int, sizes: list[int], repeats: in
 
 
 def _worker_paramsync(
-    rank: int, world: int, port: int, sizes: list[int], repeats: int
+    rank: int, world: int, port: int, sizes: list[int], repeats: int, chunk_bytes: int
 ) -> list[dict]:
     import torch
     import trio
@@ -87,12 +88,12 @@ def _worker_paramsync(
             for nbytes in sizes:
                 tensor = torch.ones(nbytes // 4, dtype=torch.float32)
                 iters = _iterations(nbytes)
-                await all_reduce(transport, tensor)
+                await all_reduce(transport, tensor, chunk_bytes=chunk_bytes)
                 for repeat in range(repeats):
                     await barrier(transport)
                     start = time.perf_counter()
                     for _ in range(iters):
-                        await all_reduce(transport, tensor)
+                        await all_reduce(transport, tensor, chunk_bytes=chunk_bytes)
                     elapsed = (time.perf_counter() - start) / iters
                     rows.append({"bytes": nbytes, "repeat": repeat, "seconds": elapsed})
             await barrier(transport)
@@ -105,8 +106,12 @@ def _run_worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    worker = _worker_gloo if args.worker == "gloo" else _worker_paramsync
-    rows = worker(args.rank, args.world, args.port, args.sizes, args.repeats)
+    if args.worker == "gloo":
+        rows = _worker_gloo(args.rank, args.world, args.port, args.sizes, args.repeats)
+    else:
+        rows = _worker_paramsync(
+            args.rank, args.world, args.port, args.sizes, args.repeats, args.chunk_bytes
+        )
     if args.rank == 0:
         print(json.dumps(rows), flush=True)
 
@@ -114,7 +119,9 @@ def _run_worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def _launch(system: str, world: int, sizes: list[int], repeats: int) -> list[dict]:
+def _launch(
+    system: str, world: int, sizes: list[int], repeats: int, chunk_bytes: int
+) -> list[dict]:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = []
@@ -132,6 +139,8 @@ def _launch(system: str, world: int, sizes: list[int], repeats: int) -> list[dic
             str(port),
             "--repeats",
             str(repeats),
+            "--chunk-bytes",
+            str(chunk_bytes),
             "--sizes",
             *map(str, sizes),
         ]
@@ -201,6 +210,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per system")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per round")
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="paramsync's ring part size"
+    )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -214,7 +226,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
             for system in order:
-                for row in _launch(system, world, args.sizes, args.repeats):
+                for row in _launch(system, world, args.sizes, args.repeats, args.chunk_bytes):
                     key = (system, world, row["bytes"])
                     samples.setdefault(key, []).append(row["seconds"])
             print(f"world size {world}: round {round_index + 1}/{args.rounds} done", flush=True)

@@ -20,6 +20,7 @@ from .coordinator_core import (
     Abort,
     Action,
     Broadcast,
+    Commit,
     CoordinatorCore,
     Disconnected,
     Malformed,
@@ -28,6 +29,7 @@ from .coordinator_core import (
     Resync,
     RunState,
     Send,
+    Shutdown,
     Tick,
     event_from_wire,
 )
@@ -93,6 +95,7 @@ class Coordinator:
         self._all_ended = trio.Event()
         self.finished = trio.Event()
         self._stop_reason: str | None = None
+        self._stop_deadline: float | None = None
         self.bound_address: tuple[str, int] | None = None
         self.hostile_refused = 0
 
@@ -183,18 +186,31 @@ class Coordinator:
         if self.core.state is RunState.ABORTED:
             raise RunFailed(self.core.abort_reason or "aborted")
 
-    def stop(self, reason: str) -> None:
-        """End the run from outside (a signal): every member is told ``reason`` and stops."""
-        if self.finished.is_set():
+    def stop(self, reason: str, grace_seconds: float | None = None) -> None:
+        """End the run from outside (a signal) after the step in flight is committed.
+
+        Every member is then told ``reason`` (a shutdown); if no commit comes within
+        ``grace_seconds`` (default: the heartbeat deadline) the run is aborted instead.
+        """
+        if self.finished.is_set() or self._stop_reason is not None:
             return
         self._stop_reason = reason
-        self._apply([Abort(reason)])
+        if self.core.state is not RunState.RUNNING:
+            self._apply([Abort(reason)])
+            return
+        grace = self.options.heartbeat_deadline if grace_seconds is None else grace_seconds
+        self._stop_deadline = trio.current_time() + grace
+        log.warning("stopping after the step in flight (step %d): %s", self.core.step, reason)
 
     async def _ticker(self) -> None:
         period = max(0.05, min(1.0, self.options.heartbeat_deadline / 4))
         while True:
             await trio.sleep(period)
-            self._apply(self.core.handle(Tick(trio.current_time())))
+            now = trio.current_time()
+            if self._stop_deadline is not None and now > self._stop_deadline:
+                self._stop_deadline = None
+                self._apply([Abort(f"{self._stop_reason} (the step in flight did not finish)")])
+            self._apply(self.core.handle(Tick(now)))
 
     # ------------------------------------------------------------------ one member
 
@@ -278,6 +294,11 @@ class Coordinator:
                 for rank in self.core.members:
                     self._enqueue(rank, action.message)
                 if self.core.state is RunState.FINISHED:
+                    self._finish()
+                elif self._stop_deadline is not None and isinstance(action.message, Commit):
+                    self._stop_deadline = None
+                    for rank in self.core.members:
+                        self._enqueue(rank, Shutdown(self._stop_reason or "stopped"))
                     self._finish()
             elif isinstance(action, Resync):
                 for rank in action.recipients:
