@@ -15,6 +15,8 @@ from .collectives import (
     segment_bounds,
 )
 from .config import DistributedConfig, parse_address
+from .coordinator import Coordinator, CoordinatorOptions, RunFailed
+from .coordinator_core import CoordinatorCore, RunState
 from .errors import (
     ActorFailed,
     AuthenticationError,
@@ -26,7 +28,10 @@ from .errors import (
     ProtocolError,
     StallError,
 )
+from .link import Link, MemoryLink
 from .tcp import TcpTransport
+from .trace import TraceRecorder, merge_traces
+from .train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
 from .transport import InProcessTransport, Transport
 from .wire import BFLOAT16_TAG, PROTOCOL_VERSION
 
@@ -39,6 +44,18 @@ __all__ = [
     "AuthenticationError",
     "BFLOAT16_TAG",
     "CollectiveError",
+    "Coordinator",
+    "CoordinatorCore",
+    "CoordinatorOptions",
+    "DistributedBackend",
+    "DistributedRole",
+    "DistributedTrainConfig",
+    "Link",
+    "MemoryLink",
+    "RunFailed",
+    "RunState",
+    "TraceRecorder",
+    "merge_traces",
     "DEFAULT_CHUNK_BYTES",
     "DistributedConfig",
     "FrameTooLarge",

@@ -94,6 +94,8 @@ def run_launch(args: argparse.Namespace) -> int:
             sys.executable,
             "-m",
             "runtime.cli",
+            "--log-level",
+            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             "coordinator",
             "--world-size",
             str(args.nproc),
