@@ -1,0 +1,136 @@
+"""``paramsync`` as a user runs it: real processes, real sockets, exit codes and messages.
+
+The CLI runs as ``python -m runtime.cli`` from the repository root, so the tests need no
+installed console script. Every process has a timeout well under 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "runtime.cli"]
+
+
+def run_cli(
+    *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args],
+        cwd=ROOT,
+        env=env if env is not None else dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def env_without_secret() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PARAMSYNC_SECRET", None)
+    env.pop("PARAMSYNC_SECRET_FILE", None)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((), ["coordinator", "worker", "launch"]),
+        (("launch",), ["--nproc", "--summary-json", "--master-port"]),
+        (("coordinator",), ["--world-size", "--bind", "--heartbeat-deadline"]),
+    ],
+    ids=["paramsync", "launch", "coordinator"],
+)
+def test_help_exits_zero(args: tuple[str, ...], expected: list[str]) -> None:
+    result = run_cli(*args, "--help")
+    assert result.returncode == 0, result.stderr
+    for word in expected:
+        assert word in result.stdout
+
+
+def test_launch_trains_the_lm_job_and_merges_identical_summaries(tmp_path: Path) -> None:
+    merged_path = tmp_path / "merged.json"
+    result = run_cli(
+        "launch",
+        "--nproc",
+        "2",
+        "--summary-json",
+        str(merged_path),
+        "--",
+        "-m",
+        "actors.lm_job",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--corpus-bytes",
+        "200000",
+        "--no-progress",
+        "--summary-json",
+        str(tmp_path / "s{rank}.json"),
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    merged = json.loads(merged_path.read_text())
+    assert merged["world_size"] == 2
+    assert merged["final_step"] == 3
+    assert merged["digests_identical"] is True
+    assert set(merged["digests"]) == {"0", "1"}
+    assert all(len(d) == 64 for d in merged["digests"].values())
+    assert [rank["rank"] for rank in merged["ranks"]] == [0, 1]
+    for rank in (0, 1):
+        own = json.loads((tmp_path / f"s{rank}.json").read_text())
+        assert own["rank"] == rank and own["world_size"] == 2 and own["final_step"] == 3
+        # The job's own summary describes the same final state as the launcher's: the digest
+        # of the weights after step 3, not one from a step whose check was still in flight.
+        assert own["digest"] == merged["digests"][str(rank)], (
+            f"rank {rank}'s --summary-json digest is stale"
+        )
+
+
+def test_launch_stops_the_run_and_names_the_failed_rank(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(1)\n"
+        "time.sleep(120)  # rank 0 would run on: the launcher must stop it\n"
+    )
+    started = time.monotonic()
+    result = run_cli("launch", "--nproc", "2", "--", str(script), timeout=30)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "rank 1" in result.stderr, result.stderr
+    assert elapsed < 25, f"launch took {elapsed:.1f} s: rank 0 was not stopped"
+
+
+def test_launch_with_nothing_to_launch_is_a_usage_error() -> None:
+    result = run_cli("launch", "--nproc", "2", timeout=30)
+    assert result.returncode == 2
+    assert "nothing to launch" in result.stderr
+
+
+def test_coordinator_without_a_secret_exits_2_naming_the_variable() -> None:
+    result = run_cli(
+        "coordinator", "--world-size", "2", "--bind", "127.0.0.1:0", env=env_without_secret()
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "PARAMSYNC_SECRET" in result.stderr
+
+
+def test_coordinator_with_a_bad_world_size_exits_2() -> None:
+    env = dict(os.environ, PARAMSYNC_SECRET="launch-tests-secret")
+    result = run_cli("coordinator", "--world-size", "0", "--bind", "127.0.0.1:0", env=env)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "world_size" in result.stderr
