@@ -68,7 +68,9 @@ class TrainerOptions:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     accumulation_steps: int = 1
     max_steps: int | None = None
-    digest_interval: int = 1
+    digest_interval: int | None = None
+    """The coordinator sets how often digests are checked; a value here is an expectation:
+    joining a run whose coordinator uses another interval is refused (None: follow it)."""
     chunk_bytes: int = 1 << 20
     verify_overlap: bool = True
     """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
@@ -81,7 +83,7 @@ class TrainerOptions:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
-        if self.digest_interval < 1:
+        if self.digest_interval is not None and self.digest_interval < 1:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
 
 
@@ -386,6 +388,11 @@ class DistributedTrainer:
         trace = trace if trace is not None else TraceRecorder.disabled()
         if (transport.rank, transport.world_size) != (config.rank, config.world_size):
             raise ValueError("transport and config disagree on rank or world size")
+        if options.digest_interval not in (None, client.digest_interval):
+            raise ValueError(
+                f"this worker expects digest_interval={options.digest_interval}, the "
+                f"coordinator checks every {client.digest_interval} steps"
+            )
         async with ActorSystem() as system:
             trainer = cls(
                 model,
@@ -550,9 +557,10 @@ class DistributedTrainer:
         return history
 
     def summary(self) -> dict[str, Any]:
-        """Final step and loss, this rank's last digest and the throughput, for reports."""
+        """Final step and loss, the digest of this rank's state after its last step (None before
+        the first), and the throughput."""
         seconds = sum(self.step_seconds)
-        digest = self.optimizer_actor.last_digest
+        digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
         return {
             "rank": self._config.rank,
             "world_size": self._config.world_size,

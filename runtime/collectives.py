@@ -39,6 +39,7 @@ __all__ = [
 ReduceOp = Literal["sum", "avg"]
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Bytes per frame in the ring: small enough to pipeline, large enough to amortise a frame."""
+_SEND_FIRST_BYTES = 64 * 1024
 THREADED_MIN_BYTES = int(__import__("os").environ.get("PS_THREADED", 256 * 1024))
 """From this size the ring runs on OS threads with blocking sockets (when the transport can)."""
 SMALL_ALLREDUCE_BYTES = 32 * 1024
@@ -339,13 +340,22 @@ async def _all_reduce_direct(transport: Transport, flat: torch.Tensor, op: str, 
                 (rank + step) % n, "coll", {"op": op_id, "hop": 0, "part": 0}, flat
             )
 
-    with first_error():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all)
-            for step in range(1, n):
-                peer = (rank - step) % n
-                message = await transport.recv_into(peer, gathered[peer])
-                _expect(message, op_id, 0, 0, peer)
+    async def receive_all() -> None:
+        for step in range(1, n):
+            peer = (rank - step) % n
+            message = await transport.recv_into(peer, gathered[peer])
+            _expect(message, op_id, 0, 0, peer)
+
+    if flat.numel() * flat.element_size() <= _SEND_FIRST_BYTES:
+        # Small enough to sit in any socket buffer or channel: sending first cannot block on a
+        # peer that is sending too, and saves a task per call (this is the latency path).
+        await send_all()
+        await receive_all()
+    else:
+        with first_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all)
+                await receive_all()
     result = gathered[0].clone()
     for peer in range(1, n):
         result.add_(gathered[peer])

@@ -708,7 +708,8 @@ async def test_summary_right_after_the_last_step_describes_the_final_state() -> 
 
 
 async def test_digest_interval_agreed_with_the_coordinator() -> None:
-    """Both sides set to 2: odd steps end with step_done, the last digest is step 2's."""
+    """Both sides set to 2: odd steps end with step_done instead of a digest check; the run
+    still verifies and the summary's digest (of the state now) agrees across ranks."""
     digests: dict[int, list[str | None]] = {}
 
     async def body(trainer: DistributedTrainer) -> list[str | None]:
@@ -730,8 +731,8 @@ async def test_digest_interval_agreed_with_the_coordinator() -> None:
             coordinator_options=CoordinatorOptions(digest_interval=2),
         )
     seen = results[0]
-    assert seen[0] is not None and seen[1] == seen[0]  # step 1 took no digest
-    assert seen[2] is not None and seen[2] != seen[0] and seen[3] == seen[2]
+    assert all(digest is not None for digest in seen)
+    assert len(set(seen)) == len(seen)  # every step changed the state
     assert results[1] == results[0]
 
 
