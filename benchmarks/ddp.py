@@ -1,0 +1,444 @@
+"""Training benchmark: paramsync against torch DistributedDataParallel (gloo), same run.
+
+Both systems train the same model (the built-in `CharTransformer`: d_model 128, 2 layers,
+4 heads, context 64, tied embeddings) from the same initial weights on the same data (the
+stdlib character corpus, each rank its `shard`), with the same per-worker batch (16), the same
+optimizer (AdamW, lr 3e-3) and the same world size, one OS process per worker, CPU only, one
+intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
+
+- paramsync: a separate coordinator process (``python -m runtime.cli coordinator``) and N
+  worker processes that join it through `actors.worker.join_run` and call
+  `DistributedTrainer.train_batch` once per step (the identical-weights digest check included,
+  every ``--digest-interval`` steps, 1 by default);
+- DDP: N processes in a gloo process group, the model wrapped in
+  ``torch.nn.parallel.DistributedDataParallel``.
+
+Per system and world size: ``--warmup`` untimed steps, then ``--steps`` timed ones. Rank 0
+takes the time between the ends of consecutive steps; the table shows the median of those step
+times (pooled over rounds), the overall steps/s of the timed steps (median over rounds; for
+paramsync it includes waiting for the last step's digest check), the paramsync/DDP step-time
+ratio, and rank 0's final loss for each, with the largest difference between the two loss
+curves (both are exact data-parallel training from the same start, so they should agree up to
+floating-point summation order). The systems alternate round by round so that drift in machine
+load hits both alike.
+
+    python benchmarks/ddp.py --json out/ddp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("ddp", "paramsync")
+LABELS = {"ddp": "DDP (gloo)", "paramsync": "paramsync"}
+LAUNCH_SECONDS = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _setup(args: argparse.Namespace):
+    """The model, optimizer, dataset and this rank's shard: identical for both systems."""
+    import torch
+
+    from actors.corpus import load_char_dataset, shard
+    from actors.model import CharTransformer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    vocab, dataset = load_char_dataset(args.context, max_bytes=args.corpus_bytes)
+    model = CharTransformer(
+        len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    indices = shard(len(dataset), args.rank, args.world, args.seed)
+    per_epoch = len(indices) // args.batch_size
+    if per_epoch == 0:
+        raise SystemExit(f"rank {args.rank}: the shard holds no full batch of {args.batch_size}")
+
+    def batch(step: int):
+        # Epoch after epoch through this rank's shard, like DataLoaderActor.
+        epoch, index = divmod(step, per_epoch)
+        order = (
+            indices if epoch == 0 else shard(len(dataset), args.rank, args.world, args.seed, epoch)
+        )
+        start = index * args.batch_size
+        return dataset.batch(order[start : start + args.batch_size])
+
+    info = {"vocab_size": len(vocab), "parameters": model.num_parameters()}
+    return model, optimizer, batch, info
+
+
+def _result(
+    ends: list[float], losses: list[float], warmup: int, overall: float, info: dict
+) -> dict:
+    step_seconds = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])]
+    timed = len(ends) - warmup
+    return {
+        "step_seconds": step_seconds,
+        "steps_per_second": timed / overall,
+        "losses": losses,
+        **info,
+    }
+
+
+def _worker_ddp(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, optimizer, batch, info = _setup(args)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+    )
+    try:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        ends: list[float] = []
+        losses: list[float] = []
+        for step in range(args.warmup + args.steps):
+            inputs, targets = batch(step)
+            optimizer.zero_grad()
+            logits = ddp(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
+            loss.backward()  # DDP all-reduces the gradient buckets during backward
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            ends.append(time.perf_counter())
+        overall = ends[-1] - ends[args.warmup - 1]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return _result(ends, losses, args.warmup, overall, info)
+
+
+def _worker_paramsync(args: argparse.Namespace) -> dict:
+    import trio
+
+    from actors.trainer import TrainerOptions
+    from actors.worker import join_run
+    from runtime.config import DistributedConfig
+    from runtime.trace import TraceRecorder
+
+    model, optimizer, batch, info = _setup(args)
+
+    def loss_fn(model, micro_batch):
+        inputs, targets = micro_batch
+        return model.loss(inputs, targets)
+
+    async def main() -> dict:
+        config = DistributedConfig(args.world, args.rank, f"127.0.0.1:{args.port}")
+        options = TrainerOptions(bucket_bytes=args.bucket_bytes)
+        ends: list[float] = []
+        losses: list[float] = []
+        trace = (
+            TraceRecorder(f"rank {args.rank}", pid=args.rank)
+            if args.trace
+            else TraceRecorder.disabled()
+        )
+        async with join_run(
+            model, optimizer, loss_fn, config, options=options, trace=trace
+        ) as trainer:
+            for step in range(args.warmup + args.steps):
+                losses.append(await trainer.train_batch(batch(step)))
+                ends.append(time.perf_counter())
+            # train_batch returns before its step's digest check ends (it overlaps the next
+            # step); count the last one's wait in the overall time.
+            await trainer.verified()
+            overall = time.perf_counter() - ends[args.warmup - 1]
+        if args.trace:
+            trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
+        return _result(ends, losses, args.warmup, overall, info)
+
+    return trio.run(main)
+
+
+def _run_worker(args: argparse.Namespace) -> None:
+    worker = _worker_ddp if args.worker == "ddp" else _worker_paramsync
+    result = worker(args)
+    if args.rank == 0:
+        print(json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for name in (
+        "steps",
+        "warmup",
+        "batch_size",
+        "context",
+        "d_model",
+        "layers",
+        "heads",
+        "lr",
+        "seed",
+        "corpus_bytes",
+        "bucket_bytes",
+        "bucket_cap_mb",
+    ):
+        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.trace:
+        flags += ["--trace", str(Path(args.trace).resolve())]
+    return flags
+
+
+def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], what: str) -> None:
+    """Wait for every process; on a failure or the deadline stop the rest and raise."""
+    deadline = time.monotonic() + LAUNCH_SECONDS
+    pending = dict(procs)
+    failure = None
+    while pending and failure is None:
+        for name, proc in list(pending.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del pending[name]
+            if code != 0:
+                failure = f"{what}: {name} exited with code {code}"
+                break
+        if failure is None and time.monotonic() > deadline:
+            failure = f"{what}: still running after {LAUNCH_SECONDS:.0f} s"
+        time.sleep(0.05)
+    if failure is None:
+        return
+    for proc in pending.values():
+        proc.kill()
+        proc.wait()
+    tails = "\n".join(f"--- {name} stderr ---\n{logs[name].read_text()[-3000:]}" for name in procs)
+    raise RuntimeError(f"{failure}\n{tails}")
+
+
+def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
+    port = _free_port()
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        PARAMSYNC_SECRET=secrets.token_hex(16),
+    )
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(prefix="paramsync-ddp-bench-") as tmp:
+
+        def start(name: str, cmd: list[str], stdout=subprocess.DEVNULL) -> None:
+            logs[name] = Path(tmp) / f"{name.replace(' ', '-')}.err"
+            with open(logs[name], "w") as err:
+                procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=ROOT)
+
+        if system == "paramsync":
+            start(
+                "coordinator",
+                [
+                    sys.executable,
+                    "-m",
+                    "runtime.cli",
+                    "--log-level",
+                    "WARNING",
+                    "coordinator",
+                    "--world-size",
+                    str(world),
+                    "--bind",
+                    f"127.0.0.1:{port}",
+                    "--digest-interval",
+                    str(args.digest_interval),
+                ],
+            )
+        out_path = Path(tmp) / "rank0.out"
+        with open(out_path, "w") as out:
+            for rank in range(world):
+                cmd = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--worker",
+                    system,
+                    "--rank",
+                    str(rank),
+                    "--world",
+                    str(world),
+                    "--port",
+                    str(port),
+                    *_model_flags(args),
+                ]
+                start(f"rank {rank}", cmd, stdout=out if rank == 0 else subprocess.DEVNULL)
+        _wait_all(procs, logs, f"{system} with {world} workers")
+        return json.loads(out_path.read_text().strip().splitlines()[-1])
+
+
+def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
+    table = []
+    for world in worlds:
+        row: dict = {"world_size": world}
+        for system in SYSTEMS:
+            results = runs[(system, world)]
+            pooled = [s for r in results for s in r["step_seconds"]]
+            losses = results[-1]["losses"]
+            row[system] = {
+                "median_step_seconds": statistics.median(pooled),
+                "steps_per_second": statistics.median(r["steps_per_second"] for r in results),
+                "final_loss": losses[-1],
+                "first_loss": losses[0],
+                "mean_loss_last10": statistics.fmean(losses[-10:]),
+                "rounds": len(results),
+                "step_samples": len(pooled),
+            }
+        row["parameters"] = runs[("ddp", world)][0]["parameters"]
+        row["vocab_size"] = runs[("ddp", world)][0]["vocab_size"]
+        row["step_time_ratio"] = (
+            row["paramsync"]["median_step_seconds"] / row["ddp"]["median_step_seconds"]
+        )
+        row["throughput_ratio"] = (
+            row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
+        )
+        pairs = list(zip(runs[("paramsync", world)], runs[("ddp", world)]))
+        row["loss_curve_max_abs_diff"] = max(
+            abs(a - b) for ours, theirs in pairs for a, b in zip(ours["losses"], theirs["losses"])
+        )
+        row["loss_curve_max_abs_diff_first10"] = max(
+            abs(a - b)
+            for ours, theirs in pairs
+            for a, b in zip(ours["losses"][:10], theirs["losses"][:10])
+        )
+        table.append(row)
+    return table
+
+
+def _print_table(table: list[dict]) -> None:
+    header = (
+        f"{'n':>2} | {'DDP step':>9} {'steps/s':>7} {'loss':>6} | "
+        f"{'paramsync':>9} {'steps/s':>7} {'loss':>6} | {'step ratio':>10} | "
+        f"{'max |dloss| 10':>14} {'all':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in table:
+        ddp, ours = row["ddp"], row["paramsync"]
+        print(
+            f"{row['world_size']:>2} | "
+            f"{ddp['median_step_seconds'] * 1e3:>6.1f} ms {ddp['steps_per_second']:>7.2f} "
+            f"{ddp['final_loss']:>6.3f} | "
+            f"{ours['median_step_seconds'] * 1e3:>6.1f} ms {ours['steps_per_second']:>7.2f} "
+            f"{ours['final_loss']:>6.3f} | "
+            f"{row['step_time_ratio']:>9.2f}x | "
+            f"{row['loss_curve_max_abs_diff_first10']:>14.1e} "
+            f"{row['loss_curve_max_abs_diff']:>8.1e}"
+        )
+    print(
+        "(step: median time between consecutive steps on rank 0, pooled over rounds; steps/s: "
+        "timed steps over their\n wall time, median over rounds; loss: rank 0's loss at the "
+        "last step; step ratio: paramsync / DDP, below 1 means\n paramsync is faster; "
+        "max |dloss|: largest difference between the two systems' rank-0 loss curves, over\n"
+        " the first 10 steps and over all steps: float summation order differs between the "
+        "two all-reduces, and\n training amplifies those last-bit differences over the steps)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per system")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per worker")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus-bytes", type=int, default=1 << 20)
+    parser.add_argument(
+        "--bucket-bytes", type=int, default=1 << 20, help="paramsync gradient bucket size"
+    )
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    parser.add_argument(
+        "--digest-interval",
+        type=int,
+        default=1,
+        help="paramsync checks identical weights every this many steps (default every step)",
+    )
+    parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    parser.add_argument(
+        "--trace",
+        help="directory for the paramsync ranks' Chrome traces (actors' spans; the last round "
+        "of each world size is kept)",
+    )
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        raise SystemExit("--warmup and --steps must be at least 1")
+    if args.worker:
+        _run_worker(args)
+        return
+    print(
+        f"CharTransformer d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
+        f"context {args.context}; batch {args.batch_size} per worker; AdamW lr {args.lr}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps; {args.rounds} rounds; "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
+    runs: dict = {}
+    started = time.perf_counter()
+    for world in args.worlds:
+        for round_index in range(args.rounds):
+            order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+            for system in order:
+                result = _launch(system, world, args)
+                runs.setdefault((system, world), []).append(result)
+                print(
+                    f"world size {world}, round {round_index + 1}/{args.rounds}, "
+                    f"{LABELS[system]}: median step "
+                    f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms, "
+                    f"{result['steps_per_second']:.2f} steps/s, "
+                    f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}",
+                    flush=True,
+                )
+    table = _summarise(runs, args.worlds)
+    print(f"model: {table[0]['parameters']} parameters, vocabulary {table[0]['vocab_size']}")
+    _print_table(table)
+    print(f"total benchmark time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("json", "trace", "worker", "rank", "world", "port")
+        }
+        args.json.write_text(
+            json.dumps({"cpu_count": os.cpu_count(), "settings": settings, "rows": table}, indent=2)
+        )
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
