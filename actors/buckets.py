@@ -17,8 +17,10 @@ from runtime.coordinator_core import dtype_name
 
 __all__ = ["Bucket", "plan_buckets", "DEFAULT_BUCKET_BYTES"]
 
-DEFAULT_BUCKET_BYTES = 1 << 20
-"""Default bucket size: large enough to amortise a collective, small enough to overlap."""
+DEFAULT_BUCKET_BYTES = 4 << 20
+"""Default bucket size: large enough to amortise a collective and the coordinator's round trip,
+small enough to overlap backward (torch DDP uses 25 MiB; on 2 cores fewer, larger buckets won
+in ``benchmarks/ddp.py``)."""
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ class CoordinatorClient:
             )
         self.start_step = message.step
         self.digest_interval = message.digest_interval
-        self.heartbeat_seconds = min(self.heartbeat_seconds, message.heartbeat_deadline / 4)
+        # Until the start the deadline is unknown (a short interval is safe); from now on
+        # four heartbeats per deadline are enough and cost the training loop nothing.
+        self.heartbeat_seconds = max(self.heartbeat_seconds, message.heartbeat_deadline / 4)
         self._committed = message.step - 1
         return JoinResult(list(message.addresses), message.step)
 

@@ -3,7 +3,7 @@
 Five OS processes on this machine: ``paramsync launch`` starts the coordinator and four workers
 that talk over authenticated TCP on loopback. The workers train a small transformer on
 CPython's own standard-library sources; after every optimizer step the coordinator compares all
-workers' SHA-256 digests of their weights and optimizer state (C-DDP-001). At the end the demo
+workers' XXH3-128 digests of their weights and optimizer state (C-DDP-001). At the end the demo
 prints the summary and leaves the loss curve, the merged Chrome trace (open it in Perfetto) and
 the summary JSON in ``out/demo``.
 """
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"identical weights:     {summary['digests_identical']} "
-        f"(sha256 {next(iter(summary['digests'].values()))[:16]}... on every rank)"
+        f"(xxh3 {next(iter(summary['digests'].values()))[:16]}... on every rank)"
     )
     print(f"loss curve:            {out / 'loss.png'}")
     print(f"trace (Perfetto):      {merged}")

@@ -1,16 +1,22 @@
 """Digests of a replica's training state, for the C-DDP-001 check.
 
-A digest is SHA-256 over the exact bytes of every parameter and every optimizer-state tensor, in
-a fixed order, with names and shapes mixed in, so two replicas have equal digests only if their
-states are bitwise identical. Per-tensor digests let the coordinator name the first tensor that
+A digest is a 128-bit XXH3 hash over the exact bytes of every parameter and every
+optimizer-state tensor, in a fixed order, with names, shapes and dtypes mixed in, so two replicas
+have equal digests only if their states are bitwise identical (an accidental collision has
+probability about 2**-128). Per-tensor digests let the coordinator name the first tensor that
 differs.
+
+Why XXH3 and not SHA-256: the check runs after every optimizer step and must cost at most a few
+percent of it. SHA-256 hashes about 1.5 GB/s here (3.5 ms for a 5 MiB model state, more than the
+whole budget of a 43 ms step); XXH3 about 20 GB/s. The check guards against divergence
+(non-determinism, bit flips, bugs), not against a forging adversary: peers are already
+authenticated, and a malicious member could corrupt the gradients it sends anyway.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
+import xxhash
 
 from runtime.wire import tensor_buffer
 
@@ -59,14 +65,14 @@ def state_digest(
 ) -> StateDigest:
     """Hash the model's parameters and the optimizer's state (CUDA tensors are copied to the
     host after the stream is synchronized, C-STREAMSYNC-001)."""
-    whole = hashlib.sha256()
+    whole = xxhash.xxh3_128()
     per_tensor = []
     for name, tensor in named_state(model, optimizer):
         if tensor.device.type == "cuda":
             torch.cuda.current_stream(tensor.device).synchronize()
             tensor = tensor.to("cpu")
         tensor = tensor.contiguous()
-        one = hashlib.sha256()
+        one = xxhash.xxh3_128()
         one.update(f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode())
         one.update(tensor_buffer(tensor))
         value = one.digest()

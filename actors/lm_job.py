@@ -25,6 +25,7 @@ from runtime.plot import write_loss_plot
 from runtime.progress import ProgressBar
 from runtime.trace import TraceRecorder
 
+from .buckets import DEFAULT_BUCKET_BYTES
 from .corpus import load_char_dataset
 from .model import CharTransformer
 from .run import trainer_from_env, write_summary
@@ -54,7 +55,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument("--lr", type=float, default=3e-3)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--corpus-bytes", type=int, default=2 << 20)
-    group.add_argument("--bucket-bytes", type=int, default=1 << 20)
+    group.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     group.add_argument("--accumulation-steps", type=int, default=1)
     group.add_argument("--digest-interval", type=int, default=1)
     group.add_argument("--config", help="TOML file with a [distributed] table")

@@ -25,8 +25,13 @@ from typing import Any
 import torch
 import trio
 
-from runtime.actor import Actor, ActorSystem
-from runtime.collectives import all_reduce, broadcast
+from runtime.actor import Actor, ActorStopped, ActorSystem
+from runtime.collectives import (
+    DEFAULT_CHUNK_BYTES,
+    TRAINING_THREADED_MIN_BYTES,
+    all_reduce,
+    broadcast,
+)
 from runtime.config import DistributedConfig
 from runtime.coordinator_core import ResyncOrder
 from runtime.errors import ProtocolError
@@ -71,7 +76,9 @@ class TrainerOptions:
     digest_interval: int | None = None
     """The coordinator sets how often digests are checked; a value here is an expectation:
     joining a run whose coordinator uses another interval is refused (None: follow it)."""
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    threaded_min_bytes: int = TRAINING_THREADED_MIN_BYTES
+    """Buckets from this size all-reduce on blocking-socket threads (see `all_reduce`)."""
     verify_overlap: bool = True
     """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
     diverged workers (``resync``): a re-sync must not overwrite weights a forward is reading."""
@@ -124,6 +131,7 @@ class _StepState:
     step: int
     reduced: int = 0
     all_reduced: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
 
 
 # ----------------------------------------------------------------------------- actors
@@ -223,6 +231,12 @@ class GradCommActor(Actor):
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
         self.current: _StepState | None = None
 
+    def fail_step(self, error: BaseException) -> None:
+        """Make the trainer's wait for this step's reductions raise ``error``."""
+        if self.current is not None:
+            self.current.error = error
+            self.current.all_reduced.set()
+
     def begin_step(self, step: int) -> _StepState:
         """Expect ``len(buckets)`` reductions for ``step``."""
         self.current = _StepState(step)
@@ -248,8 +262,8 @@ class GradCommActor(Actor):
             bucket.pack([g for g in grads if g is not None], flat)
             if self.options.accumulation_steps > 1:
                 flat.div_(self.options.accumulation_steps)
-        # The coordinator takes nothing of step s+1 before step s is committed everywhere.
-        await self.client.wait_commit(message.step - 1)
+        # Step s+1 may report before step s is committed: the coordinator holds the report and
+        # says go only after the commit, so the check stays off the critical path.
         await self.client.ready(message.step, bucket.index, bucket.spec())
 
     async def _reduce(self, go: Go) -> None:
@@ -261,7 +275,13 @@ class GradCommActor(Actor):
         with self.trace.span(
             "all-reduce", actor="gradient-comm", bucket=go.bucket, bytes=flat.numel() * 4
         ):
-            await all_reduce(self.transport, flat, "avg", chunk_bytes=self.options.chunk_bytes)
+            await all_reduce(
+                self.transport,
+                flat,
+                "avg",
+                chunk_bytes=self.options.chunk_bytes,
+                threaded_min_bytes=self.options.threaded_min_bytes,
+            )
         grads = [param.grad for param in self._params[go.bucket]]
         bucket.unpack(flat, [g for g in grads if g is not None])
         state.reduced += 1
@@ -360,7 +380,10 @@ class DistributedTrainer:
         self.comm = GradCommActor(model, self.buckets, transport, client, options, trace)
 
         def on_bucket(step: int, bucket: int) -> None:
-            trio.from_thread.run(self.comm.tell, BucketReady(step, bucket), trio_token=token)
+            # Called on the backward thread: hand the bucket over without waiting for the
+            # event loop, so backward never stalls on the network side. The mailbox holds
+            # every bucket of a step, so the hand-over cannot find it full.
+            token.run_sync_soon(self._bucket_ready, BucketReady(step, bucket))
 
         self.compute = ComputeActor(model, loss_fn, self.buckets, on_bucket, trace)
         self.optimizer_actor = OptimizerActor(model, optimizer, client, options, trace)
@@ -464,6 +487,8 @@ class DistributedTrainer:
             total += await self.compute.ask(Backward(step, micro, last))
         with self.trace.span("grad-wait", actor="trainer", step=step):
             await state.all_reduced.wait()
+        if state.error is not None:
+            raise state.error
         await self.optimizer_actor.ask(OptimizerStep(step))
         if self.options.verify_overlap:
             await self.optimizer_actor.tell(Verify(step))
@@ -474,6 +499,14 @@ class DistributedTrainer:
         self.losses.append((step, loss))
         self.step_seconds.append(time.perf_counter() - started)
         return loss
+
+    def _bucket_ready(self, message: BucketReady) -> None:
+        try:
+            self.comm.tell_nowait(message)
+        except (trio.WouldBlock, ActorStopped) as exc:
+            # The run is already failing (the comm actor stopped) or misconfigured; record it
+            # so the step reports it instead of hanging.
+            self.comm.fail_step(exc)
 
     async def _resync(self, order: ResyncOrder) -> None:
         """Copy the source rank's parameters and optimizer state to the diverged ranks."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 SYSTEMS = ("gloo", "paramsync")
 
 

@@ -149,7 +149,11 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     async def main() -> dict:
         config = DistributedConfig(args.world, args.rank, f"127.0.0.1:{args.port}")
-        options = TrainerOptions(bucket_bytes=args.bucket_bytes)
+        options = (
+            TrainerOptions(bucket_bytes=args.bucket_bytes)
+            if args.bucket_bytes is not None
+            else TrainerOptions()
+        )
         ends: list[float] = []
         losses: list[float] = []
         trace = (
@@ -200,7 +204,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
         "bucket_bytes",
         "bucket_cap_mb",
     ):
-        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.trace:
         flags += ["--trace", str(Path(args.trace).resolve())]
     return flags
@@ -371,7 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=1 << 20)
     parser.add_argument(
-        "--bucket-bytes", type=int, default=1 << 20, help="paramsync gradient bucket size"
+        "--bucket-bytes",
+        type=int,
+        default=None,
+        help="paramsync gradient bucket size (default: TrainerOptions' default)",
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument(

@@ -27,6 +27,8 @@ from .wire import DTYPE_TAGS, Field, register_message
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "SMALL_ALLREDUCE_BYTES",
+    "THREADED_MIN_BYTES",
+    "TRAINING_THREADED_MIN_BYTES",
     "ReduceOp",
     "segment_bounds",
     "all_reduce",
@@ -37,11 +39,14 @@ __all__ = [
 ]
 
 ReduceOp = Literal["sum", "avg"]
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 """Bytes per frame in the ring: small enough to pipeline, large enough to amortise a frame."""
 _SEND_FIRST_BYTES = 64 * 1024
-THREADED_MIN_BYTES = int(__import__("os").environ.get("PS_THREADED", 256 * 1024))
+THREADED_MIN_BYTES = 256 * 1024
 """From this size the ring runs on OS threads with blocking sockets (when the transport can)."""
+TRAINING_THREADED_MIN_BYTES = 16 << 20
+"""The same threshold while a compute thread trains (see `all_reduce`): measured with
+``benchmarks/ddp.py``, trio-task rings cost the training step less up to large buckets."""
 SMALL_ALLREDUCE_BYTES = 32 * 1024
 """At or below this size all-reduce exchanges whole tensors in one round instead of 2(n-1) hops."""
 
@@ -134,12 +139,13 @@ async def _ring(
     chunk: int,
     fold: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     fold_hops: int = 0,
+    threaded_min_bytes: int = THREADED_MIN_BYTES,
 ) -> None:
     """Run the ring on worker threads when the transport lends blocking links and the
     tensor is large enough to repay a thread hand-off; else on trio tasks."""
     links = getattr(transport, "blocking_links", None)
     nbytes = flat.numel() * flat.element_size()
-    if links is not None and nbytes >= THREADED_MIN_BYTES:
+    if links is not None and nbytes >= threaded_min_bytes:
         n = transport.world_size
         peers = {(transport.rank + 1) % n, (transport.rank - 1) % n}
         async with links(peers) as io:
@@ -292,12 +298,15 @@ async def all_reduce(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     small_bytes: int = SMALL_ALLREDUCE_BYTES,
+    threaded_min_bytes: int = THREADED_MIN_BYTES,
 ) -> torch.Tensor:
     """Reduce ``tensor`` across the group in place (sum or average) and return it.
 
     Large tensors take the ring (reduce-scatter, then all-gather); tensors of at most
-    ``small_bytes`` take one all-to-all round, each rank summing in rank order. Integer
-    averages round down.
+    ``small_bytes`` take one all-to-all round, each rank summing in rank order. From
+    ``threaded_min_bytes`` the ring runs on two OS threads with blocking sockets (TCP only):
+    fastest for a lone all-reduce, but in training the compute thread wants those cores, so
+    the trainer raises it. Integer averages round down.
     """
     flat = _check_tensor(tensor, "all_reduce")
     _check_op(op)
@@ -325,7 +334,17 @@ async def all_reduce(
 
     # One pipeline for both phases: reduce hops fold in, gather hops land in place.
     bounds = segment_bounds(flat.numel(), n)
-    await _ring(transport, flat, op_id, bounds, reduce_hops + gather_hops, chunk, fold, n - 1)
+    await _ring(
+        transport,
+        flat,
+        op_id,
+        bounds,
+        reduce_hops + gather_hops,
+        chunk,
+        fold,
+        n - 1,
+        threaded_min_bytes,
+    )
     return tensor
 
 

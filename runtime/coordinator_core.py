@@ -825,6 +825,7 @@ class CoordinatorCore:
         self._pending: dict[int, dict[int, BucketSpec]] = {}
         self._gone: set[int] = set()
         self._done: dict[int, Digest | StepDone] = {}
+        self._early: list[Ready] = []
 
     # ------------------------------------------------------------------- observability
 
@@ -965,6 +966,14 @@ class CoordinatorCore:
         early = self._not_running(rank, f"bucket {bucket} ready for step {step}")
         if early is not None:
             return early
+        if step == self._step + 1:
+            # Step s+1's backward may finish before step s's digests are in: hold the report
+            # until step s commits (no Go for s+1 before that), keeping the check off the
+            # critical path.
+            if any(e.rank == rank and e.bucket == bucket for e in self._early):
+                return self._abort(f"step {step}: rank {rank} reported bucket {bucket} twice")
+            self._early.append(event)
+            return []
         if step != self._step:
             return self._abort(
                 f"rank {rank} reported bucket {bucket} ready for step {step}, "
@@ -1048,7 +1057,13 @@ class CoordinatorCore:
         self._pending = {}
         self._gone = set()
         self._done = {}
-        return [Broadcast(commit)]
+        actions: list[Action] = [Broadcast(commit)]
+        early, self._early = self._early, []
+        for event in early:
+            actions += self._on_ready(event)
+            if self._state is RunState.ABORTED:
+                break
+        return actions
 
     def _verdict(self) -> list[Action]:
         """All digests of this step are in: commit, resync or abort."""
@@ -1102,7 +1117,7 @@ class CoordinatorCore:
             return self._abort(
                 f"rank {rank} finished the run at step {step}, but the run is at step {self._step}"
             )
-        if self._pending or self._gone or self._done:
+        if self._pending or self._gone or self._done or self._early:
             active = set(self._done)
             for reports in self._pending.values():
                 active.update(reports)

@@ -53,7 +53,9 @@ log = logging.getLogger("paramsync.tcp")
 DEFAULT_GROUP = "paramsync"
 _BUFFER_SIZE = 256 * 1024
 _DIRECT_READ = 64 * 1024
-_SOCKET_BUFFER = int(__import__("os").environ.get("PS_SOCKBUF", 4 * 1024 * 1024))
+_HEAD_READ = 4096
+_SOCKET_BUFFER = 4 * 1024 * 1024
+"""Socket buffers that hold a whole 4 MiB ring part, so a blocking send rarely waits."""
 
 register_message("rdv_join", host=Field(str, max_len=256), port=Field(int, min=1, max=65535))
 register_message("rdv_table", addresses=Field(list, max_len=1 << 16, items=list))
@@ -254,17 +256,43 @@ class Connection:
                 raise PeerClosed("connection closed by the peer", peer=self.peer)
             got += count
 
+    def _fill_blocking(self, need: int) -> None:
+        """`_fill` for worker threads: one wake-up usually brings prefix and head together.
+
+        Reads at most `_HEAD_READ` bytes a call, so a bulk that follows mostly lands straight
+        in its destination rather than in this buffer."""
+        if self._end - self._start >= need:
+            return
+        if need > len(self._buf) - self._start:
+            pending = self._buf[self._start : self._end]
+            if need > len(self._buf):
+                self._buf = bytearray(max(need, _BUFFER_SIZE))
+                self._view = memoryview(self._buf)
+            self._buf[: len(pending)] = pending
+            self._start, self._end = 0, len(pending)
+        raw = self._raw_socket()
+        while self._end - self._start < need:
+            room = len(self._buf) - self._end
+            size = min(room, max(_HEAD_READ, need - (self._end - self._start)))
+            try:
+                count = raw.recv_into(self._view[self._end :], size)
+            except BlockingIOError:
+                raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
+            except OSError as exc:
+                raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+            if count == 0:
+                raise PeerClosed("connection closed by the peer", peer=self.peer)
+            self._end += count
+
     def recv_into_blocking(
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any]:
         """Receive one message into ``out`` from a worker thread (blocking mode only)."""
         try:
-            prefix = bytearray(PREFIX_SIZE)
-            self._read_blocking(memoryview(prefix))
-            item_len, bulk_len = parse_prefix(prefix, max_frame)
-            head = bytearray(item_len - bulk_len)
-            self._read_blocking(memoryview(head))
-            message, spec = decode_head(head, bulk_len)
+            self._fill_blocking(PREFIX_SIZE)
+            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
+            self._fill_blocking(item_len - bulk_len)
+            message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
             check_bulk_destination(spec, out, self.peer, message)
             if spec is not None:
                 self._read_blocking(tensor_buffer(out))
@@ -302,9 +330,8 @@ class Connection:
 def _tune(sock: Any) -> None:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if _SOCKET_BUFFER:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
     except OSError:  # pragma: no cover - options are advisory
         pass
 

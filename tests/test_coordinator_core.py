@@ -335,13 +335,35 @@ def test_spec_mismatch_at_a_later_step_names_it() -> None:
     )
 
 
-@pytest.mark.parametrize("bad_step", [0, 2, 5])
+@pytest.mark.parametrize("bad_step", [0, 3, 5])
 def test_ready_for_another_step_aborts(bad_step: int) -> None:
     core = started(2)
     run_buckets(core, 0, 1)
     end_step(core, 0)
     reason = the_abort(core.handle(Ready(1, bad_step, 0, spec(0))))
     assert reason == f"rank 1 reported bucket 0 ready for step {bad_step}, but the run is at step 1"
+
+
+def test_ready_for_the_next_step_is_held_until_the_commit() -> None:
+    """Step s+1's backward may beat step s's digest: its Ready waits, its Go follows the
+    commit, and a second early report of the same bucket aborts."""
+    core = started(2)
+    run_buckets(core, 0, 1)
+    assert core.handle(Ready(0, 1, 0, spec(0))) == []  # early: rank 0 has not even sent its digest
+    assert core.handle(Ready(1, 1, 0, spec(0))) == []
+    actions = end_step(core, 0)  # the digests arrive: commit 0, then the held reports: Go(1, 0)
+    assert [type(a.message).__name__ for a in actions if isinstance(a, Broadcast)] == [
+        "Commit",
+        "Go",
+    ]
+    go = actions[-1].message
+    assert (go.step, go.bucket) == (1, 0) and core.step == 1
+    core2 = started(2)
+    run_buckets(core2, 0, 1)
+    core2.handle(Ready(0, 1, 0, spec(0)))
+    assert the_abort(core2.handle(Ready(0, 1, 0, spec(0)))) == (
+        "step 1: rank 0 reported bucket 0 twice"
+    )
 
 
 def test_duplicate_bucket_aborts_pending_or_gone() -> None:
@@ -968,8 +990,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             return Ready(rank, step, 0, spec(0))
         if fault == "stale":
             return self.end_message(rank, step - 1) if step else Ready(rank, step, 0, spec(0))
-        if fault == "future":
-            return Ready(rank, step + 1, todo[0], spec(todo[0]))
+        if fault == "future":  # step + 1 is held until the commit (early ready); +2 is wrong
+            return Ready(rank, step + 2, todo[0], spec(todo[0]))
         if fault == "badspec":
             return Ready(rank, step, todo[0], (((99,), "float16"),))
         if fault == "newbucket":

@@ -87,7 +87,7 @@ def test_launch_trains_the_lm_job_and_merges_identical_summaries(tmp_path: Path)
     assert merged["final_step"] == 3
     assert merged["digests_identical"] is True
     assert set(merged["digests"]) == {"0", "1"}
-    assert all(len(d) == 64 for d in merged["digests"].values())
+    assert all(len(d) == 32 for d in merged["digests"].values())  # XXH3-128 hex
     assert [rank["rank"] for rank in merged["ranks"]] == [0, 1]
     for rank in (0, 1):
         own = json.loads((tmp_path / f"s{rank}.json").read_text())
