@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import trio
 
-from runtime.actor import Actor, ActorStopped, ActorSystem
+from runtime.actor import Actor, ActorSystem
 from runtime.collectives import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
@@ -131,7 +131,6 @@ class _StepState:
     step: int
     reduced: int = 0
     all_reduced: trio.Event = field(default_factory=trio.Event)
-    error: BaseException | None = None
 
 
 # ----------------------------------------------------------------------------- actors
@@ -230,12 +229,6 @@ class GradCommActor(Actor):
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
         self.current: _StepState | None = None
-
-    def fail_step(self, error: BaseException) -> None:
-        """Make the trainer's wait for this step's reductions raise ``error``."""
-        if self.current is not None:
-            self.current.error = error
-            self.current.all_reduced.set()
 
     def begin_step(self, step: int) -> _StepState:
         """Expect ``len(buckets)`` reductions for ``step``."""
@@ -380,10 +373,9 @@ class DistributedTrainer:
         self.comm = GradCommActor(model, self.buckets, transport, client, options, trace)
 
         def on_bucket(step: int, bucket: int) -> None:
-            # Called on the backward thread: hand the bucket over without waiting for the
-            # event loop, so backward never stalls on the network side. The mailbox holds
-            # every bucket of a step, so the hand-over cannot find it full.
-            token.run_sync_soon(self._bucket_ready, BucketReady(step, bucket))
+            # Called on the backward thread; waits until the bucket is in the comm actor's
+            # mailbox (sized for every bucket of a step, so the wait is one loop turn).
+            trio.from_thread.run(self.comm.tell, BucketReady(step, bucket), trio_token=token)
 
         self.compute = ComputeActor(model, loss_fn, self.buckets, on_bucket, trace)
         self.optimizer_actor = OptimizerActor(model, optimizer, client, options, trace)
@@ -487,8 +479,6 @@ class DistributedTrainer:
             total += await self.compute.ask(Backward(step, micro, last))
         with self.trace.span("grad-wait", actor="trainer", step=step):
             await state.all_reduced.wait()
-        if state.error is not None:
-            raise state.error
         await self.optimizer_actor.ask(OptimizerStep(step))
         if self.options.verify_overlap:
             await self.optimizer_actor.tell(Verify(step))
@@ -499,14 +489,6 @@ class DistributedTrainer:
         self.losses.append((step, loss))
         self.step_seconds.append(time.perf_counter() - started)
         return loss
-
-    def _bucket_ready(self, message: BucketReady) -> None:
-        try:
-            self.comm.tell_nowait(message)
-        except (trio.WouldBlock, ActorStopped) as exc:
-            # The run is already failing (the comm actor stopped) or misconfigured; record it
-            # so the step reports it instead of hanging.
-            self.comm.fail_step(exc)
 
     async def _resync(self, order: ResyncOrder) -> None:
         """Copy the source rank's parameters and optimizer state to the diverged ranks."""

@@ -154,20 +154,6 @@ class Actor:
         self._check_type(message)
         await self._post(_Envelope(message, None))
 
-    def tell_nowait(self, message: object) -> None:
-        """Queue ``message`` without waiting, from synchronous code on the actor's trio thread
-        (e.g. a callback scheduled with ``TrioToken.run_sync_soon``).
-
-        Raises `trio.WouldBlock` if the mailbox is full (the caller sized it too small),
-        `TypeError` for a message type the actor does not accept, and `ActorStopped` if the
-        mailbox is closed.
-        """
-        self._check_type(message)
-        try:
-            self._send.send_nowait(_Envelope(message, None))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ActorStopped(self.name, self._state) from None
-
     async def ask(self, message: object) -> object | None:
         """Send ``message`` and return what `handle` returns for it.
 
