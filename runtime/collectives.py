@@ -13,7 +13,7 @@ Frames carry the collective's id, hop and part; anything else from a peer is a P
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Literal
 
@@ -143,70 +143,101 @@ async def _ring(
 ) -> None:
     """Run the ring on worker threads when the transport lends blocking links and the
     tensor is large enough to repay a thread hand-off; else on trio tasks."""
+    plan = _RingPlan(transport, flat, op_id, bounds, hops, chunk, fold, fold_hops)
     links = getattr(transport, "blocking_links", None)
     nbytes = flat.numel() * flat.element_size()
     if links is not None and nbytes >= threaded_min_bytes:
-        n = transport.world_size
-        peers = {(transport.rank + 1) % n, (transport.rank - 1) % n}
-        async with links(peers) as io:
-            await _ring_threaded(transport, io, flat, op_id, bounds, hops, chunk, fold, fold_hops)
+        async with links({plan.next, plan.prev}) as io:
+            await _ring_threaded(plan, io)
         return
-    await _ring_async(transport, flat, op_id, bounds, hops, chunk, fold, fold_hops)
+    await _ring_async(transport, plan)
 
 
-async def _ring_threaded(
-    transport: Transport,
-    io: Any,
-    flat: torch.Tensor,
-    op_id: int,
-    bounds: list[tuple[int, int]],
-    hops: list[tuple[int, int]],
-    chunk: int,
-    fold: Callable[[int, torch.Tensor, torch.Tensor], None] | None,
-    fold_hops: int,
-) -> None:
-    """The same schedule as `_ring_async`, with a sender and a receiver OS thread.
+class _RingPlan:
+    """One ring schedule, shared by the trio-task and the OS-thread runners.
+
+    Hop k sends segment ``hops[k][0]`` and receives segment ``hops[k][1]``; hop k+1 always
+    forwards what hop k received, so a part leaves as soon as it is final. In the first
+    ``fold_hops`` hops a part lands in a scratch buffer and ``fold(hop, dest, scratch)`` reduces
+    it into place; in later hops it lands in place, uncopied.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        flat: torch.Tensor,
+        op_id: int,
+        bounds: list[tuple[int, int]],
+        hops: list[tuple[int, int]],
+        chunk: int,
+        fold: Callable[[int, torch.Tensor, torch.Tensor], None] | None,
+        fold_hops: int,
+    ) -> None:
+        n = transport.world_size
+        self.next, self.prev = (transport.rank + 1) % n, (transport.rank - 1) % n
+        self.flat = flat
+        self.op_id = op_id
+        self.fold = fold
+        self.fold_hops = fold_hops
+        self.send_parts = [_parts(*bounds[seg], chunk) for seg, _ in hops]
+        self.recv_parts = [_parts(*bounds[seg], chunk) for _, seg in hops]
+        self.done = [0] * len(hops)  # parts of each hop received and final
+        self.scratch = torch.empty(_largest(self.recv_parts[:fold_hops]), dtype=flat.dtype)
+
+    def sends(self) -> Iterator[tuple[int, int, dict[str, int], torch.Tensor]]:
+        """(hop, part, header, tensor) of every part this rank sends, in order."""
+        for hop, parts in enumerate(self.send_parts):
+            for index, (lo, hi) in enumerate(parts):
+                fields = {"op": self.op_id, "hop": hop, "part": index}
+                yield hop, index, fields, self.flat[lo:hi]
+
+    def ready(self, hop: int, index: int) -> bool:
+        """Whether part ``index`` of ``hop`` may leave (what it forwards has arrived)."""
+        return hop == 0 or self.done[hop - 1] > index
+
+    def receives(self) -> Iterator[tuple[int, int, int, int, torch.Tensor]]:
+        """(hop, part, lo, hi, landing buffer) of every part this rank receives, in order."""
+        for hop, parts in enumerate(self.recv_parts):
+            for index, (lo, hi) in enumerate(parts):
+                land = self.scratch[: hi - lo] if hop < self.fold_hops else self.flat[lo:hi]
+                yield hop, index, lo, hi, land
+
+    def landed(
+        self, message: dict[str, Any], hop: int, index: int, lo: int, hi: int, land: torch.Tensor
+    ) -> None:
+        """Check a received part's header, reduce it into place if it is a fold hop."""
+        _expect(message, self.op_id, hop, index, self.prev)
+        if hop < self.fold_hops:
+            assert self.fold is not None
+            self.fold(hop, self.flat[lo:hi], land)
+        self.done[hop] += 1
+
+
+async def _ring_threaded(plan: _RingPlan, io: Any) -> None:
+    """Run ``plan`` with a sender and a receiver OS thread.
 
     Blocking calls move whole parts per system call and release the GIL, so the kernel copies
     out and in run on two cores at once. A failure on either thread aborts the links, which
     wakes the other thread, and the first error surfaces.
     """
-    n = transport.world_size
-    nxt, prv = (transport.rank + 1) % n, (transport.rank - 1) % n
-    send_parts = [_parts(*bounds[seg], chunk) for seg, _ in hops]
-    recv_parts = [_parts(*bounds[seg], chunk) for _, seg in hops]
-    done = [0] * len(hops)
     ready = threading.Condition()
     failed: list[BaseException] = []
 
     def sender() -> None:
-        for hop, parts in enumerate(send_parts):
-            for index, (lo, hi) in enumerate(parts):
-                if hop > 0:
-                    with ready:
-                        while done[hop - 1] <= index and not failed:
-                            ready.wait()
-                        if failed:
-                            return
-                io.send(nxt, "coll", {"op": op_id, "hop": hop, "part": index}, flat[lo:hi])
+        for hop, index, fields, part in plan.sends():
+            with ready:
+                while not plan.ready(hop, index) and not failed:
+                    ready.wait()
+                if failed:
+                    return
+            io.send(plan.next, "coll", fields, part)
 
     def receiver() -> None:
-        scratch = torch.empty(_largest(recv_parts[:fold_hops]), dtype=flat.dtype)
-        for hop, parts in enumerate(recv_parts):
-            for index, (lo, hi) in enumerate(parts):
-                dest = flat[lo:hi]
-                if hop < fold_hops:
-                    buf = scratch[: hi - lo]
-                    message = io.recv_into(prv, buf)
-                    _expect(message, op_id, hop, index, prv)
-                    assert fold is not None
-                    fold(hop, dest, buf)
-                else:
-                    message = io.recv_into(prv, dest)
-                    _expect(message, op_id, hop, index, prv)
-                with ready:
-                    done[hop] += 1
-                    ready.notify_all()
+        for hop, index, lo, hi, land in plan.receives():
+            message = io.recv_into(plan.prev, land)
+            with ready:
+                plan.landed(message, hop, index, lo, hi, land)
+                ready.notify_all()
 
     def guarded(body: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -234,56 +265,21 @@ async def _ring_threaded(
         raise
 
 
-async def _ring_async(
-    transport: Transport,
-    flat: torch.Tensor,
-    op_id: int,
-    bounds: list[tuple[int, int]],
-    hops: list[tuple[int, int]],
-    chunk: int,
-    fold: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-    fold_hops: int = 0,
-) -> None:
-    """Run ring hops: hop k sends segment ``hops[k][0]`` and receives segment ``hops[k][1]``.
-
-    Hop k+1 always forwards what hop k received, so each part leaves as soon as it is final.
-    In the first ``fold_hops`` hops a part lands in a scratch buffer and ``fold(hop, dest,
-    scratch)`` reduces it into place; in later hops it lands in place, uncopied.
-    """
-    n = transport.world_size
-    rank = transport.rank
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
-    send_parts = [_parts(*bounds[seg], chunk) for seg, _ in hops]
-    recv_parts = [_parts(*bounds[seg], chunk) for _, seg in hops]
-    done = [0] * len(hops)  # parts of each hop received and final
+async def _ring_async(transport: Transport, plan: _RingPlan) -> None:
+    """Run ``plan`` with a sender and a receiver trio task."""
     lot = trio.lowlevel.ParkingLot()
 
     async def sender() -> None:
-        for hop, parts in enumerate(send_parts):
-            for index, (lo, hi) in enumerate(parts):
-                if hop > 0:
-                    while done[hop - 1] <= index:
-                        await lot.park()
-                await transport.send(
-                    nxt, "coll", {"op": op_id, "hop": hop, "part": index}, flat[lo:hi]
-                )
+        for hop, index, fields, part in plan.sends():
+            while not plan.ready(hop, index):
+                await lot.park()
+            await transport.send(plan.next, "coll", fields, part)
 
     async def receiver() -> None:
-        scratch = torch.empty(_largest(recv_parts[:fold_hops]), dtype=flat.dtype)
-        for hop, parts in enumerate(recv_parts):
-            for index, (lo, hi) in enumerate(parts):
-                dest = flat[lo:hi]
-                if hop < fold_hops:
-                    buf = scratch[: hi - lo]
-                    message = await transport.recv_into(prv, buf)
-                    _expect(message, op_id, hop, index, prv)
-                    assert fold is not None
-                    fold(hop, dest, buf)
-                else:
-                    message = await transport.recv_into(prv, dest)
-                    _expect(message, op_id, hop, index, prv)
-                done[hop] += 1
-                lot.unpark_all()
+        for hop, index, lo, hi, land in plan.receives():
+            message = await transport.recv_into(plan.prev, land)
+            plan.landed(message, hop, index, lo, hi, land)
+            lot.unpark_all()
 
     with first_error():
         async with trio.open_nursery() as nursery:

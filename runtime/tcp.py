@@ -109,18 +109,21 @@ class Connection:
 
     async def _fill(self, need: int) -> None:
         """Make at least ``need`` unread bytes sit in the receive buffer."""
-        if self._end - self._start >= need:
-            return
-        if need > len(self._buf) - self._start:
-            pending = self._buf[self._start : self._end]
-            if need > len(self._buf):
-                self._buf = bytearray(max(need, _BUFFER_SIZE))
-                self._view = memoryview(self._buf)
-            self._buf[: len(pending)] = pending
-            self._start, self._end = 0, len(pending)
+        self._make_room(need)
         while self._end - self._start < need:
             count = await self._recv_into(self._view[self._end :])
             self._end += count
+
+    def _make_room(self, need: int) -> None:
+        """Move unread bytes to the buffer's front (growing it) so ``need`` bytes fit."""
+        if self._end - self._start >= need or need <= len(self._buf) - self._start:
+            return
+        pending = self._buf[self._start : self._end]
+        if need > len(self._buf):
+            self._buf = bytearray(max(need, _BUFFER_SIZE))
+            self._view = memoryview(self._buf)
+        self._buf[: len(pending)] = pending
+        self._start, self._end = 0, len(pending)
 
     async def _recv_into(self, view: memoryview) -> int:
         try:
@@ -261,15 +264,7 @@ class Connection:
 
         Reads at most `_HEAD_READ` bytes a call, so a bulk that follows mostly lands straight
         in its destination rather than in this buffer."""
-        if self._end - self._start >= need:
-            return
-        if need > len(self._buf) - self._start:
-            pending = self._buf[self._start : self._end]
-            if need > len(self._buf):
-                self._buf = bytearray(max(need, _BUFFER_SIZE))
-                self._view = memoryview(self._buf)
-            self._buf[: len(pending)] = pending
-            self._start, self._end = 0, len(pending)
+        self._make_room(need)
         raw = self._raw_socket()
         while self._end - self._start < need:
             room = len(self._buf) - self._end
