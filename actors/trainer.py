@@ -16,6 +16,7 @@ A worker is a trio nursery of actors joined by bounded mailboxes:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -61,6 +62,13 @@ register_message(
     index=Field(int, min=0),
     data=Field(torch.Tensor),
 )
+
+_OPTIMIZER_STEP_LOCK = threading.Lock()
+"""Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not
+safe to step from several threads at once: two threads taking the first AdamW step of two
+identical replicas (tied embeddings, identical gradients) disagreed on the tied weight in about
+1 run in 12 (tests/test_soak.py reproduces it without paramsync). Only in-process groups run
+several trainers in one process, and a step is milliseconds, so the lock costs nothing else."""
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch) -> scalar loss``: the user's forward pass."""
@@ -326,7 +334,8 @@ class OptimizerActor(Actor):
             await self.client.wait_commit(step)
 
     def _apply(self) -> None:
-        self.optimizer.step()
+        with _OPTIMIZER_STEP_LOCK:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
 
