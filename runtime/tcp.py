@@ -92,14 +92,7 @@ class Connection:
         views = [memoryview(part).cast("B") for part in parts]
         try:
             while views:
-                sent = await self._sock.sendmsg(views)
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+                _consume(views, await self._sock.sendmsg(views))
         except OSError as exc:
             raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -227,14 +220,7 @@ class Connection:
         raw = self._raw_socket()
         try:
             while views:
-                sent = raw.sendmsg(views)
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+                _consume(views, raw.sendmsg(views))
         except BlockingIOError:
             raise StallError(f"send to peer {self.peer} stalled past its deadline") from None
         except OSError as exc:
@@ -320,6 +306,17 @@ class Connection:
             self._raw.close()
             self._raw = None
         await self.stream.aclose()
+
+
+def _consume(views: list[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of a partly sent ``sendmsg`` buffer list, in place."""
+    while sent:
+        if sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
 
 
 def _tune(sock: Any) -> None:
