@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.executable,
         "-m",
         "runtime.cli",
+        "--log-level",
+        "WARNING",
         "launch",
         "--nproc",
         str(args.workers),
