@@ -11,22 +11,17 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
+
+from .launch import free_port
 
 __all__ = ["main"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(world_size: int = 4, size: str = "16MiB") -> int:
     """Run the demo; returns the exit code (0 when every rank's check passed)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
     print(f"paramsync demo: {world_size} worker processes average a {size} float32 tensor")
     print(f"rendezvous at 127.0.0.1:{port}; every connection HMAC-authenticated")

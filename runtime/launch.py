@@ -21,14 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_launch", "merge_summaries"]
+__all__ = ["run_launch", "merge_summaries", "free_port"]
 
 log = logging.getLogger("paramsync.launch")
 
 _GRACE_SECONDS = 10.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -73,7 +74,7 @@ def run_launch(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    port = args.master_port or _free_port()
+    port = args.master_port or free_port()
     base = dict(
         os.environ,
         PARAMSYNC_SECRET=os.environ.get("PARAMSYNC_SECRET") or secrets.token_hex(16),
