@@ -17,8 +17,10 @@ import trio
 
 from runtime.coordinator_core import (
     AbortRun,
+    Apply,
     Commit,
     Go,
+    Hold,
     JoinRefused,
     ResyncOrder,
     Shutdown,
@@ -44,6 +46,7 @@ class JoinResult:
 
     addresses: list[tuple[str, int]]
     step: int
+    start: StartRun
 
 
 class CoordinatorClient:
@@ -55,17 +58,44 @@ class CoordinatorClient:
         self.heartbeat_seconds = heartbeat_seconds
         self.on_go: Callable[[Go], Awaitable[None]] | None = None
         self.on_resync: Callable[[ResyncOrder], Awaitable[None]] | None = None
+        self.on_epoch: Callable[[StartRun | Hold], None] | None = None
+        """Called (synchronously, in order) with every later epoch's start and every hold."""
         self.digest_interval = 1
         self.start_step = 0
+        self.start: StartRun | None = None
+        self.epoch = 0
+        """The newest epoch the coordinator announced; messages of older ones are dropped."""
         self.shutdown_reason: str | None = None
+        self.done = trio.Event()
         self._committed = -1
+        self._applied = -1
         self._commit_changed = trio.Event()
         self._failure: BaseException | None = None
 
-    async def join(self, signature: Signature, address: tuple[str, int]) -> JoinResult:
-        """Send this worker's model signature and data-plane address; wait for the start."""
+    async def join(
+        self,
+        signature: Signature,
+        address: tuple[str, int],
+        *,
+        step: int = 0,
+        digest: bytes = b"",
+        epoch: int = 0,
+    ) -> JoinResult:
+        """Send this worker's model signature and data-plane address; wait for the start.
+
+        ``step``, ``digest`` and ``epoch`` describe the state a resuming worker holds (a
+        checkpoint, or a coordinator that restarted); a fresh worker sends the defaults.
+        """
         params = [[name, list(shape), dtype, grad] for name, shape, dtype, grad in signature]
-        await self._send("join", host=address[0], port=address[1], params=params)
+        await self._send(
+            "join",
+            host=address[0],
+            port=address[1],
+            params=params,
+            step=step,
+            digest=digest,
+            epoch=epoch,
+        )
         # Heartbeats flow from the join on: waiting for slow peers is not silence.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, True)
@@ -82,33 +112,65 @@ class CoordinatorClient:
         # Until the start the deadline is unknown (a short interval is safe); from now on
         # four heartbeats per deadline are enough and cost the training loop nothing.
         self.heartbeat_seconds = max(self.heartbeat_seconds, message.heartbeat_deadline / 4)
-        self._committed = message.step - 1
-        return JoinResult(list(message.addresses), message.step)
+        self.start = message
+        self.epoch = message.epoch
+        self.begin_epoch(message)
+        return JoinResult(list(message.addresses), message.step, message)
+
+    def begin_epoch(self, start: StartRun) -> None:
+        """Count commits and applies afresh for ``start``'s epoch."""
+        self.start = start
+        self._committed = start.step - 2 if start.verify else start.step - 1
+        self._applied = start.step - 1
+        self._wake()
 
     async def _send(self, kind: str, **fields: Any) -> None:
         await self.link.send(kind, fields)
 
-    async def ready(self, step: int, bucket: int, spec: Sequence[Any]) -> None:
+    async def ready(self, step: int, bucket: int, spec: Sequence[Any], epoch: int = 1) -> None:
         """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go."""
-        await self._send("ready", step=step, bucket=bucket, spec=[list(item) for item in spec])
-
-    async def digest(self, step: int, digest: bytes, tensors: list[tuple[str, bytes]]) -> None:
-        """Report the state digest after ``step``'s optimizer step."""
         await self._send(
-            "digest", step=step, digest=digest, tensors=[[name, value] for name, value in tensors]
+            "ready", epoch=epoch, step=step, bucket=bucket, spec=[list(item) for item in spec]
         )
 
-    async def step_done(self, step: int) -> None:
-        """Report ``step`` done on a step without a digest check."""
-        await self._send("step_done", step=step)
+    async def reduced(self, step: int, epoch: int) -> None:
+        """Report every bucket of ``step`` all-reduced here (elastic runs' apply barrier)."""
+        await self._send("reduced", epoch=epoch, step=step)
 
-    async def finished(self, step: int) -> None:
+    async def digest(
+        self, step: int, digest: bytes, tensors: list[tuple[str, bytes]], epoch: int = 1
+    ) -> None:
+        """Report the state digest after ``step``'s optimizer step."""
+        await self._send(
+            "digest",
+            epoch=epoch,
+            step=step,
+            digest=digest,
+            tensors=[[name, value] for name, value in tensors],
+        )
+
+    async def step_done(self, step: int, epoch: int = 1) -> None:
+        """Report ``step`` done on a step without a digest check."""
+        await self._send("step_done", epoch=epoch, step=step)
+
+    async def finished(self, step: int, epoch: int | None = None) -> None:
         """Tell the coordinator this worker has taken its last step."""
-        await self._send("finished", step=step)
+        await self._send("finished", epoch=self.epoch if epoch is None else epoch, step=step)
 
     async def wait_commit(self, step: int) -> None:
         """Wait until the coordinator commits ``step`` (every rank agreed)."""
         while self._committed < step:
+            if self._failure is not None:
+                raise self._failure
+            await self._commit_changed.wait()
+
+    def applied(self, step: int) -> bool:
+        """Whether the coordinator said apply for ``step`` in the current epoch."""
+        return self._applied >= step
+
+    async def wait_apply(self, step: int) -> None:
+        """Wait until every member holds ``step``'s reduced gradients (elastic runs)."""
+        while self._applied < step:
             if self._failure is not None:
                 raise self._failure
             await self._commit_changed.wait()
@@ -127,13 +189,33 @@ class CoordinatorClient:
         while True:
             message = message_from_wire(await self.link.recv())
             if isinstance(message, Go):
+                if message.epoch != self.epoch:
+                    continue  # raced a membership change
                 if self.on_go is None:
                     raise ProtocolError("go before the trainer started", peer="coordinator")
                 await self.on_go(message)
             elif isinstance(message, Commit):
-                self._committed = max(self._committed, message.step)
-                self._wake()
+                if message.epoch == self.epoch:
+                    self._committed = max(self._committed, message.step)
+                    self._wake()
+            elif isinstance(message, Apply):
+                if message.epoch == self.epoch:
+                    self._applied = max(self._applied, message.step)
+                    self._wake()
+            elif isinstance(message, StartRun | Hold):
+                if message.epoch <= self.epoch:
+                    raise ProtocolError(
+                        f"epoch {message.epoch} announced after epoch {self.epoch}",
+                        peer="coordinator",
+                    )
+                self.epoch = message.epoch
+                if self.on_epoch is None:
+                    raise ProtocolError(
+                        "a new epoch before the trainer started", peer="coordinator"
+                    )
+                self.on_epoch(message)
             elif isinstance(message, Shutdown):
+                self.done.set()
                 self.shutdown_reason = message.reason
                 if message.reason != "finished":
                     self._failure = RunAborted(f"coordinator ended the run: {message.reason}")
@@ -144,6 +226,7 @@ class CoordinatorClient:
             elif isinstance(message, AbortRun | JoinRefused):
                 self._failure = RunAborted(f"coordinator stopped the run: {message.reason}")
                 self._wake()
+                self.done.set()
                 raise self._failure
             elif isinstance(message, ResyncOrder) and self.on_resync is not None:
                 await self.on_resync(message)

@@ -43,6 +43,13 @@ class LoaderPosition:
     epoch: int
     batch: int
 
+    @classmethod
+    def at_step(cls, step: int, samples: int, world_size: int, batch_size: int) -> LoaderPosition:
+        """Where step ``step`` reads when every step takes one batch per rank: a run's data
+        position is its step."""
+        per_epoch = samples // world_size // batch_size
+        return cls(step // per_epoch, step % per_epoch) if per_epoch else cls(0, 0)
+
 
 class DataLoaderActor(Actor):
     """Loads rank ``rank``'s shard of ``dataset`` in batches of ``batch_size``."""
@@ -77,6 +84,8 @@ class DataLoaderActor(Actor):
                 f"batch of {batch_size}"
             )
         self.position = position or LoaderPosition(0, 0)
+        self.expects: tuple[int, int] | None = None
+        """(step, ring position) of the next batch the trainer will take from the channel."""
         self._indices: list[int] = []
         self._indices_epoch = -1
         self._batch_out, self.batches = trio.open_memory_channel[tuple[LoaderPosition, Any]](

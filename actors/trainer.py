@@ -16,9 +16,10 @@ A worker is a trio nursery of actors joined by bounded mailboxes:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from runtime.collectives import (
     broadcast,
 )
 from runtime.config import DistributedConfig
-from runtime.coordinator_core import ResyncOrder
+from runtime.coordinator_core import Hold, ResyncOrder, StartRun
 from runtime.errors import ProtocolError
 from runtime.trace import TraceRecorder
 from runtime.transport import Transport
@@ -43,7 +44,8 @@ from runtime.wire import Field, register_message
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from .client import CoordinatorClient, Go
 from .digest import named_state, state_digest
-from .loader import BatchSource, DataLoaderActor, LoadNext
+from .loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
+from .state import TrainingState, allocate, capture_state, manifest, restore_state
 
 __all__ = [
     "DistributedTrainer",
@@ -62,6 +64,7 @@ register_message(
     index=Field(int, min=0),
     data=Field(torch.Tensor),
 )
+register_message("state_manifest", manifest=Field(dict))
 
 _OPTIMIZER_STEP_LOCK = threading.Lock()
 """Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not
@@ -129,9 +132,11 @@ class OptimizerStep:
 
 @dataclass(frozen=True)
 class Verify:
-    """Report ``step``'s state digest and wait for the coordinator's commit."""
+    """Report ``step``'s state digest and wait for the coordinator's commit; ``force``: a
+    digest even off the digest interval (an epoch's starting-state check)."""
 
     step: int
+    force: bool = False
 
 
 @dataclass
@@ -226,6 +231,7 @@ class GradCommActor(Actor):
         client: CoordinatorClient,
         options: TrainerOptions,
         trace: TraceRecorder,
+        epoch: int = 1,
     ) -> None:
         super().__init__("gradient-comm", mailbox_size=2 * len(buckets) + 4)
         self.buckets = buckets
@@ -233,6 +239,7 @@ class GradCommActor(Actor):
         self.client = client
         self.options = options
         self.trace = trace
+        self.epoch = epoch
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
@@ -265,7 +272,7 @@ class GradCommActor(Actor):
                 flat.div_(self.options.accumulation_steps)
         # Step s+1 may report before step s is committed: the coordinator holds the report and
         # says go only after the commit, so the check stays off the critical path.
-        await self.client.ready(message.step, bucket.index, bucket.spec())
+        await self.client.ready(message.step, bucket.index, bucket.spec(), self.epoch)
 
     async def _reduce(self, go: Go) -> None:
         state = self.current
@@ -307,6 +314,8 @@ class OptimizerActor(Actor):
         client: CoordinatorClient,
         options: TrainerOptions,
         trace: TraceRecorder,
+        epoch: int = 1,
+        on_applied: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__("optimizer", mailbox_size=2)
         self.model = model
@@ -314,32 +323,53 @@ class OptimizerActor(Actor):
         self.client = client
         self.options = options
         self.trace = trace
+        self.epoch = epoch
         self.last_digest: bytes | None = None
+        self._on_applied = on_applied
 
     async def handle(self, message: object) -> None:
         if isinstance(message, OptimizerStep):
             with self.trace.span("optimizer", actor="optimizer", step=message.step):
-                await trio.to_thread.run_sync(self._apply)
+                await trio.to_thread.run_sync(self.apply, message.step)
             return
         assert isinstance(message, Verify)
         step = message.step
-        if step % self.client.digest_interval == 0:
+        if message.force or step % self.client.digest_interval == 0:
             with self.trace.span("digest", actor="optimizer", step=step):
                 digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
             self.last_digest = digest.digest
-            await self.client.digest(step, digest.digest, digest.tensors)
+            await self.client.digest(step, digest.digest, digest.tensors, self.epoch)
         else:
-            await self.client.step_done(step)
+            await self.client.step_done(step, self.epoch)
         with self.trace.span("commit-wait", actor="optimizer", step=step):
             await self.client.wait_commit(step)
 
-    def _apply(self) -> None:
+    def apply(self, step: int) -> None:
+        """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
         with _OPTIMIZER_STEP_LOCK:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+            self.optimizer.zero_grad(set_to_none=False)
+            if self._on_applied is not None:
+                self._on_applied(step)
 
 
 # ----------------------------------------------------------------------------- trainer
+
+Connect = Callable[[StartRun], Awaitable[Transport]]
+"""Opens an epoch's data plane: a transport whose rank is this worker's ring position."""
+
+
+class _StepAborted(Exception):
+    """The step in flight was dropped by a membership change; it runs again in the new epoch."""
+
+
+@dataclass
+class _Epoch:
+    start: StartRun
+    transport: Transport
+    compute: ComputeActor
+    comm: GradCommActor
+    optimizer: OptimizerActor
 
 
 class DistributedTrainer:
@@ -350,6 +380,11 @@ class DistributedTrainer:
     step: forward and backward over ``accumulation_steps`` micro-batches, bucketed all-reduce of
     the trainable gradients (overlapping backward), optimizer step, and the coordinator's
     identical-weights check.
+
+    The trainer lives through membership epochs. A supervisor task opens each epoch's data
+    plane, brings a joiner the whole training state, and runs the epoch's actors; when the
+    coordinator announces a new epoch (a worker died or joined) it drops the step in flight,
+    which `train_batch` then runs again with the new members.
     """
 
     def __init__(
@@ -358,37 +393,34 @@ class DistributedTrainer:
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         config: DistributedConfig,
-        transport: Transport,
         client: CoordinatorClient,
-        system: ActorSystem,
         options: TrainerOptions,
         trace: TraceRecorder,
-        start_step: int = 0,
+        connect: Connect,
     ) -> None:
+        if client.start is None:
+            raise ValueError("the client must have joined the run (client.join) first")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self._config = config
-        self.transport = transport
         self.client = client
         self.options = options
         self.trace = trace
-        self.step = start_step
+        self.step = client.start.step
         self.losses: list[tuple[int, float]] = []
         self.step_seconds: list[float] = []
+        self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
+        """(epoch, first step, members) of every epoch this worker took part in."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
-        self._system = system
-        token = trio.lowlevel.current_trio_token()
-        self.comm = GradCommActor(model, self.buckets, transport, client, options, trace)
-
-        def on_bucket(step: int, bucket: int) -> None:
-            # Called on the backward thread; waits until the bucket is in the comm actor's
-            # mailbox (sized for every bucket of a step, so the wait is one loop turn).
-            trio.from_thread.run(self.comm.tell, BucketReady(step, bucket), trio_token=token)
-
-        self.compute = ComputeActor(model, loss_fn, self.buckets, on_bucket, trace)
-        self.optimizer_actor = OptimizerActor(model, optimizer, client, options, trace)
-        client.on_go = self.comm.tell
+        self._connect = connect
+        self._epoch: _Epoch | None = None
+        self._live = trio.Event()
+        self._announced: list[StartRun | Hold] = []
+        self._announced_event = trio.Event()
+        self._step_scope: trio.CancelScope | None = None
+        self._token = trio.lowlevel.current_trio_token()
+        client.on_epoch = self._announce
         client.on_resync = self._resync
 
     @classmethod
@@ -399,55 +431,265 @@ class DistributedTrainer:
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         config: DistributedConfig,
-        transport: Transport,
+        transport: Transport | None,
         client: CoordinatorClient,
         options: TrainerOptions | None = None,
         trace: TraceRecorder | None = None,
+        *,
+        connect: Connect | None = None,
     ) -> AsyncIterator[DistributedTrainer]:
-        """Start the worker's actors in a nursery of the caller's and sync rank 0's weights.
+        """Start the worker's supervisor in a nursery of the caller's; yield once the first
+        epoch is running (weights synchronized).
 
-        ``client`` must already have joined the run (its coordinator accepted this model).
+        ``client`` must already have joined the run (its coordinator accepted this model) and
+        be served (`CoordinatorClient.serve`). Pass the data plane as a fixed ``transport``
+        (a run whose membership never changes) or as ``connect``, which opens each epoch's.
         """
         options = options or TrainerOptions()
         trace = trace if trace is not None else TraceRecorder.disabled()
-        if (transport.rank, transport.world_size) != (config.rank, config.world_size):
-            raise ValueError("transport and config disagree on rank or world size")
         if options.digest_interval not in (None, client.digest_interval):
             raise ValueError(
                 f"this worker expects digest_interval={options.digest_interval}, the "
                 f"coordinator checks every {client.digest_interval} steps"
             )
-        async with ActorSystem() as system:
-            trainer = cls(
-                model,
-                optimizer,
-                loss_fn,
-                config,
-                transport,
-                client,
-                system,
-                options,
-                trace,
-                start_step=client.start_step,
-            )
-            try:
-                await trainer._sync_initial_weights()
-                await system.start(trainer.compute)
-                await system.start(trainer.comm)
-                await system.start(trainer.optimizer_actor)
-                yield trainer
-            finally:
-                trainer.compute.remove_hooks()
+        if connect is None:
+            if transport is None:
+                raise ValueError("pass a transport or a connect function")
+            if (transport.rank, transport.world_size) != (config.rank, config.world_size):
+                raise ValueError("transport and config disagree on rank or world size")
+            fixed = transport
 
-    async def _sync_initial_weights(self) -> None:
-        """Broadcast rank 0's parameters and buffers so every replica starts identical."""
+            async def connect(start: StartRun) -> Transport:
+                if start.epoch != 1 and fixed.world_size != len(start.members):
+                    raise RuntimeError("a fixed transport cannot follow a membership change")
+                return fixed
+
+        trainer = cls(model, optimizer, loss_fn, config, client, options, trace, connect)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer._supervise)
+            yield trainer
+            nursery.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ epochs
+
+    def _announce(self, message: StartRun | Hold) -> None:
+        """The coordinator announced a new epoch or a hold: end the live epoch now."""
+        self._announced.append(message)
+        self._announced_event.set()
+        epoch = self._epoch
+        if epoch is not None:
+            epoch.transport.abort()  # wake collective threads blocked on dead peers
+
+    async def _next_announcement(self, failure: BaseException | None) -> StartRun | Hold:
+        """The coordinator's next epoch or hold; after a data-plane failure, within a deadline
+        (the coordinator names the lost peer, or the failure stands)."""
+        if not self._announced:
+            seconds = 2 * self.client.start.heartbeat_deadline + 5.0 if failure else math.inf
+            with trio.move_on_after(seconds):
+                while not self._announced:
+                    self._announced_event = trio.Event()
+                    await self._announced_event.wait()
+            if not self._announced:
+                assert failure is not None
+                raise failure
+        return self._announced.pop(0)
+
+    async def _supervise(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        message: StartRun | Hold = self.client.start  # type: ignore[assignment]
+        status: trio.TaskStatus[None] | None = task_status
+        while True:
+            if isinstance(message, Hold):
+                log.warning("rank %d holds: %s", self.rank, message.reason)
+                message = await self._next_announcement(None)
+                continue
+            status, failure = await self._run_epoch(message, status)
+            message = await self._next_announcement(failure)
+
+    async def _run_epoch(
+        self, start: StartRun, status: trio.TaskStatus[None] | None
+    ) -> tuple[trio.TaskStatus[None] | None, BaseException | None]:
+        """Run one epoch until the coordinator announces the next; returns a data-plane
+        failure that ended it early (the coordinator then decides)."""
+        failure: BaseException | None = None
+        transport: Transport | None = None
+        with trio.CancelScope() as scope:
+            self._epoch_scope = scope
+            try:
+                async with trio.open_nursery() as nursery:
+
+                    async def end_on_announcement() -> None:
+                        while not self._announced:
+                            self._announced_event = trio.Event()
+                            await self._announced_event.wait()
+                        scope.cancel()
+
+                    nursery.start_soon(end_on_announcement)
+                    transport = await self._connect(start)
+                    await self._enter(start, transport)
+                    async with ActorSystem() as system:
+                        epoch = await self._start_actors(system, start, transport)
+                        if start.verify:
+                            await epoch.optimizer.tell(Verify(start.step - 1, force=True))
+                        self._epoch = epoch
+                        self._live.set()
+                        if status is not None:
+                            status.started()
+                            status = None
+                        await trio.sleep_forever()
+            except Exception as exc:
+                if status is not None:
+                    raise  # the first epoch never started: nothing to recover
+                failure = exc
+                log.warning("rank %d: epoch %d ended by %s", self.rank, start.epoch, exc)
+            finally:
+                # Leave the epoch: stop the step in flight, finish it if every member holds
+                # its gradients (apply), else drop them.
+                self._live = trio.Event()
+                self._epoch = None
+                if self._step_scope is not None:
+                    self._step_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    if transport is not None:
+                        transport.abort()
+                        if start.apply_barrier and self.client.applied(self.step):
+                            await trio.to_thread.run_sync(self._apply_pending)
+                        self.optimizer.zero_grad(set_to_none=False)
+                        if self._connect_owns_transport(transport):
+                            await transport.aclose()
+        return status, failure
+
+    def _connect_owns_transport(self, transport: Transport) -> bool:
+        return getattr(transport, "_paramsync_epoch_owned", False)
+
+    def _apply_pending(self) -> None:
+        step = self.step
+        with _OPTIMIZER_STEP_LOCK:
+            if self.step == step:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+                self.step = step + 1
+                log.info("rank %d applied step %d while leaving its epoch", self.rank, step)
+
+    async def _enter(self, start: StartRun, transport: Transport) -> None:
+        """Bring every member to the epoch's starting state before its first step."""
+        if start.broadcast:
+            await self._sync_initial_weights(transport)
+        elif start.donor >= 0:
+            if self.rank == start.donor:
+                for receiver in start.receivers:
+                    await self._send_state(transport, start.position(receiver))
+            elif self.rank in start.receivers:
+                await self._receive_state(transport, start.position(start.donor))
+        if self.rank not in start.receivers:
+            if start.broadcast:
+                self.step = start.step
+            elif self.step != start.step:
+                raise ProtocolError(
+                    f"epoch {start.epoch} starts at step {start.step}, but rank {self.rank} "
+                    f"is at step {self.step}",
+                    peer="coordinator",
+                )
+        self.client.begin_epoch(start)
+        self.epochs.append((start.epoch, start.step, start.members))
+        log.info(
+            "rank %d: epoch %d at step %d, ranks %s (position %d of %d)",
+            self.rank,
+            start.epoch,
+            start.step,
+            list(start.members),
+            start.position(self.rank),
+            len(start.members),
+        )
+
+    async def _start_actors(
+        self, system: ActorSystem, start: StartRun, transport: Transport
+    ) -> _Epoch:
+        comm = GradCommActor(
+            self.model, self.buckets, transport, self.client, self.options, self.trace, start.epoch
+        )
+        token = self._token
+
+        def on_bucket(step: int, bucket: int) -> None:
+            # Called on the backward thread; waits until the bucket is in the comm actor's
+            # mailbox (sized for every bucket of a step, so the wait is one loop turn).
+            trio.from_thread.run(comm.tell, BucketReady(step, bucket), trio_token=token)
+
+        compute = ComputeActor(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
+        optimizer = OptimizerActor(
+            self.model,
+            self.optimizer,
+            self.client,
+            self.options,
+            self.trace,
+            start.epoch,
+            self._applied,
+        )
+        try:
+            await system.start(compute)
+            await system.start(comm)
+            await system.start(optimizer)
+        except BaseException:
+            compute.remove_hooks()
+            raise
+        self.client.on_go = comm.tell
+        self._hooks_owner = compute
+        return _Epoch(start, transport, compute, comm, optimizer)
+
+    def _applied(self, step: int) -> None:
+        self.step = step + 1
+
+    async def _sync_initial_weights(self, transport: Transport) -> None:
+        """Broadcast position 0's parameters and buffers so every replica starts identical."""
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
             host = tensor.detach().to("cpu").contiguous()
-            await broadcast(self.transport, host, root=0, chunk_bytes=self.options.chunk_bytes)
+            await broadcast(transport, host, root=0, chunk_bytes=self.options.chunk_bytes)
             with torch.no_grad():  # never across an await: grad mode is per thread, not per task
                 tensor.copy_(host)
 
+    async def _send_state(self, transport: Transport, peer: int) -> None:
+        """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
+        state = capture_state(self.model, self.optimizer, self.step)
+        await transport.send(peer, "state_manifest", {"manifest": manifest(state)})
+        for index, (_, tensor) in enumerate(state.tensors):
+            await transport.send(peer, "state", {"step": state.step, "index": index}, tensor)
+
+    async def _receive_state(self, transport: Transport, peer: int) -> None:
+        """Receive a healthy member's whole training state and take it over."""
+        message = await transport.recv(peer)
+        if message.get("kind") != "state_manifest":
+            raise ProtocolError(
+                f"expected the state manifest, got {message.get('kind')}", peer=peer
+            )
+        plan = message["manifest"]
+        tensors = allocate(plan)
+        for index, (name, tensor) in enumerate(tensors):
+            got = await transport.recv_into(peer, tensor)
+            if got["kind"] != "state" or got["index"] != index:
+                raise ProtocolError(
+                    f"state transfer: expected tensor {index} ({name}), got {got['kind']} "
+                    f"{got.get('index')}",
+                    peer=peer,
+                )
+        state = TrainingState.from_manifest(plan, tensors)
+        await trio.to_thread.run_sync(restore_state, self.model, self.optimizer, state)
+        self.step = state.step
+        log.info("rank %d received the training state at step %d", self.rank, state.step)
+
     # ------------------------------------------------------------------ the seed's API
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (its slot, stable across epochs)."""
+        return self._config.rank
+
+    @property
+    def transport(self) -> Transport:
+        """The current epoch's data plane (its rank is this worker's ring position)."""
+        if self._epoch is None:
+            raise RuntimeError("no epoch is running")
+        return self._epoch.transport
 
     @property
     def dist_config(self) -> DistributedConfig:
@@ -456,13 +698,27 @@ class DistributedTrainer:
 
     @property
     def world_size(self) -> int:
-        """Number of workers training together."""
-        return self._config.world_size
+        """Number of workers training together now (the current epoch's members)."""
+        start = self._epoch.start if self._epoch is not None else self.client.start
+        return len(start.members) if start is not None else self._config.world_size
+
+    @property
+    def position(self) -> int:
+        """This worker's ring position in the current epoch (its data shard)."""
+        start = self._epoch.start if self._epoch is not None else self.client.start
+        return start.position(self.rank) if start is not None else self.rank
 
     @property
     def is_coordinator(self) -> bool:
         """Whether this worker is rank 0, the one that reports for the group."""
         return self._config.rank == 0
+
+    @property
+    def optimizer_actor(self) -> OptimizerActor:
+        """The current epoch's optimizer actor."""
+        if self._epoch is None:
+            raise RuntimeError("no epoch is running")
+        return self._epoch.optimizer
 
     @property
     def reached_max_steps(self) -> bool:
@@ -474,34 +730,63 @@ class DistributedTrainer:
 
         A batch that is a tensor, or a tuple/list of tensors, is split along dimension 0 into
         ``accumulation_steps`` micro-batches. The identical-weights check of this step finishes
-        during the next one (or in `verified`); a divergence fails the next call.
+        during the next one (or in `verified`); a divergence fails the next call. If the
+        membership changes meanwhile, the step runs again with the new members.
         """
+        while True:
+            step = self.step
+            try:
+                return await self._attempt(batch)
+            except _StepAborted:
+                if self.step > step:  # applied while leaving the epoch
+                    return self._last_loss
+                continue
+
+    async def _attempt(self, batch: Any) -> float:
+        """Run the current step once in the live epoch; raises _StepAborted if it ends."""
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
+        await self._live.wait()
+        epoch = self._epoch
+        assert epoch is not None
         started = time.perf_counter()
         step = self.step
-        state = self.comm.begin_step(step)
-        micro_batches = _split(batch, self.options.accumulation_steps)
-        total = 0.0
-        for index, micro in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            total += await self.compute.ask(Backward(step, micro, last))
-        with self.trace.span("grad-wait", actor="trainer", step=step):
-            await state.all_reduced.wait()
-        await self.optimizer_actor.ask(OptimizerStep(step))
-        if self.options.verify_overlap:
-            await self.optimizer_actor.tell(Verify(step))
-        else:
-            await self.optimizer_actor.ask(Verify(step))
-        loss = total / len(micro_batches)
-        self.step += 1
+        loss = math.nan
+        with trio.CancelScope() as scope:
+            self._step_scope = scope
+            state = epoch.comm.begin_step(step)
+            micro_batches = _split(batch, self.options.accumulation_steps)
+            total = 0.0
+            for index, micro in enumerate(micro_batches):
+                last = index == len(micro_batches) - 1
+                total += await epoch.compute.ask(Backward(step, micro, last))
+            loss = total / len(micro_batches)
+            self._last_loss = loss
+            with self.trace.span("grad-wait", actor="trainer", step=step):
+                await state.all_reduced.wait()
+            if epoch.start.apply_barrier:
+                await self.client.reduced(step, epoch.start.epoch)
+                with self.trace.span("apply-wait", actor="trainer", step=step):
+                    await self.client.wait_apply(step)
+            await epoch.optimizer.ask(OptimizerStep(step))
+            if self.options.verify_overlap:
+                await epoch.optimizer.tell(Verify(step))
+            else:
+                await epoch.optimizer.ask(Verify(step))
+        self._step_scope = None
+        if scope.cancelled_caught or self.step != step + 1:
+            raise _StepAborted
         self.losses.append((step, loss))
         self.step_seconds.append(time.perf_counter() - started)
         return loss
 
     async def _resync(self, order: ResyncOrder) -> None:
         """Copy the source rank's parameters and optimizer state to the diverged ranks."""
-        rank = self._config.rank
+        epoch = self._epoch
+        if epoch is None:
+            return
+        start = epoch.start
+        rank = self.rank
         if rank != order.source and rank not in order.targets:
             return
         tensors = [tensor for _, tensor in named_state(self.model, self.optimizer)]
@@ -516,10 +801,11 @@ class DistributedTrainer:
             if rank == order.source:
                 host = tensor.detach().to("cpu").contiguous()
                 for target in order.targets:
-                    await self.transport.send(target, "state", fields, host)
+                    await epoch.transport.send(start.position(target), "state", fields, host)
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
-                message = await self.transport.recv_into(order.source, host)
+                source = start.position(order.source)
+                message = await epoch.transport.recv_into(source, host)
                 if (message["kind"], message["step"], message["index"]) != (
                     "state",
                     *fields.values(),
@@ -534,7 +820,28 @@ class DistributedTrainer:
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""
-        await self.client.wait_commit(self.step - 1)
+        while True:
+            await self._live.wait()
+            with trio.CancelScope() as scope:
+                self._step_scope = scope
+                await self.client.wait_commit(self.step - 1)
+            self._step_scope = None
+            if not scope.cancelled_caught:
+                return
+
+    async def finish(self) -> None:
+        """Tell the coordinator this worker is done, and wait for the run's end; after a
+        membership change, take part in the new epoch's check and say it again."""
+        while not self.client.done.is_set():
+            await self._live.wait()
+            epoch = self._epoch
+            assert epoch is not None
+            with trio.CancelScope() as scope:
+                self._step_scope = scope
+                await self.client.wait_commit(self.step - 1)
+                await self.client.finished(self.step, epoch.start.epoch)
+                await self.client.done.wait()
+            self._step_scope = None
 
     async def fit(
         self,
@@ -547,42 +854,62 @@ class DistributedTrainer:
         on_step: Callable[[int, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[tuple[int, float]]:
-        """Train on this rank's shard of ``dataset`` through the data loader actor.
+        """Train on this worker's shard of ``dataset`` through the data loader actor.
 
         Runs ``steps`` optimizer steps (default: until ``max_steps``), epoch after epoch.
+        Step s's batch for the worker at ring position p is a pure function of (s, p), so a
+        step dropped by a membership change is rerun on the data its new position owns.
         ``on_step(step, loss)`` is called after each step; ``should_stop()`` returning True
         ends training after the step in flight. Returns this call's (step, loss) pairs.
         """
         if steps is None and self.options.max_steps is None:
             raise ValueError("fit needs steps= or TrainerOptions(max_steps=...)")
-        loader = DataLoaderActor(
-            dataset,
-            batch_size,
-            self._config.rank,
-            self._config.world_size,
-            seed=seed,
-            prefetch=prefetch,
-        )
-        await self._system.start(loader)
-        for _ in range(prefetch):
-            await loader.tell(LoadNext())
         history: list[tuple[int, float]] = []
-        while not self.reached_max_steps and (steps is None or len(history) < steps):
-            if should_stop is not None and should_stop():
-                break
-            with self.trace.span("load", actor="data-loader", step=self.step):
-                _, batch = await loader.batches.receive()
-            await loader.tell(LoadNext())
-            loss = await self.train_batch(batch)
-            history.append((self.step - 1, loss))
-            if on_step is not None:
-                on_step(self.step - 1, loss)
-        await loader.stop()
+        slots = self._config.world_size
+        async with ActorSystem() as system:
+            loader: DataLoaderActor | None = None
+            while not self.reached_max_steps and (steps is None or len(history) < steps):
+                if should_stop is not None and should_stop():
+                    break
+                await self._live.wait()
+                step, position = self.step, self.position
+                if loader is None or loader.expects != (step, position):
+                    if loader is not None:
+                        await loader.stop()
+                    loader = DataLoaderActor(
+                        dataset,
+                        batch_size,
+                        position,
+                        slots,
+                        seed=seed,
+                        prefetch=prefetch,
+                        position=LoaderPosition.at_step(step, len(dataset), slots, batch_size),
+                    )
+                    loader.expects = (step, position)
+                    await system.start(loader)
+                    for _ in range(prefetch):
+                        await loader.tell(LoadNext())
+                with self.trace.span("load", actor="data-loader", step=step):
+                    _, batch = await loader.batches.receive()
+                await loader.tell(LoadNext())
+                loader.expects = (step + 1, position)
+                try:
+                    loss = await self._attempt(batch)
+                except _StepAborted:
+                    loader.expects = None
+                    if self.step > step:
+                        history.append((step, self._last_loss))
+                    continue
+                history.append((step, loss))
+                if on_step is not None:
+                    on_step(step, loss)
+            if loader is not None:
+                await loader.stop()
         return history
 
     def summary(self) -> dict[str, Any]:
         """Final step and loss, the digest of this rank's state after its last step (None before
-        the first), and the throughput."""
+        the first), the throughput and the membership epochs it saw."""
         seconds = sum(self.step_seconds)
         digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
         return {
@@ -596,6 +923,7 @@ class DistributedTrainer:
             "median_step_seconds": sorted(self.step_seconds)[len(self.step_seconds) // 2]
             if self.step_seconds
             else None,
+            "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
         }
 
 

@@ -18,7 +18,7 @@ import trio
 
 from runtime.config import DistributedConfig
 from runtime.coordinator import Coordinator, CoordinatorOptions
-from runtime.coordinator_core import model_signature
+from runtime.coordinator_core import StartRun, model_signature
 from runtime.handshake import Identity, load_secret
 from runtime.link import MemoryLink
 from runtime.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
@@ -26,7 +26,7 @@ from runtime.trace import TraceRecorder
 from runtime.transport import InProcessTransport, Transport
 
 from .client import CoordinatorClient
-from .trainer import DistributedTrainer, LossFn, TrainerOptions
+from .trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
 
 __all__ = ["join_run", "train_in_process", "WorkerBody"]
 
@@ -40,22 +40,21 @@ async def _trainer_session(
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
     config: DistributedConfig,
-    connect: Callable[[], Awaitable[Transport]],
+    connect: Connect,
     client: CoordinatorClient,
     options: TrainerOptions | None,
     trace: TraceRecorder | None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Listen to the coordinator from the start, so an abort reaches this worker even while
-    it is still connecting its data plane (``connect``), then train."""
+    it is still connecting an epoch's data plane (``connect``), then train; at the end say
+    finished (again after any membership change) until the run is over."""
     async with trio.open_nursery() as nursery:
         await nursery.start(client.serve)
-        transport = await connect()
         async with DistributedTrainer.open(
-            model, optimizer, loss_fn, config, transport, client, options, trace
+            model, optimizer, loss_fn, config, None, client, options, trace, connect=connect
         ) as trainer:
             yield trainer
-            await trainer.verified()
-            await client.finished(trainer.step)
+            await trainer.finish()
         # client.serve returns when the coordinator says the run is over.
 
 
@@ -85,22 +84,22 @@ async def join_run(
         local_host = conn.stream.socket.getsockname()[0]
         listeners = await trio.open_tcp_listeners(0, host=local_host)
     client = CoordinatorClient(conn, config.rank)
-    transports: list[TcpTransport] = []
 
-    async def connect() -> Transport:
-        try:
-            with trio.fail_after(join_seconds):
-                mesh = await form_mesh(me, listeners[0], start.addresses, key)
-        finally:
-            for listener in listeners:
-                await listener.aclose()
-        transports.append(TcpTransport(config.rank, config.world_size, mesh))
-        return transports[0]
+    async def connect(start: StartRun) -> Transport:
+        # Each epoch has its own mesh among its members, on the listener kept for the run;
+        # the epoch in the group name keeps a late dialer of an older epoch out.
+        position = start.position(config.rank)
+        ident = Identity(f"{group}#{start.epoch}", len(start.members), position)
+        with trio.fail_after(join_seconds):
+            mesh = await form_mesh(ident, listeners[0], list(start.addresses), key)
+        transport = TcpTransport(position, len(start.members), mesh)
+        transport._paramsync_epoch_owned = True  # type: ignore[attr-defined]
+        return transport
 
     try:
         port = listeners[0].socket.getsockname()[1]
         with trio.fail_after(join_seconds):
-            start = await client.join(model_signature(model.named_parameters()), (local_host, port))
+            await client.join(model_signature(model.named_parameters()), (local_host, port))
         async with _trainer_session(
             model, optimizer, loss_fn, config, connect, client, options, trace
         ) as trainer:
@@ -109,8 +108,6 @@ async def join_run(
         with trio.CancelScope(shield=True):
             for listener in listeners:
                 await listener.aclose()
-            for transport in transports:
-                await transport.aclose()
             await conn.aclose()
 
 
@@ -130,7 +127,8 @@ async def train_in_process(
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
     data plane; the default is `InProcessTransport`.
     """
-    transports = transports or list(InProcessTransport.create_group(world_size))
+    fixed = transports
+    groups: dict[int, list[Transport]] = {}
     coordinator = Coordinator(world_size, coordinator_options)
     pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(world_size)]
     results: list[Any] = [None] * world_size
@@ -143,8 +141,14 @@ async def train_in_process(
             await client.join(model_signature(model.named_parameters()), ("in-process", rank + 1))
             config = DistributedConfig(world_size, rank)
 
-            async def connect() -> Transport:
-                return transports[rank]
+            async def connect(start: StartRun) -> Transport:
+                if fixed is not None:
+                    if start.epoch != 1 or len(start.members) != world_size:
+                        raise RuntimeError("the given transports cannot follow a membership change")
+                    return fixed[rank]
+                if start.epoch not in groups:
+                    groups[start.epoch] = list(InProcessTransport.create_group(len(start.members)))
+                return groups[start.epoch][start.position(rank)]
 
             async with _trainer_session(
                 model, optimizer, loss_fn, config, connect, client, options, None

@@ -23,9 +23,11 @@ from .coordinator_core import (
     Commit,
     CoordinatorCore,
     Disconnected,
+    Evict,
     Malformed,
     Message,
     Refuse,
+    Report,
     Resync,
     RunState,
     Send,
@@ -58,6 +60,16 @@ class CoordinatorOptions:
     resync: bool = False
     heartbeat_deadline: float = 10.0
     start_step: int = 0
+    min_workers: int | None = None
+    """Elastic runs: keep training while at least this many workers remain (None: all)."""
+    rejoin_seconds: float = 60.0
+    """Below min_workers, wait this long for joiners before stopping the run."""
+    rendezvous_seconds: float = 5.0
+    """Elastic runs: start with min_workers or more once nobody joined for this long."""
+    stall_seconds: float = 60.0
+    """Report what a step waits for (ranks and phase) after this long without progress."""
+    stall_deadline: float | None = None
+    """Then drop the stalled ranks (elastic) or stop the run (None: report only)."""
 
 
 class _Member:
@@ -66,6 +78,7 @@ class _Member:
         self.link = link
         self.outbox_send, self.outbox = trio.open_memory_channel[Message | None](_QUEUE)
         self.flushed = trio.Event()
+        self.evicted = False
 
 
 class Coordinator:
@@ -86,6 +99,11 @@ class Coordinator:
             resync=self.options.resync,
             heartbeat_deadline=self.options.heartbeat_deadline,
             start_step=self.options.start_step,
+            min_workers=self.options.min_workers,
+            rejoin_seconds=self.options.rejoin_seconds,
+            rendezvous_seconds=self.options.rendezvous_seconds,
+            stall_seconds=self.options.stall_seconds,
+            stall_deadline=self.options.stall_deadline,
         )
         self.world_size = world_size
         self.group = group
@@ -252,11 +270,11 @@ class Coordinator:
                 return
             except ProtocolError as exc:
                 log.warning("rank %d sent a bad message: %s", rank, exc)
-                self._apply(self.core.handle(Malformed(rank, exc.reason)))
+                self._apply(self.core.handle(Malformed(rank, exc.reason)), source=rank)
                 return
             log.debug("event %r", event)
             refused = self._apply(self.core.handle(event), source=rank)
-            if refused:
+            if refused or member.evicted:
                 return
 
     async def _writer(self, member: _Member) -> None:
@@ -311,6 +329,19 @@ class Coordinator:
                         member.outbox_send.send_nowait(action.message)
                         member.outbox_send.send_nowait(None)
                         refused = True
+            elif isinstance(action, Evict):
+                log.error("removed rank %d from the run: %s", action.rank, action.reason)
+                member = self._members.pop(action.rank, None)
+                if member is not None:
+                    member.evicted = True
+                    try:
+                        member.outbox_send.send_nowait(action.message)
+                        member.outbox_send.send_nowait(None)
+                    except (trio.WouldBlock, trio.ClosedResourceError):
+                        pass
+            elif isinstance(action, Report):
+                level = getattr(logging, action.level.upper(), logging.WARNING)
+                log.log(level, "%s", action.text)
             elif isinstance(action, Abort):
                 log.error("run aborted: %s", action.reason)
                 for rank in list(self._members):

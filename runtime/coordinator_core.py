@@ -45,7 +45,9 @@ __all__ = [
     # messages, coordinator -> worker
     "StartRun",
     "Go",
+    "Apply",
     "Commit",
+    "Hold",
     "ResyncOrder",
     "Shutdown",
     "AbortRun",
@@ -55,6 +57,7 @@ __all__ = [
     # events
     "Joined",
     "Ready",
+    "Reduced",
     "Digest",
     "StepDone",
     "Heartbeat",
@@ -70,6 +73,8 @@ __all__ = [
     "Refuse",
     "Abort",
     "Resync",
+    "Evict",
+    "Report",
     "Action",
     # helpers and the core
     "dtype_name",
@@ -99,23 +104,36 @@ _STEP = Field(int, min=0, max=_MAX_INT)
 _BUCKET = Field(int, min=0, max=_MAX_INT)
 _REASON = Field(str, max_len=_MAX_REASON)
 
+_EPOCH = Field(int, min=0, max=_MAX_INT)
+
 # worker -> coordinator
 register_message(
     "join",
     host=Field(str, max_len=256),
     port=Field(int, min=1, max=65535),
     params=Field(list, max_len=_MAX_ITEMS, items=list),
+    step=Field(int, min=0, max=_MAX_INT, required=False),
+    digest=Field(bytes, max_len=_MAX_DIGEST, required=False),
+    epoch=Field(int, min=0, max=_MAX_INT, required=False),
 )
-register_message("ready", step=_STEP, bucket=_BUCKET, spec=Field((list, str), max_len=_MAX_ITEMS))
+register_message(
+    "ready",
+    epoch=_EPOCH,
+    step=_STEP,
+    bucket=_BUCKET,
+    spec=Field((list, str), max_len=_MAX_ITEMS),
+)
+register_message("reduced", epoch=_EPOCH, step=_STEP)
 register_message(
     "digest",
+    epoch=_EPOCH,
     step=_STEP,
     digest=Field(bytes, max_len=_MAX_DIGEST),
     tensors=Field(list, max_len=_MAX_ITEMS, items=list),
 )
-register_message("step_done", step=_STEP)
+register_message("step_done", epoch=_EPOCH, step=_STEP)
 register_message("heartbeat")
-register_message("finished", step=_STEP)
+register_message("finished", epoch=_EPOCH, step=_STEP)
 # coordinator -> worker
 register_message(
     "start_run",
@@ -124,9 +142,19 @@ register_message(
     step=_STEP,
     digest_interval=Field(int, min=1, max=_MAX_INT),
     heartbeat_deadline=Field(float, min=0),
+    epoch=_EPOCH,
+    members=Field(list, max_len=_MAX_WORLD, items=int),
+    donor=Field(int, min=-1, max=_MAX_WORLD),
+    receivers=Field(list, max_len=_MAX_WORLD, items=int),
+    broadcast=Field(bool),
+    apply_barrier=Field(bool),
 )
-register_message("go", step=_STEP, bucket=_BUCKET, seq=Field(int, min=0, max=_MAX_INT))
-register_message("commit", step=_STEP)
+register_message(
+    "go", epoch=_EPOCH, step=_STEP, bucket=_BUCKET, seq=Field(int, min=0, max=_MAX_INT)
+)
+register_message("apply", epoch=_EPOCH, step=_STEP)
+register_message("commit", epoch=_EPOCH, step=_STEP)
+register_message("hold", epoch=_EPOCH, step=_STEP, reason=_REASON)
 register_message(
     "resync",
     step=_STEP,
@@ -273,7 +301,16 @@ def _spec_wire(spec: BucketSpec) -> list[Any] | str:
 
 @dataclass(frozen=True)
 class StartRun:
-    """All ranks joined: the data-plane addresses by rank, the ring order, the first step."""
+    """An epoch starts: its members, their data-plane addresses and the ring, the first step.
+
+    ``members[p]`` is the worker at ring position ``p`` (its data-plane rank in this epoch) and
+    ``addresses[p]`` its listen address; ``ring`` orders the positions. Before the step:
+    ``broadcast``: position 0's weights go to everyone (a fresh run); ``donor`` >= 0: that worker
+    sends its whole training state to ``receivers`` (joiners, laggards); then, unless
+    ``broadcast``, every member reports the digest of step ``step - 1`` (the state it starts
+    from) and waits for its commit. ``apply_barrier``: an elastic run, where the optimizer waits
+    for ``apply`` so no step is ever applied with a partly reduced gradient.
+    """
 
     KIND: ClassVar[str] = "start_run"
     addresses: tuple[tuple[str, int], ...]
@@ -281,6 +318,25 @@ class StartRun:
     step: int = 0
     digest_interval: int = 1
     heartbeat_deadline: float = 10.0
+    epoch: int = 1
+    members: tuple[int, ...] = ()
+    donor: int = -1
+    receivers: tuple[int, ...] = ()
+    broadcast: bool = True
+    apply_barrier: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            object.__setattr__(self, "members", tuple(range(len(self.addresses))))
+
+    @property
+    def verify(self) -> bool:
+        """Whether members report the digest of ``step - 1`` before the first step."""
+        return not self.broadcast and self.step > 0
+
+    def position(self, worker: int) -> int:
+        """The ring position (data-plane rank) of ``worker`` in this epoch."""
+        return self.members.index(worker)
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
         return self.KIND, {
@@ -289,24 +345,46 @@ class StartRun:
             "step": self.step,
             "digest_interval": self.digest_interval,
             "heartbeat_deadline": float(self.heartbeat_deadline),
+            "epoch": self.epoch,
+            "members": list(self.members),
+            "donor": self.donor,
+            "receivers": list(self.receivers),
+            "broadcast": self.broadcast,
+            "apply_barrier": self.apply_barrier,
         }
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any]) -> StartRun:
         _expect(message, cls.KIND)
+        label = "start_run message: field"
         addresses = tuple(
-            _norm_address(a, f"start_run message: field 'addresses'[{i}]", None)
+            _norm_address(a, f"{label} 'addresses'[{i}]", None)
             for i, a in enumerate(message["addresses"])
         )
-        ring = _norm_ranks(message["ring"], "start_run message: field 'ring'", None)
+        ring = _norm_ranks(message["ring"], f"{label} 'ring'", None)
         if sorted(ring) != list(range(len(addresses))):
-            raise ProtocolError("start_run message: field 'ring' is not a permutation of the ranks")
+            raise ProtocolError(f"{label} 'ring' is not a permutation of the ranks")
+        members = _norm_ranks(message["members"], f"{label} 'members'", None)
+        if len(members) != len(addresses) or len(set(members)) != len(members):
+            raise ProtocolError(f"{label} 'members' must list one distinct worker per address")
+        receivers = _norm_ranks(message["receivers"], f"{label} 'receivers'", None)
+        donor = message["donor"]
+        if receivers and donor not in members:
+            raise ProtocolError(f"{label} 'donor' {donor} is not a member")
+        if not set(receivers) <= set(members) or donor in receivers:
+            raise ProtocolError(f"{label} 'receivers' must be members other than the donor")
         return cls(
             addresses,
             ring,
             message["step"],
             message["digest_interval"],
             float(message["heartbeat_deadline"]),
+            message["epoch"],
+            members,
+            donor,
+            receivers,
+            message["broadcast"],
+            message["apply_barrier"],
         )
 
 
@@ -318,14 +396,37 @@ class Go:
     step: int
     bucket: int
     seq: int
+    epoch: int = 1
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"step": self.step, "bucket": self.bucket, "seq": self.seq}
+        return self.KIND, {
+            "epoch": self.epoch,
+            "step": self.step,
+            "bucket": self.bucket,
+            "seq": self.seq,
+        }
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any]) -> Go:
         _expect(message, cls.KIND)
-        return cls(message["step"], message["bucket"], message["seq"])
+        return cls(message["step"], message["bucket"], message["seq"], message["epoch"])
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Every member holds the fully reduced gradients of ``step``: apply them (elastic runs)."""
+
+    KIND: ClassVar[str] = "apply"
+    step: int
+    epoch: int = 1
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"epoch": self.epoch, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> Apply:
+        _expect(message, cls.KIND)
+        return cls(message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -334,14 +435,33 @@ class Commit:
 
     KIND: ClassVar[str] = "commit"
     step: int
+    epoch: int = 1
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"step": self.step}
+        return self.KIND, {"epoch": self.epoch, "step": self.step}
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any]) -> Commit:
         _expect(message, cls.KIND)
-        return cls(message["step"])
+        return cls(message["step"], message["epoch"])
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Too few workers remain: drop the step in flight, keep the state, wait for an epoch."""
+
+    KIND: ClassVar[str] = "hold"
+    step: int
+    epoch: int
+    reason: str
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"epoch": self.epoch, "step": self.step, "reason": _clip(self.reason)}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> Hold:
+        _expect(message, cls.KIND)
+        return cls(message["step"], message["epoch"], message["reason"])
 
 
 @dataclass(frozen=True)
@@ -410,11 +530,12 @@ class JoinRefused:
         return cls(message["reason"])
 
 
-Message = StartRun | Go | Commit | ResyncOrder | Shutdown | AbortRun | JoinRefused
+Message = StartRun | Go | Apply | Commit | Hold | ResyncOrder | Shutdown | AbortRun | JoinRefused
 """What the coordinator sends a worker."""
 
 _MESSAGES: dict[str, Any] = {
-    cls.KIND: cls for cls in (StartRun, Go, Commit, ResyncOrder, Shutdown, AbortRun, JoinRefused)
+    cls.KIND: cls
+    for cls in (StartRun, Go, Apply, Commit, Hold, ResyncOrder, Shutdown, AbortRun, JoinRefused)
 }
 
 
@@ -436,6 +557,9 @@ class Joined:
     """Rank ``rank`` authenticated and announced its model and data-plane listen address.
 
     ``now`` is the shell's clock at the join (heartbeat baseline); None: the next Tick's.
+    ``step`` is the next step the worker would run (0 when fresh; more when it resumes from a
+    checkpoint or rejoins a restarted coordinator), ``digest`` its state's digest there
+    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none).
     """
 
     KIND: ClassVar[str] = "join"
@@ -443,6 +567,9 @@ class Joined:
     signature: Signature
     address: tuple[str, int]
     now: float | None = None
+    step: int = 0
+    digest: bytes = b""
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -454,7 +581,14 @@ class Joined:
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
         params = [[n, list(s), d, g] for n, s, d, g in self.signature]
-        return self.KIND, {"host": self.address[0], "port": self.address[1], "params": params}
+        return self.KIND, {
+            "host": self.address[0],
+            "port": self.address[1],
+            "params": params,
+            "step": self.step,
+            "digest": self.digest,
+            "epoch": self.epoch,
+        }
 
     @classmethod
     def from_wire(
@@ -462,7 +596,15 @@ class Joined:
     ) -> Joined:
         _expect(message, cls.KIND, rank)
         sig = _norm_signature(message["params"], "join message: field 'params'", rank)
-        return cls(rank, sig, (message["host"], message["port"]), now)
+        return cls(
+            rank,
+            sig,
+            (message["host"], message["port"]),
+            now,
+            message.get("step", 0),
+            bytes(message.get("digest", b"")),
+            message.get("epoch", 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -474,18 +616,42 @@ class Ready:
     step: int
     bucket: int
     spec: BucketSpec
+    epoch: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "spec", _norm_spec(self.spec, "Ready.spec", self.rank))
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"step": self.step, "bucket": self.bucket, "spec": _spec_wire(self.spec)}
+        return self.KIND, {
+            "epoch": self.epoch,
+            "step": self.step,
+            "bucket": self.bucket,
+            "spec": _spec_wire(self.spec),
+        }
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Ready:
         _expect(message, cls.KIND, rank)
         spec = _norm_spec(message["spec"], "ready message: field 'spec'", rank)
-        return cls(rank, message["step"], message["bucket"], spec)
+        return cls(rank, message["step"], message["bucket"], spec, message["epoch"])
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """Rank ``rank`` holds every bucket of ``step`` fully reduced (elastic runs)."""
+
+    KIND: ClassVar[str] = "reduced"
+    rank: int
+    step: int
+    epoch: int = 1
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        return self.KIND, {"epoch": self.epoch, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Reduced:
+        _expect(message, cls.KIND, rank)
+        return cls(rank, message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -498,6 +664,7 @@ class Digest:
     step: int
     digest: bytes
     tensor_digests: tuple[tuple[str, bytes], ...] = ()
+    epoch: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -511,13 +678,18 @@ class Digest:
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
         tensors = [[name, digest] for name, digest in self.tensor_digests]
-        return self.KIND, {"step": self.step, "digest": self.digest, "tensors": tensors}
+        return self.KIND, {
+            "epoch": self.epoch,
+            "step": self.step,
+            "digest": self.digest,
+            "tensors": tensors,
+        }
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Digest:
         _expect(message, cls.KIND, rank)
         tensors = _norm_tensor_digests(message["tensors"], "digest message: field 'tensors'", rank)
-        return cls(rank, message["step"], message["digest"], tensors)
+        return cls(rank, message["step"], message["digest"], tensors, message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -527,14 +699,15 @@ class StepDone:
     KIND: ClassVar[str] = "step_done"
     rank: int
     step: int
+    epoch: int = 1
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"step": self.step}
+        return self.KIND, {"epoch": self.epoch, "step": self.step}
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> StepDone:
         _expect(message, cls.KIND, rank)
-        return cls(rank, message["step"])
+        return cls(rank, message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -561,14 +734,15 @@ class Finished:
     KIND: ClassVar[str] = "finished"
     rank: int
     step: int
+    epoch: int = 1
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"step": self.step}
+        return self.KIND, {"epoch": self.epoch, "step": self.step}
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Finished:
         _expect(message, cls.KIND, rank)
-        return cls(rank, message["step"])
+        return cls(rank, message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -594,10 +768,21 @@ class Malformed:
     error: str
 
 
-Event = Joined | Ready | Digest | StepDone | Heartbeat | Finished | Tick | Disconnected | Malformed
+Event = (
+    Joined
+    | Ready
+    | Reduced
+    | Digest
+    | StepDone
+    | Heartbeat
+    | Finished
+    | Tick
+    | Disconnected
+    | Malformed
+)
 """What the shell feeds :meth:`CoordinatorCore.handle`."""
 
-_WIRE_EVENTS = (Joined, Ready, Digest, StepDone, Heartbeat, Finished)
+_WIRE_EVENTS = (Joined, Ready, Reduced, Digest, StepDone, Heartbeat, Finished)
 
 
 def event_from_wire(message: Mapping[str, Any], *, rank: int, now: float) -> Event:
@@ -610,7 +795,7 @@ def event_from_wire(message: Mapping[str, Any], *, rank: int, now: float) -> Eve
         return Joined.from_wire(message, rank=rank, now=now)
     if kind == Heartbeat.KIND:
         return Heartbeat.from_wire(message, rank=rank, now=now)
-    for cls in (Ready, Digest, StepDone, Finished):
+    for cls in (Ready, Reduced, Digest, StepDone, Finished):
         if kind == cls.KIND:
             return cls.from_wire(message, rank=rank)
     try:
@@ -684,7 +869,27 @@ class Resync:
         return (self.source_rank, *self.targets)
 
 
-Action = Send | Broadcast | Refuse | Abort | Resync
+@dataclass(frozen=True)
+class Evict:
+    """Drop member ``rank`` from the run (elastic runs): tell it ``message``, close its link."""
+
+    rank: int
+    reason: str
+
+    @property
+    def message(self) -> AbortRun:
+        return AbortRun(f"rank {self.rank} was removed from the run: {self.reason}")
+
+
+@dataclass(frozen=True)
+class Report:
+    """Log ``text`` (a stall, a membership change): nothing to send."""
+
+    text: str
+    level: str = "warning"
+
+
+Action = Send | Broadcast | Refuse | Abort | Resync | Evict | Report
 """What :meth:`CoordinatorCore.handle` asks the shell to do, in order."""
 
 
@@ -766,6 +971,7 @@ class RunState(enum.Enum):
 
     RENDEZVOUS = "rendezvous"
     RUNNING = "running"
+    HOLDING = "holding"
     FINISHED = "finished"
     ABORTED = "aborted"
 
@@ -773,15 +979,46 @@ class RunState(enum.Enum):
 _DONE = (RunState.FINISHED, RunState.ABORTED)
 
 
+@dataclass(frozen=True)
+class EpochRecord:
+    """One membership epoch: from step ``step`` on, ``members`` train together."""
+
+    epoch: int
+    step: int
+    members: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """Step ``step`` committed in ``epoch`` by ``members``, with digests from ``digests``."""
+
+    step: int
+    epoch: int
+    members: tuple[int, ...]
+    digests: tuple[int, ...]
+
+
 class CoordinatorCore:
     """The coordinator's state machine: feed it events, execute the actions it returns.
 
-    ``signature`` fixes the reference model (else the first worker to join does);
-    ``digest_interval``: steps with ``step % digest_interval == 0`` end with digests, others with
-    step_done; ``resync``: on diverged digests with a strict majority, resync the minority from
-    the lowest good rank instead of aborting; ``heartbeat_deadline``: seconds of silence after
-    which a Tick aborts the run; ``ring``: the ring order (default: rank order);
-    ``start_step``: the first step (a resumed run).
+    ``world_size`` is the number of worker slots (ranks 0..world_size-1) and the size the run
+    starts with; ``signature`` fixes the reference model (else the first worker to join does);
+    ``digest_interval``: steps with ``step % digest_interval == 0`` end with digests, others
+    with step_done; ``resync``: on diverged digests with a strict majority, resync the minority
+    from the lowest good rank instead of aborting; ``heartbeat_deadline``: seconds of silence
+    after which a member is lost; ``ring``: the first epoch's ring order; ``start_step``: the
+    first step of a fresh run.
+
+    Elastic runs (``min_workers < world_size``): a lost or misbehaving member ends its epoch
+    instead of the run. The step in flight is dropped unless every member already holds its
+    reduced gradients (``apply`` sent), the survivors form a new epoch, and a joiner enters the
+    next epoch after receiving a healthy member's whole state. Below ``min_workers`` the run
+    holds for ``rejoin_seconds``, then aborts. ``rendezvous_seconds``: after a restart, start
+    with at least ``min_workers`` once no one joined for that long.
+
+    ``stall_seconds``: report (a `Report`) which ranks the step waits for, and in which phase,
+    when nothing moved for that long; ``stall_deadline``: then drop them (elastic) or abort.
     """
 
     def __init__(
@@ -794,6 +1031,11 @@ class CoordinatorCore:
         heartbeat_deadline: float = 10.0,
         ring: Sequence[int] | None = None,
         start_step: int = 0,
+        min_workers: int | None = None,
+        rejoin_seconds: float = 60.0,
+        rendezvous_seconds: float = 5.0,
+        stall_seconds: float = 60.0,
+        stall_deadline: float | None = None,
     ) -> None:
         if not _is_int(world_size) or not 1 <= world_size <= _MAX_WORLD:
             raise ValueError(f"world_size must be in [1, {_MAX_WORLD}], got {world_size!r}")
@@ -803,29 +1045,65 @@ class CoordinatorCore:
             raise ValueError(f"heartbeat_deadline must be positive, got {heartbeat_deadline!r}")
         if not _is_int(start_step) or start_step < 0:
             raise ValueError(f"start_step must be a non-negative int, got {start_step!r}")
+        min_workers = world_size if min_workers is None else min_workers
+        if not _is_int(min_workers) or not 1 <= min_workers <= world_size:
+            raise ValueError(f"min_workers must be in [1, {world_size}], got {min_workers!r}")
+        for name, value in (
+            ("rejoin_seconds", rejoin_seconds),
+            ("rendezvous_seconds", rendezvous_seconds),
+            ("stall_seconds", stall_seconds),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        if stall_deadline is not None and not stall_deadline > 0:
+            raise ValueError(f"stall_deadline must be positive, got {stall_deadline!r}")
         ring = tuple(range(world_size)) if ring is None else tuple(ring)
         if sorted(ring) != list(range(world_size)):
             raise ValueError(f"ring {list(ring)} is not a permutation of ranks 0..{world_size - 1}")
         self._n = world_size
+        self._min = min_workers
+        self._elastic = min_workers < world_size
         self._interval = digest_interval
         self._resync = bool(resync)
         self._deadline = float(heartbeat_deadline)
+        self._rejoin = float(rejoin_seconds)
+        self._rendezvous = float(rendezvous_seconds)
+        self._stall = float(stall_seconds)
+        self._stall_deadline = stall_deadline
         self._ring = ring
+        self._start_step = start_step
         self._reference: Signature | None = None
         self._reference_rank: int | None = None
         if signature is not None:
             self._reference = _norm_signature(tuple(signature), "signature", None)
         self._state = RunState.RENDEZVOUS
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._joins: dict[int, Joined] = {}
         self._last_heartbeat: dict[int, float | None] = {}
+        self._members: tuple[int, ...] = ()
+        self._epoch = 0
+        self._history: list[EpochRecord] = []
         self._step = start_step
+        self._applied = False
+        self._verifying = False
         self._seq = 0
         self._abort_reason: str | None = None
         self._finished: set[int] = set()
         self._pending: dict[int, dict[int, BucketSpec]] = {}
         self._gone: set[int] = set()
+        self._reduced: set[int] = set()
         self._done: dict[int, Digest | StepDone] = {}
         self._early: list[Ready] = []
+        self._last_commit: CommitRecord | None = None
+        self._now: float | None = None
+        self._last_join_at: float | None = None
+        self._hold_since: float | None = None
+        self._progress = 0
+        self._stall_seen = -1
+        self._stall_since: float | None = None
+        self._stall_reports = 0
+        self.stale_messages = 0
+        """Messages of an earlier epoch, dropped (they raced a membership change)."""
 
     # ------------------------------------------------------------------- observability
 
@@ -845,12 +1123,43 @@ class CoordinatorCore:
 
     @property
     def world_size(self) -> int:
+        """The number of worker slots."""
         return self._n
 
     @property
+    def min_workers(self) -> int:
+        return self._min
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run survives the loss of a member (``min_workers < world_size``)."""
+        return self._elastic
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch (0 before the start; grows by one per membership change)."""
+        return self._epoch
+
+    @property
     def members(self) -> tuple[int, ...]:
-        """Ranks that have joined, ascending."""
+        """The current epoch's members by ring position; before the start, the joined ranks."""
+        if self._epoch == 0:
+            return tuple(sorted(self._addresses))
+        return self._members
+
+    @property
+    def joined(self) -> tuple[int, ...]:
+        """Every rank with a live join (members and joiners waiting for an epoch), ascending."""
         return tuple(sorted(self._addresses))
+
+    @property
+    def history(self) -> tuple[EpochRecord, ...]:
+        """Every epoch so far: where it started and who was in it."""
+        return tuple(self._history)
+
+    @property
+    def last_commit(self) -> CommitRecord | None:
+        return self._last_commit
 
     @property
     def addresses(self) -> Mapping[int, tuple[str, int]]:
@@ -874,6 +1183,11 @@ class CoordinatorCore:
         return self._interval
 
     @property
+    def applied(self) -> bool:
+        """Whether every member holds this step's reduced gradients (``apply`` was sent)."""
+        return self._applied
+
+    @property
     def pending_buckets(self) -> Mapping[int, tuple[int, ...]]:
         """Buckets of this step some rank reported ready, not yet sent a Go: bucket -> ranks."""
         return MappingProxyType({b: tuple(sorted(r)) for b, r in self._pending.items()})
@@ -886,8 +1200,9 @@ class CoordinatorCore:
     def handle(self, event: Event) -> list[Action]:
         """Feed one event; return the actions to execute, in order.
 
-        Inconsistent input becomes an Abort, never an exception; once the run is FINISHED or
-        ABORTED every event returns []. Raises TypeError only for an object that is no event.
+        Inconsistent input becomes an Abort (or, in elastic runs, the loss of the rank that
+        sent it), never an exception; once the run is FINISHED or ABORTED every event returns
+        []. Raises TypeError only for an object that is no event.
         """
         handler = self._handlers.get(type(event))
         if handler is None:
@@ -901,29 +1216,38 @@ class CoordinatorCore:
         self._abort_reason = reason
         return [Abort(reason)]
 
+    def _fault(self, rank: int, reason: str) -> list[Action]:
+        """``rank`` broke the protocol: drop it from an elastic run, else stop the run."""
+        if not self._elastic:
+            return self._abort(reason)
+        return [Evict(rank, reason), *self._lose(rank, reason)]
+
     def _observe(self, now: float) -> None:
+        self._now = now if self._now is None else max(self._now, now)
         for rank, seen in self._last_heartbeat.items():
             if seen is None:
                 self._last_heartbeat[rank] = now
 
-    # ------------------------------------------------------------------- rendezvous
+    def _stale(self, epoch: int) -> bool:
+        """Whether a run message of ``epoch`` raced a membership change and is to be dropped."""
+        if epoch < self._epoch:
+            self.stale_messages += 1
+            return True
+        return False
 
-    def _on_joined(self, event: Joined) -> list[Action]:
+    # ------------------------------------------------------------------- membership
+
+    def _check_join(self, event: Joined) -> str | None:
         rank = event.rank
-        if self._state is RunState.RUNNING:
-            return [Refuse(rank, f"rank {rank} cannot join: the run has already started")]
         if not 0 <= rank < self._n:
-            return [Refuse(rank, f"rank {rank} is out of range for a world of {self._n} ranks")]
+            return f"rank {rank} is out of range for a world of {self._n} ranks"
         if rank in self._addresses:
-            return [Refuse(rank, f"rank {rank} has already joined")]
+            return f"rank {rank} has already joined"
         for other, address in self._addresses.items():
             if address == event.address:
                 host, port = address
-                return [Refuse(rank, f"rank {rank}'s address {host}:{port} is rank {other}'s")]
-        if self._reference is None:
-            self._reference = event.signature
-            self._reference_rank = rank
-        else:
+                return f"rank {rank}'s address {host}:{port} is rank {other}'s"
+        if self._reference is not None:
             where = _signature_mismatch(event.signature, self._reference)
             if where is not None:
                 ref = (
@@ -931,31 +1255,186 @@ class CoordinatorCore:
                     if self._reference_rank is None
                     else f"rank {self._reference_rank}'s"
                 )
-                return [Refuse(rank, f"rank {rank}'s model differs from {ref} {where}")]
+                return f"rank {rank}'s model differs from {ref} {where}"
+        return None
+
+    def _on_joined(self, event: Joined) -> list[Action]:
+        rank = event.rank
+        if self._state is RunState.RUNNING and not self._elastic:
+            return [Refuse(rank, f"rank {rank} cannot join: the run has already started")]
+        refusal = self._check_join(event)
+        if refusal is not None:
+            return [Refuse(rank, refusal)]
+        if self._reference is None:
+            self._reference = event.signature
+            self._reference_rank = rank
         self._addresses[rank] = event.address
+        self._joins[rank] = event
         self._last_heartbeat[rank] = event.now
-        if len(self._addresses) < self._n:
-            return []
+        if event.now is not None:
+            self._observe(event.now)
+        self._last_join_at = event.now if event.now is not None else self._now
+        if self._state is RunState.RENDEZVOUS:
+            if len(self._addresses) < self._n:
+                return []
+            return self._first_epoch()
+        # An elastic run: the joiner enters a new epoch now, taking a member's state.
+        joiners = tuple(r for r in self._addresses if r not in self._members)
+        if self._state is RunState.HOLDING and len(self._addresses) < self._min:
+            return [
+                Report(f"rank {rank} joined; waiting for {self._min - len(self._addresses)} more")
+            ]
+        return self._next_epoch(f"rank {rank} joined", joiners)
+
+    def _first_epoch(self) -> list[Action]:
+        """Everyone is in: the first epoch starts from the most advanced state reported."""
+        joins = self._joins
+        top = max(j.step for j in joins.values())
+        if top == 0:
+            # A fresh run: position 0's weights go to everyone.
+            return self._start_epoch(
+                self._start_step, tuple(sorted(joins)), "the run starts", broadcast=True
+            )
+        # Resumed workers (a checkpoint, a restarted coordinator): the majority state at the
+        # newest step is the donor's; everyone else receives it.
+        ahead = [r for r in sorted(joins) if joins[r].step == top]
+        votes = Counter(joins[r].digest for r in ahead)
+        best = max(votes.values())
+        digest = next(joins[r].digest for r in ahead if votes[joins[r].digest] == best)
+        donor = next(r for r in ahead if joins[r].digest == digest)
+        receivers = tuple(
+            r for r in sorted(joins) if joins[r].step != top or joins[r].digest != digest
+        )
+        self._epoch = max(self._epoch, max(j.epoch for j in joins.values()))
+        return self._start_epoch(
+            top, tuple(sorted(joins)), f"the run resumes at step {top}", donor, receivers
+        )
+
+    def _start_epoch(
+        self,
+        step: int,
+        members: tuple[int, ...],
+        reason: str,
+        donor: int = -1,
+        receivers: tuple[int, ...] = (),
+        *,
+        broadcast: bool = False,
+    ) -> list[Action]:
+        """Open a new epoch of ``members`` at ``step`` and tell them (a StartRun)."""
+        first = self._epoch == 0 or not self._history
+        self._epoch += 1
+        self._members = members
         self._state = RunState.RUNNING
+        self._hold_since = None
+        broadcast = broadcast or step == 0
+        if broadcast:
+            donor, receivers = -1, ()
+        self._step = step if broadcast or step == 0 else step - 1
+        self._verifying = not broadcast and step > 0
+        self._applied = self._verifying
+        self._pending, self._gone, self._reduced, self._done, self._early = {}, set(), set(), {}, []
+        self._finished = set()
+        self._progress += 1
+        ring = self._ring if first and len(members) == self._n else tuple(range(len(members)))
         start = StartRun(
-            addresses=tuple(self._addresses[r] for r in range(self._n)),
-            ring=self._ring,
-            step=self._step,
+            addresses=tuple(self._addresses[r] for r in members),
+            ring=ring,
+            step=step,
             digest_interval=self._interval,
             heartbeat_deadline=self._deadline,
+            epoch=self._epoch,
+            members=members,
+            donor=donor,
+            receivers=receivers,
+            broadcast=broadcast,
+            apply_barrier=self._elastic,
         )
-        return [Broadcast(start)]
+        self._history.append(EpochRecord(self._epoch, step, members, reason))
+        actions: list[Action] = [Broadcast(start)]
+        if not first:
+            actions.insert(
+                0,
+                Report(
+                    f"epoch {self._epoch} starts at step {step} with ranks {list(members)} "
+                    f"({reason})",
+                    "info",
+                ),
+            )
+        return actions
 
-    def _not_running(self, rank: int, what: str) -> list[Action] | None:
+    def _resume_step(self) -> int:
+        """Where a new epoch starts: after this step if every member holds its gradients."""
+        return self._step + 1 if self._applied else self._step
+
+    def _next_epoch(self, reason: str, joiners: tuple[int, ...] = ()) -> list[Action]:
+        survivors = tuple(r for r in self._members if r in self._addresses)
+        members = tuple(sorted(set(survivors) | set(joiners)))
+        step = self._resume_step()
+        if not survivors:
+            # Nobody holds the run's state any more; joiners cannot be given it.
+            return self._abort(f"{reason}: no worker holding the run's state remains")
+        return self._start_epoch(step, members, reason, min(survivors), tuple(sorted(joiners)))
+
+    def _lose(self, rank: int, reason: str) -> list[Action]:
+        """``rank`` is gone (dead, silent, cut off or evicted)."""
+        if rank not in self._addresses:
+            return []
+        del self._addresses[rank]
+        self._joins.pop(rank, None)
+        self._last_heartbeat.pop(rank, None)
+        if self._state is RunState.RENDEZVOUS:
+            if self._elastic:
+                return [Report(f"rank {rank} left before the start: {reason}")]
+            return self._abort(f"rank {rank} {reason}")
+        if rank not in self._members:
+            return [Report(f"joining rank {rank} left: {reason}")]
+        if not self._elastic:
+            return self._abort(f"rank {rank} {reason}")
+        lost = f"rank {rank} {reason}"
+        head = f"step {self._resume_step()}, epoch {self._epoch}: {lost}"
+        survivors = [r for r in self._members if r in self._addresses]
+        if len(self._addresses) >= self._min and survivors:
+            joiners = tuple(r for r in self._addresses if r not in self._members)
+            return [Report(head, "error"), *self._next_epoch(lost, joiners)]
+        return [Report(head, "error"), *self._hold(lost)]
+
+    def _hold(self, reason: str) -> list[Action]:
+        """Fewer than ``min_workers`` remain: drop the step in flight and wait for joiners."""
+        step = self._resume_step()
+        self._epoch += 1
+        self._members = tuple(r for r in self._members if r in self._addresses)
+        self._state = RunState.HOLDING
+        self._hold_since = self._now
+        self._step = step - 1 if step > 0 else 0
+        self._applied = step > 0
+        self._verifying = False
+        self._pending, self._gone, self._reduced, self._done, self._early = {}, set(), set(), {}, []
+        text = (
+            f"{reason}; {len(self._addresses)} worker(s) remain, min_workers is {self._min}: "
+            f"holding at step {step} for up to {_seconds(self._rejoin)} s for joiners"
+        )
+        self._history.append(EpochRecord(self._epoch, step, self._members, f"hold: {reason}"))
+        return [Broadcast(Hold(step, self._epoch, text)), Report(text, "error")]
+
+    def _run_message(self, rank: int, epoch: int, what: str) -> list[Action] | None:
         """The answer to a run message that cannot be taken now (None: go on)."""
         if rank not in self._addresses:
             return [Refuse(rank, f"rank {rank} sent {what} but has not joined")]
         if self._state is RunState.RENDEZVOUS:
-            return self._abort(f"rank {rank} sent {what} before the run started")
+            return self._fault(rank, f"rank {rank} sent {what} before the run started")
+        if self._stale(epoch):
+            return []
+        if epoch > self._epoch:
+            return self._fault(
+                rank, f"rank {rank} sent {what} for epoch {epoch}, but the run is at {self._epoch}"
+            )
+        if rank not in self._members or self._state is RunState.HOLDING:
+            return self._fault(rank, f"rank {rank} sent {what} while not in a running epoch")
         if self._finished:
-            return self._abort(
+            return self._fault(
+                rank,
                 f"rank {rank} sent {what} after ranks {sorted(self._finished)} finished the run "
-                f"at step {self._step}"
+                f"at step {self._step}",
             )
         return None
 
@@ -963,7 +1442,7 @@ class CoordinatorCore:
 
     def _on_ready(self, event: Ready) -> list[Action]:
         rank, step, bucket = event.rank, event.step, event.bucket
-        early = self._not_running(rank, f"bucket {bucket} ready for step {step}")
+        early = self._run_message(rank, event.epoch, f"bucket {bucket} ready for step {step}")
         if early is not None:
             return early
         if step == self._step + 1:
@@ -971,35 +1450,41 @@ class CoordinatorCore:
             # until step s commits (no Go for s+1 before that), keeping the check off the
             # critical path.
             if any(e.rank == rank and e.bucket == bucket for e in self._early):
-                return self._abort(f"step {step}: rank {rank} reported bucket {bucket} twice")
+                return self._fault(rank, f"step {step}: rank {rank} reported bucket {bucket} twice")
             self._early.append(event)
+            self._progress += 1
             return []
-        if step != self._step:
-            return self._abort(
+        if step != self._step or self._verifying:
+            return self._fault(
+                rank,
                 f"rank {rank} reported bucket {bucket} ready for step {step}, "
-                f"but the run is at step {self._step}"
+                f"but the run is at step {self._resume_step()}",
             )
-        if rank in self._done:
-            return self._abort(
-                f"step {step}: rank {rank} reported bucket {bucket} ready after finishing the step"
+        if rank in self._done or rank in self._reduced or self._applied:
+            return self._fault(
+                rank,
+                f"step {step}: rank {rank} reported bucket {bucket} ready after finishing the step",
             )
         reports = self._pending.get(bucket, {})
         if bucket in self._gone or rank in reports:
-            return self._abort(f"step {step}: rank {rank} reported bucket {bucket} twice")
-        if self._done:
-            return self._abort(
+            return self._fault(rank, f"step {step}: rank {rank} reported bucket {bucket} twice")
+        if self._done or self._reduced:
+            finished = sorted(set(self._done) | self._reduced)
+            return self._fault(
+                rank,
                 f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
-                f"{sorted(self._done)} finished the step without it"
+                f"{finished} finished the step without it",
             )
         reports = self._pending.setdefault(bucket, {})
         reports[rank] = event.spec
+        self._progress += 1
         if len(set(reports.values())) > 1:
             return self._abort(f"step {step} bucket {bucket}: {self._spec_groups(reports)}")
-        if len(reports) < self._n:
+        if len(reports) < len(self._members):
             return []
         del self._pending[bucket]
         self._gone.add(bucket)
-        go = Go(step, bucket, self._seq)
+        go = Go(step, bucket, self._seq, self._epoch)
         self._seq += 1
         return [Broadcast(go)]
 
@@ -1016,52 +1501,98 @@ class CoordinatorCore:
             parts.append(f"ranks {ranks} report {text}")
         return ", ".join(parts)
 
+    def _on_reduced(self, event: Reduced) -> list[Action]:
+        rank, step = event.rank, event.step
+        early = self._run_message(rank, event.epoch, f"reduced for step {step}")
+        if early is not None:
+            return early
+        if not self._elastic:
+            return self._fault(rank, f"rank {rank} sent reduced, but the run has no apply barrier")
+        if step != self._step or self._verifying:
+            return self._fault(
+                rank,
+                f"rank {rank} sent reduced for step {step}, but the run is at step "
+                f"{self._resume_step()}",
+            )
+        if rank in self._reduced or self._applied:
+            return self._fault(rank, f"step {step}: rank {rank} sent reduced twice")
+        if self._pending:
+            bucket = min(self._pending)
+            return self._fault(
+                rank,
+                f"step {step}: rank {rank} sent reduced while bucket {bucket} is still being "
+                f"negotiated (ready from ranks {sorted(self._pending[bucket])})",
+            )
+        self._reduced.add(rank)
+        self._progress += 1
+        if len(self._reduced) < len(self._members):
+            return []
+        self._applied = True
+        return [Broadcast(Apply(step, self._epoch))]
+
     # ------------------------------------------------------------------- steps
 
     def _on_step_end(self, event: Digest | StepDone) -> list[Action]:
         rank, step = event.rank, event.step
         what = "a digest" if isinstance(event, Digest) else "step_done"
-        early = self._not_running(rank, f"{what} for step {step}")
+        early = self._run_message(rank, event.epoch, f"{what} for step {step}")
         if early is not None:
             return early
         if step != self._step:
-            return self._abort(
-                f"rank {rank} sent {what} for step {step}, but the run is at step {self._step}"
+            return self._fault(
+                rank,
+                f"rank {rank} sent {what} for step {step}, but the run is at step {self._step}",
             )
-        digest_step = self.is_digest_step(step)
+        digest_step = self._verifying or self.is_digest_step(step)
         if isinstance(event, Digest) != digest_step:
             expected = "a digest" if digest_step else "step_done"
             kind = "a digest step" if digest_step else "not a digest step"
-            return self._abort(
+            return self._fault(
+                rank,
                 f"rank {rank} sent {what} for step {step}, which is {kind} "
-                f"(digest_interval {self._interval}): expected {expected}"
+                f"(digest_interval {self._interval}): expected {expected}",
             )
         if rank in self._done:
-            return self._abort(f"step {step}: rank {rank} finished the step twice")
+            return self._fault(rank, f"step {step}: rank {rank} finished the step twice")
         if self._pending:
             bucket = min(self._pending)
-            return self._abort(
+            return self._fault(
+                rank,
                 f"step {step}: rank {rank} finished the step while bucket {bucket} is still "
-                f"being negotiated (ready from ranks {sorted(self._pending[bucket])})"
+                f"being negotiated (ready from ranks {sorted(self._pending[bucket])})",
+            )
+        if self._elastic and not self._applied:
+            return self._fault(
+                rank, f"step {step}: rank {rank} sent {what} before every member reduced"
             )
         self._done[rank] = event
-        if len(self._done) < self._n:
+        self._progress += 1
+        if len(self._done) < len(self._members):
             return []
         if digest_step:
             return self._verdict()
         return self._commit()
 
     def _commit(self) -> list[Action]:
-        commit = Commit(self._step)
+        commit = Commit(self._step, self._epoch)
+        self._last_commit = CommitRecord(
+            self._step,
+            self._epoch,
+            self._members,
+            tuple(sorted(r for r, d in self._done.items() if isinstance(d, Digest))),
+        )
         self._step += 1
+        self._applied = False
+        self._verifying = False
         self._pending = {}
         self._gone = set()
+        self._reduced = set()
         self._done = {}
         actions: list[Action] = [Broadcast(commit)]
         early, self._early = self._early, []
         for event in early:
             actions += self._on_ready(event)
-            if self._state is RunState.ABORTED:
+            if self._state is not RunState.RUNNING:
                 break
         return actions
 
@@ -1072,8 +1603,9 @@ class CoordinatorCore:
         counts = Counter(d.digest for d in reports.values())
         if len(counts) == 1:
             return self._commit()
+        size = len(self._members)
         top, votes = counts.most_common(1)[0]
-        if votes * 2 > self._n:
+        if votes * 2 > size:
             good = sorted(r for r, d in reports.items() if d.digest == top)
             bad = sorted(r for r, d in reports.items() if d.digest != top)
             if self._resync:
@@ -1110,25 +1642,35 @@ class CoordinatorCore:
         if rank not in self._addresses:
             return [Refuse(rank, f"rank {rank} sent finished but has not joined")]
         if self._state is RunState.RENDEZVOUS:
-            return self._abort(f"rank {rank} sent finished before the run started")
+            return self._fault(rank, f"rank {rank} sent finished before the run started")
+        if self._stale(event.epoch):
+            return []
+        if event.epoch > self._epoch or rank not in self._members:
+            return self._fault(rank, f"rank {rank} sent finished outside its epoch")
+        if self._state is RunState.HOLDING:
+            return self._fault(rank, f"rank {rank} sent finished while the run holds")
         if rank in self._finished:
-            return self._abort(f"rank {rank} finished the run twice")
-        if step != self._step:
-            return self._abort(
-                f"rank {rank} finished the run at step {step}, but the run is at step {self._step}"
+            return self._fault(rank, f"rank {rank} finished the run twice")
+        if step != self._step or self._verifying:
+            return self._fault(
+                rank,
+                f"rank {rank} finished the run at step {step}, but the run is at step "
+                f"{self._resume_step()}",
             )
-        if self._pending or self._gone or self._done or self._early:
-            active = set(self._done)
+        if self._pending or self._gone or self._done or self._early or self._reduced:
+            active = set(self._done) | self._reduced | {e.rank for e in self._early}
             for reports in self._pending.values():
                 active.update(reports)
             if self._gone:
-                active.update(range(self._n))
-            return self._abort(
+                active.update(self._members)
+            return self._fault(
+                rank,
                 f"rank {rank} finished the run at step {step}, but ranks {sorted(active)} "
-                f"have started step {step}"
+                f"have started step {step}",
             )
         self._finished.add(rank)
-        if len(self._finished) < self._n:
+        self._progress += 1
+        if len(self._finished) < len(self._members):
             return []
         self._state = RunState.FINISHED
         return [Broadcast(Shutdown("finished"))]
@@ -1151,24 +1693,117 @@ class CoordinatorCore:
             for rank, seen in sorted(self._last_heartbeat.items())
             if seen is not None and now - seen > self._deadline
         ]
-        if not silent:
+        actions: list[Action] = []
+        if silent:
+            if not self._elastic:
+                parts = [
+                    f"rank {rank} missed heartbeats for {_seconds(gap)} s" for rank, gap in silent
+                ]
+                return self._abort(f"{'; '.join(parts)} (deadline {_seconds(self._deadline)} s)")
+            for rank, gap in silent:
+                reason = (
+                    f"missed heartbeats for {_seconds(gap)} s "
+                    f"(deadline {_seconds(self._deadline)} s)"
+                )
+                actions += [Evict(rank, reason), *self._lose(rank, reason)]
+                if self._state in _DONE:
+                    return actions
+        if self._state is RunState.HOLDING and self._hold_since is not None:
+            if now - self._hold_since > self._rejoin:
+                return actions + self._abort(
+                    f"only {len(self._addresses)} worker(s) remain (ranks {self.joined}), "
+                    f"fewer than min_workers={self._min}, and none joined within "
+                    f"{_seconds(self._rejoin)} s"
+                )
+        if (
+            self._state is RunState.RENDEZVOUS
+            and self._elastic
+            and len(self._addresses) >= self._min
+            and self._last_join_at is not None
+            and now - self._last_join_at > self._rendezvous
+        ):
+            return actions + self._first_epoch()
+        if self._state is RunState.RUNNING:
+            actions += self._check_stall(now)
+        return actions
+
+    # ------------------------------------------------------------------- stalls
+
+    def _check_stall(self, now: float) -> list[Action]:
+        if self._progress != self._stall_seen or self._stall_since is None:
+            self._stall_seen = self._progress
+            self._stall_since = now
+            self._stall_reports = 0
             return []
-        parts = [f"rank {rank} missed heartbeats for {_seconds(gap)} s" for rank, gap in silent]
-        return self._abort(f"{'; '.join(parts)} (deadline {_seconds(self._deadline)} s)")
+        waited = now - self._stall_since
+        if self._stall_deadline is not None and waited > self._stall_deadline:
+            phase, ranks = self.waiting_for()
+            reason = f"stalled for {_seconds(waited)} s in {phase}"
+            if not self._elastic:
+                return self._abort(
+                    f"step {self._resume_step()}: ranks {list(ranks)} {reason} "
+                    f"(stall deadline {_seconds(self._stall_deadline)} s)"
+                )
+            actions: list[Action] = []
+            for rank in ranks:
+                actions += [Evict(rank, reason), *self._lose(rank, reason)]
+                if self._state is not RunState.RUNNING:
+                    break
+            return actions
+        if waited < self._stall * (self._stall_reports + 1):
+            return []
+        self._stall_reports += 1
+        phase, ranks = self.waiting_for()
+        return [
+            Report(
+                f"stall: step {self._resume_step()} (epoch {self._epoch}) has waited "
+                f"{_seconds(waited)} s for ranks {list(ranks)} in {phase}"
+            )
+        ]
+
+    def waiting_for(self) -> tuple[str, tuple[int, ...]]:
+        """What the step in flight waits for: a phase and the ranks it waits on."""
+        members = self._members
+        if self._verifying:
+            missing = tuple(r for r in members if r not in self._done)
+            return f"the epoch's state transfer and check of step {self._step}", missing
+        if self._applied:
+            missing = tuple(r for r in members if r not in self._done)
+            return "the optimizer step and digest", missing
+        if self._reduced:
+            missing = tuple(r for r in members if r not in self._reduced)
+            return "the all-reduce", missing
+        if self._pending:
+            bucket = min(self._pending)
+            missing = tuple(r for r in members if r not in self._pending[bucket])
+            return f"backward (bucket {bucket} not ready)", missing
+        if self._done:
+            missing = tuple(r for r in members if r not in self._done)
+            return "the all-reduce, optimizer step and digest", missing
+        if self._gone:
+            return "backward or the all-reduce", members
+        started = {e.rank for e in self._early}
+        return "data loading and forward", tuple(r for r in members if r not in started)
+
+    # ------------------------------------------------------------------- connections
 
     def _on_disconnected(self, event: Disconnected) -> list[Action]:
         if event.rank not in self._addresses:
             return []
-        return self._abort(f"rank {event.rank} disconnected: {event.reason}")
+        return self._lose(event.rank, f"disconnected: {event.reason}")
 
     def _on_malformed(self, event: Malformed) -> list[Action]:
         if event.rank not in self._addresses:
             return [Refuse(event.rank, f"malformed message: {event.error}")]
-        return self._abort(f"rank {event.rank} sent a malformed message: {event.error}")
+        reason = f"sent a malformed message: {event.error}"
+        if not self._elastic:
+            return self._abort(f"rank {event.rank} {reason}")
+        return [Evict(event.rank, reason), *self._lose(event.rank, reason)]
 
     _handlers: ClassVar[dict[type, Any]] = {
         Joined: _on_joined,
         Ready: _on_ready,
+        Reduced: _on_reduced,
         Digest: _on_step_end,
         StepDone: _on_step_end,
         Finished: _on_finished,

@@ -476,6 +476,11 @@ class TcpTransport(Transport):
         for conn in self.connections.values():
             await conn.aclose()
 
+    def abort(self) -> None:
+        """Shut every connection down: blocked collective threads wake with an error."""
+        for conn in self.connections.values():
+            conn.abort()
+
     @asynccontextmanager
     async def blocking_links(self, peers: set[int]) -> AsyncIterator[BlockingLinks]:
         """Lend the connections to ``peers`` to worker threads, in blocking mode.

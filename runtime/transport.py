@@ -66,6 +66,10 @@ class Transport(abc.ABC):
         The returned message's ``data`` is ``out``.
         """
 
+    def abort(self) -> None:  # noqa: B027 - optional hook, most transports have no threads
+        """Break the transport at once, waking any thread blocked on it (default: nothing to
+        wake; async receivers end when their task is cancelled)."""
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close every connection; pending and later calls raise."""

@@ -656,7 +656,7 @@ async def test_garbage_before_join_is_refused_and_the_rank_may_join_properly() -
         async with trio.open_nursery() as nursery:
             address = await nursery.start(serve_tcp, coordinator, outcomes)
             conn = await dial_coordinator(address, 1, 2)
-            await conn.send("ready", {"step": 0, "bucket": 0, "spec": []})
+            await conn.send("ready", {"epoch": 1, "step": 0, "bucket": 0, "spec": []})
             refusal = await conn.recv()
             assert refusal["kind"] == "join_refused" and "rank 1" in refusal["reason"], refusal
             await conn.aclose()

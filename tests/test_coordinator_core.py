@@ -678,15 +678,27 @@ def wire(kind: str, **fields: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("message", "match"),
     [
-        (wire("ready", step=-1, bucket=0, spec="h"), "peer 2: ready message: field 'step'=-1"),
-        (wire("ready", step=0, bucket=0, spec=[[[-3], "f"]]), r"'spec'\[0\] shape\[0\]"),
-        (wire("ready", step=0, bucket=0, spec=[[[3]]]), r"'spec'\[0\] must be \[shape, dtype\]"),
-        (wire("ready", step=0, bucket=0, spec=""), "field 'spec' must be a non-empty string"),
-        (wire("ready", step=0, bucket=0), "missing field 'spec'"),
-        (wire("digest", step=1, digest=b"x" * 65, tensors=[]), "longer than 64"),
-        (wire("digest", step=1, digest=b"x", tensors=[["w", "x"]]), r"'tensors'\[0\] digest"),
-        (wire("step_done", step=True), "field 'step' must be int"),
-        (wire("finished", step=0, extra=1), "unknown field 'extra'"),
+        (
+            wire("ready", epoch=1, step=-1, bucket=0, spec="h"),
+            "peer 2: ready message: field 'step'=-1",
+        ),
+        (wire("ready", epoch=1, step=0, bucket=0, spec=[[[-3], "f"]]), r"'spec'\[0\] shape\[0\]"),
+        (
+            wire("ready", epoch=1, step=0, bucket=0, spec=[[[3]]]),
+            r"'spec'\[0\] must be \[shape, dtype\]",
+        ),
+        (
+            wire("ready", epoch=1, step=0, bucket=0, spec=""),
+            "field 'spec' must be a non-empty string",
+        ),
+        (wire("ready", epoch=1, step=0, bucket=0), "missing field 'spec'"),
+        (wire("digest", epoch=1, step=1, digest=b"x" * 65, tensors=[]), "longer than 64"),
+        (
+            wire("digest", epoch=1, step=1, digest=b"x", tensors=[["w", "x"]]),
+            r"'tensors'\[0\] digest",
+        ),
+        (wire("step_done", epoch=1, step=True), "field 'step' must be int"),
+        (wire("finished", epoch=1, step=0, extra=1), "unknown field 'extra'"),
         (wire("heartbeat", step=1), "unknown field 'step'"),
         (wire("join", host="h", port=0, params=[]), "field 'port'=0 is below 1"),
         (
@@ -694,7 +706,7 @@ def wire(kind: str, **fields: Any) -> dict[str, Any]:
             r"'params'\[0\] requires_grad must be a bool",
         ),
         (wire("join", host="h", port=1, params=[["w", [2], "float32"]]), r"'params'\[0\] must be"),
-        (wire("go", step=0, bucket=0, seq=0), "a go message is not for the coordinator"),
+        (wire("go", epoch=1, step=0, bucket=0, seq=0), "a go message is not for the coordinator"),
         (wire("nonsense"), "unknown message kind"),
         ({"kind": "ready"}, "no protocol version"),
     ],
@@ -706,7 +718,7 @@ def test_event_from_wire_names_the_bad_field(message: dict[str, Any], match: str
 
 def test_message_from_wire_refuses_worker_kinds_and_bad_rings() -> None:
     with pytest.raises(ProtocolError, match="does not come from the coordinator"):
-        message_from_wire(wire("step_done", step=1))
+        message_from_wire(wire("step_done", epoch=1, step=1))
     with pytest.raises(ProtocolError, match="not a permutation"):
         message_from_wire(
             wire(
@@ -716,10 +728,16 @@ def test_message_from_wire_refuses_worker_kinds_and_bad_rings() -> None:
                 step=0,
                 digest_interval=1,
                 heartbeat_deadline=1.0,
+                epoch=1,
+                members=[0, 1],
+                donor=-1,
+                receivers=[],
+                broadcast=True,
+                apply_barrier=False,
             )
         )
     with pytest.raises(ProtocolError, match="expected a commit message"):
-        Commit.from_wire(wire("go", step=0, bucket=0, seq=0))
+        Commit.from_wire(wire("go", epoch=1, step=0, bucket=0, seq=0))
 
 
 _leaf = st.one_of(

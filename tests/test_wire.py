@@ -240,7 +240,9 @@ def field_values(field: Field) -> st.SearchStrategy[Any] | None:
                 )
             )
         elif typ is dict:
-            options.append(st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
+            options.append(
+                st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1), max_size=3)
+            )
         else:
             return None
     return st.one_of(options) if options else None
