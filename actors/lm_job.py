@@ -132,7 +132,7 @@ async def run(args: argparse.Namespace) -> int:
                 )
                 if bar is not None:
                     bar.close()
-                if stop["signal"] is None:
+                if stop["signal"] is None and args.plot:
                     await _gather_and_plot(trainer, args)
                 summary = trainer.summary()
             nursery.cancel_scope.cancel()

@@ -37,6 +37,7 @@ from runtime.collectives import (
 from runtime.config import DistributedConfig
 from runtime.coordinator_core import Hold, ResyncOrder, StartRun
 from runtime.errors import ProtocolError
+from runtime.faults import armed, fault_point
 from runtime.trace import TraceRecorder
 from runtime.transport import Transport
 from runtime.wire import Field, register_message
@@ -203,8 +204,10 @@ class ComputeActor(Actor):
             self._pending = list(self._sizes)
             self._sync_step = message.step
         try:
+            fault_point("forward", message.step)
             with self.trace.span("forward", actor="compute", step=message.step):
                 loss = self.loss_fn(self.model, message.micro_batch)
+            fault_point("backward", message.step)
             with self.trace.span("backward", actor="compute", step=message.step):
                 loss.backward()
         finally:
@@ -283,18 +286,27 @@ class GradCommActor(Actor):
         with self.trace.span(
             "all-reduce", actor="gradient-comm", bucket=go.bucket, bytes=flat.numel() * 4
         ):
-            await all_reduce(
-                self.transport,
-                flat,
-                "avg",
-                chunk_bytes=self.options.chunk_bytes,
-                threaded_min_bytes=self.options.threaded_min_bytes,
-            )
+            async with trio.open_nursery() as nursery:
+                if armed("allreduce", go.step):  # a fault trial dies while the ring moves
+                    nursery.start_soon(_die_mid_all_reduce, go.step)
+                await all_reduce(
+                    self.transport,
+                    flat,
+                    "avg",
+                    chunk_bytes=self.options.chunk_bytes,
+                    threaded_min_bytes=self.options.threaded_min_bytes,
+                )
+                nursery.cancel_scope.cancel()
         grads = [param.grad for param in self._params[go.bucket]]
         bucket.unpack(flat, [g for g in grads if g is not None])
         state.reduced += 1
         if state.reduced == len(self.buckets):
             state.all_reduced.set()
+
+
+async def _die_mid_all_reduce(step: int) -> None:
+    await trio.sleep(0.0005)
+    fault_point("allreduce", step)
 
 
 class OptimizerActor(Actor):
@@ -335,6 +347,7 @@ class OptimizerActor(Actor):
         assert isinstance(message, Verify)
         step = message.step
         if message.force or step % self.client.digest_interval == 0:
+            fault_point("digest", step)
             with self.trace.span("digest", actor="optimizer", step=step):
                 digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
             self.last_digest = digest.digest
@@ -347,6 +360,7 @@ class OptimizerActor(Actor):
     def apply(self, step: int) -> None:
         """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
         with _OPTIMIZER_STEP_LOCK:
+            fault_point("optimizer", step)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
             if self._on_applied is not None:
@@ -873,6 +887,7 @@ class DistributedTrainer:
                     break
                 await self._live.wait()
                 step, position = self.step, self.position
+                fault_point("data", step)
                 if loader is None or loader.expects != (step, position):
                     if loader is not None:
                         await loader.stop()

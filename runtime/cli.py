@@ -84,6 +84,36 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument(
         "--port-file", help="write the bound port here once listening (for --bind host:0)"
     )
+    elastic = coordinator.add_argument_group("fault tolerance")
+    elastic.add_argument(
+        "--min-workers",
+        type=int,
+        help="keep training while at least this many workers remain (default: all; fewer "
+        "makes the run elastic: a lost worker ends its epoch, not the run)",
+    )
+    elastic.add_argument(
+        "--rejoin-seconds",
+        type=float,
+        default=60.0,
+        help="below --min-workers, wait this long for joiners, then stop (default %(default)s)",
+    )
+    elastic.add_argument(
+        "--rendezvous-seconds",
+        type=float,
+        default=5.0,
+        help="elastic restart: start with --min-workers once nobody joined for this long",
+    )
+    elastic.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=60.0,
+        help="report the ranks and phase a step waits for after this long (default %(default)s)",
+    )
+    elastic.add_argument(
+        "--stall-deadline",
+        type=float,
+        help="then drop the stalled ranks (elastic) or stop the run (default: report only)",
+    )
 
     worker = sub.add_parser(
         "worker",

@@ -1083,6 +1083,7 @@ class CoordinatorCore:
         self._members: tuple[int, ...] = ()
         self._epoch = 0
         self._history: list[EpochRecord] = []
+        self._recovering = False
         self._step = start_step
         self._applied = False
         self._verifying = False
@@ -1350,6 +1351,7 @@ class CoordinatorCore:
             apply_barrier=self._elastic,
         )
         self._history.append(EpochRecord(self._epoch, step, members, reason))
+        self._recovering = not first
         actions: list[Action] = [Broadcast(start)]
         if not first:
             actions.insert(
@@ -1575,6 +1577,16 @@ class CoordinatorCore:
 
     def _commit(self) -> list[Action]:
         commit = Commit(self._step, self._epoch)
+        recovered: list[Action] = []
+        if self._recovering and not self._verifying:
+            self._recovering = False
+            recovered.append(
+                Report(
+                    f"epoch {self._epoch} recovered: step {self._step} committed by ranks "
+                    f"{list(self._members)}",
+                    "info",
+                )
+            )
         self._last_commit = CommitRecord(
             self._step,
             self._epoch,
@@ -1588,7 +1600,7 @@ class CoordinatorCore:
         self._gone = set()
         self._reduced = set()
         self._done = {}
-        actions: list[Action] = [Broadcast(commit)]
+        actions: list[Action] = [Broadcast(commit), *recovered]
         early, self._early = self._early, []
         for event in early:
             actions += self._on_ready(event)

@@ -30,6 +30,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
             digest_interval=args.digest_interval,
             resync=args.resync,
             heartbeat_deadline=args.heartbeat_deadline,
+            min_workers=args.min_workers,
+            rejoin_seconds=args.rejoin_seconds,
+            rendezvous_seconds=args.rendezvous_seconds,
+            stall_seconds=args.stall_seconds,
+            stall_deadline=args.stall_deadline,
         )
         coordinator = Coordinator(args.world_size, options)
     except ValueError as exc:
