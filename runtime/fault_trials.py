@@ -85,9 +85,13 @@ def run_trial(
     workdir: str | os.PathLike[str] | None = None,
     timeout: float = 120.0,
     job_flags: list[str] | None = None,
+    rejoin: bool = False,
 ) -> TrialResult:
     """Run one elastic run with worker ``victim`` (default: the last) killed at ``phase`` of
-    ``step``; returns its outcome with the contract's violations listed in ``problems``."""
+    ``step``; returns its outcome with the contract's violations listed in ``problems``.
+
+    ``rejoin``: restart the killed worker as soon as it died; it must rejoin live, receive
+    the whole state, and finish with everyone's digest."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     victim = workers - 1 if victim is None else victim
@@ -123,6 +127,7 @@ def run_trial(
             )
         procs: dict[int, subprocess.Popen[bytes]] = {}
         kill_seen: float | None = None
+        rejoined: subprocess.Popen[bytes] | None = None
         try:
             deadline = time.monotonic() + timeout
             while not port_file.exists() or not port_file.read_text().strip():
@@ -132,40 +137,41 @@ def run_trial(
                     )
                 time.sleep(0.02)
             address = f"127.0.0.1:{port_file.read_text().strip()}"
+
+            def start_worker(rank: int, worker_env: dict[str, str], log: str) -> Any:
+                command = [*_python(), "worker", "--rank", str(rank)]
+                command += ["--world-size", str(workers), "--coordinator", address]
+                command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
+                with open(root / log, "w") as err:
+                    return subprocess.Popen(
+                        command, env=worker_env, stdout=subprocess.DEVNULL, stderr=err
+                    )
+
             for rank in range(workers):
                 worker_env = dict(env)
                 if rank == victim:
                     worker_env[FAULT_ENV] = f"{phase}:{step}"
                     worker_env[STAMP_ENV] = str(root / "killed-at")
-                procs[rank] = subprocess.Popen(
-                    [
-                        *_python(),
-                        "worker",
-                        "--rank",
-                        str(rank),
-                        "--world-size",
-                        str(workers),
-                        "--coordinator",
-                        address,
-                        "--summary-json",
-                        str(root / f"summary-{rank}.json"),
-                        *flags,
-                    ],
-                    env=worker_env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=open(root / f"worker-{rank}.log", "w"),
-                )
-            while any(p.poll() is None for p in (coordinator, *procs.values())):
+                procs[rank] = start_worker(rank, worker_env, f"worker-{rank}.log")
+            while any(
+                p.poll() is None for p in (coordinator, *procs.values(), rejoined) if p is not None
+            ):
                 if kill_seen is None and procs[victim].poll() is not None:
                     kill_seen = time.time()
+                    if rejoin:
+                        rejoined = start_worker(victim, env, "rejoined.log")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the trial did not finish within {timeout} s")
+                    logs = "\n".join(
+                        f"--- {path.name}:\n{path.read_text()[-3000:]}"
+                        for path in sorted(root.glob("*.log"))
+                    )
+                    raise TimeoutError(f"the trial did not finish within {timeout} s\n{logs}")
                 time.sleep(0.005)
             if kill_seen is None:
                 kill_seen = time.time()
         finally:
-            for proc in (coordinator, *procs.values()):
-                if proc.poll() is None:
+            for proc in (coordinator, *procs.values(), rejoined):
+                if proc is not None and proc.poll() is None:
                     proc.kill()
                     proc.wait()
         log_text = coordinator_log.read_text()
@@ -174,11 +180,13 @@ def run_trial(
             kill_seen = float(stamp.read_text())
         codes = {"coordinator": coordinator.returncode}
         codes.update({f"rank {r}": p.returncode for r, p in procs.items()})
+        if rejoined is not None:
+            codes["rejoined"] = rejoined.returncode
         digests: dict[int, str | None] = {}
         epochs: list[dict[str, Any]] = []
         for rank in procs:
             path = root / f"summary-{rank}.json"
-            if rank != victim and path.exists():
+            if (rank != victim or rejoin) and path.exists():
                 summary = json.loads(path.read_text())
                 digests[rank] = summary["digest"]
                 epochs = summary["epochs"]
@@ -190,9 +198,18 @@ def run_trial(
             if proc.returncode != expected:
                 tail = (root / f"worker-{rank}.log").read_text()[-2000:]
                 problems.append(f"rank {rank} exited {proc.returncode}, not {expected}: {tail}")
+        if rejoin and (rejoined is None or rejoined.returncode != 0):
+            tail = (root / "rejoined.log").read_text()[-2000:] if rejoined else ""
+            problems.append(f"the restarted rank {victim} did not finish: {tail}")
+        if rejoin and victim not in digests:
+            problems.append(f"the restarted rank {victim} wrote no summary")
         if len(set(digests.values())) != 1 or None in digests.values():
             problems.append(f"survivors' digests differ: {digests}")
         resumed_at = None
+        if rejoin:
+            survivor = next(r for r in procs if r != victim)
+            path = root / f"summary-{survivor}.json"
+            epochs = json.loads(path.read_text())["epochs"] if path.exists() else []
         later = [e for e in epochs if victim not in e["members"]]
         if not later:
             problems.append(f"no epoch without rank {victim}: {epochs}")
