@@ -192,7 +192,7 @@ def run_trial(
                 epochs = summary["epochs"]
         problems = []
         if coordinator.returncode != 0:
-            problems.append(f"the coordinator exited {coordinator.returncode}")
+            problems.append(f"the coordinator exited {coordinator.returncode}: {log_text[-3000:]}")
         for rank, proc in procs.items():
             expected = -9 if rank == victim else 0
             if proc.returncode != expected:

@@ -1,0 +1,81 @@
+"""Fault-injection trials with real worker processes (runtime.fault_trials).
+
+Hypothesis picks where a worker is SIGKILLed (phase and step); every trial must end with the
+survivors bitwise identical and equal to a reference run with the same membership history. A
+bounded number of trials runs in ``make test``; ``make soak`` runs many more.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.fault_trials import JOB_FLAGS, run_trial
+from runtime.faults import PHASES, parse_fault
+
+_REFERENCES: dict[int, str] = {}
+
+
+def reference_digest(step: int) -> str:
+    """The final model of a run whose last worker is killed before it touches ``step``."""
+    if step not in _REFERENCES:
+        reference = run_trial("data", step)
+        assert reference.ok, reference.problems
+        _REFERENCES[step] = next(iter(reference.digests.values()))
+    return _REFERENCES[step]
+
+
+def check_trial(phase: str, step: int) -> None:
+    result = run_trial(phase, step)
+    assert result.ok, result.problems
+    assert result.resumed_at in (step, step + 1)
+    if phase in ("data", "forward", "backward"):
+        assert result.resumed_at == step  # nothing of the step was applied: it is rerun
+    if phase == "digest":
+        assert result.resumed_at == step + 1  # applied everywhere before the digest
+    assert result.detection_seconds is not None and result.detection_seconds < 3.0
+    assert set(result.digests.values()) == {reference_digest(result.resumed_at)}
+
+
+@settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(phase=st.sampled_from(PHASES), step=st.sampled_from([2, 3]))
+def test_a_killed_worker_is_survived_at_any_phase(phase: str, step: int) -> None:
+    check_trial(phase, step)
+
+
+@pytest.mark.parametrize("phase", ["allreduce", "optimizer"])
+def test_a_worker_killed_mid_all_reduce_or_optimizer_is_survived(phase: str) -> None:
+    check_trial(phase, 2)
+
+
+def test_a_killed_worker_restarts_rejoins_live_and_matches_everyone() -> None:
+    flags = list(JOB_FLAGS)
+    flags[flags.index("--steps") + 1] = "1500"  # long enough for a process to start again
+    result = run_trial("backward", 2, rejoin=True, job_flags=flags, timeout=240)
+    assert result.ok, result.problems
+    assert result.exit_codes["rejoined"] == 0
+    assert len(set(result.digests.values())) == 1 and len(result.digests) == 3
+    members = [tuple(e["members"]) for e in result.epochs]
+    assert members[0] == (0, 1, 2) and (0, 1) in members and members[-1] == (0, 1, 2)
+
+
+def test_parse_fault_names_the_problem() -> None:
+    assert parse_fault("backward:3") == ("backward", 3)
+    assert parse_fault("") is None
+    with pytest.raises(ValueError, match="PHASE:STEP"):
+        parse_fault("sideways:3")
+    with pytest.raises(ValueError, match="PHASE:STEP"):
+        parse_fault("backward:x")
+
+
+@pytest.mark.soak
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(phase=st.sampled_from(PHASES), step=st.integers(1, 6))
+def test_soak_killed_workers_at_random_points(phase: str, step: int) -> None:
+    check_trial(phase, step)
