@@ -37,6 +37,7 @@ from .errors import ParamsyncError, PeerClosed, ProtocolError
 from .handshake import Identity, load_secret
 from .link import Link
 from .tcp import DEFAULT_GROUP, accept
+from .tls import TlsConfig
 
 __all__ = ["Coordinator", "CoordinatorOptions", "RunFailed"]
 
@@ -134,12 +135,14 @@ class Coordinator:
         host: str,
         port: int,
         *,
+        tls: TlsConfig | None = None,
         task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen at host:port, admit authenticated workers and run until the run ends.
 
         ``task_status.started`` receives the bound address (port 0 picks a free port). A
-        connection that fails its handshake is logged and dropped; serving goes on.
+        connection that fails its handshake is logged and dropped; serving goes on. With
+        ``tls``, every worker connection is TLS (`runtime.tls`) under the handshake.
         """
         key = load_secret(self._secret)
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -155,7 +158,7 @@ class Coordinator:
 
         async def handle(stream: trio.SocketStream) -> None:
             try:
-                conn, peer = await accept(stream, key, me, admit)
+                conn, peer = await accept(stream, key, me, admit, tls=tls)
             except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
                 self.hostile_refused += 1
                 log.warning("refused a connection: %s", exc)
