@@ -51,7 +51,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
             nursery.start_soon(watch)
 
             async def serve(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
-                await coordinator.serve_tcp(host, port, task_status=task_status)
+                tls = getattr(args, "tls", None)  # set by runtime.cli from --tls-*
+                await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
                 nursery.cancel_scope.cancel()  # served to the end: stop watching signals
 
             bound = await nursery.start(serve)
