@@ -109,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument(
         "--port-file", help="write the bound port here once listening (for --bind host:0)"
     )
+    coordinator.add_argument(
+        "--handshake-seconds",
+        type=float,
+        default=10.0,
+        help="deadline of one connection's handshake, from its accept (default %(default)s)",
+    )
+    coordinator.add_argument(
+        "--max-pending-handshakes",
+        type=int,
+        default=64,
+        help="handshakes in progress at once; more connections are refused at once "
+        "(default %(default)s)",
+    )
 
     worker = sub.add_parser(
         "worker",

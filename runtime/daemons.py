@@ -8,6 +8,7 @@ import signal
 
 import trio
 
+from .admission import AdmissionLimits
 from .config import parse_address
 from .coordinator import Coordinator, CoordinatorOptions, RunFailed
 from .errors import pick_error
@@ -32,6 +33,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
             heartbeat_deadline=args.heartbeat_deadline,
         )
         coordinator = Coordinator(args.world_size, options)
+        coordinator.admission.limits = AdmissionLimits(
+            max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
+        )
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return EXIT_USAGE

@@ -784,11 +784,13 @@ async def _serve_until(
     admit = _admit_ranks(me, claimed, expected)
     all_in = trio.Event()
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(stream: trio.SocketStream, ticket: Any) -> None:
         try:
-            conn, peer = await accept(stream, secret, me, admit, tls=tls)
-        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-            log.warning("rank %d refused a connection: %s", me.rank, exc)
+            with ticket:  # deadline, pending slot; logs and counts a failure (runtime.admission)
+                conn, peer = await accept(
+                    stream, secret, me, admit, handshake_seconds=ticket.seconds, tls=tls
+                )
+        except (ProtocolError, OSError, trio.BrokenResourceError):
             return
         if on_joined is not None:
             try:
@@ -807,9 +809,9 @@ async def _serve_until(
     async with trio.open_nursery() as nursery:
 
         async def accept_loop() -> None:
-            while True:
-                stream = await listener.accept()
-                nursery.start_soon(handle, stream)
+            from .admission import AdmissionGate
+
+            await AdmissionGate(f"rank {me.rank}").serve(listener, nursery, handle)
 
         if expected - mesh.keys():
             nursery.start_soon(accept_loop)
