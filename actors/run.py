@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -55,11 +56,12 @@ async def trainer_from_env(
 ) -> AsyncIterator[DistributedTrainer]:
     """Join (and, for the COORDINATOR role, also host) the run this environment describes."""
     config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
+    tls = config.tls_config()
     async with trio.open_nursery() as nursery:
         if config.role is DistributedRole.COORDINATOR:
             coordinator = Coordinator(config.world_size, coordinator_options, secret=secret)
             host, port = config.address
-            await nursery.start(coordinator.serve_tcp, host, port)
+            await nursery.start(partial(coordinator.serve_tcp, host, port, tls=tls))
         async with join_run(
             model,
             optimizer,
@@ -68,6 +70,7 @@ async def trainer_from_env(
             secret=secret,
             options=options,
             trace=trace,
+            tls=tls,
         ) as trainer:
             yield trainer
             summary_path = os.environ.get(SUMMARY_ENV)

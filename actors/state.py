@@ -206,7 +206,10 @@ def _capture_optimizer(
 
 def _cborable(value: Any, where: str) -> Any:
     """A deep copy of ``value`` with tuples turned into lists; TypeError naming ``where`` for
-    anything CBOR (and the checkpoint's JSON) would not carry faithfully."""
+    anything CBOR (and the checkpoint's JSON) would not carry faithfully. Integers must fit
+    CBOR's plain integer types: bignums are semantic tags, which `runtime.wire` refuses."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**64) <= value < 2**64:
+        raise TypeError(f"{where}: integer {value} does not fit 64 bits (CBOR bignum)")
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return value
     if isinstance(value, list | tuple):

@@ -22,6 +22,7 @@ from runtime.coordinator_core import StartRun, model_signature
 from runtime.handshake import Identity, load_secret
 from runtime.link import MemoryLink
 from runtime.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
+from runtime.tls import TlsConfig
 from runtime.trace import TraceRecorder
 from runtime.transport import InProcessTransport, Transport
 
@@ -70,6 +71,7 @@ async def join_run(
     options: TrainerOptions | None = None,
     trace: TraceRecorder | None = None,
     join_seconds: float = 120.0,
+    tls: TlsConfig | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join the run whose coordinator listens at ``config.coordinator_addr``.
 
@@ -80,8 +82,8 @@ async def join_run(
     key = load_secret(secret)
     me = Identity(group, config.world_size, config.rank)
     with trio.fail_after(join_seconds):
-        conn, _ = await dial_with_retry(config.address, key, me)
-        local_host = conn.stream.socket.getsockname()[0]
+        conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
+        local_host = conn.socket.getsockname()[0]
         listeners = await trio.open_tcp_listeners(0, host=local_host)
     client = CoordinatorClient(conn, config.rank)
 
@@ -91,7 +93,7 @@ async def join_run(
         position = start.position(config.rank)
         ident = Identity(f"{group}#{start.epoch}", len(start.members), position)
         with trio.fail_after(join_seconds):
-            mesh = await form_mesh(ident, listeners[0], list(start.addresses), key)
+            mesh = await form_mesh(ident, listeners[0], list(start.addresses), key, tls=tls)
         transport = TcpTransport(position, len(start.members), mesh)
         transport._paramsync_epoch_owned = True  # type: ignore[attr-defined]
         return transport

@@ -30,6 +30,7 @@ from .errors import (
 )
 from .link import Link, MemoryLink
 from .tcp import TcpTransport
+from .tls import TlsConfig
 from .trace import TraceRecorder, merge_traces
 from .train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
 from .transport import InProcessTransport, Transport
@@ -66,6 +67,7 @@ __all__ = [
     "PeerClosed",
     "ProtocolError",
     "TcpTransport",
+    "TlsConfig",
     "Transport",
     "all_gather",
     "all_reduce",

@@ -6,9 +6,14 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tls import TlsConfig
 
 __all__ = ["main", "build_parser"]
 
@@ -33,6 +38,24 @@ def parse_size(text: str) -> int:
     if not digits.isdigit() or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64KiB or 16MiB")
     return int(digits) * _UNITS[unit]
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "TLS",
+        "Encrypt every connection and authenticate it by certificate too (mutual TLS, under "
+        "the HMAC handshake). All three or none; each defaults to PARAMSYNC_TLS_CERT, "
+        "PARAMSYNC_TLS_KEY, PARAMSYNC_TLS_CA.",
+    )
+    group.add_argument("--tls-cert", metavar="PEM", help="this node's certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="its private key (unencrypted)")
+    group.add_argument(
+        "--tls-ca", metavar="PEM", help="the CA that signed every node's certificate"
+    )
+
+
+def _tls_flags(args: argparse.Namespace) -> dict[str, str | None]:
+    return {key: getattr(args, key) for key in ("tls_cert", "tls_key", "tls_ca")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     allreduce.add_argument("--size", type=parse_size, default=16 << 20, help="bytes (float32)")
     allreduce.add_argument("--repeats", type=int, default=5)
     allreduce.add_argument("--summary-json", help="write this rank's result here")
+    _add_tls_flags(allreduce)
 
     coordinator = sub.add_parser(
         "coordinator",
@@ -73,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stopped by SIGINT/SIGTERM.",
     )
     coordinator.add_argument("--world-size", type=int, required=True)
+    _add_tls_flags(coordinator)
     coordinator.add_argument(
         "--bind", default="127.0.0.1:29500", help="host:port to listen on (default %(default)s)"
     )
@@ -114,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="then drop the stalled ranks (elastic) or stop the run (default: report only)",
     )
+    coordinator.add_argument(
+        "--handshake-seconds",
+        type=float,
+        default=10.0,
+        help="deadline of one connection's handshake, from its accept (default %(default)s)",
+    )
+    coordinator.add_argument(
+        "--max-pending-handshakes",
+        type=int,
+        default=64,
+        help="handshakes in progress at once; more connections are refused at once "
+        "(default %(default)s)",
+    )
 
     worker = sub.add_parser(
         "worker",
@@ -128,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--local-rank", type=int)
     worker.add_argument("--coordinator", help="host:port of the coordinator")
     worker.add_argument("--role", choices=["worker", "coordinator"], default="worker")
+    _add_tls_flags(worker)
     from actors.lm_job import build_parser as build_job_parser
 
     build_job_parser(worker)
@@ -149,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_allreduce(args: argparse.Namespace) -> int:
+def _run_allreduce(args: argparse.Namespace, tls: TlsConfig | None) -> int:
     import torch
     import trio
 
@@ -166,7 +205,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         return torch.randn(numel, generator=gen, dtype=torch.float32)
 
     async def main() -> dict:
-        async with TcpTransport.connect(config) as transport:
+        async with TcpTransport.connect(config, tls=tls) as transport:
             tensor = rank_tensor(config.rank)
             await all_reduce(transport, tensor, "avg")
             reference = sum(rank_tensor(r).double() for r in range(config.world_size))
@@ -219,14 +258,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command in ("allreduce", "coordinator"):
+        from .train_config import resolve_tls
+
+        try:
+            args.tls = resolve_tls(_tls_flags(args))
+        except ValueError as exc:
+            log.error("bad configuration: %s", exc)
+            return 2
     if args.command == "allreduce":
-        return _run_allreduce(args)
+        return _run_allreduce(args, args.tls)
     if args.command == "coordinator":
         from .daemons import run_coordinator
 
         return run_coordinator(args)
     if args.command == "worker":
         from .daemons import run_worker
+        from .train_config import TLS_ENV_VARS
+
+        for key, value in _tls_flags(args).items():  # read back by DistributedTrainConfig
+            if value is not None:
+                os.environ[TLS_ENV_VARS[key]] = value
 
         return run_worker(args)
     if args.command == "launch":

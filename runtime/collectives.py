@@ -141,12 +141,16 @@ async def _ring(
     fold_hops: int = 0,
     threaded_min_bytes: int = THREADED_MIN_BYTES,
 ) -> None:
-    """Run the ring on worker threads when the transport lends blocking links and the
-    tensor is large enough to repay a thread hand-off; else on trio tasks."""
+    """Run the ring on worker threads when the transport lends blocking links (not over
+    TLS) and the tensor is large enough to repay a thread hand-off; else on trio tasks."""
     plan = _RingPlan(transport, flat, op_id, bounds, hops, chunk, fold, fold_hops)
     links = getattr(transport, "blocking_links", None)
     nbytes = flat.numel() * flat.element_size()
-    if links is not None and nbytes >= threaded_min_bytes:
+    if (
+        links is not None
+        and nbytes >= threaded_min_bytes
+        and getattr(transport, "supports_blocking", True)
+    ):
         async with links({plan.next, plan.prev}) as io:
             await _ring_threaded(plan, io)
         return

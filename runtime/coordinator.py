@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from .admission import AdmissionGate, HandshakeTicket
 from .coordinator_core import (
     Abort,
     Action,
@@ -39,6 +40,7 @@ from .errors import ParamsyncError, PeerClosed, ProtocolError
 from .handshake import Identity, load_secret
 from .link import Link
 from .tcp import DEFAULT_GROUP, accept
+from .tls import TlsConfig
 
 __all__ = ["Coordinator", "CoordinatorOptions", "RunFailed"]
 
@@ -116,6 +118,8 @@ class Coordinator:
         self._stop_deadline: float | None = None
         self.bound_address: tuple[str, int] | None = None
         self.hostile_refused = 0
+        self.admission = AdmissionGate("coordinator")
+        """Caps pending handshakes and sets their deadline (replace its ``limits`` to tune)."""
 
     finished: trio.Event
     """Set when the run is over, whichever way."""
@@ -152,12 +156,14 @@ class Coordinator:
         host: str,
         port: int,
         *,
+        tls: TlsConfig | None = None,
         task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen at host:port, admit authenticated workers and run until the run ends.
 
         ``task_status.started`` receives the bound address (port 0 picks a free port). A
-        connection that fails its handshake is logged and dropped; serving goes on.
+        connection that fails its handshake is logged and dropped; serving goes on. With
+        ``tls``, every worker connection is TLS (`runtime.tls`) under the handshake.
         """
         key = load_secret(self._secret)
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -171,12 +177,14 @@ class Coordinator:
                 return f"rank {peer.rank} is already taken"
             return None
 
-        async def handle(stream: trio.SocketStream) -> None:
+        async def handle(stream: trio.SocketStream, ticket: HandshakeTicket) -> None:
             try:
-                conn, peer = await accept(stream, key, me, admit)
-            except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
+                with ticket:  # deadline, pending slot; logs and counts a failure
+                    conn, peer = await accept(
+                        stream, key, me, admit, handshake_seconds=ticket.seconds, tls=tls
+                    )
+            except (ProtocolError, OSError, trio.BrokenResourceError):
                 self.hostile_refused += 1
-                log.warning("refused a connection: %s", exc)
                 return
             await self._serve_member(peer.rank, conn)
 
@@ -194,9 +202,7 @@ class Coordinator:
         self._raise_if_aborted()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: Any, handle: Any) -> None:
-        while True:
-            stream = await listener.accept()
-            nursery.start_soon(handle, stream)
+        await self.admission.serve(listener, nursery, handle)
 
     def _raise_if_aborted(self) -> None:
         if self._stop_reason is not None:

@@ -8,6 +8,7 @@ import signal
 
 import trio
 
+from .admission import AdmissionLimits
 from .config import parse_address
 from .coordinator import Coordinator, CoordinatorOptions, RunFailed
 from .errors import pick_error
@@ -37,6 +38,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
             stall_deadline=args.stall_deadline,
         )
         coordinator = Coordinator(args.world_size, options)
+        coordinator.admission.limits = AdmissionLimits(
+            max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
+        )
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return EXIT_USAGE
@@ -56,7 +60,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
             nursery.start_soon(watch)
 
             async def serve(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
-                await coordinator.serve_tcp(host, port, task_status=task_status)
+                tls = getattr(args, "tls", None)  # set by runtime.cli from --tls-*
+                await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
                 nursery.cancel_scope.cancel()  # served to the end: stop watching signals
 
             bound = await nursery.start(serve)

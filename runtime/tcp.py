@@ -4,10 +4,15 @@ The byte path is built for throughput: frames leave with one ``sendmsg`` whose l
 the tensor's own memory, and bulk bytes land with ``recv_into`` straight in the destination
 tensor. Small frames (prefix and head) come through one reusable receive buffer, so a control
 message costs one system call.
+
+With a `TlsConfig` every connection runs TLS first, then the same handshake inside it
+(`runtime.tls`); such connections go through trio's ``SSLStream`` (one copy per received
+record) and cannot lend their sockets to the blocking thread path.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -21,8 +26,16 @@ import torch
 import trio
 
 from .config import DistributedConfig
-from .errors import FrameTooLarge, HandshakeError, PeerClosed, ProtocolError, StallError
+from .errors import (
+    CollectiveError,
+    FrameTooLarge,
+    HandshakeError,
+    PeerClosed,
+    ProtocolError,
+    StallError,
+)
 from .handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from .tls import TlsConfig, describe_tls_error
 from .transport import Transport
 from .wire import (
     DEFAULT_MAX_FRAME,
@@ -32,6 +45,7 @@ from .wire import (
     check_bulk_destination,
     decode_head,
     encode_frame,
+    encode_frame_bytes,
     parse_prefix,
     register_message,
     tensor_buffer,
@@ -56,18 +70,40 @@ _DIRECT_READ = 64 * 1024
 _HEAD_READ = 4096
 _SOCKET_BUFFER = 4 * 1024 * 1024
 """Socket buffers that hold a whole 4 MiB ring part, so a blocking send rarely waits."""
+_TLS_COALESCE = 64 * 1024
+"""Under TLS, a frame up to this size leaves as one write (one record), larger ones by part."""
+_TLS_SEND = 1 << 20
+"""Under TLS, bulk is encrypted and sent this many bytes at a time (bounds the copy)."""
+_TLS_READ = 64 * 1024
+"""Under TLS, the most bytes asked of one read (a TLS record holds at most 16 KiB)."""
 
 register_message("rdv_join", host=Field(str, max_len=256), port=Field(int, min=1, max=65535))
 register_message("rdv_table", addresses=Field(list, max_len=1 << 16, items=list))
 
+_Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+
 
 class Connection:
-    """One authenticated byte stream to a peer, framed by the wire codec."""
+    """One authenticated byte stream to a peer, framed by the wire codec.
 
-    def __init__(self, stream: trio.SocketStream, peer: object = None) -> None:
+    ``stream`` is a ``trio.SocketStream``, or a ``trio.SSLStream`` over one (then the instance
+    is a TLS connection, without the blocking thread path: see `supports_blocking`).
+    """
+
+    supports_blocking = True
+    """Whether `TcpTransport.blocking_links` may lend this connection to worker threads."""
+
+    def __new__(cls, stream: _Stream, peer: object = None) -> Connection:
+        if cls is Connection and isinstance(stream, trio.SSLStream):
+            cls = _TlsConnection
+        return super().__new__(cls)
+
+    def __init__(self, stream: _Stream, peer: object = None) -> None:
         self.stream = stream
         self.peer = peer
-        self._sock = stream.socket
+        self._sock = (
+            stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        )
         self._send_lock = trio.StrictFIFOLock()
         self._recv_lock = trio.StrictFIFOLock()
         self._buf = bytearray(_BUFFER_SIZE)
@@ -77,6 +113,11 @@ class Connection:
         self.closed = False
         self._raw: socket.socket | None = None
         _tune(self._sock)
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        """The TCP socket under the stream (TLS or not): for its addresses, not for I/O."""
+        return self._sock
 
     # ---------------------------------------------------------------- sending
 
@@ -308,6 +349,60 @@ class Connection:
         await self.stream.aclose()
 
 
+class _TlsConnection(Connection):
+    """A `Connection` over ``trio.SSLStream``: same framing, records in and out of trio."""
+
+    supports_blocking = False
+
+    async def _send_parts(self, parts: list[bytes | memoryview]) -> None:
+        views = [memoryview(part).cast("B") for part in parts]
+        try:
+            if sum(len(view) for view in views) <= _TLS_COALESCE:
+                await self.stream.send_all(b"".join(views))
+                return
+            for view in views:
+                for start in range(0, len(view), _TLS_SEND):
+                    await self.stream.send_all(view[start : start + _TLS_SEND])
+        except trio.BrokenResourceError as exc:
+            raise _TlsBroken("connection lost while sending", exc, peer=self.peer) from None
+        except trio.ClosedResourceError:
+            raise PeerClosed("connection closed", peer=self.peer) from None
+
+    async def _recv_into(self, view: memoryview) -> int:
+        try:
+            data = await self.stream.receive_some(min(len(view), _TLS_READ))
+        except trio.BrokenResourceError as exc:
+            raise _TlsBroken("connection lost", exc, peer=self.peer) from None
+        except trio.ClosedResourceError:
+            raise PeerClosed("connection closed", peer=self.peer) from None
+        count = len(data)
+        if count == 0:
+            raise PeerClosed("connection closed by the peer", peer=self.peer)
+        view[:count] = data
+        return count
+
+    def _raw_socket(self) -> socket.socket:
+        raise CollectiveError(
+            f"the connection to {self.peer} is TLS: the blocking thread path needs plaintext TCP"
+        )
+
+    def abort(self) -> None:
+        """Shut the TCP socket under the TLS stream down, waking every task blocked on it."""
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _TlsBroken(PeerClosed):
+    """The TLS layer failed (an alert from the peer, a bad record): the reason is OpenSSL's."""
+
+    def __init__(self, what: str, error: BaseException, *, peer: object) -> None:
+        self.tls_reason = describe_tls_error(error)
+        super().__init__(f"{what}: {self.tls_reason}", peer=peer)
+
+
 def _consume(views: list[memoryview], sent: int) -> None:
     """Drop the first ``sent`` bytes of a partly sent ``sendmsg`` buffer list, in place."""
     while sent:
@@ -332,25 +427,49 @@ def _tune(sock: Any) -> None:
 
 
 async def dial(
-    address: tuple[str, int], secret: bytes, me: Identity, *, handshake_seconds: float = 10.0
+    address: tuple[str, int],
+    secret: bytes,
+    me: Identity,
+    *,
+    handshake_seconds: float = 10.0,
+    tls: TlsConfig | None = None,
 ) -> tuple[Connection, Identity]:
-    """Connect to ``address`` and run the dialer's handshake; raises HandshakeError if refused."""
+    """Connect to ``address`` and run the dialer's handshake; raises HandshakeError if refused.
+
+    With ``tls``, the TLS handshake runs first, within the same deadline.
+    """
     stream = await trio.open_tcp_stream(*address)
-    conn = Connection(stream, peer=f"{address[0]}:{address[1]}")
+    where = f"{address[0]}:{address[1]}"
+    conn: Connection | None = None
     try:
         with trio.fail_after(handshake_seconds):
+            conn = Connection(
+                stream if tls is None else await tls.wrap_client(stream, where), peer=where
+            )
             state = DialerHandshake(secret, me)
             await conn.send(*state.hello())
             reply = await conn.recv(HANDSHAKE_MAX_FRAME)
             await conn.send(*state.on_challenge(reply))
             peer = state.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
     except trio.TooSlowError:
-        await conn.aclose()
+        await _close(conn, stream)
         raise HandshakeError(
-            f"no handshake answer from {conn.peer} within {handshake_seconds} s"
+            f"no handshake answer from {where} within {handshake_seconds} s"
         ) from None
+    except ProtocolError as exc:
+        await _close(conn, stream)
+        if isinstance(exc, _TlsBroken):
+            # TLS 1.3: the listener checks this side's certificate after our handshake ended.
+            reason = getattr(exc, "tls_reason", exc.reason)
+            raise HandshakeError(f"TLS handshake failed: {reason}", peer=where) from None
+        if tls is None and conn is not None and _sounds_like_tls(conn):
+            raise HandshakeError(
+                "the listener speaks TLS: this side needs --tls-cert, --tls-key and --tls-ca",
+                peer=where,
+            ) from None
+        raise
     except BaseException:
-        await conn.aclose()
+        await _close(conn, stream)
         raise
     conn.peer = peer.rank if peer.rank >= 0 else conn.peer
     return conn, peer
@@ -363,8 +482,10 @@ async def accept(
     admit: Any,
     *,
     handshake_seconds: float = 10.0,
+    tls: TlsConfig | None = None,
 ) -> tuple[Connection, Identity]:
-    """Run the listener's handshake on an accepted stream.
+    """Run the listener's handshake on an accepted stream (with ``tls``: TLS first, within
+    the same deadline).
 
     Any failure closes the stream and raises a ProtocolError naming the remote address; the
     caller logs it and keeps serving.
@@ -374,10 +495,14 @@ async def accept(
         where = f"{remote[0]}:{remote[1]}"
     except OSError:
         where = "unknown peer"
-    conn = Connection(stream, peer=where)
+    conn: Connection | None = None
     state = ListenerHandshake(secret, me, admit)
     try:
         with trio.fail_after(handshake_seconds):
+            secured: _Stream = stream
+            if tls is not None:
+                secured = await tls.wrap_server(stream, where, plaintext_reply=_TLS_REQUIRED)
+            conn = Connection(secured, peer=where)
             try:
                 hello = await conn.recv(HANDSHAKE_MAX_FRAME)
                 await conn.send(*state.on_hello(hello))
@@ -385,26 +510,55 @@ async def accept(
             except PeerClosed:
                 raise
             except ProtocolError as exc:
-                await _refuse(conn, exc.reason)
-                raise
+                refusal = exc
+                if tls is None and _sounds_like_tls(conn):
+                    refusal = HandshakeError(
+                        "the peer speaks TLS but this side has no TLS configured "
+                        "(--tls-cert, --tls-key, --tls-ca)"
+                    )
+                await _refuse(conn, refusal.reason)
+                raise refusal from None
             kind, fields, error = state.on_auth(auth)
             await conn.send(kind, fields)
             if error is not None:
                 raise error
     except trio.TooSlowError:
-        await conn.aclose()
+        await _close(conn, stream)
         raise HandshakeError(
             f"handshake not finished within {handshake_seconds} s", peer=where
         ) from None
     except ProtocolError as exc:
-        await conn.aclose()
+        await _close(conn, stream)
         raise exc.with_peer(where) from None
     except BaseException:
-        await conn.aclose()
+        await _close(conn, stream)
         raise
     assert state.peer is not None
     conn.peer = state.peer.rank
     return conn, state.peer
+
+
+async def _close(conn: Connection | None, stream: trio.SocketStream) -> None:
+    """Close a connection that failed its handshake (or its bare stream, before TLS wrapped it)."""
+    if conn is not None:
+        await conn.aclose()
+    else:
+        await trio.aclose_forcefully(stream)
+
+
+_TLS_REQUIRED = encode_frame_bytes(
+    "refuse", {"reason": "this listener requires TLS (--tls-cert, --tls-key, --tls-ca)"}
+)
+"""What a TLS listener answers, in the clear, to a peer that opens with a paramsync frame."""
+
+
+def _sounds_like_tls(conn: Connection) -> bool:
+    """Whether the first bytes this connection received open a TLS record (a handshake or an
+    alert) where a paramsync frame was due: the peer speaks TLS and this side does not.
+
+    Such a prefix announces a head of over 350 MB, refused before the handshake's limit, so
+    the first bytes still sit at the front of the receive buffer."""
+    return conn._buf[1] == 0x03 and conn._buf[0] in (0x15, 0x16)
 
 
 async def _refuse(conn: Connection, reason: str) -> None:
@@ -481,6 +635,11 @@ class TcpTransport(Transport):
         for conn in self.connections.values():
             conn.abort()
 
+    @property
+    def supports_blocking(self) -> bool:
+        """Whether `blocking_links` can lend these connections to threads: not under TLS."""
+        return all(conn.supports_blocking for conn in self.connections.values())
+
     @asynccontextmanager
     async def blocking_links(self, peers: set[int]) -> AsyncIterator[BlockingLinks]:
         """Lend the connections to ``peers`` to worker threads, in blocking mode.
@@ -488,8 +647,15 @@ class TcpTransport(Transport):
         Holds both locks of each connection meanwhile, so no trio task uses them. If the block
         is left by an error or a cancellation, the connections are shut down: threads blocked on
         them wake up, and the transport is broken, as it is after any failed collective.
+        Raises CollectiveError for TLS connections (see `supports_blocking`).
         """
         conns = {peer: self._conn(peer) for peer in sorted(peers)}
+        tls = sorted(peer for peer, conn in conns.items() if not conn.supports_blocking)
+        if tls:
+            raise CollectiveError(
+                f"blocking links need plaintext TCP, but the connections to ranks {tls} are "
+                f"TLS: use the trio path (collectives choose it themselves under TLS)"
+            )
         async with AsyncExitStack() as stack:
             for conn in conns.values():
                 await stack.enter_async_context(conn._send_lock)
@@ -513,11 +679,16 @@ class TcpTransport(Transport):
     @classmethod
     @asynccontextmanager
     async def open_group(
-        cls, n: int, *, secret: bytes | str | None = None, group: str = DEFAULT_GROUP
+        cls,
+        n: int,
+        *,
+        secret: bytes | str | None = None,
+        group: str = DEFAULT_GROUP,
+        tls: TlsConfig | None = None,
     ) -> AsyncIterator[list[TcpTransport]]:
         """Yield ``n`` connected transports on loopback in this process (tests, benchmarks).
 
-        Every pair of ranks is a real authenticated TCP connection.
+        Every pair of ranks is a real authenticated TCP connection (over TLS with ``tls``).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"group size must be a positive int, got {n!r}")
@@ -534,7 +705,7 @@ class TcpTransport(Transport):
             async with trio.open_nursery() as nursery:
                 for rank in range(n):
                     nursery.start_soon(
-                        _form_mesh,
+                        functools.partial(_form_mesh, tls=tls),
                         Identity(group, n, rank),
                         listeners[rank],
                         addresses,
@@ -563,12 +734,13 @@ class TcpTransport(Transport):
         secret: bytes | str | None = None,
         group: str = DEFAULT_GROUP,
         join_seconds: float = 60.0,
+        tls: TlsConfig | None = None,
     ) -> AsyncIterator[TcpTransport]:
         """Join a multi-process group: rank 0 listens at ``config.coordinator_addr``.
 
         Every other rank dials rank 0, authenticates, announces where it listens, receives the
         table of all ranks' addresses, then connects to the ranks below it. The whole formation
-        must finish within ``join_seconds`` seconds.
+        must finish within ``join_seconds`` seconds. With ``tls``, every connection is TLS.
         """
         key = load_secret(secret)
         me = Identity(group, config.world_size, config.rank)
@@ -576,9 +748,9 @@ class TcpTransport(Transport):
         if config.world_size > 1:
             with trio.fail_after(join_seconds):
                 if config.rank == 0:
-                    await _rendezvous_root(me, config.address, key, mesh)
+                    await _rendezvous_root(me, config.address, key, mesh, tls=tls)
                 else:
-                    await _rendezvous_member(me, config.address, key, mesh)
+                    await _rendezvous_member(me, config.address, key, mesh, tls=tls)
         transport = cls(config.rank, config.world_size, mesh)
         try:
             yield transport
@@ -606,6 +778,8 @@ async def _serve_until(
     mesh: dict[int, Connection],
     expected: set[int],
     on_joined: Any = None,
+    *,
+    tls: TlsConfig | None = None,
 ) -> None:
     """Accept connections until every rank in ``expected`` has joined ``mesh``.
 
@@ -615,11 +789,13 @@ async def _serve_until(
     admit = _admit_ranks(me, claimed, expected)
     all_in = trio.Event()
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(stream: trio.SocketStream, ticket: Any) -> None:
         try:
-            conn, peer = await accept(stream, secret, me, admit)
-        except (ProtocolError, OSError, trio.BrokenResourceError) as exc:
-            log.warning("rank %d refused a connection: %s", me.rank, exc)
+            with ticket:  # deadline, pending slot; logs and counts a failure (runtime.admission)
+                conn, peer = await accept(
+                    stream, secret, me, admit, handshake_seconds=ticket.seconds, tls=tls
+                )
+        except (ProtocolError, OSError, trio.BrokenResourceError):
             return
         if on_joined is not None:
             try:
@@ -638,9 +814,9 @@ async def _serve_until(
     async with trio.open_nursery() as nursery:
 
         async def accept_loop() -> None:
-            while True:
-                stream = await listener.accept()
-                nursery.start_soon(handle, stream)
+            from .admission import AdmissionGate
+
+            await AdmissionGate(f"rank {me.rank}").serve(listener, nursery, handle)
 
         if expected - mesh.keys():
             nursery.start_soon(accept_loop)
@@ -649,13 +825,13 @@ async def _serve_until(
 
 
 async def dial_with_retry(
-    address: tuple[str, int], secret: bytes, me: Identity
+    address: tuple[str, int], secret: bytes, me: Identity, *, tls: TlsConfig | None = None
 ) -> tuple[Connection, Identity]:
     """`dial`, retrying with backoff while nobody listens yet; the caller sets the deadline."""
     delay = 0.01
     while True:
         try:
-            return await dial(address, secret, me)
+            return await dial(address, secret, me, tls=tls)
         except OSError:
             await trio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -668,13 +844,15 @@ async def _form_mesh(
     secret: bytes,
     mesh: dict[int, Connection],
     members: range | list[int],
+    *,
+    tls: TlsConfig | None = None,
 ) -> None:
     """Connect ``me`` to every other member: dial those below, accept those above."""
     below = [rank for rank in members if rank < me.rank and rank not in mesh]
     above = {rank for rank in members if rank > me.rank}
 
     async def dial_one(rank: int) -> None:
-        conn, peer = await dial_with_retry(addresses[rank], secret, me)
+        conn, peer = await dial_with_retry(addresses[rank], secret, me, tls=tls)
         if peer.rank != rank:
             await conn.aclose()
             raise HandshakeError(f"dialed rank {rank} at {addresses[rank]}, found rank {peer.rank}")
@@ -684,7 +862,9 @@ async def _form_mesh(
         for rank in below:
             nursery.start_soon(dial_one, rank)
         if above and listener is not None:
-            nursery.start_soon(_serve_until, listener, me, secret, mesh, above)
+            nursery.start_soon(
+                functools.partial(_serve_until, listener, me, secret, mesh, above, tls=tls)
+            )
 
 
 async def form_mesh(
@@ -692,20 +872,28 @@ async def form_mesh(
     listener: trio.SocketListener,
     addresses: list[tuple[str, int]],
     secret: bytes,
+    *,
+    tls: TlsConfig | None = None,
 ) -> dict[int, Connection]:
     """Connect ``me`` to every rank listed in ``addresses`` (by rank): dial the ranks below,
-    accept the ranks above on ``listener``. Returns the connections by rank."""
+    accept the ranks above on ``listener`` (all over TLS with ``tls``). Returns the
+    connections by rank."""
     if len(addresses) != me.world_size:
         raise HandshakeError(
             f"{len(addresses)} addresses for a group of {me.world_size}: cannot form the mesh"
         )
     mesh: dict[int, Connection] = {}
-    await _form_mesh(me, listener, addresses, secret, mesh, range(me.world_size))
+    await _form_mesh(me, listener, addresses, secret, mesh, range(me.world_size), tls=tls)
     return mesh
 
 
 async def _rendezvous_root(
-    me: Identity, address: tuple[str, int], secret: bytes, mesh: dict[int, Connection]
+    me: Identity,
+    address: tuple[str, int],
+    secret: bytes,
+    mesh: dict[int, Connection],
+    *,
+    tls: TlsConfig | None = None,
 ) -> None:
     listeners = await trio.open_tcp_listeners(address[1], host=address[0])
     joins: dict[int, tuple[str, int]] = {}
@@ -717,7 +905,9 @@ async def _rendezvous_root(
         joins[rank] = (message["host"], message["port"])
 
     try:
-        await _serve_until(listeners[0], me, secret, mesh, set(range(1, me.world_size)), on_joined)
+        await _serve_until(
+            listeners[0], me, secret, mesh, set(range(1, me.world_size)), on_joined, tls=tls
+        )
     finally:
         for lst in listeners:
             await lst.aclose()
@@ -727,14 +917,19 @@ async def _rendezvous_root(
 
 
 async def _rendezvous_member(
-    me: Identity, address: tuple[str, int], secret: bytes, mesh: dict[int, Connection]
+    me: Identity,
+    address: tuple[str, int],
+    secret: bytes,
+    mesh: dict[int, Connection],
+    *,
+    tls: TlsConfig | None = None,
 ) -> None:
-    conn, peer = await dial_with_retry(address, secret, me)
+    conn, peer = await dial_with_retry(address, secret, me, tls=tls)
     if peer.rank != 0:
         await conn.aclose()
         raise HandshakeError(f"{address[0]}:{address[1]} is rank {peer.rank}, not rank 0")
     mesh[0] = conn
-    local_host = conn.stream.socket.getsockname()[0]
+    local_host = conn.socket.getsockname()[0]
     listeners = await trio.open_tcp_listeners(0, host=local_host)
     try:
         port = listeners[0].socket.getsockname()[1]
@@ -747,7 +942,9 @@ async def _rendezvous_member(
             if len(entry) != 2 or not isinstance(entry[0], str) or not isinstance(entry[1], int):
                 raise ProtocolError(f"bad address {entry!r} in the rendezvous table", peer=0)
             addresses.append((entry[0], entry[1]))
-        await _form_mesh(me, listeners[0], addresses, secret, mesh, range(1, me.world_size))
+        await _form_mesh(
+            me, listeners[0], addresses, secret, mesh, range(1, me.world_size), tls=tls
+        )
     finally:
         for lst in listeners:
             await lst.aclose()

@@ -5,6 +5,11 @@ environment variables, from a ``[distributed]`` table in a TOML file, or from co
 `DistributedTrainConfig.resolve` layers them (flags > environment > TOML > defaults) so a launch
 script can set what it knows and leave the rest. Every bad value is a ``ValueError`` that names
 the field, variable or key it came from.
+
+TLS (`runtime.tls`) is on when ``tls_cert``, ``tls_key`` and ``tls_ca`` are all given (flags
+``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/KEY/CA`` or TOML keys; a
+relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
+checks the files and returns the `TlsConfig`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 from runtime.config import DistributedConfig, parse_address
+from runtime.tls import TlsConfig
 
 __all__ = [
     "DEFAULT_COORDINATOR_HOST",
@@ -29,6 +35,8 @@ __all__ = [
     "DistributedRole",
     "DistributedTrainConfig",
     "ENV_VARS",
+    "TLS_ENV_VARS",
+    "resolve_tls",
 ]
 
 DEFAULT_COORDINATOR_HOST = "127.0.0.1"
@@ -43,7 +51,17 @@ ENV_VARS = (
     "MASTER_PORT",
     "PARAMSYNC_ROLE",
     "PARAMSYNC_BACKEND",
+    "PARAMSYNC_TLS_CERT",
+    "PARAMSYNC_TLS_KEY",
+    "PARAMSYNC_TLS_CA",
 )
+
+#: The TLS fields, each with its environment variable and command-line flag.
+TLS_ENV_VARS = {
+    "tls_cert": "PARAMSYNC_TLS_CERT",
+    "tls_key": "PARAMSYNC_TLS_KEY",
+    "tls_ca": "PARAMSYNC_TLS_CA",
+}
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 
@@ -109,6 +127,13 @@ def _parse_enum(cls: Any, value: object, field: str) -> Any:
     raise ValueError(f"{field} must be one of {choices}, got {value!r}")
 
 
+def _check_path(name: str, value: object) -> Path:
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if isinstance(text, str) and text.strip():
+        return Path(text)
+    raise ValueError(f"{name} must be a file path, got {value!r}")
+
+
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
@@ -120,7 +145,8 @@ class DistributedTrainConfig:
     """This process's place in a data-parallel training group; validated on construction.
 
     ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``backend``
-    also accept their names as strings. ``coordinator_addr`` is ``host:port``.
+    also accept their names as strings. ``coordinator_addr`` is ``host:port``. ``tls_cert``,
+    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none.
     """
 
     world_size: int = 1
@@ -129,6 +155,9 @@ class DistributedTrainConfig:
     role: DistributedRole | None = None
     coordinator_addr: str = f"{DEFAULT_COORDINATOR_HOST}:{DEFAULT_COORDINATOR_PORT}"
     backend: DistributedBackend = DistributedBackend.AUTO
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
 
     def __post_init__(self) -> None:
         world_size = _check_int("world_size", self.world_size)
@@ -154,6 +183,19 @@ class DistributedTrainConfig:
             parse_address(self.coordinator_addr)
         except ValueError as exc:
             raise ValueError(f"coordinator_addr: {exc}") from None
+        for name in TLS_ENV_VARS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _check_path(name, value))
+        given = [name for name in TLS_ENV_VARS if getattr(self, name) is not None]
+        if given and len(given) < len(TLS_ENV_VARS):
+            missing = [name for name in TLS_ENV_VARS if name not in given]
+            raise ValueError(
+                f"TLS needs tls_cert, tls_key and tls_ca together: {', '.join(given)} given, "
+                f"{' and '.join(missing)} missing (flags "
+                f"{', '.join('--' + name.replace('_', '-') for name in missing)}; environment "
+                f"{', '.join(TLS_ENV_VARS[name] for name in missing)})"
+            )
 
     @property
     def is_coordinator(self) -> bool:
@@ -168,6 +210,15 @@ class DistributedTrainConfig:
     def device(self) -> torch.device:
         """The torch device this process computes on (see `DistributedBackend.resolve`)."""
         return self.backend.resolve(self.local_rank)
+
+    def tls_config(self) -> TlsConfig | None:
+        """The TLS of every connection (`runtime.tls`), or None for plaintext TCP.
+
+        Reads the three files: a missing, unreadable or malformed one is a ``ValueError``
+        naming it."""
+        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
+            return None
+        return TlsConfig.from_paths(self.tls_cert, self.tls_key, self.tls_ca)
 
     def to_distributed_config(self) -> DistributedConfig:
         """The transport-level group description (world size, rank, rendezvous address)."""
@@ -244,6 +295,8 @@ def _coerce_fields(values: Mapping[object, object], where: str) -> dict[str, Any
                 out[key] = DistributedBackend.parse(value)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
+        elif key in TLS_ENV_VARS:
+            out[key] = _check_path(label, value)
         else:
             if not isinstance(value, str):
                 raise ValueError(f"{label} must be a host:port string, got {value!r}")
@@ -288,7 +341,27 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     for var, key in (("PARAMSYNC_ROLE", "role"), ("PARAMSYNC_BACKEND", "backend")):
         if var in environ:
             out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
+    for key, var in TLS_ENV_VARS.items():
+        if var in environ:
+            out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
     return out
+
+
+def resolve_tls(
+    flags: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> TlsConfig | None:
+    """The TLS config of a process that needs nothing else of `DistributedTrainConfig` (the
+    coordinator daemon): ``flags`` (``tls_cert``, ``tls_key``, ``tls_ca``; None: not given)
+    over ``PARAMSYNC_TLS_*`` in ``environ`` (default ``os.environ``). All three or none; the
+    files are read and checked. Every problem is a ``ValueError`` naming the flag or file."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    for key, var in TLS_ENV_VARS.items():
+        if var in env:
+            merged.update(_coerce_fields({key: env[var]}, f"environment variable {var}"))
+    if flags is not None:
+        merged.update(_overrides_layer(flags))
+    return DistributedTrainConfig(**merged).tls_config()
 
 
 def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -301,7 +374,11 @@ def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
     table = data.get("distributed", {})
     if not isinstance(table, dict):
         raise ValueError(f"{path}: 'distributed' must be a table, got {table!r}")
-    return _coerce_fields(table, f"{path} [distributed]")
+    out = _coerce_fields(table, f"{path} [distributed]")
+    for key in TLS_ENV_VARS:
+        if key in out:  # relative to the TOML file, not to the working directory
+            out[key] = path.parent / out[key]
+    return out
 
 
 def _overrides_layer(overrides: Mapping[str, object]) -> dict[str, Any]:

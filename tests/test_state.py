@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 from typing import Any
 
@@ -299,8 +300,20 @@ def test_extra_must_be_cborable() -> None:
         capture_state(model, optimizer, 0, extra={"when": object()})
     with pytest.raises(TypeError, match="dict key 1 is not a str"):
         capture_state(model, optimizer, 0, extra={"m": {1: 2}})
+    with pytest.raises(TypeError, match="does not fit 64 bits"):
+        capture_state(model, optimizer, 0, extra={"big": [-(2**64) - 1]})
     with pytest.raises(ValueError, match="step"):
         capture_state(model, optimizer, -1)
+    # The extremes that still fit decode without bignum tags, which runtime.wire refuses.
+    edge = manifest(capture_state(model, optimizer, 0, extra={"big": [2**64 - 1, -(2**64)]}))
+
+    def refuse(_decoder: Any, value: Any) -> Any:
+        raise AssertionError(f"semantic tag decoded: {value!r}")
+
+    decoder = cbor2.CBORDecoder(
+        io.BytesIO(cbor2.dumps(edge)), semantic_decoders={2: refuse, 3: refuse}
+    )
+    assert decoder.decode() == edge
 
 
 def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
