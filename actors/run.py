@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from functools import partial
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
