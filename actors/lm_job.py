@@ -26,9 +26,11 @@ from runtime.progress import ProgressBar
 from runtime.trace import TraceRecorder
 
 from .buckets import DEFAULT_BUCKET_BYTES
+from .checkpoint import CheckpointStore
 from .corpus import load_char_dataset
 from .model import CharTransformer
 from .run import trainer_from_env, write_summary
+from .state import capture_state, restore_state
 from .trainer import TrainerOptions
 
 __all__ = ["main", "build_parser", "run"]
@@ -63,6 +65,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument("--plot", help="rank 0 writes the loss-curve PNG here")
     group.add_argument("--summary-json", help="write this rank's summary here ({rank} expands)")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument(
+        "--checkpoint-dir",
+        help="rank 0 writes atomic safetensors checkpoints of the whole state here",
+    )
+    group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (0: only at stop)",
+    )
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="every worker restores the newest valid checkpoint of --checkpoint-dir first",
+    )
     return parser
 
 
@@ -81,6 +98,19 @@ async def run(args: argparse.Namespace) -> int:
         digest_interval=args.digest_interval,
     )
     rank = int(os.environ.get("RANK", "0"))
+    store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
+    resume_step = 0
+    if args.resume:
+        if store is None:
+            log.error("--resume needs --checkpoint-dir")
+            return EXIT_USAGE
+        state = store.load_latest_valid()
+        if state is None:
+            log.warning("rank %d: no checkpoint in %s, starting afresh", rank, args.checkpoint_dir)
+        else:
+            restore_state(model, optimizer, state)
+            resume_step = state.step
+            log.info("rank %d resumes from the checkpoint of step %d", rank, resume_step)
     trace = TraceRecorder(f"rank {rank}", pid=rank) if args.trace else TraceRecorder.disabled()
     stop: dict[str, int | None] = {"signal": None}
 
@@ -111,6 +141,7 @@ async def run(args: argparse.Namespace) -> int:
                 coordinator_options=coordinator_options,
                 trace=trace,
                 toml_path=args.config,
+                resume_step=resume_step,
             ) as trainer:
                 rank = trainer.dist_config.rank
                 bar = (
@@ -119,9 +150,16 @@ async def run(args: argparse.Namespace) -> int:
                     else None
                 )
 
+                def save_checkpoint() -> None:
+                    if store is not None and trainer.position == 0:
+                        path = store.save(capture_state(model, optimizer, trainer.step))
+                        log.info("rank %d wrote %s", rank, path)
+
                 def on_step(step: int, loss: float) -> None:
                     if bar is not None:
                         bar.update(step + 1, loss=loss)
+                    if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                        save_checkpoint()
 
                 await trainer.fit(
                     dataset,
@@ -132,6 +170,9 @@ async def run(args: argparse.Namespace) -> int:
                 )
                 if bar is not None:
                     bar.close()
+                if store is not None and (stop["signal"] is not None or not args.checkpoint_every):
+                    await trainer.verified()  # on SIGTERM/SIGINT: the last committed state
+                    save_checkpoint()
                 if stop["signal"] is None and args.plot:
                     await _gather_and_plot(trainer, args)
                 summary = trainer.summary()

@@ -53,6 +53,7 @@ async def trainer_from_env(
     toml_path: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, object] | None = None,
     secret: bytes | str | None = None,
+    resume_step: int = 0,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join (and, for the COORDINATOR role, also host) the run this environment describes."""
     config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
@@ -71,6 +72,7 @@ async def trainer_from_env(
             options=options,
             trace=trace,
             tls=tls,
+            resume_step=resume_step,
         ) as trainer:
             yield trainer
             summary_path = os.environ.get(SUMMARY_ENV)

@@ -27,6 +27,7 @@ from runtime.trace import TraceRecorder
 from runtime.transport import InProcessTransport, Transport
 
 from .client import CoordinatorClient
+from .digest import state_digest
 from .trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
 
 __all__ = ["join_run", "train_in_process", "WorkerBody"]
@@ -72,12 +73,14 @@ async def join_run(
     trace: TraceRecorder | None = None,
     join_seconds: float = 120.0,
     tls: TlsConfig | None = None,
+    resume_step: int = 0,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join the run whose coordinator listens at ``config.coordinator_addr``.
 
     Authenticates, sends this model's signature (a mismatch is refused with the first
     difference named), waits until every rank has joined, connects to every other worker, and
-    starts from rank 0's weights.
+    starts from rank 0's weights. ``resume_step``: this worker restored a checkpoint whose
+    next step is this; the run resumes there once every worker's state agrees.
     """
     key = load_secret(secret)
     me = Identity(group, config.world_size, config.rank)
@@ -101,7 +104,13 @@ async def join_run(
     try:
         port = listeners[0].socket.getsockname()[1]
         with trio.fail_after(join_seconds):
-            await client.join(model_signature(model.named_parameters()), (local_host, port))
+            digest = state_digest(model, optimizer).digest if resume_step else b""
+            await client.join(
+                model_signature(model.named_parameters()),
+                (local_host, port),
+                step=resume_step,
+                digest=digest,
+            )
         async with _trainer_session(
             model, optimizer, loss_fn, config, connect, client, options, trace
         ) as trainer:
