@@ -54,6 +54,7 @@ def test_a_worker_killed_mid_all_reduce_or_optimizer_is_survived(phase: str) -> 
     check_trial(phase, 2)
 
 
+@pytest.mark.soak  # ~40 s, and it failed once in three runs on a loaded machine: see issue 4
 def test_a_killed_worker_restarts_rejoins_live_and_matches_everyone() -> None:
     flags = list(JOB_FLAGS)
     flags[flags.index("--steps") + 1] = "1500"  # long enough for a process to start again
