@@ -1,0 +1,781 @@
+"""Hostile inputs against a live training run: every attack refused, logged, and training on.
+
+A coordinator daemon (``python -m runtime.cli coordinator``) and two workers of the built-in LM
+job train as separate processes. While they train, this process attacks the coordinator's port
+with strangers and impostors, one kind of attack at a time:
+
+============== ==============================================================================
+attack         what the attacker does
+============== ==============================================================================
+connect_close  connects and closes without a word
+http_garbage   sends an HTTP request (its first 8 bytes announce a 405 MB head)
+framed_garbage a well-formed frame prefix followed by random bytes
+oversized      a frame prefix that announces 4 GiB
+wrong_secret   a real dialer holding another secret (it hangs up after the challenge)
+forged_auth    a dialer holding another secret that sends its auth anyway
+taken_rank     a dialer with the right secret claiming rank 0, which a worker holds
+replay         the hello and auth recorded from a taken_rank session, replayed verbatim
+slow_drip      a valid hello, one byte every 100 ms (cut at the handshake deadline)
+flood          ``--flood`` connections opened at once and held open
+============== ==============================================================================
+
+Each attempt's local address is what the coordinator logs as the peer, so every attempt is
+matched with the coordinator's log line naming it, or with the count a rate-limit summary line
+gives for its category (the gate logs at most 20 refusal lines a second). The table says, per
+attack: attempts, how many got no welcome (refused), how many the log names one by one, how many
+it sums up, whether every logged category is the one expected; then whether training finished
+(every process exited 0), whether both workers end with the same state digest, and the daemon's
+own admission totals.
+
+    python benchmarks/hostile.py --count 200 --json out/hostile.json
+
+`tests/test_hostile_daemon.py` runs the same attacks, a few of each, and asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import secrets
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from runtime.errors import PeerClosed, ProtocolError  # noqa: E402
+from runtime.handshake import DialerHandshake, Identity, ListenerHandshake  # noqa: E402
+from runtime.tcp import DEFAULT_GROUP, Connection  # noqa: E402
+from runtime.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
+
+__all__ = [
+    "ATTACKS",
+    "Attempt",
+    "LiveRun",
+    "Target",
+    "parse_admission_log",
+    "run_attacks",
+    "account",
+    "main",
+]
+
+LOG_WINDOW = 1.0
+"""The gate's log window (`runtime.admission`): phases are this far apart, so each rate-limit
+summary line counts the refusals of one phase."""
+WRONG_SECRET = b"not-the-run's-secret-at-all"
+HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: paramsync\r\n\r\n"
+JOB_ARGS = ("--d-model", "32", "--layers", "1", "--batch-size", "4", "--context", "32")
+"""The LM job's flags for a small, fast model (about 100 steps/s on 2 cores)."""
+
+_REFUSAL = re.compile(r"refused a connection from (\S+) \[(\w+)\]: (.*)$")
+_SUMMARY = re.compile(r"refused (\d+) more connections, not logged one by one .*?: (.*)$")
+_TOTALS = re.compile(r"admission totals: (.*)$")
+_PAIR = re.compile(r"(\w+)=(\d+)")
+
+
+# ----------------------------------------------------------------------------- the target
+
+
+@dataclass(frozen=True)
+class Target:
+    """The coordinator under attack."""
+
+    host: str
+    port: int
+    world_size: int
+    handshake_seconds: float
+    max_pending: int
+    secret: bytes
+    group: str = DEFAULT_GROUP
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+@dataclass
+class Attempt:
+    """One hostile connection and what its attacker saw."""
+
+    attack: str
+    address: str
+    """The attacker's local host:port: the peer the coordinator's log line names."""
+    expect: tuple[str, ...]
+    """The log categories this attempt may be refused with."""
+    text: str
+    """A part of the reason the coordinator should log ("" when it varies)."""
+    outcome: str
+    """What the attacker saw: ``refuse: <reason>``, ``closed``, an error, or ``welcome``."""
+
+    @property
+    def refused(self) -> bool:
+        return not self.outcome.startswith("welcome")
+
+
+async def _open(target: Target) -> tuple[trio.SocketStream, str]:
+    stream = await trio.open_tcp_stream(*target.address)
+    host, port = stream.socket.getsockname()[:2]
+    return stream, f"{host}:{port}"
+
+
+async def _answer(conn: Connection, seconds: float) -> str:
+    """The coordinator's next word on ``conn``: a message, a hang-up or silence."""
+    try:
+        with trio.fail_after(seconds):
+            message = await conn.recv(HANDSHAKE_MAX_FRAME)
+    except PeerClosed:
+        return "closed"
+    except trio.TooSlowError:
+        return "no answer"
+    except ProtocolError as exc:
+        return f"unreadable answer: {exc}"
+    return f"{message['kind']}: {message.get('reason', '')}".rstrip(": ")
+
+
+async def _send_then_answer(
+    target: Target, attack: str, data: bytes, expect: tuple[str, ...], text: str
+) -> Attempt:
+    stream, where = await _open(target)
+    conn = Connection(stream)
+    try:
+        try:
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            return Attempt(attack, where, expect, text, f"closed while sending: {exc}")
+        outcome = await _answer(conn, target.handshake_seconds + 2)
+    finally:
+        await conn.aclose()
+    return Attempt(attack, where, expect, text, outcome)
+
+
+def _me(target: Target, rank: int) -> Identity:
+    return Identity(target.group, target.world_size, rank)
+
+
+# ----------------------------------------------------------------------------- the attacks
+
+
+async def connect_close(target: Target, index: int) -> list[Attempt]:
+    """Connect and close at once."""
+    stream, where = await _open(target)
+    await stream.aclose()
+    return [Attempt("connect_close", where, ("closed",), "closed by the peer", "closed by us")]
+
+
+async def http_garbage(target: Target, index: int) -> list[Attempt]:
+    """An HTTP request: its first 8 bytes read as a prefix announcing a 405 MB head."""
+    text = "exceeds this receiver's limit of 4096"
+    expect = ("frame_too_large",)
+    return [await _send_then_answer(target, "http_garbage", HTTP_REQUEST, expect, text)]
+
+
+async def framed_garbage(target: Target, index: int) -> list[Attempt]:
+    """A valid 8-byte prefix announcing 64 bytes, then 64 random (seeded) bytes."""
+    body = random.Random(index).randbytes(64)
+    data = struct.pack(">II", len(body), 0) + body
+    return [await _send_then_answer(target, "framed_garbage", data, ("malformed",), "")]
+
+
+async def oversized(target: Target, index: int) -> list[Attempt]:
+    """A prefix announcing a 4 GiB item: refused before a byte of it is read or allocated."""
+    data = struct.pack(">II", 0xFFFFFFFF, 0)
+    text = "frame of 4294967295 bytes exceeds this receiver's limit of 4096"
+    return [await _send_then_answer(target, "oversized", data, ("frame_too_large",), text)]
+
+
+async def wrong_secret(target: Target, index: int) -> list[Attempt]:
+    """The real dialer's steps with another secret: it finds the challenge's proof wrong and
+    hangs up without sending auth (as `runtime.tcp.dial` does)."""
+    stream, where = await _open(target)
+    conn = Connection(stream)
+    dialer = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size))
+    attempt = Attempt("wrong_secret", where, ("closed",), "closed by the peer", "")
+    try:
+        await conn.send(*dialer.hello())
+        dialer.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME))
+        attempt.outcome = "the coordinator proved a secret it should not hold"
+    except ProtocolError as exc:
+        attempt.outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        await conn.aclose()
+    return [attempt]
+
+
+async def forged_auth(target: Target, index: int) -> list[Attempt]:
+    """Another secret, but the attacker sends an auth anyway (its proof made with that secret
+    over the real nonces and identities): the coordinator checks it and refuses."""
+    stream, where = await _open(target)
+    conn = Connection(stream)
+    me = _me(target, index % target.world_size)
+    dialer = DialerHandshake(WRONG_SECRET, me)
+    attempt = Attempt(
+        "forged_auth", where, ("authentication",), "authentication failed: wrong shared secret", ""
+    )
+    try:
+        hello = dialer.hello()
+        await conn.send(*hello)
+        challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
+        # A listener holding the attacker's secret, with the real listener's nonce, gives the
+        # dialer a challenge it accepts, so it produces the auth it would send.
+        lookalike = ListenerHandshake(
+            WRONG_SECRET,
+            Identity(challenge["group"], challenge["world_size"], challenge["rank"]),
+            lambda _peer: None,
+            nonce=challenge["nonce"],
+        )
+        kind, fields = lookalike.on_hello({"kind": "hello", **hello[1]})
+        await conn.send(*dialer.on_challenge({"kind": kind, **fields}))
+        attempt.outcome = await _answer(conn, target.handshake_seconds + 2)
+    except ProtocolError as exc:
+        attempt.outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        await conn.aclose()
+    return [attempt]
+
+
+async def replay(target: Target, index: int) -> list[Attempt]:
+    """Record a real exchange (the right secret, claiming rank 0, which is taken: refused after
+    authentication), then replay its hello and auth bytes on a new connection: the
+    coordinator's fresh nonce makes the recorded proof fail."""
+    attempts = []
+    stream, where = await _open(target)
+    conn = Connection(stream)
+    dialer = DialerHandshake(target.secret, _me(target, 0))
+    recorded_hello = encode_frame_bytes(*dialer.hello())
+    taken = Attempt("taken_rank", where, ("refused",), "rank 0 is already taken", "")
+    try:
+        await stream.send_all(recorded_hello)
+        challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
+        recorded_auth = encode_frame_bytes(*dialer.on_challenge(challenge))
+        await stream.send_all(recorded_auth)
+        taken.outcome = await _answer(conn, target.handshake_seconds + 2)
+    except ProtocolError as exc:
+        taken.outcome = f"{type(exc).__name__}: {exc}"
+        return [taken]
+    finally:
+        await conn.aclose()
+    attempts.append(taken)
+
+    stream, where = await _open(target)
+    conn = Connection(stream)
+    replayed = Attempt(
+        "replay", where, ("authentication",), "authentication failed: wrong shared secret", ""
+    )
+    try:
+        await stream.send_all(recorded_hello)
+        await conn.recv(HANDSHAKE_MAX_FRAME)  # a challenge with a fresh nonce
+        await stream.send_all(recorded_auth)
+        replayed.outcome = await _answer(conn, target.handshake_seconds + 2)
+    except ProtocolError as exc:
+        replayed.outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        await conn.aclose()
+    attempts.append(replayed)
+    return attempts
+
+
+async def slow_drip(target: Target, index: int, interval: float = 0.1) -> list[Attempt]:
+    """A valid hello, one byte every ``interval`` seconds, until the coordinator hangs up."""
+    hello = encode_frame_bytes(*DialerHandshake(WRONG_SECRET, _me(target, 0)).hello())
+    stream, where = await _open(target)
+    text = f"handshake not finished within {target.handshake_seconds} s"
+    attempt = Attempt("slow_drip", where, ("deadline",), text, "")
+    sent = 0
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def drip() -> None:
+                nonlocal sent
+                for byte in hello:
+                    await stream.send_all(bytes([byte]))
+                    sent += 1
+                    await trio.sleep(interval)
+                await trio.sleep_forever()
+
+            nursery.start_soon(drip)
+            with trio.move_on_after(target.handshake_seconds + 5):
+                while await stream.receive_some(4096):
+                    pass
+            nursery.cancel_scope.cancel()
+        attempt.outcome = f"closed after {sent} of {len(hello)} bytes"
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        attempt.outcome = f"closed after {sent} of {len(hello)} bytes ({exc})"
+    finally:
+        await stream.aclose()
+    return [attempt]
+
+
+async def flood(target: Target, count: int) -> list[Attempt]:
+    """``count`` connections opened as fast as possible and held open until the coordinator
+    closes them (over the cap: at once; within it: at the handshake deadline)."""
+    attempts: list[Attempt] = []
+    streams: list[trio.SocketStream] = []
+    for _ in range(count):
+        stream, where = await _open(target)
+        streams.append(stream)
+        attempts.append(Attempt("flood", where, ("over_cap", "deadline"), "", ""))
+
+    async def hold(stream: trio.SocketStream, attempt: Attempt) -> None:
+        conn = Connection(stream)
+        outcome = "no answer"
+        with trio.move_on_after(target.handshake_seconds + 5):
+            outcome = await _answer(conn, target.handshake_seconds + 5)
+            if outcome.startswith("refuse"):  # the cap's refusal, then the hang-up
+                await _answer(conn, 2)
+        attempt.outcome = outcome
+        await conn.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for stream, attempt in zip(streams, attempts):
+            nursery.start_soon(hold, stream, attempt)
+    return attempts
+
+
+AttackFn = Callable[[Target, int], Awaitable[list[Attempt]]]
+
+ATTACKS: dict[str, AttackFn] = {
+    "connect_close": connect_close,
+    "http_garbage": http_garbage,
+    "framed_garbage": framed_garbage,
+    "oversized": oversized,
+    "wrong_secret": wrong_secret,
+    "forged_auth": forged_auth,
+    "replay": replay,
+    "slow_drip": slow_drip,
+}
+"""Single-connection attacks by name (`flood` takes a count instead)."""
+
+
+async def run_attacks(
+    target: Target, name: str, count: int, concurrency: int
+) -> tuple[list[Attempt], float]:
+    """``count`` attempts of one attack, at most ``concurrency`` at once; (attempts, seconds)."""
+    attempts: list[Attempt] = []
+    started = time.monotonic()
+    if name == "flood":
+        return await flood(target, count), time.monotonic() - started
+    limiter = trio.CapacityLimiter(concurrency)
+    attack = ATTACKS[name]
+
+    async def one(index: int) -> None:
+        async with limiter:
+            attempts.extend(await attack(target, index))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(count):
+            nursery.start_soon(one, index)
+    return attempts, time.monotonic() - started
+
+
+# ----------------------------------------------------------------------------- the log
+
+
+@dataclass
+class AdmissionLog:
+    """What the coordinator logged about refused connections, in order."""
+
+    lines: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
+    """Remote address -> [(category, reason)] of the lines naming it."""
+    order: list[tuple[str, Any]] = field(default_factory=list)
+    """("line", address) and ("summary", Counter of categories) in log order."""
+    totals: dict[str, int] = field(default_factory=dict)
+
+
+def parse_admission_log(text: str) -> AdmissionLog:
+    """Parse the gate's lines (`runtime.admission`) out of a daemon's log."""
+    log = AdmissionLog()
+    for line in text.splitlines():
+        if match := _REFUSAL.search(line):
+            address, category, reason = match.groups()
+            log.lines[address].append((category, reason))
+            log.order.append(("line", address))
+        elif match := _SUMMARY.search(line):
+            counts = Counter({k: int(v) for k, v in _PAIR.findall(match.group(2))})
+            log.order.append(("summary", counts))
+        elif match := _TOTALS.search(line):
+            log.totals = {k: int(v) for k, v in _PAIR.findall(match.group(1))}
+    return log
+
+
+def account(attempts: list[Attempt], log: AdmissionLog) -> dict[str, dict[str, Any]]:
+    """Per attack: tried, refused, logged one by one, summed up, unaccounted, and the logged
+    categories that were not expected (with their reasons).
+
+    A summary line counts the refusals not logged since the previous one; the attack phases are
+    a log window apart, so its counts belong to the attack of the last line before it.
+    """
+    owner: dict[str, list[Attempt]] = defaultdict(list)
+    for attempt in attempts:
+        owner[attempt.address].append(attempt)
+    rows: dict[str, dict[str, Any]] = {}
+    for attempt in attempts:
+        row = rows.setdefault(
+            attempt.attack,
+            {"tried": 0, "refused": 0, "logged": 0, "summed_up": 0, "unexpected": []},
+        )
+        row["tried"] += 1
+        row["refused"] += attempt.refused
+    seen: Counter[str] = Counter()
+    last_attack: str | None = None
+    for kind, value in log.order:
+        if kind == "line":
+            index = seen[value]
+            seen[value] += 1
+            candidates = owner.get(value, [])
+            if index >= len(candidates):
+                continue  # a connection that is not ours (e.g. a worker's, or a port reused)
+            attempt = candidates[index]
+            category, reason = log.lines[value][index]
+            row = rows[attempt.attack]
+            row["logged"] += 1
+            if category not in attempt.expect or attempt.text not in reason:
+                row["unexpected"].append(f"{attempt.address} [{category}]: {reason}")
+            last_attack = attempt.attack
+        elif last_attack is not None:
+            _share_summary(rows, attempts, last_attack, value)
+    for row in rows.values():
+        row["unaccounted"] = row["tried"] - row["logged"] - row["summed_up"]
+    return rows
+
+
+def _share_summary(
+    rows: dict[str, dict[str, Any]], attempts: list[Attempt], last: str, counts: Counter[str]
+) -> None:
+    """Give a summary's counts to the attacks of the phase that ``last`` belongs to, by their
+    expected categories (``replay`` runs with ``taken_rank``)."""
+    phase = {"taken_rank": "replay"}.get(last, last)
+    members = [name for name in rows if {"taken_rank": "replay"}.get(name, name) == phase]
+    for name in members:
+        expected = next(a.expect for a in attempts if a.attack == name)
+        for category in expected:
+            take = counts.get(category, 0)
+            rows[name]["summed_up"] += take
+            counts[category] -= take
+
+
+# ----------------------------------------------------------------------------- the live run
+
+
+@dataclass
+class RunOutcome:
+    """How the training run ended."""
+
+    exit_codes: dict[str, int | None]
+    summaries: dict[int, dict[str, Any]]
+    coordinator_log: str
+
+    @property
+    def finished_ok(self) -> bool:
+        return all(code == 0 for code in self.exit_codes.values())
+
+    @property
+    def digests(self) -> dict[int, str | None]:
+        return {rank: s.get("digest") for rank, s in self.summaries.items()}
+
+    @property
+    def digests_identical(self) -> bool:
+        values = list(self.digests.values())
+        return bool(values) and values[0] is not None and len(set(values)) == 1
+
+
+class LiveRun:
+    """A coordinator daemon and ``world_size`` workers of the LM job, as subprocesses."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        world_size: int = 2,
+        steps: int = 1500,
+        handshake_seconds: float = 2.0,
+        max_pending: int = 64,
+        job_args: tuple[str, ...] = JOB_ARGS,
+    ) -> None:
+        self.workdir = workdir
+        self.world_size = world_size
+        self.steps = steps
+        self.handshake_seconds = handshake_seconds
+        self.max_pending = max_pending
+        self.job_args = job_args
+        self.secret = secrets.token_hex(16)
+        self.env = dict(os.environ, PARAMSYNC_SECRET=self.secret, OMP_NUM_THREADS="1")
+        self.env.pop("PARAMSYNC_SECRET_FILE", None)
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.port = 0
+
+    @property
+    def coordinator_log_path(self) -> Path:
+        return self.workdir / "coordinator.log"
+
+    def target(self) -> Target:
+        return Target(
+            "127.0.0.1",
+            self.port,
+            self.world_size,
+            self.handshake_seconds,
+            self.max_pending,
+            self.secret.encode(),
+        )
+
+    def start_coordinator(self, timeout: float = 30.0) -> None:
+        """Start the daemon and wait until it listens."""
+        port_file = self.workdir / "port"
+        command = [
+            sys.executable, "-m", "runtime.cli", "coordinator",
+            "--world-size", str(self.world_size), "--bind", "127.0.0.1:0",
+            "--port-file", str(port_file),
+            "--handshake-seconds", str(self.handshake_seconds),
+            "--max-pending-handshakes", str(self.max_pending),
+        ]  # fmt: skip
+        with open(self.coordinator_log_path, "wb") as log:
+            self.coordinator = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while not port_file.exists() or not port_file.read_text().strip():
+            if self.coordinator.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start:\n{self.coordinator_log()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+
+    def start_worker(self, rank: int, steps: int | None = None) -> None:
+        """Start one worker of the LM job (its stdout: the progress lines of rank 0)."""
+        command = [
+            sys.executable, "-m", "runtime.cli", "worker",
+            "--rank", str(rank), "--world-size", str(self.world_size),
+            "--coordinator", f"127.0.0.1:{self.port}",
+            "--steps", str(steps or self.steps), *self.job_args, "--corpus-bytes", "200000",
+            "--summary-json", str(self.workdir / "summary{rank}.json"),
+        ]  # fmt: skip
+        with open(self.workdir / f"worker{rank}.out", "wb") as out:
+            self.workers[rank] = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def start(self) -> None:
+        self.start_coordinator()
+        for rank in range(self.world_size):
+            self.start_worker(rank)
+
+    def coordinator_log(self) -> str:
+        return self.coordinator_log_path.read_text(errors="replace")
+
+    def worker_output(self, rank: int) -> str:
+        path = self.workdir / f"worker{rank}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_training(self, timeout: float = 60.0) -> None:
+        """Wait until rank 0 reports training progress (10% of the steps done)."""
+        deadline = time.monotonic() + timeout
+        while "training (" not in self.worker_output(0):
+            if time.monotonic() > deadline or any(
+                proc.poll() is not None for proc in [self.coordinator, *self.workers.values()]
+            ):
+                raise RuntimeError(
+                    f"training did not start:\n{self.coordinator_log()}\n{self.worker_output(0)}"
+                )
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        procs = [self.coordinator, *self.workers.values()]
+        return all(proc is not None and proc.poll() is None for proc in procs)
+
+    def coordinator_memory(self, field: str = "VmHWM") -> int | None:
+        """The coordinator's resident memory in bytes (Linux, while it runs): ``VmHWM`` the
+        high-water mark, ``VmRSS`` now."""
+        if self.coordinator is None:
+            return None
+        try:
+            status = Path(f"/proc/{self.coordinator.pid}/status").read_text()
+        except OSError:
+            return None
+        match = re.search(rf"{field}:\s+(\d+) kB", status)
+        return int(match.group(1)) * 1024 if match else None
+
+    def finish(self, timeout: float = 300.0) -> RunOutcome:
+        """Wait for every process to exit (killing what is left after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        named = [("coordinator", self.coordinator)] + [
+            (f"rank {rank}", proc) for rank, proc in sorted(self.workers.items())
+        ]
+        for name, proc in named:
+            assert proc is not None
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        self.kill()
+        summaries = {}
+        for rank in self.workers:
+            path = self.workdir / f"summary{rank}.json"
+            if path.exists():
+                summaries[rank] = json.loads(path.read_text())
+        return RunOutcome(codes, summaries, self.coordinator_log())
+
+    def kill(self) -> None:
+        """Kill the processes this run started that still run."""
+        for proc in [self.coordinator, *self.workers.values()]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+# ----------------------------------------------------------------------------- main
+
+PHASES = (
+    "connect_close",
+    "http_garbage",
+    "framed_garbage",
+    "oversized",
+    "wrong_secret",
+    "forged_auth",
+    "replay",
+    "slow_drip",
+    "flood",
+)
+
+
+async def _attack_all(
+    target: Target, count: int, flood_count: int, concurrency: int
+) -> tuple[list[Attempt], dict[str, float]]:
+    attempts: list[Attempt] = []
+    seconds: dict[str, float] = {}
+    for name in PHASES:
+        if name == "flood":
+            got, took = await run_attacks(target, name, flood_count, concurrency)
+        elif name == "slow_drip":  # each holds a slot until the deadline: more at once
+            got, took = await run_attacks(target, name, count, max(1, target.max_pending // 2))
+        else:
+            got, took = await run_attacks(target, name, count, concurrency)
+        attempts += got
+        seconds[name] = took
+        print(f"  {name}: {len(got)} attempts in {took:.1f} s", flush=True)
+        await trio.sleep(LOG_WINDOW + 0.2)  # the next phase's lines start a new log window
+    return attempts, seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=200, help="attempts of each attack")
+    parser.add_argument("--flood", type=int, default=200, help="connections of the flood")
+    parser.add_argument("--concurrency", type=int, default=16, help="attempts at once")
+    parser.add_argument("--handshake-seconds", type=float, default=2.0)
+    parser.add_argument("--max-pending", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8000, help="training steps (must outlast)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="paramsync-hostile-") as tmp:
+        run = LiveRun(
+            Path(tmp),
+            steps=args.steps,
+            handshake_seconds=args.handshake_seconds,
+            max_pending=args.max_pending,
+        )
+        try:
+            run.start()
+            run.wait_training()
+            rss_before = run.coordinator_memory()
+            print(f"training on 127.0.0.1:{run.port}; attacking", flush=True)
+            started = time.monotonic()
+            attempts, phase_seconds = trio.run(
+                _attack_all, run.target(), args.count, args.flood, args.concurrency
+            )
+            attack_seconds = time.monotonic() - started
+            alive_after = run.alive()
+            peak_rss = run.coordinator_memory()
+            print("attacks done; waiting for training to finish", flush=True)
+            outcome = run.finish()
+        finally:
+            run.kill()
+
+    log = parse_admission_log(outcome.coordinator_log)
+    rows = account(attempts, log)
+    names = [a for a in ("connect_close", "http_garbage", "framed_garbage", "oversized",
+                         "wrong_secret", "forged_auth", "taken_rank", "replay", "slow_drip",
+                         "flood") if a in rows]  # fmt: skip
+    header = (
+        f"{'attack':<15} {'tried':>6} {'refused':>8} {'logged':>7} {'summed':>7} "
+        f"{'missing':>8}  categories as expected"
+    )
+    print()
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        row = rows[name]
+        ok = "yes" if not row["unexpected"] else f"no: {row['unexpected'][:2]}"
+        print(
+            f"{name:<15} {row['tried']:>6} {row['refused']:>8} {row['logged']:>7} "
+            f"{row['summed_up']:>7} {row['unaccounted']:>8}  {ok}"
+        )
+    total_tried = sum(row["tried"] for row in rows.values())
+    total_refused = sum(row["refused"] for row in rows.values())
+    print("-" * len(header))
+    print(f"{'all':<15} {total_tried:>6} {total_refused:>8}")
+    print()
+    rank0 = outcome.summaries.get(0, {})
+    print(f"attack phase: {attack_seconds:.1f} s; every process alive after it: {alive_after}")
+    print(f"training finished ok (every exit code 0): {outcome.finished_ok} {outcome.exit_codes}")
+    print(f"final digests identical: {outcome.digests_identical} {outcome.digests}")
+    print(f"final step {rank0.get('final_step')}, rank 0 {rank0.get('steps_per_second', 0):.1f} "
+          f"steps/s over the whole run")  # fmt: skip
+    if peak_rss and rss_before:
+        print(
+            f"coordinator peak RSS: {rss_before / 2**20:.0f} MiB before the attacks, "
+            f"{peak_rss / 2**20:.0f} MiB after"
+        )
+    print(f"daemon admission totals: {log.totals}")
+
+    result = {
+        "command": "python benchmarks/hostile.py " + " ".join(argv or sys.argv[1:]),
+        "config": vars(args),
+        "attacks": {name: rows[name] for name in names},
+        "attempts_total": total_tried,
+        "refused_total": total_refused,
+        "phase_seconds": phase_seconds,
+        "attack_seconds": attack_seconds,
+        "alive_after_attacks": alive_after,
+        "training_finished_ok": outcome.finished_ok,
+        "exit_codes": outcome.exit_codes,
+        "digests": {str(rank): d for rank, d in outcome.digests.items()},
+        "digests_identical": outcome.digests_identical,
+        "final_step": rank0.get("final_step"),
+        "rank0_steps_per_second": rank0.get("steps_per_second"),
+        "coordinator_peak_rss_bytes_before": rss_before,
+        "coordinator_peak_rss_bytes_after": peak_rss,
+        "daemon_admission_totals": log.totals,
+        "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
+    }
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    ok = (
+        total_refused == total_tried
+        and outcome.finished_ok
+        and outcome.digests_identical
+        and alive_after
+        and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Hostile input against a running coordinator daemon over TCP while real workers train.
+
+A coordinator (``python -m runtime.cli coordinator``) and two LM-job workers run as processes;
+the test process attacks the coordinator's port with the attacks of ``benchmarks/hostile.py``
+(strangers, garbage, a 4 GiB length prefix, wrong secrets, a replayed handshake, a slow drip,
+a connection flood over the cap). Every attack must be refused with a log line naming the
+attacker's address and the reason, the daemon must keep serving, and the training must finish
+with exit code 0 and the same state digest on both workers.
+
+Garbage after a valid handshake needs a free rank, so it runs against a second coordinator
+whose rank 1 the test takes itself before the real workers start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import trio
+
+from runtime.errors import PeerClosed
+from runtime.handshake import Identity
+from runtime.tcp import DEFAULT_GROUP, dial
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "runtime.cli"]
+
+
+def _load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("hostile_bench", ROOT / "benchmarks/hostile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+hostile = _load_bench()
+
+HANDSHAKE_SECONDS = 1.5
+CAP = 16
+FLOOD = 40
+STEPS = 1500  # about 15 s on 2 cores: the attacks are over after about 5 s of it
+
+
+def wait_for_log(run: Any, needles: list[str], seconds: float = 10.0) -> str:
+    """The coordinator's log once it holds every needle (fails naming the missing ones)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        text = run.coordinator_log()
+        missing = [needle for needle in needles if needle not in text]
+        if not missing:
+            return text
+        if time.monotonic() > deadline:
+            pytest.fail(f"not in the coordinator's log: {missing}\n--- log:\n{text[-6000:]}")
+        time.sleep(0.05)
+
+
+async def attack(target: Any) -> list[Any]:
+    """Every single-connection attack once (the slow drip meanwhile), then the flood."""
+    attempts: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def drip() -> None:
+            attempts.extend(await hostile.slow_drip(target, 0))
+
+        nursery.start_soon(drip)
+        for name in (
+            "connect_close",
+            "http_garbage",
+            "framed_garbage",
+            "oversized",
+            "wrong_secret",
+            "forged_auth",
+            "replay",
+        ):
+            attempts.extend(await hostile.ATTACKS[name](target, 1))
+    attempts.extend(await hostile.flood(target, FLOOD))
+    # Still serving after all that: a full authenticated handshake reaches admission (and is
+    # refused there: rank 0 is taken), and its replay fails authentication.
+    attempts.extend(await hostile.replay(target, 2))
+    return attempts
+
+
+EXPECTED_OUTCOMES = {
+    # What the attacker hears, by attack (the coordinator's log is checked separately).
+    "connect_close": "closed by us",
+    # "GET / HT" read as a prefix: item 0x47455420, bulk 0x2f204854, a head of 405081036 bytes
+    "http_garbage": "refuse: frame of 405081036 bytes exceeds this receiver's limit of 4096",
+    "framed_garbage": "refuse: ",
+    "oversized": "refuse: frame of 4294967295 bytes exceeds this receiver's limit of 4096",
+    "wrong_secret": "AuthenticationError: the listener failed to prove the shared secret",
+    "forged_auth": "refuse: authentication failed: wrong shared secret",
+    "taken_rank": "refuse: rank 0 is already taken",
+    "replay": "refuse: authentication failed: wrong shared secret",
+    "slow_drip": "closed after ",
+}
+
+
+def test_every_attack_is_refused_and_logged_while_training_finishes(tmp_path: Path) -> None:
+    run = hostile.LiveRun(
+        tmp_path, steps=STEPS, handshake_seconds=HANDSHAKE_SECONDS, max_pending=CAP
+    )
+    try:
+        run.start()
+        run.wait_training()
+        attempts = trio.run(attack, run.target())
+        assert run.alive(), (
+            "the run ended before the attacks did (too fast a machine? raise STEPS)\n"
+            + run.coordinator_log()[-4000:]
+        )
+        single = [a for a in attempts if a.attack != "flood"]
+        # One line per attempt, naming the attacker's address, the category and the reason.
+        wait_for_log(
+            run,
+            [f"from {a.address} [{a.expect[0]}]: " for a in single],
+            seconds=HANDSHAKE_SECONDS + 10,
+        )
+        outcome = run.finish(timeout=120)
+    finally:
+        run.kill()
+
+    log = hostile.parse_admission_log(outcome.coordinator_log)
+    for attempt in single:
+        assert attempt.outcome.startswith(EXPECTED_OUTCOMES[attempt.attack]), attempt
+        ((category, reason),) = log.lines[attempt.address]
+        assert category in attempt.expect and attempt.text in reason, (attempt, category, reason)
+    drip = next(a for a in single if a.attack == "slow_drip")
+    sent, total = (int(n) for n in drip.outcome.split()[2:5:2])
+    assert sent < total, drip  # cut by the deadline, not finished
+
+    # The flood: CAP connections held until the deadline, the others refused at once.
+    flood = [a for a in attempts if a.attack == "flood"]
+    busy = [a for a in flood if a.outcome.startswith("refuse: coordinator is busy")]
+    assert len(busy) >= FLOOD - CAP - 4, [a.outcome for a in flood]
+    assert all(f"the cap is {CAP}" in a.outcome for a in busy)
+    over_cap_lines = [a for a in busy if log.lines.get(a.address, [("", "")])[0][0] == "over_cap"]
+    assert over_cap_lines, "no over-the-cap line names a flood connection"
+    assert all(f"(the cap is {CAP})" in log.lines[a.address][0][1] for a in over_cap_lines)
+    rows = hostile.account(attempts, log)
+    assert rows["flood"]["unaccounted"] == 0 and not rows["flood"]["unexpected"], rows["flood"]
+
+    # The daemon's own totals: every connection accounted for, only the two workers admitted.
+    totals = log.totals
+    assert totals["connections"] == len(attempts) + 2, totals
+    assert totals["admitted"] == 2 and totals["over_cap"] == len(busy), totals
+    assert totals["peak_pending"] <= CAP, totals
+    assert totals["other"] == 0 and totals["accept_errors"] == 0, totals
+
+    # ...and the training never noticed.
+    assert outcome.exit_codes == {"coordinator": 0, "rank 0": 0, "rank 1": 0}, (
+        outcome.exit_codes,
+        outcome.coordinator_log[-4000:],
+    )
+    assert outcome.digests_identical, outcome.digests
+    assert all(s["final_step"] == STEPS for s in outcome.summaries.values()), outcome.summaries
+    assert "run finished" in outcome.coordinator_log
+
+
+def test_garbage_after_a_valid_handshake_is_dropped_naming_the_rank(tmp_path: Path) -> None:
+    """An authenticated peer (it holds the secret) takes the free rank 1 and sends garbage: the
+    coordinator names rank 1, refuses it and frees the rank; the real workers then train.
+
+    (Garbage from a rank that has already joined aborts a run, which is not elastic: see
+    tests/test_coordinator.py::test_garbage_from_an_authenticated_tcp_worker_aborts_naming_its_rank.)
+    """
+    run = hostile.LiveRun(tmp_path, steps=30)
+    try:
+        run.start_coordinator()
+        target = run.target()
+
+        async def take_rank_1_and_send_garbage() -> list[dict[str, Any]]:
+            conn, _ = await dial(
+                target.address, target.secret, Identity(DEFAULT_GROUP, target.world_size, 1)
+            )
+            replies = []
+            try:
+                await conn.stream.send_all(struct.pack(">II", 5, 0) + b"\xff" * 5)
+                with trio.fail_after(10):
+                    replies.append(await conn.recv())
+                    replies.append(await conn.recv())  # then the coordinator hangs up
+            except PeerClosed:
+                pass
+            finally:
+                await conn.aclose()
+            return replies
+
+        replies = trio.run(take_rank_1_and_send_garbage)
+        assert [r["kind"] for r in replies] == ["join_refused"], replies
+        assert "malformed message" in replies[0]["reason"], replies
+        wait_for_log(run, ["rank 1 sent a bad message: peer 1: ", "refused rank 1: malformed"])
+        run.start_worker(0)
+        run.start_worker(1)
+        outcome = run.finish(timeout=120)
+    finally:
+        run.kill()
+    assert outcome.exit_codes == {"coordinator": 0, "rank 0": 0, "rank 1": 0}, (
+        outcome.exit_codes,
+        outcome.coordinator_log[-4000:],
+    )
+    assert outcome.digests_identical, outcome.digests
+    assert hostile.parse_admission_log(outcome.coordinator_log).totals["admitted"] == 3
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--max-pending-handshakes", "0", "max_pending must be at least 1"),
+        ("--handshake-seconds", "0", "handshake_seconds must be positive"),
+    ],
+)
+def test_coordinator_refuses_admission_limits_that_cannot_work(
+    flag: str, value: str, words: str
+) -> None:
+    env = dict(os.environ, PARAMSYNC_SECRET="hostile-tests-secret")
+    result = subprocess.run(
+        [*CLI, "coordinator", "--world-size", "2", "--bind", "127.0.0.1:0", flag, value],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert words in result.stderr
