@@ -80,6 +80,7 @@ WRONG_SECRET = b"not-the-run's-secret-at-all"
 HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: paramsync\r\n\r\n"
 JOB_ARGS = ("--d-model", "32", "--layers", "1", "--batch-size", "4", "--context", "32")
 """The LM job's flags for a small, fast model (about 100 steps/s on 2 cores)."""
+CORPUS_BYTES = "200000"
 
 _REFUSAL = re.compile(r"refused a connection from (\S+) \[(\w+)\]: (.*)$")
 _SUMMARY = re.compile(r"refused (\d+) more connections, not logged one by one .*?: (.*)$")
@@ -559,7 +560,7 @@ class LiveRun:
             sys.executable, "-m", "runtime.cli", "worker",
             "--rank", str(rank), "--world-size", str(self.world_size),
             "--coordinator", f"127.0.0.1:{self.port}",
-            "--steps", str(steps or self.steps), *self.job_args, "--corpus-bytes", "200000",
+            "--steps", str(steps or self.steps), *self.job_args, "--corpus-bytes", CORPUS_BYTES,
             "--summary-json", str(self.workdir / "summary{rank}.json"),
         ]  # fmt: skip
         with open(self.workdir / f"worker{rank}.out", "wb") as out:

@@ -166,12 +166,9 @@ def test_every_attack_is_refused_and_logged_while_training_finishes(tmp_path: Pa
 
 
 def test_garbage_after_a_valid_handshake_is_dropped_naming_the_rank(tmp_path: Path) -> None:
-    """An authenticated peer (it holds the secret) takes the free rank 1 and sends garbage: the
-    coordinator names rank 1, refuses it and frees the rank; the real workers then train.
-
-    (Garbage from a rank that has already joined aborts a run, which is not elastic: see
-    tests/test_coordinator.py::test_garbage_from_an_authenticated_tcp_worker_aborts_naming_its_rank.)
-    """
+    """An authenticated peer (it holds the secret) takes the free rank 1 and sends garbage
+    before joining: the coordinator names rank 1, refuses it and frees the rank; the real
+    workers then train. (After a join, see the next test.)"""
     run = hostile.LiveRun(tmp_path, steps=30)
     try:
         run.start_coordinator()
@@ -208,6 +205,59 @@ def test_garbage_after_a_valid_handshake_is_dropped_naming_the_rank(tmp_path: Pa
     )
     assert outcome.digests_identical, outcome.digests
     assert hostile.parse_admission_log(outcome.coordinator_log).totals["admitted"] == 3
+
+
+def lm_signature() -> list[list[Any]]:
+    """The join message's ``params`` of the LM job as `hostile.LiveRun` runs it."""
+    from actors.corpus import load_char_dataset
+    from actors.model import CharTransformer
+    from runtime.coordinator_core import model_signature
+
+    flags = dict(zip(hostile.JOB_ARGS[::2], hostile.JOB_ARGS[1::2]))
+    context, d_model = int(flags["--context"]), int(flags["--d-model"])
+    vocab, _ = load_char_dataset(context, max_bytes=int(hostile.CORPUS_BYTES))
+    model = CharTransformer(len(vocab), d_model, 4, int(flags["--layers"]), context, seed=0)
+    return [[n, list(s), d, g] for n, s, d, g in model_signature(model.named_parameters())]
+
+
+def test_garbage_after_a_join_aborts_a_non_elastic_run_naming_the_rank(tmp_path: Path) -> None:
+    """The test joins as rank 1 with the LM job's real model signature, receives the run's
+    start, then sends garbage. The run is not elastic (no --min-workers), so the coordinator
+    aborts it naming rank 1 and the bad bytes; the real rank 0 stops with the same reason."""
+    run = hostile.LiveRun(tmp_path, steps=30)
+    params = lm_signature()
+    try:
+        run.start_coordinator()
+        run.start_worker(0)
+        target = run.target()
+
+        async def join_then_send_garbage() -> dict[str, Any]:
+            conn, _ = await dial(
+                target.address, target.secret, Identity(DEFAULT_GROUP, target.world_size, 1)
+            )
+            try:
+                await conn.send("join", {"host": "127.0.0.1", "port": 9, "params": params})
+                with trio.fail_after(60):
+                    start = await conn.recv()
+                await conn.stream.send_all(struct.pack(">II", 5, 0) + b"\xff" * 5)
+                with trio.fail_after(10):
+                    while (told := await conn.recv())["kind"] == "heartbeat":
+                        pass
+            finally:
+                await conn.aclose()
+            assert start["kind"] == "start_run", start
+            return told
+
+        told = trio.run(join_then_send_garbage)
+        outcome = run.finish(timeout=60)
+    finally:
+        run.kill()
+    assert told["kind"] == "abort" and "rank 1 sent a malformed message" in told["reason"], told
+    log = outcome.coordinator_log
+    assert "rank 1 sent a bad message: peer 1: malformed CBOR" in log, log[-3000:]
+    assert "run aborted: rank 1 sent a malformed message" in log, log[-3000:]
+    assert outcome.exit_codes == {"coordinator": 1, "rank 0": 1}, outcome.exit_codes
+    assert "rank 1 sent a malformed message" in run.worker_output(0), run.worker_output(0)[-3000:]
 
 
 @pytest.mark.parametrize(
