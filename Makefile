@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-allreduce bench bench-ddp soak lint format clean setup
+.PHONY: test demo demo-allreduce bench bench-ddp reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -33,6 +33,9 @@ bench: $(STAMP)
 
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --json out/ddp.json
+
+reliability-hostile: $(STAMP)
+	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --json out/hostile.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

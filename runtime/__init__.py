@@ -1,5 +1,6 @@
 """paramsync's engine: configuration, CBOR wire protocol, transports and collectives."""
 
+from .admission import AdmissionGate, AdmissionLimits
 from .aggregators import (
     AllReduceAggregator,
     GradientAggregator,
@@ -37,6 +38,8 @@ from .transport import InProcessTransport, Transport
 from .wire import BFLOAT16_TAG, PROTOCOL_VERSION
 
 __all__ = [
+    "AdmissionGate",
+    "AdmissionLimits",
     "AllReduceAggregator",
     "GradientAggregator",
     "ParameterServerAggregator",
