@@ -21,11 +21,15 @@ flood          ``--flood`` connections opened at once and held open
 
 Each attempt's local address is what the coordinator logs as the peer, so every attempt is
 matched with the coordinator's log line naming it, or with the count a rate-limit summary line
-gives for its category (the gate logs at most 20 refusal lines a second). The table says, per
-attack: attempts, how many got no welcome (refused), how many the log names one by one, how many
-it sums up, whether every logged category is the one expected; then whether training finished
-(every process exited 0), whether both workers end with the same state digest, and the daemon's
-own admission totals.
+gives for its category (the gate logs at most 20 refusal lines a second). Each attack is a phase
+of its own, a log window after the previous one, opened by a marker connection (the right
+secret, the group ``hostile-phase-<attack>``, refused at admission) that the log shows.
+
+The table says, per attack: attempts, how many got no welcome (refused), how many the log names
+one by one, how many it sums up, how many it misses, whether every logged category and reason is
+the one expected; then whether training finished (every process exited 0), whether both workers
+end with the same state digest, the coordinator's memory, and the daemon's admission totals
+(which count the markers and the two workers too).
 
     python benchmarks/hostile.py --count 200 --json out/hostile.json
 
@@ -57,9 +61,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runtime.errors import PeerClosed, ProtocolError  # noqa: E402
+from runtime.errors import HandshakeError, PeerClosed, ProtocolError  # noqa: E402
 from runtime.handshake import DialerHandshake, Identity, ListenerHandshake  # noqa: E402
-from runtime.tcp import DEFAULT_GROUP, Connection  # noqa: E402
+from runtime.tcp import DEFAULT_GROUP, Connection, dial  # noqa: E402
 from runtime.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
 
 __all__ = [
@@ -70,6 +74,7 @@ __all__ = [
     "parse_admission_log",
     "run_attacks",
     "account",
+    "mark_phase",
     "main",
 ]
 
@@ -82,7 +87,9 @@ JOB_ARGS = ("--d-model", "32", "--layers", "1", "--batch-size", "4", "--context"
 """The LM job's flags for a small, fast model (about 100 steps/s on 2 cores)."""
 CORPUS_BYTES = "200000"
 
+MARKER_GROUP = "hostile-phase-"
 _REFUSAL = re.compile(r"refused a connection from (\S+) \[(\w+)\]: (.*)$")
+_MARKER = re.compile(rf"group '{MARKER_GROUP}(\w+)' does not match")
 _SUMMARY = re.compile(r"refused (\d+) more connections, not logged one by one .*?: (.*)$")
 _TOTALS = re.compile(r"admission totals: (.*)$")
 _PAIR = re.compile(r"(\w+)=(\d+)")
@@ -391,8 +398,9 @@ class AdmissionLog:
 
     lines: dict[str, list[tuple[str, str]]] = field(default_factory=lambda: defaultdict(list))
     """Remote address -> [(category, reason)] of the lines naming it."""
-    order: list[tuple[str, Any]] = field(default_factory=list)
-    """("line", address) and ("summary", Counter of categories) in log order."""
+    order: list[tuple[Any, ...]] = field(default_factory=list)
+    """``("line", address, category, reason)``, ``("summary", Counter of categories)`` and
+    ``("marker", phase)`` (see `mark_phase`) in log order."""
     totals: dict[str, int] = field(default_factory=dict)
 
 
@@ -402,8 +410,11 @@ def parse_admission_log(text: str) -> AdmissionLog:
     for line in text.splitlines():
         if match := _REFUSAL.search(line):
             address, category, reason = match.groups()
+            if marker := _MARKER.search(reason):
+                log.order.append(("marker", marker.group(1)))
+                continue
             log.lines[address].append((category, reason))
-            log.order.append(("line", address))
+            log.order.append(("line", address, category, reason))
         elif match := _SUMMARY.search(line):
             counts = Counter({k: int(v) for k, v in _PAIR.findall(match.group(2))})
             log.order.append(("summary", counts))
@@ -412,17 +423,23 @@ def parse_admission_log(text: str) -> AdmissionLog:
     return log
 
 
+def phase_of(attack: str) -> str:
+    """The phase an attack's attempts run in (a replay records a taken_rank session first)."""
+    return {"taken_rank": "replay"}.get(attack, attack)
+
+
 def account(attempts: list[Attempt], log: AdmissionLog) -> dict[str, dict[str, Any]]:
     """Per attack: tried, refused, logged one by one, summed up, unaccounted, and the logged
-    categories that were not expected (with their reasons).
+    lines whose category or reason was not the one expected.
 
-    A summary line counts the refusals not logged since the previous one; the attack phases are
-    a log window apart, so its counts belong to the attack of the last line before it.
+    Phases start with a marker line (`mark_phase`) and are a log window apart, so a rate-limit
+    summary line counts refusals of the phase it appears in; its counts go to that phase's
+    attacks by their expected categories. Lines are matched to attempts by address within a
+    phase (loopback ports get reused across phases). Without markers, the log is one phase.
     """
-    owner: dict[str, list[Attempt]] = defaultdict(list)
-    for attempt in attempts:
-        owner[attempt.address].append(attempt)
+    marked = any(entry[0] == "marker" for entry in log.order)
     rows: dict[str, dict[str, Any]] = {}
+    owners: dict[tuple[str, str], list[Attempt]] = defaultdict(list)
     for attempt in attempts:
         row = rows.setdefault(
             attempt.attack,
@@ -430,42 +447,57 @@ def account(attempts: list[Attempt], log: AdmissionLog) -> dict[str, dict[str, A
         )
         row["tried"] += 1
         row["refused"] += attempt.refused
-    seen: Counter[str] = Counter()
-    last_attack: str | None = None
-    for kind, value in log.order:
-        if kind == "line":
-            index = seen[value]
-            seen[value] += 1
-            candidates = owner.get(value, [])
-            if index >= len(candidates):
-                continue  # a connection that is not ours (e.g. a worker's, or a port reused)
-            attempt = candidates[index]
-            category, reason = log.lines[value][index]
+        phase = phase_of(attempt.attack) if marked else "all"
+        owners[(phase, attempt.address)].append(attempt)
+    matched: Counter[tuple[str, str]] = Counter()
+    current: str | None = None if marked else "all"
+    for entry in log.order:
+        if entry[0] == "marker":
+            current = entry[1]
+        elif current is None:
+            continue
+        elif entry[0] == "line":
+            _, address, category, reason = entry
+            key = (current, address)
+            if matched[key] >= len(owners.get(key, ())):
+                continue  # not one of this phase's attempts (a worker, a marker, ...)
+            attempt = owners[key][matched[key]]
+            matched[key] += 1
             row = rows[attempt.attack]
             row["logged"] += 1
             if category not in attempt.expect or attempt.text not in reason:
-                row["unexpected"].append(f"{attempt.address} [{category}]: {reason}")
-            last_attack = attempt.attack
-        elif last_attack is not None:
-            _share_summary(rows, attempts, last_attack, value)
+                row["unexpected"].append(f"{address} [{category}]: {reason}")
+        else:
+            _share_summary(rows, attempts, current, entry[1])
     for row in rows.values():
         row["unaccounted"] = row["tried"] - row["logged"] - row["summed_up"]
     return rows
 
 
 def _share_summary(
-    rows: dict[str, dict[str, Any]], attempts: list[Attempt], last: str, counts: Counter[str]
+    rows: dict[str, dict[str, Any]], attempts: list[Attempt], phase: str, counts: Counter[str]
 ) -> None:
-    """Give a summary's counts to the attacks of the phase that ``last`` belongs to, by their
-    expected categories (``replay`` runs with ``taken_rank``)."""
-    phase = {"taken_rank": "replay"}.get(last, last)
-    members = [name for name in rows if {"taken_rank": "replay"}.get(name, name) == phase]
-    for name in members:
+    """Give a summary's counts to the attacks of ``phase`` ("all": any), by expected category."""
+    counts = Counter(counts)
+    for name, row in rows.items():
+        if phase not in ("all", phase_of(name)):
+            continue
         expected = next(a.expect for a in attempts if a.attack == name)
         for category in expected:
             take = counts.get(category, 0)
-            rows[name]["summed_up"] += take
+            row["summed_up"] += take
             counts[category] -= take
+
+
+async def mark_phase(target: Target, phase: str) -> None:
+    """Start ``phase`` in the coordinator's log: a connection with the right secret but the
+    group ``hostile-phase-<phase>``, refused at admission with a line naming that group."""
+    me = Identity(f"{MARKER_GROUP}{phase}", target.world_size, 0)
+    try:
+        conn, _ = await dial(target.address, target.secret, me)
+    except HandshakeError:
+        return
+    await conn.aclose()  # pragma: no cover - a coordinator that admits any group
 
 
 # ----------------------------------------------------------------------------- the live run
@@ -658,6 +690,7 @@ async def _attack_all(
     attempts: list[Attempt] = []
     seconds: dict[str, float] = {}
     for name in PHASES:
+        await mark_phase(target, name)
         if name == "flood":
             got, took = await run_attacks(target, name, flood_count, concurrency)
         elif name == "slow_drip":  # each holds a slot until the deadline: more at once

@@ -131,8 +131,8 @@ def test_every_attack_is_refused_and_logged_while_training_finishes(tmp_path: Pa
     log = hostile.parse_admission_log(outcome.coordinator_log)
     for attempt in single:
         assert attempt.outcome.startswith(EXPECTED_OUTCOMES[attempt.attack]), attempt
-        ((category, reason),) = log.lines[attempt.address]
-        assert category in attempt.expect and attempt.text in reason, (attempt, category, reason)
+        lines = log.lines[attempt.address]  # a port may be reused by a later attempt
+        assert any(c in attempt.expect and attempt.text in r for c, r in lines), (attempt, lines)
     drip = next(a for a in single if a.attack == "slow_drip")
     sent, total = (int(n) for n in drip.outcome.split()[2:5:2])
     assert sent < total, drip  # cut by the deadline, not finished
