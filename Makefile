@@ -35,7 +35,7 @@ bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --json out/ddp.json
 
 reliability-hostile: $(STAMP)
-	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --json out/hostile.json
+	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -712,6 +712,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handshake-seconds", type=float, default=2.0)
     parser.add_argument("--max-pending", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8000, help="training steps (must outlast)")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="then train the same run without attacks: compare the final digest and steps/s",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -738,6 +743,16 @@ def main(argv: list[str] | None = None) -> int:
             outcome = run.finish()
         finally:
             run.kill()
+        baseline: RunOutcome | None = None
+        if args.baseline:
+            print("training the same run without attacks", flush=True)
+            quiet = LiveRun(Path(tmp) / "baseline", steps=args.steps)
+            quiet.workdir.mkdir()
+            try:
+                quiet.start()
+                baseline = quiet.finish()
+            finally:
+                quiet.kill()
 
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
@@ -775,6 +790,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{peak_rss / 2**20:.0f} MiB after"
         )
     print(f"daemon admission totals: {log.totals}")
+    same_as_baseline = None
+    if baseline is not None:
+        quiet0 = baseline.summaries.get(0, {})
+        same_as_baseline = baseline.finished_ok and baseline.digests == outcome.digests
+        print(
+            f"without attacks: finished ok {baseline.finished_ok}, rank 0 "
+            f"{quiet0.get('steps_per_second', 0):.1f} steps/s, the same final digest as the "
+            f"attacked run: {same_as_baseline}"
+        )
 
     result = {
         "command": "python benchmarks/hostile.py " + " ".join(argv or sys.argv[1:]),
@@ -794,6 +818,14 @@ def main(argv: list[str] | None = None) -> int:
         "coordinator_peak_rss_bytes_before": rss_before,
         "coordinator_peak_rss_bytes_after": peak_rss,
         "daemon_admission_totals": log.totals,
+        "baseline": None
+        if baseline is None
+        else {
+            "finished_ok": baseline.finished_ok,
+            "digests": {str(rank): d for rank, d in baseline.digests.items()},
+            "rank0_steps_per_second": baseline.summaries.get(0, {}).get("steps_per_second"),
+            "same_final_digest_as_attacked_run": same_as_baseline,
+        },
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -806,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         and outcome.finished_ok
         and outcome.digests_identical
         and alive_after
+        and same_as_baseline is not False
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
     )
     return 0 if ok else 1
