@@ -429,6 +429,8 @@ class DistributedTrainer:
         """(epoch, first step, members) of every epoch this worker took part in."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
         self._connect = connect
+        self._owns_transports = True
+        """Close each epoch's transport at its end (not a fixed one the caller passed in)."""
         self._epoch: _Epoch | None = None
         self._live = trio.Event()
         self._announced: list[StartRun | Hold] = []
@@ -480,6 +482,7 @@ class DistributedTrainer:
                 return fixed
 
         trainer = cls(model, optimizer, loss_fn, config, client, options, trace, connect)
+        trainer._owns_transports = transport is None
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer._supervise)
             yield trainer
@@ -530,7 +533,6 @@ class DistributedTrainer:
         failure: BaseException | None = None
         transport: Transport | None = None
         with trio.CancelScope() as scope:
-            self._epoch_scope = scope
             try:
                 async with trio.open_nursery() as nursery:
 
@@ -562,6 +564,8 @@ class DistributedTrainer:
                 # Leave the epoch: stop the step in flight, finish it if every member holds
                 # its gradients (apply), else drop them.
                 self._live = trio.Event()
+                if self._epoch is not None:
+                    self._epoch.compute.remove_hooks()  # the next epoch's compute adds its own
                 self._epoch = None
                 if self._step_scope is not None:
                     self._step_scope.cancel()
@@ -571,12 +575,9 @@ class DistributedTrainer:
                         if start.apply_barrier and self.client.applied(self.step):
                             await trio.to_thread.run_sync(self._apply_pending)
                         self.optimizer.zero_grad(set_to_none=False)
-                        if self._connect_owns_transport(transport):
+                        if self._owns_transports:
                             await transport.aclose()
         return status, failure
-
-    def _connect_owns_transport(self, transport: Transport) -> bool:
-        return getattr(transport, "_paramsync_epoch_owned", False)
 
     def _apply_pending(self) -> None:
         step = self.step
@@ -649,7 +650,6 @@ class DistributedTrainer:
             compute.remove_hooks()
             raise
         self.client.on_go = comm.tell
-        self._hooks_owner = compute
         return _Epoch(start, transport, compute, comm, optimizer)
 
     def _applied(self, step: int) -> None:

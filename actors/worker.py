@@ -97,9 +97,7 @@ async def join_run(
         ident = Identity(f"{group}#{start.epoch}", len(start.members), position)
         with trio.fail_after(join_seconds):
             mesh = await form_mesh(ident, listeners[0], list(start.addresses), key, tls=tls)
-        transport = TcpTransport(position, len(start.members), mesh)
-        transport._paramsync_epoch_owned = True  # type: ignore[attr-defined]
-        return transport
+        return TcpTransport(position, len(start.members), mesh)
 
     try:
         port = listeners[0].socket.getsockname()[1]
