@@ -1307,9 +1307,16 @@ class CoordinatorCore:
             r for r in sorted(joins) if joins[r].step != top or joins[r].digest != digest
         )
         self._epoch = max(self._epoch, max(j.epoch for j in joins.values()))
-        return self._start_epoch(
+        actions = self._start_epoch(
             top, tuple(sorted(joins)), f"the run resumes at step {top}", donor, receivers
         )
+        self._recovering = True  # report the first commit after the restart
+        given = f"; rank {donor} sends its state to ranks {list(receivers)}" if receivers else ""
+        text = (
+            f"the run resumes at step {top} in epoch {self._epoch} with ranks "
+            f"{list(sorted(joins))}{given}"
+        )
+        return [Report(text, "info"), *actions]
 
     def _start_epoch(
         self,
@@ -1381,17 +1388,16 @@ class CoordinatorCore:
         """``rank`` is gone (dead, silent, cut off or evicted)."""
         if rank not in self._addresses:
             return []
+        if not self._elastic:
+            # A static run ends with its membership as it was (every joined rank a member).
+            return self._abort(f"rank {rank} {reason}")
         del self._addresses[rank]
         self._joins.pop(rank, None)
         self._last_heartbeat.pop(rank, None)
         if self._state is RunState.RENDEZVOUS:
-            if self._elastic:
-                return [Report(f"rank {rank} left before the start: {reason}")]
-            return self._abort(f"rank {rank} {reason}")
+            return [Report(f"rank {rank} left before the start: {reason}")]
         if rank not in self._members:
             return [Report(f"joining rank {rank} left: {reason}")]
-        if not self._elastic:
-            return self._abort(f"rank {rank} {reason}")
         lost = f"rank {rank} {reason}"
         head = f"step {self._resume_step()}, epoch {self._epoch}: {lost}"
         survivors = [r for r in self._members if r in self._addresses]

@@ -589,6 +589,17 @@ def test_disconnect_and_malformed_abort_naming_the_rank() -> None:
     )
 
 
+def test_a_static_rendezvous_abort_keeps_the_joined_ranks() -> None:
+    """Found by the state machine on a fresh clone: a rank leaving before the start aborts
+    a static run, and the run ends with the membership it had."""
+    core = CoordinatorCore(2)
+    core.handle(Joined(0, SIG, ("h", 1), 0.0))
+    assert the_abort(core.handle(Disconnected(0, "connection reset"))) == (
+        "rank 0 disconnected: connection reset"
+    )
+    assert core.members == (0,)
+
+
 def test_after_abort_everything_is_ignored() -> None:
     core = started(2)
     core.handle(Disconnected(0, "eof"))
