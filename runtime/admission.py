@@ -363,7 +363,7 @@ def _refuse_at_once(stream: trio.abc.Stream, reason: str) -> None:
         return
     try:
         fd = sock.fileno()
-        os.write(fd, encode_frame_bytes("refuse", {"reason": reason[:1024]}))
+        os.write(fd, encode_frame_bytes("refuse", {"reason": reason[:1024], "busy": True}))
         sock.shutdown(socket.SHUT_WR)
         os.read(fd, _DRAIN_BYTES)
     except OSError:  # buffer full, peer gone, nothing to read: the close alone will do

@@ -16,6 +16,7 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeError",
     "AuthenticationError",
+    "ListenerBusy",
     "PeerClosed",
     "StallError",
     "CollectiveError",
@@ -59,6 +60,11 @@ class HandshakeError(ProtocolError):
 
 class AuthenticationError(HandshakeError):
     """The peer failed the HMAC challenge: it does not hold the shared secret."""
+
+
+class ListenerBusy(HandshakeError):
+    """The listener turned the connection away before any handshake (too many in progress);
+    dialing again later is expected to work."""
 
 
 class PeerClosed(ProtocolError):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import AuthenticationError, HandshakeError
+from .errors import AuthenticationError, HandshakeError, ListenerBusy
 from .wire import PROTOCOL_VERSION, Field, register_message
 
 __all__ = [
@@ -60,7 +60,12 @@ register_message(
 )
 register_message("auth", proof=Field(bytes, max_len=64))
 register_message("welcome")
-register_message("refuse", reason=Field(str, max_len=1024), auth=Field(bool, required=False))
+register_message(
+    "refuse",
+    reason=Field(str, max_len=1024),
+    auth=Field(bool, required=False),
+    busy=Field(bool, required=False),
+)
 
 
 def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | None = None) -> bytes:
@@ -130,7 +135,8 @@ class DialerHandshake:
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Check the listener's proof; return the auth message to send."""
         if message["kind"] == "refuse":
-            raise HandshakeError(f"refused: {message['reason']}")
+            error = ListenerBusy if message.get("busy") else HandshakeError
+            raise error(f"refused: {message['reason']}")
         if message["kind"] != "challenge":
             raise HandshakeError(f"expected a challenge, got a {message['kind']} message")
         peer = Identity(message["group"], message["world_size"], message["rank"])

@@ -30,6 +30,7 @@ from .errors import (
     CollectiveError,
     FrameTooLarge,
     HandshakeError,
+    ListenerBusy,
     PeerClosed,
     ProtocolError,
     StallError,
@@ -827,12 +828,13 @@ async def _serve_until(
 async def dial_with_retry(
     address: tuple[str, int], secret: bytes, me: Identity, *, tls: TlsConfig | None = None
 ) -> tuple[Connection, Identity]:
-    """`dial`, retrying with backoff while nobody listens yet; the caller sets the deadline."""
+    """`dial`, retrying with backoff while nobody listens yet or the listener is busy; the
+    caller sets the deadline."""
     delay = 0.01
     while True:
         try:
             return await dial(address, secret, me, tls=tls)
-        except OSError:
+        except (OSError, ListenerBusy):
             await trio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
