@@ -4,11 +4,18 @@ One task reads the coordinator's messages and routes them: go to the gradient-co
 the coordinator's order), commits to whoever waits for them, shutdown and abort as errors that
 name the coordinator's reason. Another sends heartbeats. Both live in the nursery of whoever
 runs `CoordinatorClient.serve`.
+
+The coordinator sends heartbeats too. A link that breaks or stays silent past the heartbeat
+deadline means the coordinator is gone; with a ``reconnect`` function the client then holds the
+trainer (the step in flight is dropped, the state kept), redials with backoff and rejoins with
+the step and digest it holds, so a restarted coordinator resumes the run where every worker
+can follow.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,22 +29,35 @@ from runtime.coordinator_core import (
     Go,
     Hold,
     JoinRefused,
+    Message,
     ResyncOrder,
     Shutdown,
     Signature,
     StartRun,
     message_from_wire,
 )
-from runtime.errors import ParamsyncError, ProtocolError
+from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
 from runtime.link import Link
+from runtime.wire import validate_message
 
-__all__ = ["CoordinatorClient", "RunAborted", "Go", "JoinResult"]
+__all__ = ["CoordinatorClient", "CoordinatorLost", "RunAborted", "Go", "JoinResult", "Redial"]
 
 log = logging.getLogger("paramsync.worker")
 
 
 class RunAborted(ParamsyncError):
     """The coordinator stopped the run; the message carries its reason."""
+
+
+class CoordinatorLost(PeerClosed):
+    """The coordinator's link broke or stayed silent past the heartbeat deadline."""
+
+
+Redial = Callable[[], Awaitable[Link]]
+"""Opens a fresh, authenticated link to the coordinator (which may have restarted)."""
+
+ResumePoint = Callable[[], Awaitable[tuple[int, bytes]]]
+"""Waits until the trainer holds still; returns its next step and its state digest."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +72,30 @@ class JoinResult:
 class CoordinatorClient:
     """A worker's conversation with the coordinator over one `Link`."""
 
-    def __init__(self, link: Link, rank: int, heartbeat_seconds: float = 0.1) -> None:
+    def __init__(
+        self,
+        link: Link,
+        rank: int,
+        heartbeat_seconds: float = 0.1,
+        *,
+        redial: Redial | None = None,
+        reconnect_seconds: float = 60.0,
+    ) -> None:
         self.link = link
         self.rank = rank
         self.heartbeat_seconds = heartbeat_seconds
+        self.redial = redial
+        """Reconnects to a coordinator that was lost (None: losing it ends the run)."""
+        self.reconnect_seconds = reconnect_seconds
+        """How long to keep redialing a lost coordinator before giving up."""
+        self.resume_point: ResumePoint | None = None
+        """Set by the trainer: what to rejoin with after the coordinator was lost."""
+        self.reconnects = 0
+        """How many times this worker rejoined a lost (restarted) coordinator."""
+        self._signature: Signature = ()
+        self._address: tuple[str, int] = ("", 0)
+        self._connected = trio.Event()
+        self._connected.set()
         self.on_go: Callable[[Go], Awaitable[None]] | None = None
         self.on_resync: Callable[[ResyncOrder], Awaitable[None]] | None = None
         self.on_epoch: Callable[[StartRun | Hold], None] | None = None
@@ -86,20 +126,23 @@ class CoordinatorClient:
         ``step``, ``digest`` and ``epoch`` describe the state a resuming worker holds (a
         checkpoint, or a coordinator that restarted); a fresh worker sends the defaults.
         """
+        self._signature, self._address = signature, address
         params = [[name, list(shape), dtype, grad] for name, shape, dtype, grad in signature]
-        await self._send(
+        await self.link.send(
             "join",
-            host=address[0],
-            port=address[1],
-            params=params,
-            step=step,
-            digest=digest,
-            epoch=epoch,
+            {
+                "host": address[0],
+                "port": address[1],
+                "params": params,
+                "step": step,
+                "digest": digest,
+                "epoch": epoch,
+            },
         )
         # Heartbeats flow from the join on: waiting for slow peers is not silence.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, True)
-            message = message_from_wire(await self.link.recv())
+            message = await self._receive(math.inf)
             nursery.cancel_scope.cancel()
         if isinstance(message, JoinRefused | AbortRun | Shutdown):
             raise RunAborted(f"coordinator refused rank {self.rank}: {message.reason}")
@@ -125,7 +168,36 @@ class CoordinatorClient:
         self._wake()
 
     async def _send(self, kind: str, **fields: Any) -> None:
-        await self.link.send(kind, fields)
+        """Send on the live link; while the coordinator is being redialed, wait for it."""
+        while True:
+            await self._connected.wait()
+            link = self.link
+            try:
+                await link.send(kind, fields)
+                return
+            except PeerClosed:
+                if self.redial is None or self.done.is_set():
+                    raise
+                # The reader notices too (the link is closed under it) and reconnects.
+                if link is self.link:
+                    self._disconnected()
+                with trio.CancelScope(shield=True):
+                    await link.aclose()
+
+    async def _receive(self, silence: float) -> Message:
+        """The coordinator's next message; its heartbeats are consumed here. More than
+        ``silence`` seconds without a byte means the coordinator is lost."""
+        while True:
+            with trio.move_on_after(silence):
+                raw = await self.link.recv()
+                if raw.get("kind") != "heartbeat":
+                    return message_from_wire(raw)
+                validate_message(raw)
+                continue
+            raise CoordinatorLost(
+                f"the coordinator sent nothing for {silence:g} s (heartbeat deadline)",
+                peer="coordinator",
+            )
 
     async def ready(self, step: int, bucket: int, spec: Sequence[Any], epoch: int = 1) -> None:
         """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go."""
@@ -176,18 +248,82 @@ class CoordinatorClient:
             await self._commit_changed.wait()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Route the coordinator's messages and send heartbeats until shutdown."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats)
-            task_status.started()
+        """Route the coordinator's messages and send heartbeats until shutdown; with a
+        ``redial``, rejoin a lost coordinator instead of failing."""
+        task_status.started()
+        while True:
             try:
-                await self._route()
-            finally:
-                nursery.cancel_scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._heartbeats)
+                    try:
+                        await self._route()
+                    finally:
+                        nursery.cancel_scope.cancel()
+                return
+            except* PeerClosed as group:
+                if self.redial is None or self.done.is_set():
+                    raise
+                lost = group.exceptions[0]
+            await self._rejoin(lost)
+
+    async def _rejoin(self, lost: BaseException) -> None:
+        """Hold the trainer, then redial with backoff and rejoin with the state it holds."""
+        assert self.redial is not None
+        self._disconnected()
+        log.warning("rank %d lost the coordinator (%s); reconnecting", self.rank, lost)
+        with trio.CancelScope(shield=True):
+            await self.link.aclose()
+        if self.on_epoch is not None:
+            self.on_epoch(Hold(self._applied + 1, self.epoch, f"coordinator lost: {lost}"))
+        step, digest = (0, b"") if self.resume_point is None else await self.resume_point()
+        epoch, failure, delay = self.epoch, lost, 0.05
+        start: StartRun | None = None
+        with trio.move_on_after(self.reconnect_seconds):
+            while start is None:
+                try:
+                    self.link = await self.redial()
+                    joined = await self.join(
+                        self._signature, self._address, step=step, digest=digest, epoch=epoch
+                    )
+                    start = joined.start
+                except (OSError, ProtocolError) as exc:  # down, busy, or cut off again
+                    failure = exc
+                    log.info("rank %d: the coordinator is not back yet (%s)", self.rank, exc)
+                    with trio.CancelScope(shield=True):
+                        await self.link.aclose()
+                    await trio.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+        if start is None:
+            raise CoordinatorLost(
+                f"the coordinator did not come back within {self.reconnect_seconds:g} s "
+                f"(last: {failure})",
+                peer="coordinator",
+            ) from failure
+        if start.epoch <= epoch:
+            raise ProtocolError(
+                f"the restarted coordinator opened epoch {start.epoch}, not after {epoch}",
+                peer="coordinator",
+            )
+        self.reconnects += 1
+        self._connected.set()
+        log.warning(
+            "rank %d rejoined the coordinator: epoch %d at step %d",
+            self.rank,
+            start.epoch,
+            start.step,
+        )
+        if self.on_epoch is not None:
+            self.on_epoch(start)
+
+    def _disconnected(self) -> None:
+        """Make senders wait for the next link (one event for all of them)."""
+        if self._connected.is_set():
+            self._connected = trio.Event()
 
     async def _route(self) -> None:
+        silence = self.start.heartbeat_deadline if self.start is not None else math.inf
         while True:
-            message = message_from_wire(await self.link.recv())
+            message = await self._receive(silence)
             if isinstance(message, Go):
                 if message.epoch != self.epoch:
                     continue  # raced a membership change

@@ -76,6 +76,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="steps between checkpoints (0: only at stop)",
     )
     group.add_argument(
+        "--reconnect-seconds",
+        type=float,
+        default=60.0,
+        help="if the coordinator is lost, keep the state and redial it this long, then "
+        "rejoin where the workers stand (0: a lost coordinator ends the run; default "
+        "%(default)s)",
+    )
+    group.add_argument(
         "--resume",
         action="store_true",
         help="every worker restores the newest valid checkpoint of --checkpoint-dir first",
@@ -142,6 +150,7 @@ async def run(args: argparse.Namespace) -> int:
                 trace=trace,
                 toml_path=args.config,
                 resume_step=resume_step,
+                reconnect_seconds=args.reconnect_seconds or None,
             ) as trainer:
                 rank = trainer.dist_config.rank
                 bar = (

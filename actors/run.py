@@ -54,8 +54,12 @@ async def trainer_from_env(
     overrides: Mapping[str, object] | None = None,
     secret: bytes | str | None = None,
     resume_step: int = 0,
+    reconnect_seconds: float | None = 60.0,
 ) -> AsyncIterator[DistributedTrainer]:
-    """Join (and, for the COORDINATOR role, also host) the run this environment describes."""
+    """Join (and, for the COORDINATOR role, also host) the run this environment describes.
+
+    ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`).
+    """
     config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
     tls = config.tls_config()
     async with trio.open_nursery() as nursery:
@@ -73,6 +77,7 @@ async def trainer_from_env(
             trace=trace,
             tls=tls,
             resume_step=resume_step,
+            reconnect_seconds=reconnect_seconds,
         ) as trainer:
             yield trainer
             summary_path = os.environ.get(SUMMARY_ENV)

@@ -36,7 +36,7 @@ from runtime.collectives import (
 )
 from runtime.config import DistributedConfig
 from runtime.coordinator_core import Hold, ResyncOrder, StartRun
-from runtime.errors import ProtocolError
+from runtime.errors import ProtocolError, pick_error
 from runtime.faults import armed, fault_point
 from runtime.trace import TraceRecorder
 from runtime.transport import Transport
@@ -437,8 +437,11 @@ class DistributedTrainer:
         self._announced_event = trio.Event()
         self._step_scope: trio.CancelScope | None = None
         self._token = trio.lowlevel.current_trio_token()
+        self._held = trio.Event()
+        """Set while the supervisor holds: no epoch live, the state at rest."""
         client.on_epoch = self._announce
         client.on_resync = self._resync
+        client.resume_point = self._resume_point
 
     @classmethod
     @asynccontextmanager
@@ -494,6 +497,12 @@ class DistributedTrainer:
         """The coordinator announced a new epoch or a hold: end the live epoch now."""
         self._announced.append(message)
         self._announced_event.set()
+        # Before the epoch's actors go: nothing more runs in it, and whatever they fail
+        # with next belongs to the dropped step, which then reruns.
+        if self._live.is_set():
+            self._live = trio.Event()
+        if self._step_scope is not None:
+            self._step_scope.cancel()
         epoch = self._epoch
         if epoch is not None:
             epoch.transport.abort()  # wake collective threads blocked on dead peers
@@ -520,7 +529,9 @@ class DistributedTrainer:
         while True:
             if isinstance(message, Hold):
                 log.warning("rank %d holds: %s", self.rank, message.reason)
+                self._held.set()
                 message = await self._next_announcement(None)
+                self._held = trio.Event()
                 continue
             status, failure = await self._run_epoch(message, status)
             message = await self._next_announcement(failure)
@@ -550,20 +561,28 @@ class DistributedTrainer:
                         if start.verify:
                             await epoch.optimizer.tell(Verify(start.step - 1, force=True))
                         self._epoch = epoch
-                        self._live.set()
+                        if not self._announced:
+                            self._live.set()
                         if status is not None:
                             status.started()
                             status = None
                         await trio.sleep_forever()
             except Exception as exc:
-                if status is not None:
+                if self._announced:
+                    # Its actors failed while being stopped for the next epoch: no fault.
+                    log.debug("rank %d: epoch %d ended (%r)", self.rank, start.epoch, exc)
+                elif status is not None:
                     raise  # the first epoch never started: nothing to recover
-                failure = exc
-                log.warning("rank %d: epoch %d ended by %s", self.rank, start.epoch, exc)
+                else:
+                    failure = exc
+                    log.warning(
+                        "rank %d: epoch %d ended by %r", self.rank, start.epoch, pick_error(exc)
+                    )
             finally:
                 # Leave the epoch: stop the step in flight, finish it if every member holds
                 # its gradients (apply), else drop them.
-                self._live = trio.Event()
+                if self._live.is_set():  # never swap an event someone still waits on
+                    self._live = trio.Event()
                 if self._epoch is not None:
                     self._epoch.compute.remove_hooks()  # the next epoch's compute adds its own
                 self._epoch = None
@@ -578,6 +597,13 @@ class DistributedTrainer:
                         if self._owns_transports:
                             await transport.aclose()
         return status, failure
+
+    async def _resume_point(self) -> tuple[int, bytes]:
+        """Once the supervisor holds, the next step and the state digest this worker rejoins
+        a restarted coordinator with (it picks the majority's newest state)."""
+        await self._held.wait()
+        digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
+        return self.step, digest.digest
 
     def _apply_pending(self) -> None:
         step = self.step
@@ -767,28 +793,35 @@ class DistributedTrainer:
         started = time.perf_counter()
         step = self.step
         loss = math.nan
-        with trio.CancelScope() as scope:
-            self._step_scope = scope
-            state = epoch.comm.begin_step(step)
-            micro_batches = _split(batch, self.options.accumulation_steps)
-            total = 0.0
-            for index, micro in enumerate(micro_batches):
-                last = index == len(micro_batches) - 1
-                total += await epoch.compute.ask(Backward(step, micro, last))
-            loss = total / len(micro_batches)
-            self._last_loss = loss
-            with self.trace.span("grad-wait", actor="trainer", step=step):
-                await state.all_reduced.wait()
-            if epoch.start.apply_barrier:
-                await self.client.reduced(step, epoch.start.epoch)
-                with self.trace.span("apply-wait", actor="trainer", step=step):
-                    await self.client.wait_apply(step)
-            await epoch.optimizer.ask(OptimizerStep(step))
-            if self.options.verify_overlap:
-                await epoch.optimizer.tell(Verify(step))
-            else:
-                await epoch.optimizer.ask(Verify(step))
-        self._step_scope = None
+        scope = trio.CancelScope()
+        try:
+            with scope:
+                self._step_scope = scope
+                state = epoch.comm.begin_step(step)
+                micro_batches = _split(batch, self.options.accumulation_steps)
+                total = 0.0
+                for index, micro in enumerate(micro_batches):
+                    last = index == len(micro_batches) - 1
+                    total += await epoch.compute.ask(Backward(step, micro, last))
+                loss = total / len(micro_batches)
+                self._last_loss = loss
+                with self.trace.span("grad-wait", actor="trainer", step=step):
+                    await state.all_reduced.wait()
+                if epoch.start.apply_barrier:
+                    await self.client.reduced(step, epoch.start.epoch)
+                    with self.trace.span("apply-wait", actor="trainer", step=step):
+                        await self.client.wait_apply(step)
+                await epoch.optimizer.ask(OptimizerStep(step))
+                if self.options.verify_overlap:
+                    await epoch.optimizer.tell(Verify(step))
+                else:
+                    await epoch.optimizer.ask(Verify(step))
+        except Exception as exc:
+            if scope.cancel_called:  # the epoch ended under the step
+                raise _StepAborted from exc
+            raise
+        finally:
+            self._step_scope = None
         if scope.cancelled_caught or self.step != step + 1:
             raise _StepAborted
         self.losses.append((step, loss))

@@ -20,8 +20,8 @@ from runtime.config import DistributedConfig
 from runtime.coordinator import Coordinator, CoordinatorOptions
 from runtime.coordinator_core import StartRun, model_signature
 from runtime.handshake import Identity, load_secret
-from runtime.link import MemoryLink
-from runtime.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
+from runtime.link import Link, MemoryLink
+from runtime.tcp import DEFAULT_GROUP, TcpTransport, dial, dial_with_retry, form_mesh
 from runtime.tls import TlsConfig
 from runtime.trace import TraceRecorder
 from runtime.transport import InProcessTransport, Transport
@@ -74,6 +74,7 @@ async def join_run(
     join_seconds: float = 120.0,
     tls: TlsConfig | None = None,
     resume_step: int = 0,
+    reconnect_seconds: float | None = 60.0,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join the run whose coordinator listens at ``config.coordinator_addr``.
 
@@ -81,6 +82,9 @@ async def join_run(
     difference named), waits until every rank has joined, connects to every other worker, and
     starts from rank 0's weights. ``resume_step``: this worker restored a checkpoint whose
     next step is this; the run resumes there once every worker's state agrees.
+    ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
+    silent past the heartbeat deadline), keep the state and redial it with backoff for this
+    long, then rejoin where the workers stand (None: losing the coordinator ends the run).
     """
     key = load_secret(secret)
     me = Identity(group, config.world_size, config.rank)
@@ -88,7 +92,17 @@ async def join_run(
         conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
         local_host = conn.socket.getsockname()[0]
         listeners = await trio.open_tcp_listeners(0, host=local_host)
-    client = CoordinatorClient(conn, config.rank)
+
+    async def redial() -> Link:
+        link, _ = await dial(config.address, key, me, tls=tls)
+        return link
+
+    client = CoordinatorClient(
+        conn,
+        config.rank,
+        redial=None if reconnect_seconds is None else redial,
+        reconnect_seconds=reconnect_seconds or 0.0,
+    )
 
     async def connect(start: StartRun) -> Transport:
         # Each epoch has its own mesh among its members, on the listener kept for the run;
@@ -118,6 +132,7 @@ async def join_run(
             for listener in listeners:
                 await listener.aclose()
             await conn.aclose()
+            await client.link.aclose()
 
 
 async def train_in_process(

@@ -10,6 +10,7 @@ until its queue is full is a stalled member, and the run stops naming it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from .coordinator_core import (
     event_from_wire,
 )
 from .errors import ParamsyncError, PeerClosed, ProtocolError
+from .faults import fault_point
 from .handshake import Identity, load_secret
 from .link import Link
 from .tcp import DEFAULT_GROUP, accept
@@ -48,6 +50,7 @@ log = logging.getLogger("paramsync.coordinator")
 
 _QUEUE = 1024
 _FLUSH_SECONDS = 5.0
+_HEARTBEAT: tuple[str, dict[str, Any]] = ("heartbeat", {})
 
 
 class RunFailed(ParamsyncError):
@@ -266,9 +269,20 @@ class Coordinator:
 
     async def _reader(self, member: _Member) -> None:
         rank = member.rank
+        # An authenticated peer must join within a heartbeat deadline, or its slot is freed.
+        join_by = trio.current_time() + self.options.heartbeat_deadline
         while True:
             try:
-                message = await member.link.recv()
+                with trio.CancelScope(deadline=join_by) as waiting:
+                    message = await member.link.recv()
+                if waiting.cancelled_caught:
+                    log.warning(
+                        "rank %d authenticated but sent no join within %g s; dropped",
+                        rank,
+                        self.options.heartbeat_deadline,
+                    )
+                    return
+                join_by = math.inf
                 event = event_from_wire(message, rank=rank, now=trio.current_time())
             except PeerClosed as exc:
                 if not self.finished.is_set():
@@ -284,14 +298,23 @@ class Coordinator:
                 return
 
     async def _writer(self, member: _Member) -> None:
+        """Drain the member's queue; whenever it stays empty for a heartbeat period, send a
+        heartbeat, so the worker can tell a hung or cut-off coordinator from a quiet one."""
+        period = max(0.05, self.options.heartbeat_deadline / 4)
         try:
-            async for message in member.outbox:
-                if message is None:
-                    return
+            while True:
+                kind, fields = _HEARTBEAT
+                with trio.move_on_after(period):
+                    message = await member.outbox.receive()
+                    if message is None:
+                        return
+                    kind, fields = message.to_wire()
                 try:
-                    await member.link.send(*message.to_wire())
+                    await member.link.send(kind, fields)
                 except PeerClosed:
                     return
+        except trio.EndOfChannel:
+            return
         finally:
             member.flushed.set()
 
@@ -315,6 +338,8 @@ class Coordinator:
             if isinstance(action, Send):
                 self._enqueue(action.rank, action.message)
             elif isinstance(action, Broadcast):
+                if isinstance(action.message, Commit):
+                    fault_point("commit", action.message.step)
                 for rank in self.core.members:
                     self._enqueue(rank, action.message)
                 if self.core.state is RunState.FINISHED:

@@ -8,7 +8,12 @@ membership history shows the loss, and the final model equals a reference run wi
 membership history (the same worker killed before it touches the step the survivors resumed
 at). Detection and recovery times come from the coordinator's log.
 
-``python -m runtime.fault_trials --trials 20`` runs trials at random points and prints figures.
+`run_coordinator_restart_trial` kills the coordinator instead (``commit:step``: it has decided
+to commit the step, nobody has heard of it) and starts it again on the same port: every worker
+must keep its state, redial, rejoin, and finish with the model of an uninterrupted run.
+
+``python -m runtime.fault_trials --trials 20`` runs trials at random points and prints figures;
+``--coordinator-restarts N`` adds N coordinator-restart trials.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ from typing import Any
 
 from .faults import FAULT_ENV, PHASES, STAMP_ENV
 
-__all__ = ["TrialResult", "run_trial", "JOB_FLAGS", "main"]
+__all__ = [
+    "TrialResult",
+    "RestartResult",
+    "run_trial",
+    "run_coordinator_restart_trial",
+    "JOB_FLAGS",
+    "main",
+]
 
 JOB_FLAGS = [
     "--steps", "8", "--d-model", "16", "--layers", "1", "--heads", "2", "--context", "16",
@@ -242,12 +254,166 @@ def run_trial(
         )
 
 
+@dataclass
+class RestartResult:
+    """What one coordinator-restart trial ended with."""
+
+    step: int
+    exit_codes: dict[str, int]
+    digests: dict[int, str | None]
+    epochs: list[dict[str, Any]]
+    resumed_at: int | None
+    recovery_seconds: float | None
+    """From the kill to the restarted coordinator's first commit (includes its start-up)."""
+    elapsed_seconds: float
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _coordinator_command(workers: int, bind: str, port_file: Path) -> list[str]:
+    return [
+        *_python(), "coordinator", "--world-size", str(workers), "--bind", bind,
+        "--port-file", str(port_file), "--heartbeat-deadline", "3",
+    ]  # fmt: skip
+
+
+def _wait_for_port(port_file: Path, proc: subprocess.Popen[bytes], log: Path, until: float) -> int:
+    while not port_file.exists() or not port_file.read_text().strip():
+        if proc.poll() is not None or time.monotonic() > until:
+            raise RuntimeError(f"the coordinator did not start: {log.read_text()}")
+        time.sleep(0.02)
+    return int(port_file.read_text())
+
+
+def run_coordinator_restart_trial(
+    step: int | None,
+    *,
+    workers: int = 3,
+    timeout: float = 120.0,
+    job_flags: list[str] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+) -> RestartResult:
+    """Kill the coordinator daemon (SIGKILL) as it commits ``step``, start it again on the same
+    port, and check that the run resumes and finishes with every worker's model equal to an
+    uninterrupted run's (``digests``; the caller compares them with a reference). ``step``
+    None: no kill (the reference run)."""
+    flags = JOB_FLAGS if job_flags is None else job_flags
+    started = time.monotonic()
+    deadline = started + timeout
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        root = Path(tmp)
+        env = dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
+        env.pop(FAULT_ENV, None)
+        killed_env = dict(env, **{FAULT_ENV: f"commit:{step}", STAMP_ENV: str(root / "killed")})
+        if step is None:
+            killed_env = env
+        port_file, first_log, second_log = root / "port", root / "first.log", root / "second.log"
+        with open(first_log, "w") as out:
+            first = subprocess.Popen(
+                _coordinator_command(workers, "127.0.0.1:0", port_file),
+                env=killed_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        procs: dict[int, subprocess.Popen[bytes]] = {}
+        second: subprocess.Popen[bytes] | None = None
+        try:
+            port = _wait_for_port(port_file, first, first_log, deadline)
+            port_file.unlink()
+            for rank in range(workers):
+                command = [*_python(), "worker", "--rank", str(rank), "--world-size"]
+                command += [str(workers), "--coordinator", f"127.0.0.1:{port}"]
+                command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
+                command += ["--reconnect-seconds", "60"]
+                with open(root / f"worker-{rank}.log", "w") as err:
+                    procs[rank] = subprocess.Popen(
+                        command, env=env, stdout=subprocess.DEVNULL, stderr=err
+                    )
+            while any(p.poll() is None for p in (first, second, *procs.values()) if p):
+                if second is None and first.poll() == -9:  # killed: start it again
+                    with open(second_log, "w") as out:
+                        second = subprocess.Popen(
+                            _coordinator_command(workers, f"127.0.0.1:{port}", port_file),
+                            env=env,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                        )
+                if time.monotonic() > deadline:
+                    logs = "\n".join(
+                        f"--- {path.name}:\n{path.read_text()[-3000:]}"
+                        for path in sorted(root.glob("*.log"))
+                    )
+                    raise TimeoutError(f"the trial did not finish within {timeout} s\n{logs}")
+                time.sleep(0.005)
+        finally:
+            for proc in (first, second, *procs.values()):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        codes = {"coordinator": first.returncode}
+        if second is not None:
+            codes["restarted coordinator"] = second.returncode
+        codes.update({f"rank {r}": p.returncode for r, p in procs.items()})
+        problems = []
+        restarted_log = second_log.read_text() if second_log.exists() else ""
+        if step is None:
+            if first.returncode != 0:
+                problems.append(f"the coordinator failed: {first_log.read_text()[-3000:]}")
+        elif first.returncode != -9:
+            problems.append(f"the coordinator was not killed at commit {step}: {codes}")
+        elif second is None or second.returncode != 0:
+            problems.append(f"the restarted coordinator failed: {restarted_log[-3000:]}")
+        digests: dict[int, str | None] = {}
+        epochs: list[dict[str, Any]] = []
+        for rank, proc in procs.items():
+            if proc.returncode != 0:
+                tail = (root / f"worker-{rank}.log").read_text()[-2000:]
+                problems.append(f"rank {rank} exited {proc.returncode}: {tail}")
+            path = root / f"summary-{rank}.json"
+            summary = json.loads(path.read_text()) if path.exists() else {}
+            digests[rank] = summary.get("digest")
+            epochs = summary.get("epochs", epochs)
+        if len(set(digests.values())) != 1 or None in digests.values():
+            problems.append(f"the workers' digests differ: {digests}")
+        resumed_at = epochs[1]["step"] if len(epochs) > 1 else None
+        if step is not None and resumed_at not in (step + 1, step + 2):
+            problems.append(f"expected a second epoch resuming after step {step}: {epochs}")
+        recovery = None
+        stamp = root / "killed"
+        if stamp.exists():
+            killed_at = float(stamp.read_text())
+            for line in restarted_log.splitlines():
+                when = _stamp(line)
+                if when is not None and "recovered" in line:
+                    recovery = when - killed_at
+                    break
+        return RestartResult(
+            step,
+            codes,
+            digests,
+            epochs,
+            resumed_at,
+            recovery,
+            time.monotonic() - started,
+            problems,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run random trials, check each against a reference run, print and save the figures."""
     parser = argparse.ArgumentParser(prog="python -m runtime.fault_trials")
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--coordinator-restarts",
+        type=int,
+        default=0,
+        help="also kill and restart the coordinator in this many trials",
+    )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     references: dict[int, str | None] = {}
@@ -273,6 +439,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         for problem in result.problems:
             print(f"  problem: {problem}", flush=True)
+    restarts = []
+    if args.coordinator_restarts:
+        reference = run_coordinator_restart_trial(None)
+        expected = set(reference.digests.values())
+        for index in range(args.coordinator_restarts):
+            restart = run_coordinator_restart_trial(rng.randint(0, 6))
+            if restart.ok and set(restart.digests.values()) != expected:
+                restart.problems.append("final model differs from the uninterrupted run")
+            restarts.append(restart)
+            print(
+                f"restart {index + 1}: coordinator killed at commit {restart.step} -> "
+                f"{'ok' if restart.ok else 'FAILED'}, resumed at step {restart.resumed_at}, "
+                f"recovered {restart.recovery_seconds}",
+                flush=True,
+            )
+            for problem in restart.problems:
+                print(f"  problem: {problem}", flush=True)
     detections = [r.detection_seconds for r in results if r.detection_seconds is not None]
     recoveries = [r.recovery_seconds for r in results if r.recovery_seconds is not None]
     figures = {
@@ -283,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         "detection_seconds_max": max(detections) if detections else None,
         "recovery_seconds_median": statistics.median(recoveries) if recoveries else None,
         "recovery_seconds_max": max(recoveries) if recoveries else None,
+        "coordinator_restarts": len(restarts),
+        "coordinator_restarts_survived": sum(r.ok for r in restarts),
+        "coordinator_recovery_seconds_median": (
+            statistics.median(times) if (times := _recoveries(restarts)) else None
+        ),
+        "coordinator_recovery_seconds_max": max(times) if times else None,
         "trials_detail": [
             {k: v for k, v in asdict(r).items() if k != "coordinator_log"} for r in results
         ],
@@ -290,7 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in figures.items() if k != "trials_detail"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
-    return 0 if figures["passed"] == figures["trials"] else 1
+    passed = figures["passed"] == figures["trials"]
+    return 0 if passed and figures["coordinator_restarts_survived"] == len(restarts) else 1
+
+
+def _recoveries(restarts: list[RestartResult]) -> list[float]:
+    return [r.recovery_seconds for r in restarts if r.recovery_seconds is not None]
 
 
 if __name__ == "__main__":

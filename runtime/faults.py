@@ -1,8 +1,9 @@
-"""Fault injection for the fault-tolerance trials: a worker SIGKILLs itself at a chosen point.
+"""Fault injection for the fault-tolerance trials: a process SIGKILLs itself at a chosen point.
 
 ``PARAMSYNC_FAULT=phase:step`` (read once, at import) arms one point; the trainer marks the
-step it is in and calls `fault_point` at each phase. Unarmed, a call is one comparison. The
-kill is a real SIGKILL of the process: no cleanup, no goodbye on any socket.
+step it is in and calls `fault_point` at each phase, the coordinator at each commit. Unarmed, a
+call is one comparison. The kill is a real SIGKILL of the process: no cleanup, no goodbye on any
+socket.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ import os
 import signal
 import time
 
-__all__ = ["PHASES", "FAULT_ENV", "STAMP_ENV", "armed", "fault_point", "parse_fault"]
+__all__ = [
+    "PHASES",
+    "COORDINATOR_PHASES",
+    "FAULT_ENV",
+    "STAMP_ENV",
+    "armed",
+    "fault_point",
+    "parse_fault",
+]
 
 FAULT_ENV = "PARAMSYNC_FAULT"
 STAMP_ENV = "PARAMSYNC_FAULT_STAMP"
@@ -19,6 +28,9 @@ STAMP_ENV = "PARAMSYNC_FAULT_STAMP"
 PHASES = ("data", "forward", "backward", "allreduce", "optimizer", "digest")
 """Where a worker can be killed: loading the batch, forward, backward, in the middle of a
 gradient all-reduce (after its first chunk left), in the optimizer step, before its digest."""
+COORDINATOR_PHASES = ("commit",)
+"""Where the coordinator can be killed: when it has decided to commit a step, before anyone
+hears of it."""
 
 
 def parse_fault(text: str | None) -> tuple[str, int] | None:
@@ -26,9 +38,10 @@ def parse_fault(text: str | None) -> tuple[str, int] | None:
     if not text:
         return None
     phase, _, step = text.partition(":")
-    if phase not in PHASES or not step.isdigit():
+    phases = PHASES + COORDINATOR_PHASES
+    if phase not in phases or not step.isdigit():
         raise ValueError(
-            f"{FAULT_ENV}={text!r}: expected PHASE:STEP with PHASE one of {', '.join(PHASES)}"
+            f"{FAULT_ENV}={text!r}: expected PHASE:STEP with PHASE one of {', '.join(phases)}"
         )
     return phase, int(step)
 

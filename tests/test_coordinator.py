@@ -25,6 +25,7 @@ from actors.worker import join_run, train_in_process
 from runtime.config import DistributedConfig
 from runtime.coordinator import Coordinator, CoordinatorOptions, RunFailed
 from runtime.coordinator_core import RunState, model_signature
+from runtime.errors import PeerClosed
 from runtime.handshake import Identity, load_secret
 from runtime.link import MemoryLink
 from runtime.tcp import DEFAULT_GROUP, Connection, dial
@@ -663,6 +664,25 @@ async def test_garbage_before_join_is_refused_and_the_rank_may_join_properly() -
             nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 2)
             nursery.start_soon(outcomes.capture, "rank 1", tcp_worker, address, 1, 2, 2)
     assert outcomes == {"coordinator": None, "rank 0": 2, "rank 1": 2}
+
+
+async def test_an_authenticated_peer_that_never_joins_loses_its_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Authentication alone does not hold a rank: without a join within the heartbeat deadline
+    the connection is dropped, and the real worker of that rank gets in."""
+    coordinator = Coordinator(2, CoordinatorOptions(heartbeat_deadline=0.5), secret=SECRET)
+    outcomes = Outcomes()
+    with trio.fail_after(RUN_SECONDS):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(serve_tcp, coordinator, outcomes)
+            squatter = await dial_coordinator(address, 1, 2)
+            with pytest.raises(PeerClosed):
+                await squatter.recv()  # dropped, not answered
+            nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 2)
+            nursery.start_soon(outcomes.capture, "rank 1", tcp_worker, address, 1, 2, 2)
+    assert outcomes == {"coordinator": None, "rank 0": 2, "rank 1": 2}
+    assert "rank 1 authenticated but sent no join within 0.5 s" in caplog.text
 
 
 async def test_unauthenticated_connections_are_refused_and_the_run_completes() -> None:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.fault_trials import JOB_FLAGS, run_trial
+from runtime.fault_trials import JOB_FLAGS, run_coordinator_restart_trial, run_trial
 from runtime.faults import PHASES, parse_fault
 
 _REFERENCES: dict[int, str] = {}
@@ -66,13 +66,51 @@ def test_a_killed_worker_restarts_rejoins_live_and_matches_everyone() -> None:
     assert members[0] == (0, 1, 2) and (0, 1) in members and members[-1] == (0, 1, 2)
 
 
+def test_the_coordinator_killed_and_restarted_the_run_resumes_and_finishes() -> None:
+    """SIGKILL of the coordinator daemon as it commits step 3; a new one on the same port.
+    Every worker redials, rejoins with its step and digest, and finishes with the model of a
+    run that was never interrupted."""
+    result = run_coordinator_restart_trial(3)
+    assert result.ok, result.problems
+    assert result.exit_codes["coordinator"] == -9
+    assert result.exit_codes["restarted coordinator"] == 0
+    assert [e["members"] for e in result.epochs] == [[0, 1, 2], [0, 1, 2]]
+    assert result.recovery_seconds is not None
+    reference = run_coordinator_restart_trial(None)
+    assert reference.ok, reference.problems
+    assert len(reference.epochs) == 1
+    assert set(result.digests.values()) == set(reference.digests.values())
+
+
 def test_parse_fault_names_the_problem() -> None:
     assert parse_fault("backward:3") == ("backward", 3)
+    assert parse_fault("commit:4") == ("commit", 4)
     assert parse_fault("") is None
     with pytest.raises(ValueError, match="PHASE:STEP"):
         parse_fault("sideways:3")
     with pytest.raises(ValueError, match="PHASE:STEP"):
         parse_fault("backward:x")
+
+
+@pytest.mark.soak
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=st.integers(0, 6))
+def test_soak_coordinator_restarted_at_random_commits(step: int) -> None:
+    result = run_coordinator_restart_trial(step)
+    assert result.ok, result.problems
+    assert set(result.digests.values()) == {coordinator_reference()}
+
+
+_COORDINATOR_REFERENCE: list[str] = []
+
+
+def coordinator_reference() -> str:
+    """The final model of the trial job never interrupted."""
+    if not _COORDINATOR_REFERENCE:
+        reference = run_coordinator_restart_trial(None)
+        assert reference.ok, reference.problems
+        _COORDINATOR_REFERENCE.append(next(iter(reference.digests.values())) or "")
+    return _COORDINATOR_REFERENCE[0]
 
 
 @pytest.mark.soak
