@@ -189,7 +189,7 @@ class Coordinator:
             except (ProtocolError, OSError, trio.BrokenResourceError):
                 self.hostile_refused += 1
                 return
-            await self._serve_member(peer.rank, conn)
+            await self._serve_member(peer.rank, conn, self.options.heartbeat_deadline)
 
         async with trio.open_nursery() as nursery:
             for listener in listeners:
@@ -241,14 +241,16 @@ class Coordinator:
 
     # ------------------------------------------------------------------ one member
 
-    async def _serve_member(self, rank: int, link: Link) -> None:
+    async def _serve_member(self, rank: int, link: Link, join_seconds: float = math.inf) -> None:
+        """Serve one member's link; a peer that authenticated over the network must send its
+        join within ``join_seconds``, or its slot is freed."""
         member = _Member(rank, link)
         self._members[rank] = member
         self._active += 1
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, member)
-                await self._reader(member)
+                await self._reader(member, join_seconds)
                 # Let the writer deliver what is queued (a refusal, the abort), then stop.
                 with trio.move_on_after(_FLUSH_SECONDS):
                     try:
@@ -267,10 +269,9 @@ class Coordinator:
             with trio.CancelScope(shield=True):
                 await link.aclose()
 
-    async def _reader(self, member: _Member) -> None:
+    async def _reader(self, member: _Member, join_seconds: float) -> None:
         rank = member.rank
-        # An authenticated peer must join within a heartbeat deadline, or its slot is freed.
-        join_by = trio.current_time() + self.options.heartbeat_deadline
+        join_by = trio.current_time() + join_seconds
         while True:
             try:
                 with trio.CancelScope(deadline=join_by) as waiting:
@@ -279,7 +280,7 @@ class Coordinator:
                     log.warning(
                         "rank %d authenticated but sent no join within %g s; dropped",
                         rank,
-                        self.options.heartbeat_deadline,
+                        join_seconds,
                     )
                     return
                 join_by = math.inf
