@@ -292,7 +292,7 @@ class CoordinatorClient:
                     with trio.CancelScope(shield=True):
                         await self.link.aclose()
                     await trio.sleep(delay)
-                    delay = min(2 * delay, 2.0)
+                    delay = min(2 * delay, 1.0)
         if start is None:
             raise CoordinatorLost(
                 f"the coordinator did not come back within {self.reconnect_seconds:g} s "

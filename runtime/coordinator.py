@@ -299,9 +299,10 @@ class Coordinator:
                 return
 
     async def _writer(self, member: _Member) -> None:
-        """Drain the member's queue; whenever it stays empty for a heartbeat period, send a
-        heartbeat, so the worker can tell a hung or cut-off coordinator from a quiet one."""
-        period = max(0.05, self.options.heartbeat_deadline / 4)
+        """Drain the member's queue; once the member has heard its first answer (the start),
+        whenever the queue stays empty for a heartbeat period, send a heartbeat, so the worker
+        can tell a hung or cut-off coordinator from a quiet one."""
+        period = math.inf
         try:
             while True:
                 kind, fields = _HEARTBEAT
@@ -314,6 +315,7 @@ class Coordinator:
                     await member.link.send(kind, fields)
                 except PeerClosed:
                     return
+                period = max(0.05, self.options.heartbeat_deadline / 4)
         except trio.EndOfChannel:
             return
         finally:

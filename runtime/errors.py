@@ -17,6 +17,7 @@ __all__ = [
     "HandshakeError",
     "AuthenticationError",
     "ListenerBusy",
+    "ReplayedHandshake",
     "PeerClosed",
     "StallError",
     "CollectiveError",
@@ -60,6 +61,10 @@ class HandshakeError(ProtocolError):
 
 class AuthenticationError(HandshakeError):
     """The peer failed the HMAC challenge: it does not hold the shared secret."""
+
+
+class ReplayedHandshake(AuthenticationError):
+    """A hello repeated a nonce seen before: a recorded handshake played back."""
 
 
 class ListenerBusy(HandshakeError):

@@ -265,6 +265,9 @@ class RestartResult:
     resumed_at: int | None
     recovery_seconds: float | None
     """From the kill to the restarted coordinator's first commit (includes its start-up)."""
+    rejoin_seconds: float | None
+    """From the restarted coordinator's launch to its first commit: the workers' redial,
+    rejoin and digest check (the process start-up of the coordinator included)."""
     elapsed_seconds: float
     problems: list[str] = field(default_factory=list)
 
@@ -320,6 +323,7 @@ def run_coordinator_restart_trial(
             )
         procs: dict[int, subprocess.Popen[bytes]] = {}
         second: subprocess.Popen[bytes] | None = None
+        relaunched = 0.0
         try:
             port = _wait_for_port(port_file, first, first_log, deadline)
             port_file.unlink()
@@ -334,6 +338,7 @@ def run_coordinator_restart_trial(
                     )
             while any(p.poll() is None for p in (first, second, *procs.values()) if p):
                 if second is None and first.poll() == -9:  # killed: start it again
+                    relaunched = time.time()
                     with open(second_log, "w") as out:
                         second = subprocess.Popen(
                             _coordinator_command(workers, f"127.0.0.1:{port}", port_file),
@@ -381,14 +386,14 @@ def run_coordinator_restart_trial(
         resumed_at = epochs[1]["step"] if len(epochs) > 1 else None
         if step is not None and resumed_at not in (step + 1, step + 2):
             problems.append(f"expected a second epoch resuming after step {step}: {epochs}")
-        recovery = None
+        recovery = rejoin = None
         stamp = root / "killed"
         if stamp.exists():
             killed_at = float(stamp.read_text())
             for line in restarted_log.splitlines():
                 when = _stamp(line)
                 if when is not None and "recovered" in line:
-                    recovery = when - killed_at
+                    recovery, rejoin = when - killed_at, when - relaunched
                     break
         return RestartResult(
             step,
@@ -397,6 +402,7 @@ def run_coordinator_restart_trial(
             epochs,
             resumed_at,
             recovery,
+            rejoin,
             time.monotonic() - started,
             problems,
         )
@@ -451,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"restart {index + 1}: coordinator killed at commit {restart.step} -> "
                 f"{'ok' if restart.ok else 'FAILED'}, resumed at step {restart.resumed_at}, "
-                f"recovered {restart.recovery_seconds}",
+                f"recovered {restart.recovery_seconds} after the kill, "
+                f"{restart.rejoin_seconds} after the relaunch",
                 flush=True,
             )
             for problem in restart.problems:
@@ -472,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
             statistics.median(times) if (times := _recoveries(restarts)) else None
         ),
         "coordinator_recovery_seconds_max": max(times) if times else None,
+        "coordinator_rejoin_seconds_median": (
+            statistics.median(rejoins)
+            if (rejoins := [r.rejoin_seconds for r in restarts if r.rejoin_seconds is not None])
+            else None
+        ),
         "trials_detail": [
             {k: v for k, v in asdict(r).items() if k != "coordinator_log"} for r in results
         ],

@@ -20,11 +20,12 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import AuthenticationError, HandshakeError, ListenerBusy
+from .errors import AuthenticationError, HandshakeError, ListenerBusy, ReplayedHandshake
 from .wire import PROTOCOL_VERSION, Field, register_message
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "load_secret",
     "DialerHandshake",
     "ListenerHandshake",
+    "NonceLedger",
+    "PROCESS_LEDGER",
 ]
 
 SECRET_ENV = "PARAMSYNC_SECRET"
@@ -166,15 +169,44 @@ Admit = Callable[[Identity], str | None]
 """Admission policy: given an authenticated dialer, return a refusal reason or None."""
 
 
+class NonceLedger:
+    """The dialer nonces a process has seen lately (a bounded memory): a hello repeating one
+    is a replayed recording, refused as such before any proof is computed."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def seen_before(self, nonce: bytes) -> bool:
+        """Whether ``nonce`` was seen already; remember it either way."""
+        if nonce in self._seen:
+            self._seen.move_to_end(nonce)
+            return True
+        self._seen[nonce] = None
+        if len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+        return False
+
+
+PROCESS_LEDGER = NonceLedger()
+"""Shared by every listener of this process (a nonce is 32 random bytes: only a replay repeats)."""
+
+
 class ListenerHandshake:
     """The accepting side's handshake state: feed it the dialer's messages."""
 
     def __init__(
-        self, secret: bytes, me: Identity, admit: Admit, nonce: bytes | None = None
+        self,
+        secret: bytes,
+        me: Identity,
+        admit: Admit,
+        nonce: bytes | None = None,
+        ledger: NonceLedger | None = None,
     ) -> None:
         self._secret = secret
         self.me = me
         self._admit = admit
+        self._ledger = PROCESS_LEDGER if ledger is None else ledger
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
         self.peer: Identity | None = None
         self._dialer_nonce = b""
@@ -185,6 +217,10 @@ class ListenerHandshake:
             raise HandshakeError(f"expected hello, got a {message['kind']} message")
         if len(message["nonce"]) != NONCE_SIZE:
             raise HandshakeError(f"hello nonce must be {NONCE_SIZE} bytes")
+        if self._ledger.seen_before(message["nonce"]):
+            raise ReplayedHandshake(
+                "replayed handshake: this hello's nonce was sent by an earlier connection"
+            )
         self.peer = Identity(message["group"], message["world_size"], message["rank"])
         self._dialer_nonce = message["nonce"]
         proof = _proof(

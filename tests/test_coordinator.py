@@ -678,8 +678,7 @@ async def test_an_authenticated_peer_that_never_joins_loses_its_slot(
             address = await nursery.start(serve_tcp, coordinator, outcomes)
             squatter = await dial_coordinator(address, 1, 2)
             with pytest.raises(PeerClosed):
-                while True:  # heartbeats, then dropped
-                    assert (await squatter.recv())["kind"] == "heartbeat"
+                await squatter.recv()  # dropped, not answered
             nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 2)
             nursery.start_soon(outcomes.capture, "rank 1", tcp_worker, address, 1, 2, 2)
     assert outcomes == {"coordinator": None, "rank 0": 2, "rank 1": 2}

@@ -30,6 +30,7 @@ from runtime.errors import (
     HandshakeError,
     PeerClosed,
     ProtocolError,
+    ReplayedHandshake,
 )
 from runtime.handshake import (
     NONCE_SIZE,
@@ -38,6 +39,7 @@ from runtime.handshake import (
     DialerHandshake,
     Identity,
     ListenerHandshake,
+    NonceLedger,
     load_secret,
 )
 from runtime.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
@@ -130,7 +132,9 @@ def test_dialer_with_the_wrong_secret_is_refused_on_both_sides() -> None:
     raise AuthenticationError with the same sentence."""
     nonce = secrets.token_bytes(NONCE_SIZE)
     listener = ListenerHandshake(SECRET, LISTENER, admit_all, nonce=nonce)
-    lookalike = ListenerHandshake(OTHER_SECRET, LISTENER, admit_all, nonce=nonce)
+    lookalike = ListenerHandshake(
+        OTHER_SECRET, LISTENER, admit_all, nonce=nonce, ledger=NonceLedger()
+    )
     dialer = DialerHandshake(OTHER_SECRET, DIALER)
     hello = over_the_wire(*dialer.hello())
     listener.on_hello(hello)
@@ -186,7 +190,11 @@ def test_a_replayed_auth_fails_against_a_fresh_challenge() -> None:
     auth = over_the_wire(*dialer.on_challenge(challenge))
     assert first.on_auth(auth)[0] == "welcome"
 
-    second = ListenerHandshake(SECRET, LISTENER, admit_all)
+    # A listener that saw the recorded hello refuses its replay by name...
+    with pytest.raises(ReplayedHandshake, match="replayed handshake"):
+        ListenerHandshake(SECRET, LISTENER, admit_all).on_hello(hello)
+    # ...and one that did not (another process) still fails the recorded proof.
+    second = ListenerHandshake(SECRET, LISTENER, admit_all, ledger=NonceLedger())
     second.on_hello(hello)  # the replayed hello
     kind, _, error = second.on_auth(auth)  # the replayed auth
     assert kind == "refuse" and isinstance(error, AuthenticationError)

@@ -85,7 +85,7 @@ async def attack(target: Any) -> list[Any]:
             attempts.extend(await hostile.ATTACKS[name](target, 1))
     attempts.extend(await hostile.flood(target, FLOOD))
     # Still serving after all that: a full authenticated handshake reaches admission (and is
-    # refused there: rank 0 is taken), and its replay fails authentication.
+    # refused there: rank 0 is taken), and its replay is refused as one.
     attempts.extend(await hostile.replay(target, 2))
     return attempts
 
@@ -100,7 +100,7 @@ EXPECTED_OUTCOMES = {
     "wrong_secret": "AuthenticationError: the listener failed to prove the shared secret",
     "forged_auth": "refuse: authentication failed: wrong shared secret",
     "taken_rank": "refuse: rank 0 is already taken",
-    "replay": "refuse: authentication failed: wrong shared secret",
+    "replay": "refuse: replayed handshake: this hello's nonce was sent by an earlier connection",
     "slow_drip": "closed after ",
 }
 
