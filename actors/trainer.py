@@ -685,7 +685,9 @@ class DistributedTrainer:
         """Broadcast position 0's parameters and buffers so every replica starts identical."""
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
             host = tensor.detach().to("cpu").contiguous()
-            await broadcast(transport, host, root=0, chunk_bytes=self.options.chunk_bytes)
+            await broadcast(
+                transport, _wire_view(host), root=0, chunk_bytes=self.options.chunk_bytes
+            )
             with torch.no_grad():  # never across an await: grad mode is per thread, not per task
                 tensor.copy_(host)
 
@@ -694,7 +696,8 @@ class DistributedTrainer:
         state = capture_state(self.model, self.optimizer, self.step)
         await transport.send(peer, "state_manifest", {"manifest": manifest(state)})
         for index, (_, tensor) in enumerate(state.tensors):
-            await transport.send(peer, "state", {"step": state.step, "index": index}, tensor)
+            fields = {"step": state.step, "index": index}
+            await transport.send(peer, "state", fields, _wire_view(tensor))
 
     async def _receive_state(self, transport: Transport, peer: int) -> None:
         """Receive a healthy member's whole training state and take it over."""
@@ -706,7 +709,7 @@ class DistributedTrainer:
         plan = message["manifest"]
         tensors = allocate(plan)
         for index, (name, tensor) in enumerate(tensors):
-            got = await transport.recv_into(peer, tensor)
+            got = await transport.recv_into(peer, _wire_view(tensor))
             if got["kind"] != "state" or got["index"] != index:
                 raise ProtocolError(
                     f"state transfer: expected tensor {index} ({name}), got {got['kind']} "
@@ -849,11 +852,13 @@ class DistributedTrainer:
             if rank == order.source:
                 host = tensor.detach().to("cpu").contiguous()
                 for target in order.targets:
-                    await epoch.transport.send(start.position(target), "state", fields, host)
+                    await epoch.transport.send(
+                        start.position(target), "state", fields, _wire_view(host)
+                    )
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
                 source = start.position(order.source)
-                message = await epoch.transport.recv_into(source, host)
+                message = await epoch.transport.recv_into(source, _wire_view(host))
                 if (message["kind"], message["step"], message["index"]) != (
                     "state",
                     *fields.values(),
@@ -974,6 +979,11 @@ class DistributedTrainer:
             else None,
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
         }
+
+
+def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as the wire can carry it: bool (no RFC 8746 tag) as its uint8 bytes."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def _split(batch: Any, parts: int) -> list[Any]:

@@ -31,9 +31,21 @@ STEPS = 8
 DEADLINE = 1.0
 
 
+class Masked(nn.Module):
+    """A small net with a bool buffer (the wire has no bool dtype: it travels as uint8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        self.register_buffer("mask", torch.tensor([True, False]))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.body(inputs) * self.mask
+
+
 def replica() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(1234)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    model = Masked()
     return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 
@@ -50,8 +62,15 @@ def loss_fn(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.
 class Cluster:
     """Workers that redial whichever coordinator is up; the test kills and restarts it."""
 
-    def __init__(self, restart_at: int | None) -> None:
+    def __init__(self, restart_at: int | None, stray: int | None = None) -> None:
         self.restart_at = restart_at
+        self.stray = stray
+        """This rank's state is damaged while the coordinator is down (its digest differs);
+        then every worker waits at ``restart_at`` for the restart, so none is a step ahead
+        (a worker alone ahead would be the donor, damaged or not: see docs/protocol.md)."""
+        self.arrived = 0
+        self.restarted = trio.Event()
+        self.masks: dict[int, torch.Tensor] = {}
         self.up = True
         self.pending_send, self.pending = trio.open_memory_channel[tuple[int, MemoryLink]](64)
         self.groups: dict[int, list[Transport]] = {}
@@ -108,13 +127,34 @@ class Cluster:
                 TrainerOptions(),
                 connect=connect,
             ) as trainer:
+                if rank == self.stray:
+                    resume_point = client.resume_point
+                    assert resume_point is not None
+
+                    async def damaged() -> tuple[int, bytes]:
+                        with torch.no_grad():
+                            model.body[0].weight.add_(1.0)
+                            model.mask.logical_not_()
+                        return await resume_point()
+
+                    client.resume_point = damaged
                 while trainer.step < STEPS:
                     await trainer.train_batch(batch(trainer.step, trainer.position))
-                    if rank == 0 and trainer.step == self.restart_at:
+                    if trainer.step != self.restart_at:
+                        continue
+                    if self.stray is None:
+                        if rank == 0:
+                            self.reached.set()
+                        continue
+                    await trainer.verified()
+                    self.arrived += 1
+                    if self.arrived == WORLD:
                         self.reached.set()
+                    await self.restarted.wait()
                 await trainer.finish()
                 self.epochs[rank] = list(trainer.epochs)
         self.digests[rank] = state_digest(model, optimizer).digest
+        self.masks[rank] = model.mask.clone()
         self.steps[rank] = trainer.step
         self.reconnects[rank] = client.reconnects
 
@@ -133,14 +173,15 @@ class Cluster:
             await trio.sleep(0.3)  # the redials are refused meanwhile
             self.up = True
             nursery.start_soon(self.coordinator)
+            self.restarted.set()
 
     async def _first_life(self, scope: trio.CancelScope) -> None:
         with scope:
             await self.coordinator()
 
 
-async def run_cluster(restart_at: int | None) -> Cluster:
-    cluster = Cluster(restart_at)
+async def run_cluster(restart_at: int | None, stray: int | None = None) -> Cluster:
+    cluster = Cluster(restart_at, stray)
     with trio.fail_after(60):
         await cluster.run()
     return cluster
@@ -165,6 +206,18 @@ async def test_run_survives_a_coordinator_restart_and_equals_an_uninterrupted_ru
         assert epochs[1][1] in (restart_at, restart_at + 1), (rank, epochs)
     assert "lost the coordinator" in caplog.text
     assert "rejoined the coordinator" in caplog.text
+
+
+@pytest.mark.trio
+async def test_a_worker_whose_state_differs_at_the_restart_receives_the_majoritys() -> None:
+    """Rank 2's weights and bool buffer are damaged while the coordinator is down: its rejoin
+    digest differs, so the majority's state (bool buffer included) is sent to it live."""
+    reference = await run_cluster(None)
+    restarted = await run_cluster(3, stray=2)
+    assert set(restarted.digests.values()) == {reference.digests[0]}
+    for mask in restarted.masks.values():
+        assert mask.tolist() == [True, False]
+    assert restarted.epochs[2][1][1] == 3  # resumed after the step every worker applied
 
 
 class SilentCoordinator:
