@@ -54,8 +54,9 @@ def test_a_worker_killed_mid_all_reduce_or_optimizer_is_survived(phase: str) -> 
     check_trial(phase, 2)
 
 
-@pytest.mark.soak  # ~40 s, and it failed once in three runs on a loaded machine: see issue 4
 def test_a_killed_worker_restarts_rejoins_live_and_matches_everyone() -> None:
+    """~40 s. It once failed under load (session 2); the cause found since: an epoch change
+    replaced an event a rerun step was waiting on, so the step never woke."""
     flags = list(JOB_FLAGS)
     flags[flags.index("--steps") + 1] = "1500"  # long enough for a process to start again
     result = run_trial("backward", 2, rejoin=True, job_flags=flags, timeout=240)
