@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import trio
 
-from runtime.actor import Actor, ActorSystem
+from runtime.actor import Actor, ActorStopped, ActorSystem
 from runtime.collectives import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
@@ -36,7 +36,7 @@ from runtime.collectives import (
 )
 from runtime.config import DistributedConfig
 from runtime.coordinator_core import Hold, ResyncOrder, StartRun
-from runtime.errors import ProtocolError, pick_error
+from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.faults import armed, fault_point
 from runtime.trace import TraceRecorder
 from runtime.transport import Transport
@@ -385,6 +385,8 @@ class _Epoch:
     compute: ComputeActor
     comm: GradCommActor
     optimizer: OptimizerActor
+    ended: trio.Event = field(default_factory=trio.Event)
+    """Set once the epoch is torn down (the supervisor then decides what comes next)."""
 
 
 class DistributedTrainer:
@@ -437,6 +439,7 @@ class DistributedTrainer:
         self._announced_event = trio.Event()
         self._step_scope: trio.CancelScope | None = None
         self._token = trio.lowlevel.current_trio_token()
+        self._last_loss, self._last_loss_step = math.nan, -1
         self._held = trio.Event()
         """Set while the supervisor holds: no epoch live, the state at rest."""
         client.on_epoch = self._announce
@@ -583,9 +586,9 @@ class DistributedTrainer:
                 # its gradients (apply), else drop them.
                 if self._live.is_set():  # never swap an event someone still waits on
                     self._live = trio.Event()
-                if self._epoch is not None:
-                    self._epoch.compute.remove_hooks()  # the next epoch's compute adds its own
-                self._epoch = None
+                ending, self._epoch = self._epoch, None
+                if ending is not None:
+                    ending.compute.remove_hooks()  # the next epoch's compute adds its own
                 if self._step_scope is not None:
                     self._step_scope.cancel()
                 with trio.CancelScope(shield=True):
@@ -596,6 +599,8 @@ class DistributedTrainer:
                         self.optimizer.zero_grad(set_to_none=False)
                         if self._owns_transports:
                             await transport.aclose()
+                if ending is not None:
+                    ending.ended.set()
         return status, failure
 
     async def _resume_point(self) -> tuple[int, bytes]:
@@ -775,26 +780,30 @@ class DistributedTrainer:
         A batch that is a tensor, or a tuple/list of tensors, is split along dimension 0 into
         ``accumulation_steps`` micro-batches. The identical-weights check of this step finishes
         during the next one (or in `verified`); a divergence fails the next call. If the
-        membership changes meanwhile, the step runs again with the new members.
+        membership changes meanwhile, the step runs again with the new members. If instead the
+        step was completed without this call (applied while leaving an epoch, or received with
+        a peer's state), it returns this worker's loss of it, or nan if none was computed.
         """
+        step = self.step
         while True:
-            step = self.step
             try:
-                return await self._attempt(batch)
+                return await self._attempt(batch, step)
             except _StepAborted:
-                if self.step > step:  # applied while leaving the epoch
-                    return self._last_loss
+                if self.step > step:  # the step is done: never run this batch on a later one
+                    return self._last_loss if self._last_loss_step == step else math.nan
                 continue
 
-    async def _attempt(self, batch: Any) -> float:
-        """Run the current step once in the live epoch; raises _StepAborted if it ends."""
+    async def _attempt(self, batch: Any, step: int, position: int | None = None) -> float:
+        """Run ``step`` once in the live epoch; raises _StepAborted if the epoch ends, or if
+        the worker is no longer at ``step`` (or ring ``position``) when the epoch is live."""
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
         await self._live.wait()
+        if self.step != step or position not in (None, self.position):
+            raise _StepAborted
         epoch = self._epoch
         assert epoch is not None
         started = time.perf_counter()
-        step = self.step
         loss = math.nan
         scope = trio.CancelScope()
         try:
@@ -807,7 +816,7 @@ class DistributedTrainer:
                     last = index == len(micro_batches) - 1
                     total += await epoch.compute.ask(Backward(step, micro, last))
                 loss = total / len(micro_batches)
-                self._last_loss = loss
+                self._last_loss, self._last_loss_step = loss, step
                 with self.trace.span("grad-wait", actor="trainer", step=step):
                     await state.all_reduced.wait()
                 if epoch.start.apply_barrier:
@@ -821,6 +830,12 @@ class DistributedTrainer:
                     await epoch.optimizer.ask(Verify(step))
         except Exception as exc:
             if scope.cancel_called:  # the epoch ended under the step
+                raise _StepAborted from exc
+            if _broken_by_a_peer(exc):
+                # A peer's failure broke the epoch (its links, then its actors): the
+                # supervisor decides. A new epoch reruns the step; none within its deadline
+                # fails the trainer, cancelling this task.
+                await epoch.ended.wait()
                 raise _StepAborted from exc
             raise
         finally:
@@ -948,11 +963,12 @@ class DistributedTrainer:
                 await loader.tell(LoadNext())
                 loader.expects = (step + 1, position)
                 try:
-                    loss = await self._attempt(batch)
+                    loss = await self._attempt(batch, step, position)
                 except _StepAborted:
                     loader.expects = None
-                    if self.step > step:
-                        history.append((step, self._last_loss))
+                    if self.step > step:  # done without this attempt finishing
+                        done = self._last_loss if self._last_loss_step == step else math.nan
+                        history.append((step, done))
                     continue
                 history.append((step, loss))
                 if on_step is not None:
@@ -979,6 +995,15 @@ class DistributedTrainer:
             else None,
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
         }
+
+
+def _broken_by_a_peer(error: BaseException) -> bool:
+    """Whether a step failed because its epoch's links or actors went away (a peer died or
+    left), not by an error of its own (the loss function, a bad batch)."""
+    leaf = pick_error(error)
+    while isinstance(leaf, ActorFailed) and leaf.__cause__ is not None:
+        leaf = pick_error(leaf.__cause__)
+    return isinstance(leaf, ProtocolError | ActorStopped)
 
 
 def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
