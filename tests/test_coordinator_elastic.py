@@ -174,7 +174,8 @@ class Sim:
 
 
 class ElasticMachine(RuleBasedStateMachine):
-    """Honest workers plus deaths, rejoins, duplicates, stale messages and time."""
+    """Honest workers plus deaths, rejoins, duplicated, stale and reordered messages, and
+    time."""
 
     @initialize(n=st.integers(2, 4), buckets=st.integers(1, 2), interval=st.integers(1, 2))
     def setup(self, n: int, buckets: int, interval: int) -> None:
@@ -187,6 +188,9 @@ class ElasticMachine(RuleBasedStateMachine):
         self.trained_commits: set[int] = set()
         self.applies: set[int] = set()
         self.gone: set[tuple[int, int, int]] = set()
+        self.applied_in: dict[int, int] = {}
+        self.reduced: dict[tuple[int, int], set[int]] = {}
+        """(epoch, step) -> the ranks that reported every bucket of it all-reduced."""
         self.now = 0.0
         for r in range(n):
             self.sims[r] = Sim(r)
@@ -197,7 +201,10 @@ class ElasticMachine(RuleBasedStateMachine):
     def feed(self, event: Any, sender: Sim | None = None) -> list[Any]:
         if sender is not None:
             sender.last = event
+        before = self.core.epoch
         actions = self.core.handle(event)
+        if isinstance(event, Reduced) and event.epoch == before == self.core.epoch:
+            self.reduced.setdefault((event.epoch, event.step), set()).add(event.rank)
         for action in actions:
             self.check(action)
             if isinstance(action, Evict):
@@ -217,6 +224,7 @@ class ElasticMachine(RuleBasedStateMachine):
             if isinstance(message, Apply):
                 assert message.step not in self.applies, f"step {message.step} applied twice"
                 self.applies.add(message.step)
+                self.applied_in[message.step] = message.epoch
             if isinstance(message, Commit):
                 record = self.core.last_commit
                 assert record is not None and record.step == message.step
@@ -226,6 +234,15 @@ class ElasticMachine(RuleBasedStateMachine):
                     raise AssertionError(f"step {message.step} committed twice")
                 if not record.digests or message.step not in self.trained_commits:
                     self.trained_commits.add(message.step)
+                    # One membership per step: committed in the epoch that trained it, by
+                    # ranks that all all-reduced it there. (A later epoch commits a step only
+                    # as its opening check: every member's digest of that state, above.)
+                    if self.applied_in.get(message.step, record.epoch) == record.epoch:
+                        ran = self.reduced.get((record.epoch, message.step), set())
+                        assert set(record.members) <= ran, (
+                            f"step {message.step} committed by {record.members}, but only "
+                            f"{ran} all-reduced it in epoch {record.epoch}"
+                        )
         if isinstance(action, Abort):
             assert "diverged" not in action.reason, action.reason
 
@@ -317,6 +334,20 @@ class ElasticMachine(RuleBasedStateMachine):
         sim = self.pick(index)
         if sim is not None and isinstance(sim.last, Ready | Reduced | Digest | StepDone):
             self.feed(sim.last)  # a protocol break: the sender is dropped, the run goes on
+
+    @rule(index=st.integers(0, 7))
+    def reorder(self, index: int) -> None:
+        """A worker's next two messages arrive swapped: dropped as a protocol break or taken
+        as they come, the run itself never aborts and the invariants hold."""
+        sim = self.pick(index)
+        if sim is None or self.core.state is not RunState.RUNNING:
+            return
+        first = self.honest_move(sim)
+        second = self.honest_move(sim) if first is not None else None
+        for event in (second, first):
+            if event is not None and sim.rank in self.sims:
+                actions = self.feed(event, sim)
+                assert not any(isinstance(a, Abort) for a in actions), (event, actions)
 
     @rule(dt=st.floats(0, 5))
     def tick(self, dt: float) -> None:
