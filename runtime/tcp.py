@@ -20,7 +20,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -50,6 +50,9 @@ from .wire import (
     register_message,
     tensor_buffer,
 )
+
+if TYPE_CHECKING:
+    from .shm import SharedMemoryPlane
 
 __all__ = [
     "TcpTransport",
@@ -323,6 +326,19 @@ class Connection:
         except ProtocolError as exc:
             raise exc.with_peer(self.peer) from None
 
+    def recv_blocking(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+        """Receive one control message (no bulk) from a worker thread (blocking mode only)."""
+        try:
+            self._fill_blocking(PREFIX_SIZE)
+            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
+            if bulk_len:
+                raise ProtocolError(f"sent {bulk_len} bulk bytes where a control message was due")
+            self._fill_blocking(item_len)
+            message, _ = decode_head(self._take(item_len), 0)
+            return message
+        except ProtocolError as exc:
+            raise exc.with_peer(self.peer) from None
+
     def set_blocking(self, blocking: bool, deadline_seconds: float | None = None) -> None:
         """Switch the socket between trio's non-blocking mode and the threads' blocking mode."""
         raw = self._raw_socket()
@@ -589,6 +605,10 @@ class BlockingLinks:
         """Receive the next message from ``peer`` with its bulk written into ``out``."""
         return self._conns[peer].recv_into_blocking(out, self._max_frame)
 
+    def recv(self, peer: int) -> dict[str, Any]:
+        """Receive the next message from ``peer``: a control message, without bulk."""
+        return self._conns[peer].recv_blocking(self._max_frame)
+
     def abort(self) -> None:
         """Shut every lent connection down, waking blocked threads with an error."""
         for conn in self._conns.values():
@@ -610,6 +630,9 @@ class TcpTransport(Transport):
         self.max_frame = max_frame
         self.stall_seconds = 300.0
         """A blocking transfer that moves no byte for this long fails as a stall."""
+        self.shared_memory: SharedMemoryPlane | None = None
+        """The group's shared-memory plane (`runtime.shm.attach_shared_memory`), if any:
+        all-reduce then moves large tensors through it instead of the sockets."""
 
     def _conn(self, peer: int) -> Connection:
         self.check_peer(peer)
@@ -627,13 +650,20 @@ class TcpTransport(Transport):
         return await self._conn(peer).recv_into(out, self.max_frame)
 
     async def aclose(self) -> None:
+        self._drop_shared_memory()
         for conn in self.connections.values():
             await conn.aclose()
 
     def abort(self) -> None:
         """Shut every connection down: blocked collective threads wake with an error."""
+        self._drop_shared_memory()
         for conn in self.connections.values():
             conn.abort()
+
+    def _drop_shared_memory(self) -> None:
+        plane, self.shared_memory = self.shared_memory, None
+        if plane is not None:
+            plane.close()
 
     @property
     def supports_blocking(self) -> bool:
@@ -685,10 +715,14 @@ class TcpTransport(Transport):
         secret: bytes | str | None = None,
         group: str = DEFAULT_GROUP,
         tls: TlsConfig | None = None,
+        shared_memory: bool = False,
+        **shm_options: Any,
     ) -> AsyncIterator[list[TcpTransport]]:
         """Yield ``n`` connected transports on loopback in this process (tests, benchmarks).
 
         Every pair of ranks is a real authenticated TCP connection (over TLS with ``tls``).
+        With ``shared_memory``, the ranks attach a shared-memory plane (``shm_options`` go to
+        `runtime.shm.attach_shared_memory`).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"group size must be a positive int, got {n!r}")
@@ -719,6 +753,8 @@ class TcpTransport(Transport):
                     await lst.aclose()
         transports = [cls(rank, n, meshes[rank]) for rank in range(n)]
         try:
+            if shared_memory:
+                await _attach_all(transports, shm_options)
             yield transports
         finally:
             with trio.CancelScope(shield=True):
@@ -735,12 +771,18 @@ class TcpTransport(Transport):
         group: str = DEFAULT_GROUP,
         join_seconds: float = 60.0,
         tls: TlsConfig | None = None,
+        shared_memory: bool | None = None,
     ) -> AsyncIterator[TcpTransport]:
         """Join a multi-process group: rank 0 listens at ``config.coordinator_addr``.
 
         Every other rank dials rank 0, authenticates, announces where it listens, receives the
         table of all ranks' addresses, then connects to the ranks below it. The whole formation
         must finish within ``join_seconds`` seconds. With ``tls``, every connection is TLS.
+
+        Then the ranks negotiate a shared-memory plane (`runtime.shm`), used when every rank
+        wants it and all run on one host. ``shared_memory`` None means on unless
+        ``PARAMSYNC_SHM=0`` or TLS (its results are bitwise those of the TCP ring, so only the
+        speed changes); False opts this rank, and so the group, out.
         """
         key = load_secret(secret)
         me = Identity(group, config.world_size, config.rank)
@@ -753,10 +795,23 @@ class TcpTransport(Transport):
                     await _rendezvous_member(me, config.address, key, mesh, tls=tls)
         transport = cls(config.rank, config.world_size, mesh)
         try:
+            if config.world_size > 1:
+                from .shm import attach_shared_memory
+
+                await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
             yield transport
         finally:
             with trio.CancelScope(shield=True):
                 await transport.aclose()
+
+
+async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -> None:
+    """Attach a shared-memory plane on every rank of an in-process group, concurrently."""
+    from .shm import attach_shared_memory
+
+    async with trio.open_nursery() as nursery:
+        for transport in transports:
+            nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
 
 
 def _admit_ranks(me: Identity, claimed: set[int], allowed: range | set[int]) -> Any:
