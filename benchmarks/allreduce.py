@@ -28,7 +28,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
 DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_STEP_BYTES = 4 << 20
 SYSTEMS = ("gloo", "paramsync", "paramsync-shm")
 
 
@@ -85,7 +84,7 @@ def _worker_paramsync(
     repeats: int,
     chunk_bytes: int,
     shared_memory: bool,
-    shm_step_bytes: int,
+    shm_step_bytes: int | None,
 ) -> list[dict]:
     import torch
     import trio
@@ -101,7 +100,8 @@ def _worker_paramsync(
             config, secret="benchmark-secret", shared_memory=False
         ) as transport:
             if shared_memory and world > 1:
-                plane = await attach_shared_memory(transport, want=True, step_bytes=shm_step_bytes)
+                steps = {"step_bytes": shm_step_bytes} if shm_step_bytes else {}
+                plane = await attach_shared_memory(transport, want=True, **steps)
                 if plane is None:
                     raise RuntimeError("the shared-memory plane could not be attached")
             for nbytes in sizes:
@@ -146,7 +146,12 @@ def _run_worker(args: argparse.Namespace) -> None:
 
 
 def _launch(
-    system: str, world: int, sizes: list[int], repeats: int, chunk_bytes: int, shm_step: int
+    system: str,
+    world: int,
+    sizes: list[int],
+    repeats: int,
+    chunk_bytes: int,
+    shm_step: int | None,
 ) -> list[dict]:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -167,8 +172,7 @@ def _launch(
             str(repeats),
             "--chunk-bytes",
             str(chunk_bytes),
-            "--shm-step-bytes",
-            str(shm_step),
+            *(("--shm-step-bytes", str(shm_step)) if shm_step else ()),
             "--sizes",
             *map(str, sizes),
         ]
@@ -259,8 +263,7 @@ def main() -> None:
     parser.add_argument(
         "--shm-step-bytes",
         type=int,
-        default=DEFAULT_STEP_BYTES,
-        help="paramsync-shm: bytes of each rank's tensor per step",
+        help="paramsync-shm: bytes of each rank's tensor per step (default: runtime.shm's)",
     )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)

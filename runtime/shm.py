@@ -18,9 +18,9 @@ bitwise identical on every rank and to the TCP ring's (NaN payloads aside).
 Inputs and results are double-buffered by step parity, which leaves one all-to-all signal per
 step: after reducing step j and copying in step j+1, a rank tells every peer ``shm_step j+1``;
 once it has heard ``j+1`` from everyone, all of step j's results and step j+1's inputs are in
-place. The signals travel on the TCP connections in blocking mode from one worker thread, so a
-peer that dies is an EOF (`PeerClosed` naming it) and a silent one a `StallError` after the
-transport's ``stall_seconds``; nothing spins.
+place. The signals travel on the group's TCP connections, so a peer that dies is an EOF
+(`PeerClosed` naming it) and a silent one a `StallError` after the transport's
+``stall_seconds``; nothing spins.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import secrets
 import socket
 import stat
 from collections.abc import Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +43,7 @@ from .errors import CollectiveError, ProtocolError, StallError
 from .wire import Field, register_message
 
 if TYPE_CHECKING:
-    from .tcp import BlockingLinks, TcpTransport
+    from .tcp import TcpTransport
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -59,13 +58,14 @@ __all__ = [
 log = logging.getLogger("paramsync.shm")
 
 SHM_DIR = "/dev/shm"
-DEFAULT_MAX_BYTES = 48 << 20
+DEFAULT_MAX_BYTES = 160 << 20
 """Largest segment a group maps (it needs 2(n+1) x the step size, plus a header)."""
-DEFAULT_STEP_BYTES = 4 << 20
+DEFAULT_STEP_BYTES = 8 << 20
 """Bytes of each rank's tensor handled per step (fewer steps, fewer signals)."""
-SHM_MIN_BYTES = 64 * 1024
-"""All-reduces of at least this many bytes take the plane (measured crossover, see
-BENCHMARKS.md); smaller ones keep the TCP paths."""
+SHM_MIN_BYTES = 32 * 1024
+"""All-reduces of at least this many bytes take the plane: where the one-round path stops
+(`SMALL_ALLREDUCE_BYTES`), since from 64 KiB up the plane beat the TCP ring in every
+measurement (BENCHMARKS.md)."""
 _ALIGN = 64
 _MAGIC = b"PSYNCSHM"
 _NONCE_BYTES = 16
@@ -97,8 +97,8 @@ def host_identity() -> str:
 
 
 def shared_memory_wanted(transport: TcpTransport) -> bool:
-    """The default: on, unless ``PARAMSYNC_SHM=0`` or the connections are TLS (the step
-    signals need the blocking socket path, which TLS connections lack)."""
+    """The default: on, unless ``PARAMSYNC_SHM=0`` or the connections are TLS (who asked for
+    TLS gets only the encrypted sockets unless they ask for the plane too)."""
     setting = os.environ.get("PARAMSYNC_SHM", "1").strip().lower()
     return setting not in ("0", "false", "no", "off") and transport.supports_blocking
 
@@ -242,79 +242,100 @@ class SharedMemoryPlane:
     async def all_reduce(
         self, transport: TcpTransport, flat: torch.Tensor, op: str, op_id: int
     ) -> None:
-        """Reduce ``flat`` (contiguous, 1-D, CPU) in place across the group."""
+        """Reduce ``flat`` (contiguous, 1-D, CPU) in place across the group.
+
+        Runs in the event loop: a step's copies and sums block it for a few milliseconds at
+        most (torch releases the GIL meanwhile), and the waits are trio waits, so no thread
+        hand-off is paid per signal. A failure (or cancellation) breaks the transport, as
+        after any failed collective, so the peers fail at once rather than at their deadline.
+        """
         if flat.dtype not in SUPPORTED_DTYPES:
             raise CollectiveError(f"the shared-memory plane does not sum {flat.dtype}")
-        views = self._typed(flat.dtype)
-        peers = set(range(self.world_size)) - {self.rank}
-        run = partial(_reduce_blocking, self.rank, self.world_size, views, flat, op, op_id)
-        async with transport.blocking_links(peers) as links:
-            await trio.to_thread.run_sync(run, links, abandon_on_cancel=True)
+        plan = _Steps(self.rank, self.world_size, self._typed(flat.dtype), flat, op)
+        try:
+            plan.copy_in(0)
+            await _signal_all(transport, op_id, 0)
+            for step in range(plan.steps):
+                plan.reduce(step)
+                if step + 1 < plan.steps:
+                    plan.copy_in(step + 1)
+                await _signal_all(transport, op_id, step + 1)
+                plan.copy_out(step)
+        except BaseException:
+            transport.abort()
+            raise
 
 
-def _reduce_blocking(
-    rank: int,
-    n: int,
-    views: tuple[torch.Tensor, torch.Tensor],
-    flat: torch.Tensor,
-    op: str,
-    op_id: int,
-    links: BlockingLinks,
-) -> None:
-    """The whole all-reduce, on a worker thread: torch copies and sums release the GIL."""
-    inputs, results = views
-    cap = inputs.shape[-1]
-    bounds = segment_bounds(flat.numel(), n)
-    steps = max(1, -(-(bounds[0][1] - bounds[0][0]) // cap))  # segment 0 is the longest
-    order = [(rank + i) % n for i in range(n)]  # the ring's summation order for segment `rank`
+class _Steps:
+    """One all-reduce's copies and sums, step by step (the signals are the caller's)."""
 
-    def piece(segment: int, step: int) -> tuple[int, int]:
-        lo = bounds[segment][0] + step * cap
-        return lo, max(lo, min(lo + cap, bounds[segment][1]))
+    def __init__(
+        self,
+        rank: int,
+        n: int,
+        views: tuple[torch.Tensor, torch.Tensor],
+        flat: torch.Tensor,
+        op: str,
+    ) -> None:
+        self.rank, self.n, self.flat, self.op = rank, n, flat, op
+        self.inputs, self.results = views
+        self.cap = self.inputs.shape[-1]
+        self.bounds = segment_bounds(flat.numel(), n)
+        longest = self.bounds[0][1] - self.bounds[0][0]  # segment 0 is never shorter
+        self.steps = max(1, -(-longest // self.cap))
+        self.order = [(rank + i) % n for i in range(n)]  # the ring's order for segment `rank`
 
-    def copy_in(step: int) -> None:
-        for segment in order[1:]:
-            lo, hi = piece(segment, step)
-            inputs[step % 2, rank, segment, : hi - lo].copy_(flat[lo:hi])
+    def _piece(self, segment: int, step: int) -> tuple[int, int]:
+        lo = self.bounds[segment][0] + step * self.cap
+        return lo, max(lo, min(lo + self.cap, self.bounds[segment][1]))
 
-    def reduce(step: int) -> None:
-        lo, hi = piece(rank, step)
+    def copy_in(self, step: int) -> None:
+        """This rank's pieces of ``step`` (but its own segment's) into its input area."""
+        for segment in self.order[1:]:
+            lo, hi = self._piece(segment, step)
+            self.inputs[step % 2, self.rank, segment, : hi - lo].copy_(self.flat[lo:hi])
+
+    def reduce(self, step: int) -> None:
+        """Sum this rank's segment's piece over all ranks, in the ring's order, into its
+        result piece (and divide, for avg)."""
+        lo, hi = self._piece(self.rank, step)
         if hi == lo:
             return
         parity, size = step % 2, hi - lo
-        acc = results[parity, rank, :size]
-        torch.add(flat[lo:hi], inputs[parity, order[1], rank, :size], out=acc)
-        for peer in order[2:]:
-            acc.add_(inputs[parity, peer, rank, :size])
-        if op == "avg":
-            _divide(acc, n)
+        acc = self.results[parity, self.rank, :size]
+        torch.add(self.flat[lo:hi], self.inputs[parity, self.order[1], self.rank, :size], out=acc)
+        for peer in self.order[2:]:
+            acc.add_(self.inputs[parity, peer, self.rank, :size])
+        if self.op == "avg":
+            _divide(acc, self.n)
 
-    def copy_out(step: int) -> None:
-        for segment in range(n):
-            lo, hi = piece(segment, step)
-            flat[lo:hi].copy_(results[step % 2, segment, : hi - lo])
-
-    copy_in(0)
-    _signal_all(links, rank, n, op_id, 0)
-    for step in range(steps):
-        reduce(step)
-        if step + 1 < steps:
-            copy_in(step + 1)
-        _signal_all(links, rank, n, op_id, step + 1)
-        copy_out(step)
+    def copy_out(self, step: int) -> None:
+        """Every segment's result piece of ``step`` into the tensor."""
+        for segment in range(self.n):
+            lo, hi = self._piece(segment, step)
+            self.flat[lo:hi].copy_(self.results[step % 2, segment, : hi - lo])
 
 
-def _signal_all(links: BlockingLinks, rank: int, n: int, op_id: int, step: int) -> None:
+async def _signal_all(transport: TcpTransport, op_id: int, step: int) -> None:
     """Tell every peer this rank reached ``step``, then wait until every peer has too.
 
-    Sending first cannot block: a signal is a few bytes and each peer reads its backlog."""
+    Sending first cannot block: a signal is a few dozen bytes and each peer reads its backlog.
+    Each wait has the transport's ``stall_seconds`` deadline."""
+    peers = [peer for peer in range(transport.world_size) if peer != transport.rank]
     fields = {"op": op_id, "step": step}
-    for peer in range(n):
-        if peer != rank:
-            links.send(peer, "shm_step", fields)
-    for peer in range(n):
-        if peer != rank:
-            _expect_step(links.recv(peer), op_id, step, peer)
+    for peer in peers:
+        await transport.send(peer, "shm_step", fields)
+    for peer in peers:
+        try:
+            with trio.fail_after(transport.stall_seconds):
+                message = await transport.recv(peer)
+        except trio.TooSlowError:
+            raise StallError(
+                f"no signal for step {step} of shared-memory all-reduce op {op_id} within "
+                f"{transport.stall_seconds} s",
+                peer=peer,
+            ) from None
+        _expect_step(message, op_id, step, peer)
 
 
 def _expect_step(message: Mapping[str, Any], op_id: int, step: int, peer: int) -> None:
@@ -356,7 +377,8 @@ async def attach_shared_memory(
     """
     if transport.world_size < 2:
         return None
-    want = shared_memory_wanted(transport) if want is None else want and transport.supports_blocking
+    if want is None:
+        want = shared_memory_wanted(transport)
     deadline = trio.current_time() + seconds
     hello = {"host": host if host is not None else host_identity(), "want": want}
     if transport.rank == 0:

@@ -326,19 +326,6 @@ class Connection:
         except ProtocolError as exc:
             raise exc.with_peer(self.peer) from None
 
-    def recv_blocking(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-        """Receive one control message (no bulk) from a worker thread (blocking mode only)."""
-        try:
-            self._fill_blocking(PREFIX_SIZE)
-            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
-            if bulk_len:
-                raise ProtocolError(f"sent {bulk_len} bulk bytes where a control message was due")
-            self._fill_blocking(item_len)
-            message, _ = decode_head(self._take(item_len), 0)
-            return message
-        except ProtocolError as exc:
-            raise exc.with_peer(self.peer) from None
-
     def set_blocking(self, blocking: bool, deadline_seconds: float | None = None) -> None:
         """Switch the socket between trio's non-blocking mode and the threads' blocking mode."""
         raw = self._raw_socket()
@@ -604,10 +591,6 @@ class BlockingLinks:
     def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         """Receive the next message from ``peer`` with its bulk written into ``out``."""
         return self._conns[peer].recv_into_blocking(out, self._max_frame)
-
-    def recv(self, peer: int) -> dict[str, Any]:
-        """Receive the next message from ``peer``: a control message, without bulk."""
-        return self._conns[peer].recv_blocking(self._max_frame)
 
     def abort(self) -> None:
         """Shut every lent connection down, waking blocked threads with an error."""
