@@ -214,8 +214,8 @@ class SharedMemoryPlane:
         return not self.closed and nbytes >= self.min_bytes and flat.dtype in SUPPORTED_DTYPES
 
     def close(self) -> None:
-        """Drop the mapping. A worker thread still inside an all-reduce keeps its own views,
-        so the memory is unmapped only once the last view is gone (never under a thread)."""
+        """Unmap the segment. Views still held elsewhere (an all-reduce being torn down) keep
+        the memory mapped until they are gone, so nothing is ever unmapped under a copy."""
         self._base = None
         self._views.clear()
         mapping, self._mapping = self._mapping, None

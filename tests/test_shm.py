@@ -133,8 +133,23 @@ async def test_segment_file_is_unlinked_once_attached_and_unmapped_on_close() ->
         assert not os.path.exists(path)  # noqa: ASYNC240 - a quick local check
         maps = Path("/proc/self/maps").read_text()  # noqa: ASYNC240
         assert f"{path} (deleted)" in maps  # mapped, yet gone from the file system
+
+        async def reduce(transport: Transport) -> torch.Tensor:
+            return await all_reduce(transport, torch.ones(100_000, dtype=torch.float64))
+
+        assert all(torch.equal(r, torch.full_like(r, 3.0)) for r in await run_ranks(group, reduce))
     assert all(plane.closed for plane in planes)  # type: ignore[union-attr]
     assert all(t.shared_memory is None for t in group)
+    assert path not in Path("/proc/self/maps").read_text()  # noqa: ASYNC240 - unmapped
+
+
+async def test_abort_drops_the_plane() -> None:
+    async with TcpTransport.open_group(2, shared_memory=True) as group:
+        plane = group[0].shared_memory
+        assert plane is not None
+        group[0].abort()
+        assert plane.closed and group[0].shared_memory is None
+        assert group[1].shared_memory is not None  # the peer's own plane is its own business
 
 
 async def test_host_mismatch_falls_back_to_tcp() -> None:
