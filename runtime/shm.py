@@ -375,6 +375,9 @@ async def attach_shared_memory(
     TCP paths stay in use). Position 0's ``max_bytes``, ``step_bytes`` and ``min_bytes`` apply
     to all. A rank silent for ``seconds`` fails the call with a `StallError` naming it.
     """
+    if transport.shared_memory is not None:  # attaching again replaces the plane
+        transport.shared_memory.close()
+        transport.shared_memory = None
     if transport.world_size < 2:
         return None
     if want is None:

@@ -20,7 +20,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import trio
@@ -35,6 +35,7 @@ from .errors import (
     StallError,
 )
 from .handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from .shm import SharedMemoryPlane, attach_shared_memory
 from .tls import TlsConfig, describe_tls_error
 from .transport import Transport
 from .wire import (
@@ -50,9 +51,6 @@ from .wire import (
     register_message,
     tensor_buffer,
 )
-
-if TYPE_CHECKING:
-    from .shm import SharedMemoryPlane
 
 __all__ = [
     "TcpTransport",
@@ -765,7 +763,8 @@ class TcpTransport(Transport):
         Then the ranks negotiate a shared-memory plane (`runtime.shm`), used when every rank
         wants it and all run on one host. ``shared_memory`` None means on unless
         ``PARAMSYNC_SHM=0`` or TLS (its results are bitwise those of the TCP ring, so only the
-        speed changes); False opts this rank, and so the group, out.
+        speed changes); True asks for it even under TLS; False opts this rank, and so the
+        group, out.
         """
         key = load_secret(secret)
         me = Identity(group, config.world_size, config.rank)
@@ -779,8 +778,6 @@ class TcpTransport(Transport):
         transport = cls(config.rank, config.world_size, mesh)
         try:
             if config.world_size > 1:
-                from .shm import attach_shared_memory
-
                 await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
             yield transport
         finally:
@@ -790,8 +787,6 @@ class TcpTransport(Transport):
 
 async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -> None:
     """Attach a shared-memory plane on every rank of an in-process group, concurrently."""
-    from .shm import attach_shared_memory
-
     async with trio.open_nursery() as nursery:
         for transport in transports:
             nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))

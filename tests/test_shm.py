@@ -179,6 +179,15 @@ async def test_one_rank_opting_out_turns_the_plane_off_for_all() -> None:
         assert await run_ranks(group, attach) == [None, None, None]
 
 
+async def test_paramsync_shm_env_decides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with TcpTransport.open_group(2) as group:
+        monkeypatch.setenv("PARAMSYNC_SHM", "0")
+        assert await run_ranks(group, attach_shared_memory) == [None, None]
+        monkeypatch.setenv("PARAMSYNC_SHM", "1")
+        planes = await run_ranks(group, attach_shared_memory)
+        assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+
+
 async def test_silent_peer_is_a_stall_error_naming_it() -> None:
     async with TcpTransport.open_group(3, shared_memory=True, min_bytes=0) as group:
         for transport in group:
