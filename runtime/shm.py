@@ -64,8 +64,8 @@ DEFAULT_STEP_BYTES = 8 << 20
 """Bytes of each rank's tensor handled per step (fewer steps, fewer signals)."""
 SHM_MIN_BYTES = 32 * 1024
 """All-reduces of at least this many bytes take the plane: where the one-round path stops
-(`SMALL_ALLREDUCE_BYTES`), since from 64 KiB up the plane beat the TCP ring in every
-measurement (BENCHMARKS.md)."""
+(`SMALL_ALLREDUCE_BYTES`); at 64 and 256 KiB the plane already took 1.5-2.2x less time than the
+TCP ring (docs/shared_memory.md)."""
 _ALIGN = 64
 _MAGIC = b"PSYNCSHM"
 _NONCE_BYTES = 16
