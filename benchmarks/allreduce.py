@@ -1,12 +1,16 @@
-"""All-reduce benchmark: paramsync's TCP ring against torch.distributed on gloo, same run.
+"""All-reduce benchmark: paramsync (TCP ring, and shared-memory plane) against torch.distributed
+on gloo, same run.
 
-One OS process per worker for both systems, on this machine's loopback. For each world size and
-float32 message size it times back-to-back all-reduces (after a barrier) and reports the median
-over repeats of: time per all-reduce, algorithm bandwidth (bytes / time) and bus bandwidth
-(algbw x 2(n-1)/n, as nccl-tests define it), and the paramsync/gloo bus-bandwidth ratio.
-The two systems alternate round by round so that drift in machine load hits both alike.
+One OS process per worker for every system, on this machine's loopback. ``paramsync`` is the
+TCP data path (shared memory switched off), ``paramsync-shm`` the same transport with the
+shared-memory plane attached (`runtime.shm`). For each world size and float32 message size it
+times back-to-back all-reduces (after a barrier) and reports the median over repeats of: time per
+all-reduce, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n, as
+nccl-tests define it), and each paramsync system's bus-bandwidth ratio to gloo. The systems
+alternate round by round (order rotated) so that drift in machine load hits all alike.
 
     python benchmarks/allreduce.py --json out/allreduce.json
+    python benchmarks/allreduce.py --systems gloo paramsync-shm --worlds 2
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
 DEFAULT_CHUNK_BYTES = 4 << 20
-SYSTEMS = ("gloo", "paramsync")
+SYSTEMS = ("gloo", "paramsync", "paramsync-shm")
 
 
 def _free_port() -> int:
@@ -73,18 +77,33 @@ def _worker_gloo(rank: int, world: int, port: int, sizes: list[int], repeats: in
 
 
 def _worker_paramsync(
-    rank: int, world: int, port: int, sizes: list[int], repeats: int, chunk_bytes: int
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    chunk_bytes: int,
+    shared_memory: bool,
+    shm_step_bytes: int | None,
 ) -> list[dict]:
     import torch
     import trio
 
     from runtime import DistributedConfig, TcpTransport, all_reduce, barrier
+    from runtime.shm import attach_shared_memory
 
     rows: list[dict] = []
 
     async def main() -> None:
         config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
-        async with TcpTransport.connect(config, secret="benchmark-secret") as transport:
+        async with TcpTransport.connect(
+            config, secret="benchmark-secret", shared_memory=False
+        ) as transport:
+            if shared_memory and world > 1:
+                steps = {"step_bytes": shm_step_bytes} if shm_step_bytes else {}
+                plane = await attach_shared_memory(transport, want=True, **steps)
+                if plane is None:
+                    raise RuntimeError("the shared-memory plane could not be attached")
             for nbytes in sizes:
                 tensor = torch.ones(nbytes // 4, dtype=torch.float32)
                 iters = _iterations(nbytes)
@@ -110,7 +129,14 @@ def _run_worker(args: argparse.Namespace) -> None:
         rows = _worker_gloo(args.rank, args.world, args.port, args.sizes, args.repeats)
     else:
         rows = _worker_paramsync(
-            args.rank, args.world, args.port, args.sizes, args.repeats, args.chunk_bytes
+            args.rank,
+            args.world,
+            args.port,
+            args.sizes,
+            args.repeats,
+            args.chunk_bytes,
+            args.worker == "paramsync-shm",
+            args.shm_step_bytes,
         )
     if args.rank == 0:
         print(json.dumps(rows), flush=True)
@@ -120,7 +146,12 @@ def _run_worker(args: argparse.Namespace) -> None:
 
 
 def _launch(
-    system: str, world: int, sizes: list[int], repeats: int, chunk_bytes: int
+    system: str,
+    world: int,
+    sizes: list[int],
+    repeats: int,
+    chunk_bytes: int,
+    shm_step: int | None,
 ) -> list[dict]:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -141,6 +172,7 @@ def _launch(
             str(repeats),
             "--chunk-bytes",
             str(chunk_bytes),
+            *(("--shm-step-bytes", str(shm_step)) if shm_step else ()),
             "--sizes",
             *map(str, sizes),
         ]
@@ -158,12 +190,14 @@ def _launch(
     return json.loads(outputs[0].strip().splitlines()[-1])
 
 
-def _summarise(samples: dict, worlds: list[int], sizes: list[int]) -> list[dict]:
+def _summarise(
+    samples: dict, systems: list[str], worlds: list[int], sizes: list[int]
+) -> list[dict]:
     table = []
     for world in worlds:
         for nbytes in sizes:
             row: dict = {"world_size": world, "bytes": nbytes}
-            for system in SYSTEMS:
+            for system in systems:
                 seconds = statistics.median(samples[(system, world, nbytes)])
                 algbw = nbytes / seconds / 1e9
                 row[system] = {
@@ -172,8 +206,15 @@ def _summarise(samples: dict, worlds: list[int], sizes: list[int]) -> list[dict]
                     "busbw_GBps": algbw * 2 * (world - 1) / world,
                     "samples": len(samples[(system, world, nbytes)]),
                 }
-            row["busbw_ratio"] = row["paramsync"]["busbw_GBps"] / row["gloo"]["busbw_GBps"]
-            row["time_ratio"] = row["paramsync"]["seconds"] / row["gloo"]["seconds"]
+            if "gloo" in systems:
+                for system in systems:
+                    if system != "gloo":
+                        gloo, ours = row["gloo"], row[system]
+                        ours["busbw_ratio"] = ours["busbw_GBps"] / gloo["busbw_GBps"]
+                        ours["time_ratio"] = ours["seconds"] / gloo["seconds"]
+            if "gloo" in systems and "paramsync" in systems:  # the original columns
+                row["busbw_ratio"] = row["paramsync"]["busbw_ratio"]
+                row["time_ratio"] = row["paramsync"]["time_ratio"]
             table.append(row)
     return table
 
@@ -185,22 +226,25 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _print_table(table: list[dict]) -> None:
-    header = (
-        f"{'n':>2} {'size':>8} | {'gloo time':>11} {'busbw':>7} | "
-        f"{'paramsync':>11} {'busbw':>7} | {'busbw ratio':>11}"
-    )
+def _print_table(table: list[dict], systems: list[str]) -> None:
+    header = f"{'n':>2} {'size':>8}"
+    for system in systems:
+        header += f" | {system:>13} {'busbw':>7}" + (" ratio" if system != "gloo" else "")
     print(header)
     print("-" * len(header))
     for row in table:
-        gloo, ours = row["gloo"], row["paramsync"]
-        print(
-            f"{row['world_size']:>2} {_human(row['bytes']):>8} | "
-            f"{gloo['seconds'] * 1e3:>8.3f} ms {gloo['busbw_GBps']:>7.3f} | "
-            f"{ours['seconds'] * 1e3:>8.3f} ms {ours['busbw_GBps']:>7.3f} | "
-            f"{row['busbw_ratio']:>10.2f}x"
-        )
-    print("(busbw in GB/s; time is the median over repeats of back-to-back all-reduces)")
+        line = f"{row['world_size']:>2} {_human(row['bytes']):>8}"
+        for system in systems:
+            cell = row[system]
+            line += f" | {cell['seconds'] * 1e3:>10.3f} ms {cell['busbw_GBps']:>7.3f}"
+            if system != "gloo":
+                ratio = cell.get("busbw_ratio")
+                line += f" {ratio:>4.2f}x" if ratio is not None else "     -"
+        print(line)
+    print(
+        "(busbw in GB/s; ratio = busbw / gloo's busbw; time is the median over repeats of "
+        "back-to-back all-reduces)"
+    )
 
 
 def main() -> None:
@@ -213,6 +257,14 @@ def main() -> None:
     parser.add_argument(
         "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="paramsync's ring part size"
     )
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to time"
+    )
+    parser.add_argument(
+        "--shm-step-bytes",
+        type=int,
+        help="paramsync-shm: bytes of each rank's tensor per step (default: runtime.shm's)",
+    )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -224,17 +276,23 @@ def main() -> None:
     samples: dict = {}
     for world in args.worlds:
         for round_index in range(args.rounds):
-            order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+            shift = round_index % len(args.systems)
+            order = args.systems[shift:] + args.systems[:shift]
             for system in order:
-                for row in _launch(system, world, args.sizes, args.repeats, args.chunk_bytes):
+                rows = _launch(
+                    system, world, args.sizes, args.repeats, args.chunk_bytes, args.shm_step_bytes
+                )
+                for row in rows:
                     key = (system, world, row["bytes"])
                     samples.setdefault(key, []).append(row["seconds"])
             print(f"world size {world}: round {round_index + 1}/{args.rounds} done", flush=True)
-    table = _summarise(samples, args.worlds, args.sizes)
-    _print_table(table)
+    table = _summarise(samples, args.systems, args.worlds, args.sizes)
+    _print_table(table, args.systems)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cpu_count": os.cpu_count(), "rows": table}, indent=2))
+        load = os.getloadavg()
+        report = {"cpu_count": os.cpu_count(), "loadavg": load, "systems": args.systems}
+        args.json.write_text(json.dumps({**report, "rows": table}, indent=2))
         print(f"wrote {args.json}")
 
 

@@ -306,7 +306,9 @@ async def all_reduce(
     ``small_bytes`` take one all-to-all round, each rank summing in rank order. From
     ``threaded_min_bytes`` the ring runs on two OS threads with blocking sockets (TCP only):
     fastest for a lone all-reduce, but in training the compute thread wants those cores, so
-    the trainer raises it. Integer averages round down.
+    the trainer raises it. Integer averages round down. When the transport has a
+    shared-memory plane attached (`runtime.shm`), tensors it accepts go through it instead of
+    the ring, with bitwise the ring's result.
     """
     flat = _check_tensor(tensor, "all_reduce")
     _check_op(op)
@@ -321,6 +323,10 @@ async def all_reduce(
         return tensor
     if flat.numel() * flat.element_size() <= small_bytes:
         await _all_reduce_direct(transport, flat, op, op_id)
+        return tensor
+    plane = getattr(transport, "shared_memory", None)  # ranks on one host: `runtime.shm`
+    if plane is not None and plane.accepts(flat):
+        await plane.all_reduce(transport, flat, op, op_id)
         return tensor
     rank = transport.rank
     owned_hop = n - 2  # the reduce-scatter hop after which this rank's segment is complete

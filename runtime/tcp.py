@@ -36,6 +36,7 @@ from .errors import (
     StallError,
 )
 from .handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from .shm import SharedMemoryPlane, attach_shared_memory
 from .tls import TlsConfig, describe_tls_error
 from .transport import Transport
 from .wire import (
@@ -611,6 +612,9 @@ class TcpTransport(Transport):
         self.max_frame = max_frame
         self.stall_seconds = 300.0
         """A blocking transfer that moves no byte for this long fails as a stall."""
+        self.shared_memory: SharedMemoryPlane | None = None
+        """The group's shared-memory plane (`runtime.shm.attach_shared_memory`), if any:
+        all-reduce then moves large tensors through it instead of the sockets."""
 
     def _conn(self, peer: int) -> Connection:
         self.check_peer(peer)
@@ -628,13 +632,20 @@ class TcpTransport(Transport):
         return await self._conn(peer).recv_into(out, self.max_frame)
 
     async def aclose(self) -> None:
+        self._drop_shared_memory()
         for conn in self.connections.values():
             await conn.aclose()
 
     def abort(self) -> None:
         """Shut every connection down: blocked collective threads wake with an error."""
+        self._drop_shared_memory()
         for conn in self.connections.values():
             conn.abort()
+
+    def _drop_shared_memory(self) -> None:
+        plane, self.shared_memory = self.shared_memory, None
+        if plane is not None:
+            plane.close()
 
     @property
     def supports_blocking(self) -> bool:
@@ -686,10 +697,14 @@ class TcpTransport(Transport):
         secret: bytes | str | None = None,
         group: str = DEFAULT_GROUP,
         tls: TlsConfig | None = None,
+        shared_memory: bool = False,
+        **shm_options: Any,
     ) -> AsyncIterator[list[TcpTransport]]:
         """Yield ``n`` connected transports on loopback in this process (tests, benchmarks).
 
         Every pair of ranks is a real authenticated TCP connection (over TLS with ``tls``).
+        With ``shared_memory``, the ranks attach a shared-memory plane (``shm_options`` go to
+        `runtime.shm.attach_shared_memory`).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"group size must be a positive int, got {n!r}")
@@ -720,6 +735,8 @@ class TcpTransport(Transport):
                     await lst.aclose()
         transports = [cls(rank, n, meshes[rank]) for rank in range(n)]
         try:
+            if shared_memory:
+                await _attach_all(transports, shm_options)
             yield transports
         finally:
             with trio.CancelScope(shield=True):
@@ -736,12 +753,19 @@ class TcpTransport(Transport):
         group: str = DEFAULT_GROUP,
         join_seconds: float = 60.0,
         tls: TlsConfig | None = None,
+        shared_memory: bool | None = None,
     ) -> AsyncIterator[TcpTransport]:
         """Join a multi-process group: rank 0 listens at ``config.coordinator_addr``.
 
         Every other rank dials rank 0, authenticates, announces where it listens, receives the
         table of all ranks' addresses, then connects to the ranks below it. The whole formation
         must finish within ``join_seconds`` seconds. With ``tls``, every connection is TLS.
+
+        Then the ranks negotiate a shared-memory plane (`runtime.shm`), used when every rank
+        wants it and all run on one host. ``shared_memory`` None means on unless
+        ``PARAMSYNC_SHM=0`` or TLS (its results are bitwise those of the TCP ring, so only the
+        speed changes); True asks for it even under TLS; False opts this rank, and so the
+        group, out.
         """
         key = load_secret(secret)
         me = Identity(group, config.world_size, config.rank)
@@ -754,10 +778,19 @@ class TcpTransport(Transport):
                     await _rendezvous_member(me, config.address, key, mesh, tls=tls)
         transport = cls(config.rank, config.world_size, mesh)
         try:
+            if config.world_size > 1:
+                await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
             yield transport
         finally:
             with trio.CancelScope(shield=True):
                 await transport.aclose()
+
+
+async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -> None:
+    """Attach a shared-memory plane on every rank of an in-process group, concurrently."""
+    async with trio.open_nursery() as nursery:
+        for transport in transports:
+            nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
 
 
 def _admit_ranks(me: Identity, claimed: set[int], allowed: range | set[int]) -> Any:

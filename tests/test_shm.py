@@ -1,0 +1,328 @@
+"""The shared-memory data plane (`runtime.shm`): property tests against a float64 reference and
+bitwise against the TCP ring, setup and fallback, cleanup of the segment, and failures that must
+end in a clear error, never a hang.
+
+In-process groups are real TCP meshes with the plane attached; the multi-process tests start
+real worker processes on this host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from conftest import bitwise_equal, free_port, run_ranks, run_ranks_capture
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+from test_collectives import REDUCE_DTYPES, check_identical, check_reduced, make_inputs, numels
+
+from runtime.collectives import all_reduce, barrier
+from runtime.errors import ProtocolError, StallError
+from runtime.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory
+from runtime.tcp import TcpTransport
+from runtime.transport import Transport
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_STEPS = 24
+"""Steps per all-reduce at most: small steps on small tensors only, so a run stays fast."""
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
+
+
+@dataclass(frozen=True)
+class ShmCase:
+    n: int
+    dtype: torch.dtype
+    numel: int
+    step_bytes: int
+    seed: int
+    op: str
+    two_d: bool = False
+
+
+@st.composite
+def shm_cases(draw: st.DrawFn) -> ShmCase:
+    """A group of 1-8 ranks, a length (mostly not a multiple of n), and a step small enough
+    to cut the tensor into many steps (at most MAX_STEPS)."""
+    n = draw(st.integers(1, 8))
+    dtype = draw(st.sampled_from(REDUCE_DTYPES))
+    numel = draw(numels(n, 300_000, ("tiny", "small", "medium", "small", "large")))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    floor = max(64 * n, -(-numel * itemsize // MAX_STEPS))
+    step = max(floor, draw(st.integers(64 * n, 64 * 1024)))
+    return ShmCase(
+        n=n,
+        dtype=dtype,
+        numel=numel,
+        step_bytes=step,
+        seed=draw(st.integers(0, 2**31 - 1)),
+        op=draw(st.sampled_from(("sum", "avg"))),
+    )
+
+
+def _reduce_both_ways(case: ShmCase) -> tuple[list, list, list, list]:
+    """All-reduce the case's inputs on the plane, then again on the TCP ring (plane detached).
+
+    Returns (inputs, plane results, ring results, planes). ``small_bytes=0`` keeps every
+    nonempty tensor off the one-round path, so the plane sees tensors of every size."""
+    inputs = make_inputs(case)  # type: ignore[arg-type]
+    via_shm = [t.clone() for t in inputs]
+    via_ring = [t.clone() for t in inputs]
+
+    def reducer(tensors: list[torch.Tensor]) -> Callable[[Transport], Awaitable[torch.Tensor]]:
+        async def reduce(transport: Transport) -> torch.Tensor:
+            mine = tensors[transport.rank]
+            return await all_reduce(transport, mine, case.op, small_bytes=0)  # type: ignore[arg-type]
+
+        return reduce
+
+    async def main() -> list:
+        async with TcpTransport.open_group(
+            case.n, shared_memory=True, step_bytes=case.step_bytes, min_bytes=0
+        ) as group:
+            planes = [t.shared_memory for t in group]
+            await run_ranks(group, reducer(via_shm))
+            for transport in group:
+                transport.shared_memory = None
+            await run_ranks(group, reducer(via_ring))
+            for transport, plane in zip(group, planes):
+                transport.shared_memory = plane
+            await run_ranks(group, barrier)  # still in step after both
+            return planes
+
+    planes = trio.run(main)
+    return inputs, via_shm, via_ring, planes
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(case=shm_cases())
+def test_plane_matches_reference_and_is_bitwise_the_ring(case: ShmCase) -> None:
+    note(repr(case))
+    inputs, via_shm, via_ring, planes = _reduce_both_ways(case)
+    if case.n > 1:
+        assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+        note(f"steps of {planes[0].layout.step_bytes} bytes")
+    check_reduced(via_shm[0], inputs, case.op)
+    check_identical(via_shm)
+    for rank in range(case.n):
+        assert bitwise_equal(via_shm[rank], via_ring[rank]), f"rank {rank}: plane != ring"
+
+
+async def test_segment_file_is_unlinked_once_attached_and_unmapped_on_close() -> None:
+    async with TcpTransport.open_group(3, shared_memory=True) as group:
+        planes = [t.shared_memory for t in group]
+        assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+        paths = {plane.path for plane in planes}  # type: ignore[union-attr]
+        assert len(paths) == 1
+        (path,) = paths
+        assert path.startswith(SHM_DIR + "/paramsync-")
+        assert not os.path.exists(path)  # noqa: ASYNC240 - a quick local check
+        maps = Path("/proc/self/maps").read_text()  # noqa: ASYNC240
+        assert f"{path} (deleted)" in maps  # mapped, yet gone from the file system
+
+        async def reduce(transport: Transport) -> torch.Tensor:
+            return await all_reduce(transport, torch.ones(100_000, dtype=torch.float64))
+
+        assert all(torch.equal(r, torch.full_like(r, 3.0)) for r in await run_ranks(group, reduce))
+    assert all(plane.closed for plane in planes)  # type: ignore[union-attr]
+    assert all(t.shared_memory is None for t in group)
+    assert path not in Path("/proc/self/maps").read_text()  # noqa: ASYNC240 - unmapped
+
+
+async def test_abort_drops_the_plane() -> None:
+    async with TcpTransport.open_group(2, shared_memory=True) as group:
+        plane = group[0].shared_memory
+        assert plane is not None
+        group[0].abort()
+        assert plane.closed and group[0].shared_memory is None
+        assert group[1].shared_memory is not None  # the peer's own plane is its own business
+
+
+async def test_host_mismatch_falls_back_to_tcp() -> None:
+    async with TcpTransport.open_group(3) as group:
+
+        async def attach(transport: Transport) -> object:
+            host = "host-a" if transport.rank < 2 else "host-b"
+            return await attach_shared_memory(transport, want=True, host=host)  # type: ignore[arg-type]
+
+        assert await run_ranks(group, attach) == [None, None, None]
+        assert all(t.shared_memory is None for t in group)
+        tensors = [torch.full((100_000,), float(rank + 1)) for rank in range(3)]
+
+        async def reduce(transport: Transport) -> torch.Tensor:
+            return await all_reduce(transport, tensors[transport.rank])
+
+        results = await run_ranks(group, reduce)
+        assert all(torch.equal(r, torch.full((100_000,), 6.0)) for r in results)
+
+
+async def test_one_rank_opting_out_turns_the_plane_off_for_all() -> None:
+    async with TcpTransport.open_group(3) as group:
+
+        async def attach(transport: Transport) -> object:
+            return await attach_shared_memory(transport, want=transport.rank != 1)  # type: ignore[arg-type]
+
+        assert await run_ranks(group, attach) == [None, None, None]
+
+
+async def test_paramsync_shm_env_decides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with TcpTransport.open_group(2) as group:
+        monkeypatch.setenv("PARAMSYNC_SHM", "0")
+        assert await run_ranks(group, attach_shared_memory) == [None, None]
+        monkeypatch.setenv("PARAMSYNC_SHM", "1")
+        planes = await run_ranks(group, attach_shared_memory)
+        assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+
+
+async def test_silent_peer_is_a_stall_error_naming_it() -> None:
+    async with TcpTransport.open_group(3, shared_memory=True, min_bytes=0) as group:
+        for transport in group:
+            transport.stall_seconds = 0.5
+        tensor = torch.ones(50_000)
+
+        async def rank_fn(transport: Transport) -> object:
+            if transport.rank == 2:
+                await trio.sleep(1.5)  # alive, never joins the all-reduce
+                return None
+            return await all_reduce(transport, tensor.clone())
+
+        start = time.monotonic()
+        results = await run_ranks_capture(group, rank_fn, seconds=10)
+        assert time.monotonic() - start < 5
+        failures = [r for r in results[:2] if isinstance(r, ProtocolError)]
+        assert len(failures) == 2, results
+        assert any(isinstance(r, StallError) and r.peer == 2 for r in failures), failures
+
+
+async def test_ranks_out_of_step_fail_instead_of_hanging() -> None:
+    async with TcpTransport.open_group(2, shared_memory=True, min_bytes=0) as group:
+        group[1].shared_memory = None  # rank 1 takes the ring, rank 0 the plane
+        for transport in group:
+            transport.stall_seconds = 5
+
+        async def rank_fn(transport: Transport) -> object:
+            return await all_reduce(transport, torch.ones(100_000))
+
+        results = await run_ranks_capture(group, rank_fn, seconds=15)
+        assert all(isinstance(r, ProtocolError) for r in results), results
+
+
+# --------------------------------------------------------------------------- real processes
+
+_WORKER = r"""
+import json, os, sys, time
+import torch, trio
+from runtime import DistributedConfig, TcpTransport, all_reduce
+
+rank, world, port, loops = (int(arg) for arg in sys.argv[1:5])
+
+async def main():
+    config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
+    async with TcpTransport.connect(config, secret="shm-test", join_seconds=30) as transport:
+        plane = transport.shared_memory
+        transport.stall_seconds = 20
+        attached = plane is not None
+        report = {"attached": attached, "path_left": attached and os.path.exists(plane.path)}
+        gen = torch.Generator().manual_seed(rank)
+        data = torch.randn(300_001, generator=gen, dtype=torch.float64).to(torch.float32)
+        out = await all_reduce(transport, data.clone(), "avg")
+        report["sum"] = float(out.double().sum())
+        report["bytes"] = out.numpy().tobytes().hex()[:4096]
+        print(json.dumps(report), flush=True)
+        big = torch.ones(4 << 20)
+        started = time.monotonic()
+        try:
+            for _ in range(loops):
+                await all_reduce(transport, big)
+        except Exception as exc:
+            error = {"error": type(exc).__name__, "peer": getattr(exc, "peer", None)}
+            error.update(message=str(exc), after=time.monotonic() - started)
+            print(json.dumps(error), flush=True)
+            sys.exit(3)
+
+trio.run(main)
+"""
+
+
+def _start_workers(world: int, loops: int) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PARAMSYNC_SHM="1")
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(rank), str(world), str(port), str(loops)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+
+
+def _expected_average(world: int) -> torch.Tensor:
+    rows = [
+        torch.randn(300_001, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        .to(torch.float32)
+        .double()
+        for rank in range(world)
+    ]
+    return torch.stack(rows).mean(0)
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[tuple[list[subprocess.Popen[str]], list[dict]]]:
+    """Three worker processes that attached, reduced once and reported, now looping on
+    all-reduces of 16 MiB (one start for both tests below: importing torch is slow)."""
+    procs = _start_workers(3, loops=1_000_000)
+    try:
+        reports = []
+        for proc in procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line, proc.communicate(timeout=30)[1]
+            reports.append(json.loads(line))
+        yield procs, reports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
+
+
+def test_processes_attach_reduce_and_agree(workers: tuple[list, list[dict]]) -> None:
+    _, reports = workers
+    assert all(r["attached"] for r in reports)
+    assert not any(r["path_left"] for r in reports)
+    assert len({r["bytes"] for r in reports}) == 1  # bitwise identical on every rank
+    assert reports[0]["sum"] == pytest.approx(float(_expected_average(3).sum()), abs=1e-2)
+
+
+def test_killed_peer_fails_the_others_with_a_clear_error(
+    workers: tuple[list[subprocess.Popen[str]], list[dict]],
+) -> None:
+    procs, _ = workers
+    time.sleep(0.3)  # all three are deep in the loop of 16 MiB all-reduces
+    procs[2].send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    errors = []
+    for proc in procs[:2]:
+        out, err = proc.communicate(timeout=15)
+        assert proc.returncode == 3, err
+        errors.append(json.loads(out.strip().splitlines()[-1]))
+    assert time.monotonic() - started < 15
+    assert all(e["error"] in ("PeerClosed", "StallError") for e in errors), errors
+    assert any(e["peer"] == 2 and "peer 2" in e["message"] for e in errors), errors
