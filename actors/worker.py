@@ -21,6 +21,7 @@ from runtime.coordinator import Coordinator, CoordinatorOptions
 from runtime.coordinator_core import StartRun, model_signature
 from runtime.handshake import Identity, load_secret
 from runtime.link import Link, MemoryLink
+from runtime.shm import attach_shared_memory
 from runtime.tcp import DEFAULT_GROUP, TcpTransport, dial, dial_with_retry, form_mesh
 from runtime.tls import TlsConfig
 from runtime.trace import TraceRecorder
@@ -111,7 +112,11 @@ async def join_run(
         ident = Identity(f"{group}#{start.epoch}", len(start.members), position)
         with trio.fail_after(join_seconds):
             mesh = await form_mesh(ident, listeners[0], list(start.addresses), key, tls=tls)
-        return TcpTransport(position, len(start.members), mesh)
+        transport = TcpTransport(position, len(start.members), mesh)
+        # Members on one host all-reduce through shared memory (bitwise the ring's result);
+        # PARAMSYNC_SHM=0, or TLS, keeps them on TCP.
+        await attach_shared_memory(transport, seconds=join_seconds)
+        return transport
 
     try:
         port = listeners[0].socket.getsockname()[1]
