@@ -87,7 +87,12 @@ def _setup(args: argparse.Namespace):
 
 
 def _result(
-    ends: list[float], losses: list[float], warmup: int, overall: float, info: dict
+    ends: list[float],
+    losses: list[float],
+    warmup: int,
+    overall: float,
+    info: dict,
+    cpu: tuple[float, float],
 ) -> dict:
     step_seconds = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])]
     timed = len(ends) - warmup
@@ -95,6 +100,10 @@ def _result(
         "step_seconds": step_seconds,
         "steps_per_second": timed / overall,
         "losses": losses,
+        # This process's CPU time (all its threads) over the timed steps, and the window's
+        # monotonic start and end, so the driver can charge the coordinator's CPU to it.
+        "cpu_seconds_per_step": (cpu[1] - cpu[0]) / timed,
+        "window": [ends[warmup - 1], ends[warmup - 1] + overall],
         **info,
     }
 
@@ -126,11 +135,14 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
             optimizer.step()
             losses.append(float(loss.detach()))
             ends.append(time.perf_counter())
+            if step == args.warmup - 1:
+                cpu_start = time.process_time()
         overall = ends[-1] - ends[args.warmup - 1]
+        cpu = (cpu_start, time.process_time())
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return _result(ends, losses, args.warmup, overall, info)
+    return _result(ends, losses, args.warmup, overall, info, cpu)
 
 
 def _worker_paramsync(args: argparse.Namespace) -> dict:
@@ -149,11 +161,10 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     async def main() -> dict:
         config = DistributedConfig(args.world, args.rank, f"127.0.0.1:{args.port}")
-        options = (
-            TrainerOptions(bucket_bytes=args.bucket_bytes)
-            if args.bucket_bytes is not None
-            else TrainerOptions()
-        )
+        overrides = _trainer_options(args.option)
+        if args.bucket_bytes is not None:
+            overrides["bucket_bytes"] = args.bucket_bytes
+        options = TrainerOptions(**overrides)
         ends: list[float] = []
         losses: list[float] = []
         trace = (
@@ -167,15 +178,43 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
             for step in range(args.warmup + args.steps):
                 losses.append(await trainer.train_batch(batch(step)))
                 ends.append(time.perf_counter())
+                if step == args.warmup - 1:
+                    cpu_start = time.process_time()
             # train_batch returns before its step's digest check ends (it overlaps the next
             # step); count the last one's wait in the overall time.
             await trainer.verified()
             overall = time.perf_counter() - ends[args.warmup - 1]
+            cpu = (cpu_start, time.process_time())
         if args.trace:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
-        return _result(ends, losses, args.warmup, overall, info)
+        return _result(ends, losses, args.warmup, overall, info, cpu)
 
     return trio.run(main)
+
+
+def _trainer_options(items: list[str]) -> dict:
+    """``NAME=VALUE`` strings -> TrainerOptions fields (ints, floats, true/false)."""
+    import dataclasses
+
+    from actors.trainer import TrainerOptions
+
+    fields = {f.name for f in dataclasses.fields(TrainerOptions)}
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(
+                f"--option {item!r}: expected NAME=VALUE, NAME one of {sorted(fields)}"
+            )
+        if text.lower() in ("true", "false"):
+            value: object = text.lower() == "true"
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                value = float(text)
+        out[name] = value
+    return out
 
 
 def _run_worker(args: argparse.Namespace) -> None:
@@ -206,17 +245,39 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     ):
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    for item in args.option:
+        flags += ["--option", item]
     if args.trace:
         flags += ["--trace", str(Path(args.trace).resolve())]
     return flags
 
 
-def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], what: str) -> None:
-    """Wait for every process; on a failure or the deadline stop the rest and raise."""
+def _cpu_seconds(pid: int) -> float | None:
+    """A live process's CPU time so far (user + system, all threads), from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_all(
+    procs: dict[str, subprocess.Popen],
+    logs: dict[str, Path],
+    what: str,
+    sampled: subprocess.Popen | None = None,
+    samples: list[tuple[float, float]] | None = None,
+) -> None:
+    """Wait for every process; on a failure or the deadline stop the rest and raise. Samples
+    ``sampled``'s CPU time into ``samples`` as (monotonic time, CPU seconds) meanwhile."""
     deadline = time.monotonic() + LAUNCH_SECONDS
     pending = dict(procs)
     failure = None
     while pending and failure is None:
+        if sampled is not None and samples is not None and sampled.poll() is None:
+            cpu = _cpu_seconds(sampled.pid)
+            if cpu is not None:
+                samples.append((time.perf_counter(), cpu))
         for name, proc in list(pending.items()):
             code = proc.poll()
             if code is None:
@@ -227,7 +288,7 @@ def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], what: s
                 break
         if failure is None and time.monotonic() > deadline:
             failure = f"{what}: still running after {LAUNCH_SECONDS:.0f} s"
-        time.sleep(0.05)
+        time.sleep(0.01 if sampled is not None else 0.05)
     if failure is None:
         return
     for proc in pending.values():
@@ -289,8 +350,22 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     *_model_flags(args),
                 ]
                 start(f"rank {rank}", cmd, stdout=out if rank == 0 else subprocess.DEVNULL)
-        _wait_all(procs, logs, f"{system} with {world} workers")
-        return json.loads(out_path.read_text().strip().splitlines()[-1])
+        samples: list[tuple[float, float]] = []
+        _wait_all(procs, logs, f"{system} with {world} workers", procs.get("coordinator"), samples)
+        result = json.loads(out_path.read_text().strip().splitlines()[-1])
+        result["coordinator_cpu_seconds_per_step"] = _window_cpu(samples, result, args.steps)
+        return result
+
+
+def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) -> float | None:
+    """The coordinator's CPU time per step over rank 0's timed window (sampled every ~10 ms
+    at the kernel's clock-tick resolution: a rough figure; None without samples)."""
+    start, end = result["window"]
+    before = [cpu for t, cpu in samples if t <= start]
+    after = [cpu for t, cpu in samples if t >= end]
+    if not before or not after:
+        return None
+    return (after[0] - before[-1]) / steps
 
 
 def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
@@ -307,6 +382,18 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
                 "final_loss": losses[-1],
                 "first_loss": losses[0],
                 "mean_loss_last10": statistics.fmean(losses[-10:]),
+                "cpu_seconds_per_step": statistics.median(
+                    r["cpu_seconds_per_step"] for r in results
+                ),
+                "coordinator_cpu_seconds_per_step": (
+                    statistics.median(
+                        r["coordinator_cpu_seconds_per_step"]
+                        for r in results
+                        if r.get("coordinator_cpu_seconds_per_step") is not None
+                    )
+                    if any(r.get("coordinator_cpu_seconds_per_step") is not None for r in results)
+                    else None
+                ),
                 "rounds": len(results),
                 "step_samples": len(pooled),
             }
@@ -361,6 +448,11 @@ def _print_table(table: list[dict]) -> None:
     )
 
 
+def _coordinator_cpu_text(result: dict) -> str:
+    cpu = result.get("coordinator_cpu_seconds_per_step")
+    return f", coordinator {cpu * 1e3:.1f} ms" if cpu is not None else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -387,6 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="paramsync checks identical weights every this many steps (default every step)",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a paramsync TrainerOptions field, e.g. response_cache=false (repeatable)",
     )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
@@ -428,7 +527,9 @@ def main() -> None:
                     f"{LABELS[system]}: median step "
                     f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms, "
                     f"{result['steps_per_second']:.2f} steps/s, "
-                    f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}",
+                    f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}; "
+                    f"CPU per step: rank 0 {result['cpu_seconds_per_step'] * 1e3:.1f} ms"
+                    + _coordinator_cpu_text(result),
                     flush=True,
                 )
     table = _summarise(runs, args.worlds)
