@@ -7,7 +7,8 @@ A worker is a trio nursery of actors joined by bounded mailboxes:
   all its gradients exist;
 - `GradCommActor` packs a ready bucket (pre-averaged over accumulation steps), reports it ready
   to the coordinator, and all-reduces it when the coordinator says go, overlapping the rest of
-  backward; buckets run in the coordinator's order on every rank;
+  backward; buckets run in the coordinator's order on every rank; from an epoch's second step
+  on, buckets are reduced at once in the agreed order, without the round trip (response cache);
 - `OptimizerActor` steps the optimizer with the averaged gradients and reports the state digest
   for the C-DDP-001 check, waiting for the coordinator's commit;
 - `DataLoaderActor` (in `actors.loader`) feeds batches of this rank's shard.
@@ -91,6 +92,10 @@ class TrainerOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     threaded_min_bytes: int = TRAINING_THREADED_MIN_BYTES
     """Buckets from this size all-reduce on blocking-socket threads (see `all_reduce`)."""
+    response_cache: bool = True
+    """After an epoch's first step has negotiated every bucket with the coordinator, reduce
+    buckets without waiting for its go (see `GradCommActor`); the coordinator still checks
+    every report."""
     verify_overlap: bool = True
     """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
     diverged workers (``resync``): a re-sync must not overwrite weights a forward is reading."""
@@ -222,7 +227,17 @@ class ComputeActor(Actor):
 
 
 class GradCommActor(Actor):
-    """Packs ready buckets, negotiates them with the coordinator, all-reduces them."""
+    """Packs ready buckets, negotiates them with the coordinator, all-reduces them.
+
+    The first step of an epoch negotiates every bucket: report it ready, all-reduce it when the
+    coordinator says go, in the coordinator's order. Once every bucket has had its go, the
+    members have agreed on each bucket's spec and order for the epoch (Horovod's response
+    cache): from then on a bucket is reported ready marked cached and all-reduced at once, in
+    the agreed order, without waiting for a round trip. The coordinator still checks each
+    report against the agreement and stops the run naming the rank that differs, and the ring
+    refuses a peer whose collective differs (ProtocolError), so nothing is reduced silently
+    wrong. A new epoch (new members, a new ring) starts a new actor, hence a fresh negotiation.
+    """
 
     accepts = (BucketReady, Go)
 
@@ -246,11 +261,26 @@ class GradCommActor(Actor):
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
+        self._specs = [bucket.spec() for bucket in buckets]
         self.current: _StepState | None = None
+        self._ready_ns: dict[int, int] = {}
+        self._order: list[int] = []
+        """Buckets in the order of the coordinator's gos (the epoch's first negotiation)."""
+        self._cached: set[int] = set()
+        """Buckets of the current step reported cached (reduced without a go)."""
+        self._next = 0
+        """Position in ``_order`` of the next cached bucket to reduce."""
+
+    @property
+    def cache_ready(self) -> bool:
+        """Whether buckets skip the round trip: every bucket has been agreed this epoch."""
+        return self.options.response_cache and len(self._order) == len(self.buckets)
 
     def begin_step(self, step: int) -> _StepState:
         """Expect ``len(buckets)`` reductions for ``step``."""
         self.current = _StepState(step)
+        self._cached = set()
+        self._next = 0
         if not self.buckets:
             self.current.all_reduced.set()
         return self.current
@@ -273,22 +303,52 @@ class GradCommActor(Actor):
             bucket.pack([g for g in grads if g is not None], flat)
             if self.options.accumulation_steps > 1:
                 flat.div_(self.options.accumulation_steps)
+        spec = self._specs[bucket.index]
+        if self.cache_ready:  # a bucket's spec is fixed: the agreed one
+            await self.client.ready(message.step, bucket.index, spec, self.epoch, cached=True)
+            self._cached.add(bucket.index)
+            # Reduce in the agreed order: every rank runs the same collectives in sequence.
+            while self._next < len(self._order) and self._order[self._next] in self._cached:
+                index = self._order[self._next]
+                self._next += 1
+                await self._all_reduce(message.step, index)
+            return
         # Step s+1 may report before step s is committed: the coordinator holds the report and
         # says go only after the commit, so the check stays off the critical path.
-        await self.client.ready(message.step, bucket.index, bucket.spec(), self.epoch)
+        await self.client.ready(message.step, bucket.index, spec, self.epoch)
+        self._ready_ns[bucket.index] = time.perf_counter_ns()
 
     async def _reduce(self, go: Go) -> None:
         state = self.current
         if state is None or go.step != state.step:
             raise RuntimeError(f"coordinator said go for step {go.step} outside that step")
-        bucket = self.buckets[go.bucket]
-        flat = self._flats[go.bucket]
+        if go.bucket in self._cached:
+            return  # reduced from the cache already (a peer negotiated it: same spec)
+        sent = self._ready_ns.pop(go.bucket, None)
+        if sent is not None:
+            self.trace.complete(
+                "negotiate",
+                sent,
+                time.perf_counter_ns(),
+                actor="gradient-comm",
+                bucket=go.bucket,
+                step=go.step,
+            )
+        if go.bucket not in self._order:
+            self._order.append(go.bucket)
+        await self._all_reduce(go.step, go.bucket)
+
+    async def _all_reduce(self, step: int, index: int) -> None:
+        state = self.current
+        assert state is not None and state.step == step
+        bucket = self.buckets[index]
+        flat = self._flats[index]
         with self.trace.span(
-            "all-reduce", actor="gradient-comm", bucket=go.bucket, bytes=flat.numel() * 4
+            "all-reduce", actor="gradient-comm", bucket=index, bytes=flat.numel() * 4
         ):
             async with trio.open_nursery() as nursery:
-                if armed("allreduce", go.step):  # a fault trial dies while the ring moves
-                    nursery.start_soon(_die_mid_all_reduce, go.step)
+                if armed("allreduce", step):  # a fault trial dies while the ring moves
+                    nursery.start_soon(_die_mid_all_reduce, step)
                 await all_reduce(
                     self.transport,
                     flat,
@@ -297,7 +357,7 @@ class GradCommActor(Actor):
                     threaded_min_bytes=self.options.threaded_min_bytes,
                 )
                 nursery.cancel_scope.cancel()
-        grads = [param.grad for param in self._params[go.bucket]]
+        grads = [param.grad for param in self._params[index]]
         bucket.unpack(flat, [g for g in grads if g is not None])
         state.reduced += 1
         if state.reduced == len(self.buckets):

@@ -447,6 +447,56 @@ async def test_c_ddp_001_fixed_case_both_transports(transport: str) -> None:
     )
 
 
+# --------------------------------------------------------------------------- response cache
+
+
+async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache() -> None:
+    """With the response cache only the first step waits for gos (one per bucket); every
+    later step reduces its buckets at once, in the first step's order. The ranks stay bitwise
+    identical and end with exactly the weights of the same run negotiating every step."""
+    world_size, steps = 3, 4
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank, widths=(4, 6, 5, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        gos: list[int] = []
+        forward = trainer.client.on_go
+        assert forward is not None
+
+        async def count(go: Any) -> None:
+            gos.append(go.step)
+            await forward(go)
+
+        trainer.client.on_go = count
+        rank = trainer.dist_config.rank
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            batch = (torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
+            await trainer.train_batch(split(batch, rank, 2))
+        await trainer.verified()
+        return {"gos": gos, "state": snapshot(trainer), "buckets": len(trainer.buckets)}
+
+    finals = []
+    for response_cache in (True, False):
+        options = TrainerOptions(bucket_bytes=1, response_cache=response_cache)
+        with trio.fail_after(RUN_SECONDS):
+            results = await train_in_process(
+                world_size, make_replica, mse_loss, body, options=options
+            )
+        buckets = results[0]["buckets"]
+        assert buckets == 6  # one per parameter
+        for result in results:
+            if response_cache:
+                assert result["gos"] == [0] * buckets
+            else:
+                assert result["gos"] == sorted(list(range(steps)) * buckets)
+            assert result["state"] == results[0]["state"]
+        finals.append(results[0]["state"]["tensors"])
+    assert finals[0] == finals[1]
+
+
 # --------------------------------------------------------------------------- frozen params
 
 
