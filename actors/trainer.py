@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import trio
 
-from runtime.actor import Actor, ActorSystem
+from runtime.actor import Actor, ActorStopped, ActorSystem
 from runtime.collectives import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
@@ -150,6 +150,7 @@ class _StepState:
     step: int
     reduced: int = 0
     all_reduced: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
 
 
 # ----------------------------------------------------------------------------- actors
@@ -261,7 +262,12 @@ class GradCommActor(Actor):
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
+        self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
+        for index in range(len(buckets)):
+            self._bind(index)
         self._specs = [bucket.spec() for bucket in buckets]
+        self._packed = [False] * len(buckets)
+        """Per bucket: whether this step copied the gradients in (they were not views)."""
         self.current: _StepState | None = None
         self._ready_ns: dict[int, int] = {}
         self._order: list[int] = []
@@ -271,10 +277,53 @@ class GradCommActor(Actor):
         self._next = 0
         """Position in ``_order`` of the next cached bucket to reduce."""
 
+    def _bind(self, index: int) -> None:
+        """Make bucket ``index``'s gradients views of its flat buffer (torch DDP's
+        ``gradient_as_bucket_view``): backward accumulates straight into the buffer and the
+        reduced values land in the gradients, so neither needs a copy. A gradient that is not
+        the view (none yet, or replaced: ``zero_grad(set_to_none=True)``) keeps its values."""
+        views = self._views[index]
+        if views is None:
+            return
+        with torch.no_grad():
+            for param, view in zip(self._params[index], views):
+                grad = param.grad
+                if grad is view:
+                    continue
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                param.grad = view
+
+    def _bound(self, index: int) -> bool:
+        """Whether every gradient of bucket ``index`` is still its view of the flat buffer."""
+        views = self._views[index]
+        return views is not None and all(
+            param.grad is view for param, view in zip(self._params[index], views)
+        )
+
     @property
     def cache_ready(self) -> bool:
         """Whether buckets skip the round trip: every bucket has been agreed this epoch."""
         return self.options.response_cache and len(self._order) == len(self.buckets)
+
+    def ready_soon(self, message: BucketReady) -> None:
+        """Queue a bucket that backward finished (run by the event loop: must not raise). The
+        mailbox holds every bucket and go of a step, so it is never full; if the actor is
+        stopping, its epoch is ending and the step will be run again."""
+        try:
+            self.tell_nowait(message)
+        except ActorStopped:
+            pass
+        except trio.WouldBlock:
+            state = self.current
+            if state is not None:
+                state.error = RuntimeError(
+                    f"step {message.step}: the gradient-comm mailbox is full (bucket "
+                    f"{message.bucket} lost)"
+                )
+                state.all_reduced.set()
 
     def begin_step(self, step: int) -> _StepState:
         """Expect ``len(buckets)`` reductions for ``step``."""
@@ -294,15 +343,19 @@ class GradCommActor(Actor):
 
     async def _ready(self, message: BucketReady) -> None:
         bucket = self.buckets[message.bucket]
-        grads = [param.grad for param in self._params[message.bucket]]
         flat = self._flats[message.bucket]
-        with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
-            if grads and grads[0] is not None and grads[0].device.type == "cuda":
-                # C-STREAMSYNC-001: gradients must be complete before the host copy.
-                torch.cuda.current_stream(grads[0].device).synchronize()
-            bucket.pack([g for g in grads if g is not None], flat)
-            if self.options.accumulation_steps > 1:
-                flat.div_(self.options.accumulation_steps)
+        if self._bound(message.bucket):
+            self._packed[message.bucket] = False  # backward wrote into the buffer itself
+        else:
+            grads = [param.grad for param in self._params[message.bucket]]
+            with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
+                if grads and grads[0] is not None and grads[0].device.type == "cuda":
+                    # C-STREAMSYNC-001: gradients must be complete before the host copy.
+                    torch.cuda.current_stream(grads[0].device).synchronize()
+                bucket.pack([g for g in grads if g is not None], flat)
+            self._packed[message.bucket] = True
+        if self.options.accumulation_steps > 1:
+            flat.div_(self.options.accumulation_steps)
         spec = self._specs[bucket.index]
         if self.cache_ready:  # a bucket's spec is fixed: the agreed one
             await self.client.ready(message.step, bucket.index, spec, self.epoch, cached=True)
@@ -357,11 +410,27 @@ class GradCommActor(Actor):
                     threaded_min_bytes=self.options.threaded_min_bytes,
                 )
                 nursery.cancel_scope.cancel()
-        grads = [param.grad for param in self._params[index]]
-        bucket.unpack(flat, [g for g in grads if g is not None])
+        if self._packed[index]:
+            grads = [param.grad for param in self._params[index]]
+            bucket.unpack(flat, [g for g in grads if g is not None])
+            self._bind(index)  # views again from the next step on
         state.reduced += 1
         if state.reduced == len(self.buckets):
             state.all_reduced.set()
+
+
+def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
+    """One view of ``flat`` per parameter, shaped like it, in bucket order; None where the
+    gradients cannot live in the host buffer (a parameter on an accelerator, another dtype)."""
+    views = []
+    offset = 0
+    for param in params:
+        if param.device != flat.device or param.dtype != flat.dtype:
+            return None
+        count = param.numel()
+        views.append(flat[offset : offset + count].view(param.shape))
+        offset += count
+    return views
 
 
 async def _die_mid_all_reduce(step: int) -> None:
@@ -688,9 +757,9 @@ class DistributedTrainer:
         token = self._token
 
         def on_bucket(step: int, bucket: int) -> None:
-            # Called on the backward thread; waits until the bucket is in the comm actor's
-            # mailbox (sized for every bucket of a step, so the wait is one loop turn).
-            trio.from_thread.run(comm.tell, BucketReady(step, bucket), trio_token=token)
+            # Called on the backward thread, which goes on at once: the event loop queues the
+            # bucket for the comm actor when it next turns.
+            token.run_sync_soon(comm.ready_soon, BucketReady(step, bucket))
 
         compute = ComputeActor(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
         optimizer = OptimizerActor(
@@ -839,6 +908,8 @@ class DistributedTrainer:
             self._last_loss = loss
             with self.trace.span("grad-wait", actor="trainer", step=step):
                 await state.all_reduced.wait()
+            if state.error is not None:
+                raise state.error
             if epoch.start.apply_barrier:
                 await self.client.reduced(step, epoch.start.epoch)
                 with self.trace.span("apply-wait", actor="trainer", step=step):
