@@ -212,7 +212,10 @@ def _trainer_options(items: list[str]) -> dict:
             try:
                 value = int(text)
             except ValueError:
-                value = float(text)
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
         out[name] = value
     return out
 
