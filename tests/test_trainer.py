@@ -497,6 +497,38 @@ async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache
     assert finals[0] == finals[1]
 
 
+async def test_gradients_replaced_between_steps_are_copied_then_bound_again() -> None:
+    """Gradients live in the buckets' flat buffers; a caller that drops them between steps
+    (zero_grad(set_to_none=True)) gets the copying path for that step and the same weights."""
+    world_size, steps = 2, 3
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank, widths=(4, 6, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def body(drop: bool) -> Callable[[DistributedTrainer], Any]:
+        async def run(trainer: DistributedTrainer) -> dict[str, Any]:
+            rank = trainer.dist_config.rank
+            for step in range(steps):
+                if drop:
+                    trainer.model.zero_grad(set_to_none=True)
+                gen = torch.Generator().manual_seed(step)
+                batch = (torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen))
+                await trainer.train_batch(split(batch, rank, 2))
+            await trainer.verified()
+            return snapshot(trainer)
+
+        return run
+
+    finals = []
+    for drop in (False, True):
+        with trio.fail_after(RUN_SECONDS):
+            results = await train_in_process(world_size, make_replica, mse_loss, body(drop))
+        assert results[1] == results[0]
+        finals.append(results[0]["tensors"])
+    assert finals[0] == finals[1]
+
+
 # --------------------------------------------------------------------------- frozen params
 
 
