@@ -911,6 +911,9 @@ class DistributedTrainer:
             if state.error is not None:
                 raise state.error
             if epoch.start.apply_barrier:
+                # A cached all-reduce may finish before the previous step is committed; the
+                # coordinator takes this step's report only after that commit.
+                await self.client.wait_commit(step - 1)
                 await self.client.reduced(step, epoch.start.epoch)
                 with self.trace.span("apply-wait", actor="trainer", step=step):
                     await self.client.wait_apply(step)
