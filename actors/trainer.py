@@ -5,8 +5,9 @@ A worker is a trio nursery of actors joined by bounded mailboxes:
 - `ComputeActor` runs forward and backward in a worker thread, so the event loop keeps serving
   the network; during the last backward of a step, gradient hooks report each bucket the moment
   all its gradients exist;
-- `GradCommActor` packs a ready bucket (pre-averaged over accumulation steps), reports it ready
-  to the coordinator, and all-reduces it when the coordinator says go, overlapping the rest of
+- `GradCommActor` owns each bucket's flat buffer (the gradients are views of it, so backward
+  fills it in place), reports a ready bucket (pre-averaged over accumulation steps) to the
+  coordinator, and all-reduces it when the coordinator says go, overlapping the rest of
   backward; buckets run in the coordinator's order on every rank; from an epoch's second step
   on, buckets are reduced at once in the agreed order, without the round trip (response cache);
 - `OptimizerActor` steps the optimizer with the averaged gradients and reports the state digest
