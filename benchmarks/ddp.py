@@ -41,7 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ddp", "paramsync")
-LABELS = {"ddp": "DDP (gloo)", "paramsync": "paramsync"}
+UNCHECKED = "paramsync-unchecked"
+"""paramsync with the weight check off (``--check-cost``): same workers, a coordinator that
+checks digests only every 1000000 steps."""
+LABELS = {"ddp": "DDP (gloo)", "paramsync": "paramsync", UNCHECKED: "paramsync, check off"}
 LAUNCH_SECONDS = 600.0
 
 
@@ -318,7 +321,8 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
             with open(logs[name], "w") as err:
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=ROOT)
 
-        if system == "paramsync":
+        if system in ("paramsync", UNCHECKED):
+            interval = 1_000_000 if system == UNCHECKED else args.digest_interval
             start(
                 "coordinator",
                 [
@@ -333,7 +337,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     "--bind",
                     f"127.0.0.1:{port}",
                     "--digest-interval",
-                    str(args.digest_interval),
+                    str(interval),
                 ],
             )
         out_path = Path(tmp) / "rank0.out"
@@ -343,7 +347,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     sys.executable,
                     str(Path(__file__).resolve()),
                     "--worker",
-                    system,
+                    "paramsync" if system == UNCHECKED else system,
                     "--rank",
                     str(rank),
                     "--world",
@@ -375,7 +379,9 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in SYSTEMS:
+        for system in (*SYSTEMS, UNCHECKED):
+            if (system, world) not in runs:
+                continue
             results = runs[(system, world)]
             pooled = [s for r in results for s in r["step_seconds"]]
             losses = results[-1]["losses"]
@@ -405,6 +411,14 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
         row["step_time_ratio"] = (
             row["paramsync"]["median_step_seconds"] / row["ddp"]["median_step_seconds"]
         )
+        if UNCHECKED in row:
+            checked, unchecked = row["paramsync"], row[UNCHECKED]
+            row["check_cost"] = (
+                checked["median_step_seconds"] / unchecked["median_step_seconds"] - 1
+            )
+            row["check_cpu_cost"] = (
+                checked["cpu_seconds_per_step"] / unchecked["cpu_seconds_per_step"] - 1
+            )
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
         )
@@ -441,6 +455,15 @@ def _print_table(table: list[dict]) -> None:
             f"{row['loss_curve_max_abs_diff_first10']:>14.1e} "
             f"{row['loss_curve_max_abs_diff']:>8.1e}"
         )
+    for row in table:
+        if UNCHECKED in row:
+            off = row[UNCHECKED]["median_step_seconds"]
+            print(
+                f"n={row['world_size']}: paramsync with the check off {off * 1e3:.1f} ms a step "
+                f"({off / row['ddp']['median_step_seconds']:.2f}x DDP): the check costs "
+                f"{row['check_cost'] * 100:+.1f} % of the step time, "
+                f"{row['check_cpu_cost'] * 100:+.1f} % of rank 0's CPU time"
+            )
     print(
         "(step: median time between consecutive steps on rank 0, pooled over rounds; steps/s: "
         "timed steps over their\n wall time, median over rounds; loss: rank 0's loss at the "
@@ -490,6 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="a paramsync TrainerOptions field, e.g. response_cache=false (repeatable)",
     )
+    parser.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="also run paramsync with the weight check off in the same alternating rounds, "
+        "and report what the check costs",
+    )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
         "--trace",
@@ -521,7 +550,8 @@ def main() -> None:
     started = time.perf_counter()
     for world in args.worlds:
         for round_index in range(args.rounds):
-            order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+            systems = (*SYSTEMS, UNCHECKED) if args.check_cost else SYSTEMS
+            order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
                 result = _launch(system, world, args)
                 runs.setdefault((system, world), []).append(result)
