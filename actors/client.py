@@ -199,11 +199,20 @@ class CoordinatorClient:
                 peer="coordinator",
             )
 
-    async def ready(self, step: int, bucket: int, spec: Sequence[Any], epoch: int = 1) -> None:
-        """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go."""
-        await self._send(
-            "ready", epoch=epoch, step=step, bucket=bucket, spec=[list(item) for item in spec]
-        )
+    async def ready(
+        self, step: int, bucket: int, spec: Sequence[Any], epoch: int = 1, *, cached: bool = False
+    ) -> None:
+        """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go;
+        ``cached``: it does not wait, it is reduced at once under the epoch's agreed spec."""
+        fields: dict[str, Any] = {
+            "epoch": epoch,
+            "step": step,
+            "bucket": bucket,
+            "spec": [list(item) for item in spec],
+        }
+        if cached:
+            fields["cached"] = True
+        await self._send("ready", **fields)
 
     async def reduced(self, step: int, epoch: int) -> None:
         """Report every bucket of ``step`` all-reduced here (elastic runs' apply barrier)."""

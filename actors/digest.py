@@ -15,6 +15,8 @@ authenticated, and a malicious member could corrupt the gradients it sends anywa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import xxhash
 
@@ -60,6 +62,30 @@ def named_state(
     return items
 
 
+def _header(name: str, tensor: torch.Tensor) -> bytes:
+    """``name|[shape]|dtype|``: mixed into the tensor's digest (cached: it rarely changes)."""
+    key = (name, tensor.shape, tensor.dtype)
+    header = _HEADERS.get(key)
+    if header is None:
+        header = f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode()
+        if len(_HEADERS) < _MAX_HEADERS:
+            _HEADERS[key] = header
+    return header
+
+
+def _bytes_of(tensor: torch.Tensor) -> Any:
+    """A zero-copy buffer over a contiguous CPU tensor's bytes (numpy's view is the cheapest;
+    dtypes numpy lacks, bfloat16 among them, take `tensor_buffer`)."""
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):
+        return tensor_buffer(tensor)
+
+
+_HEADERS: dict[tuple[str, torch.Size, torch.dtype], bytes] = {}
+_MAX_HEADERS = 1 << 16
+
+
 def state_digest(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> StateDigest:
@@ -72,9 +98,8 @@ def state_digest(
             torch.cuda.current_stream(tensor.device).synchronize()
             tensor = tensor.to("cpu")
         tensor = tensor.contiguous()
-        one = xxhash.xxh3_128()
-        one.update(f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode())
-        one.update(tensor_buffer(tensor))
+        one = xxhash.xxh3_128(_header(name, tensor))
+        one.update(_bytes_of(tensor))
         value = one.digest()
         whole.update(value)
         per_tensor.append((name, value))

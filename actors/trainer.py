@@ -5,9 +5,11 @@ A worker is a trio nursery of actors joined by bounded mailboxes:
 - `ComputeActor` runs forward and backward in a worker thread, so the event loop keeps serving
   the network; during the last backward of a step, gradient hooks report each bucket the moment
   all its gradients exist;
-- `GradCommActor` packs a ready bucket (pre-averaged over accumulation steps), reports it ready
-  to the coordinator, and all-reduces it when the coordinator says go, overlapping the rest of
-  backward; buckets run in the coordinator's order on every rank;
+- `GradCommActor` owns each bucket's flat buffer (the gradients are views of it, so backward
+  fills it in place), reports a ready bucket (pre-averaged over accumulation steps) to the
+  coordinator, and all-reduces it when the coordinator says go, overlapping the rest of
+  backward; buckets run in the coordinator's order on every rank; from an epoch's second step
+  on, buckets are reduced at once in the agreed order, without the round trip (response cache);
 - `OptimizerActor` steps the optimizer with the averaged gradients and reports the state digest
   for the C-DDP-001 check, waiting for the coordinator's commit;
 - `DataLoaderActor` (in `actors.loader`) feeds batches of this rank's shard.
@@ -91,6 +93,10 @@ class TrainerOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     threaded_min_bytes: int = TRAINING_THREADED_MIN_BYTES
     """Buckets from this size all-reduce on blocking-socket threads (see `all_reduce`)."""
+    response_cache: bool = True
+    """After an epoch's first step has negotiated every bucket with the coordinator, reduce
+    buckets without waiting for its go (see `GradCommActor`); the coordinator still checks
+    every report."""
     verify_overlap: bool = True
     """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
     diverged workers (``resync``): a re-sync must not overwrite weights a forward is reading."""
@@ -145,6 +151,7 @@ class _StepState:
     step: int
     reduced: int = 0
     all_reduced: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
 
 
 # ----------------------------------------------------------------------------- actors
@@ -222,7 +229,17 @@ class ComputeActor(Actor):
 
 
 class GradCommActor(Actor):
-    """Packs ready buckets, negotiates them with the coordinator, all-reduces them."""
+    """Packs ready buckets, negotiates them with the coordinator, all-reduces them.
+
+    The first step of an epoch negotiates every bucket: report it ready, all-reduce it when the
+    coordinator says go, in the coordinator's order. Once every bucket has had its go, the
+    members have agreed on each bucket's spec and order for the epoch (Horovod's response
+    cache): from then on a bucket is reported ready marked cached and all-reduced at once, in
+    the agreed order, without waiting for a round trip. The coordinator still checks each
+    report against the agreement and stops the run naming the rank that differs, and the ring
+    refuses a peer whose collective differs (ProtocolError), so nothing is reduced silently
+    wrong. A new epoch (new members, a new ring) starts a new actor, hence a fresh negotiation.
+    """
 
     accepts = (BucketReady, Go)
 
@@ -246,11 +263,74 @@ class GradCommActor(Actor):
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
+        self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
+        for index in range(len(buckets)):
+            self._bind(index)
+        self._specs = [bucket.spec() for bucket in buckets]
+        self._packed = [False] * len(buckets)
+        """Per bucket: whether this step copied the gradients in (they were not views)."""
         self.current: _StepState | None = None
+        self._ready_ns: dict[int, int] = {}
+        self._order: list[int] = []
+        """Buckets in the order of the coordinator's gos (the epoch's first negotiation)."""
+        self._cached: set[int] = set()
+        """Buckets of the current step reported cached (reduced without a go)."""
+        self._next = 0
+        """Position in ``_order`` of the next cached bucket to reduce."""
+
+    def _bind(self, index: int) -> None:
+        """Make bucket ``index``'s gradients views of its flat buffer (torch DDP's
+        ``gradient_as_bucket_view``): backward accumulates straight into the buffer and the
+        reduced values land in the gradients, so neither needs a copy. A gradient that is not
+        the view (none yet, or replaced: ``zero_grad(set_to_none=True)``) keeps its values."""
+        views = self._views[index]
+        if views is None:
+            return
+        with torch.no_grad():
+            for param, view in zip(self._params[index], views):
+                grad = param.grad
+                if grad is view:
+                    continue
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                param.grad = view
+
+    def _bound(self, index: int) -> bool:
+        """Whether every gradient of bucket ``index`` is still its view of the flat buffer."""
+        views = self._views[index]
+        return views is not None and all(
+            param.grad is view for param, view in zip(self._params[index], views)
+        )
+
+    @property
+    def cache_ready(self) -> bool:
+        """Whether buckets skip the round trip: every bucket has been agreed this epoch."""
+        return self.options.response_cache and len(self._order) == len(self.buckets)
+
+    def ready_soon(self, message: BucketReady) -> None:
+        """Queue a bucket that backward finished (run by the event loop: must not raise). The
+        mailbox holds every bucket and go of a step, so it is never full; if the actor is
+        stopping, its epoch is ending and the step will be run again."""
+        try:
+            self.tell_nowait(message)
+        except ActorStopped:
+            pass
+        except trio.WouldBlock:
+            state = self.current
+            if state is not None:
+                state.error = RuntimeError(
+                    f"step {message.step}: the gradient-comm mailbox is full (bucket "
+                    f"{message.bucket} lost)"
+                )
+                state.all_reduced.set()
 
     def begin_step(self, step: int) -> _StepState:
         """Expect ``len(buckets)`` reductions for ``step``."""
         self.current = _StepState(step)
+        self._cached = set()
+        self._next = 0
         if not self.buckets:
             self.current.all_reduced.set()
         return self.current
@@ -264,31 +344,65 @@ class GradCommActor(Actor):
 
     async def _ready(self, message: BucketReady) -> None:
         bucket = self.buckets[message.bucket]
-        grads = [param.grad for param in self._params[message.bucket]]
         flat = self._flats[message.bucket]
-        with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
-            if grads and grads[0] is not None and grads[0].device.type == "cuda":
-                # C-STREAMSYNC-001: gradients must be complete before the host copy.
-                torch.cuda.current_stream(grads[0].device).synchronize()
-            bucket.pack([g for g in grads if g is not None], flat)
-            if self.options.accumulation_steps > 1:
-                flat.div_(self.options.accumulation_steps)
+        if self._bound(message.bucket):
+            self._packed[message.bucket] = False  # backward wrote into the buffer itself
+        else:
+            grads = [param.grad for param in self._params[message.bucket]]
+            with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
+                if grads and grads[0] is not None and grads[0].device.type == "cuda":
+                    # C-STREAMSYNC-001: gradients must be complete before the host copy.
+                    torch.cuda.current_stream(grads[0].device).synchronize()
+                bucket.pack([g for g in grads if g is not None], flat)
+            self._packed[message.bucket] = True
+        if self.options.accumulation_steps > 1:
+            flat.div_(self.options.accumulation_steps)
+        spec = self._specs[bucket.index]
+        if self.cache_ready:  # a bucket's spec is fixed: the agreed one
+            await self.client.ready(message.step, bucket.index, spec, self.epoch, cached=True)
+            self._cached.add(bucket.index)
+            # Reduce in the agreed order: every rank runs the same collectives in sequence.
+            while self._next < len(self._order) and self._order[self._next] in self._cached:
+                index = self._order[self._next]
+                self._next += 1
+                await self._all_reduce(message.step, index)
+            return
         # Step s+1 may report before step s is committed: the coordinator holds the report and
         # says go only after the commit, so the check stays off the critical path.
-        await self.client.ready(message.step, bucket.index, bucket.spec(), self.epoch)
+        await self.client.ready(message.step, bucket.index, spec, self.epoch)
+        self._ready_ns[bucket.index] = time.perf_counter_ns()
 
     async def _reduce(self, go: Go) -> None:
         state = self.current
         if state is None or go.step != state.step:
             raise RuntimeError(f"coordinator said go for step {go.step} outside that step")
-        bucket = self.buckets[go.bucket]
-        flat = self._flats[go.bucket]
+        if go.bucket in self._cached:
+            return  # reduced from the cache already (a peer negotiated it: same spec)
+        sent = self._ready_ns.pop(go.bucket, None)
+        if sent is not None:
+            self.trace.complete(
+                "negotiate",
+                sent,
+                time.perf_counter_ns(),
+                actor="gradient-comm",
+                bucket=go.bucket,
+                step=go.step,
+            )
+        if go.bucket not in self._order:
+            self._order.append(go.bucket)
+        await self._all_reduce(go.step, go.bucket)
+
+    async def _all_reduce(self, step: int, index: int) -> None:
+        state = self.current
+        assert state is not None and state.step == step
+        bucket = self.buckets[index]
+        flat = self._flats[index]
         with self.trace.span(
-            "all-reduce", actor="gradient-comm", bucket=go.bucket, bytes=flat.numel() * 4
+            "all-reduce", actor="gradient-comm", bucket=index, bytes=flat.numel() * 4
         ):
             async with trio.open_nursery() as nursery:
-                if armed("allreduce", go.step):  # a fault trial dies while the ring moves
-                    nursery.start_soon(_die_mid_all_reduce, go.step)
+                if armed("allreduce", step):  # a fault trial dies while the ring moves
+                    nursery.start_soon(_die_mid_all_reduce, step)
                 await all_reduce(
                     self.transport,
                     flat,
@@ -297,11 +411,27 @@ class GradCommActor(Actor):
                     threaded_min_bytes=self.options.threaded_min_bytes,
                 )
                 nursery.cancel_scope.cancel()
-        grads = [param.grad for param in self._params[go.bucket]]
-        bucket.unpack(flat, [g for g in grads if g is not None])
+        if self._packed[index]:
+            grads = [param.grad for param in self._params[index]]
+            bucket.unpack(flat, [g for g in grads if g is not None])
+            self._bind(index)  # views again from the next step on
         state.reduced += 1
         if state.reduced == len(self.buckets):
             state.all_reduced.set()
+
+
+def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
+    """One view of ``flat`` per parameter, shaped like it, in bucket order; None where the
+    gradients cannot live in the host buffer (a parameter on an accelerator, another dtype)."""
+    views = []
+    offset = 0
+    for param in params:
+        if param.device != flat.device or param.dtype != flat.dtype:
+            return None
+        count = param.numel()
+        views.append(flat[offset : offset + count].view(param.shape))
+        offset += count
+    return views
 
 
 async def _die_mid_all_reduce(step: int) -> None:
@@ -659,9 +789,9 @@ class DistributedTrainer:
         token = self._token
 
         def on_bucket(step: int, bucket: int) -> None:
-            # Called on the backward thread; waits until the bucket is in the comm actor's
-            # mailbox (sized for every bucket of a step, so the wait is one loop turn).
-            trio.from_thread.run(comm.tell, BucketReady(step, bucket), trio_token=token)
+            # Called on the backward thread, which goes on at once: the event loop queues the
+            # bucket for the comm actor when it next turns.
+            token.run_sync_soon(comm.ready_soon, BucketReady(step, bucket))
 
         compute = ComputeActor(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
         optimizer = OptimizerActor(
@@ -819,7 +949,12 @@ class DistributedTrainer:
                 self._last_loss, self._last_loss_step = loss, step
                 with self.trace.span("grad-wait", actor="trainer", step=step):
                     await state.all_reduced.wait()
+                if state.error is not None:
+                    raise state.error
                 if epoch.start.apply_barrier:
+                    # A cached all-reduce may finish before the previous step is committed;
+                    # the coordinator takes this step's report only after that commit.
+                    await self.client.wait_commit(step - 1)
                     await self.client.reduced(step, epoch.start.epoch)
                     with self.trace.span("apply-wait", actor="trainer", step=step):
                         await self.client.wait_apply(step)

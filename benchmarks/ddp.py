@@ -41,7 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("ddp", "paramsync")
-LABELS = {"ddp": "DDP (gloo)", "paramsync": "paramsync"}
+UNCHECKED = "paramsync-unchecked"
+"""paramsync with the weight check off (``--check-cost``): same workers, a coordinator that
+checks digests only every 1000000 steps."""
+LABELS = {"ddp": "DDP (gloo)", "paramsync": "paramsync", UNCHECKED: "paramsync, check off"}
 LAUNCH_SECONDS = 600.0
 
 
@@ -87,7 +90,12 @@ def _setup(args: argparse.Namespace):
 
 
 def _result(
-    ends: list[float], losses: list[float], warmup: int, overall: float, info: dict
+    ends: list[float],
+    losses: list[float],
+    warmup: int,
+    overall: float,
+    info: dict,
+    cpu: tuple[float, float],
 ) -> dict:
     step_seconds = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])]
     timed = len(ends) - warmup
@@ -95,6 +103,10 @@ def _result(
         "step_seconds": step_seconds,
         "steps_per_second": timed / overall,
         "losses": losses,
+        # This process's CPU time (all its threads) over the timed steps, and the window's
+        # monotonic start and end, so the driver can charge the coordinator's CPU to it.
+        "cpu_seconds_per_step": (cpu[1] - cpu[0]) / timed,
+        "window": [ends[warmup - 1], ends[warmup - 1] + overall],
         **info,
     }
 
@@ -126,11 +138,14 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
             optimizer.step()
             losses.append(float(loss.detach()))
             ends.append(time.perf_counter())
+            if step == args.warmup - 1:
+                cpu_start = time.process_time()
         overall = ends[-1] - ends[args.warmup - 1]
+        cpu = (cpu_start, time.process_time())
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return _result(ends, losses, args.warmup, overall, info)
+    return _result(ends, losses, args.warmup, overall, info, cpu)
 
 
 def _worker_paramsync(args: argparse.Namespace) -> dict:
@@ -149,11 +164,10 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     async def main() -> dict:
         config = DistributedConfig(args.world, args.rank, f"127.0.0.1:{args.port}")
-        options = (
-            TrainerOptions(bucket_bytes=args.bucket_bytes)
-            if args.bucket_bytes is not None
-            else TrainerOptions()
-        )
+        overrides = _trainer_options(args.option)
+        if args.bucket_bytes is not None:
+            overrides["bucket_bytes"] = args.bucket_bytes
+        options = TrainerOptions(**overrides)
         ends: list[float] = []
         losses: list[float] = []
         trace = (
@@ -167,15 +181,46 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
             for step in range(args.warmup + args.steps):
                 losses.append(await trainer.train_batch(batch(step)))
                 ends.append(time.perf_counter())
+                if step == args.warmup - 1:
+                    cpu_start = time.process_time()
             # train_batch returns before its step's digest check ends (it overlaps the next
             # step); count the last one's wait in the overall time.
             await trainer.verified()
             overall = time.perf_counter() - ends[args.warmup - 1]
+            cpu = (cpu_start, time.process_time())
         if args.trace:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
-        return _result(ends, losses, args.warmup, overall, info)
+        return _result(ends, losses, args.warmup, overall, info, cpu)
 
     return trio.run(main)
+
+
+def _trainer_options(items: list[str]) -> dict:
+    """``NAME=VALUE`` strings -> TrainerOptions fields (ints, floats, true/false)."""
+    import dataclasses
+
+    from actors.trainer import TrainerOptions
+
+    fields = {f.name for f in dataclasses.fields(TrainerOptions)}
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(
+                f"--option {item!r}: expected NAME=VALUE, NAME one of {sorted(fields)}"
+            )
+        if text.lower() in ("true", "false"):
+            value: object = text.lower() == "true"
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
+        out[name] = value
+    return out
 
 
 def _run_worker(args: argparse.Namespace) -> None:
@@ -206,17 +251,39 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     ):
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    for item in args.option:
+        flags += ["--option", item]
     if args.trace:
         flags += ["--trace", str(Path(args.trace).resolve())]
     return flags
 
 
-def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], what: str) -> None:
-    """Wait for every process; on a failure or the deadline stop the rest and raise."""
+def _cpu_seconds(pid: int) -> float | None:
+    """A live process's CPU time so far (user + system, all threads), from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_all(
+    procs: dict[str, subprocess.Popen],
+    logs: dict[str, Path],
+    what: str,
+    sampled: subprocess.Popen | None = None,
+    samples: list[tuple[float, float]] | None = None,
+) -> None:
+    """Wait for every process; on a failure or the deadline stop the rest and raise. Samples
+    ``sampled``'s CPU time into ``samples`` as (monotonic time, CPU seconds) meanwhile."""
     deadline = time.monotonic() + LAUNCH_SECONDS
     pending = dict(procs)
     failure = None
     while pending and failure is None:
+        if sampled is not None and samples is not None and sampled.poll() is None:
+            cpu = _cpu_seconds(sampled.pid)
+            if cpu is not None:
+                samples.append((time.perf_counter(), cpu))
         for name, proc in list(pending.items()):
             code = proc.poll()
             if code is None:
@@ -227,7 +294,7 @@ def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], what: s
                 break
         if failure is None and time.monotonic() > deadline:
             failure = f"{what}: still running after {LAUNCH_SECONDS:.0f} s"
-        time.sleep(0.05)
+        time.sleep(0.01 if sampled is not None else 0.05)
     if failure is None:
         return
     for proc in pending.values():
@@ -254,7 +321,8 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
             with open(logs[name], "w") as err:
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=ROOT)
 
-        if system == "paramsync":
+        if system in ("paramsync", UNCHECKED):
+            interval = 1_000_000 if system == UNCHECKED else args.digest_interval
             start(
                 "coordinator",
                 [
@@ -269,7 +337,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     "--bind",
                     f"127.0.0.1:{port}",
                     "--digest-interval",
-                    str(args.digest_interval),
+                    str(interval),
                 ],
             )
         out_path = Path(tmp) / "rank0.out"
@@ -279,7 +347,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     sys.executable,
                     str(Path(__file__).resolve()),
                     "--worker",
-                    system,
+                    "paramsync" if system == UNCHECKED else system,
                     "--rank",
                     str(rank),
                     "--world",
@@ -289,15 +357,31 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     *_model_flags(args),
                 ]
                 start(f"rank {rank}", cmd, stdout=out if rank == 0 else subprocess.DEVNULL)
-        _wait_all(procs, logs, f"{system} with {world} workers")
-        return json.loads(out_path.read_text().strip().splitlines()[-1])
+        samples: list[tuple[float, float]] = []
+        _wait_all(procs, logs, f"{system} with {world} workers", procs.get("coordinator"), samples)
+        result = json.loads(out_path.read_text().strip().splitlines()[-1])
+        result["coordinator_cpu_seconds_per_step"] = _window_cpu(samples, result, args.steps)
+        return result
+
+
+def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) -> float | None:
+    """The coordinator's CPU time per step over rank 0's timed window (sampled every ~10 ms
+    at the kernel's clock-tick resolution: a rough figure; None without samples)."""
+    start, end = result["window"]
+    before = [cpu for t, cpu in samples if t <= start]
+    after = [cpu for t, cpu in samples if t >= end]
+    if not before or not after:
+        return None
+    return (after[0] - before[-1]) / steps
 
 
 def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in SYSTEMS:
+        for system in (*SYSTEMS, UNCHECKED):
+            if (system, world) not in runs:
+                continue
             results = runs[(system, world)]
             pooled = [s for r in results for s in r["step_seconds"]]
             losses = results[-1]["losses"]
@@ -307,6 +391,18 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
                 "final_loss": losses[-1],
                 "first_loss": losses[0],
                 "mean_loss_last10": statistics.fmean(losses[-10:]),
+                "cpu_seconds_per_step": statistics.median(
+                    r["cpu_seconds_per_step"] for r in results
+                ),
+                "coordinator_cpu_seconds_per_step": (
+                    statistics.median(
+                        r["coordinator_cpu_seconds_per_step"]
+                        for r in results
+                        if r.get("coordinator_cpu_seconds_per_step") is not None
+                    )
+                    if any(r.get("coordinator_cpu_seconds_per_step") is not None for r in results)
+                    else None
+                ),
                 "rounds": len(results),
                 "step_samples": len(pooled),
             }
@@ -315,6 +411,14 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
         row["step_time_ratio"] = (
             row["paramsync"]["median_step_seconds"] / row["ddp"]["median_step_seconds"]
         )
+        if UNCHECKED in row:
+            checked, unchecked = row["paramsync"], row[UNCHECKED]
+            row["check_cost"] = (
+                checked["median_step_seconds"] / unchecked["median_step_seconds"] - 1
+            )
+            row["check_cpu_cost"] = (
+                checked["cpu_seconds_per_step"] / unchecked["cpu_seconds_per_step"] - 1
+            )
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
         )
@@ -351,6 +455,15 @@ def _print_table(table: list[dict]) -> None:
             f"{row['loss_curve_max_abs_diff_first10']:>14.1e} "
             f"{row['loss_curve_max_abs_diff']:>8.1e}"
         )
+    for row in table:
+        if UNCHECKED in row:
+            off = row[UNCHECKED]["median_step_seconds"]
+            print(
+                f"n={row['world_size']}: paramsync with the check off {off * 1e3:.1f} ms a step "
+                f"({off / row['ddp']['median_step_seconds']:.2f}x DDP): the check costs "
+                f"{row['check_cost'] * 100:+.1f} % of the step time, "
+                f"{row['check_cpu_cost'] * 100:+.1f} % of rank 0's CPU time"
+            )
     print(
         "(step: median time between consecutive steps on rank 0, pooled over rounds; steps/s: "
         "timed steps over their\n wall time, median over rounds; loss: rank 0's loss at the "
@@ -359,6 +472,11 @@ def _print_table(table: list[dict]) -> None:
         " the first 10 steps and over all steps: float summation order differs between the "
         "two all-reduces, and\n training amplifies those last-bit differences over the steps)"
     )
+
+
+def _coordinator_cpu_text(result: dict) -> str:
+    cpu = result.get("coordinator_cpu_seconds_per_step")
+    return f", coordinator {cpu * 1e3:.1f} ms" if cpu is not None else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,6 +505,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="paramsync checks identical weights every this many steps (default every step)",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a paramsync TrainerOptions field, e.g. response_cache=false (repeatable)",
+    )
+    parser.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="also run paramsync with the weight check off in the same alternating rounds, "
+        "and report what the check costs",
     )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
@@ -419,7 +550,8 @@ def main() -> None:
     started = time.perf_counter()
     for world in args.worlds:
         for round_index in range(args.rounds):
-            order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+            systems = (*SYSTEMS, UNCHECKED) if args.check_cost else SYSTEMS
+            order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
                 result = _launch(system, world, args)
                 runs.setdefault((system, world), []).append(result)
@@ -428,7 +560,9 @@ def main() -> None:
                     f"{LABELS[system]}: median step "
                     f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms, "
                     f"{result['steps_per_second']:.2f} steps/s, "
-                    f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}",
+                    f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}; "
+                    f"CPU per step: rank 0 {result['cpu_seconds_per_step'] * 1e3:.1f} ms"
+                    + _coordinator_cpu_text(result),
                     flush=True,
                 )
     table = _summarise(runs, args.worlds)

@@ -154,6 +154,16 @@ class Actor:
         self._check_type(message)
         await self._post(_Envelope(message, None))
 
+    def tell_nowait(self, message: object) -> None:
+        """Queue ``message`` without waiting, for callers that cannot (a callback that trio runs
+        with ``run_sync_soon``). Raises `trio.WouldBlock` if the mailbox is full, `TypeError`
+        and `ActorStopped` as `tell` does."""
+        self._check_type(message)
+        try:
+            self._send.send_nowait(_Envelope(message, None))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ActorStopped(self.name, self._state) from None
+
     async def ask(self, message: object) -> object | None:
         """Send ``message`` and return what `handle` returns for it.
 

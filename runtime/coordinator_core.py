@@ -122,6 +122,7 @@ register_message(
     step=_STEP,
     bucket=_BUCKET,
     spec=Field((list, str), max_len=_MAX_ITEMS),
+    cached=Field(bool, required=False),
 )
 register_message("reduced", epoch=_EPOCH, step=_STEP)
 register_message(
@@ -248,6 +249,19 @@ def _norm_bytes(value: Any, label: str, peer: object, max_len: int) -> bytes:
 def _norm_tensor_digests(value: Any, label: str, peer: object) -> tuple[tuple[str, bytes], ...]:
     if not _is_seq(value) or len(value) > _MAX_ITEMS:
         raise _bad(label, "must be a list of [name, digest]", peer)
+    # Fast path (every step, one entry per tensor): plain lists of [str, bytes] within bounds.
+    fast = tuple(
+        (item[0], item[1])
+        for item in value
+        if (type(item) is list or type(item) is tuple)
+        and len(item) == 2
+        and type(item[0]) is str
+        and 0 < len(item[0]) <= _MAX_NAME
+        and type(item[1]) is bytes
+        and len(item[1]) <= _MAX_DIGEST
+    )
+    if len(fast) == len(value):
+        return fast
     out = []
     for i, item in enumerate(value):
         if not _is_seq(item) or len(item) != 2:
@@ -609,7 +623,12 @@ class Joined:
 
 @dataclass(frozen=True)
 class Ready:
-    """Rank ``rank``'s gradient bucket ``bucket`` of ``step`` is ready; ``spec`` is its layout."""
+    """Rank ``rank``'s gradient bucket ``bucket`` of ``step`` is ready; ``spec`` is its layout.
+
+    ``cached``: the rank did not wait for a go; it reduces the bucket at once because the
+    members agreed on this spec for this bucket earlier in the epoch (Horovod's response cache:
+    the coordinator still checks the report against that agreement, and the ring refuses a
+    peer whose tensor differs)."""
 
     KIND: ClassVar[str] = "ready"
     rank: int
@@ -617,23 +636,42 @@ class Ready:
     bucket: int
     spec: BucketSpec
     epoch: int = 1
+    cached: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "spec", _norm_spec(self.spec, "Ready.spec", self.rank))
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {
+        fields = {
             "epoch": self.epoch,
             "step": self.step,
             "bucket": self.bucket,
             "spec": _spec_wire(self.spec),
         }
+        if self.cached:
+            fields["cached"] = True
+        return self.KIND, fields
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Ready:
         _expect(message, cls.KIND, rank)
         spec = _norm_spec(message["spec"], "ready message: field 'spec'", rank)
-        return cls(rank, message["step"], message["bucket"], spec, message["epoch"])
+        return cls._checked(
+            rank,
+            message["step"],
+            message["bucket"],
+            spec,
+            message["epoch"],
+            bool(message.get("cached", False)),
+        )
+
+    @classmethod
+    def _checked(cls, *args: Any) -> Ready:
+        """Build from fields already normalized (skips normalizing the spec a second time)."""
+        ready = object.__new__(cls)
+        for name, value in zip(("rank", "step", "bucket", "spec", "epoch", "cached"), args):
+            object.__setattr__(ready, name, value)
+        return ready
 
 
 @dataclass(frozen=True)
@@ -689,7 +727,16 @@ class Digest:
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Digest:
         _expect(message, cls.KIND, rank)
         tensors = _norm_tensor_digests(message["tensors"], "digest message: field 'tensors'", rank)
-        return cls(rank, message["step"], message["digest"], tensors, message["epoch"])
+        digest = object.__new__(cls)  # fields normalized here: skip __post_init__'s second pass
+        for name, value in (
+            ("rank", rank),
+            ("step", message["step"]),
+            ("digest", _norm_bytes(message["digest"], "Digest.digest", rank, _MAX_DIGEST)),
+            ("tensor_digests", tensors),
+            ("epoch", message["epoch"]),
+        ):
+            object.__setattr__(digest, name, value)
+        return digest
 
 
 @dataclass(frozen=True)
@@ -1091,6 +1138,13 @@ class CoordinatorCore:
         self._abort_reason: str | None = None
         self._finished: set[int] = set()
         self._pending: dict[int, dict[int, BucketSpec]] = {}
+        self._plain: set[int] = set()
+        """Buckets of this step with a report that waits for a go (not from the cache)."""
+        self._reported: dict[int, set[int]] = {}
+        """Buckets each rank has reported ready for this step."""
+        self._agreed: dict[int, BucketSpec] = {}
+        """Bucket specs every member agreed on (a go was sent) in this epoch: the response
+        cache. A report marked cached must match it; a new epoch starts without one."""
         self._gone: set[int] = set()
         self._reduced: set[int] = set()
         self._done: dict[int, Digest | StepDone] = {}
@@ -1341,6 +1395,7 @@ class CoordinatorCore:
         self._verifying = not broadcast and step > 0
         self._applied = self._verifying
         self._pending, self._gone, self._reduced, self._done, self._early = {}, set(), set(), {}, []
+        self._plain, self._reported, self._agreed = set(), {}, {}
         self._finished = set()
         self._progress += 1
         ring = self._ring if first and len(members) == self._n else tuple(range(len(members)))
@@ -1417,6 +1472,7 @@ class CoordinatorCore:
         self._applied = step > 0
         self._verifying = False
         self._pending, self._gone, self._reduced, self._done, self._early = {}, set(), set(), {}, []
+        self._plain, self._reported, self._agreed = set(), {}, {}
         text = (
             f"{reason}; {len(self._addresses)} worker(s) remain, min_workers is {self._min}: "
             f"holding at step {step} for up to {_seconds(self._rejoin)} s for joiners"
@@ -1455,8 +1511,8 @@ class CoordinatorCore:
             return early
         if step == self._step + 1:
             # Step s+1's backward may finish before step s's digests are in: hold the report
-            # until step s commits (no Go for s+1 before that), keeping the check off the
-            # critical path.
+            # until step s commits (no Go for s+1 before that; a cached report, already being
+            # reduced, is checked then), keeping the check off the critical path.
             if any(e.rank == rank and e.bucket == bucket for e in self._early):
                 return self._fault(rank, f"step {step}: rank {rank} reported bucket {bucket} twice")
             self._early.append(event)
@@ -1476,15 +1532,44 @@ class CoordinatorCore:
         reports = self._pending.get(bucket, {})
         if bucket in self._gone or rank in reports:
             return self._fault(rank, f"step {step}: rank {rank} reported bucket {bucket} twice")
-        if self._done or self._reduced:
-            finished = sorted(set(self._done) | self._reduced)
-            return self._fault(
-                rank,
-                f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
-                f"{finished} finished the step without it",
-            )
+        agreed = self._agreed.get(bucket)
+        if event.cached:
+            # The rank is already reducing: check its report against the epoch's agreement.
+            # It may trail a peer's step end (links race), but that peer must have reported
+            # the bucket too: its own reports precede its step end on its link.
+            if agreed is None:
+                return self._fault(
+                    rank,
+                    f"step {step} bucket {bucket}: rank {rank} reduced it without a go, but the "
+                    f"members agreed on no spec for bucket {bucket} in epoch {self._epoch}",
+                )
+            if event.spec != agreed:
+                return self._fault(
+                    rank,
+                    f"step {step} bucket {bucket}: rank {rank} reduced shapes "
+                    f"{_spec_text(event.spec)} without a go, but the members agreed on "
+                    f"{_spec_text(agreed)} in epoch {self._epoch}",
+                )
+            finished = set(self._done) | self._reduced
+            without = sorted(r for r in finished if bucket not in self._reported.get(r, ()))
+            if without:
+                return self._fault(
+                    rank,
+                    f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
+                    f"{without} finished the step without it",
+                )
+        else:
+            if self._done or self._reduced:
+                finished = sorted(set(self._done) | self._reduced)
+                return self._fault(
+                    rank,
+                    f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
+                    f"{finished} finished the step without it",
+                )
+            self._plain.add(bucket)  # negotiated: the go, if all agree, updates the agreement
         reports = self._pending.setdefault(bucket, {})
         reports[rank] = event.spec
+        self._reported.setdefault(rank, set()).add(bucket)
         self._progress += 1
         if len(set(reports.values())) > 1:
             return self._abort(f"step {step} bucket {bucket}: {self._spec_groups(reports)}")
@@ -1492,9 +1577,33 @@ class CoordinatorCore:
             return []
         del self._pending[bucket]
         self._gone.add(bucket)
+        if bucket not in self._plain:
+            return []  # every member reduced it from the agreement: no go to send
+        self._plain.discard(bucket)
+        self._agreed[bucket] = event.spec
         go = Go(step, bucket, self._seq, self._epoch)
         self._seq += 1
         return [Broadcast(go)]
+
+    def _unfinished_buckets(self, rank: int, step: int, what: str) -> list[Action] | None:
+        """A fault if ``rank`` ends ``step`` (``what``) with a bucket outstanding: one still
+        negotiated (no go yet), or one that peers reduced from the cache and it never reported
+        (its peers' reports may still be on their way: those are checked as they come)."""
+        for bucket in sorted(self._pending):
+            reports = self._pending[bucket]
+            if bucket in self._plain:
+                return self._fault(
+                    rank,
+                    f"step {step}: rank {rank} {what} while bucket {bucket} is still being "
+                    f"negotiated (ready from ranks {sorted(reports)})",
+                )
+            if rank not in reports:
+                return self._fault(
+                    rank,
+                    f"step {step}: rank {rank} {what} without bucket {bucket}, which ranks "
+                    f"{sorted(reports)} reduced",
+                )
+        return None
 
     @staticmethod
     def _spec_groups(reports: Mapping[int, BucketSpec]) -> str:
@@ -1524,13 +1633,9 @@ class CoordinatorCore:
             )
         if rank in self._reduced or self._applied:
             return self._fault(rank, f"step {step}: rank {rank} sent reduced twice")
-        if self._pending:
-            bucket = min(self._pending)
-            return self._fault(
-                rank,
-                f"step {step}: rank {rank} sent reduced while bucket {bucket} is still being "
-                f"negotiated (ready from ranks {sorted(self._pending[bucket])})",
-            )
+        unfinished = self._unfinished_buckets(rank, step, "sent reduced")
+        if unfinished is not None:
+            return unfinished
         self._reduced.add(rank)
         self._progress += 1
         if len(self._reduced) < len(self._members):
@@ -1562,13 +1667,9 @@ class CoordinatorCore:
             )
         if rank in self._done:
             return self._fault(rank, f"step {step}: rank {rank} finished the step twice")
-        if self._pending:
-            bucket = min(self._pending)
-            return self._fault(
-                rank,
-                f"step {step}: rank {rank} finished the step while bucket {bucket} is still "
-                f"being negotiated (ready from ranks {sorted(self._pending[bucket])})",
-            )
+        unfinished = self._unfinished_buckets(rank, step, "finished the step")
+        if unfinished is not None:
+            return unfinished
         if self._elastic and not self._applied:
             return self._fault(
                 rank, f"step {step}: rank {rank} sent {what} before every member reduced"
@@ -1603,6 +1704,8 @@ class CoordinatorCore:
         self._applied = False
         self._verifying = False
         self._pending = {}
+        self._plain = set()
+        self._reported = {}
         self._gone = set()
         self._reduced = set()
         self._done = {}

@@ -366,6 +366,145 @@ def test_ready_for_the_next_step_is_held_until_the_commit() -> None:
     )
 
 
+# --------------------------------------------------------------------------- response cache
+
+
+def cached(rank: int, step: int, bucket: int, layout: Any = None) -> Ready:
+    """A report of a bucket the rank reduces at once, under the epoch's agreed spec."""
+    return Ready(rank, step, bucket, spec(bucket) if layout is None else layout, cached=True)
+
+
+def test_cached_reports_need_no_go_once_every_member_agreed() -> None:
+    """Step 0 negotiates (one go per bucket); later steps' cached reports are checked and
+    commit without a single go."""
+    core = started(3)
+    assert len([a for a in run_buckets(core, 0, 2) if isinstance(a, Broadcast)]) == 2
+    assert end_step(core, 0) == [Broadcast(Commit(0))]
+    for step in (1, 2):
+        for rank in range(3):
+            for bucket in (1, 0):
+                assert core.handle(cached(rank, step, bucket)) == []
+        assert core.pending_buckets == {}
+        assert end_step(core, step) == [Broadcast(Commit(step))]
+    assert core.seq == 2  # the two gos of step 0, none since
+
+
+def test_a_cached_report_may_trail_a_peers_step_end() -> None:
+    """Rank 0 reduced with rank 1 and sent its digest; rank 1's report, sent before the ring
+    started, comes in on its own link after it: no fault."""
+    core = started(2)
+    run_buckets(core, 0, 1)
+    end_step(core, 0)
+    assert core.handle(cached(0, 1, 0)) == []
+    assert core.handle(digest(0, 1)) == []
+    assert core.handle(cached(1, 1, 0)) == []
+    assert core.handle(digest(1, 1)) == [Broadcast(Commit(1))]
+
+
+def test_a_cached_report_held_for_the_commit_is_checked_then() -> None:
+    core = started(2)
+    run_buckets(core, 0, 1)
+    assert core.handle(cached(0, 1, 0)) == []  # step 0 not committed yet: held
+    assert core.handle(cached(1, 1, 0, (((9,), "float32"),))) == []
+    actions = end_step(core, 0)
+    assert actions[0] == Broadcast(Commit(0))
+    assert isinstance(actions[-1], Abort) and actions[-1].reason == (
+        "step 1 bucket 0: rank 1 reduced shapes [(9,), float32] without a go, but the members "
+        "agreed on [(1, 4), float32; (3,), float32] in epoch 1"
+    )
+
+
+def test_a_cached_report_off_the_agreement_names_the_rank() -> None:
+    core = started(3)
+    run_buckets(core, 0, 1)
+    end_step(core, 0)
+    assert core.handle(cached(0, 1, 0)) == []
+    reason = the_abort(core.handle(cached(2, 1, 0, (((1, 4), "float16"), ((3,), "float32")))))
+    assert reason == (
+        "step 1 bucket 0: rank 2 reduced shapes [(1, 4), float16; (3,), float32] without a go, "
+        "but the members agreed on [(1, 4), float32; (3,), float32] in epoch 1"
+    )
+
+
+def test_a_cached_report_without_an_agreement_aborts() -> None:
+    core = started(2)
+    assert the_abort(core.handle(cached(1, 0, 0))) == (
+        "step 0 bucket 0: rank 1 reduced it without a go, but the members agreed on no spec "
+        "for bucket 0 in epoch 1"
+    )
+    core = started(2)
+    run_buckets(core, 0, 1)  # bucket 0 agreed, bucket 1 never
+    end_step(core, 0)
+    reason = the_abort(core.handle(cached(0, 1, 1)))
+    assert "agreed on no spec for bucket 1" in reason
+
+
+def test_a_changed_spec_is_negotiated_afresh_and_replaces_the_agreement() -> None:
+    core = started(2)
+    run_buckets(core, 0, 1)
+    end_step(core, 0)
+    wider = (((2, 4), "float32"), ((3,), "float32"))
+    assert core.handle(Ready(0, 1, 0, wider)) == []  # not cached: waits for a go
+    assert core.handle(Ready(1, 1, 0, wider)) == [Broadcast(Go(1, 0, 1))]
+    end_step(core, 1)
+    assert core.handle(cached(0, 2, 0, wider)) == []  # the new agreement holds ...
+    assert the_abort(core.handle(cached(1, 2, 0))).startswith(  # ... the old one no longer
+        "step 2 bucket 0: rank 1 reduced shapes [(1, 4), float32; (3,), float32] without a go, "
+        "but the members agreed on [(2, 4), float32; (3,), float32]"
+    )
+
+
+def test_a_changed_spec_against_cached_peers_is_diagnosed_naming_the_ranks() -> None:
+    """Rank 0's layout changed (it negotiates), rank 1 reduces under the agreement: the
+    reports differ and the abort names both groups, whichever arrives first."""
+    wider = (((2, 4), "float32"), ((3,), "float32"))
+    expected = (
+        "step 1 bucket 0: ranks [0] report shapes [(2, 4), float32; (3,), float32], "
+        "ranks [1] report [(1, 4), float32; (3,), float32]"
+    )
+    for first_cached in (True, False):
+        core = started(2)
+        run_buckets(core, 0, 1)
+        end_step(core, 0)
+        events = [Ready(0, 1, 0, wider), cached(1, 1, 0)]
+        if first_cached:
+            events.reverse()
+        assert core.handle(events[0]) == []
+        assert the_abort(core.handle(events[1])) == expected
+
+
+def test_finishing_without_a_bucket_the_peers_reduced_from_the_cache_aborts() -> None:
+    core = started(3)
+    run_buckets(core, 0, 2)
+    end_step(core, 0)
+    for rank in range(3):
+        core.handle(cached(rank, 1, 0))
+    core.handle(cached(0, 1, 1))
+    assert the_abort(core.handle(digest(1, 1))) == (
+        "step 1: rank 1 finished the step without bucket 1, which ranks [0] reduced"
+    )
+    core = started(2)
+    run_buckets(core, 0, 2)
+    end_step(core, 0)
+    core.handle(cached(0, 1, 0))
+    core.handle(digest(0, 1))  # rank 0 skipped bucket 1; nobody reported it yet
+    assert the_abort(core.handle(cached(1, 1, 1))) == (
+        "step 1: rank 1 reported bucket 1 ready after ranks [0] finished the step without it"
+    )
+
+
+def test_cached_reports_round_trip_the_wire() -> None:
+    ready = cached(2, 7, 3)
+    kind, fields = ready.to_wire()
+    assert fields["cached"] is True
+    decoded = event_from_wire(decode_frame(encode_frame_bytes(kind, fields)), rank=2, now=0.0)
+    assert decoded == ready
+    plain = Ready(2, 7, 3, spec(3))
+    kind, fields = plain.to_wire()
+    assert "cached" not in fields  # an older coordinator reads it unchanged
+    assert event_from_wire(decode_frame(encode_frame_bytes(kind, fields)), rank=2, now=0.0) == plain
+
+
 def test_duplicate_bucket_aborts_pending_or_gone() -> None:
     core = started(3)
     core.handle(Ready(1, 0, 4, spec(4)))

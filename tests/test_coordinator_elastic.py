@@ -110,6 +110,42 @@ def test_below_min_workers_the_run_holds_then_a_joiner_takes_a_members_state() -
     assert core.state is RunState.RUNNING
 
 
+def test_a_new_epoch_negotiates_its_buckets_afresh() -> None:
+    """The response cache lives for one epoch: the survivors' ring is new, so their first
+    step must negotiate again, and a report cached from the old epoch is refused."""
+    core = elastic()
+    run_step(core, 0, (0, 1, 2))  # epoch 1 agrees on bucket 0
+    assert core.handle(Ready(0, 1, 0, SPEC, 1, cached=True)) == []
+    start = started(core.handle(Disconnected(2, "killed")))
+    assert (start.epoch, start.step) == (2, 1)
+    core.handle(Digest(0, 0, b"d0", (), 2))
+    core.handle(Digest(1, 0, b"d0", (), 2))
+    actions = core.handle(Ready(0, 1, 0, SPEC, 2, cached=True))
+    assert any(
+        isinstance(a, Evict)
+        and a.rank == 0
+        and "agreed on no spec for bucket 0 in epoch 2" in a.reason
+        for a in actions
+    ), actions
+
+
+def test_cached_reports_in_an_elastic_epoch_skip_the_go_and_may_trail_reduced() -> None:
+    core = elastic()
+    run_step(core, 0, (0, 1, 2))
+    assert core.seq == 1
+    out: list[Any] = []
+    out += core.handle(Ready(0, 1, 0, SPEC, 1, cached=True))
+    out += core.handle(Reduced(0, 1, 1))  # rank 0's ring ended before the others' reports
+    for r in (1, 2):
+        out += core.handle(Ready(r, 1, 0, SPEC, 1, cached=True))
+    for r in (1, 2):
+        out += core.handle(Reduced(r, 1, 1))
+    assert out == [Broadcast(Apply(1, 1))]
+    for r in (0, 1, 2):
+        out = core.handle(Digest(r, 1, b"d1", (), 1))
+    assert out == [Broadcast(Commit(1, 1))] and core.seq == 1
+
+
 def test_holding_past_the_rejoin_deadline_stops_the_run_clearly() -> None:
     core = elastic(2, 1, rejoin_seconds=5.0)
     core.handle(Tick(0.0))

@@ -447,6 +447,88 @@ async def test_c_ddp_001_fixed_case_both_transports(transport: str) -> None:
     )
 
 
+# --------------------------------------------------------------------------- response cache
+
+
+async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache() -> None:
+    """With the response cache only the first step waits for gos (one per bucket); every
+    later step reduces its buckets at once, in the first step's order. The ranks stay bitwise
+    identical and end with exactly the weights of the same run negotiating every step."""
+    world_size, steps = 3, 4
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank, widths=(4, 6, 5, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        gos: list[int] = []
+        forward = trainer.client.on_go
+        assert forward is not None
+
+        async def count(go: Any) -> None:
+            gos.append(go.step)
+            await forward(go)
+
+        trainer.client.on_go = count
+        rank = trainer.dist_config.rank
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            batch = (torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
+            await trainer.train_batch(split(batch, rank, 2))
+        await trainer.verified()
+        return {"gos": gos, "state": snapshot(trainer), "buckets": len(trainer.buckets)}
+
+    finals = []
+    for response_cache in (True, False):
+        options = TrainerOptions(bucket_bytes=1, response_cache=response_cache)
+        with trio.fail_after(RUN_SECONDS):
+            results = await train_in_process(
+                world_size, make_replica, mse_loss, body, options=options
+            )
+        buckets = results[0]["buckets"]
+        assert buckets == 6  # one per parameter
+        for result in results:
+            if response_cache:
+                assert result["gos"] == [0] * buckets
+            else:
+                assert result["gos"] == sorted(list(range(steps)) * buckets)
+            assert result["state"] == results[0]["state"]
+        finals.append(results[0]["state"]["tensors"])
+    assert finals[0] == finals[1]
+
+
+async def test_gradients_replaced_between_steps_are_copied_then_bound_again() -> None:
+    """Gradients live in the buckets' flat buffers; a caller that drops them between steps
+    (zero_grad(set_to_none=True)) gets the copying path for that step and the same weights."""
+    world_size, steps = 2, 3
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank, widths=(4, 6, 2))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def body(drop: bool) -> Callable[[DistributedTrainer], Any]:
+        async def run(trainer: DistributedTrainer) -> dict[str, Any]:
+            rank = trainer.dist_config.rank
+            for step in range(steps):
+                if drop:
+                    trainer.model.zero_grad(set_to_none=True)
+                gen = torch.Generator().manual_seed(step)
+                batch = (torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen))
+                await trainer.train_batch(split(batch, rank, 2))
+            await trainer.verified()
+            return snapshot(trainer)
+
+        return run
+
+    finals = []
+    for drop in (False, True):
+        with trio.fail_after(RUN_SECONDS):
+            results = await train_in_process(world_size, make_replica, mse_loss, body(drop))
+        assert results[1] == results[0]
+        finals.append(results[0]["tensors"])
+    assert finals[0] == finals[1]
+
+
 # --------------------------------------------------------------------------- frozen params
 
 
