@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m actors.demo", description=__doc__)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=500, help="about two minutes on 2 cores")
+    parser.add_argument("--steps", type=int, default=1200, help="about two minutes on 2 cores")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
     args = parser.parse_args(argv)
     out: Path = args.out
