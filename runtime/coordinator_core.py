@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from .errors import ProtocolError
 from .wire import Field, register_message, validate_message
@@ -427,10 +427,10 @@ class Go:
 
 
 @dataclass(frozen=True)
-class Apply:
-    """Every member holds the fully reduced gradients of ``step``: apply them (elastic runs)."""
+class _StepOrder:
+    """A coordinator message naming one step of one epoch and nothing else."""
 
-    KIND: ClassVar[str] = "apply"
+    KIND: ClassVar[str]
     step: int
     epoch: int = 1
 
@@ -438,26 +438,23 @@ class Apply:
         return self.KIND, {"epoch": self.epoch, "step": self.step}
 
     @classmethod
-    def from_wire(cls, message: Mapping[str, Any]) -> Apply:
+    def from_wire(cls, message: Mapping[str, Any]) -> Self:
         _expect(message, cls.KIND)
         return cls(message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
-class Commit:
+class Apply(_StepOrder):
+    """Every member holds the fully reduced gradients of ``step``: apply them (elastic runs)."""
+
+    KIND: ClassVar[str] = "apply"
+
+
+@dataclass(frozen=True)
+class Commit(_StepOrder):
     """Step ``step`` is verified and done everywhere: go on with ``step + 1``."""
 
     KIND: ClassVar[str] = "commit"
-    step: int
-    epoch: int = 1
-
-    def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"epoch": self.epoch, "step": self.step}
-
-    @classmethod
-    def from_wire(cls, message: Mapping[str, Any]) -> Commit:
-        _expect(message, cls.KIND)
-        return cls(message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -621,6 +618,15 @@ class Joined:
         )
 
 
+def _prebuilt(cls: type[Any], fields: Iterable[tuple[str, Any]]) -> Any:
+    """An instance of the frozen dataclass ``cls`` from fields already normalized (its
+    ``__post_init__`` would check them a second time on a hot path)."""
+    item = object.__new__(cls)
+    for name, value in fields:
+        object.__setattr__(item, name, value)
+    return item
+
+
 @dataclass(frozen=True)
 class Ready:
     """Rank ``rank``'s gradient bucket ``bucket`` of ``step`` is ready; ``spec`` is its layout.
@@ -668,17 +674,14 @@ class Ready:
     @classmethod
     def _checked(cls, *args: Any) -> Ready:
         """Build from fields already normalized (skips normalizing the spec a second time)."""
-        ready = object.__new__(cls)
-        for name, value in zip(("rank", "step", "bucket", "spec", "epoch", "cached"), args):
-            object.__setattr__(ready, name, value)
-        return ready
+        return _prebuilt(cls, zip(("rank", "step", "bucket", "spec", "epoch", "cached"), args))
 
 
 @dataclass(frozen=True)
-class Reduced:
-    """Rank ``rank`` holds every bucket of ``step`` fully reduced (elastic runs)."""
+class _StepReport:
+    """A worker's word about one step of one epoch and nothing else (``rank`` from its link)."""
 
-    KIND: ClassVar[str] = "reduced"
+    KIND: ClassVar[str]
     rank: int
     step: int
     epoch: int = 1
@@ -687,9 +690,16 @@ class Reduced:
         return self.KIND, {"epoch": self.epoch, "step": self.step}
 
     @classmethod
-    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Reduced:
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Self:
         _expect(message, cls.KIND, rank)
         return cls(rank, message["step"], message["epoch"])
+
+
+@dataclass(frozen=True)
+class Reduced(_StepReport):
+    """Rank ``rank`` holds every bucket of ``step`` fully reduced (elastic runs)."""
+
+    KIND: ClassVar[str] = "reduced"
 
 
 @dataclass(frozen=True)
@@ -727,34 +737,23 @@ class Digest:
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Digest:
         _expect(message, cls.KIND, rank)
         tensors = _norm_tensor_digests(message["tensors"], "digest message: field 'tensors'", rank)
-        digest = object.__new__(cls)  # fields normalized here: skip __post_init__'s second pass
-        for name, value in (
-            ("rank", rank),
-            ("step", message["step"]),
-            ("digest", _norm_bytes(message["digest"], "Digest.digest", rank, _MAX_DIGEST)),
-            ("tensor_digests", tensors),
-            ("epoch", message["epoch"]),
-        ):
-            object.__setattr__(digest, name, value)
-        return digest
+        return _prebuilt(  # fields normalized here: skip __post_init__'s second pass
+            cls,
+            (
+                ("rank", rank),
+                ("step", message["step"]),
+                ("digest", _norm_bytes(message["digest"], "Digest.digest", rank, _MAX_DIGEST)),
+                ("tensor_digests", tensors),
+                ("epoch", message["epoch"]),
+            ),
+        )
 
 
 @dataclass(frozen=True)
-class StepDone:
+class StepDone(_StepReport):
     """Rank ``rank`` finished ``step`` (on steps that carry no digest)."""
 
     KIND: ClassVar[str] = "step_done"
-    rank: int
-    step: int
-    epoch: int = 1
-
-    def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"epoch": self.epoch, "step": self.step}
-
-    @classmethod
-    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> StepDone:
-        _expect(message, cls.KIND, rank)
-        return cls(rank, message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
@@ -775,21 +774,10 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(_StepReport):
     """Rank ``rank`` ran all its steps; ``step`` is the first step it will not run."""
 
     KIND: ClassVar[str] = "finished"
-    rank: int
-    step: int
-    epoch: int = 1
-
-    def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {"epoch": self.epoch, "step": self.step}
-
-    @classmethod
-    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Finished:
-        _expect(message, cls.KIND, rank)
-        return cls(rank, message["step"], message["epoch"])
 
 
 @dataclass(frozen=True)
