@@ -111,53 +111,22 @@ def run_trial(
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         root = Path(tmp)
-        env = dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
-        env.pop(FAULT_ENV, None)
+        env = _trial_env()
         port_file = root / "port"
         coordinator_log = root / "coordinator.log"
-        with open(coordinator_log, "w") as log_file:
-            coordinator = subprocess.Popen(
-                [
-                    *_python(),
-                    "coordinator",
-                    "--world-size",
-                    str(workers),
-                    "--bind",
-                    "127.0.0.1:0",
-                    "--port-file",
-                    str(port_file),
-                    "--min-workers",
-                    str(min_workers),
-                    "--heartbeat-deadline",
-                    "3",
-                    "--rejoin-seconds",
-                    "10",
-                ],
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+        elastic = ["--min-workers", str(min_workers), "--rejoin-seconds", "10"]
+        coordinator = _start_coordinator(
+            workers, "127.0.0.1:0", port_file, env, coordinator_log, elastic
+        )
         procs: dict[int, subprocess.Popen[bytes]] = {}
         kill_seen: float | None = None
         rejoined: subprocess.Popen[bytes] | None = None
         try:
             deadline = time.monotonic() + timeout
-            while not port_file.exists() or not port_file.read_text().strip():
-                if coordinator.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the coordinator did not start: {coordinator_log.read_text()}"
-                    )
-                time.sleep(0.02)
-            address = f"127.0.0.1:{port_file.read_text().strip()}"
+            port = _wait_for_port(port_file, coordinator, coordinator_log, deadline)
 
             def start_worker(rank: int, worker_env: dict[str, str], log: str) -> Any:
-                command = [*_python(), "worker", "--rank", str(rank)]
-                command += ["--world-size", str(workers), "--coordinator", address]
-                command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
-                with open(root / log, "w") as err:
-                    return subprocess.Popen(
-                        command, env=worker_env, stdout=subprocess.DEVNULL, stderr=err
-                    )
+                return _start_worker(rank, workers, port, root, flags, worker_env, log)
 
             for rank in range(workers):
                 worker_env = dict(env)
@@ -172,20 +141,12 @@ def run_trial(
                     kill_seen = time.time()
                     if rejoin:
                         rejoined = start_worker(victim, env, "rejoined.log")
-                if time.monotonic() > deadline:
-                    logs = "\n".join(
-                        f"--- {path.name}:\n{path.read_text()[-3000:]}"
-                        for path in sorted(root.glob("*.log"))
-                    )
-                    raise TimeoutError(f"the trial did not finish within {timeout} s\n{logs}")
+                _check_deadline(deadline, timeout, root)
                 time.sleep(0.005)
             if kill_seen is None:
                 kill_seen = time.time()
         finally:
-            for proc in (coordinator, *procs.values(), rejoined):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _kill_all(coordinator, *procs.values(), rejoined)
         log_text = coordinator_log.read_text()
         stamp = root / "killed-at"
         if stamp.exists():
@@ -276,11 +237,61 @@ class RestartResult:
         return not self.problems
 
 
-def _coordinator_command(workers: int, bind: str, port_file: Path) -> list[str]:
-    return [
+def _trial_env() -> dict[str, str]:
+    """This process's environment with a fresh secret, one thread per process, no fault armed."""
+    env = dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
+    env.pop(FAULT_ENV, None)
+    return env
+
+
+def _start_coordinator(
+    workers: int,
+    bind: str,
+    port_file: Path,
+    env: dict[str, str],
+    log: Path,
+    extra: list[str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """A coordinator daemon (heartbeat deadline 3 s) logging to ``log``."""
+    command = [
         *_python(), "coordinator", "--world-size", str(workers), "--bind", bind,
-        "--port-file", str(port_file), "--heartbeat-deadline", "3",
+        "--port-file", str(port_file), "--heartbeat-deadline", "3", *(extra or []),
     ]  # fmt: skip
+    with open(log, "w") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _start_worker(
+    rank: int,
+    workers: int,
+    port: int,
+    root: Path,
+    flags: list[str],
+    env: dict[str, str],
+    log: str,
+) -> subprocess.Popen[bytes]:
+    """An LM worker daemon writing its summary to ``root``, its log to ``root / log``."""
+    command = [*_python(), "worker", "--rank", str(rank), "--world-size", str(workers)]
+    command += ["--coordinator", f"127.0.0.1:{port}"]
+    command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
+    with open(root / log, "w") as err:
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _check_deadline(deadline: float, timeout: float, root: Path) -> None:
+    """Past ``deadline``: fail with the tail of every process's log."""
+    if time.monotonic() > deadline:
+        logs = "\n".join(
+            f"--- {path.name}:\n{path.read_text()[-3000:]}" for path in sorted(root.glob("*.log"))
+        )
+        raise TimeoutError(f"the trial did not finish within {timeout} s\n{logs}")
+
+
+def _kill_all(*procs: subprocess.Popen[bytes] | None) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_for_port(port_file: Path, proc: subprocess.Popen[bytes], log: Path, until: float) -> int:
@@ -308,56 +319,31 @@ def run_coordinator_restart_trial(
     deadline = started + timeout
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         root = Path(tmp)
-        env = dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
-        env.pop(FAULT_ENV, None)
+        env = _trial_env()
         killed_env = dict(env, **{FAULT_ENV: f"commit:{step}", STAMP_ENV: str(root / "killed")})
         if step is None:
             killed_env = env
         port_file, first_log, second_log = root / "port", root / "first.log", root / "second.log"
-        with open(first_log, "w") as out:
-            first = subprocess.Popen(
-                _coordinator_command(workers, "127.0.0.1:0", port_file),
-                env=killed_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        first = _start_coordinator(workers, "127.0.0.1:0", port_file, killed_env, first_log)
         procs: dict[int, subprocess.Popen[bytes]] = {}
         second: subprocess.Popen[bytes] | None = None
         relaunched = 0.0
         try:
             port = _wait_for_port(port_file, first, first_log, deadline)
             port_file.unlink()
+            redial = ["--reconnect-seconds", "60"]
             for rank in range(workers):
-                command = [*_python(), "worker", "--rank", str(rank), "--world-size"]
-                command += [str(workers), "--coordinator", f"127.0.0.1:{port}"]
-                command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
-                command += ["--reconnect-seconds", "60"]
-                with open(root / f"worker-{rank}.log", "w") as err:
-                    procs[rank] = subprocess.Popen(
-                        command, env=env, stdout=subprocess.DEVNULL, stderr=err
-                    )
+                log = f"worker-{rank}.log"
+                procs[rank] = _start_worker(rank, workers, port, root, flags + redial, env, log)
             while any(p.poll() is None for p in (first, second, *procs.values()) if p):
                 if second is None and first.poll() == -9:  # killed: start it again
                     relaunched = time.time()
-                    with open(second_log, "w") as out:
-                        second = subprocess.Popen(
-                            _coordinator_command(workers, f"127.0.0.1:{port}", port_file),
-                            env=env,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                        )
-                if time.monotonic() > deadline:
-                    logs = "\n".join(
-                        f"--- {path.name}:\n{path.read_text()[-3000:]}"
-                        for path in sorted(root.glob("*.log"))
-                    )
-                    raise TimeoutError(f"the trial did not finish within {timeout} s\n{logs}")
+                    bind = f"127.0.0.1:{port}"
+                    second = _start_coordinator(workers, bind, port_file, env, second_log)
+                _check_deadline(deadline, timeout, root)
                 time.sleep(0.005)
         finally:
-            for proc in (first, second, *procs.values()):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _kill_all(first, second, *procs.values())
         codes = {"coordinator": first.returncode}
         if second is not None:
             codes["restarted coordinator"] = second.returncode
