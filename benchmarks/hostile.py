@@ -62,7 +62,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runtime.errors import HandshakeError, PeerClosed, ProtocolError  # noqa: E402
-from runtime.handshake import DialerHandshake, Identity, ListenerHandshake  # noqa: E402
+from runtime.handshake import (  # noqa: E402
+    DialerHandshake,
+    Identity,
+    ListenerHandshake,
+    NonceLedger,
+)
 from runtime.tcp import DEFAULT_GROUP, Connection, dial  # noqa: E402
 from runtime.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
 
@@ -244,6 +249,7 @@ async def forged_auth(target: Target, index: int) -> list[Attempt]:
             Identity(challenge["group"], challenge["world_size"], challenge["rank"]),
             lambda _peer: None,
             nonce=challenge["nonce"],
+            ledger=NonceLedger(),  # not this process's: the hello is the attacker's own
         )
         kind, fields = lookalike.on_hello({"kind": "hello", **hello[1]})
         await conn.send(*dialer.on_challenge({"kind": kind, **fields}))

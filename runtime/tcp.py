@@ -278,15 +278,21 @@ class Connection:
                 self._start = self._end = 0
         raw = self._raw_socket()
         while got < len(view):
-            try:
-                count = raw.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-            except BlockingIOError:
-                raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
-            except OSError as exc:
-                raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
-            if count == 0:
-                raise PeerClosed("connection closed by the peer", peer=self.peer)
-            got += count
+            got += self._recv_some_blocking(raw, view[got:], len(view) - got, socket.MSG_WAITALL)
+
+    def _recv_some_blocking(
+        self, raw: socket.socket, view: memoryview, size: int, flags: int = 0
+    ) -> int:
+        """One blocking ``recv_into``; its failures as the errors that name this peer."""
+        try:
+            count = raw.recv_into(view, size, flags)
+        except BlockingIOError:
+            raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
+        except OSError as exc:
+            raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+        if count == 0:
+            raise PeerClosed("connection closed by the peer", peer=self.peer)
+        return count
 
     def _fill_blocking(self, need: int) -> None:
         """`_fill` for worker threads: one wake-up usually brings prefix and head together.
@@ -298,15 +304,7 @@ class Connection:
         while self._end - self._start < need:
             room = len(self._buf) - self._end
             size = min(room, max(_HEAD_READ, need - (self._end - self._start)))
-            try:
-                count = raw.recv_into(self._view[self._end :], size)
-            except BlockingIOError:
-                raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
-            except OSError as exc:
-                raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
-            if count == 0:
-                raise PeerClosed("connection closed by the peer", peer=self.peer)
-            self._end += count
+            self._end += self._recv_some_blocking(raw, self._view[self._end :], size)
 
     def recv_into_blocking(
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME

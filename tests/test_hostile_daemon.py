@@ -73,15 +73,9 @@ async def attack(target: Any) -> list[Any]:
             attempts.extend(await hostile.slow_drip(target, 0))
 
         nursery.start_soon(drip)
-        for name in (
-            "connect_close",
-            "http_garbage",
-            "framed_garbage",
-            "oversized",
-            "wrong_secret",
-            "forged_auth",
-            "replay",
-        ):
+        for name in hostile.PHASES:
+            if name in ("slow_drip", "flood"):  # the drip runs alongside, the flood after
+                continue
             attempts.extend(await hostile.ATTACKS[name](target, 1))
     attempts.extend(await hostile.flood(target, FLOOD))
     # Still serving after all that: a full authenticated handshake reaches admission (and is
