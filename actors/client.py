@@ -200,15 +200,22 @@ class CoordinatorClient:
             )
 
     async def ready(
-        self, step: int, bucket: int, spec: Sequence[Any], epoch: int = 1, *, cached: bool = False
+        self,
+        step: int,
+        bucket: int,
+        spec: Sequence[Any] | str,
+        epoch: int = 1,
+        *,
+        cached: bool = False,
     ) -> None:
         """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go;
-        ``cached``: it does not wait, it is reduced at once under the epoch's agreed spec."""
+        ``cached``: it does not wait, it is reduced at once under the epoch's agreed spec
+        (``spec`` may then be its `spec_hash`)."""
         fields: dict[str, Any] = {
             "epoch": epoch,
             "step": step,
             "bucket": bucket,
-            "spec": [list(item) for item in spec],
+            "spec": spec if isinstance(spec, str) else [list(item) for item in spec],
         }
         if cached:
             fields["cached"] = True

@@ -37,7 +37,7 @@ from runtime.collectives import (
     broadcast,
 )
 from runtime.config import DistributedConfig
-from runtime.coordinator_core import Hold, ResyncOrder, StartRun
+from runtime.coordinator_core import Hold, ResyncOrder, StartRun, spec_hash
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.faults import armed, fault_point
 from runtime.trace import TraceRecorder
@@ -267,6 +267,8 @@ class GradCommActor(Actor):
         for index in range(len(buckets)):
             self._bind(index)
         self._specs = [bucket.spec() for bucket in buckets]
+        self._spec_hashes = [spec_hash(spec) for spec in self._specs]
+        """What a cached report carries instead of the whole spec."""
         self._packed = [False] * len(buckets)
         """Per bucket: whether this step copied the gradients in (they were not views)."""
         self.current: _StepState | None = None
@@ -359,7 +361,9 @@ class GradCommActor(Actor):
             flat.div_(self.options.accumulation_steps)
         spec = self._specs[bucket.index]
         if self.cache_ready:  # a bucket's spec is fixed: the agreed one
-            await self.client.ready(message.step, bucket.index, spec, self.epoch, cached=True)
+            await self.client.ready(
+                message.step, bucket.index, self._spec_hashes[bucket.index], self.epoch, cached=True
+            )
             self._cached.add(bucket.index)
             # Reduce in the agreed order: every rank runs the same collectives in sequence.
             while self._next < len(self._order) and self._order[self._next] in self._cached:

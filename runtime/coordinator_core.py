@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Self
 
+import xxhash
+
 from .errors import ProtocolError
 from .wire import Field, register_message, validate_message
 
@@ -80,6 +82,7 @@ __all__ = [
     "dtype_name",
     "model_signature",
     "bucket_spec",
+    "spec_hash",
     "CoordinatorCore",
 ]
 
@@ -953,6 +956,17 @@ def _seconds(value: float) -> str:
     return f"{value:.1f}" if abs(value - round(value, 1)) < 1e-9 else f"{value:.3g}"
 
 
+def spec_hash(spec: BucketSpec | Sequence[Any]) -> str:
+    """A bucket spec's short text form, ``"xxh3:"`` and 32 hex digits: what a worker sends in
+    a cached ``ready`` instead of the whole spec (one string instead of every shape, on every
+    step). Takes a normalized spec or the worker's ``[[dims], dtype]`` list; a hash string is
+    its own hash."""
+    if isinstance(spec, str):
+        return spec
+    text = ";".join(f"{','.join(str(d) for d in shape)}:{dtype}" for shape, dtype in spec)
+    return "xxh3:" + xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def _spec_text(spec: BucketSpec) -> str:
     if isinstance(spec, str):
         return f"spec {spec!r}"
@@ -1130,9 +1144,10 @@ class CoordinatorCore:
         """Buckets of this step with a report that waits for a go (not from the cache)."""
         self._reported: dict[int, set[int]] = {}
         """Buckets each rank has reported ready for this step."""
-        self._agreed: dict[int, BucketSpec] = {}
-        """Bucket specs every member agreed on (a go was sent) in this epoch: the response
-        cache. A report marked cached must match it; a new epoch starts without one."""
+        self._agreed: dict[int, tuple[BucketSpec, str]] = {}
+        """Bucket specs every member agreed on (a go was sent) in this epoch, with their
+        `spec_hash`: the response cache. A report marked cached must match the spec or its
+        hash; a new epoch starts without one."""
         self._gone: set[int] = set()
         self._reduced: set[int] = set()
         self._done: dict[int, Digest | StepDone] = {}
@@ -1520,7 +1535,8 @@ class CoordinatorCore:
         reports = self._pending.get(bucket, {})
         if bucket in self._gone or rank in reports:
             return self._fault(rank, f"step {step}: rank {rank} reported bucket {bucket} twice")
-        agreed = self._agreed.get(bucket)
+        agreement = self._agreed.get(bucket)
+        agreed = None if agreement is None else agreement[0]
         if event.cached:
             # The rank is already reducing: check its report against the epoch's agreement.
             # It may trail a peer's step end (links race), but that peer must have reported
@@ -1531,7 +1547,7 @@ class CoordinatorCore:
                     f"step {step} bucket {bucket}: rank {rank} reduced it without a go, but the "
                     f"members agreed on no spec for bucket {bucket} in epoch {self._epoch}",
                 )
-            if event.spec != agreed:
+            if event.spec != agreed and event.spec != agreement[1]:
                 return self._fault(
                     rank,
                     f"step {step} bucket {bucket}: rank {rank} reduced shapes "
@@ -1556,7 +1572,8 @@ class CoordinatorCore:
                 )
             self._plain.add(bucket)  # negotiated: the go, if all agree, updates the agreement
         reports = self._pending.setdefault(bucket, {})
-        reports[rank] = event.spec
+        # A cached report matched the agreement (spec or hash): compare peers by the spec.
+        reports[rank] = agreed if event.cached else event.spec
         self._reported.setdefault(rank, set()).add(bucket)
         self._progress += 1
         if len(set(reports.values())) > 1:
@@ -1568,7 +1585,7 @@ class CoordinatorCore:
         if bucket not in self._plain:
             return []  # every member reduced it from the agreement: no go to send
         self._plain.discard(bucket)
-        self._agreed[bucket] = event.spec
+        self._agreed[bucket] = (event.spec, spec_hash(event.spec))
         go = Go(step, bucket, self._seq, self._epoch)
         self._seq += 1
         return [Broadcast(go)]

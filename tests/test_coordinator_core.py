@@ -45,6 +45,7 @@ from runtime.coordinator_core import (
     event_from_wire,
     message_from_wire,
     model_signature,
+    spec_hash,
 )
 from runtime.errors import ProtocolError
 from runtime.wire import decode_frame, encode_frame_bytes
@@ -1265,3 +1266,26 @@ CoordinatorMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None
 )
 TestCoordinatorMachine = CoordinatorMachine.TestCase
+
+
+def test_a_cached_report_may_carry_the_agreed_specs_hash() -> None:
+    """Workers send `spec_hash` of the agreed spec in cached reports (one string, not every
+    shape); it is checked like the spec, peers sending either form agree, and a hash of any
+    other spec names the rank."""
+    assert spec_hash(spec(0)) == spec_hash([[list(shape), dtype] for shape, dtype in spec(0)])
+    assert spec_hash(spec(0)) != spec_hash(spec(1))
+    assert spec_hash("xxh3:abc") == "xxh3:abc"
+    core = started(3)
+    run_buckets(core, 0, 1)
+    end_step(core, 0)
+    assert core.handle(cached(0, 1, 0, spec_hash(spec(0)))) == []
+    assert core.handle(cached(1, 1, 0)) == []
+    assert core.handle(cached(2, 1, 0, spec_hash(spec(0)))) == []
+    assert core.pending_buckets == {}
+    assert end_step(core, 1) == [Broadcast(Commit(1))]
+    wrong = spec_hash((((1, 4), "float16"), ((3,), "float32")))
+    reason = the_abort(core.handle(cached(1, 2, 0, wrong)))
+    assert reason == (
+        f"step 2 bucket 0: rank 1 reduced shapes spec {wrong!r} without a go, but the members "
+        "agreed on [(1, 4), float32; (3,), float32] in epoch 1"
+    )
