@@ -226,16 +226,25 @@ class CoordinatorClient:
         await self._send("reduced", epoch=epoch, step=step)
 
     async def digest(
-        self, step: int, digest: bytes, tensors: list[tuple[str, bytes]], epoch: int = 1
+        self,
+        step: int,
+        digest: bytes,
+        tensors: list[tuple[str, bytes]] | bytes,
+        epoch: int = 1,
+        *,
+        names: Sequence[str] | None = None,
     ) -> None:
-        """Report the state digest after ``step``'s optimizer step."""
-        await self._send(
-            "digest",
-            epoch=epoch,
-            step=step,
-            digest=digest,
-            tensors=[[name, value] for name, value in tensors],
-        )
+        """Report the state digest after ``step``'s optimizer step. ``tensors``: the per-tensor
+        digests as (name, digest) pairs, or packed (concatenated, in the order of ``names``;
+        ``names`` None: those of this worker's last digest in the epoch)."""
+        fields: dict[str, Any] = {"epoch": epoch, "step": step, "digest": digest}
+        if isinstance(tensors, bytes):
+            fields["tensors"] = tensors
+            if names is not None:
+                fields["names"] = list(names)
+        else:
+            fields["tensors"] = [[name, value] for name, value in tensors]
+        await self._send("digest", **fields)
 
     async def step_done(self, step: int, epoch: int = 1) -> None:
         """Report ``step`` done on a step without a digest check."""

@@ -35,11 +35,23 @@ _seed64 = xxhash.xxh3_64_intdigest
 
 
 class StateDigest:
-    """The whole-state digest and each tensor's digest, in order."""
+    """The whole-state digest and each tensor's digest, in order.
 
-    def __init__(self, digest: bytes, tensors: list[tuple[str, bytes]]) -> None:
+    ``names`` and ``packed`` are the same per-tensor digests as the coordinator's packed form:
+    the names in order, and the digests concatenated (16 bytes each). The whole digest is the
+    XXH3-128 of ``packed``.
+    """
+
+    def __init__(
+        self,
+        digest: bytes,
+        tensors: list[tuple[str, bytes]],
+        names: tuple[str, ...] | None = None,
+    ) -> None:
         self.digest = digest
         self.tensors = tensors
+        self.names = names if names is not None else tuple(name for name, _ in tensors)
+        self.packed = b"".join(value for _, value in tensors)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StateDigest) and self.digest == other.digest
@@ -132,6 +144,7 @@ class StateHasher:
 
     def __init__(self) -> None:
         self._views: dict[str, _View] = {}
+        self._names: tuple[str, ...] = ()
 
     def digest(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -154,10 +167,13 @@ class StateHasher:
                 fresh[name] = view
             per_tensor.append((name, _digest128(view.data, view.seed)))
         self._views = fresh
-        whole = xxhash.xxh3_128()
-        for _, value in per_tensor:
-            whole.update(value)
-        return StateDigest(whole.digest(), per_tensor)
+        names = tuple(name for name, _ in items)
+        if names == self._names:
+            names = self._names  # the same object while the layout holds: cheap to compare
+        self._names = names
+        result = StateDigest(b"", per_tensor, names)
+        result.digest = _digest128(result.packed)
+        return result
 
 
 def _host_copy(value: Any) -> torch.Tensor:

@@ -477,6 +477,7 @@ class OptimizerActor(Actor):
         self.last_digest: bytes | None = None
         self._on_applied = on_applied
         self._hasher = StateHasher()
+        self._names_sent: tuple[str, ...] | None = None
         self._hashed: tuple[int, StateDigest, int, int] | None = None
         """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
 
@@ -499,7 +500,10 @@ class OptimizerActor(Actor):
                         self._hasher.digest, self.model, self.optimizer
                     )
             self.last_digest = digest.digest
-            await self.client.digest(step, digest.digest, digest.tensors, self.epoch)
+            # The tensor names travel with the epoch's first digest and when they change.
+            names = None if digest.names is self._names_sent else digest.names
+            await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
+            self._names_sent = digest.names
         else:
             await self.client.step_done(step, self.epoch)
         with self.trace.span("commit-wait", actor="optimizer", step=step):

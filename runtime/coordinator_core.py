@@ -133,7 +133,8 @@ register_message(
     epoch=_EPOCH,
     step=_STEP,
     digest=Field(bytes, max_len=_MAX_DIGEST),
-    tensors=Field(list, max_len=_MAX_ITEMS, items=list),
+    tensors=Field((list, bytes), max_len=_MAX_ITEMS, items=list),
+    names=Field(list, required=False, max_len=_MAX_ITEMS, items=str),
 )
 register_message("step_done", epoch=_EPOCH, step=_STEP)
 register_message("heartbeat")
@@ -276,6 +277,44 @@ def _norm_tensor_digests(value: Any, label: str, peer: object) -> tuple[tuple[st
             )
         )
     return tuple(out)
+
+
+def _packed_size(packed: bytes, count: int) -> int | None:
+    """The size of each of ``count`` digests packed into ``packed``; None if they do not fit
+    (sizes 1 to 64 bytes, all equal)."""
+    if count == 0:
+        return 0 if not packed else None
+    size, rest = divmod(len(packed), count)
+    return size if not rest and 0 < size <= _MAX_DIGEST else None
+
+
+def _norm_packed(
+    packed: Any, names: Any, label: str, peer: object
+) -> tuple[bytes | None, tuple[str, ...] | None]:
+    """Normalize packed per-tensor digests and their optional names (checked to fit)."""
+    if packed is None:
+        if names is not None:
+            raise _bad(f"{label} 'names'", "comes only with packed 'tensors' (bytes)", peer)
+        return None, None
+    packed = _norm_bytes(packed, f"{label} 'tensors'", peer, _MAX_ITEMS)
+    if names is None:
+        return packed, None
+    if not _is_seq(names) or len(names) > _MAX_ITEMS:
+        raise _bad(f"{label} 'names'", "must be a list of tensor names", peer)
+    if all(type(n) is str and 0 < len(n) <= _MAX_NAME for n in names):
+        names = tuple(names)
+    else:
+        names = tuple(
+            _norm_str(n, f"{label} 'names'[{i}]", peer, _MAX_NAME) for i, n in enumerate(names)
+        )
+    if _packed_size(packed, len(names)) is None:
+        raise _bad(
+            f"{label} 'tensors'",
+            f"holds {len(packed)} bytes, which are not {len(names)} equal digests of 1 to "
+            f"{_MAX_DIGEST} bytes (one per name)",
+            peer,
+        )
+    return packed, names
 
 
 def _norm_address(value: Any, label: str, peer: object) -> tuple[str, int]:
@@ -708,7 +747,13 @@ class Reduced(_StepReport):
 @dataclass(frozen=True)
 class Digest:
     """After the optimizer step of ``step``: a hash of all parameters and optimizer state, and
-    per-tensor hashes in a fixed order (to name the first tensor that differs)."""
+    per-tensor hashes in a fixed order (to name the first tensor that differs).
+
+    The per-tensor hashes come either as ``tensor_digests`` (name, digest) pairs, or packed:
+    ``packed`` holds them concatenated, all of one size, in the order of ``names``; ``names``
+    is None when they are the names of this rank's previous digest in the epoch (a worker lists
+    them once, not on every step; the core keeps them).
+    """
 
     KIND: ClassVar[str] = "digest"
     rank: int
@@ -716,6 +761,8 @@ class Digest:
     digest: bytes
     tensor_digests: tuple[tuple[str, bytes], ...] = ()
     epoch: int = 1
+    packed: bytes | None = None
+    names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -726,30 +773,54 @@ class Digest:
             "tensor_digests",
             _norm_tensor_digests(self.tensor_digests, "Digest.tensor_digests", self.rank),
         )
+        packed, names = _norm_packed(self.packed, self.names, "Digest", self.rank)
+        object.__setattr__(self, "packed", packed)
+        object.__setattr__(self, "names", names)
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        tensors = [[name, digest] for name, digest in self.tensor_digests]
-        return self.KIND, {
-            "epoch": self.epoch,
-            "step": self.step,
-            "digest": self.digest,
-            "tensors": tensors,
-        }
+        fields: dict[str, Any] = {"epoch": self.epoch, "step": self.step, "digest": self.digest}
+        if self.packed is None:
+            fields["tensors"] = [[name, digest] for name, digest in self.tensor_digests]
+        else:
+            fields["tensors"] = self.packed
+            if self.names is not None:
+                fields["names"] = list(self.names)
+        return self.KIND, fields
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Digest:
         _expect(message, cls.KIND, rank)
-        tensors = _norm_tensor_digests(message["tensors"], "digest message: field 'tensors'", rank)
+        tensors = message["tensors"]
+        label = "digest message: field"
+        if type(tensors) is bytes:
+            pairs: tuple[tuple[str, bytes], ...] = ()
+            packed, names = _norm_packed(tensors, message.get("names"), label, rank)
+        else:
+            if "names" in message:
+                raise _bad(f"{label} 'names'", "comes only with packed 'tensors' (bytes)", rank)
+            pairs = _norm_tensor_digests(tensors, f"{label} 'tensors'", rank)
+            packed, names = None, None
         return _prebuilt(  # fields normalized here: skip __post_init__'s second pass
             cls,
             (
                 ("rank", rank),
                 ("step", message["step"]),
                 ("digest", _norm_bytes(message["digest"], "Digest.digest", rank, _MAX_DIGEST)),
-                ("tensor_digests", tensors),
+                ("tensor_digests", pairs),
                 ("epoch", message["epoch"]),
+                ("packed", packed),
+                ("names", names),
             ),
         )
+
+    def pairs(self, names: Sequence[str] | None) -> tuple[tuple[str, bytes], ...]:
+        """The per-tensor (name, digest) pairs; ``names``: those of a packed digest."""
+        if self.packed is None:
+            return self.tensor_digests
+        size = None if names is None else _packed_size(self.packed, len(names))
+        if names is None or size is None:
+            raise ValueError(f"{len(self.packed)} bytes of packed digests do not fit {names!r}")
+        return tuple((name, self.packed[i * size : (i + 1) * size]) for i, name in enumerate(names))
 
 
 @dataclass(frozen=True)
@@ -1144,6 +1215,8 @@ class CoordinatorCore:
         """Buckets of this step with a report that waits for a go (not from the cache)."""
         self._reported: dict[int, set[int]] = {}
         """Buckets each rank has reported ready for this step."""
+        self._tensor_names: dict[int, tuple[str, ...]] = {}
+        """Per member: the names of its packed per-tensor digests, as last listed this epoch."""
         self._agreed: dict[int, tuple[BucketSpec, str]] = {}
         """Bucket specs every member agreed on (a go was sent) in this epoch, with their
         `spec_hash`: the response cache. A report marked cached must match the spec or its
@@ -1399,6 +1472,7 @@ class CoordinatorCore:
         self._applied = self._verifying
         self._pending, self._gone, self._reduced, self._done, self._early = {}, set(), set(), {}, []
         self._plain, self._reported, self._agreed = set(), {}, {}
+        self._tensor_names = {}
         self._finished = set()
         self._progress += 1
         ring = self._ring if first and len(members) == self._n else tuple(range(len(members)))
@@ -1476,6 +1550,7 @@ class CoordinatorCore:
         self._verifying = False
         self._pending, self._gone, self._reduced, self._done, self._early = {}, set(), set(), {}, []
         self._plain, self._reported, self._agreed = set(), {}, {}
+        self._tensor_names = {}
         text = (
             f"{reason}; {len(self._addresses)} worker(s) remain, min_workers is {self._min}: "
             f"holding at step {step} for up to {_seconds(self._rejoin)} s for joiners"
@@ -1679,6 +1754,10 @@ class CoordinatorCore:
             return self._fault(
                 rank, f"step {step}: rank {rank} sent {what} before every member reduced"
             )
+        if isinstance(event, Digest) and event.packed is not None:
+            unnamed = self._name_packed(event)
+            if unnamed is not None:
+                return unnamed
         self._done[rank] = event
         self._progress += 1
         if len(self._done) < len(self._members):
@@ -1752,11 +1831,34 @@ class CoordinatorCore:
             f"{self._tensor_report(reports, ref, others)}"
         )
 
-    @staticmethod
-    def _tensor_report(reports: Mapping[int, Digest], ref: int, ranks: Sequence[int]) -> str:
+    def _name_packed(self, event: Digest) -> list[Action] | None:
+        """Keep the names of a packed digest's tensors (listed, or the rank's last ones this
+        epoch); a fault if there are none or they do not fit."""
+        rank = event.rank
+        names = event.names if event.names is not None else self._tensor_names.get(rank)
+        if names is None:
+            return self._fault(
+                rank,
+                f"step {event.step}: rank {rank} sent packed per-tensor digests without their "
+                f"names, and listed none before in epoch {self._epoch}",
+            )
+        assert event.packed is not None
+        if _packed_size(event.packed, len(names)) is None:
+            return self._fault(
+                rank,
+                f"step {event.step}: rank {rank} sent {len(event.packed)} bytes of per-tensor "
+                f"digests for the {len(names)} tensors it listed",
+            )
+        self._tensor_names[rank] = names
+        return None
+
+    def _tensor_report(self, reports: Mapping[int, Digest], ref: int, ranks: Sequence[int]) -> str:
+        def pairs(rank: int) -> tuple[tuple[str, bytes], ...]:
+            return reports[rank].pairs(self._tensor_names.get(rank))
+
         shown = [
             f"rank {r} first differs from rank {ref} at "
-            + _first_tensor_difference(reports[r].tensor_digests, reports[ref].tensor_digests)
+            + _first_tensor_difference(pairs(r), pairs(ref))
             for r in ranks[:4]
         ]
         if len(ranks) > 4:

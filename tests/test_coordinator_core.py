@@ -793,6 +793,8 @@ def test_coordinator_messages_roundtrip(message: Any) -> None:
         Ready(3, 2, 1, "sha256:abc"),
         Ready(3, 0, 0, ()),
         digest(3, 4, frozenset({3})),
+        Digest(3, 4, b"d" * 16, packed=b"a" * 32, names=("w", "v")),
+        Digest(3, 4, b"d" * 16, packed=b"a" * 32),
         StepDone(3, 5),
         Heartbeat(3, 12.5),
         Finished(3, 6),
@@ -1289,3 +1291,65 @@ def test_a_cached_report_may_carry_the_agreed_specs_hash() -> None:
         f"step 2 bucket 0: rank 1 reduced shapes spec {wrong!r} without a go, but the members "
         "agreed on [(1, 4), float32; (3,), float32] in epoch 1"
     )
+
+
+# --------------------------------------------------------------------------- packed digests
+
+
+def packed(rank: int, step: int, bad: frozenset[int] = frozenset(), *, named: bool) -> Digest:
+    """``digest`` in the packed form workers send: names only when ``named``."""
+    plain = digest(rank, step, bad)
+    values = [value.ljust(16, b".") for _, value in plain.tensor_digests]
+    return Digest(
+        rank, step, plain.digest, packed=b"".join(values), names=TENSORS if named else None
+    )
+
+
+def test_packed_digests_list_their_names_once_an_epoch() -> None:
+    """The first digest lists the tensor names; later ones reuse them, and a divergence is
+    still named by its tensor."""
+    core = started(3)
+    assert [a for r in range(3) for a in core.handle(packed(r, 0, named=True))] == [
+        Broadcast(Commit(0))
+    ]
+    for step in (1, 2):
+        for rank in range(3):
+            actions = core.handle(packed(rank, step, named=False))
+        assert actions == [Broadcast(Commit(step))]
+    for rank in range(3):
+        actions = core.handle(packed(rank, 3, frozenset({1}), named=False))
+    assert the_abort(actions) == (
+        "step 3: parameter digests diverged: ranks [1] differ from the majority (ranks [0, 2]); "
+        "rank 1 first differs from rank 0 at tensor 'layers.1.attn.w'"
+    )
+
+
+def test_packed_digests_without_names_or_that_do_not_fit_name_the_rank() -> None:
+    core = started(2)
+    assert the_abort(core.handle(packed(1, 0, named=False))) == (
+        "step 0: rank 1 sent packed per-tensor digests without their names, and listed none "
+        "before in epoch 1"
+    )
+    core = started(2)
+    core.handle(packed(0, 0, named=True))
+    core.handle(packed(1, 0, named=True))
+    short = Digest(1, 1, b"good-1", packed=b"x" * 47)
+    core.handle(packed(0, 1, named=False))
+    assert the_abort(core.handle(short)) == (
+        "step 1: rank 1 sent 47 bytes of per-tensor digests for the 3 tensors it listed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"tensors": b"x" * 10, "names": ["a", "b", "c"]}, "holds 10 bytes, which are not 3"),
+        ({"tensors": b"x" * 130, "names": ["a", "b"]}, "not 2 equal digests of 1 to 64"),
+        ({"tensors": [], "names": ["a"]}, "'names' comes only with packed 'tensors'"),
+        ({"tensors": b"", "names": [""]}, r"'names'\[0\]"),
+    ],
+)
+def test_packed_digest_fields_are_checked(fields: dict[str, Any], match: str) -> None:
+    message = {"v": 1, "kind": "digest", "epoch": 1, "step": 0, "digest": b"d", **fields}
+    with pytest.raises(ProtocolError, match=match):
+        event_from_wire(message, rank=1, now=0.0)

@@ -398,3 +398,24 @@ class ElasticMachine(RuleBasedStateMachine):
 
 ElasticMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestElasticCore = ElasticMachine.TestCase
+
+
+def test_a_new_epoch_needs_the_tensor_names_listed_again() -> None:
+    """Packed per-tensor digests reuse the names a rank listed earlier in the same epoch only:
+    after a membership change its first digest must list them again."""
+    core = elastic()
+    for r in (0, 1, 2):
+        core.handle(Ready(r, 0, 0, SPEC, 1))
+    for r in (0, 1, 2):
+        core.handle(Reduced(r, 0, 1))
+    out: list[Any] = []
+    for r in (0, 1, 2):
+        out += core.handle(Digest(r, 0, b"d0", (), 1, packed=b"t" * 16, names=("param/w",)))
+    assert Broadcast(Commit(0, 1)) in out
+    start = started(core.handle(Disconnected(2, "killed")))
+    assert start.epoch == 2 and start.members == (0, 1)
+    out = core.handle(Digest(0, 0, b"d0", (), 2, packed=b"t" * 16, names=("param/w",)))
+    out += core.handle(Digest(1, 0, b"d0", (), 2, packed=b"t" * 16))
+    evicted = [a for a in out if isinstance(a, Evict)]
+    assert evicted and evicted[0].rank == 1
+    assert "rank 1 sent packed per-tensor digests without their names" in evicted[0].reason

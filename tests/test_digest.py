@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -58,6 +59,22 @@ def test_names_follow_named_state() -> None:
     ]
     assert all(len(value) == 16 for _, value in digest.tensors)
     assert len(digest.digest) == 16
+    # The packed form the coordinator receives: the same digests, concatenated, in order.
+    assert digest.names == tuple(name for name, _ in digest.tensors)
+    assert digest.packed == b"".join(value for _, value in digest.tensors)
+    assert digest.digest == xxhash.xxh3_128_digest(digest.packed)
+
+
+def test_names_stay_the_same_object_while_the_layout_holds() -> None:
+    """The trainer lists the names only when they change, by identity: cheap every step."""
+    model, optimizer = _replica()
+    hasher = StateHasher()
+    before = hasher.digest(model, optimizer).names
+    _train(model, optimizer)  # Adam's state appears: new names
+    first = hasher.digest(model, optimizer).names
+    assert first != before
+    _train(model, optimizer)
+    assert hasher.digest(model, optimizer).names is first
 
 
 def test_swapped_and_resized_storage_is_never_hashed_stale() -> None:
