@@ -3,12 +3,13 @@
 from .buckets import Bucket, plan_buckets
 from .client import CoordinatorClient, RunAborted
 from .corpus import CharDataset, CharVocab, load_char_dataset, shard
-from .digest import StateDigest, state_digest
+from .digest import StateDigest, StateHasher, state_digest
 from .loader import DataLoaderActor
 from .model import CharTransformer
 from .run import trainer_from_env
 from .sync import SyncTrainer
 from .trainer import (
+    CheckCost,
     ComputeActor,
     DistributedTrainer,
     GradCommActor,
@@ -22,6 +23,7 @@ __all__ = [
     "CharDataset",
     "CharTransformer",
     "CharVocab",
+    "CheckCost",
     "ComputeActor",
     "CoordinatorClient",
     "DataLoaderActor",
@@ -30,6 +32,7 @@ __all__ = [
     "OptimizerActor",
     "RunAborted",
     "StateDigest",
+    "StateHasher",
     "SyncTrainer",
     "TrainerOptions",
     "join_run",

@@ -52,6 +52,7 @@ from .state import TrainingState, allocate, capture_state, manifest, restore_sta
 
 __all__ = [
     "DistributedTrainer",
+    "CheckCost",
     "ComputeActor",
     "GradCommActor",
     "OptimizerActor",
@@ -78,6 +79,16 @@ several trainers in one process, and a step is milliseconds, so the lock costs n
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch) -> scalar loss``: the user's forward pass."""
+
+
+@dataclass
+class CheckCost:
+    """What the identical-weights check (C-DDP-001) has cost this worker: the CPU time spent
+    hashing its state, and how many digests it reported. Reporting them (a ~1.9 KB message)
+    and the coordinator's comparison are not included."""
+
+    hash_cpu_seconds: float = 0.0
+    digests: int = 0
 
 
 @dataclass(frozen=True)
@@ -466,6 +477,7 @@ class OptimizerActor(Actor):
         trace: TraceRecorder,
         epoch: int = 1,
         on_applied: Callable[[int], None] | None = None,
+        check_cost: CheckCost | None = None,
     ) -> None:
         super().__init__("optimizer", mailbox_size=2)
         self.model = model
@@ -476,6 +488,7 @@ class OptimizerActor(Actor):
         self.epoch = epoch
         self.last_digest: bytes | None = None
         self._on_applied = on_applied
+        self.check_cost = check_cost if check_cost is not None else CheckCost()
         self._hasher = StateHasher()
         self._names_sent: tuple[str, ...] | None = None
         self._hashed: tuple[int, StateDigest, int, int] | None = None
@@ -496,18 +509,24 @@ class OptimizerActor(Actor):
                 self.trace.complete("digest", started, ended, actor="optimizer", step=step)
             else:  # an epoch's opening check: the state may have just arrived from a donor
                 with self.trace.span("digest", actor="optimizer", step=step):
-                    digest = await trio.to_thread.run_sync(
-                        self._hasher.digest, self.model, self.optimizer
-                    )
+                    digest = await trio.to_thread.run_sync(self._timed_digest)
             self.last_digest = digest.digest
             # The tensor names travel with the epoch's first digest and when they change.
             names = None if digest.names is self._names_sent else digest.names
             await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
+            self.check_cost.digests += 1
             self._names_sent = digest.names
         else:
             await self.client.step_done(step, self.epoch)
         with self.trace.span("commit-wait", actor="optimizer", step=step):
             await self.client.wait_commit(step)
+
+    def _timed_digest(self) -> StateDigest:
+        cpu = time.thread_time()
+        try:
+            return self._hasher.digest(self.model, self.optimizer)
+        finally:
+            self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
     def apply(self, step: int) -> None:
         """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
@@ -518,9 +537,11 @@ class OptimizerActor(Actor):
             if self._on_applied is not None:
                 self._on_applied(step)
         if step % self.client.digest_interval == 0:
+            cpu = time.thread_time()
             started = time.perf_counter_ns()
             digest = self._hasher.digest(self.model, self.optimizer)
             self._hashed = (step, digest, started, time.perf_counter_ns())
+            self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -582,6 +603,8 @@ class DistributedTrainer:
         self.step = client.start.step
         self.losses: list[tuple[int, float]] = []
         self.step_seconds: list[float] = []
+        self.check_cost = CheckCost()
+        """The identical-weights check's cost to this worker so far (all epochs)."""
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
         """(epoch, first step, members) of every epoch this worker took part in."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
@@ -827,6 +850,7 @@ class DistributedTrainer:
             self.trace,
             start.epoch,
             self._applied,
+            self.check_cost,
         )
         try:
             await system.start(compute)
@@ -1154,6 +1178,8 @@ class DistributedTrainer:
             if self.step_seconds
             else None,
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
+            "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
+            "digests": self.check_cost.digests,
         }
 
 

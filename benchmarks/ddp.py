@@ -183,14 +183,19 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
                 ends.append(time.perf_counter())
                 if step == args.warmup - 1:
                     cpu_start = time.process_time()
+                    check_start = trainer.check_cost.hash_cpu_seconds
             # train_batch returns before its step's digest check ends (it overlaps the next
             # step); count the last one's wait in the overall time.
             await trainer.verified()
             overall = time.perf_counter() - ends[args.warmup - 1]
             cpu = (cpu_start, time.process_time())
+            check = trainer.check_cost.hash_cpu_seconds - check_start
         if args.trace:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
-        return _result(ends, losses, args.warmup, overall, info, cpu)
+        result = _result(ends, losses, args.warmup, overall, info, cpu)
+        # The CPU time this worker spent hashing its state for the check (its own accounting).
+        result["hash_cpu_seconds_per_step"] = check / args.steps
+        return result
 
     return trio.run(main)
 
@@ -411,6 +416,16 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
         row["step_time_ratio"] = (
             row["paramsync"]["median_step_seconds"] / row["ddp"]["median_step_seconds"]
         )
+        checked_runs = runs[("paramsync", world)]
+        hashing = [r for r in checked_runs if "hash_cpu_seconds_per_step" in r]
+        if hashing:
+            # Rank 0's own accounting of its hashing, against its CPU time a step.
+            row["hash_cpu_seconds_per_step"] = statistics.median(
+                r["hash_cpu_seconds_per_step"] for r in hashing
+            )
+            row["hash_cpu_share"] = statistics.median(
+                r["hash_cpu_seconds_per_step"] / r["cpu_seconds_per_step"] for r in hashing
+            )
         if UNCHECKED in row:
             checked, unchecked = row["paramsync"], row[UNCHECKED]
             row["check_cost"] = (
@@ -418,6 +433,12 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
             )
             row["check_cpu_cost"] = (
                 checked["cpu_seconds_per_step"] / unchecked["cpu_seconds_per_step"] - 1
+            )
+            # Round by round (the two ran back to back): the median of the paired differences
+            # is steadier than the difference of pooled medians when the machine's speed drifts.
+            row["check_cost_paired"] = statistics.median(
+                statistics.median(on["step_seconds"]) / statistics.median(off["step_seconds"]) - 1
+                for on, off in zip(checked_runs, runs[(UNCHECKED, world)])
             )
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
@@ -461,8 +482,15 @@ def _print_table(table: list[dict]) -> None:
             print(
                 f"n={row['world_size']}: paramsync with the check off {off * 1e3:.1f} ms a step "
                 f"({off / row['ddp']['median_step_seconds']:.2f}x DDP): the check costs "
-                f"{row['check_cost'] * 100:+.1f} % of the step time, "
+                f"{row['check_cost'] * 100:+.1f} % of the step time "
+                f"({row['check_cost_paired'] * 100:+.1f} % paired round by round), "
                 f"{row['check_cpu_cost'] * 100:+.1f} % of rank 0's CPU time"
+            )
+        if "hash_cpu_share" in row:
+            print(
+                f"n={row['world_size']}: rank 0 hashing its state for the check (its own "
+                f"accounting): {row['hash_cpu_seconds_per_step'] * 1e3:.2f} ms of CPU a step, "
+                f"{row['hash_cpu_share'] * 100:.1f} % of its CPU time"
             )
     print(
         "(step: median time between consecutive steps on rank 0, pooled over rounds; steps/s: "

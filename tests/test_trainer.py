@@ -768,6 +768,10 @@ async def test_summary_fields() -> None:
         assert summary["digest"] == result["digest"] == results[0]["digest"]
         assert summary["steps_per_second"] > 0
         assert 0 < summary["median_step_seconds"] < RUN_SECONDS
+        # The check's own cost: every step is checked (the last one's report may still be in
+        # flight when the summary is taken), and hashing takes CPU time.
+        assert 2 <= summary["digests"] <= 4
+        assert summary["hash_cpu_seconds"] > 0
 
 
 async def test_summary_right_after_the_last_step_describes_the_final_state() -> None:
