@@ -94,6 +94,10 @@ class CoordinatorClient:
         """How many times this worker rejoined a lost (restarted) coordinator."""
         self._signature: Signature = ()
         self._address: tuple[str, int] = ("", 0)
+        self.fold = False
+        """Whether this worker offered, at its join, to fold cached bucket reports."""
+        self._folded: dict[tuple[int, int], str] = {}
+        """(epoch, step) -> the agreement its buckets were reduced under without a report."""
         self._connected = trio.Event()
         self._connected.set()
         self.on_go: Callable[[Go], Awaitable[None]] | None = None
@@ -120,25 +124,30 @@ class CoordinatorClient:
         step: int = 0,
         digest: bytes = b"",
         epoch: int = 0,
+        fold: bool | None = None,
     ) -> JoinResult:
         """Send this worker's model signature and data-plane address; wait for the start.
 
         ``step``, ``digest`` and ``epoch`` describe the state a resuming worker holds (a
         checkpoint, or a coordinator that restarted); a fresh worker sends the defaults.
+        ``fold``: offer to fold response-cache reports into step reports (the trainer does,
+        with its response cache on); None keeps the last join's offer.
         """
         self._signature, self._address = signature, address
+        if fold is not None:
+            self.fold = fold
         params = [[name, list(shape), dtype, grad] for name, shape, dtype, grad in signature]
-        await self.link.send(
-            "join",
-            {
-                "host": address[0],
-                "port": address[1],
-                "params": params,
-                "step": step,
-                "digest": digest,
-                "epoch": epoch,
-            },
-        )
+        fields: dict[str, Any] = {
+            "host": address[0],
+            "port": address[1],
+            "params": params,
+            "step": step,
+            "digest": digest,
+            "epoch": epoch,
+        }
+        if self.fold:
+            fields["fold"] = True
+        await self.link.send("join", fields)
         # Heartbeats flow from the join on: waiting for slow peers is not silence.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, True)
@@ -221,9 +230,22 @@ class CoordinatorClient:
             fields["cached"] = True
         await self._send("ready", **fields)
 
+    def folded(self, step: int, epoch: int, agreement: str) -> None:
+        """Note that ``step``'s buckets are reduced from the response cache under
+        ``agreement`` without a report each: the step's first report will say so."""
+        if len(self._folded) > 16:  # steps that never reported (dropped by a new epoch)
+            self._folded = {k: v for k, v in self._folded.items() if k[0] == epoch}
+        self._folded[(epoch, step)] = agreement
+
+    def _fold(self, fields: dict[str, Any]) -> dict[str, Any]:
+        cached = self._folded.pop((fields["epoch"], fields["step"]), None)
+        if cached is not None:
+            fields["cached"] = cached
+        return fields
+
     async def reduced(self, step: int, epoch: int) -> None:
         """Report every bucket of ``step`` all-reduced here (elastic runs' apply barrier)."""
-        await self._send("reduced", epoch=epoch, step=step)
+        await self._send("reduced", **self._fold({"epoch": epoch, "step": step}))
 
     async def digest(
         self,
@@ -237,7 +259,7 @@ class CoordinatorClient:
         """Report the state digest after ``step``'s optimizer step. ``tensors``: the per-tensor
         digests as (name, digest) pairs, or packed (concatenated, in the order of ``names``;
         ``names`` None: those of this worker's last digest in the epoch)."""
-        fields: dict[str, Any] = {"epoch": epoch, "step": step, "digest": digest}
+        fields: dict[str, Any] = self._fold({"epoch": epoch, "step": step, "digest": digest})
         if isinstance(tensors, bytes):
             fields["tensors"] = tensors
             if names is not None:
@@ -248,7 +270,7 @@ class CoordinatorClient:
 
     async def step_done(self, step: int, epoch: int = 1) -> None:
         """Report ``step`` done on a step without a digest check."""
-        await self._send("step_done", epoch=epoch, step=step)
+        await self._send("step_done", **self._fold({"epoch": epoch, "step": step}))
 
     async def finished(self, step: int, epoch: int | None = None) -> None:
         """Tell the coordinator this worker has taken its last step."""

@@ -37,7 +37,7 @@ from runtime.collectives import (
     broadcast,
 )
 from runtime.config import DistributedConfig
-from runtime.coordinator_core import Hold, ResyncOrder, StartRun, spec_hash
+from runtime.coordinator_core import Hold, ResyncOrder, StartRun, agreement_hash, spec_hash
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.faults import armed, fault_point
 from runtime.trace import TraceRecorder
@@ -263,6 +263,7 @@ class GradCommActor(Actor):
         options: TrainerOptions,
         trace: TraceRecorder,
         epoch: int = 1,
+        fold: bool = False,
     ) -> None:
         super().__init__("gradient-comm", mailbox_size=2 * len(buckets) + 4)
         self.buckets = buckets
@@ -280,6 +281,9 @@ class GradCommActor(Actor):
         self._specs = [bucket.spec() for bucket in buckets]
         self._spec_hashes = [spec_hash(spec) for spec in self._specs]
         """What a cached report carries instead of the whole spec."""
+        self._fold = fold
+        """Every member folds: cached buckets get no report, the step report says so."""
+        self._agreement = agreement_hash(dict(enumerate(self._spec_hashes)))
         self._packed = [False] * len(buckets)
         """Per bucket: whether this step copied the gradients in (they were not views)."""
         self.current: _StepState | None = None
@@ -372,9 +376,16 @@ class GradCommActor(Actor):
             flat.div_(self.options.accumulation_steps)
         spec = self._specs[bucket.index]
         if self.cache_ready:  # a bucket's spec is fixed: the agreed one
-            await self.client.ready(
-                message.step, bucket.index, self._spec_hashes[bucket.index], self.epoch, cached=True
-            )
+            if self._fold:  # no message on the critical path: the step report carries it
+                self.client.folded(message.step, self.epoch, self._agreement)
+            else:
+                await self.client.ready(
+                    message.step,
+                    bucket.index,
+                    self._spec_hashes[bucket.index],
+                    self.epoch,
+                    cached=True,
+                )
             self._cached.add(bucket.index)
             # Reduce in the agreed order: every rank runs the same collectives in sequence.
             while self._next < len(self._order) and self._order[self._next] in self._cached:
@@ -593,6 +604,12 @@ class DistributedTrainer:
     ) -> None:
         if client.start is None:
             raise ValueError("the client must have joined the run (client.join) first")
+        if client.fold and not options.response_cache:
+            # Its peers would reduce without reports while it waits for a go: a deadlock.
+            raise ValueError(
+                "the client offered to fold cached bucket reports (join fold=True), but "
+                "response_cache is off: join with fold=False"
+            )
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -832,7 +849,14 @@ class DistributedTrainer:
         self, system: ActorSystem, start: StartRun, transport: Transport
     ) -> _Epoch:
         comm = GradCommActor(
-            self.model, self.buckets, transport, self.client, self.options, self.trace, start.epoch
+            self.model,
+            self.buckets,
+            transport,
+            self.client,
+            self.options,
+            self.trace,
+            start.epoch,
+            fold=start.fold,
         )
         token = self._token
 

@@ -127,6 +127,7 @@ async def join_run(
                 (local_host, port),
                 step=resume_step,
                 digest=digest,
+                fold=(options or TrainerOptions()).response_cache,
             )
         async with _trainer_session(
             model, optimizer, loss_fn, config, connect, client, options, trace
@@ -167,7 +168,11 @@ async def train_in_process(
         link = pairs[rank][1]
         client = CoordinatorClient(link, rank)
         try:
-            await client.join(model_signature(model.named_parameters()), ("in-process", rank + 1))
+            await client.join(
+                model_signature(model.named_parameters()),
+                ("in-process", rank + 1),
+                fold=(options or TrainerOptions()).response_cache,
+            )
             config = DistributedConfig(world_size, rank)
 
             async def connect(start: StartRun) -> Transport:

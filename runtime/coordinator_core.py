@@ -83,6 +83,7 @@ __all__ = [
     "model_signature",
     "bucket_spec",
     "spec_hash",
+    "agreement_hash",
     "CoordinatorCore",
 ]
 
@@ -118,6 +119,7 @@ register_message(
     step=Field(int, min=0, max=_MAX_INT, required=False),
     digest=Field(bytes, max_len=_MAX_DIGEST, required=False),
     epoch=Field(int, min=0, max=_MAX_INT, required=False),
+    fold=Field(bool, required=False),
 )
 register_message(
     "ready",
@@ -127,7 +129,8 @@ register_message(
     spec=Field((list, str), max_len=_MAX_ITEMS),
     cached=Field(bool, required=False),
 )
-register_message("reduced", epoch=_EPOCH, step=_STEP)
+_CACHED = Field(str, required=False, max_len=_MAX_HASH)
+register_message("reduced", epoch=_EPOCH, step=_STEP, cached=_CACHED)
 register_message(
     "digest",
     epoch=_EPOCH,
@@ -135,8 +138,9 @@ register_message(
     digest=Field(bytes, max_len=_MAX_DIGEST),
     tensors=Field((list, bytes), max_len=_MAX_ITEMS, items=list),
     names=Field(list, required=False, max_len=_MAX_ITEMS, items=str),
+    cached=_CACHED,
 )
-register_message("step_done", epoch=_EPOCH, step=_STEP)
+register_message("step_done", epoch=_EPOCH, step=_STEP, cached=_CACHED)
 register_message("heartbeat")
 register_message("finished", epoch=_EPOCH, step=_STEP)
 # coordinator -> worker
@@ -153,6 +157,7 @@ register_message(
     receivers=Field(list, max_len=_MAX_WORLD, items=int),
     broadcast=Field(bool),
     apply_barrier=Field(bool),
+    fold=Field(bool, required=False),
 )
 register_message(
     "go", epoch=_EPOCH, step=_STEP, bucket=_BUCKET, seq=Field(int, min=0, max=_MAX_INT)
@@ -365,7 +370,9 @@ class StartRun:
     sends its whole training state to ``receivers`` (joiners, laggards); then, unless
     ``broadcast``, every member reports the digest of step ``step - 1`` (the state it starts
     from) and waits for its commit. ``apply_barrier``: an elastic run, where the optimizer waits
-    for ``apply`` so no step is ever applied with a partly reduced gradient.
+    for ``apply`` so no step is ever applied with a partly reduced gradient. ``fold``: every
+    member joined offering to fold; once a bucket spec is agreed, members send no ``ready`` for
+    buckets they reduce from the response cache, and say so in their step report instead.
     """
 
     KIND: ClassVar[str] = "start_run"
@@ -380,6 +387,7 @@ class StartRun:
     receivers: tuple[int, ...] = ()
     broadcast: bool = True
     apply_barrier: bool = False
+    fold: bool = False
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -395,7 +403,7 @@ class StartRun:
         return self.members.index(worker)
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
-        return self.KIND, {
+        fields = {
             "addresses": [[host, port] for host, port in self.addresses],
             "ring": list(self.ring),
             "step": self.step,
@@ -408,6 +416,9 @@ class StartRun:
             "broadcast": self.broadcast,
             "apply_barrier": self.apply_barrier,
         }
+        if self.fold:
+            fields["fold"] = True
+        return self.KIND, fields
 
     @classmethod
     def from_wire(cls, message: Mapping[str, Any]) -> StartRun:
@@ -441,6 +452,7 @@ class StartRun:
             receivers,
             message["broadcast"],
             message["apply_barrier"],
+            message.get("fold", False),
         )
 
 
@@ -612,7 +624,8 @@ class Joined:
     ``now`` is the shell's clock at the join (heartbeat baseline); None: the next Tick's.
     ``step`` is the next step the worker would run (0 when fresh; more when it resumes from a
     checkpoint or rejoins a restarted coordinator), ``digest`` its state's digest there
-    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none).
+    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``fold``: the
+    worker folds its response-cache reports into its step reports when every member does.
     """
 
     KIND: ClassVar[str] = "join"
@@ -623,6 +636,7 @@ class Joined:
     step: int = 0
     digest: bytes = b""
     epoch: int = 0
+    fold: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -634,7 +648,7 @@ class Joined:
 
     def to_wire(self) -> tuple[str, dict[str, Any]]:
         params = [[n, list(s), d, g] for n, s, d, g in self.signature]
-        return self.KIND, {
+        fields = {
             "host": self.address[0],
             "port": self.address[1],
             "params": params,
@@ -642,6 +656,9 @@ class Joined:
             "digest": self.digest,
             "epoch": self.epoch,
         }
+        if self.fold:
+            fields["fold"] = True
+        return self.KIND, fields
 
     @classmethod
     def from_wire(
@@ -657,6 +674,7 @@ class Joined:
             message.get("step", 0),
             bytes(message.get("digest", b"")),
             message.get("epoch", 0),
+            message.get("fold", False),
         )
 
 
@@ -738,7 +756,26 @@ class _StepReport:
 
 
 @dataclass(frozen=True)
-class Reduced(_StepReport):
+class _FoldingReport(_StepReport):
+    """A step report that may also say the rank reduced every bucket of the step from the
+    response cache (``cached``: the `agreement_hash` it reduced under; empty: it did not)."""
+
+    cached: str = ""
+
+    def to_wire(self) -> tuple[str, dict[str, Any]]:
+        kind, fields = super().to_wire()
+        if self.cached:
+            fields["cached"] = self.cached
+        return kind, fields
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any], *, rank: int) -> Self:
+        _expect(message, cls.KIND, rank)
+        return cls(rank, message["step"], message["epoch"], message.get("cached", ""))
+
+
+@dataclass(frozen=True)
+class Reduced(_FoldingReport):
     """Rank ``rank`` holds every bucket of ``step`` fully reduced (elastic runs)."""
 
     KIND: ClassVar[str] = "reduced"
@@ -763,6 +800,8 @@ class Digest:
     epoch: int = 1
     packed: bytes | None = None
     names: tuple[str, ...] | None = None
+    cached: str = ""
+    """As in a `Reduced` or `StepDone` report: every bucket reduced from the response cache."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -785,6 +824,8 @@ class Digest:
             fields["tensors"] = self.packed
             if self.names is not None:
                 fields["names"] = list(self.names)
+        if self.cached:
+            fields["cached"] = self.cached
         return self.KIND, fields
 
     @classmethod
@@ -810,6 +851,7 @@ class Digest:
                 ("epoch", message["epoch"]),
                 ("packed", packed),
                 ("names", names),
+                ("cached", message.get("cached", "")),
             ),
         )
 
@@ -824,7 +866,7 @@ class Digest:
 
 
 @dataclass(frozen=True)
-class StepDone(_StepReport):
+class StepDone(_FoldingReport):
     """Rank ``rank`` finished ``step`` (on steps that carry no digest)."""
 
     KIND: ClassVar[str] = "step_done"
@@ -1038,6 +1080,13 @@ def spec_hash(spec: BucketSpec | Sequence[Any]) -> str:
     return "xxh3:" + xxhash.xxh3_128_hexdigest(text.encode())
 
 
+def agreement_hash(spec_hashes: Mapping[int, str]) -> str:
+    """The hash of a whole response-cache agreement, bucket -> `spec_hash`: what a folding
+    worker's step report carries for the buckets it reduced without reporting them."""
+    text = ";".join(f"{bucket}={spec_hashes[bucket]}" for bucket in sorted(spec_hashes))
+    return "xxh3:" + xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def _spec_text(spec: BucketSpec) -> str:
     if isinstance(spec, str):
         return f"spec {spec!r}"
@@ -1215,6 +1264,8 @@ class CoordinatorCore:
         """Buckets of this step with a report that waits for a go (not from the cache)."""
         self._reported: dict[int, set[int]] = {}
         """Buckets each rank has reported ready for this step."""
+        self._fold = False
+        """Whether this epoch's members fold cached bucket reports into their step reports."""
         self._tensor_names: dict[int, tuple[str, ...]] = {}
         """Per member: the names of its packed per-tensor digests, as last listed this epoch."""
         self._agreed: dict[int, tuple[BucketSpec, str]] = {}
@@ -1476,6 +1527,7 @@ class CoordinatorCore:
         self._finished = set()
         self._progress += 1
         ring = self._ring if first and len(members) == self._n else tuple(range(len(members)))
+        self._fold = all(r in self._joins and self._joins[r].fold for r in members)
         start = StartRun(
             addresses=tuple(self._addresses[r] for r in members),
             ring=ring,
@@ -1488,6 +1540,7 @@ class CoordinatorCore:
             receivers=receivers,
             broadcast=broadcast,
             apply_barrier=self._elastic,
+            fold=self._fold,
         )
         self._history.append(EpochRecord(self._epoch, step, members, reason))
         self._recovering = not first
@@ -1660,10 +1713,35 @@ class CoordinatorCore:
         if bucket not in self._plain:
             return []  # every member reduced it from the agreement: no go to send
         self._plain.discard(bucket)
-        self._agreed[bucket] = (event.spec, spec_hash(event.spec))
+        if not event.cached:  # a cached report matched the agreement: it stands as it is
+            self._agreed[bucket] = (event.spec, spec_hash(event.spec))
         go = Go(step, bucket, self._seq, self._epoch)
         self._seq += 1
         return [Broadcast(go)]
+
+    def _fold_reports(self, rank: int, step: int, epoch: int, cached: str) -> list[Action]:
+        """A step report says ``rank`` reduced every bucket from the response cache under the
+        agreement ``cached``: check that, then take it as a cached report of each bucket."""
+        if not self._fold:
+            return self._fault(
+                rank,
+                f"step {step}: rank {rank} folded its bucket reports into its step report, but "
+                f"not every member of epoch {self._epoch} joined offering to fold",
+            )
+        hashes = {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
+        expected = agreement_hash(hashes) if hashes else "none"
+        if cached != expected:
+            return self._fault(
+                rank,
+                f"step {step}: rank {rank} reduced its buckets from the response cache under "
+                f"agreement {cached}, but the members agreed on {expected} in epoch "
+                f"{self._epoch}",
+            )
+        for bucket in sorted(hashes):
+            actions = self._on_ready(Ready(rank, step, bucket, hashes[bucket], epoch, cached=True))
+            if actions:
+                return actions
+        return []
 
     def _unfinished_buckets(self, rank: int, step: int, what: str) -> list[Action] | None:
         """A fault if ``rank`` ends ``step`` (``what``) with a bucket outstanding: one still
@@ -1713,6 +1791,10 @@ class CoordinatorCore:
             )
         if rank in self._reduced or self._applied:
             return self._fault(rank, f"step {step}: rank {rank} sent reduced twice")
+        if event.cached:
+            folded = self._fold_reports(rank, step, event.epoch, event.cached)
+            if folded:
+                return folded
         unfinished = self._unfinished_buckets(rank, step, "sent reduced")
         if unfinished is not None:
             return unfinished
@@ -1747,6 +1829,10 @@ class CoordinatorCore:
             )
         if rank in self._done:
             return self._fault(rank, f"step {step}: rank {rank} finished the step twice")
+        if event.cached:
+            folded = self._fold_reports(rank, step, event.epoch, event.cached)
+            if folded:
+                return folded
         unfinished = self._unfinished_buckets(rank, step, "finished the step")
         if unfinished is not None:
             return unfinished

@@ -24,11 +24,12 @@ from actors.trainer import DistributedTrainer, TrainerOptions
 from actors.worker import join_run, train_in_process
 from runtime.config import DistributedConfig
 from runtime.coordinator import Coordinator, CoordinatorOptions, RunFailed
-from runtime.coordinator_core import RunState, model_signature
+from runtime.coordinator_core import RunState, StartRun, model_signature
 from runtime.errors import PeerClosed
 from runtime.handshake import Identity, load_secret
 from runtime.link import MemoryLink
 from runtime.tcp import DEFAULT_GROUP, Connection, dial
+from runtime.trace import TraceRecorder
 from runtime.transport import InProcessTransport
 
 SECRET = "coordinator-tests-secret"
@@ -82,18 +83,22 @@ async def run_link_worker(
     transport: InProcessTransport,
     steps: int,
     model: nn.Module | None = None,
+    fold: bool = False,
+    options: TrainerOptions | None = None,
 ) -> int:
     """A real worker on an in-process control link (what train_in_process does per rank)."""
     model = model or mlp(rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     client = CoordinatorClient(link, rank)
     try:
-        await client.join(model_signature(model.named_parameters()), ("in-process", rank + 1))
+        await client.join(
+            model_signature(model.named_parameters()), ("in-process", rank + 1), fold=fold
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(client.serve)
             config = DistributedConfig(world_size, rank)
             async with DistributedTrainer.open(
-                model, optimizer, loss_fn, config, transport, client
+                model, optimizer, loss_fn, config, transport, client, options=options
             ) as trainer:
                 for step in range(steps):
                     await trainer.train_batch(batch(step + 10 * rank))
@@ -703,3 +708,54 @@ async def test_unauthenticated_connections_are_refused_and_the_run_completes() -
             nursery.start_soon(outcomes.capture, "rank 1", tcp_worker, address, 1, 2, 3)
     assert outcomes == {"coordinator": None, "rank 0": 3, "rank 1": 3}
     assert coordinator.state is RunState.FINISHED
+
+
+async def test_a_member_that_does_not_fold_keeps_everyone_reporting_each_bucket() -> None:
+    """Folding cached reports into step reports needs every member: one worker without the
+    response cache joins without the offer, the epoch starts with ``fold`` off, and the run
+    trains to the end (folding peers would never report the buckets it waits a go for)."""
+    world_size, steps = 3, 4
+    coordinator = Coordinator(world_size)
+    pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(world_size)]
+    transports = InProcessTransport.create_group(world_size)
+    outcomes = Outcomes()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                coordinator.serve_links, {r: pair[0] for r, pair in enumerate(pairs)}
+            )
+            for rank in range(world_size):
+                nursery.start_soon(
+                    outcomes.capture,
+                    rank,
+                    run_link_worker,
+                    pairs[rank][1],
+                    rank,
+                    world_size,
+                    transports[rank],
+                    steps,
+                    None,
+                    rank != 1,
+                    TrainerOptions(response_cache=rank != 1),
+                )
+    assert [outcomes[rank] for rank in range(world_size)] == [steps] * world_size
+    assert coordinator.core.state is RunState.FINISHED
+
+
+async def test_a_client_offering_to_fold_needs_the_response_cache() -> None:
+    link, _ = MemoryLink.pair()
+    client = CoordinatorClient(link, 0)
+    client.fold = True
+    client.start = StartRun((("h", 1),), (0,), fold=True)
+    model = mlp(0)
+    with pytest.raises(ValueError, match="response_cache is off"):
+        DistributedTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn,
+            DistributedConfig(1, 0),
+            client,
+            TrainerOptions(response_cache=False),
+            TraceRecorder.disabled(),
+            lambda start: None,  # type: ignore[arg-type,return-value]
+        )

@@ -41,6 +41,7 @@ from runtime.coordinator_core import (
     StartRun,
     StepDone,
     Tick,
+    agreement_hash,
     bucket_spec,
     event_from_wire,
     message_from_wire,
@@ -1353,3 +1354,84 @@ def test_packed_digest_fields_are_checked(fields: dict[str, Any], match: str) ->
     message = {"v": 1, "kind": "digest", "epoch": 1, "step": 0, "digest": b"d", **fields}
     with pytest.raises(ProtocolError, match=match):
         event_from_wire(message, rank=1, now=0.0)
+
+
+def test_a_plain_report_beside_cached_ones_keeps_the_agreement_whole() -> None:
+    """A worker without the response cache reports every bucket in full and waits for its go,
+    while its peers report the agreed spec's hash: the go must not replace the agreement with
+    a peer's hash, or the next step's full report would look like a different layout."""
+    core = started(3)
+    run_buckets(core, 0, 1)
+    end_step(core, 0)
+    for step in (1, 2):
+        assert core.handle(cached(0, step, 0, spec_hash(spec(0)))) == []
+        assert core.handle(Ready(1, step, 0, spec(0))) == []
+        actions = core.handle(cached(2, step, 0, spec_hash(spec(0))))
+        assert [type(a.message).__name__ for a in actions if isinstance(a, Broadcast)] == ["Go"]
+        assert end_step(core, step) == [Broadcast(Commit(step))]
+
+
+# --------------------------------------------------------------------------- folded reports
+
+
+def folding(n: int, offers: tuple[bool, ...] | None = None) -> tuple[CoordinatorCore, StartRun]:
+    """A started run whose ranks joined offering to fold (or as ``offers`` says)."""
+    core = CoordinatorCore(n, heartbeat_deadline=5.0)
+    offers = offers or (True,) * n
+    for rank in range(n):
+        actions = core.handle(Joined(rank, SIG, addr(rank), now=0.0, fold=offers[rank]))
+    start = actions[0].message
+    assert isinstance(start, StartRun)
+    return core, start
+
+
+def test_folding_members_report_cached_buckets_in_their_step_report() -> None:
+    """Once every bucket is agreed, a folding rank sends no ready: its digest says which
+    agreement it reduced under, which the core checks and counts as each bucket's report."""
+    core, start = folding(3)
+    assert start.fold and StartRun.from_wire(roundtrip(*start.to_wire())) == start
+    run_buckets(core, 0, 2)
+    assert end_step(core, 0) == [Broadcast(Commit(0))]
+    agreement = agreement_hash({0: spec_hash(spec(0)), 1: spec_hash(spec(1))})
+    for step in (1, 2):
+        actions: list[Action] = []
+        for rank in range(3):
+            plain = digest(rank, step)
+            actions += core.handle(
+                Digest(rank, step, plain.digest, plain.tensor_digests, cached=agreement)
+            )
+        assert actions == [Broadcast(Commit(step))]
+    assert core.seq == 2  # step 0's gos only
+    done = StepDone(1, 3, cached=agreement)
+    assert event_from_wire(roundtrip(*done.to_wire()), rank=1, now=0.0) == done
+
+
+def test_a_folded_report_under_another_agreement_names_the_rank() -> None:
+    core, _ = folding(2)
+    run_buckets(core, 0, 2)
+    end_step(core, 0)
+    only_one = agreement_hash({0: spec_hash(spec(0))})
+    plain = digest(1, 1)
+    reason = the_abort(
+        core.handle(Digest(1, 1, plain.digest, plain.tensor_digests, cached=only_one))
+    )
+    assert reason.startswith(
+        f"step 1: rank 1 reduced its buckets from the response cache under agreement {only_one}, "
+        "but the members agreed on xxh3:"
+    )
+
+
+def test_folding_needs_every_member_to_offer_it() -> None:
+    core, start = folding(2, (True, False))
+    assert not start.fold and "fold" not in start.to_wire()[1]
+    run_buckets(core, 0, 1)
+    end_step(core, 0)
+    agreement = agreement_hash({0: spec_hash(spec(0))})
+    plain = digest(0, 1)
+    reason = the_abort(
+        core.handle(Digest(0, 1, plain.digest, plain.tensor_digests, cached=agreement))
+    )
+    assert reason == (
+        "step 1: rank 0 folded its bucket reports into its step report, but not every member "
+        "of epoch 1 joined offering to fold"
+    )

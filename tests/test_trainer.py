@@ -452,8 +452,10 @@ async def test_c_ddp_001_fixed_case_both_transports(transport: str) -> None:
 
 async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache() -> None:
     """With the response cache only the first step waits for gos (one per bucket); every
-    later step reduces its buckets at once, in the first step's order. The ranks stay bitwise
-    identical and end with exactly the weights of the same run negotiating every step."""
+    later step reduces its buckets at once, in the first step's order, and (every member
+    folding) reports them only in its step report: no ready message after the first step. The
+    ranks stay bitwise identical and end with exactly the weights of the same run negotiating
+    every step."""
     world_size, steps = 3, 4
 
     def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -469,14 +471,29 @@ async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache
             gos.append(go.step)
             await forward(go)
 
+        readies: list[int] = []
+        report = trainer.client.ready
+
+        async def count_ready(step: int, *args: Any, **kwargs: Any) -> None:
+            readies.append(step)
+            await report(step, *args, **kwargs)
+
         trainer.client.on_go = count
+        trainer.client.ready = count_ready  # type: ignore[method-assign]
+        assert trainer.client.start is not None
+        assert trainer.client.start.fold == trainer.options.response_cache
         rank = trainer.dist_config.rank
         for step in range(steps):
             gen = torch.Generator().manual_seed(step)
             batch = (torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
             await trainer.train_batch(split(batch, rank, 2))
         await trainer.verified()
-        return {"gos": gos, "state": snapshot(trainer), "buckets": len(trainer.buckets)}
+        return {
+            "gos": gos,
+            "readies": readies,
+            "state": snapshot(trainer),
+            "buckets": len(trainer.buckets),
+        }
 
     finals = []
     for response_cache in (True, False):
@@ -489,9 +506,9 @@ async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache
         assert buckets == 6  # one per parameter
         for result in results:
             if response_cache:
-                assert result["gos"] == [0] * buckets
+                assert result["gos"] == result["readies"] == [0] * buckets
             else:
-                assert result["gos"] == sorted(list(range(steps)) * buckets)
+                assert result["gos"] == result["readies"] == sorted(list(range(steps)) * buckets)
             assert result["state"] == results[0]["state"]
         finals.append(results[0]["state"]["tensors"])
     assert finals[0] == finals[1]
