@@ -1385,6 +1385,13 @@ def folding(n: int, offers: tuple[bool, ...] | None = None) -> tuple[Coordinator
     return core, start
 
 
+def folded(rank: int, step: int, agreement: str) -> Digest:
+    """``digest(rank, step)`` saying every bucket was reduced from the cache under
+    ``agreement``."""
+    plain = digest(rank, step)
+    return Digest(rank, step, plain.digest, plain.tensor_digests, cached=agreement)
+
+
 def test_folding_members_report_cached_buckets_in_their_step_report() -> None:
     """Once every bucket is agreed, a folding rank sends no ready: its digest says which
     agreement it reduced under, which the core checks and counts as each bucket's report."""
@@ -1394,12 +1401,7 @@ def test_folding_members_report_cached_buckets_in_their_step_report() -> None:
     assert end_step(core, 0) == [Broadcast(Commit(0))]
     agreement = agreement_hash({0: spec_hash(spec(0)), 1: spec_hash(spec(1))})
     for step in (1, 2):
-        actions: list[Action] = []
-        for rank in range(3):
-            plain = digest(rank, step)
-            actions += core.handle(
-                Digest(rank, step, plain.digest, plain.tensor_digests, cached=agreement)
-            )
+        actions = [a for rank in range(3) for a in core.handle(folded(rank, step, agreement))]
         assert actions == [Broadcast(Commit(step))]
     assert core.seq == 2  # step 0's gos only
     done = StepDone(1, 3, cached=agreement)
@@ -1411,10 +1413,7 @@ def test_a_folded_report_under_another_agreement_names_the_rank() -> None:
     run_buckets(core, 0, 2)
     end_step(core, 0)
     only_one = agreement_hash({0: spec_hash(spec(0))})
-    plain = digest(1, 1)
-    reason = the_abort(
-        core.handle(Digest(1, 1, plain.digest, plain.tensor_digests, cached=only_one))
-    )
+    reason = the_abort(core.handle(folded(1, 1, only_one)))
     assert reason.startswith(
         f"step 1: rank 1 reduced its buckets from the response cache under agreement {only_one}, "
         "but the members agreed on xxh3:"
@@ -1426,11 +1425,7 @@ def test_folding_needs_every_member_to_offer_it() -> None:
     assert not start.fold and "fold" not in start.to_wire()[1]
     run_buckets(core, 0, 1)
     end_step(core, 0)
-    agreement = agreement_hash({0: spec_hash(spec(0))})
-    plain = digest(0, 1)
-    reason = the_abort(
-        core.handle(Digest(0, 1, plain.digest, plain.tensor_digests, cached=agreement))
-    )
+    reason = the_abort(core.handle(folded(0, 1, agreement_hash({0: spec_hash(spec(0))}))))
     assert reason == (
         "step 1: rank 0 folded its bucket reports into its step report, but not every member "
         "of epoch 1 joined offering to fold"
