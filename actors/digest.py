@@ -39,19 +39,19 @@ class StateDigest:
 
     ``names`` and ``packed`` are the same per-tensor digests as the coordinator's packed form:
     the names in order, and the digests concatenated (16 bytes each). The whole digest is the
-    XXH3-128 of ``packed``.
+    XXH3-128 of ``packed``: without ``digest``, it is computed.
     """
 
     def __init__(
         self,
-        digest: bytes,
+        digest: bytes | None,
         tensors: list[tuple[str, bytes]],
         names: tuple[str, ...] | None = None,
     ) -> None:
-        self.digest = digest
         self.tensors = tensors
         self.names = names if names is not None else tuple(name for name, _ in tensors)
         self.packed = b"".join(value for _, value in tensors)
+        self.digest = _digest128(self.packed) if digest is None else digest
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StateDigest) and self.digest == other.digest
@@ -171,9 +171,7 @@ class StateHasher:
         if names == self._names:
             names = self._names  # the same object while the layout holds: cheap to compare
         self._names = names
-        result = StateDigest(b"", per_tensor, names)
-        result.digest = _digest128(result.packed)
-        return result
+        return StateDigest(None, per_tensor, names)
 
 
 def _host_copy(value: Any) -> torch.Tensor:

@@ -548,11 +548,9 @@ class OptimizerActor(Actor):
             if self._on_applied is not None:
                 self._on_applied(step)
         if step % self.client.digest_interval == 0:
-            cpu = time.thread_time()
             started = time.perf_counter_ns()
-            digest = self._hasher.digest(self.model, self.optimizer)
+            digest = self._timed_digest()
             self._hashed = (step, digest, started, time.perf_counter_ns())
-            self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
 
 # ----------------------------------------------------------------------------- trainer

@@ -1719,6 +1719,16 @@ class CoordinatorCore:
         self._seq += 1
         return [Broadcast(go)]
 
+    def _close_buckets(self, event: Reduced | Digest | StepDone, what: str) -> list[Action] | None:
+        """The step's buckets as of ``event``, a rank's first report of its step end: take a
+        folded report (``cached``) as each bucket's, then a fault if one is still outstanding
+        for the rank (`_unfinished_buckets`)."""
+        if event.cached:
+            folded = self._fold_reports(event.rank, event.step, event.epoch, event.cached)
+            if folded:
+                return folded
+        return self._unfinished_buckets(event.rank, event.step, what)
+
     def _fold_reports(self, rank: int, step: int, epoch: int, cached: str) -> list[Action]:
         """A step report says ``rank`` reduced every bucket from the response cache under the
         agreement ``cached``: check that, then take it as a cached report of each bucket."""
@@ -1791,11 +1801,7 @@ class CoordinatorCore:
             )
         if rank in self._reduced or self._applied:
             return self._fault(rank, f"step {step}: rank {rank} sent reduced twice")
-        if event.cached:
-            folded = self._fold_reports(rank, step, event.epoch, event.cached)
-            if folded:
-                return folded
-        unfinished = self._unfinished_buckets(rank, step, "sent reduced")
+        unfinished = self._close_buckets(event, "sent reduced")
         if unfinished is not None:
             return unfinished
         self._reduced.add(rank)
@@ -1829,11 +1835,7 @@ class CoordinatorCore:
             )
         if rank in self._done:
             return self._fault(rank, f"step {step}: rank {rank} finished the step twice")
-        if event.cached:
-            folded = self._fold_reports(rank, step, event.epoch, event.cached)
-            if folded:
-                return folded
-        unfinished = self._unfinished_buckets(rank, step, "finished the step")
+        unfinished = self._close_buckets(event, "finished the step")
         if unfinished is not None:
             return unfinished
         if self._elastic and not self._applied:
