@@ -170,6 +170,13 @@ async def test_blocking_links_refuse_tls_connections(pki: dict[str, TlsConfig]) 
                 pass  # pragma: no cover - never entered
 
 
+async def test_polled_links_refuse_tls_connections(pki: dict[str, TlsConfig]) -> None:
+    async with TcpTransport.open_group(2, tls=pki["a"]) as (t0, _):
+        with pytest.raises(CollectiveError, match="plaintext TCP"):
+            async with t0.polled_links({1}):
+                pass  # pragma: no cover - never entered
+
+
 async def test_every_payload_travels_over_tls(pki: dict[str, TlsConfig]) -> None:
     messages: list[tuple[str, dict[str, Any], torch.Tensor | None]] = [
         ("refuse", {"reason": "just text"}, None),

@@ -6,12 +6,13 @@ behaving the same: the same messages accepted, the same refused, the same errors
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import torch
 import trio
-from conftest import TRANSPORT_KINDS, bitwise_equal, free_port, open_group
+from conftest import TRANSPORT_KINDS, bitwise_equal, free_port, open_group, run_ranks
 
 from runtime.collectives import all_reduce, barrier, broadcast
 from runtime.config import DistributedConfig
@@ -21,8 +22,10 @@ from runtime.errors import (
     HandshakeError,
     PeerClosed,
     ProtocolError,
+    StallError,
 )
 from runtime.tcp import TcpTransport
+from runtime.wire import encode_frame_bytes
 
 SECRET = "rendezvous-secret-for-tests"
 COLL = {"op": 0, "hop": 0, "part": 0}
@@ -356,3 +359,113 @@ async def test_a_duplicate_rank_is_refused_and_the_group_still_forms() -> None:
     assert "already taken" in str(refused[0])
     assert len(results) == 3 and {"rank0", "rank2"} <= set(results), results
     assert set(results.values()) == {6.0}
+
+
+# ------------------------------------------------------------- direct and polled control paths
+
+
+async def test_recv_matching_recognizes_the_expected_frame_and_decodes_anything_else() -> None:
+    async with TcpTransport.open_group(2) as (t0, t1):
+        signal = encode_frame_bytes("shm_step", {"op": 3, "step": 1})
+        await t0.send_frame(1, signal)
+        await t0.send(1, "shm_step", {"op": 3, "step": 2})  # same prefix length, other bytes
+        await t0.send(1, "refuse", {"reason": "a longer message than the signal"})
+        await t0.send_frame(1, signal)
+        await t0.send(1, "coll", COLL, torch.arange(10, dtype=torch.float32))
+        assert await t1.recv_matching(0, signal) is None
+        other = await t1.recv_matching(0, signal)
+        assert other is not None and (other["kind"], other["op"], other["step"]) == (
+            "shm_step",
+            3,
+            2,
+        )
+        refusal = await t1.recv_matching(0, signal)
+        assert refusal is not None and refusal["kind"] == "refuse"
+        assert await t1.recv_matching(0, signal) is None
+        with pytest.raises(ProtocolError, match="coll message with 40 bulk bytes") as info:
+            await t1.recv_matching(0, signal)
+        assert info.value.peer == 0
+
+
+async def test_direct_sends_still_let_other_tasks_run() -> None:
+    """Sends that never wait skip the scheduler, but not every time: a busy sender cannot
+    starve its neighbours."""
+    async with TcpTransport.open_group(2) as (t0, _t1):
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.lowlevel.checkpoint()
+            before = ticks
+            for step in range(200):  # ~9 KB in all: the socket buffer takes every frame
+                await t0.send(1, "shm_step", {"op": 0, "step": step})
+            assert ticks - before >= 200 // 16 - 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_big_direct_send_finishes_through_the_event_loop() -> None:
+    """A frame larger than the socket takes at once leaves partly at once, then the rest."""
+    async with TcpTransport.open_group(2) as (t0, t1):
+        big = torch.arange(24 << 20, dtype=torch.int32)  # 96 MiB: beyond any socket buffer
+        out = torch.zeros_like(big)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(t0.send, 1, "coll", COLL, big)
+            await t1.recv_into(0, out)
+        assert bitwise_equal(out, big)
+
+
+async def test_polled_links_carry_signals_between_threads_and_name_a_silent_peer() -> None:
+    async with TcpTransport.open_group(3) as group:
+        signal = encode_frame_bytes("shm_step", {"op": 7, "step": 0})
+
+        def exchange(links: Any, rank: int) -> list[object]:
+            peers = [peer for peer in range(3) if peer != rank]
+            for peer in peers:
+                links.send_frame(peer, signal)
+            deadline = time.monotonic() + 5
+            return [links.recv_matching(peer, signal, deadline) for peer in peers]
+
+        async def rank_fn(transport: Any) -> list[object]:
+            peers = {peer for peer in range(3) if peer != transport.rank}
+            async with transport.polled_links(peers) as links:
+                return await trio.to_thread.run_sync(exchange, links, transport.rank)
+
+        assert await run_ranks(group, rank_fn) == [[None, None]] * 3
+        # The connections are the event loop's again, in trio's non-blocking mode.
+        await group[0].send(1, "shm_step", {"op": 8, "step": 0})
+        assert (await group[1].recv(0))["op"] == 8
+
+        async with group[1].polled_links({0, 2}) as links:
+            started = time.monotonic()
+            with pytest.raises(StallError, match="sent nothing before the deadline") as info:
+                await trio.to_thread.run_sync(
+                    links.recv_matching, 2, signal, time.monotonic() + 0.3
+                )
+            assert info.value.peer == 2 and time.monotonic() - started < 3
+
+
+async def test_a_cancelled_polled_wait_breaks_the_links_and_wakes_the_thread() -> None:
+    async with TcpTransport.open_group(2) as (t0, _t1):
+        signal = encode_frame_bytes("shm_step", {"op": 0, "step": 0})
+        woke = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wait(links: Any) -> None:
+            try:
+                links.recv_matching(1, signal, time.monotonic() + 30)
+            finally:
+                token.run_sync_soon(woke.set)
+
+        with trio.move_on_after(0.2):
+            async with t0.polled_links({1}) as links:
+                await trio.to_thread.run_sync(wait, links, abandon_on_cancel=True)
+        with trio.fail_after(5):  # the abort shut the socket down: the thread is out at once
+            await woke.wait()
+        with pytest.raises(PeerClosed):
+            await t0.send(1, "shm_step", {"op": 0, "step": 0})
