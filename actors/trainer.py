@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -104,6 +105,11 @@ class TrainerOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     threaded_min_bytes: int = TRAINING_THREADED_MIN_BYTES
     """Buckets from this size all-reduce on blocking-socket threads (see `all_reduce`)."""
+    threaded_shared_memory: bool = True
+    """Run each shared-memory all-reduce on a worker thread rather than the event loop (see
+    `runtime.shm.SharedMemoryPlane.all_reduce`): one thread hand-off per bucket instead of
+    event-loop wake-ups per step signal, cheaper while the compute thread keeps the cores
+    busy (docs/shared_memory.md)."""
     response_cache: bool = True
     """After an epoch's first step has negotiated every bucket with the coordinator, reduce
     buckets without waiting for its go (see `GradCommActor`); the coordinator still checks
@@ -272,6 +278,9 @@ class GradCommActor(Actor):
         self.options = options
         self.trace = trace
         self.epoch = epoch
+        plane = getattr(transport, "shared_memory", None)
+        if plane is not None:
+            plane.threaded = options.threaded_shared_memory
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
@@ -426,17 +435,20 @@ class GradCommActor(Actor):
         with self.trace.span(
             "all-reduce", actor="gradient-comm", bucket=index, bytes=flat.numel() * 4
         ):
-            async with trio.open_nursery() as nursery:
-                if armed("allreduce", step):  # a fault trial dies while the ring moves
+            reduce = partial(
+                all_reduce,
+                self.transport,
+                flat,
+                "avg",
+                chunk_bytes=self.options.chunk_bytes,
+                threaded_min_bytes=self.options.threaded_min_bytes,
+            )
+            if armed("allreduce", step):  # a fault trial: this rank dies in its all-reduce
+                async with trio.open_nursery() as nursery:
                     nursery.start_soon(_die_mid_all_reduce, step)
-                await all_reduce(
-                    self.transport,
-                    flat,
-                    "avg",
-                    chunk_bytes=self.options.chunk_bytes,
-                    threaded_min_bytes=self.options.threaded_min_bytes,
-                )
-                nursery.cancel_scope.cancel()
+                    await reduce()
+            else:
+                await reduce()
         if self._packed[index]:
             grads = [param.grad for param in self._params[index]]
             bucket.unpack(flat, [g for g in grads if g is not None])
@@ -461,7 +473,9 @@ def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Te
 
 
 async def _die_mid_all_reduce(step: int) -> None:
-    # Runs at the all-reduce's first pauses: its first chunk is out, its peers' not all in.
+    # Runs at the all-reduce's first pause (the shared-memory thread's hand-off, the ring's
+    # first wait): this rank's part has started, its peers' is not all in. Never cancelled,
+    # so the kill happens even if the collective never waits (then right after it).
     await trio.lowlevel.checkpoint()
     fault_point("allreduce", step)
 

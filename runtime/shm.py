@@ -32,6 +32,7 @@ import re
 import secrets
 import socket
 import stat
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +41,10 @@ import trio
 
 from .collectives import SUPPORTED_DTYPES, _divide, segment_bounds
 from .errors import CollectiveError, ProtocolError, StallError
-from .wire import Field, register_message
+from .wire import Field, encode_frame_bytes, register_message
 
 if TYPE_CHECKING:
-    from .tcp import TcpTransport
+    from .tcp import PolledLinks, TcpTransport
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -192,7 +193,13 @@ class SharedMemoryPlane:
     """
 
     def __init__(
-        self, rank: int, layout: _Layout, mapping: mmap.mmap, min_bytes: int, path: str
+        self,
+        rank: int,
+        layout: _Layout,
+        mapping: mmap.mmap,
+        min_bytes: int,
+        path: str,
+        threaded: bool = False,
     ) -> None:
         self.rank = rank
         self.path = path
@@ -203,6 +210,8 @@ class SharedMemoryPlane:
         self._mapping: mmap.mmap | None = mapping
         self._base: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
         self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.threaded = threaded
+        """Run each all-reduce on a worker thread (see `all_reduce`); False: on the event loop."""
 
     @property
     def closed(self) -> bool:
@@ -244,15 +253,26 @@ class SharedMemoryPlane:
     ) -> None:
         """Reduce ``flat`` (contiguous, 1-D, CPU) in place across the group.
 
-        Runs in the event loop: a step's copies and sums block it for a few milliseconds at
-        most (torch releases the GIL meanwhile), and the waits are trio waits, so no thread
-        hand-off is paid per signal. A failure (or cancellation) breaks the transport, as
-        after any failed collective, so the peers fail at once rather than at their deadline.
+        By default the copies, sums and step signals run in the event loop: a step's copies
+        block it for a few milliseconds at most (torch releases the GIL meanwhile), and a
+        lone all-reduce pays no thread hand-off. With ``threaded`` they run on one worker
+        thread that holds the group's connections meanwhile (`TcpTransport.polled_links`):
+        one hand-off per all-reduce instead of a trip through the event loop for every
+        signal, which is cheaper while a compute thread keeps the cores busy (the trainer's
+        choice). A failure (or cancellation) breaks the transport, as after any failed
+        collective, so the peers fail at once rather than at their deadline.
         """
         if flat.dtype not in SUPPORTED_DTYPES:
             raise CollectiveError(f"the shared-memory plane does not sum {flat.dtype}")
         plan = _Steps(self.rank, self.world_size, self._typed(flat.dtype), flat, op)
         try:
+            if self.threaded:
+                peers = {peer for peer in range(self.world_size) if peer != self.rank}
+                async with transport.polled_links(peers) as links:
+                    await trio.to_thread.run_sync(
+                        _run_polled, plan, links, op_id, abandon_on_cancel=True
+                    )
+                return
             plan.copy_in(0)
             await _signal_all(transport, op_id, 0)
             for step in range(plan.steps):
@@ -264,6 +284,18 @@ class SharedMemoryPlane:
         except BaseException:
             transport.abort()
             raise
+
+
+def _run_polled(plan: _Steps, links: PolledLinks, op_id: int) -> None:
+    """`SharedMemoryPlane.all_reduce`'s steps on a worker thread."""
+    plan.copy_in(0)
+    _signal_all_polled(links, plan.rank, plan.n, op_id, 0)
+    for step in range(plan.steps):
+        plan.reduce(step)
+        if step + 1 < plan.steps:
+            plan.copy_in(step + 1)
+        _signal_all_polled(links, plan.rank, plan.n, op_id, step + 1)
+        plan.copy_out(step)
 
 
 class _Steps:
@@ -320,22 +352,45 @@ async def _signal_all(transport: TcpTransport, op_id: int, step: int) -> None:
     """Tell every peer this rank reached ``step``, then wait until every peer has too.
 
     Sending first cannot block: a signal is a few dozen bytes and each peer reads its backlog.
-    Each wait has the transport's ``stall_seconds`` deadline."""
+    The signal is encoded once and recognized by its bytes (`TcpTransport.recv_matching`);
+    anything else is decoded to say what came instead. The waits share one deadline, the
+    transport's ``stall_seconds``, and a stall names the first peer still silent."""
     peers = [peer for peer in range(transport.world_size) if peer != transport.rank]
-    fields = {"op": op_id, "step": step}
+    frame = encode_frame_bytes("shm_step", {"op": op_id, "step": step})
     for peer in peers:
-        await transport.send(peer, "shm_step", fields)
+        await transport.send_frame(peer, frame)
+    waiting = peers[0]
+    with trio.move_on_after(transport.stall_seconds) as scope:
+        for waiting in peers:
+            message = await transport.recv_matching(waiting, frame)
+            if message is not None:
+                _expect_step(message, op_id, step, waiting)
+    if scope.cancelled_caught:
+        raise StallError(
+            f"no signal for step {step} of shared-memory all-reduce op {op_id} within "
+            f"{transport.stall_seconds} s",
+            peer=waiting,
+        )
+
+
+def _signal_all_polled(links: PolledLinks, rank: int, n: int, op_id: int, step: int) -> None:
+    """`_signal_all` on a worker thread."""
+    peers = [peer for peer in range(n) if peer != rank]
+    frame = encode_frame_bytes("shm_step", {"op": op_id, "step": step})
+    for peer in peers:
+        links.send_frame(peer, frame)
+    deadline = time.monotonic() + links.stall_seconds
     for peer in peers:
         try:
-            with trio.fail_after(transport.stall_seconds):
-                message = await transport.recv(peer)
-        except trio.TooSlowError:
+            message = links.recv_matching(peer, frame, deadline)
+        except StallError:
             raise StallError(
                 f"no signal for step {step} of shared-memory all-reduce op {op_id} within "
-                f"{transport.stall_seconds} s",
+                f"{links.stall_seconds} s",
                 peer=peer,
             ) from None
-        _expect_step(message, op_id, step, peer)
+        if message is not None:
+            _expect_step(message, op_id, step, peer)
 
 
 def _expect_step(message: Mapping[str, Any], op_id: int, step: int, peer: int) -> None:
@@ -364,6 +419,7 @@ async def attach_shared_memory(
     min_bytes: int = SHM_MIN_BYTES,
     host: str | None = None,
     seconds: float = 30.0,
+    threaded: bool = False,
 ) -> SharedMemoryPlane | None:
     """Negotiate a shared-memory plane for the group; every rank calls this at the same point.
 
@@ -374,6 +430,7 @@ async def attach_shared_memory(
     Returns the plane, also set as ``transport.shared_memory``, or None on every rank (the
     TCP paths stay in use). Position 0's ``max_bytes``, ``step_bytes`` and ``min_bytes`` apply
     to all. A rank silent for ``seconds`` fails the call with a `StallError` naming it.
+    ``threaded`` is this rank's own choice (`SharedMemoryPlane.all_reduce`): ranks may differ.
     """
     if transport.shared_memory is not None:  # attaching again replaces the plane
         transport.shared_memory.close()
@@ -388,6 +445,8 @@ async def attach_shared_memory(
         plane = await _attach_root(transport, hello, deadline, max_bytes, step_bytes, min_bytes)
     else:
         plane = await _attach_member(transport, hello, deadline)
+    if plane is not None:
+        plane.threaded = threaded
     transport.shared_memory = plane
     return plane
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from test_collectives import REDUCE_DTYPES, check_identical, check_reduced, make_inputs, numels
 
 from runtime.collectives import all_reduce, barrier
-from runtime.errors import ProtocolError, StallError
+from runtime.errors import PeerClosed, ProtocolError, StallError
 from runtime.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory
 from runtime.tcp import TcpTransport
 from runtime.transport import Transport
@@ -48,6 +48,7 @@ class ShmCase:
     seed: int
     op: str
     two_d: bool = False
+    threaded: bool = False
 
 
 @st.composite
@@ -67,6 +68,7 @@ def shm_cases(draw: st.DrawFn) -> ShmCase:
         step_bytes=step,
         seed=draw(st.integers(0, 2**31 - 1)),
         op=draw(st.sampled_from(("sum", "avg"))),
+        threaded=draw(st.booleans()),
     )
 
 
@@ -88,7 +90,11 @@ def _reduce_both_ways(case: ShmCase) -> tuple[list, list, list, list]:
 
     async def main() -> list:
         async with TcpTransport.open_group(
-            case.n, shared_memory=True, step_bytes=case.step_bytes, min_bytes=0
+            case.n,
+            shared_memory=True,
+            step_bytes=case.step_bytes,
+            min_bytes=0,
+            threaded=case.threaded,
         ) as group:
             planes = [t.shared_memory for t in group]
             await run_ranks(group, reducer(via_shm))
@@ -115,6 +121,7 @@ def test_plane_matches_reference_and_is_bitwise_the_ring(case: ShmCase) -> None:
     inputs, via_shm, via_ring, planes = _reduce_both_ways(case)
     if case.n > 1:
         assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+        assert all(plane.threaded == case.threaded for plane in planes)
         note(f"steps of {planes[0].layout.step_bytes} bytes")
     check_reduced(via_shm[0], inputs, case.op)
     check_identical(via_shm)
@@ -188,8 +195,14 @@ async def test_paramsync_shm_env_decides_the_default(monkeypatch: pytest.MonkeyP
         assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
 
 
-async def test_silent_peer_is_a_stall_error_naming_it() -> None:
-    async with TcpTransport.open_group(3, shared_memory=True, min_bytes=0) as group:
+THREADED = pytest.mark.parametrize("threaded", [False, True], ids=["event-loop", "threaded"])
+
+
+@THREADED
+async def test_silent_peer_is_a_stall_error_naming_it(threaded: bool) -> None:
+    async with TcpTransport.open_group(
+        3, shared_memory=True, min_bytes=0, threaded=threaded
+    ) as group:
         for transport in group:
             transport.stall_seconds = 0.5
         tensor = torch.ones(50_000)
@@ -208,8 +221,11 @@ async def test_silent_peer_is_a_stall_error_naming_it() -> None:
         assert any(isinstance(r, StallError) and r.peer == 2 for r in failures), failures
 
 
-async def test_ranks_out_of_step_fail_instead_of_hanging() -> None:
-    async with TcpTransport.open_group(2, shared_memory=True, min_bytes=0) as group:
+@THREADED
+async def test_ranks_out_of_step_fail_instead_of_hanging(threaded: bool) -> None:
+    async with TcpTransport.open_group(
+        2, shared_memory=True, min_bytes=0, threaded=threaded
+    ) as group:
         group[1].shared_memory = None  # rank 1 takes the ring, rank 0 the plane
         for transport in group:
             transport.stall_seconds = 5
@@ -219,6 +235,49 @@ async def test_ranks_out_of_step_fail_instead_of_hanging() -> None:
 
         results = await run_ranks_capture(group, rank_fn, seconds=15)
         assert all(isinstance(r, ProtocolError) for r in results), results
+
+
+@THREADED
+async def test_a_signal_of_another_collective_is_named_not_taken(threaded: bool) -> None:
+    """A well-formed signal for another op fails the all-reduce naming the peer and both ops."""
+    async with TcpTransport.open_group(
+        2, shared_memory=True, min_bytes=0, threaded=threaded
+    ) as group:
+        group[1].next_op_id()  # rank 1 is one collective ahead
+
+        async def rank_fn(transport: Transport) -> object:
+            return await all_reduce(transport, torch.ones(100_000))
+
+        results = await run_ranks_capture(group, rank_fn, seconds=15)
+        assert isinstance(results[0], ProtocolError) and results[0].peer == 1, results
+        assert "sent shm_step op 1 step 0 during shared-memory all-reduce op 0" in str(results[0])
+
+
+async def test_a_cancelled_threaded_all_reduce_returns_at_once_and_breaks_the_transport() -> None:
+    async with TcpTransport.open_group(2, shared_memory=True, min_bytes=0, threaded=True) as group:
+        started = time.monotonic()
+        with trio.move_on_after(0.3):  # rank 1 never joins
+            await all_reduce(group[0], torch.ones(100_000))
+        assert time.monotonic() - started < 3
+        assert group[0].shared_memory is None  # aborted: the plane is dropped
+        assert (await group[1].recv(0))["kind"] == "shm_step"  # sent before the wait
+        with pytest.raises(PeerClosed):
+            await group[1].recv(0)  # then the peer sees the break at once
+
+
+async def test_a_peer_that_closes_mid_all_reduce_is_named() -> None:
+    async with TcpTransport.open_group(3, shared_memory=True, min_bytes=0, threaded=True) as group:
+
+        async def rank_fn(transport: Transport) -> object:
+            if transport.rank == 2:
+                await trio.sleep(0.2)
+                await transport.aclose()
+                return None
+            return await all_reduce(transport, torch.ones(100_000))
+
+        results = await run_ranks_capture(group, rank_fn, seconds=15)
+        assert all(isinstance(r, PeerClosed) for r in results[:2]), results
+        assert any(r.peer == 2 for r in results[:2]), results  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- real processes

@@ -35,6 +35,7 @@ from actors.worker import join_run, train_in_process
 from runtime.config import DistributedConfig
 from runtime.coordinator import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ActorFailed, pick_error
+from runtime.shm import SharedMemoryPlane
 from runtime.tcp import TcpTransport
 
 RUN_SECONDS = 30.0
@@ -445,6 +446,62 @@ async def test_c_ddp_001_fixed_case_both_transports(transport: str) -> None:
             "seed": 9,
         }
     )
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "event-loop"])
+async def test_the_shared_memory_plane_trains_identically_threaded_or_not(threaded: bool) -> None:
+    """Buckets above the plane's threshold all-reduce through shared memory, on a worker thread
+    or in the event loop as `threaded_shared_memory` says; either way the ranks stay bitwise
+    identical and end with the weights of the same run over the TCP ring."""
+    world_size, steps = 3, 3
+    widths = (32, 96, 64, 8)  # 9.5k parameters: a 38 KiB bucket, above the 32 KiB threshold
+    planes: list[object] = []
+    calls: list[bool] = []
+    original = SharedMemoryPlane.all_reduce
+
+    async def counted(self: SharedMemoryPlane, *args: Any) -> None:
+        calls.append(self.threaded)
+        await original(self, *args)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank, widths=widths)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        planes.append(trainer.transport.shared_memory)  # type: ignore[attr-defined]
+        rank = trainer.dist_config.rank
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            batch = (torch.randn(6, widths[0], generator=gen), torch.randn(6, 8, generator=gen))
+            await trainer.train_batch(split(batch, rank, 2))
+        await trainer.verified()
+        return snapshot(trainer)
+
+    finals = []
+    for shared_memory in (True, False):
+        options = TrainerOptions(threaded_shared_memory=threaded)
+        with trio.fail_after(RUN_SECONDS):
+            async with TcpTransport.open_group(
+                world_size, shared_memory=shared_memory
+            ) as transports:
+                SharedMemoryPlane.all_reduce = counted  # type: ignore[method-assign]
+                try:
+                    results = await train_in_process(
+                        world_size,
+                        make_replica,
+                        mse_loss,
+                        body,
+                        options=options,
+                        transports=list(transports),
+                    )
+                finally:
+                    SharedMemoryPlane.all_reduce = original  # type: ignore[method-assign]
+        assert all(result["digest"] == results[0]["digest"] for result in results)
+        finals.append(results[0]["tensors"])
+    assert calls == [threaded] * (world_size * steps)  # the first run only, one bucket a step
+    assert all(plane.threaded == threaded for plane in planes[:world_size])  # type: ignore[attr-defined]
+    assert planes[world_size:] == [None] * world_size
+    assert finals[0] == finals[1]  # bitwise the ring's weights
 
 
 # --------------------------------------------------------------------------- response cache
