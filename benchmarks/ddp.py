@@ -44,7 +44,15 @@ SYSTEMS = ("ddp", "paramsync")
 UNCHECKED = "paramsync-unchecked"
 """paramsync with the weight check off (``--check-cost``): same workers, a coordinator that
 checks digests only every 1000000 steps."""
-LABELS = {"ddp": "DDP (gloo)", "paramsync": "paramsync", UNCHECKED: "paramsync, check off"}
+VARIANT = "paramsync-variant"
+"""paramsync with the ``--variant`` trainer options on top of ``--option`` (an A/B of an option
+in the same rounds, paired with the plain paramsync run of each round)."""
+LABELS = {
+    "ddp": "DDP (gloo)",
+    "paramsync": "paramsync",
+    UNCHECKED: "paramsync, check off",
+    VARIANT: "paramsync, variant",
+}
 LAUNCH_SECONDS = 600.0
 
 
@@ -326,7 +334,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
             with open(logs[name], "w") as err:
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=ROOT)
 
-        if system in ("paramsync", UNCHECKED):
+        if system in ("paramsync", UNCHECKED, VARIANT):
             interval = 1_000_000 if system == UNCHECKED else args.digest_interval
             start(
                 "coordinator",
@@ -346,13 +354,14 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                 ],
             )
         out_path = Path(tmp) / "rank0.out"
+        variant = [f"--option={item}" for item in args.variant] if system == VARIANT else []
         with open(out_path, "w") as out:
             for rank in range(world):
                 cmd = [
                     sys.executable,
                     str(Path(__file__).resolve()),
                     "--worker",
-                    "paramsync" if system == UNCHECKED else system,
+                    "paramsync" if system in (UNCHECKED, VARIANT) else system,
                     "--rank",
                     str(rank),
                     "--world",
@@ -360,6 +369,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     "--port",
                     str(port),
                     *_model_flags(args),
+                    *variant,
                 ]
                 start(f"rank {rank}", cmd, stdout=out if rank == 0 else subprocess.DEVNULL)
         samples: list[tuple[float, float]] = []
@@ -380,11 +390,11 @@ def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) ->
     return (after[0] - before[-1]) / steps
 
 
-def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
+def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] = ()) -> list[dict]:
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in (*SYSTEMS, UNCHECKED):
+        for system in (*SYSTEMS, UNCHECKED, VARIANT):
             if (system, world) not in runs:
                 continue
             results = runs[(system, world)]
@@ -440,6 +450,17 @@ def _summarise(runs: dict, worlds: list[int]) -> list[dict]:
                 statistics.median(on["step_seconds"]) / statistics.median(off["step_seconds"]) - 1
                 for on, off in zip(checked_runs, runs[(UNCHECKED, world)])
             )
+        if VARIANT in row:
+            row["variant"] = list(variant_options)
+            # The variant against plain paramsync, round by round (they ran back to back).
+            row["variant_ratio_paired"] = statistics.median(
+                statistics.median(v["step_seconds"]) / statistics.median(p["step_seconds"])
+                for v, p in zip(runs[(VARIANT, world)], checked_runs)
+            )
+            row["variant_cpu_ratio_paired"] = statistics.median(
+                v["cpu_seconds_per_step"] / p["cpu_seconds_per_step"]
+                for v, p in zip(runs[(VARIANT, world)], checked_runs)
+            )
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
         )
@@ -485,6 +506,16 @@ def _print_table(table: list[dict]) -> None:
                 f"{row['check_cost'] * 100:+.1f} % of the step time "
                 f"({row['check_cost_paired'] * 100:+.1f} % paired round by round), "
                 f"{row['check_cpu_cost'] * 100:+.1f} % of rank 0's CPU time"
+            )
+        if VARIANT in row:
+            variant = row[VARIANT]
+            print(
+                f"n={row['world_size']}: paramsync with {' '.join(row['variant'])}: "
+                f"{variant['median_step_seconds'] * 1e3:.1f} ms a step "
+                f"({variant['median_step_seconds'] / row['ddp']['median_step_seconds']:.2f}x "
+                f"DDP, {variant['steps_per_second']:.2f} steps/s); against plain paramsync "
+                f"round by round: step time x{row['variant_ratio_paired']:.3f}, rank 0's CPU "
+                f"time x{row['variant_cpu_ratio_paired']:.3f}"
             )
         if "hash_cpu_share" in row:
             print(
@@ -542,6 +573,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a paramsync TrainerOptions field, e.g. response_cache=false (repeatable)",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also run paramsync with this TrainerOptions field changed (on top of --option), "
+        "in the same alternating rounds, and report it against plain paramsync (repeatable: "
+        "one variant with every field given)",
+    )
+    parser.add_argument(
         "--check-cost",
         action="store_true",
         help="also run paramsync with the weight check off in the same alternating rounds, "
@@ -567,6 +607,7 @@ def main() -> None:
     if args.worker:
         _run_worker(args)
         return
+    _trainer_options(args.option + args.variant)  # refuse a misspelt field before any run
     print(
         f"CharTransformer d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
         f"context {args.context}; batch {args.batch_size} per worker; AdamW lr {args.lr}; "
@@ -579,6 +620,8 @@ def main() -> None:
     for world in args.worlds:
         for round_index in range(args.rounds):
             systems = (*SYSTEMS, UNCHECKED) if args.check_cost else SYSTEMS
+            if args.variant:
+                systems = (*systems, VARIANT)
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
                 result = _launch(system, world, args)
@@ -593,7 +636,7 @@ def main() -> None:
                     + _coordinator_cpu_text(result),
                     flush=True,
                 )
-    table = _summarise(runs, args.worlds)
+    table = _summarise(runs, args.worlds, tuple(args.variant))
     print(f"model: {table[0]['parameters']} parameters, vocabulary {table[0]['vocab_size']}")
     _print_table(table)
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")
