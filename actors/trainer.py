@@ -105,11 +105,12 @@ class TrainerOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     threaded_min_bytes: int = TRAINING_THREADED_MIN_BYTES
     """Buckets from this size all-reduce on blocking-socket threads (see `all_reduce`)."""
-    threaded_shared_memory: bool = True
+    threaded_shared_memory: bool = False
     """Run each shared-memory all-reduce on a worker thread rather than the event loop (see
     `runtime.shm.SharedMemoryPlane.all_reduce`): one thread hand-off per bucket instead of
-    event-loop wake-ups per step signal, cheaper while the compute thread keeps the cores
-    busy (docs/shared_memory.md)."""
+    event-loop wake-ups per step signal. Off: on this project's 2-core machine the hand-off
+    cost 3-5 % of the step time with 2 workers and saved nothing measurable with 4
+    (BENCHMARKS.md); it may pay where the event loop is busier."""
     response_cache: bool = True
     """After an epoch's first step has negotiated every bucket with the coordinator, reduce
     buckets without waiting for its go (see `GradCommActor`); the coordinator still checks
