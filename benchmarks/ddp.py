@@ -461,6 +461,13 @@ def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] =
                 v["cpu_seconds_per_step"] / p["cpu_seconds_per_step"]
                 for v, p in zip(runs[(VARIANT, world)], checked_runs)
             )
+        # paramsync against DDP round by round (back to back in each round): the spread shows
+        # how much of a difference between the pooled medians is the machine drifting.
+        row["step_time_ratio_rounds"] = [
+            statistics.median(ours["step_seconds"]) / statistics.median(theirs["step_seconds"])
+            for ours, theirs in zip(checked_runs, runs[("ddp", world)])
+        ]
+        row["step_time_ratio_paired"] = statistics.median(row["step_time_ratio_rounds"])
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
         )
@@ -498,6 +505,11 @@ def _print_table(table: list[dict]) -> None:
             f"{row['loss_curve_max_abs_diff']:>8.1e}"
         )
     for row in table:
+        rounds = " ".join(f"{ratio:.3f}" for ratio in row["step_time_ratio_rounds"])
+        print(
+            f"n={row['world_size']}: paramsync / DDP round by round: median "
+            f"{row['step_time_ratio_paired']:.3f}x (rounds: {rounds})"
+        )
         if UNCHECKED in row:
             off = row[UNCHECKED]["median_step_seconds"]
             print(

@@ -272,18 +272,22 @@ class Coordinator:
     async def _reader(self, member: _Member, join_seconds: float) -> None:
         rank = member.rank
         join_by = trio.current_time() + join_seconds
+        joined = False
         while True:
             try:
-                with trio.CancelScope(deadline=join_by) as waiting:
+                if joined:  # no deadline scope per message once the member is in
                     message = await member.link.recv()
-                if waiting.cancelled_caught:
-                    log.warning(
-                        "rank %d authenticated but sent no join within %g s; dropped",
-                        rank,
-                        join_seconds,
-                    )
-                    return
-                join_by = math.inf
+                else:
+                    with trio.CancelScope(deadline=join_by) as waiting:
+                        message = await member.link.recv()
+                    if waiting.cancelled_caught:
+                        log.warning(
+                            "rank %d authenticated but sent no join within %g s; dropped",
+                            rank,
+                            join_seconds,
+                        )
+                        return
+                    joined = True
                 event = event_from_wire(message, rank=rank, now=trio.current_time())
             except PeerClosed as exc:
                 if not self.finished.is_set():
