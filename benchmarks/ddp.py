@@ -192,20 +192,35 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
                 if step == args.warmup - 1:
                     cpu_start = time.process_time()
                     check_start = trainer.check_cost.hash_cpu_seconds
+                    loop_start = (time.thread_time(), task_steps.count)
             # train_batch returns before its step's digest check ends (it overlaps the next
             # step); count the last one's wait in the overall time.
             await trainer.verified()
             overall = time.perf_counter() - ends[args.warmup - 1]
             cpu = (cpu_start, time.process_time())
             check = trainer.check_cost.hash_cpu_seconds - check_start
+            loop_cpu = time.thread_time() - loop_start[0]  # this task runs on the loop's thread
+            loop_steps = task_steps.count - loop_start[1]
         if args.trace:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
         result = _result(ends, losses, args.warmup, overall, info, cpu)
         # The CPU time this worker spent hashing its state for the check (its own accounting).
         result["hash_cpu_seconds_per_step"] = check / args.steps
+        # The event loop's own thread (actors, messages, the shared-memory plane's copies and
+        # signals; not the compute thread): its CPU time and trio task steps a step.
+        result["event_loop_cpu_seconds_per_step"] = loop_cpu / args.steps
+        result["task_steps_per_step"] = loop_steps / args.steps
         return result
 
-    return trio.run(main)
+    class TaskSteps(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.count = 0
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            self.count += 1
+
+    task_steps = TaskSteps()
+    return trio.run(main, instruments=[task_steps])
 
 
 def _trainer_options(items: list[str]) -> dict:
@@ -409,6 +424,11 @@ def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] =
                 "cpu_seconds_per_step": statistics.median(
                     r["cpu_seconds_per_step"] for r in results
                 ),
+                **{
+                    key: statistics.median(r[key] for r in results)
+                    for key in ("event_loop_cpu_seconds_per_step", "task_steps_per_step")
+                    if all(key in r for r in results)
+                },
                 "coordinator_cpu_seconds_per_step": (
                     statistics.median(
                         r["coordinator_cpu_seconds_per_step"]
@@ -529,6 +549,14 @@ def _print_table(table: list[dict]) -> None:
                 f"round by round: step time x{row['variant_ratio_paired']:.3f}, rank 0's CPU "
                 f"time x{row['variant_cpu_ratio_paired']:.3f}"
             )
+        loops = [
+            f"{LABELS[system]} {row[system]['event_loop_cpu_seconds_per_step'] * 1e3:.2f} ms "
+            f"({row[system]['task_steps_per_step']:.1f} task steps)"
+            for system in ("paramsync", UNCHECKED, VARIANT)
+            if system in row and "event_loop_cpu_seconds_per_step" in row[system]
+        ]
+        if loops:
+            print(f"n={row['world_size']}: rank 0's event loop, CPU a step: {'; '.join(loops)}")
         if "hash_cpu_share" in row:
             print(
                 f"n={row['world_size']}: rank 0 hashing its state for the check (its own "
