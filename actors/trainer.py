@@ -108,9 +108,9 @@ class TrainerOptions:
     threaded_shared_memory: bool = False
     """Run each shared-memory all-reduce on a worker thread rather than the event loop (see
     `runtime.shm.SharedMemoryPlane.all_reduce`): one thread hand-off per bucket instead of
-    event-loop wake-ups per step signal. Off: on this project's 2-core machine the hand-off
-    cost 3-5 % of the step time with 2 workers and saved nothing measurable with 4
-    (BENCHMARKS.md); it may pay where the event loop is busier."""
+    event-loop wake-ups per step signal. Off: on this project's 2-core machine it made the
+    step 1-5 % longer with 2 and 4 workers (BENCHMARKS.md); it may pay where the event loop
+    is busier."""
     response_cache: bool = True
     """After an epoch's first step has negotiated every bucket with the coordinator, reduce
     buckets without waiting for its go (see `GradCommActor`); the coordinator still checks

@@ -226,6 +226,21 @@ class Connection:
             raise PeerClosed("connection closed by the peer", peer=self.peer)
         return count
 
+    def _prefix_is(self, expected: bytes) -> bool:
+        """Whether the buffered prefix is ``expected``'s (then the frame is as long as it)."""
+        head = self._view[self._start : self._start + PREFIX_SIZE]
+        return len(expected) > PREFIX_SIZE and head == expected[:PREFIX_SIZE]
+
+    def _take_if(self, expected: bytes) -> bool:
+        """Consume the buffered frame if it is byte for byte ``expected``."""
+        size = len(expected)
+        if self._view[self._start : self._start + size] != expected:
+            return False
+        self._start += size
+        if self._start == self._end:
+            self._start = self._end = 0
+        return True
+
     def _take(self, count: int) -> bytes:
         data = bytes(self._view[self._start : self._start + count])
         self._start += count
@@ -291,14 +306,9 @@ class Connection:
         async with self._receiving():
             try:
                 await self._fill(PREFIX_SIZE)
-                size = len(expected)
-                head = self._view[self._start : self._start + PREFIX_SIZE]
-                if size > PREFIX_SIZE and head == expected[:PREFIX_SIZE]:
-                    await self._fill(size)  # the prefix says the frame is this long
-                    if self._view[self._start : self._start + size] == expected:
-                        self._start += size
-                        if self._start == self._end:
-                            self._start = self._end = 0
+                if self._prefix_is(expected):
+                    await self._fill(len(expected))  # the prefix says the frame is this long
+                    if self._take_if(expected):
                         return None
                 message, spec, bulk_len = await self._read_head(max_frame)
                 if spec is not None:
@@ -434,14 +444,9 @@ class Connection:
         """`recv_matching` from a worker thread (polled mode only)."""
         try:
             self._fill_polled(PREFIX_SIZE, deadline)
-            size = len(expected)
-            head = self._view[self._start : self._start + PREFIX_SIZE]
-            if size > PREFIX_SIZE and head == expected[:PREFIX_SIZE]:
-                self._fill_polled(size, deadline)
-                if self._view[self._start : self._start + size] == expected:
-                    self._start += size
-                    if self._start == self._end:
-                        self._start = self._end = 0
+            if self._prefix_is(expected):
+                self._fill_polled(len(expected), deadline)
+                if self._take_if(expected):
                     return None
             item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
             self._fill_polled(item_len - bulk_len, deadline)
