@@ -1,0 +1,25 @@
+"""benchmarks/loop_profile.py runs a small training and reports every process's event loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "loop_profile.py"), "--world", "2"]
+    command += ["--steps", "150", "--window", "6", "9", "--top", "3"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("2 workers,") and "steps/s" in lines[0]
+    for name in ("coordinator", "rank 0", "rank 1"):
+        line = next(line for line in lines if line.startswith(f"  {name}: process "))
+        assert float(line.split("event loop ")[1].split(",")[0]) > 0, line
+    parts = lines[lines.index("rank 1, parts (ms a step):") + 1 :]
+    assert {"copy_in", "reduce", "copy_out"} <= {part.split()[-1] for part in parts[:8]}
+    assert any("actor:gradient-comm" in line for line in lines)
+    assert any(line.strip().endswith("handle") for line in lines)  # the coordinator's core
