@@ -474,9 +474,10 @@ def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Te
 
 
 async def _die_mid_all_reduce(step: int) -> None:
-    # Runs at the all-reduce's first pause (the shared-memory thread's hand-off, the ring's
-    # first wait): this rank's part has started, its peers' is not all in. Never cancelled,
-    # so the kill happens even if the collective never waits (then right after it).
+    # Runs at the all-reduce's first pause (the first peer signal or ring part it waits for;
+    # with the threaded plane, the thread hand-off): this rank's part has started, its peers'
+    # is not all in. Never cancelled, so the kill happens even if the collective never waits
+    # (then right after it).
     await trio.lowlevel.checkpoint()
     fault_point("allreduce", step)
 

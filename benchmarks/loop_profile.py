@@ -111,6 +111,7 @@ def _wrapped(out: Path, window: tuple[float, float], target: list[str]) -> None:
             runpy.run_path(target[0], run_name="__main__")
     finally:
         record = {"tasks": cpu, "task_steps": steps, "parts": parts, **totals}
+        record["ended_at"] = time.monotonic() - started
         out.write_text(json.dumps(record))
 
 
@@ -182,6 +183,14 @@ def main() -> None:
         if any(proc.wait() != 0 for proc in procs):
             raise SystemExit("a process failed: " + ", ".join(str(p.returncode) for p in procs))
         records = {name: json.loads(path.read_text()) for name, path in outs.items()}
+    short = [
+        f"{name} at {r['ended_at']:.1f} s" for name, r in records.items() if "process" not in r
+    ]
+    if short:
+        raise SystemExit(
+            f"the run ended before the window ({args.window[0]:g}-{args.window[1]:g} s) closed: "
+            f"{', '.join(short)}; give it more --steps"
+        )
     result = json.loads(rank0.strip().splitlines()[-1])
     per_step = 1.0 / (result["steps_per_second"] * (args.window[1] - args.window[0]))
     print(f"{args.world} workers, {result['steps_per_second']:.2f} steps/s; CPU a step (ms):")

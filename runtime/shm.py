@@ -258,9 +258,10 @@ class SharedMemoryPlane:
         lone all-reduce pays no thread hand-off. With ``threaded`` they run on one worker
         thread that holds the group's connections meanwhile (`TcpTransport.polled_links`):
         one hand-off per all-reduce instead of a trip through the event loop for every
-        signal, which is cheaper while a compute thread keeps the cores busy (the trainer's
-        choice). A failure (or cancellation) breaks the transport, as after any failed
-        collective, so the peers fail at once rather than at their deadline.
+        signal. That takes CPU off the event loop but, on a 2-core machine under training,
+        costs more than it saves (docs/shared_memory.md), hence the default. A failure (or
+        cancellation) breaks the transport, as after any failed collective, so the peers fail
+        at once rather than at their deadline.
         """
         if flat.dtype not in SUPPORTED_DTYPES:
             raise CollectiveError(f"the shared-memory plane does not sum {flat.dtype}")

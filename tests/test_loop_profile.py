@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "loop_profile.py"), "--world", "2"]
-    command += ["--steps", "150", "--window", "6", "9", "--top", "3"]
+    command += ["--steps", "400", "--window", "5", "8", "--top", "3"]  # the run outlasts 8 s
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
@@ -23,3 +23,12 @@ def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
     assert {"copy_in", "reduce", "copy_out"} <= {part.split()[-1] for part in parts[:8]}
     assert any("actor:gradient-comm" in line for line in lines)
     assert any(line.strip().endswith("handle") for line in lines)  # the coordinator's core
+
+
+def test_loop_profile_says_when_the_run_is_shorter_than_its_window() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "loop_profile.py"), "--world", "2"]
+    command += ["--steps", "2", "--window", "60", "61"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "the run ended before the window (60-61 s) closed" in done.stderr
+    assert "give it more --steps" in done.stderr
