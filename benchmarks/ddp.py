@@ -405,6 +405,18 @@ def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) ->
     return (after[0] - before[-1]) / steps
 
 
+def _round_ratios(ours: list[dict], theirs: list[dict], key: str = "step_seconds") -> list[float]:
+    """Round by round, ``ours`` over ``theirs`` (each round ran them back to back): the median
+    step time, or another per-run figure. Steadier than a ratio of pooled medians when the
+    machine's speed drifts during a run."""
+
+    def figure(run: dict) -> float:
+        value = run[key]
+        return statistics.median(value) if isinstance(value, list) else value
+
+    return [figure(a) / figure(b) for a, b in zip(ours, theirs)]
+
+
 def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] = ()) -> list[dict]:
     table = []
     for world in worlds:
@@ -464,29 +476,18 @@ def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] =
             row["check_cpu_cost"] = (
                 checked["cpu_seconds_per_step"] / unchecked["cpu_seconds_per_step"] - 1
             )
-            # Round by round (the two ran back to back): the median of the paired differences
-            # is steadier than the difference of pooled medians when the machine's speed drifts.
-            row["check_cost_paired"] = statistics.median(
-                statistics.median(on["step_seconds"]) / statistics.median(off["step_seconds"]) - 1
-                for on, off in zip(checked_runs, runs[(UNCHECKED, world)])
+            row["check_cost_paired"] = (
+                statistics.median(_round_ratios(checked_runs, runs[(UNCHECKED, world)])) - 1
             )
         if VARIANT in row:
             row["variant"] = list(variant_options)
-            # The variant against plain paramsync, round by round (they ran back to back).
-            row["variant_ratio_paired"] = statistics.median(
-                statistics.median(v["step_seconds"]) / statistics.median(p["step_seconds"])
-                for v, p in zip(runs[(VARIANT, world)], checked_runs)
-            )
+            variants = runs[(VARIANT, world)]
+            row["variant_ratio_paired"] = statistics.median(_round_ratios(variants, checked_runs))
             row["variant_cpu_ratio_paired"] = statistics.median(
-                v["cpu_seconds_per_step"] / p["cpu_seconds_per_step"]
-                for v, p in zip(runs[(VARIANT, world)], checked_runs)
+                _round_ratios(variants, checked_runs, "cpu_seconds_per_step")
             )
-        # paramsync against DDP round by round (back to back in each round): the spread shows
-        # how much of a difference between the pooled medians is the machine drifting.
-        row["step_time_ratio_rounds"] = [
-            statistics.median(ours["step_seconds"]) / statistics.median(theirs["step_seconds"])
-            for ours, theirs in zip(checked_runs, runs[("ddp", world)])
-        ]
+        # paramsync against DDP round by round: the spread shows the machine's drift.
+        row["step_time_ratio_rounds"] = _round_ratios(checked_runs, runs[("ddp", world)])
         row["step_time_ratio_paired"] = statistics.median(row["step_time_ratio_rounds"])
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]

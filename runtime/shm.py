@@ -33,7 +33,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -274,14 +274,8 @@ class SharedMemoryPlane:
                         _run_polled, plan, links, op_id, abandon_on_cancel=True
                     )
                 return
-            plan.copy_in(0)
-            await _signal_all(transport, op_id, 0)
-            for step in range(plan.steps):
-                plan.reduce(step)
-                if step + 1 < plan.steps:
-                    plan.copy_in(step + 1)
-                await _signal_all(transport, op_id, step + 1)
-                plan.copy_out(step)
+            for signal in plan.run():
+                await _signal_all(transport, op_id, signal)
         except BaseException:
             transport.abort()
             raise
@@ -289,14 +283,8 @@ class SharedMemoryPlane:
 
 def _run_polled(plan: _Steps, links: PolledLinks, op_id: int) -> None:
     """`SharedMemoryPlane.all_reduce`'s steps on a worker thread."""
-    plan.copy_in(0)
-    _signal_all_polled(links, plan.rank, plan.n, op_id, 0)
-    for step in range(plan.steps):
-        plan.reduce(step)
-        if step + 1 < plan.steps:
-            plan.copy_in(step + 1)
-        _signal_all_polled(links, plan.rank, plan.n, op_id, step + 1)
-        plan.copy_out(step)
+    for signal in plan.run():
+        _signal_all_polled(links, plan.rank, plan.n, op_id, signal)
 
 
 class _Steps:
@@ -317,6 +305,18 @@ class _Steps:
         longest = self.bounds[0][1] - self.bounds[0][0]  # segment 0 is never shorter
         self.steps = max(1, -(-longest // self.cap))
         self.order = [(rank + i) % n for i in range(n)]  # the ring's order for segment `rank`
+
+    def run(self) -> Iterator[int]:
+        """Do the copies and sums in order, pausing at each signal: yields the step to signal,
+        and goes on once the caller has exchanged it with every peer."""
+        self.copy_in(0)
+        yield 0
+        for step in range(self.steps):
+            self.reduce(step)
+            if step + 1 < self.steps:
+                self.copy_in(step + 1)
+            yield step + 1
+            self.copy_out(step)
 
     def _piece(self, segment: int, step: int) -> tuple[int, int]:
         lo = self.bounds[segment][0] + step * self.cap
@@ -367,11 +367,7 @@ async def _signal_all(transport: TcpTransport, op_id: int, step: int) -> None:
             if message is not None:
                 _expect_step(message, op_id, step, waiting)
     if scope.cancelled_caught:
-        raise StallError(
-            f"no signal for step {step} of shared-memory all-reduce op {op_id} within "
-            f"{transport.stall_seconds} s",
-            peer=waiting,
-        )
+        raise _no_signal(op_id, step, transport.stall_seconds, waiting)
 
 
 def _signal_all_polled(links: PolledLinks, rank: int, n: int, op_id: int, step: int) -> None:
@@ -385,13 +381,16 @@ def _signal_all_polled(links: PolledLinks, rank: int, n: int, op_id: int, step: 
         try:
             message = links.recv_matching(peer, frame, deadline)
         except StallError:
-            raise StallError(
-                f"no signal for step {step} of shared-memory all-reduce op {op_id} within "
-                f"{links.stall_seconds} s",
-                peer=peer,
-            ) from None
+            raise _no_signal(op_id, step, links.stall_seconds, peer) from None
         if message is not None:
             _expect_step(message, op_id, step, peer)
+
+
+def _no_signal(op_id: int, step: int, seconds: float, peer: int) -> StallError:
+    return StallError(
+        f"no signal for step {step} of shared-memory all-reduce op {op_id} within {seconds} s",
+        peer=peer,
+    )
 
 
 def _expect_step(message: Mapping[str, Any], op_id: int, step: int, peer: int) -> None:
