@@ -28,6 +28,7 @@ load hits both alike.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -54,6 +55,8 @@ LABELS = {
     VARIANT: "paramsync, variant",
 }
 LAUNCH_SECONDS = 600.0
+POLL_SECONDS = 0.05
+"""How often the driver checks its processes (and samples the coordinator's CPU time)."""
 
 
 def _free_port() -> int:
@@ -322,7 +325,9 @@ def _wait_all(
                 break
         if failure is None and time.monotonic() > deadline:
             failure = f"{what}: still running after {LAUNCH_SECONDS:.0f} s"
-        time.sleep(0.01 if sampled is not None else 0.05)
+        # The same slow poll for every system: a 10 ms poll of the coordinator's CPU once
+        # took 1 % of the machine's CPU from the paramsync runs alone (perf, 2 cores).
+        time.sleep(POLL_SECONDS)
     if failure is None:
         return
     for proc in pending.values():
@@ -395,14 +400,22 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
 
 
 def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) -> float | None:
-    """The coordinator's CPU time per step over rank 0's timed window (sampled every ~10 ms
-    at the kernel's clock-tick resolution: a rough figure; None without samples)."""
+    """The coordinator's CPU time per step over rank 0's timed window (sampled every
+    ``POLL_SECONDS`` at the kernel's clock-tick resolution and interpolated at the window's
+    ends: a rough figure; None without samples around the window)."""
     start, end = result["window"]
-    before = [cpu for t, cpu in samples if t <= start]
-    after = [cpu for t, cpu in samples if t >= end]
-    if not before or not after:
+    at_start, at_end = _cpu_at(samples, start), _cpu_at(samples, end)
+    if at_start is None or at_end is None:
         return None
-    return (after[0] - before[-1]) / steps
+    return (at_end - at_start) / steps
+
+
+def _cpu_at(samples: list[tuple[float, float]], moment: float) -> float | None:
+    """The CPU time at ``moment``, linear between the samples on either side of it."""
+    for (t0, cpu0), (t1, cpu1) in itertools.pairwise(samples):
+        if t0 <= moment <= t1:
+            return cpu0 if t1 == t0 else cpu0 + (cpu1 - cpu0) * (moment - t0) / (t1 - t0)
+    return None
 
 
 def _round_ratios(ours: list[dict], theirs: list[dict], key: str = "step_seconds") -> list[float]:
