@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,33 @@ class CoordinatorClient:
         self._applied = -1
         self._commit_changed = trio.Event()
         self._failure: BaseException | None = None
+        self._deferring = 0
+        """How many `reads_deferred` blocks are open (reads wait while any is)."""
+        self._reads_resumed = trio.Event()
+        self._read_wait: trio.CancelScope | None = None
+        """The reader's wait for the coordinator's next bytes: cancelled to defer reads."""
+
+    @contextmanager
+    def reads_deferred(self) -> Iterator[None]:
+        """Leave the coordinator's messages unread during the block; they are read when it
+        ends.
+
+        For a worker's forward and backward once its epoch has agreed every bucket: nothing
+        in them waits for the coordinator, while reading a message there (a commit, which
+        arrives mid-compute) wakes the event loop, whose Python then takes the GIL from the
+        compute thread. Read after the compute, the commit is already waiting in the socket
+        and costs no wake-up of its own. Heartbeats still leave on time; a link that cannot
+        tell whether bytes wait (TLS) is read as before."""
+        self._deferring += 1
+        if self._read_wait is not None:
+            self._read_wait.cancel()
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if not self._deferring:
+                self._reads_resumed.set()
+                self._reads_resumed = trio.Event()
 
     async def join(
         self,
@@ -197,7 +225,14 @@ class CoordinatorClient:
         """The coordinator's next message; its heartbeats are consumed here. More than
         ``silence`` seconds without a byte means the coordinator is lost."""
         while True:
+            while self._deferring:
+                await self._reads_resumed.wait()
             with trio.move_on_after(silence):
+                with trio.CancelScope() as self._read_wait:
+                    await self.link.wait_readable()
+                self._read_wait = None
+                if self._deferring:
+                    continue  # deferred while waiting: nothing was read
                 raw = await self.link.recv()
                 if raw.get("kind") != "heartbeat":
                     return message_from_wire(raw)

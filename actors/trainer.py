@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -157,11 +157,13 @@ class OptimizerStep:
 
 @dataclass(frozen=True)
 class Verify:
-    """Report ``step``'s state digest and wait for the coordinator's commit; ``force``: a
-    digest even off the digest interval (an epoch's starting-state check)."""
+    """Report ``step``'s state digest; ``force``: a digest even off the digest interval (an
+    epoch's starting-state check); ``wait``: then wait for the coordinator's commit (the next
+    `OptimizerStep` waits for it anyway)."""
 
     step: int
     force: bool = False
+    wait: bool = False
 
 
 @dataclass
@@ -487,10 +489,12 @@ class OptimizerActor(Actor):
 
     The digest of step s is hashed in the optimizer step's own thread call, right after the
     step: hashing beside the next forward pass instead made the two threads trade the GIL at
-    every torch op, which cost more than the hash. Reporting it and waiting for the commit run
-    while step s+1 computes forward and backward, which only read the weights; the next
-    optimizer step waits in the mailbox behind, so no weight changes before step s is
-    committed everywhere.
+    every torch op, which cost more than the hash. The report leaves while step s+1 computes
+    forward and backward, which only read the weights; step s+1's optimizer step first waits
+    for step s's commit, so no weight changes before step s is committed everywhere. (Waiting
+    for the commit right after the report instead woke the event loop in the middle of the
+    next compute, when the commit came in; it now waits in the socket until the compute ends,
+    see `CoordinatorClient.reads_deferred`.)
     """
 
     accepts = (OptimizerStep, Verify)
@@ -523,6 +527,8 @@ class OptimizerActor(Actor):
 
     async def handle(self, message: object) -> None:
         if isinstance(message, OptimizerStep):
+            with self.trace.span("commit-wait", actor="optimizer", step=message.step - 1):
+                await self.client.wait_commit(message.step - 1)
             with self.trace.span("optimizer", actor="optimizer", step=message.step):
                 await trio.to_thread.run_sync(self.apply, message.step)
             return
@@ -545,8 +551,9 @@ class OptimizerActor(Actor):
             self._names_sent = digest.names
         else:
             await self.client.step_done(step, self.epoch)
-        with self.trace.span("commit-wait", actor="optimizer", step=step):
-            await self.client.wait_commit(step)
+        if message.wait:
+            with self.trace.span("commit-wait", actor="optimizer", step=step):
+                await self.client.wait_commit(step)
 
     def _timed_digest(self) -> StateDigest:
         cpu = time.thread_time()
@@ -1029,9 +1036,12 @@ class DistributedTrainer:
                 state = epoch.comm.begin_step(step)
                 micro_batches = _split(batch, self.options.accumulation_steps)
                 total = 0.0
-                for index, micro in enumerate(micro_batches):
-                    last = index == len(micro_batches) - 1
-                    total += await epoch.compute.ask(Backward(step, micro, last))
+                # Once every bucket is agreed, the compute needs nothing from the coordinator:
+                # its messages (the last step's commit) wait until the compute is done.
+                with self.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
+                    for index, micro in enumerate(micro_batches):
+                        last = index == len(micro_batches) - 1
+                        total += await epoch.compute.ask(Backward(step, micro, last))
                 loss = total / len(micro_batches)
                 self._last_loss, self._last_loss_step = loss, step
                 with self.trace.span("grad-wait", actor="trainer", step=step):
@@ -1049,7 +1059,7 @@ class DistributedTrainer:
                 if self.options.verify_overlap:
                     await epoch.optimizer.tell(Verify(step))
                 else:
-                    await epoch.optimizer.ask(Verify(step))
+                    await epoch.optimizer.ask(Verify(step, wait=True))
         except Exception as exc:
             if scope.cancel_called:  # the epoch ended under the step
                 raise _StepAborted from exc

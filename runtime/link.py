@@ -35,6 +35,12 @@ class Link(Protocol):
         """Receive the next message; PeerClosed when the other end is gone."""
         ...
 
+    async def wait_readable(self) -> None:
+        """Return once the next `recv` need not wait for the peer (a message, or the end of
+        the link, is there), or earlier where the link cannot tell. Cancelling it loses
+        nothing: a reader can stop waiting without touching the stream."""
+        ...
+
     async def aclose(self) -> None:
         """Close this end; the other end's receive raises PeerClosed."""
         ...
@@ -53,6 +59,8 @@ class MemoryLink:
         self._receive = receive
         self.peer = peer
         self.closed = False
+        self._ahead: bytes | None = None
+        """A frame `wait_readable` took off the channel, for the next `recv`."""
 
     @classmethod
     def pair(
@@ -79,11 +87,24 @@ class MemoryLink:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerClosed("link closed", peer=self.peer) from None
 
+    async def wait_readable(self) -> None:
+        if self._ahead is None:
+            try:
+                self._ahead = await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
+                return  # recv raises PeerClosed
+        else:
+            await trio.lowlevel.checkpoint()
+
     async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-        try:
-            frame = await self._receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
-            raise PeerClosed("link closed", peer=self.peer) from None
+        frame, self._ahead = self._ahead, None
+        if frame is None:
+            try:
+                frame = await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
+                raise PeerClosed("link closed", peer=self.peer) from None
+        else:
+            await trio.lowlevel.checkpoint()
         try:
             return decode_frame(frame, max_frame)
         except ProtocolError as exc:

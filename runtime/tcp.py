@@ -274,6 +274,16 @@ class Connection:
         message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
         return message, spec, bulk_len
 
+    async def wait_readable(self) -> None:
+        """Return once bytes from the peer wait to be read (or the connection has ended), so
+        that the `recv` after it starts at once. Cancelling it loses nothing."""
+        if self._end > self._start:
+            return
+        try:
+            await trio.lowlevel.wait_readable(self._sock)
+        except (trio.ClosedResourceError, OSError):
+            return  # the recv after it says what happened
+
     async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
         """Receive one message; a bulk tensor is allocated and filled.
 
@@ -532,6 +542,11 @@ class _TlsConnection(Connection):
             raise PeerClosed("connection closed by the peer", peer=self.peer)
         view[:count] = data
         return count
+
+    async def wait_readable(self) -> None:
+        """Returns at once: decrypted bytes may wait inside the TLS layer, where the socket
+        cannot show them, so a TLS link is read as its messages come."""
+        await trio.lowlevel.checkpoint()
 
     def _raw_socket(self) -> socket.socket:
         raise CollectiveError(

@@ -1,0 +1,123 @@
+"""The worker's side of the control link (`actors.client`): deferred reads.
+
+The test plays the coordinator on the other end of an in-process link, on trio's mock clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from actors.client import CoordinatorClient, CoordinatorLost
+from actors.trainer import OptimizerActor, OptimizerStep, TrainerOptions, Verify
+from runtime.actor import ActorSystem
+from runtime.coordinator_core import Commit, StartRun
+from runtime.link import MemoryLink
+from runtime.trace import TraceRecorder
+
+
+async def _send(link: MemoryLink, message: Commit) -> None:
+    kind, fields = message.to_wire()
+    await link.send(kind, fields)
+
+
+async def _committed(client: CoordinatorClient, step: int) -> bool:
+    """Whether ``step``'s commit has been read (without waiting for it)."""
+    with trio.move_on_after(0.001) as scope:
+        await client.wait_commit(step)
+    return not scope.cancelled_caught
+
+
+async def test_messages_wait_while_reads_are_deferred_and_are_read_after(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    coordinator, worker = MemoryLink.pair("worker", "coordinator")
+    client = CoordinatorClient(worker, rank=0, heartbeat_seconds=5.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.serve)
+        await _send(coordinator, Commit(step=0, epoch=0))
+        await trio.testing.wait_all_tasks_blocked()
+        assert await _committed(client, 0)  # read at once
+
+        with client.reads_deferred():  # the reader is waiting: its wait is called off
+            await _send(coordinator, Commit(step=1, epoch=0))
+            await trio.sleep(12)
+            assert not await _committed(client, 1)
+            with client.reads_deferred():  # nested blocks: reads resume after the outer
+                pass
+            await trio.testing.wait_all_tasks_blocked()
+            assert not await _committed(client, 1)
+            # Heartbeats still leave on time meanwhile (12 s at one per 5 s).
+            beats = 0
+            for _ in range(2):
+                with trio.move_on_after(0.001):
+                    beats += (await coordinator.recv())["kind"] == "heartbeat"
+            assert beats == 2
+        with trio.fail_after(1):
+            await client.wait_commit(1)  # read as soon as the block ended
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_silence_deadline_still_holds_outside_deferred_reads(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reader that waits for readability still notices a coordinator gone silent."""
+    _coordinator, worker = MemoryLink.pair("worker", "coordinator")
+    client = CoordinatorClient(worker, rank=0, heartbeat_seconds=100.0)
+    client.begin_epoch(StartRun(addresses=(("127.0.0.1", 1),), ring=(0,), heartbeat_deadline=3))
+    with pytest.raises(ExceptionGroup) as info:
+        with trio.fail_after(10):
+            await client.serve()
+    assert info.group_contains(CoordinatorLost, match="sent nothing for 3 s")
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    return model, optimizer
+
+
+async def test_an_optimizer_step_waits_for_the_previous_steps_commit() -> None:
+    """Step s's report leaves without waiting; step s+1's weights change only once step s is
+    committed everywhere (C-DDP-001: the check compares states no step has moved on from).
+    On the real clock: the optimizer step runs on a thread, which a mock clock would not
+    wait for."""
+    coordinator, worker = MemoryLink.pair("worker", "coordinator")
+    client = CoordinatorClient(worker, rank=0, heartbeat_seconds=100.0)
+    model, optimizer = _model_and_optimizer()
+    actor = OptimizerActor(
+        model, optimizer, client, TrainerOptions(), TraceRecorder.disabled(), epoch=0
+    )
+    async with trio.open_nursery() as nursery, ActorSystem() as system:
+        await nursery.start(client.serve)
+        await system.start(actor)
+        await _send(coordinator, Commit(step=0, epoch=0))
+        await actor.ask(OptimizerStep(1))
+        after_1 = model.weight.detach().clone()
+        await actor.tell(Verify(1))
+        report = await coordinator.recv()
+        while report["kind"] == "heartbeat":
+            report = await coordinator.recv()
+        assert (report["kind"], report["step"]) == ("digest", 1)
+
+        for param in model.parameters():  # step 2's gradients (step 1 zeroed them)
+            param.grad.fill_(1.0)
+        applied = trio.Event()
+
+        async def step_2() -> None:
+            await actor.ask(OptimizerStep(2))
+            applied.set()
+
+        nursery.start_soon(step_2)
+        await trio.sleep(0.5)
+        assert not applied.is_set()
+        assert torch.equal(model.weight, after_1)  # no weight moved before the commit
+        await _send(coordinator, Commit(step=1, epoch=0))
+        with trio.fail_after(30):
+            await applied.wait()
+        assert not torch.equal(model.weight, after_1)
+        nursery.cancel_scope.cancel()
