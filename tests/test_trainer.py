@@ -603,6 +603,40 @@ async def test_gradients_replaced_between_steps_are_copied_then_bound_again() ->
     assert finals[0] == finals[1]
 
 
+async def test_after_each_step_every_gradient_is_zero_and_still_its_buckets_view() -> None:
+    """The optimizer actor zeroes the gradients as ``zero_grad(set_to_none=False)`` does (a
+    bucket in one fill): the trainable ones stay views of their bucket, and a gradient the
+    user put on a frozen parameter the optimizer holds is zeroed too."""
+    world_size = 2
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank, widths=(4, 6, 2))
+        model[0].bias.requires_grad_(False)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    async def body(trainer: DistributedTrainer) -> list[str]:
+        rank = trainer.dist_config.rank
+        params = dict(trainer.model.named_parameters())
+        frozen = params["0.bias"]
+        seen: list[str] = []
+        for step in range(3):
+            frozen.grad = torch.ones_like(frozen)
+            gen = torch.Generator().manual_seed(step)
+            batch = (torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen))
+            await trainer.train_batch(split(batch, rank, 2))
+            for name, param in params.items():
+                assert param.grad is not None and not param.grad.any(), (step, name)
+                if name != "0.bias":
+                    assert param.grad._base is not None, (step, name)  # the bucket's view
+                    seen.append(name)
+        await trainer.verified()
+        return sorted(set(seen))
+
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(world_size, make_replica, mse_loss, body)
+    assert results[0] == results[1] == ["0.weight", "2.bias", "2.weight"]
+
+
 # --------------------------------------------------------------------------- frozen params
 
 
