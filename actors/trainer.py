@@ -178,7 +178,14 @@ class _StepState:
 
 
 class ComputeActor(Actor):
-    """Forward and backward in a worker thread; hooks announce finished gradient buckets."""
+    """Forward and backward in a worker thread; hooks announce finished gradient buckets.
+
+    ``on_bucket(step, bucket)`` runs in the event loop. A bucket that backward finishes while
+    others are still being computed is handed to it from the backward thread at once (its
+    all-reduce overlaps the rest of backward); the last one is announced when backward
+    returns, which wakes the event loop anyway: handing it over from the thread too would
+    wake the loop a second time for the same moment.
+    """
 
     accepts = (Backward,)
 
@@ -200,6 +207,11 @@ class ComputeActor(Actor):
         self._pending: list[int] = [len(b.names) for b in buckets]
         self._sizes = [len(b.names) for b in buckets]
         self._sync_step: int | None = None
+        self._left = 0
+        """Buckets of the current backward not finished yet."""
+        self._last: tuple[int, int] | None = None
+        """(step, bucket): the backward's last bucket, announced when it returns."""
+        self._token = trio.lowlevel.current_trio_token()
         self._hooks = [
             self._params[name].register_post_accumulate_grad_hook(self._make_hook(name))
             for name in self._bucket_of
@@ -213,7 +225,11 @@ class ComputeActor(Actor):
                 return
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
-                self._on_bucket(self._sync_step, bucket)
+                self._left -= 1
+                if self._left:
+                    self._token.run_sync_soon(self._on_bucket, self._sync_step, bucket)
+                else:
+                    self._last = (self._sync_step, bucket)
 
         return hook
 
@@ -224,11 +240,17 @@ class ComputeActor(Actor):
 
     async def handle(self, message: object) -> float:
         assert isinstance(message, Backward)
-        return await trio.to_thread.run_sync(self._backward, message)
+        loss = await trio.to_thread.run_sync(self._backward, message)
+        last, self._last = self._last, None
+        if last is not None:
+            self._on_bucket(*last)
+        return loss
 
     def _backward(self, message: Backward) -> float:
+        self._last = None
         if message.sync:
             self._pending = list(self._sizes)
+            self._left = len(self._sizes)
             self._sync_step = message.step
         try:
             fault_point("forward", message.step)
@@ -679,7 +701,6 @@ class DistributedTrainer:
         self._announced: list[StartRun | Hold] = []
         self._announced_event = trio.Event()
         self._step_scope: trio.CancelScope | None = None
-        self._token = trio.lowlevel.current_trio_token()
         self._last_loss, self._last_loss_step = math.nan, -1
         self._held = trio.Event()
         """Set while the supervisor holds: no epoch live, the state at rest."""
@@ -904,12 +925,9 @@ class DistributedTrainer:
             start.epoch,
             fold=start.fold,
         )
-        token = self._token
 
         def on_bucket(step: int, bucket: int) -> None:
-            # Called on the backward thread, which goes on at once: the event loop queues the
-            # bucket for the comm actor when it next turns.
-            token.run_sync_soon(comm.ready_soon, BucketReady(step, bucket))
+            comm.ready_soon(BucketReady(step, bucket))
 
         compute = ComputeActor(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
         optimizer = OptimizerActor(

@@ -23,20 +23,24 @@ from typing import Any
 import pytest
 import torch
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from actors.buckets import plan_buckets
 from actors.client import RunAborted
 from actors.digest import state_digest
 from actors.model import CharTransformer
-from actors.trainer import DistributedTrainer, TrainerOptions
+from actors.trainer import Backward, ComputeActor, DistributedTrainer, TrainerOptions
 from actors.worker import join_run, train_in_process
+from runtime.actor import ActorSystem
 from runtime.config import DistributedConfig
 from runtime.coordinator import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ActorFailed, pick_error
 from runtime.shm import SharedMemoryPlane
 from runtime.tcp import TcpTransport
+from runtime.trace import TraceRecorder
 
 RUN_SECONDS = 30.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""
@@ -635,6 +639,48 @@ async def test_after_each_step_every_gradient_is_zero_and_still_its_buckets_view
     with trio.fail_after(RUN_SECONDS):
         results = await train_in_process(world_size, make_replica, mse_loss, body)
     assert results[0] == results[1] == ["0.weight", "2.bias", "2.weight"]
+
+
+async def test_backward_hands_over_buckets_as_they_finish_and_the_last_with_its_return() -> None:
+    """Every bucket is announced once a step. Those finished while backward still runs leave
+    the backward thread at once (their all-reduce overlaps the rest of backward); the last one
+    is announced when backward returns, with no hand-over of its own."""
+    model = mlp(0, widths=(4, 6, 6, 2))
+    buckets = plan_buckets(list(model.named_parameters()), bucket_bytes=1)  # one per param
+    announced: list[tuple[int, int]] = []
+    handed_over: list[int] = []
+    compute = ComputeActor(
+        model,
+        mse_loss,
+        buckets,
+        lambda step, bucket: announced.append((step, bucket)),
+        TraceRecorder.disabled(),
+    )
+    token = compute._token
+
+    class CountingToken:
+        def run_sync_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+            handed_over.append(args[1])
+            token.run_sync_soon(fn, *args)
+
+    compute._token = CountingToken()  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen))
+    async with ActorSystem() as system:
+        await system.start(compute)
+        for step in range(2):
+            announced.clear()
+            handed_over.clear()
+            await compute.ask(Backward(step, batch, True))
+            await trio.testing.wait_all_tasks_blocked()
+            assert sorted(announced) == [(step, b.index) for b in buckets]
+            assert len(handed_over) == len(buckets) - 1
+            last = announced[-1][1]
+            assert last not in handed_over  # the last came with backward's return
+        await compute.ask(Backward(2, batch, False))  # an accumulation step: no announcement
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(announced) == len(buckets)
+    compute.remove_hooks()
 
 
 # --------------------------------------------------------------------------- frozen params
