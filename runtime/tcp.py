@@ -142,11 +142,8 @@ class Connection:
         await self._send_locked([frame])
 
     async def _send_locked(self, parts: list[bytes | memoryview]) -> None:
-        lock = self._send_lock
-        if self.direct and not lock.locked() and _may_skip_schedule():
-            await trio.lowlevel.checkpoint_if_cancelled()
-            lock.acquire_nowait()
-            try:
+        async with self._holding(self._send_lock) as direct:
+            if direct:  # try the socket at once; what it does not take goes through trio
                 views = [memoryview(part).cast("B") for part in parts]
                 try:
                     _consume(views, self._raw_socket().sendmsg(views, (), _DONTWAIT))
@@ -156,13 +153,24 @@ class Connection:
                     raise PeerClosed(
                         f"connection lost while sending: {exc}", peer=self.peer
                     ) from None
-                if views:
-                    await self._send_parts(views)
+                parts = views
+            if parts:
+                await self._send_parts(parts)
+
+    @asynccontextmanager
+    async def _holding(self, lock: trio.StrictFIFOLock) -> AsyncIterator[bool]:
+        """Hold ``lock``; yields True when it was free and taken without a scheduler trip
+        (`_may_skip_schedule`), so the caller may try the socket directly too."""
+        if self.direct and not lock.locked() and _may_skip_schedule():
+            await trio.lowlevel.checkpoint_if_cancelled()
+            lock.acquire_nowait()
+            try:
+                yield True
             finally:
                 lock.release()
             return
         async with lock:
-            await self._send_parts(parts)
+            yield False
 
     async def _send_parts(self, parts: list[bytes | memoryview]) -> None:
         views = [memoryview(part).cast("B") for part in parts]
@@ -175,21 +183,6 @@ class Connection:
             raise PeerClosed("connection closed", peer=self.peer) from None
 
     # ---------------------------------------------------------------- receiving
-
-    @asynccontextmanager
-    async def _receiving(self) -> AsyncIterator[None]:
-        """Hold the receive lock; taken without a scheduler trip when it is free."""
-        lock = self._recv_lock
-        if self.direct and not lock.locked() and _may_skip_schedule():
-            await trio.lowlevel.checkpoint_if_cancelled()
-            lock.acquire_nowait()
-            try:
-                yield
-            finally:
-                lock.release()
-            return
-        async with lock:
-            yield
 
     async def _fill(self, need: int) -> None:
         """Make at least ``need`` unread bytes sit in the receive buffer."""
@@ -290,7 +283,7 @@ class Connection:
         With no destination given, the bulk counts against ``max_frame`` too: a peer cannot
         make this side allocate more than that (before authentication: 4 KiB).
         """
-        async with self._receiving():
+        async with self._holding(self._recv_lock):
             try:
                 message, spec, bulk_len = await self._read_head(max_frame)
                 if spec is not None:
@@ -313,7 +306,7 @@ class Connection:
         caller encoded), else the message, decoded and validated as `recv` does.
 
         A step signal is then a comparison of a few dozen bytes, not a CBOR decode."""
-        async with self._receiving():
+        async with self._holding(self._recv_lock):
             try:
                 await self._fill(PREFIX_SIZE)
                 if self._prefix_is(expected):
@@ -331,7 +324,7 @@ class Connection:
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any]:
         """Receive one message whose bulk is written straight into ``out``."""
-        async with self._receiving():
+        async with self._holding(self._recv_lock):
             try:
                 message, spec, _ = await self._read_head(max_frame)
                 check_bulk_destination(spec, out, self.peer, message)
