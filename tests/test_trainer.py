@@ -282,8 +282,12 @@ async def test_parity_char_transformer_with_tied_embeddings(bucket_bytes: int) -
         for _ in range(STEPS)
     ]
     options = TrainerOptions(bucket_bytes=bucket_bytes, accumulation_steps=2)
+    # SGD, not Adam: the key projection's bias gets a gradient that is zero but for rounding
+    # (softmax ignores a per-query constant), and Adam divides that noise by its own size, so
+    # those elements would differ from the reference by what the CPU's kernels round, not by
+    # anything paramsync does (on one AVX-512 machine, 2.4e-5 after 5 steps).
     await check_parity(
-        world_size, make_model, "adam", lm_loss, batches, options, rtol=1e-4, atol=2e-5
+        world_size, make_model, "sgd-momentum", lm_loss, batches, options, rtol=1e-4, atol=2e-5
     )
 
     # The tie survives training (one tensor, synchronized once).
