@@ -13,14 +13,17 @@ whole budget of a 43 ms step); XXH3 about 20 GB/s. The check guards against dive
 authenticated, and a malicious member could corrupt the gradients it sends anyway.
 
 Why a `StateHasher`: the hashing itself (about 0.2 ms for 5 MiB) is cheaper than the Python
-around it, and that Python runs beside the next step's forward pass, holding the GIL the compute
-thread needs. The hasher keeps each tensor's zero-copy byte view and its header seed from step
-to step, so a digest is one C call per tensor, and it checks every cached view against its
-tensor's current storage before use, so a swapped or resized tensor is never hashed stale.
+around it, and all of it sits on the step's critical path. The hasher keeps each tensor's
+zero-copy byte view and its header seed from step to step, so a digest is one C call per
+tensor. While the state's layout holds (the same parameter and state tensors, names, storage,
+shapes, strides and dtypes, which it checks in a few C-level passes before every digest) it
+skips the per-tensor Python altogether; any change sends it through the full walk, so a
+swapped or resized tensor is never hashed stale.
 """
 
 from __future__ import annotations
 
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -32,6 +35,10 @@ __all__ = ["StateDigest", "StateHasher", "state_digest", "named_state"]
 
 _digest128 = xxhash.xxh3_128_digest
 _seed64 = xxhash.xxh3_64_intdigest
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_shape = attrgetter("shape")
+_dtype = attrgetter("dtype")
 
 
 class StateDigest:
@@ -50,8 +57,18 @@ class StateDigest:
     ) -> None:
         self.tensors = tensors
         self.names = names if names is not None else tuple(name for name, _ in tensors)
-        self.packed = b"".join(value for _, value in tensors)
+        self.packed = b"".join([value for _, value in tensors])
         self.digest = _digest128(self.packed) if digest is None else digest
+
+    @classmethod
+    def of(cls, names: tuple[str, ...], digests: list[bytes]) -> StateDigest:
+        """The digest of tensors ``names`` whose own digests are ``digests``, in order."""
+        made = cls.__new__(cls)
+        made.tensors = list(zip(names, digests))
+        made.names = names
+        made.packed = b"".join(digests)
+        made.digest = _digest128(made.packed)
+        return made
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StateDigest) and self.digest == other.digest
@@ -98,12 +115,13 @@ def named_state(
 class _View:
     """A tensor's cached byte view and header seed, valid while its storage stays put."""
 
-    __slots__ = ("data", "dtype", "pointer", "seed", "shape", "tensor")
+    __slots__ = ("data", "dtype", "pointer", "seed", "shape", "stride", "tensor")
 
     def __init__(self, name: str, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.pointer = tensor.data_ptr()
         self.shape = tensor.shape
+        self.stride = tensor.stride()
         self.dtype = tensor.dtype
         self.data = _bytes_of(tensor.detach())
         self.seed = _seed64(f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode())
@@ -113,6 +131,7 @@ class _View:
             tensor is self.tensor
             and tensor.data_ptr() == self.pointer
             and tensor.shape == self.shape
+            and tensor.stride() == self.stride
             and tensor.dtype == self.dtype
         )
 
@@ -135,6 +154,98 @@ def _cacheable(value: Any) -> bool:
     )
 
 
+class _Plan:
+    """What the last full walk hashed, and how to tell in a few C-level passes that the state
+    still has exactly that layout: the same parameter names and objects, the same optimizer
+    parameters and state keys, the same tensor objects over the same storage, shapes, strides
+    and dtypes. Built only when every tensor is a cacheable CPU tensor."""
+
+    __slots__ = (
+        "data",
+        "dtypes",
+        "model",
+        "names",
+        "optimizer",
+        "optimizer_params",
+        "param_names",
+        "pointers",
+        "seeds",
+        "shapes",
+        "state_keys",
+        "state_sizes",
+        "strides",
+        "tensors",
+    )
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        names: tuple[str, ...],
+        views: list[_View],
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.names = names
+        self.param_names = [name for name, _ in model.named_parameters()]
+        self.optimizer_params: list[Any] = []
+        self.state_keys: list[tuple[Any, ...]] = []
+        if optimizer is not None:
+            self.optimizer_params = _optimizer_params(optimizer)
+            entries = map(optimizer.state.get, self.optimizer_params)
+            self.state_keys = [tuple(sorted(entry)) if entry else () for entry in entries]
+        self.state_sizes = [len(keys) for keys in self.state_keys]
+        self.tensors = [view.tensor for view in views]
+        self.pointers = list(map(_data_ptr, self.tensors))
+        self.shapes = list(map(_shape, self.tensors))
+        self.strides = list(map(_stride, self.tensors))
+        self.dtypes = list(map(_dtype, self.tensors))
+        self.data = [view.data for view in views]
+        self.seeds = [view.seed for view in views]
+
+    def holds(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether the state of ``model`` and ``optimizer`` still has this plan's layout."""
+        if model is not self.model or optimizer is not self.optimizer:
+            return False
+        named = list(model.named_parameters())
+        if [name for name, _ in named] != self.param_names:
+            return False
+        tensors = [param for _, param in named]
+        if optimizer is not None:
+            params = _optimizer_params(optimizer)
+            if len(params) != len(self.optimizer_params) or not all(
+                map(is_, params, self.optimizer_params)
+            ):
+                return False
+            entries = list(map(optimizer.state.get, params))
+            if [len(entry) if entry else 0 for entry in entries] != self.state_sizes:
+                return False
+            try:
+                tensors += [
+                    entry[key]
+                    for entry, keys in zip(entries, self.state_keys)
+                    if keys
+                    for key in keys
+                ]
+            except KeyError:
+                return False
+        return (
+            len(tensors) == len(self.tensors)
+            and all(map(is_, tensors, self.tensors))
+            and list(map(_data_ptr, tensors)) == self.pointers
+            and list(map(_shape, tensors)) == self.shapes
+            and list(map(_stride, tensors)) == self.strides
+            and list(map(_dtype, tensors)) == self.dtypes
+        )
+
+    def digest(self) -> StateDigest:
+        return StateDigest.of(self.names, list(map(_digest128, self.data, self.seeds)))
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
 class StateHasher:
     """Computes `StateDigest`s of one model and optimizer, step after step, cheaply.
 
@@ -145,12 +256,17 @@ class StateHasher:
     def __init__(self) -> None:
         self._views: dict[str, _View] = {}
         self._names: tuple[str, ...] = ()
+        self._plan: _Plan | None = None
 
     def digest(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> StateDigest:
         """The digest of the model's parameters and the optimizer's state now (CUDA tensors
         are copied to the host after their stream is synchronized, C-STREAMSYNC-001)."""
+        plan = self._plan
+        if plan is not None and plan.holds(model, optimizer):
+            return plan.digest()
+        self._plan = None
         items = _state_tensors(model, optimizer)
         views = self._views
         fresh: dict[str, _View] = {}
@@ -171,6 +287,13 @@ class StateHasher:
         if names == self._names:
             names = self._names  # the same object while the layout holds: cheap to compare
         self._names = names
+        if len(fresh) == len(items):  # every tensor cacheable: the next digest may skip this
+            plan = _Plan(model, optimizer, names, [fresh[name] for name, _ in items])
+            # The plan's own walk must find exactly what this one hashed, or it is not used.
+            if plan.holds(model, optimizer) and all(
+                map(is_, plan.tensors, [value for _, value in items])
+            ):
+                self._plan = plan
         return StateDigest(None, per_tensor, names)
 
 

@@ -3,12 +3,17 @@
 * A `StateHasher` reused step after step (its cached byte views) gives exactly the digest a
   fresh hash of the same state gives, through optimizer steps, swapped and resized storage,
   optimizer state appearing and disappearing, non-contiguous tensors, scalar optimizer state
-  and bfloat16.
+  and bfloat16; it skips its per-tensor walk while the layout holds and takes it again after
+  any change to it (new or swapped state, a reload, new, renamed or retyped parameters, other
+  strides over the same storage).
 * Any single flipped bit changes the whole digest and exactly that tensor's digest
   (hypothesis); names, shapes and dtypes are mixed in, so equal bytes in another layout differ.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import actors.digest as digest_module
 from actors.digest import StateHasher, named_state, state_digest
 
 
@@ -160,6 +166,100 @@ def test_any_flipped_bit_changes_that_tensor_and_the_whole(data: st.DataObject) 
     assert after.digest != before.digest
     changed = [n for (n, x), (_, y) in zip(before.tensors, after.tensors) if x != y]
     assert changed == [name]
+
+
+def test_full_walk_only_when_the_layout_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While nothing moved, a digest skips the per-tensor walk; any change takes it again."""
+    walks = []
+    walk = digest_module._state_tensors
+
+    def counted(*args: Any) -> Any:
+        walks.append(1)
+        return walk(*args)
+
+    monkeypatch.setattr(digest_module, "_state_tensors", counted)
+    model, optimizer = _replica()
+    _train(model, optimizer)
+    hasher = StateHasher()
+    hasher.digest(model, optimizer)
+    for _ in range(3):
+        _train(model, optimizer)
+        assert hasher.digest(model, optimizer) == state_digest(model, optimizer)
+    assert len(walks) == 1 + 3  # the hasher's first digest, and each state_digest
+    walks.clear()
+    optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))], "lr": 0.1})
+    assert hasher.digest(model, optimizer) == state_digest(model, optimizer)
+    assert len(walks) == 2
+
+
+def _layout_changes() -> list[tuple[str, Callable[[nn.Module, torch.optim.Optimizer], None]]]:
+    def swap_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        state = optimizer.state[model[0].weight]
+        state["exp_avg"] = state["exp_avg"].clone() + 1  # same shape, a new tensor
+
+    def reload(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        saved = optimizer.state_dict()
+        saved["state"][0]["exp_avg_sq"] = saved["state"][0]["exp_avg_sq"] * 2
+        optimizer.load_state_dict(saved)
+
+    def replace_module(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model[1] = nn.Linear(8, 8)  # a new parameter where there was none
+
+    def rename(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        head = model[2]
+        del model[2]
+        model.add_module("head", head)  # the same tensors under other names
+
+    def same_storage_other_dtype(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        bias = model[0].bias.requires_grad_(False)
+        bias.data = bias.data.view(torch.int32)  # same pointer, shape and stride
+
+    def new_param_group(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        extra = nn.Parameter(torch.arange(16.0).view(4, 4))
+        model.add_module("square", nn.Module())
+        model.square.weight = extra
+        optimizer.add_param_group({"params": [extra]})
+
+    return [
+        ("swap_state", swap_state),
+        ("reload", reload),
+        ("replace_module", replace_module),
+        ("rename", rename),
+        ("dtype", same_storage_other_dtype),
+        ("new_param_group", new_param_group),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("label", "change"), _layout_changes(), ids=lambda item: item if isinstance(item, str) else ""
+)
+def test_reused_hasher_follows_every_layout_change(
+    label: str, change: Callable[[nn.Module, torch.optim.Optimizer], None]
+) -> None:
+    model, optimizer = _replica()
+    _train(model, optimizer)
+    hasher = StateHasher()
+    hasher.digest(model, optimizer)
+    before = hasher.digest(model, optimizer)  # the cheap path from here on
+    change(model, optimizer)
+    after = hasher.digest(model, optimizer)
+    fresh = state_digest(model, optimizer)
+    assert after == fresh and after.tensors == fresh.tensors, label
+    assert after.names == fresh.names, label
+    assert after != before, label
+
+
+def test_transposed_in_place_is_never_hashed_stale() -> None:
+    """The same parameter object over the same pointer, shape and dtype, other strides."""
+    model = nn.Linear(3, 3, bias=False)
+    hasher = StateHasher()
+    hasher.digest(model)
+    before = hasher.digest(model)
+    weight = model.weight
+    weight.data = weight.data.t()  # square: only the strides tell
+    after = hasher.digest(model)
+    assert after == state_digest(model)
+    assert after != before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
