@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import secrets
 import socket
@@ -48,11 +49,15 @@ checks digests only every 1000000 steps."""
 VARIANT = "paramsync-variant"
 """paramsync with the ``--variant`` trainer options on top of ``--option`` (an A/B of an option
 in the same rounds, paired with the plain paramsync run of each round)."""
+SPLIT = "paramsync-split"
+"""paramsync checking every ``--check-split`` steps (``K``): the check's cost measured within
+one run, each checked step against its unchecked neighbours (`_split_check_cost`)."""
 LABELS = {
     "ddp": "DDP (gloo)",
     "paramsync": "paramsync",
     UNCHECKED: "paramsync, check off",
     VARIANT: "paramsync, variant",
+    SPLIT: "paramsync, check every K steps",
 }
 LAUNCH_SECONDS = 600.0
 POLL_SECONDS = 0.05
@@ -181,6 +186,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
         options = TrainerOptions(**overrides)
         ends: list[float] = []
         losses: list[float] = []
+        numbers: list[int] = []
         trace = (
             TraceRecorder(f"rank {args.rank}", pid=args.rank)
             if args.trace
@@ -190,6 +196,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
             model, optimizer, loss_fn, config, options=options, trace=trace
         ) as trainer:
             for step in range(args.warmup + args.steps):
+                numbers.append(trainer.step)  # the trainer's number for the step run next
                 losses.append(await trainer.train_batch(batch(step)))
                 ends.append(time.perf_counter())
                 if step == args.warmup - 1:
@@ -207,6 +214,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
         if args.trace:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
         result = _result(ends, losses, args.warmup, overall, info, cpu)
+        result["step_numbers"] = numbers[args.warmup :]  # each of step_seconds' steps
         # The CPU time this worker spent hashing its state for the check (its own accounting).
         result["hash_cpu_seconds_per_step"] = check / args.steps
         # The event loop's own thread (actors, messages, the shared-memory plane's copies and
@@ -354,8 +362,10 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
             with open(logs[name], "w") as err:
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=ROOT)
 
-        if system in ("paramsync", UNCHECKED, VARIANT):
-            interval = 1_000_000 if system == UNCHECKED else args.digest_interval
+        if system in ("paramsync", UNCHECKED, VARIANT, SPLIT):
+            interval = {UNCHECKED: 1_000_000, SPLIT: args.check_split}.get(
+                system, args.digest_interval
+            )
             start(
                 "coordinator",
                 [
@@ -381,7 +391,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     sys.executable,
                     str(Path(__file__).resolve()),
                     "--worker",
-                    "paramsync" if system in (UNCHECKED, VARIANT) else system,
+                    "paramsync" if system in (UNCHECKED, VARIANT, SPLIT) else system,
                     "--rank",
                     str(rank),
                     "--world",
@@ -430,11 +440,13 @@ def _round_ratios(ours: list[dict], theirs: list[dict], key: str = "step_seconds
     return [figure(a) / figure(b) for a, b in zip(ours, theirs)]
 
 
-def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] = ()) -> list[dict]:
+def _summarise(
+    runs: dict, worlds: list[int], variant_options: tuple[str, ...] = (), check_split: int = 0
+) -> list[dict]:
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in (*SYSTEMS, UNCHECKED, VARIANT):
+        for system in (*SYSTEMS, UNCHECKED, VARIANT, SPLIT):
             if (system, world) not in runs:
                 continue
             results = runs[(system, world)]
@@ -489,9 +501,13 @@ def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] =
             row["check_cpu_cost"] = (
                 checked["cpu_seconds_per_step"] / unchecked["cpu_seconds_per_step"] - 1
             )
-            row["check_cost_paired"] = (
-                statistics.median(_round_ratios(checked_runs, runs[(UNCHECKED, world)])) - 1
-            )
+            check_rounds = [
+                ratio - 1 for ratio in _round_ratios(checked_runs, runs[(UNCHECKED, world)])
+            ]
+            row["check_cost_paired"] = statistics.median(check_rounds)
+            row["check_cost_paired_interval"] = _median_interval(check_rounds)
+        if (SPLIT, world) in runs:
+            row["check_cost_split"] = _split_check_cost(runs[(SPLIT, world)], check_split)
         if VARIANT in row:
             row["variant"] = list(variant_options)
             variants = runs[(VARIANT, world)]
@@ -502,6 +518,7 @@ def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] =
         # paramsync against DDP round by round: the spread shows the machine's drift.
         row["step_time_ratio_rounds"] = _round_ratios(checked_runs, runs[("ddp", world)])
         row["step_time_ratio_paired"] = statistics.median(row["step_time_ratio_rounds"])
+        row["step_time_ratio_paired_interval"] = _median_interval(row["step_time_ratio_rounds"])
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
         )
@@ -516,6 +533,57 @@ def _summarise(runs: dict, worlds: list[int], variant_options: tuple[str, ...] =
         )
         table.append(row)
     return table
+
+
+def _median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of ``values`` (the sign test's: order
+    statistics chosen from the binomial distribution), so a target is judged against what
+    the machine's noise allows; None when there are too few values for that confidence."""
+    n = len(values)
+    ordered = sorted(values)
+    below = 0.0  # P(Binomial(n, 1/2) <= k - 1), for the k tried next
+    k = 0
+    while True:
+        tail = below + math.comb(n, k) / 2**n
+        if tail > (1 - confidence) / 2:
+            break
+        below, k = tail, k + 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
+
+
+def _split_check_cost(results: list[dict], interval: int) -> dict | None:
+    """The check's cost from runs that check every ``interval`` steps (at least 3).
+
+    A checked step pays the hash, the step after it the digest's report; the cycle's other
+    steps pay neither. Each cycle gives (checked + next - 2 x the others' mean): adjacent steps,
+    so the machine's slow spells, which last seconds, hit both sides alike. The median over
+    all cycles, with its interval, as a fraction of the unchecked steps' median.
+    """
+    costs: list[float] = []
+    plain: list[float] = []
+    for run in results:
+        by_step = dict(zip(run["step_numbers"], run["step_seconds"]))
+        for checked in sorted(step for step in by_step if step % interval == 0):
+            cycle = [by_step.get(checked + offset) for offset in range(interval)]
+            if any(seconds is None for seconds in cycle):
+                continue
+            rest = statistics.fmean(cycle[2:])
+            costs.append(cycle[0] + cycle[1] - 2 * rest)
+            plain.extend(cycle[2:])
+    if not costs:
+        return None
+    base = statistics.median(plain)
+    interval_ = _median_interval(costs)
+    return {
+        "interval": interval,
+        "cycles": len(costs),
+        "seconds": statistics.median(costs),
+        "fraction": statistics.median(costs) / base,
+        "fraction_interval": None if interval_ is None else [x / base for x in interval_],
+        "unchecked_step_seconds": base,
+    }
 
 
 def _print_table(table: list[dict]) -> None:
@@ -542,7 +610,8 @@ def _print_table(table: list[dict]) -> None:
         rounds = " ".join(f"{ratio:.3f}" for ratio in row["step_time_ratio_rounds"])
         print(
             f"n={row['world_size']}: paramsync / DDP round by round: median "
-            f"{row['step_time_ratio_paired']:.3f}x (rounds: {rounds})"
+            f"{row['step_time_ratio_paired']:.3f}x{_interval_text(row, 'step_time_ratio')} "
+            f"(rounds: {rounds})"
         )
         if UNCHECKED in row:
             off = row[UNCHECKED]["median_step_seconds"]
@@ -550,8 +619,23 @@ def _print_table(table: list[dict]) -> None:
                 f"n={row['world_size']}: paramsync with the check off {off * 1e3:.1f} ms a step "
                 f"({off / row['ddp']['median_step_seconds']:.2f}x DDP): the check costs "
                 f"{row['check_cost'] * 100:+.1f} % of the step time "
-                f"({row['check_cost_paired'] * 100:+.1f} % paired round by round), "
+                f"({row['check_cost_paired'] * 100:+.1f} % paired round by round"
+                f"{_interval_text(row, 'check_cost', percent=True)}), "
                 f"{row['check_cpu_cost'] * 100:+.1f} % of rank 0's CPU time"
+            )
+        split = row.get("check_cost_split")
+        if split is not None:
+            bounds = split["fraction_interval"]
+            within = (
+                f", 95 % interval {bounds[0] * 100:+.1f} to {bounds[1] * 100:+.1f} %"
+                if bounds is not None
+                else ""
+            )
+            print(
+                f"n={row['world_size']}: the check's cost within runs checking every "
+                f"{split['interval']} steps: {split['seconds'] * 1e3:+.2f} ms a check, "
+                f"{split['fraction'] * 100:+.1f} % of the step{within} "
+                f"(median over {split['cycles']} cycles)"
             )
         if VARIANT in row:
             variant = row[VARIANT]
@@ -585,6 +669,16 @@ def _print_table(table: list[dict]) -> None:
         " the first 10 steps and over all steps: float summation order differs between the "
         "two all-reduces, and\n training amplifies those last-bit differences over the steps)"
     )
+
+
+def _interval_text(row: dict, key: str, percent: bool = False) -> str:
+    """``row``'s 95 % interval for the median of a paired figure, as text ('' if none)."""
+    bounds = row.get(f"{key}_paired_interval")
+    if bounds is None:
+        return ""
+    if percent:
+        return f", 95 % interval {bounds[0] * 100:+.1f} to {bounds[1] * 100:+.1f} %"
+    return f" (95 % interval {bounds[0]:.3f}-{bounds[1]:.3f})"
 
 
 def _coordinator_cpu_text(result: dict) -> str:
@@ -641,6 +735,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run paramsync with the weight check off in the same alternating rounds, "
         "and report what the check costs",
     )
+    parser.add_argument(
+        "--check-split",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run paramsync checking every K steps (K >= 3) in the same rounds, and "
+        "measure the check's cost within those runs: each checked step and the one after it "
+        "against the unchecked steps beside them (steadier than --check-cost's A/B of runs)",
+    )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
         "--trace",
@@ -658,6 +761,8 @@ def main() -> None:
     args = build_parser().parse_args()
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("--warmup and --steps must be at least 1")
+    if args.check_split and not 3 <= args.check_split <= args.steps // 2:
+        raise SystemExit("--check-split must be at least 3 and at most half of --steps")
     if args.worker:
         _run_worker(args)
         return
@@ -676,6 +781,8 @@ def main() -> None:
             systems = (*SYSTEMS, UNCHECKED) if args.check_cost else SYSTEMS
             if args.variant:
                 systems = (*systems, VARIANT)
+            if args.check_split:
+                systems = (*systems, SPLIT)
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
                 result = _launch(system, world, args)
@@ -690,7 +797,7 @@ def main() -> None:
                     + _coordinator_cpu_text(result),
                     flush=True,
                 )
-    table = _summarise(runs, args.worlds, tuple(args.variant))
+    table = _summarise(runs, args.worlds, tuple(args.variant), args.check_split)
     print(f"model: {table[0]['parameters']} parameters, vocabulary {table[0]['vocab_size']}")
     _print_table(table)
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")

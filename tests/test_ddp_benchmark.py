@@ -1,9 +1,11 @@
-"""benchmarks/ddp.py: its figures' helpers, and a tiny run of both systems end to end."""
+"""benchmarks/ddp.py: its figures' helpers (CPU sampling, paired ratios, the median's
+interval, the check's cost within runs), and a tiny run of the systems end to end."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -47,11 +49,48 @@ def test_round_ratios_pair_each_round_of_one_system_with_the_others() -> None:
     assert bench._round_ratios(ours, theirs) == [2.0, 2.0]
 
 
+def test_median_interval_is_the_sign_tests_order_statistics() -> None:
+    bench = _module()
+    values = [float(v) for v in (7, 1, 9, 3, 10, 5, 2, 8, 4, 6)]
+    assert bench._median_interval(values) == (2.0, 9.0)  # n=10: the 2nd and 9th of 10
+    assert bench._median_interval(values[:5]) is None  # 5 values cannot give 95 %
+    for n in range(6, 41):
+        low, high = bench._median_interval([float(v) for v in range(n)])
+        k = int(low) + 1  # the interval is the k-th smallest to the k-th largest
+        assert high == n - k
+
+        def miss(k: int, n: int = n) -> float:  # P(the median lies outside x(k)..x(n-k+1))
+            return 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+        assert miss(k) <= 0.05 < miss(k + 1)  # covers 95 %, and is the narrowest that does
+
+
+def test_split_check_cost_pairs_each_checked_step_with_its_neighbours() -> None:
+    bench = _module()
+    base, hashing, report = 0.040, 0.0006, 0.0002
+
+    def run(first: int, slow: set[int]) -> dict:
+        numbers = list(range(first, first + 12))
+        seconds = []
+        for step in numbers:
+            cost = base + (hashing if step % 3 == 0 else report if step % 3 == 1 else 0.0)
+            seconds.append(cost * (1.5 if step // 3 in slow else 1.0))  # a slow spell
+        return {"step_numbers": numbers, "step_seconds": seconds}
+
+    split = bench._split_check_cost([run(5, set()), run(5, {2})], 3)
+    # Whole cycles start at 6, 9 and 12 in each run (5 and 15-16 belong to cut ones); the
+    # slow spell stretches one cycle of the second run, but not the median.
+    assert split["cycles"] == 6
+    assert split["seconds"] == pytest.approx(hashing + report)
+    assert split["fraction"] == pytest.approx((hashing + report) / base)
+    assert bench._split_check_cost([run(1, set())], 20) is None  # no whole cycle
+
+
 def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
-    command = [sys.executable, str(SCRIPT), "--worlds", "2", "--rounds", "1", "--steps", "4"]
+    command = [sys.executable, str(SCRIPT), "--worlds", "2", "--rounds", "1", "--steps", "6"]
     command += ["--warmup", "2", "--layers", "1", "--d-model", "32", "--context", "16"]
-    command += ["--corpus-bytes", "200000", "--json", str(out)]
+    command += ["--check-split", "3", "--corpus-bytes", "200000", "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "paramsync / DDP round by round" in done.stdout
@@ -61,3 +100,7 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
     for system in ("ddp", "paramsync"):
         assert row[system]["median_step_seconds"] > 0
     assert row["paramsync"]["coordinator_cpu_seconds_per_step"] is not None
+    # The run checking every 3rd step: its 6 timed steps hold at least one whole cycle.
+    assert row["check_cost_split"]["interval"] == 3
+    assert row["check_cost_split"]["cycles"] >= 1
+    assert "the check's cost within runs checking every 3 steps" in done.stdout
