@@ -189,7 +189,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
         numbers: list[int] = []
         trace = (
             TraceRecorder(f"rank {args.rank}", pid=args.rank)
-            if args.trace
+            if args.trace or args.record_phases
             else TraceRecorder.disabled()
         )
         async with join_run(
@@ -215,6 +215,8 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
         result = _result(ends, losses, args.warmup, overall, info, cpu)
         result["step_numbers"] = numbers[args.warmup :]  # each of step_seconds' steps
+        if args.record_phases:
+            result["phase_seconds"] = _phase_seconds(trace.events(), result["step_numbers"])
         # The CPU time this worker spent hashing its state for the check (its own accounting).
         result["hash_cpu_seconds_per_step"] = check / args.steps
         # The event loop's own thread (actors, messages, the shared-memory plane's copies and
@@ -232,6 +234,21 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     task_steps = TaskSteps()
     return trio.run(main, instruments=[task_steps])
+
+
+PHASES = ("forward", "backward", "grad-wait", "optimizer")
+"""The trainer's spans on a step's path (`--check-split` runs record them): the optimizer's
+includes the hash of a checked step."""
+
+
+def _phase_seconds(events: list[dict], steps: list[int]) -> dict[str, list[float]]:
+    """Each of ``PHASES``' time in each of ``steps``, from a trace's complete events."""
+    spent = {phase: dict.fromkeys(steps, 0.0) for phase in PHASES}
+    for event in events:
+        step = event.get("args", {}).get("step")
+        if event.get("ph") == "X" and event["name"] in spent and step in spent[event["name"]]:
+            spent[event["name"]][step] += event["dur"] / 1e6
+    return {phase: [spent[phase][step] for step in steps] for phase in PHASES}
 
 
 def _trainer_options(items: list[str]) -> dict:
@@ -385,6 +402,8 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
             )
         out_path = Path(tmp) / "rank0.out"
         variant = [f"--option={item}" for item in args.variant] if system == VARIANT else []
+        if system == SPLIT:
+            variant.append("--record-phases")
         with open(out_path, "w") as out:
             for rank in range(world):
                 cmd = [
@@ -559,7 +578,9 @@ def _split_check_cost(results: list[dict], interval: int) -> dict | None:
     A checked step pays the hash, the step after it the digest's report; the cycle's other
     steps pay neither. Each cycle gives (checked + next - 2 x the others' mean): adjacent steps,
     so the machine's slow spells, which last seconds, hit both sides alike. The median over
-    all cycles, with its interval, as a fraction of the unchecked steps' median.
+    all cycles, with its interval, as a fraction of the unchecked steps' median. With the
+    runs' trace spans (``phase_seconds``), also where the cost lands: each phase's median in
+    checked and next steps against its median in the others.
     """
     costs: list[float] = []
     plain: list[float] = []
@@ -576,7 +597,7 @@ def _split_check_cost(results: list[dict], interval: int) -> dict | None:
         return None
     base = statistics.median(plain)
     interval_ = _median_interval(costs)
-    return {
+    split = {
         "interval": interval,
         "cycles": len(costs),
         "seconds": statistics.median(costs),
@@ -584,6 +605,22 @@ def _split_check_cost(results: list[dict], interval: int) -> dict | None:
         "fraction_interval": None if interval_ is None else [x / base for x in interval_],
         "unchecked_step_seconds": base,
     }
+    if all("phase_seconds" in run for run in results):
+        phases = {}
+        for phase in PHASES:
+            kinds: dict[str, list[float]] = {"checked": [], "next": [], "unchecked": []}
+            for run in results:
+                for step, seconds in zip(run["step_numbers"], run["phase_seconds"][phase]):
+                    offset = step % interval
+                    kind = "checked" if offset == 0 else "next" if offset == 1 else "unchecked"
+                    kinds[kind].append(seconds)
+            unchecked = statistics.median(kinds["unchecked"])
+            phases[phase] = {
+                kind: statistics.median(kinds[kind]) - unchecked for kind in ("checked", "next")
+            }
+        split["phases"] = phases
+        split["phases_seconds"] = sum(d["checked"] + d["next"] for d in phases.values())
+    return split
 
 
 def _print_table(table: list[dict]) -> None:
@@ -637,6 +674,18 @@ def _print_table(table: list[dict]) -> None:
                 f"{split['fraction'] * 100:+.1f} % of the step{within} "
                 f"(median over {split['cycles']} cycles)"
             )
+            if "phases" in split:
+                landed = ", ".join(
+                    f"{phase} {d['checked'] * 1e3:+.2f} / {d['next'] * 1e3:+.2f}"
+                    for phase, d in split["phases"].items()
+                )
+                print(
+                    f"n={row['world_size']}:   where it lands (rank 0's spans, median in the "
+                    f"checked / next step against the others, ms): {landed}; in all "
+                    f"{split['phases_seconds'] * 1e3:+.2f} ms, "
+                    f"{split['phases_seconds'] / split['unchecked_step_seconds'] * 100:+.1f} % "
+                    "of the step"
+                )
         if VARIANT in row:
             variant = row[VARIANT]
             print(
@@ -751,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of each world size is kept)",
     )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--record-phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -83,7 +83,43 @@ def test_split_check_cost_pairs_each_checked_step_with_its_neighbours() -> None:
     assert split["cycles"] == 6
     assert split["seconds"] == pytest.approx(hashing + report)
     assert split["fraction"] == pytest.approx((hashing + report) / base)
+    assert "phases" not in split  # runs without their trace spans
     assert bench._split_check_cost([run(1, set())], 20) is None  # no whole cycle
+
+
+def test_split_check_cost_says_in_which_phase_the_cost_lands() -> None:
+    bench = _module()
+    numbers = list(range(3, 30))
+    phases = {phase: [0.010] * len(numbers) for phase in bench.PHASES}
+    phases["optimizer"] = [0.003 + (0.0006 if step % 3 == 0 else 0.0) for step in numbers]
+    phases["forward"] = [0.016 + (0.0001 if step % 3 == 1 else 0.0) for step in numbers]
+    seconds = [sum(phases[phase][i] for phase in bench.PHASES) for i in range(len(numbers))]
+    run = {"step_numbers": numbers, "step_seconds": seconds, "phase_seconds": phases}
+    split = bench._split_check_cost([run], 3)
+    assert split["phases"]["optimizer"] == {
+        "checked": pytest.approx(0.0006),
+        "next": pytest.approx(0.0),
+    }
+    assert split["phases"]["forward"]["next"] == pytest.approx(0.0001)
+    assert split["phases"]["backward"] == {"checked": 0.0, "next": 0.0}
+    assert split["phases_seconds"] == pytest.approx(0.0007)
+    assert split["seconds"] == pytest.approx(0.0007)
+
+
+def test_phase_seconds_sums_each_steps_spans() -> None:
+    bench = _module()
+    events = [
+        {"ph": "X", "name": "forward", "dur": 1000.0, "args": {"step": 7}},
+        {"ph": "X", "name": "optimizer", "dur": 250.0, "args": {"step": 7}},
+        {"ph": "X", "name": "optimizer", "dur": 50.0, "args": {"step": 7}},
+        {"ph": "X", "name": "digest", "dur": 99.0, "args": {"step": 7}},  # not a phase
+        {"ph": "X", "name": "forward", "dur": 5.0, "args": {"step": 3}},  # not a timed step
+        {"ph": "i", "name": "forward", "args": {"step": 8}},
+    ]
+    spent = bench._phase_seconds(events, [7, 8])
+    assert spent["forward"] == [0.001, 0.0]
+    assert spent["optimizer"] == [pytest.approx(0.0003), 0.0]
+    assert spent["backward"] == [0.0, 0.0]
 
 
 def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) -> None:
@@ -104,3 +140,10 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
     assert row["check_cost_split"]["interval"] == 3
     assert row["check_cost_split"]["cycles"] >= 1
     assert "the check's cost within runs checking every 3 steps" in done.stdout
+    assert set(row["check_cost_split"]["phases"]) == {
+        "forward",
+        "backward",
+        "grad-wait",
+        "optimizer",
+    }
+    assert "where it lands" in done.stdout
