@@ -32,7 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py --json out/allreduce.json
 
 bench-ddp: $(STAMP)
-	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --json out/ddp.json
+	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
 
 reliability-hostile: $(STAMP)
 	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json
