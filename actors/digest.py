@@ -284,10 +284,13 @@ class StateHasher:
             per_tensor.append((name, _digest128(view.data, view.seed)))
         self._views = fresh
         names = tuple(name for name, _ in items)
-        if names == self._names:
+        repeated = names == self._names
+        if repeated:
             names = self._names  # the same object while the layout holds: cheap to compare
         self._names = names
-        if len(fresh) == len(items):  # every tensor cacheable: the next digest may skip this
+        # A layout seen twice, every tensor cacheable: later digests may skip this walk (a
+        # one-off digest, as `state_digest`'s, never pays for the plan).
+        if repeated and len(fresh) == len(items):
             plan = _Plan(model, optimizer, names, [fresh[name] for name, _ in items])
             # The plan's own walk must find exactly what this one hashed, or it is not used.
             if plan.holds(model, optimizer) and all(

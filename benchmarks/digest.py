@@ -1,0 +1,108 @@
+"""What the identical-weights check's hash costs where it runs: right after an optimizer step.
+
+Trains the benchmark's character transformer (AdamW, one intra-op thread) and, after each
+optimizer step, times one of three ways of hashing the state, in turn, so all three see the
+same cold caches an optimizer step leaves behind (hashing the same state in a hot loop costs
+half as much, and is not what a training step pays):
+
+- ``hasher``: a `StateHasher` reused step after step, as the trainer does;
+- ``fresh``: `state_digest`, a new hasher each time (the full walk of the model and
+  optimizer, every tensor's byte view rebuilt);
+- ``bytes only``: XXH3 over the same tensors' bytes, nothing else: the floor.
+
+It reports each one's median thread CPU time (and the optimizer step's, for scale), also
+as a multiple of the bytes-only floor, which drifts less with the machine's speed. To
+compare with an older commit, copy this file into a worktree of it and run it there.
+
+    python benchmarks/digest.py --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from actors.digest import StateHasher, named_state, state_digest  # noqa: E402
+from actors.model import CharTransformer  # noqa: E402
+
+
+def measure(steps: int, d_model: int, layers: int, context: int, batch: int) -> dict:
+    """Median thread CPU seconds of each way of hashing, right after an optimizer step."""
+    torch.set_num_threads(1)
+    model = CharTransformer(97, d_model, 4, layers, context, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, 97, (batch, context), generator=torch.Generator().manual_seed(0))
+    hasher = StateHasher()
+    views: list = []
+
+    def bytes_only() -> None:
+        for view in views:
+            xxhash.xxh3_128_digest(view)
+
+    ways = {
+        "hasher": lambda: hasher.digest(model, optimizer),
+        "fresh": lambda: state_digest(model, optimizer),
+        "bytes only": bytes_only,
+    }
+    spent: dict[str, list[float]] = {name: [] for name in (*ways, "optimizer step")}
+    warmup = 5
+    for step in range(warmup + steps):
+        model.loss(tokens, tokens).backward()
+        started = time.thread_time()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        stepped = time.thread_time()
+        if not views:
+            views = [tensor.numpy() for _, tensor in named_state(model, optimizer)]
+        name = list(ways)[step % len(ways)]
+        ways[name]()
+        done = time.thread_time()
+        if step >= warmup:
+            spent["optimizer step"].append(stepped - started)
+            spent[name].append(done - stepped)
+    state_bytes = sum(view.nbytes for view in views)
+    return {
+        "state_bytes": state_bytes,
+        "tensors": len(views),
+        "median_cpu_seconds": {name: statistics.median(v) for name, v in spent.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--json", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    if args.steps < 3:
+        raise SystemExit("--steps must be at least 3 (one for each way of hashing)")
+    result = measure(args.steps, args.d_model, args.layers, args.context, args.batch_size)
+    print(
+        f"state: {result['tensors']} tensors, {result['state_bytes'] / 2**20:.2f} MiB; "
+        f"median thread CPU after each optimizer step, {args.steps} steps in turn:"
+    )
+    floor = result["median_cpu_seconds"]["bytes only"]
+    for name, seconds in result["median_cpu_seconds"].items():
+        # Against the floor too: the machine's speed drifts between runs, the ratio less.
+        print(f"  {name:>14}: {seconds * 1e6:8.0f} us  ({seconds / floor:.2f}x bytes only)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
