@@ -57,18 +57,8 @@ class StateDigest:
     ) -> None:
         self.tensors = tensors
         self.names = names if names is not None else tuple(name for name, _ in tensors)
-        self.packed = b"".join([value for _, value in tensors])
+        self.packed = b"".join(value for _, value in tensors)
         self.digest = _digest128(self.packed) if digest is None else digest
-
-    @classmethod
-    def of(cls, names: tuple[str, ...], digests: list[bytes]) -> StateDigest:
-        """The digest of tensors ``names`` whose own digests are ``digests``, in order."""
-        made = cls.__new__(cls)
-        made.tensors = list(zip(names, digests))
-        made.names = names
-        made.packed = b"".join(digests)
-        made.digest = _digest128(made.packed)
-        return made
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StateDigest) and self.digest == other.digest
@@ -196,10 +186,10 @@ class _Plan:
             self.state_keys = [tuple(sorted(entry)) if entry else () for entry in entries]
         self.state_sizes = [len(keys) for keys in self.state_keys]
         self.tensors = [view.tensor for view in views]
-        self.pointers = list(map(_data_ptr, self.tensors))
-        self.shapes = list(map(_shape, self.tensors))
-        self.strides = list(map(_stride, self.tensors))
-        self.dtypes = list(map(_dtype, self.tensors))
+        self.pointers = [view.pointer for view in views]
+        self.shapes = [view.shape for view in views]
+        self.strides = [view.stride for view in views]
+        self.dtypes = [view.dtype for view in views]
         self.data = [view.data for view in views]
         self.seeds = [view.seed for view in views]
 
@@ -239,7 +229,8 @@ class _Plan:
         )
 
     def digest(self) -> StateDigest:
-        return StateDigest.of(self.names, list(map(_digest128, self.data, self.seeds)))
+        digests = map(_digest128, self.data, self.seeds)
+        return StateDigest(None, list(zip(self.names, digests)), self.names)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -292,10 +283,8 @@ class StateHasher:
         # one-off digest, as `state_digest`'s, never pays for the plan).
         if repeated and len(fresh) == len(items):
             plan = _Plan(model, optimizer, names, [fresh[name] for name, _ in items])
-            # The plan's own walk must find exactly what this one hashed, or it is not used.
-            if plan.holds(model, optimizer) and all(
-                map(is_, plan.tensors, [value for _, value in items])
-            ):
+            # The plan's own walk must find exactly the tensors this one hashed, or it is unused.
+            if plan.holds(model, optimizer):
                 self._plan = plan
         return StateDigest(None, per_tensor, names)
 

@@ -596,13 +596,13 @@ def _split_check_cost(results: list[dict], interval: int) -> dict | None:
     if not costs:
         return None
     base = statistics.median(plain)
-    interval_ = _median_interval(costs)
+    bounds = _median_interval(costs)
     split = {
         "interval": interval,
         "cycles": len(costs),
         "seconds": statistics.median(costs),
         "fraction": statistics.median(costs) / base,
-        "fraction_interval": None if interval_ is None else [x / base for x in interval_],
+        "fraction_interval": None if bounds is None else [x / base for x in bounds],
         "unchecked_step_seconds": base,
     }
     if all("phase_seconds" in run for run in results):
@@ -647,7 +647,8 @@ def _print_table(table: list[dict]) -> None:
         rounds = " ".join(f"{ratio:.3f}" for ratio in row["step_time_ratio_rounds"])
         print(
             f"n={row['world_size']}: paramsync / DDP round by round: median "
-            f"{row['step_time_ratio_paired']:.3f}x{_interval_text(row, 'step_time_ratio')} "
+            f"{row['step_time_ratio_paired']:.3f}x"
+            f"{_interval_text(row['step_time_ratio_paired_interval'])} "
             f"(rounds: {rounds})"
         )
         if UNCHECKED in row:
@@ -657,17 +658,12 @@ def _print_table(table: list[dict]) -> None:
                 f"({off / row['ddp']['median_step_seconds']:.2f}x DDP): the check costs "
                 f"{row['check_cost'] * 100:+.1f} % of the step time "
                 f"({row['check_cost_paired'] * 100:+.1f} % paired round by round"
-                f"{_interval_text(row, 'check_cost', percent=True)}), "
+                f"{_interval_text(row['check_cost_paired_interval'], percent=True)}), "
                 f"{row['check_cpu_cost'] * 100:+.1f} % of rank 0's CPU time"
             )
         split = row.get("check_cost_split")
         if split is not None:
-            bounds = split["fraction_interval"]
-            within = (
-                f", 95 % interval {bounds[0] * 100:+.1f} to {bounds[1] * 100:+.1f} %"
-                if bounds is not None
-                else ""
-            )
+            within = _interval_text(split["fraction_interval"], percent=True)
             print(
                 f"n={row['world_size']}: the check's cost within runs checking every "
                 f"{split['interval']} steps: {split['seconds'] * 1e3:+.2f} ms a check, "
@@ -720,9 +716,8 @@ def _print_table(table: list[dict]) -> None:
     )
 
 
-def _interval_text(row: dict, key: str, percent: bool = False) -> str:
-    """``row``'s 95 % interval for the median of a paired figure, as text ('' if none)."""
-    bounds = row.get(f"{key}_paired_interval")
+def _interval_text(bounds: list[float] | tuple[float, float] | None, percent: bool = False) -> str:
+    """A 95 % interval (`_median_interval`'s) as text; '' if there is none."""
     if bounds is None:
         return ""
     if percent:
