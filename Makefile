@@ -23,10 +23,10 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
 demo: $(STAMP)
-	$(BIN)/python -m actors.demo
+	$(BIN)/python -m actors.demo_job.demo
 
 demo-allreduce: $(STAMP)
-	$(BIN)/python -m runtime.allreduce_demo
+	$(BIN)/python -m runtime.cli.allreduce_demo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py --json out/allreduce.json

@@ -1,14 +1,15 @@
 """paramsync's workers: the actor graph, the trainer built from it, and the built-in LM job."""
 
-from .buckets import Bucket, plan_buckets
-from .client import CoordinatorClient, RunAborted
-from .corpus import CharDataset, CharVocab, load_char_dataset, shard
-from .digest import StateDigest, StateHasher, state_digest
-from .loader import DataLoaderActor
-from .model import CharTransformer
-from .run import trainer_from_env
-from .sync import SyncTrainer
-from .trainer import (
+from actors.client.client import CoordinatorClient, RunAborted
+from actors.demo_job.corpus import CharDataset, CharVocab, load_char_dataset
+from actors.demo_job.model import CharTransformer
+from actors.graph.loader import DataLoaderActor
+from actors.graph.sampler import shard
+from actors.state.buckets import Bucket, plan_buckets
+from actors.state.digest import StateDigest, StateHasher, state_digest
+from actors.train.run import trainer_from_env
+from actors.train.sync import SyncTrainer
+from actors.train.trainer import (
     CheckCost,
     ComputeActor,
     DistributedTrainer,
@@ -16,7 +17,7 @@ from .trainer import (
     OptimizerActor,
     TrainerOptions,
 )
-from .worker import join_run, train_in_process
+from actors.train.worker import join_run, train_in_process
 
 __all__ = [
     "Bucket",

@@ -3,7 +3,8 @@ on gloo, same run.
 
 One OS process per worker for every system, on this machine's loopback. ``paramsync`` is the
 TCP data path (shared memory switched off), ``paramsync-shm`` the same transport with the
-shared-memory plane attached (`runtime.shm`). For each world size and float32 message size it
+shared-memory plane attached (`runtime.transport.shm`). For each world size and float32 message
+size it
 times back-to-back all-reduces (after a barrier) and reports the median over repeats of: time per
 all-reduce, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n, as
 nccl-tests define it), and each paramsync system's bus-bandwidth ratio to gloo. The systems
@@ -90,7 +91,7 @@ def _worker_paramsync(
     import trio
 
     from runtime import DistributedConfig, TcpTransport, all_reduce, barrier
-    from runtime.shm import attach_shared_memory
+    from runtime.transport.shm import attach_shared_memory
 
     rows: list[dict] = []
 
@@ -263,7 +264,7 @@ def main() -> None:
     parser.add_argument(
         "--shm-step-bytes",
         type=int,
-        help="paramsync-shm: bytes of each rank's tensor per step (default: runtime.shm's)",
+        help="paramsync-shm: bytes of each rank's tensor per step (default: the shm plane's)",
     )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)

@@ -6,8 +6,8 @@ stdlib character corpus, each rank its `shard`), with the same per-worker batch 
 optimizer (AdamW, lr 3e-3) and the same world size, one OS process per worker, CPU only, one
 intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
 
-- paramsync: a separate coordinator process (``python -m runtime.cli coordinator``) and N
-  worker processes that join it through `actors.worker.join_run` and call
+- paramsync: a separate coordinator process (``python -m runtime.cli.main coordinator``) and N
+  worker processes that join it through `actors.train.worker.join_run` and call
   `DistributedTrainer.train_batch` once per step (the identical-weights digest check included,
   every ``--digest-interval`` steps, 1 by default);
 - DDP: N processes in a gloo process group, the model wrapped in
@@ -77,8 +77,9 @@ def _setup(args: argparse.Namespace):
     """The model, optimizer, dataset and this rank's shard: identical for both systems."""
     import torch
 
-    from actors.corpus import load_char_dataset, shard
-    from actors.model import CharTransformer
+    from actors.demo_job.corpus import load_char_dataset
+    from actors.demo_job.model import CharTransformer
+    from actors.graph.sampler import shard
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -167,10 +168,10 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
 def _worker_paramsync(args: argparse.Namespace) -> dict:
     import trio
 
-    from actors.trainer import TrainerOptions
-    from actors.worker import join_run
+    from actors.train.trainer import TrainerOptions
+    from actors.train.worker import join_run
     from runtime.config import DistributedConfig
-    from runtime.trace import TraceRecorder
+    from runtime.observe.trace import TraceRecorder
 
     model, optimizer, batch, info = _setup(args)
 
@@ -255,7 +256,7 @@ def _trainer_options(items: list[str]) -> dict:
     """``NAME=VALUE`` strings -> TrainerOptions fields (ints, floats, true/false)."""
     import dataclasses
 
-    from actors.trainer import TrainerOptions
+    from actors.train.trainer import TrainerOptions
 
     fields = {f.name for f in dataclasses.fields(TrainerOptions)}
     out: dict = {}
@@ -388,7 +389,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                 [
                     sys.executable,
                     "-m",
-                    "runtime.cli",
+                    "runtime.cli.main",
                     "--log-level",
                     "WARNING",
                     "coordinator",

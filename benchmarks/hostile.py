@@ -1,6 +1,6 @@
 """Hostile inputs against a live training run: every attack refused, logged, and training on.
 
-A coordinator daemon (``python -m runtime.cli coordinator``) and two workers of the built-in LM
+A coordinator daemon (``python -m runtime.cli.main coordinator``) and two workers of the built-in LM
 job train as separate processes. While they train, this process attacks the coordinator's port
 with strangers and impostors, one kind of attack at a time:
 
@@ -62,14 +62,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runtime.errors import HandshakeError, PeerClosed, ProtocolError  # noqa: E402
-from runtime.handshake import (  # noqa: E402
+from runtime.protocol.handshake import (  # noqa: E402
     DialerHandshake,
     Identity,
     ListenerHandshake,
     NonceLedger,
 )
-from runtime.tcp import DEFAULT_GROUP, Connection, dial  # noqa: E402
-from runtime.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
+from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
+from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial  # noqa: E402
 
 __all__ = [
     "ATTACKS",
@@ -84,7 +84,8 @@ __all__ = [
 ]
 
 LOG_WINDOW = 1.0
-"""The gate's log window (`runtime.admission`): phases are this far apart, so each rate-limit
+"""The gate's log window (`runtime.transport.admission`): phases are this far apart, so each
+rate-limit
 summary line counts the refusals of one phase."""
 WRONG_SECRET = b"not-the-run's-secret-at-all"
 HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: paramsync\r\n\r\n"
@@ -212,7 +213,7 @@ async def oversized(target: Target, index: int) -> list[Attempt]:
 
 async def wrong_secret(target: Target, index: int) -> list[Attempt]:
     """The real dialer's steps with another secret: it finds the challenge's proof wrong and
-    hangs up without sending auth (as `runtime.tcp.dial` does)."""
+    hangs up without sending auth (as `runtime.transport.tcp.dial` does)."""
     stream, where = await _open(target)
     conn = Connection(stream)
     dialer = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size))
@@ -411,7 +412,7 @@ class AdmissionLog:
 
 
 def parse_admission_log(text: str) -> AdmissionLog:
-    """Parse the gate's lines (`runtime.admission`) out of a daemon's log."""
+    """Parse the gate's lines (`runtime.transport.admission`) out of a daemon's log."""
     log = AdmissionLog()
     for line in text.splitlines():
         if match := _REFUSAL.search(line):
@@ -575,7 +576,7 @@ class LiveRun:
         """Start the daemon and wait until it listens."""
         port_file = self.workdir / "port"
         command = [
-            sys.executable, "-m", "runtime.cli", "coordinator",
+            sys.executable, "-m", "runtime.cli.main", "coordinator",
             "--world-size", str(self.world_size), "--bind", "127.0.0.1:0",
             "--port-file", str(port_file),
             "--handshake-seconds", str(self.handshake_seconds),
@@ -595,7 +596,7 @@ class LiveRun:
     def start_worker(self, rank: int, steps: int | None = None) -> None:
         """Start one worker of the LM job (its stdout: the progress lines of rank 0)."""
         command = [
-            sys.executable, "-m", "runtime.cli", "worker",
+            sys.executable, "-m", "runtime.cli.main", "worker",
             "--rank", str(rank), "--world-size", str(self.world_size),
             "--coordinator", f"127.0.0.1:{self.port}",
             "--steps", str(steps or self.steps), *self.job_args, "--corpus-bytes", CORPUS_BYTES,

@@ -8,7 +8,7 @@ Run it with one process per worker, like a torchrun script:
 ``paramsync launch`` starts a coordinator process and N copies of this script with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT and a shared PARAMSYNC_SECRET set (the same variables
 torchrun sets, so the same script also runs under a coordinator you start by hand).
-`actors.run.trainer_from_env` reads them, joins the run and hands back a `DistributedTrainer`.
+`actors.train.run.trainer_from_env` reads them, joins the run and hands back a `DistributedTrainer`.
 From there the loop is ordinary Python: build a batch of *this rank's* data, call
 ``await trainer.train_batch(batch)``, which runs forward and backward through your ``loss_fn``,
 averages the gradients over all workers (bucket by bucket, overlapping backward), steps your
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 import trio
 
-from actors.run import trainer_from_env
-from actors.trainer import TrainerOptions
+from actors.train.run import trainer_from_env
+from actors.train.trainer import TrainerOptions
 
 
 def spirals(n_per_class: int, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
 """paramsync's engine: configuration, CBOR wire protocol, transports and collectives."""
 
-from .admission import AdmissionGate, AdmissionLimits
-from .aggregators import (
+from runtime.cli.train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
+from runtime.collectives.aggregators import (
     AllReduceAggregator,
     GradientAggregator,
     ParameterServerAggregator,
 )
-from .collectives import (
+from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     all_gather,
     all_reduce,
@@ -15,10 +15,10 @@ from .collectives import (
     reduce_scatter,
     segment_bounds,
 )
-from .config import DistributedConfig, parse_address
-from .coordinator import Coordinator, CoordinatorOptions, RunFailed
-from .coordinator_core import CoordinatorCore, RunState
-from .errors import (
+from runtime.config import DistributedConfig, parse_address
+from runtime.coordinator.core import CoordinatorCore, RunState
+from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
+from runtime.errors import (
     ActorFailed,
     AuthenticationError,
     CollectiveError,
@@ -30,13 +30,13 @@ from .errors import (
     ProtocolError,
     StallError,
 )
-from .link import Link, MemoryLink
-from .tcp import TcpTransport
-from .tls import TlsConfig
-from .trace import TraceRecorder, merge_traces
-from .train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
-from .transport import InProcessTransport, Transport
-from .wire import BFLOAT16_TAG, PROTOCOL_VERSION
+from runtime.observe.trace import TraceRecorder, merge_traces
+from runtime.protocol.wire import BFLOAT16_TAG, PROTOCOL_VERSION
+from runtime.transport.admission import AdmissionGate, AdmissionLimits
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.link import Link, MemoryLink
+from runtime.transport.tcp import TcpTransport
+from runtime.transport.tls import TlsConfig
 
 __all__ = [
     "AdmissionGate",

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import trio
 
-from runtime.tcp import TcpTransport
-from runtime.transport import InProcessTransport, Transport
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.tcp import TcpTransport
 
 TRANSPORT_KINDS = ("inproc", "tcp")
 """Both transports every group test runs over."""

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from runtime.actor import Actor, ActorState, ActorStopped, ActorSystem
+from runtime.actor.base import Actor, ActorState, ActorStopped, ActorSystem
 from runtime.errors import ActorFailed, ParamsyncError
 
 DEADLINE = 1_000  # mock-clock seconds: far beyond any test, so only a real hang reaches it

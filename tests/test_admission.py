@@ -1,5 +1,6 @@
 """Admission control: the pending-handshake cap, the handshake deadline, accept back-off, the
-refusal log and its rate limit (`runtime.admission`), alone and wired into the coordinator's and
+refusal log and its rate limit (`runtime.transport.admission`), alone and wired into the
+coordinator's and
 the rendezvous' listeners.
 
 Gate-only tests run under trio's MockClock with fake listeners and streams, so time is exact.
@@ -21,15 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from runtime import tcp
-from runtime.admission import (
-    FAILURE_CATEGORIES,
-    AdmissionGate,
-    AdmissionLimits,
-    HandshakeTicket,
-    classify_failure,
-)
-from runtime.coordinator import Coordinator
+from runtime.coordinator.service import Coordinator
 from runtime.errors import (
     AuthenticationError,
     FrameTooLarge,
@@ -39,8 +32,16 @@ from runtime.errors import (
     ProtocolError,
     StallError,
 )
-from runtime.handshake import NONCE_SIZE, Identity
-from runtime.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes
+from runtime.protocol.handshake import NONCE_SIZE, Identity
+from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes
+from runtime.transport import tcp
+from runtime.transport.admission import (
+    FAILURE_CATEGORIES,
+    AdmissionGate,
+    AdmissionLimits,
+    HandshakeTicket,
+    classify_failure,
+)
 
 SECRET = b"admission-tests-secret"
 GROUP = "admission"
@@ -297,7 +298,7 @@ async def serve_gate(
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A listener whose connections run runtime.tcp.accept under the gate's tickets."""
+    """A listener whose connections run runtime.transport.tcp.accept under the gate's tickets."""
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     claimed: set[int] = set()
 

@@ -1,4 +1,4 @@
-"""actors.checkpoint: safetensors checkpoints, written atomically, read whole or refused.
+"""actors.state.checkpoint: safetensors checkpoints, written atomically, read whole or refused.
 
 * A saved state loads back bitwise equal (names, order, dtypes, values, meta) and restores a
   replica to the source's state digest; plain `safetensors.safe_open` reads the file and its
@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_state import make_replica, same_bits, train
 
-import actors.checkpoint as checkpoint_module
-from actors.checkpoint import (
+import actors.state.checkpoint as checkpoint_module
+from actors.state.checkpoint import (
     CHECKPOINT_FORMAT,
     METADATA_KEY,
     CheckpointError,
@@ -36,8 +36,8 @@ from actors.checkpoint import (
     checkpoint_name,
     load_checkpoint,
 )
-from actors.digest import state_digest
-from actors.state import TrainingState, capture_state, restore_state
+from actors.state.digest import state_digest
+from actors.state.training_state import TrainingState, capture_state, restore_state
 from runtime.errors import ParamsyncError
 
 
@@ -299,7 +299,7 @@ def test_loaded_tensors_do_not_map_the_file(tmp_path: Path) -> None:
     )
     script = (
         "import os, sys\n"
-        "from actors.checkpoint import load_checkpoint\n"
+        "from actors.state.checkpoint import load_checkpoint\n"
         "state = load_checkpoint(sys.argv[1])\n"
         "os.truncate(sys.argv[1], 64)\n"
         "print(int(state.tensors[0][1].sum().item()))\n"

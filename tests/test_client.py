@@ -1,4 +1,4 @@
-"""The worker's side of the control link (`actors.client`): deferred reads.
+"""The worker's side of the control link (`actors.client.client`): deferred reads.
 
 The test plays the coordinator on the other end of an in-process link, on trio's mock clock.
 """
@@ -10,12 +10,12 @@ import torch
 import trio
 import trio.testing
 
-from actors.client import CoordinatorClient, CoordinatorLost
-from actors.trainer import OptimizerActor, OptimizerStep, TrainerOptions, Verify
-from runtime.actor import ActorSystem
-from runtime.coordinator_core import Commit, StartRun
-from runtime.link import MemoryLink
-from runtime.trace import TraceRecorder
+from actors.client.client import CoordinatorClient, CoordinatorLost
+from actors.train.trainer import OptimizerActor, OptimizerStep, TrainerOptions, Verify
+from runtime.actor.base import ActorSystem
+from runtime.coordinator.core import Commit, StartRun
+from runtime.observe.trace import TraceRecorder
+from runtime.transport.link import MemoryLink
 
 
 async def _send(link: MemoryLink, message: Commit) -> None:

@@ -26,7 +26,7 @@ from conftest import (
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from runtime.collectives import (
+from runtime.collectives.ring import (
     SMALL_ALLREDUCE_BYTES,
     all_gather,
     all_reduce,
@@ -36,7 +36,7 @@ from runtime.collectives import (
     segment_bounds,
 )
 from runtime.errors import CollectiveError, ProtocolError
-from runtime.transport import InProcessTransport, Transport
+from runtime.transport.base import InProcessTransport, Transport
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)

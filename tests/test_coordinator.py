@@ -18,19 +18,19 @@ import torch
 import trio
 from torch import nn
 
-from actors.client import CoordinatorClient, RunAborted
-from actors.digest import state_digest
-from actors.trainer import DistributedTrainer, TrainerOptions
-from actors.worker import join_run, train_in_process
+from actors.client.client import CoordinatorClient, RunAborted
+from actors.state.digest import state_digest
+from actors.train.trainer import DistributedTrainer, TrainerOptions
+from actors.train.worker import join_run, train_in_process
 from runtime.config import DistributedConfig
-from runtime.coordinator import Coordinator, CoordinatorOptions, RunFailed
-from runtime.coordinator_core import RunState, StartRun, model_signature
+from runtime.coordinator.core import RunState, StartRun, model_signature
+from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import PeerClosed
-from runtime.handshake import Identity, load_secret
-from runtime.link import MemoryLink
-from runtime.tcp import DEFAULT_GROUP, Connection, dial
-from runtime.trace import TraceRecorder
-from runtime.transport import InProcessTransport
+from runtime.observe.trace import TraceRecorder
+from runtime.protocol.handshake import Identity, load_secret
+from runtime.transport.base import InProcessTransport
+from runtime.transport.link import MemoryLink
+from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
 
 SECRET = "coordinator-tests-secret"
 RUN_SECONDS = 20.0

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runtime.coordinator_core import (
+from runtime.coordinator.core import (
     Abort,
     AbortRun,
     Action,
@@ -49,7 +49,7 @@ from runtime.coordinator_core import (
     spec_hash,
 )
 from runtime.errors import ProtocolError
-from runtime.wire import decode_frame, encode_frame_bytes
+from runtime.protocol.wire import decode_frame, encode_frame_bytes
 
 SIG = (
     ("embed.w", (16, 8), "float32", True),

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runtime.coordinator_core import (
+from runtime.coordinator.core import (
     Abort,
     Apply,
     Broadcast,

@@ -17,14 +17,14 @@ import torch
 import trio
 from torch import nn
 
-from actors.client import CoordinatorClient, CoordinatorLost
-from actors.digest import state_digest
-from actors.trainer import DistributedTrainer, TrainerOptions
+from actors.client.client import CoordinatorClient, CoordinatorLost
+from actors.state.digest import state_digest
+from actors.train.trainer import DistributedTrainer, TrainerOptions
 from runtime.config import DistributedConfig
-from runtime.coordinator import Coordinator, CoordinatorOptions
-from runtime.coordinator_core import StartRun, model_signature
-from runtime.link import Link, MemoryLink
-from runtime.transport import InProcessTransport, Transport
+from runtime.coordinator.core import StartRun, model_signature
+from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.link import Link, MemoryLink
 
 WORLD = 3
 STEPS = 8

@@ -1,4 +1,4 @@
-"""Tests for actors.corpus: the stdlib corpus, the vocabulary, windows and rank shards."""
+"""Tests for actors.demo_job.corpus: the stdlib corpus, the vocabulary, windows and rank shards."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from actors.corpus import (
+from actors.demo_job.corpus import (
     CharDataset,
     CharVocab,
     iter_batches,
     load_char_dataset,
     load_corpus,
-    shard,
     source_files,
     stdlib_root,
 )
+from actors.graph.sampler import shard
 
 SMALL = 64 * 1024
 

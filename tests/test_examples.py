@@ -59,7 +59,7 @@ def test_own_training_loop_under_launch() -> None:
     out = _run(
         [
             "-m",
-            "runtime.cli",
+            "runtime.cli.main",
             "launch",
             "--nproc",
             "2",
@@ -83,7 +83,7 @@ def test_daemons_by_hand(tmp_path: Path) -> None:
     env = _env(PARAMSYNC_SECRET=secrets.token_hex(16))
     port_file = tmp_path / "port"
     port = str(port_file)
-    cli = [sys.executable, "-m", "runtime.cli"]
+    cli = [sys.executable, "-m", "runtime.cli.main"]
     coordinator = subprocess.Popen(
         [*cli, "coordinator", "--world-size", "2", "--bind", "127.0.0.1:0", "--port-file", port],
         cwd=ROOT,

@@ -1,4 +1,4 @@
-"""Fault-injection trials with real worker processes (runtime.fault_trials).
+"""Fault-injection trials with real worker processes (runtime.testing.fault_trials).
 
 Hypothesis picks where a worker is SIGKILLed (phase and step); every trial must end with the
 survivors bitwise identical and equal to a reference run with the same membership history. A
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.fault_trials import JOB_FLAGS, run_coordinator_restart_trial, run_trial
-from runtime.faults import PHASES, parse_fault
+from runtime.testing.fault_trials import JOB_FLAGS, run_coordinator_restart_trial, run_trial
+from runtime.testing.faults import PHASES, parse_fault
 
 _REFERENCES: dict[int, str] = {}
 

@@ -3,7 +3,8 @@ listener under hostile input.
 
 Sans-I/O tests pass every message through the real codec (encode, then decode under the
 handshake's frame cap), so they exercise exactly what would cross the wire. TCP tests drive
-``runtime.tcp.accept``/``dial`` (and ``_serve_until``, the rendezvous' accept loop) on loopback,
+``runtime.transport.tcp.accept``/``dial`` (and ``_serve_until``, the rendezvous' accept loop) on
+loopback,
 always under ``trio.fail_after`` so a hang is a failure.
 """
 
@@ -23,7 +24,6 @@ import trio
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from runtime import tcp
 from runtime.errors import (
     AuthenticationError,
     FrameTooLarge,
@@ -32,7 +32,7 @@ from runtime.errors import (
     ProtocolError,
     ReplayedHandshake,
 )
-from runtime.handshake import (
+from runtime.protocol.handshake import (
     NONCE_SIZE,
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -42,7 +42,8 @@ from runtime.handshake import (
     NonceLedger,
     load_secret,
 )
-from runtime.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
+from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
+from runtime.transport import tcp
 
 SECRET = b"correct horse battery staple"
 OTHER_SECRET = b"incorrect donkey battery staple"
@@ -496,7 +497,8 @@ async def play_hostile_client(
 
 
 async def serve_and_judge(clients: list[tuple[list[bytes | str], bool]]) -> list[Any]:
-    """A listener serving with runtime.tcp.accept in a loop that logs refusals and continues,
+    """A listener serving with runtime.transport.tcp.accept in a loop that logs refusals and
+    continues,
     as the rendezvous does. The hostile clients connect one after the other, then a good dialer
     joins on the same listener. Returns every accept outcome in order of completion."""
     listener, address = await open_listener()

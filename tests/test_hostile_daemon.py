@@ -1,6 +1,6 @@
 """Hostile input against a running coordinator daemon over TCP while real workers train.
 
-A coordinator (``python -m runtime.cli coordinator``) and two LM-job workers run as processes;
+A coordinator (``python -m runtime.cli.main coordinator``) and two LM-job workers run as processes;
 the test process attacks the coordinator's port with the attacks of ``benchmarks/hostile.py``
 (strangers, garbage, a 4 GiB length prefix, wrong secrets, a replayed handshake, a slow drip,
 a connection flood over the cap). Every attack must be refused with a log line naming the
@@ -27,11 +27,11 @@ import pytest
 import trio
 
 from runtime.errors import PeerClosed
-from runtime.handshake import Identity
-from runtime.tcp import DEFAULT_GROUP, dial
+from runtime.protocol.handshake import Identity
+from runtime.transport.tcp import DEFAULT_GROUP, dial
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "runtime.cli"]
+CLI = [sys.executable, "-m", "runtime.cli.main"]
 
 
 def _load_bench() -> ModuleType:
@@ -203,9 +203,9 @@ def test_garbage_after_a_valid_handshake_is_dropped_naming_the_rank(tmp_path: Pa
 
 def lm_signature() -> list[list[Any]]:
     """The join message's ``params`` of the LM job as `hostile.LiveRun` runs it."""
-    from actors.corpus import load_char_dataset
-    from actors.model import CharTransformer
-    from runtime.coordinator_core import model_signature
+    from actors.demo_job.corpus import load_char_dataset
+    from actors.demo_job.model import CharTransformer
+    from runtime.coordinator.core import model_signature
 
     flags = dict(zip(hostile.JOB_ARGS[::2], hostile.JOB_ARGS[1::2]))
     context, d_model = int(flags["--context"]), int(flags["--d-model"])

@@ -1,6 +1,6 @@
 """``paramsync`` as a user runs it: real processes, real sockets, exit codes and messages.
 
-The CLI runs as ``python -m runtime.cli`` from the repository root, so the tests need no
+The CLI runs as ``python -m runtime.cli.main`` from the repository root, so the tests need no
 installed console script. Every process has a timeout well under 30 s.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "runtime.cli"]
+CLI = [sys.executable, "-m", "runtime.cli.main"]
 
 
 def run_cli(
@@ -65,7 +65,7 @@ def test_launch_trains_the_lm_job_and_merges_identical_summaries(tmp_path: Path)
         str(merged_path),
         "--",
         "-m",
-        "actors.lm_job",
+        "actors.demo_job.job",
         "--steps",
         "3",
         "--batch-size",

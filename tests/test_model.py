@@ -1,4 +1,4 @@
-"""Tests for actors.model: shapes, causality, seeded determinism, and that it learns."""
+"""Tests for actors.demo_job.model: shapes, causality, seeded determinism, and that it learns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from actors.model import CharTransformer
+from actors.demo_job.model import CharTransformer
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Tests for runtime.progress: in-place redraws on a TTY, periodic lines elsewhere."""
+"""Tests for runtime.observe.progress: in-place redraws on a TTY, periodic lines elsewhere."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from runtime.progress import ProgressBar, format_duration, format_metric
+from runtime.observe.progress import ProgressBar, format_duration, format_metric
 
 
 class FakeClock:

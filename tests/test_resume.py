@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actors.checkpoint import CheckpointStore
+from actors.state.checkpoint import CheckpointStore
 
 JOB = ["--batch-size", "4", "--d-model", "16", "--layers", "1", "--heads", "2"]
 JOB += ["--context", "16", "--corpus-bytes", "65536", "--no-progress"]
@@ -20,8 +20,8 @@ def launch(tmp: Path, name: str, *flags: str) -> dict[str, object]:
     env = dict(os.environ, PARAMSYNC_SECRET="resume-test-secret")
     result = subprocess.run(
         [
-            *(sys.executable, "-m", "runtime.cli", "launch", "--nproc", "2"),
-            *("--summary-json", str(merged), "--", "-m", "actors.lm_job", *JOB, *flags),
+            *(sys.executable, "-m", "runtime.cli.main", "launch", "--nproc", "2"),
+            *("--summary-json", str(merged), "--", "-m", "actors.demo_job.job", *JOB, *flags),
         ],
         env=env,
         capture_output=True,

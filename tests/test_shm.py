@@ -1,4 +1,5 @@
-"""The shared-memory data plane (`runtime.shm`): property tests against a float64 reference and
+"""The shared-memory data plane (`runtime.transport.shm`): property tests against a float64
+reference and
 bitwise against the TCP ring, setup and fallback, cleanup of the segment, and failures that must
 end in a clear error, never a hang.
 
@@ -26,11 +27,11 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from test_collectives import REDUCE_DTYPES, check_identical, check_reduced, make_inputs, numels
 
-from runtime.collectives import all_reduce, barrier
+from runtime.collectives.ring import all_reduce, barrier
 from runtime.errors import PeerClosed, ProtocolError, StallError
-from runtime.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory
-from runtime.tcp import TcpTransport
-from runtime.transport import Transport
+from runtime.transport.base import Transport
+from runtime.transport.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory
+from runtime.transport.tcp import TcpTransport
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 24

@@ -1,4 +1,5 @@
-"""TLS under the HMAC handshake (runtime.tls): collectives, the coordinator, refusals, the wire.
+"""TLS under the HMAC handshake (runtime.transport.tls): collectives, the coordinator, refusals,
+the wire.
 
 Certificates come from `trustme`: one CA for the cluster and a certificate per node, written to
 ``tmp_path``; a second CA stands for a stranger. Every exchange runs under a deadline, so a
@@ -21,10 +22,11 @@ import trio.testing
 import trustme
 from conftest import bitwise_equal, free_port
 
-from runtime.cli import main as cli_main
-from runtime.collectives import all_reduce
+from runtime.cli.main import main as cli_main
+from runtime.cli.train_config import DistributedTrainConfig, resolve_tls
+from runtime.collectives.ring import all_reduce
 from runtime.config import DistributedConfig
-from runtime.coordinator import Coordinator
+from runtime.coordinator.service import Coordinator
 from runtime.errors import (
     AuthenticationError,
     CollectiveError,
@@ -32,10 +34,9 @@ from runtime.errors import (
     PeerClosed,
     ProtocolError,
 )
-from runtime.handshake import DialerHandshake, Identity, load_secret
-from runtime.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
-from runtime.tls import TlsConfig
-from runtime.train_config import DistributedTrainConfig, resolve_tls
+from runtime.protocol.handshake import DialerHandshake, Identity, load_secret
+from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
+from runtime.transport.tls import TlsConfig
 
 SECRET = load_secret("tls-tests-shared-secret", {})
 SECONDS = 20.0

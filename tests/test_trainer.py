@@ -28,19 +28,19 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from actors.buckets import plan_buckets
-from actors.client import RunAborted
-from actors.digest import state_digest
-from actors.model import CharTransformer
-from actors.trainer import Backward, ComputeActor, DistributedTrainer, TrainerOptions
-from actors.worker import join_run, train_in_process
-from runtime.actor import ActorSystem
+from actors.client.client import RunAborted
+from actors.demo_job.model import CharTransformer
+from actors.state.buckets import plan_buckets
+from actors.state.digest import state_digest
+from actors.train.trainer import Backward, ComputeActor, DistributedTrainer, TrainerOptions
+from actors.train.worker import join_run, train_in_process
+from runtime.actor.base import ActorSystem
 from runtime.config import DistributedConfig
-from runtime.coordinator import Coordinator, CoordinatorOptions, RunFailed
+from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ActorFailed, pick_error
-from runtime.shm import SharedMemoryPlane
-from runtime.tcp import TcpTransport
-from runtime.trace import TraceRecorder
+from runtime.observe.trace import TraceRecorder
+from runtime.transport.shm import SharedMemoryPlane
+from runtime.transport.tcp import TcpTransport
 
 RUN_SECONDS = 30.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""

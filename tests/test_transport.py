@@ -14,7 +14,7 @@ import torch
 import trio
 from conftest import TRANSPORT_KINDS, bitwise_equal, free_port, open_group, run_ranks
 
-from runtime.collectives import all_reduce, barrier, broadcast
+from runtime.collectives.ring import all_reduce, barrier, broadcast
 from runtime.config import DistributedConfig
 from runtime.errors import (
     AuthenticationError,
@@ -24,8 +24,8 @@ from runtime.errors import (
     ProtocolError,
     StallError,
 )
-from runtime.tcp import TcpTransport
-from runtime.wire import encode_frame_bytes
+from runtime.protocol.wire import encode_frame_bytes
+from runtime.transport.tcp import TcpTransport
 
 SECRET = "rendezvous-secret-for-tests"
 COLL = {"op": 0, "hop": 0, "part": 0}

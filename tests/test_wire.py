@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import runtime  # noqa: F401  (registers every message kind of the runtime)
 from runtime.errors import FrameTooLarge, ProtocolError
-from runtime.wire import (
+from runtime.protocol.wire import (
     BFLOAT16_TAG,
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
@@ -43,7 +43,7 @@ from runtime.wire import (
     tensor_buffer,
 )
 
-# The RFC 8746 little-endian typed-array tags, written out independently of runtime.wire.
+# The RFC 8746 little-endian typed-array tags, written out independently of runtime.protocol.wire.
 WIRE_TAGS = {
     torch.uint8: 64,
     torch.int8: 72,
@@ -190,7 +190,7 @@ def test_large_non_contiguous_bulk_does_not_crash_the_encoder() -> None:
     reading a view of it kills the process, so this runs in a child interpreter."""
     code = (
         "import torch\n"
-        "from runtime.wire import decode_frame, encode_frame_bytes\n"
+        "from runtime.protocol.wire import decode_frame, encode_frame_bytes\n"
         "x = torch.arange(4_000_000, dtype=torch.float32).view(2000, 2000).t()\n"
         "frame = encode_frame_bytes('coll', {'op': 0, 'hop': 0, 'part': 0}, bulk=x)\n"
         "print(torch.equal(decode_frame(frame)['data'], x))\n"

@@ -1,0 +1,233 @@
+"""The built-in training job: a character-level transformer LM on CPython's own sources.
+
+Run one rank per process (``paramsync launch --nproc 4 -- -m actors.demo_job.job``, or
+``paramsync worker`` with a coordinator started by hand). Rank 0 shows a progress bar; every
+rank records its actors' spans for the Chrome trace; at the end the ranks gather their loss
+curves, rank 0 plots them, and every rank writes its summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import torch
+import trio
+
+from actors.demo_job.corpus import load_char_dataset
+from actors.demo_job.model import CharTransformer
+from actors.state.buckets import DEFAULT_BUCKET_BYTES
+from actors.state.checkpoint import CheckpointStore
+from actors.state.training_state import capture_state, restore_state
+from actors.train.run import trainer_from_env, write_summary
+from actors.train.trainer import TrainerOptions
+from runtime.collectives.ring import all_gather
+from runtime.coordinator.service import CoordinatorOptions
+from runtime.errors import pick_error
+from runtime.observe.plot import write_loss_plot
+from runtime.observe.progress import ProgressBar
+from runtime.observe.trace import TraceRecorder
+
+__all__ = ["main", "build_parser", "run"]
+
+log = logging.getLogger("paramsync.lm_job")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Flags of the LM job (shared by ``paramsync worker``)."""
+    parser = parser or argparse.ArgumentParser(prog="python -m actors.demo_job.job")
+    group = parser.add_argument_group("training job")
+    group.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    group.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
+    group.add_argument("--context", type=int, default=64)
+    group.add_argument("--d-model", type=int, default=128)
+    group.add_argument("--layers", type=int, default=2)
+    group.add_argument("--heads", type=int, default=4)
+    group.add_argument("--lr", type=float, default=3e-3)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--corpus-bytes", type=int, default=2 << 20)
+    group.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
+    group.add_argument("--accumulation-steps", type=int, default=1)
+    group.add_argument("--digest-interval", type=int, default=1)
+    group.add_argument("--config", help="TOML file with a [distributed] table")
+    group.add_argument("--trace", help="write this rank's Chrome trace here ({rank} expands)")
+    group.add_argument("--plot", help="rank 0 writes the loss-curve PNG here")
+    group.add_argument("--summary-json", help="write this rank's summary here ({rank} expands)")
+    group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument(
+        "--checkpoint-dir",
+        help="rank 0 writes atomic safetensors checkpoints of the whole state here",
+    )
+    group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (0: only at stop)",
+    )
+    group.add_argument(
+        "--reconnect-seconds",
+        type=float,
+        default=60.0,
+        help="if the coordinator is lost, keep the state and redial it this long, then "
+        "rejoin where the workers stand (0: a lost coordinator ends the run; default "
+        "%(default)s)",
+    )
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="every worker restores the newest valid checkpoint of --checkpoint-dir first",
+    )
+    return parser
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Train with ``args``; returns the exit code."""
+    torch.manual_seed(args.seed)
+    vocab, dataset = load_char_dataset(args.context, max_bytes=args.corpus_bytes)
+    model = CharTransformer(
+        len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    options = TrainerOptions(
+        bucket_bytes=args.bucket_bytes,
+        accumulation_steps=args.accumulation_steps,
+        max_steps=args.steps,
+        digest_interval=args.digest_interval,
+    )
+    rank = int(os.environ.get("RANK", "0"))
+    store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
+    resume_step = 0
+    if args.resume:
+        if store is None:
+            log.error("--resume needs --checkpoint-dir")
+            return EXIT_USAGE
+        state = store.load_latest_valid()
+        if state is None:
+            log.warning("rank %d: no checkpoint in %s, starting afresh", rank, args.checkpoint_dir)
+        else:
+            restore_state(model, optimizer, state)
+            resume_step = state.step
+            log.info("rank %d resumes from the checkpoint of step %d", rank, resume_step)
+    trace = TraceRecorder(f"rank {rank}", pid=rank) if args.trace else TraceRecorder.disabled()
+    stop: dict[str, int | None] = {"signal": None}
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return model.loss(inputs, targets)
+
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        stop["signal"] = signum
+                        log.warning(
+                            "rank %d: %s, stopping after the step in flight",
+                            rank,
+                            signal.Signals(signum).name,
+                        )
+
+            nursery.start_soon(watch_signals)
+            coordinator_options = CoordinatorOptions(digest_interval=args.digest_interval)
+            async with trainer_from_env(
+                model,
+                optimizer,
+                loss_fn,
+                options=options,
+                coordinator_options=coordinator_options,
+                trace=trace,
+                toml_path=args.config,
+                resume_step=resume_step,
+                reconnect_seconds=args.reconnect_seconds or None,
+            ) as trainer:
+                rank = trainer.dist_config.rank
+                bar = (
+                    ProgressBar(args.steps, description=f"training ({trainer.world_size} workers)")
+                    if rank == 0 and args.progress
+                    else None
+                )
+
+                def save_checkpoint() -> None:
+                    if store is not None and trainer.position == 0:
+                        path = store.save(capture_state(model, optimizer, trainer.step))
+                        log.info("rank %d wrote %s", rank, path)
+
+                def on_step(step: int, loss: float) -> None:
+                    if bar is not None:
+                        bar.update(step + 1, loss=loss)
+                    if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                        save_checkpoint()
+
+                await trainer.fit(
+                    dataset,
+                    args.batch_size,
+                    seed=args.seed,
+                    on_step=on_step,
+                    should_stop=lambda: stop["signal"] is not None,
+                )
+                if bar is not None:
+                    bar.close()
+                if store is not None and (stop["signal"] is not None or not args.checkpoint_every):
+                    await trainer.verified()  # on SIGTERM/SIGINT: the last committed state
+                    save_checkpoint()
+                if stop["signal"] is None and args.plot:
+                    await _gather_and_plot(trainer, args)
+                summary = trainer.summary()
+            nursery.cancel_scope.cancel()
+    except BaseException as exc:
+        if stop["signal"] is None:
+            raise
+        # Stopped by a signal: the run's end (an abort, a hang-up) is the expected echo.
+        log.warning(
+            "rank %d stopped by %s: %s", rank, signal.Signals(stop["signal"]).name, pick_error(exc)
+        )
+        return _exit_code(stop["signal"])
+    if args.trace:
+        path = trace.write(args.trace.format(rank=rank))
+        log.info("rank %d wrote its trace to %s", rank, path)
+    if args.summary_json:
+        write_summary(args.summary_json.format(rank=rank), summary)
+    return _exit_code(stop["signal"])
+
+
+def _exit_code(signum: int | None) -> int:
+    if signum == signal.SIGINT:
+        return EXIT_INTERRUPTED
+    if signum == signal.SIGTERM:
+        return EXIT_TERMINATED
+    return EXIT_OK
+
+
+async def _gather_and_plot(trainer: object, args: argparse.Namespace) -> None:
+    losses = torch.tensor([loss for _, loss in trainer.losses], dtype=torch.float64)
+    curves = await all_gather(trainer.transport, losses)
+    if trainer.dist_config.rank == 0 and args.plot:
+        steps = [step for step, _ in trainer.losses]
+        series = {f"rank {r}": list(zip(steps, curves[r].tolist())) for r in range(curves.shape[0])}
+        series["mean over ranks"] = list(zip(steps, curves.mean(0).tolist()))
+        write_loss_plot(args.plot, series, title="paramsync: char-level LM on CPython sources")
+        log.info("wrote the loss curve to %s", args.plot)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m actors.demo_job.job``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return trio.run(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""The whole training state of one worker: named tensors plus CBOR-able metadata.
+
+A `TrainingState` is what a rejoining worker receives from a healthy peer (live state transfer)
+and what a checkpoint holds: every parameter, buffer and optimizer-state tensor, the RNG states,
+and the step to run next. Because the data loader is a pure function of the step, restoring a
+state and continuing reproduces the source replica bit for bit.
+
+Tensors are named and ordered deterministically:
+
+* ``param.<name>`` for ``model.named_parameters()`` (tied weights appear once, as torch dedups
+  them), then ``buffer.<name>`` for ``model.named_buffers()`` (non-persistent buffers included:
+  the initial weight broadcast syncs them too);
+* ``optim.<index>.<key>`` for the optimizer's per-parameter state tensors, where ``index`` is the
+  parameter's position in the optimizer's param groups (the packing of
+  ``optimizer.state_dict()``), keys sorted;
+* ``rng.torch`` (``torch.get_rng_state()``) and ``rng.cuda.<i>`` per CUDA device, if any.
+
+Everything else lives in ``meta``, which holds only CBOR-able values (str, int, float, bool,
+None, list, dict with str keys, bytes), so the manifest can travel as one CBOR message and be
+stored as JSON: the optimizer's class, its param groups (hyperparameters, tuples as lists, and
+the ``params`` index lists), its non-tensor per-parameter state, Python's ``random`` state, and
+the caller's free ``extra`` dict. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "STATE_FORMAT",
+    "TrainingState",
+    "StateMismatch",
+    "capture_state",
+    "restore_state",
+    "manifest",
+    "allocate",
+    "dtype_name",
+]
+
+STATE_FORMAT = 1
+"""Version of the manifest layout (and of the meta layout inside it)."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class StateMismatch(ValueError):
+    """A training state does not fit the model, optimizer or process it is restored into."""
+
+
+@dataclass
+class TrainingState:
+    """One worker's whole training state.
+
+    ``step`` is the next optimizer step to run, which is also the data position. ``tensors``
+    are CPU tensors in the module's fixed order (see the module docstring); ``meta`` holds only
+    CBOR-able values.
+    """
+
+    step: int
+    tensors: list[tuple[str, torch.Tensor]]
+    meta: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the tensors' data in bytes."""
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in self.tensors)
+
+    @classmethod
+    def from_manifest(
+        cls, manifest: Mapping[str, Any], tensors: list[tuple[str, torch.Tensor]]
+    ) -> TrainingState:
+        """Assemble a state from a manifest and the tensors received for it (e.g. into
+        `allocate`'s buffers); raises ValueError unless names, order, shapes and dtypes match
+        the manifest exactly."""
+        step, meta, specs = _parse_manifest(manifest)
+        if len(tensors) != len(specs):
+            raise ValueError(f"manifest lists {len(specs)} tensors, got {len(tensors)}")
+        for (name, shape, dtype), (got_name, tensor) in zip(specs, tensors):
+            if got_name != name:
+                raise ValueError(f"expected tensor {name!r} next, got {got_name!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"tensor {name!r}: not a tensor ({type(tensor).__name__})")
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"tensor {name!r}: manifest says {list(shape)} {_DTYPE_NAMES[dtype]}, got "
+                    f"{list(tensor.shape)} {tensor.dtype}"
+                )
+            if tensor.device.type != "cpu":
+                raise ValueError(f"tensor {name!r}: expected a CPU tensor, got {tensor.device}")
+        return cls(step, list(tensors), meta)
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of a dtype ("float32", "bfloat16", ...); TypeError if unsupported."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"tensors of dtype {dtype} are not supported in a training state") from None
+
+
+def capture_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> TrainingState:
+    """Snapshot the model, the optimizer, the RNGs and ``step`` (the next step to run).
+
+    Every tensor is a fresh contiguous CPU *copy* (never a view), so the snapshot stays valid
+    while training goes on, can be written to a checkpoint or sent over the network as is, and
+    shares no storage between entries. CUDA tensors are copied after their device's current
+    stream is synchronized. ``extra`` must be CBOR-able (tuples become lists); it comes back
+    unchanged in ``meta["extra"]``.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    tensors = [
+        (f"param.{name}", _host_copy(f"param.{name}", p)) for name, p in model.named_parameters()
+    ]
+    tensors += [
+        (f"buffer.{name}", _host_copy(f"buffer.{name}", b)) for name, b in model.named_buffers()
+    ]
+    optimizer_meta = None
+    if optimizer is not None:
+        optimizer_meta, optimizer_tensors = _capture_optimizer(optimizer)
+        tensors += optimizer_tensors
+    tensors.append(("rng.torch", torch.get_rng_state()))
+    if torch.cuda.is_available():
+        tensors += [
+            (f"rng.cuda.{i}", torch.cuda.get_rng_state(i)) for i in range(torch.cuda.device_count())
+        ]
+    version, internal, gauss_next = random.getstate()
+    meta = {
+        "optimizer": optimizer_meta,
+        "rng": {"python": [version, list(internal), gauss_next]},
+        "extra": _cborable(dict(extra or {}), "extra"),
+    }
+    return TrainingState(step, tensors, meta)
+
+
+def _host_copy(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided:
+        raise TypeError(f"tensor {name!r}: layout {tensor.layout} is not supported")
+    dtype_name(tensor.dtype)
+    if tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).synchronize()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    host.copy_(tensor)
+    return host
+
+
+def _capture_optimizer(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    packed = optimizer.state_dict()
+    groups = [
+        _cborable(dict(group), f"optimizer param group {g}")
+        for g, group in enumerate(packed["param_groups"])
+    ]
+    state_meta: dict[str, dict[str, Any]] = {}
+    tensors = []
+    for index in sorted(packed["state"]):
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"optimizer state is keyed by {index!r}, not a parameter index")
+        values: dict[str, Any] = {}
+        for key in sorted(packed["state"][index]):
+            value = packed["state"][index][key]
+            name = f"optim.{index}.{key}"
+            if isinstance(value, torch.Tensor):
+                tensors.append((name, _host_copy(name, value)))
+            else:
+                values[key] = _cborable(value, f"optimizer state {name}")
+        state_meta[str(index)] = values
+    cls = type(optimizer)
+    meta = {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "param_groups": groups,
+        "state": state_meta,
+    }
+    return meta, tensors
+
+
+def _cborable(value: Any, where: str) -> Any:
+    """A deep copy of ``value`` with tuples turned into lists; TypeError naming ``where`` for
+    anything CBOR (and the checkpoint's JSON) would not carry faithfully. Integers must fit
+    CBOR's plain integer types: bignums are semantic tags, which `runtime.protocol.wire` refuses."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**64) <= value < 2**64:
+        raise TypeError(f"{where}: integer {value} does not fit 64 bits (CBOR bignum)")
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return value
+    if isinstance(value, list | tuple):
+        return [_cborable(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: dict key {key!r} is not a str")
+            out[key] = _cborable(item, f"{where}[{key!r}]")
+        return out
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: tensor values are not supported here")
+    raise TypeError(f"{where}: {type(value).__name__} is not CBOR-able")
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def manifest(state: TrainingState) -> dict[str, Any]:
+    """A CBOR-able description of ``state``: format version, step, meta, and each tensor's
+    ``[name, shape, dtype name]`` in order. The receiver `allocate`s from it."""
+    return {
+        "format": STATE_FORMAT,
+        "step": state.step,
+        "meta": copy.deepcopy(state.meta),
+        "tensors": [
+            [name, list(tensor.shape), dtype_name(tensor.dtype)] for name, tensor in state.tensors
+        ],
+    }
+
+
+def allocate(
+    manifest: Mapping[str, Any], *, max_bytes: int | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Empty contiguous CPU tensors, named and ordered as ``manifest`` lists them, to receive
+    a state into. The manifest is validated first (it may come from the network); with
+    ``max_bytes``, one announcing more data than that is refused before allocating."""
+    _, _, specs = _parse_manifest(manifest)
+    if max_bytes is not None:
+        total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+        if total > max_bytes:
+            raise ValueError(f"manifest announces {total} bytes of tensors, more than {max_bytes}")
+    return [(name, torch.empty(shape, dtype=dtype)) for name, shape, dtype in specs]
+
+
+def _parse_manifest(
+    manifest: Mapping[str, Any],
+) -> tuple[int, dict[str, Any], list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    if not isinstance(manifest, Mapping):
+        raise ValueError(f"manifest must be a map, got {type(manifest).__name__}")
+    if manifest.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"manifest format {manifest.get('format')!r} is not supported (expected {STATE_FORMAT})"
+        )
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"manifest step must be a non-negative int, got {step!r}")
+    meta = manifest.get("meta")
+    if not isinstance(meta, dict):
+        raise ValueError("manifest meta must be a map")
+    entries = manifest.get("tensors")
+    if not isinstance(entries, list):
+        raise ValueError("manifest tensors must be a list")
+    specs = []
+    seen = set()
+    for i, entry in enumerate(entries):
+        if not (isinstance(entry, list | tuple) and len(entry) == 3):
+            raise ValueError(f"manifest tensor {i} must be [name, shape, dtype]")
+        name, shape, dtype = entry
+        if not isinstance(name, str) or name in seen:
+            raise ValueError(f"manifest tensor {i}: bad or repeated name {name!r}")
+        seen.add(name)
+        if not isinstance(shape, list | tuple) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(f"manifest tensor {name!r}: bad shape {shape!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"manifest tensor {name!r}: unsupported dtype {dtype!r}")
+        specs.append((name, tuple(shape), _DTYPES[dtype]))
+    return step, meta, specs
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def restore_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: TrainingState,
+    *,
+    restore_rng: bool = True,
+) -> None:
+    """Make ``model``, ``optimizer`` (and the RNGs) hold exactly ``state``.
+
+    Everything is validated first; the first problem found raises `StateMismatch` and nothing
+    is changed. Then the optimizer's state is replaced through ``load_state_dict`` (from copies:
+    torch would otherwise adopt ``state``'s tensors and mutate them while training), parameters
+    and buffers are copied in place onto their own devices, and the RNG states are set. The
+    caller resumes at ``state.step``. With ``restore_rng=False`` the ``rng.*`` tensors are
+    ignored (e.g. restoring a CUDA machine's state on a CPU-only one).
+    """
+    by_name: dict[str, torch.Tensor] = {}
+    for name, tensor in state.tensors:
+        if name in by_name:
+            raise StateMismatch(f"tensor {name!r} appears twice in the state")
+        by_name[name] = tensor
+    used: set[str] = set()
+
+    def take(name: str, like: torch.Tensor, where: str) -> torch.Tensor:
+        source = by_name.get(name)
+        if source is None:
+            raise StateMismatch(f"tensor {name!r} ({where}) is missing from the state")
+        if source.shape != like.shape:
+            raise StateMismatch(
+                f"tensor {name!r}: shape {list(source.shape)} in the state, "
+                f"{list(like.shape)} in the {where}"
+            )
+        if source.dtype != like.dtype:
+            raise StateMismatch(
+                f"tensor {name!r}: dtype {source.dtype} in the state, {like.dtype} in the {where}"
+            )
+        used.add(name)
+        return source
+
+    copies = [
+        (live, take(f"param.{name}", live, "model")) for name, live in model.named_parameters()
+    ]
+    copies += [
+        (live, take(f"buffer.{name}", live, "model")) for name, live in model.named_buffers()
+    ]
+    for name, _ in state.tensors:
+        if name.startswith(("param.", "buffer.")) and name not in used:
+            raise StateMismatch(f"unexpected tensor {name!r} in the state (not in the model)")
+    optimizer_state = _plan_optimizer(optimizer, state, by_name, used)
+    rng_states: list[tuple[int | None, torch.Tensor]] = []
+    if restore_rng:
+        rng_states.append((None, take("rng.torch", torch.get_rng_state(), "process")))
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for i in range(devices):
+            rng_states.append((i, take(f"rng.cuda.{i}", torch.cuda.get_rng_state(i), "process")))
+        python_rng = _python_rng(state.meta)
+    else:
+        used.update(name for name in by_name if name.startswith("rng."))
+    for name, _ in state.tensors:
+        if name not in used:
+            raise StateMismatch(
+                f"unexpected tensor {name!r} in the state (nothing to restore it to)"
+            )
+
+    if optimizer is not None:
+        assert optimizer_state is not None
+        optimizer.load_state_dict(optimizer_state)
+    with torch.no_grad():
+        for live, source in copies:
+            live.copy_(source)
+    if restore_rng:
+        for device, rng in rng_states:
+            if device is None:
+                torch.set_rng_state(rng.clone())
+            else:
+                torch.cuda.set_rng_state(rng.clone(), device)
+        random.setstate(python_rng)
+
+
+def _plan_optimizer(
+    optimizer: torch.optim.Optimizer | None,
+    state: TrainingState,
+    by_name: dict[str, torch.Tensor],
+    used: set[str],
+) -> dict[str, Any] | None:
+    """Validate the optimizer part of ``state`` against ``optimizer`` and build the state dict
+    to load (tensors cloned), without touching the optimizer."""
+    saved = state.meta.get("optimizer")
+    if optimizer is None:
+        if saved is not None:
+            held = saved.get("class") if isinstance(saved, dict) else saved
+            raise StateMismatch(f"the state holds {held!r} optimizer state, no optimizer given")
+        return None
+    cls = type(optimizer)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if not isinstance(saved, dict):
+        raise StateMismatch(f"the state holds no optimizer state, the optimizer is {name}")
+    if saved.get("class") != name:
+        raise StateMismatch(f"optimizer class: {saved.get('class')!r} in the state, {name!r} here")
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise StateMismatch("malformed optimizer param groups in the state")
+    if len(groups) != len(optimizer.param_groups):
+        raise StateMismatch(
+            f"number of optimizer param groups: {len(groups)} in the state, "
+            f"{len(optimizer.param_groups)} in the optimizer"
+        )
+    indices: set[int] = set()
+    for g, (group, live) in enumerate(zip(groups, optimizer.param_groups)):
+        params = group.get("params")
+        if not isinstance(params, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in params
+        ):
+            raise StateMismatch(f"malformed params list of optimizer param group {g} in the state")
+        if len(params) != len(live["params"]):
+            raise StateMismatch(
+                f"optimizer param group {g}: {len(params)} parameters in the state, "
+                f"{len(live['params'])} in the optimizer"
+            )
+        indices.update(params)
+    packed_groups = []
+    for group, live in zip(groups, optimizer.param_groups):
+        packed = copy.deepcopy(group)
+        for key, value in packed.items():
+            if isinstance(live.get(key), tuple) and isinstance(value, list):
+                packed[key] = tuple(value)  # e.g. Adam's betas, a tuple in torch's own dicts
+        packed_groups.append(packed)
+
+    saved_state = saved.get("state")
+    if not isinstance(saved_state, dict):
+        raise StateMismatch("malformed optimizer state in the state")
+    packed_state: dict[int, dict[str, Any]] = {}
+    for key, values in saved_state.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) in indices):
+            raise StateMismatch(f"optimizer state for unknown parameter index {key!r}")
+        if not isinstance(values, dict):
+            raise StateMismatch(f"malformed optimizer state of parameter {key}")
+        packed_state[int(key)] = copy.deepcopy(values)
+    for tensor_name, tensor in by_name.items():
+        if not tensor_name.startswith("optim."):
+            continue
+        index, _, key = tensor_name.removeprefix("optim.").partition(".")
+        if not (index.isdigit() and key and int(index) in packed_state):
+            raise StateMismatch(f"tensor {tensor_name!r} names no parameter's optimizer state")
+        if key in packed_state[int(index)]:
+            raise StateMismatch(f"optimizer state {tensor_name!r} is both a tensor and a value")
+        packed_state[int(index)][key] = tensor.clone()
+        used.add(tensor_name)
+    # torch keeps state entries in insertion order; sort keys as capture did.
+    return {
+        "state": {i: dict(sorted(packed_state[i].items())) for i in sorted(packed_state)},
+        "param_groups": packed_groups,
+    }
+
+
+def _python_rng(meta: dict[str, Any]) -> tuple[Any, ...]:
+    try:
+        version, internal, gauss_next = meta["rng"]["python"]
+        rng = (version, tuple(internal), gauss_next)
+        random.Random().setstate(rng)  # validates without touching the global generator
+    except (KeyError, TypeError, ValueError) as err:
+        raise StateMismatch(f"malformed Python RNG state in the state: {err}") from None
+    return rng

@@ -1,0 +1,199 @@
+"""Joining a run: connect to the coordinator, form the data mesh, start the trainer.
+
+`join_run` is the multi-process form (TCP: the coordinator at ``coordinator_addr``, a data
+listener of this worker's own); `train_in_process` runs a coordinator and ``n`` workers in one
+trio run over in-process links and transports, for tests and notebooks. Both hand the caller a
+`DistributedTrainer` inside the caller's nursery, and both tell the coordinator when the caller
+is done, so the run ends cleanly for everyone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+import trio
+
+from actors.client.client import CoordinatorClient
+from actors.state.digest import state_digest
+from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
+from runtime.config import DistributedConfig
+from runtime.coordinator.core import StartRun, model_signature
+from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.observe.trace import TraceRecorder
+from runtime.protocol.handshake import Identity, load_secret
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.link import Link, MemoryLink
+from runtime.transport.shm import attach_shared_memory
+from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial, dial_with_retry, form_mesh
+from runtime.transport.tls import TlsConfig
+
+__all__ = ["join_run", "train_in_process", "WorkerBody"]
+
+WorkerBody = Callable[[DistributedTrainer], Awaitable[Any]]
+"""What one in-process worker does with its trainer; its return value is collected."""
+
+
+@asynccontextmanager
+async def _trainer_session(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    config: DistributedConfig,
+    connect: Connect,
+    client: CoordinatorClient,
+    options: TrainerOptions | None,
+    trace: TraceRecorder | None,
+) -> AsyncIterator[DistributedTrainer]:
+    """Listen to the coordinator from the start, so an abort reaches this worker even while
+    it is still connecting an epoch's data plane (``connect``), then train; at the end say
+    finished (again after any membership change) until the run is over."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.serve)
+        async with DistributedTrainer.open(
+            model, optimizer, loss_fn, config, None, client, options, trace, connect=connect
+        ) as trainer:
+            yield trainer
+            await trainer.finish()
+        # client.serve returns when the coordinator says the run is over.
+
+
+@asynccontextmanager
+async def join_run(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    config: DistributedConfig,
+    *,
+    secret: bytes | str | None = None,
+    group: str = DEFAULT_GROUP,
+    options: TrainerOptions | None = None,
+    trace: TraceRecorder | None = None,
+    join_seconds: float = 120.0,
+    tls: TlsConfig | None = None,
+    resume_step: int = 0,
+    reconnect_seconds: float | None = 60.0,
+) -> AsyncIterator[DistributedTrainer]:
+    """Join the run whose coordinator listens at ``config.coordinator_addr``.
+
+    Authenticates, sends this model's signature (a mismatch is refused with the first
+    difference named), waits until every rank has joined, connects to every other worker, and
+    starts from rank 0's weights. ``resume_step``: this worker restored a checkpoint whose
+    next step is this; the run resumes there once every worker's state agrees.
+    ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
+    silent past the heartbeat deadline), keep the state and redial it with backoff for this
+    long, then rejoin where the workers stand (None: losing the coordinator ends the run).
+    """
+    key = load_secret(secret)
+    me = Identity(group, config.world_size, config.rank)
+    with trio.fail_after(join_seconds):
+        conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
+        local_host = conn.socket.getsockname()[0]
+        listeners = await trio.open_tcp_listeners(0, host=local_host)
+
+    async def redial() -> Link:
+        link, _ = await dial(config.address, key, me, tls=tls)
+        return link
+
+    client = CoordinatorClient(
+        conn,
+        config.rank,
+        redial=None if reconnect_seconds is None else redial,
+        reconnect_seconds=reconnect_seconds or 0.0,
+    )
+
+    async def connect(start: StartRun) -> Transport:
+        # Each epoch has its own mesh among its members, on the listener kept for the run;
+        # the epoch in the group name keeps a late dialer of an older epoch out.
+        position = start.position(config.rank)
+        ident = Identity(f"{group}#{start.epoch}", len(start.members), position)
+        with trio.fail_after(join_seconds):
+            mesh = await form_mesh(ident, listeners[0], list(start.addresses), key, tls=tls)
+        transport = TcpTransport(position, len(start.members), mesh)
+        # Members on one host all-reduce through shared memory (bitwise the ring's result);
+        # PARAMSYNC_SHM=0, or TLS, keeps them on TCP.
+        await attach_shared_memory(transport, seconds=join_seconds)
+        return transport
+
+    try:
+        port = listeners[0].socket.getsockname()[1]
+        with trio.fail_after(join_seconds):
+            digest = state_digest(model, optimizer).digest if resume_step else b""
+            await client.join(
+                model_signature(model.named_parameters()),
+                (local_host, port),
+                step=resume_step,
+                digest=digest,
+                fold=(options or TrainerOptions()).response_cache,
+            )
+        async with _trainer_session(
+            model, optimizer, loss_fn, config, connect, client, options, trace
+        ) as trainer:
+            yield trainer
+    finally:
+        with trio.CancelScope(shield=True):
+            for listener in listeners:
+                await listener.aclose()
+            await conn.aclose()
+            await client.link.aclose()
+
+
+async def train_in_process(
+    world_size: int,
+    make_replica: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    loss_fn: LossFn,
+    body: WorkerBody,
+    *,
+    options: TrainerOptions | None = None,
+    coordinator_options: CoordinatorOptions | None = None,
+    transports: list[Transport] | None = None,
+) -> list[Any]:
+    """Run a coordinator and ``world_size`` workers in this trio run; return each body's result.
+
+    ``make_replica(rank)`` builds that rank's model and optimizer; ``body(trainer)`` trains.
+    Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
+    data plane; the default is `InProcessTransport`.
+    """
+    fixed = transports
+    groups: dict[int, list[Transport]] = {}
+    coordinator = Coordinator(world_size, coordinator_options)
+    pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(world_size)]
+    results: list[Any] = [None] * world_size
+
+    async def worker(rank: int) -> None:
+        model, optimizer = make_replica(rank)
+        link = pairs[rank][1]
+        client = CoordinatorClient(link, rank)
+        try:
+            await client.join(
+                model_signature(model.named_parameters()),
+                ("in-process", rank + 1),
+                fold=(options or TrainerOptions()).response_cache,
+            )
+            config = DistributedConfig(world_size, rank)
+
+            async def connect(start: StartRun) -> Transport:
+                if fixed is not None:
+                    if start.epoch != 1 or len(start.members) != world_size:
+                        raise RuntimeError("the given transports cannot follow a membership change")
+                    return fixed[rank]
+                if start.epoch not in groups:
+                    groups[start.epoch] = list(InProcessTransport.create_group(len(start.members)))
+                return groups[start.epoch][start.position(rank)]
+
+            async with _trainer_session(
+                model, optimizer, loss_fn, config, connect, client, options, None
+            ) as trainer:
+                results[rank] = await body(trainer)
+        finally:
+            await link.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            coordinator.serve_links, {rank: pair[0] for rank, pair in enumerate(pairs)}
+        )
+        for rank in range(world_size):
+            nursery.start_soon(worker, rank)
+    return results

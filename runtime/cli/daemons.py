@@ -1,0 +1,124 @@
+"""The long-lived daemons behind ``paramsync coordinator`` and ``paramsync worker``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+import trio
+
+from runtime.cli.jobs import WorkerJob
+from runtime.config import parse_address
+from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
+from runtime.errors import ParamsyncError, pick_error
+from runtime.transport.admission import AdmissionLimits
+
+__all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+
+log = logging.getLogger("paramsync.daemon")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    """Serve one run until it finishes, aborts, or a signal stops it; returns the exit code."""
+    try:
+        host, port = parse_address(args.bind)
+        options = CoordinatorOptions(
+            digest_interval=args.digest_interval,
+            resync=args.resync,
+            heartbeat_deadline=args.heartbeat_deadline,
+            min_workers=args.min_workers,
+            rejoin_seconds=args.rejoin_seconds,
+            rendezvous_seconds=args.rendezvous_seconds,
+            stall_seconds=args.stall_seconds,
+            stall_deadline=args.stall_deadline,
+        )
+        coordinator = Coordinator(args.world_size, options)
+        coordinator.admission.limits = AdmissionLimits(
+            max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
+        )
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return EXIT_USAGE
+    stopped: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        stopped.append(signum)
+                        name = signal.Signals(signum).name
+                        log.warning("%s: stopping the run", name)
+                        coordinator.stop(f"the coordinator was stopped by {name}")
+
+            nursery.start_soon(watch)
+
+            async def serve(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+                tls = getattr(args, "tls", None)  # set by runtime.cli.main from --tls-*
+                await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
+                nursery.cancel_scope.cancel()  # served to the end: stop watching signals
+
+            bound = await nursery.start(serve)
+            log.info("coordinator for %d workers listening on %s:%d", args.world_size, *bound)
+            if args.port_file:
+                await trio.Path(args.port_file).write_text(f"{bound[1]}\n")
+
+    try:
+        trio.run(main)
+    except BaseException as exc:
+        cause = pick_error(exc)
+        if stopped:
+            return _SIGNAL_EXIT[signal.Signals(stopped[0])]
+        if isinstance(cause, RunFailed):
+            log.error("run aborted: %s", cause)
+            return EXIT_FAILED
+        if isinstance(cause, ValueError | OSError):  # no secret, port taken, ...
+            log.error("cannot serve: %s", cause)
+            return EXIT_USAGE
+        raise
+    if stopped:
+        return _SIGNAL_EXIT[signal.Signals(stopped[0])]
+    log.info("run finished")
+    return EXIT_OK
+
+
+def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
+    """Run ``job`` (by default the built-in LM demo) as one worker; returns the exit code."""
+    import os
+
+    for flag, variable in (
+        ("rank", "RANK"),
+        ("world_size", "WORLD_SIZE"),
+        ("local_rank", "LOCAL_RANK"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            os.environ[variable] = str(value)
+    if args.coordinator:
+        try:
+            host, port = parse_address(args.coordinator)
+        except ValueError as exc:
+            log.error("bad configuration: %s", exc)
+            return EXIT_USAGE
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    os.environ.setdefault("PARAMSYNC_ROLE", args.role)
+    try:
+        return trio.run(job.run, args)
+    except BaseException as exc:
+        cause = pick_error(exc)
+        if isinstance(cause, KeyboardInterrupt):
+            return _SIGNAL_EXIT[signal.SIGINT]
+        if isinstance(cause, ValueError):
+            log.error("bad configuration: %s", cause)
+            return EXIT_USAGE
+        if isinstance(cause, ParamsyncError):  # RunAborted included
+            log.error("rank %s stopped: %s", os.environ.get("RANK", "?"), cause)
+            return EXIT_FAILED
+        raise

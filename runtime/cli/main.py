@@ -1,0 +1,308 @@
+"""The ``paramsync`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
+
+if TYPE_CHECKING:
+    from runtime.transport.tls import TlsConfig
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("paramsync.cli")
+
+_UNITS = {
+    "": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count such as ``4096``, ``64KiB`` or ``16MiB``."""
+    raw = text.strip().lower().replace(" ", "")
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(digits) :]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4096, 64KiB or 16MiB")
+    return int(digits) * _UNITS[unit]
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "TLS",
+        "Encrypt every connection and authenticate it by certificate too (mutual TLS, under "
+        "the HMAC handshake). All three or none; each defaults to PARAMSYNC_TLS_CERT, "
+        "PARAMSYNC_TLS_KEY, PARAMSYNC_TLS_CA.",
+    )
+    group.add_argument("--tls-cert", metavar="PEM", help="this node's certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="its private key (unencrypted)")
+    group.add_argument(
+        "--tls-ca", metavar="PEM", help="the CA that signed every node's certificate"
+    )
+
+
+def _tls_flags(args: argparse.Namespace) -> dict[str, str | None]:
+    return {key: getattr(args, key) for key in ("tls_cert", "tls_key", "tls_ca")}
+
+
+def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every ``paramsync`` subcommand; ``worker`` takes ``job``'s flags
+    (default: the job $PARAMSYNC_JOB names, else the built-in demo)."""
+    job = job or load_job(job_name([]))
+    parser = argparse.ArgumentParser(
+        prog="paramsync",
+        description="Async actor-model parameter synchronization for data-parallel PyTorch.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    allreduce = sub.add_parser(
+        "allreduce",
+        help="run one rank of an all-reduce check over TCP",
+        description="Average a deterministic per-rank tensor over TCP, check the result "
+        "against a float64 reference and that every rank holds identical bytes, and report "
+        "the bandwidth. Needs PARAMSYNC_SECRET (or PARAMSYNC_SECRET_FILE) on every rank.",
+    )
+    allreduce.add_argument("--rank", type=int, required=True)
+    allreduce.add_argument("--world-size", type=int, required=True)
+    allreduce.add_argument(
+        "--coordinator", required=True, help="host:port where rank 0 listens for the rendezvous"
+    )
+    allreduce.add_argument("--size", type=parse_size, default=16 << 20, help="bytes (float32)")
+    allreduce.add_argument("--repeats", type=int, default=5)
+    allreduce.add_argument("--summary-json", help="write this rank's result here")
+    _add_tls_flags(allreduce)
+
+    coordinator = sub.add_parser(
+        "coordinator",
+        help="run the coordinator daemon of one training run",
+        description="Admit authenticated workers, sequence every all-reduce and check that all "
+        "workers hold identical weights after every step (C-DDP-001). Exit codes: 0 the run "
+        "finished, 1 the run was aborted (the log says why), 2 bad configuration, 130/143 "
+        "stopped by SIGINT/SIGTERM.",
+    )
+    coordinator.add_argument("--world-size", type=int, required=True)
+    _add_tls_flags(coordinator)
+    coordinator.add_argument(
+        "--bind", default="127.0.0.1:29500", help="host:port to listen on (default %(default)s)"
+    )
+    coordinator.add_argument("--digest-interval", type=int, default=1)
+    coordinator.add_argument("--heartbeat-deadline", type=float, default=10.0)
+    coordinator.add_argument(
+        "--resync", action="store_true", help="re-sync a diverged minority instead of aborting"
+    )
+    coordinator.add_argument(
+        "--port-file", help="write the bound port here once listening (for --bind host:0)"
+    )
+    elastic = coordinator.add_argument_group("fault tolerance")
+    elastic.add_argument(
+        "--min-workers",
+        type=int,
+        help="keep training while at least this many workers remain (default: all; fewer "
+        "makes the run elastic: a lost worker ends its epoch, not the run)",
+    )
+    elastic.add_argument(
+        "--rejoin-seconds",
+        type=float,
+        default=60.0,
+        help="below --min-workers, wait this long for joiners, then stop (default %(default)s)",
+    )
+    elastic.add_argument(
+        "--rendezvous-seconds",
+        type=float,
+        default=5.0,
+        help="elastic restart: start with --min-workers once nobody joined for this long",
+    )
+    elastic.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=60.0,
+        help="report the ranks and phase a step waits for after this long (default %(default)s)",
+    )
+    elastic.add_argument(
+        "--stall-deadline",
+        type=float,
+        help="then drop the stalled ranks (elastic) or stop the run (default: report only)",
+    )
+    coordinator.add_argument(
+        "--handshake-seconds",
+        type=float,
+        default=10.0,
+        help="deadline of one connection's handshake, from its accept (default %(default)s)",
+    )
+    coordinator.add_argument(
+        "--max-pending-handshakes",
+        type=int,
+        default=64,
+        help="handshakes in progress at once; more connections are refused at once "
+        "(default %(default)s)",
+    )
+
+    worker = sub.add_parser(
+        "worker",
+        help="run one worker of a training job (default: the built-in LM demo)",
+        description="Join a run (flags > torchrun variables RANK/WORLD_SIZE/LOCAL_RANK/"
+        "MASTER_ADDR/MASTER_PORT > --config TOML) and train the character-level transformer "
+        "on CPython's sources. Exit codes: 0 finished, 1 failed, 2 bad configuration, "
+        "130/143 stopped by SIGINT/SIGTERM after the step in flight.",
+    )
+    worker.add_argument("--rank", type=int)
+    worker.add_argument("--world-size", type=int)
+    worker.add_argument("--local-rank", type=int)
+    worker.add_argument("--coordinator", help="host:port of the coordinator")
+    worker.add_argument("--role", choices=["worker", "coordinator"], default="worker")
+    _add_tls_flags(worker)
+    worker.add_argument(
+        "--job",
+        default=job.name,
+        help="module of the job to run: build_parser(parser) and async run(args) "
+        f"(default: ${JOB_ENV} or the built-in demo, {DEMO_JOB})",
+    )
+    job.build_parser(worker)
+
+    launch = sub.add_parser(
+        "launch",
+        help="start a coordinator and N workers on this machine (like torchrun)",
+        description="Start a coordinator process and N worker processes running SCRIPT (or "
+        "-m MODULE) with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and a fresh "
+        "PARAMSYNC_SECRET set. Signals are forwarded; when a worker fails the whole run is "
+        "stopped and the failed rank named.",
+    )
+    launch.add_argument("--nproc", type=int, required=True, help="number of workers")
+    launch.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    launch.add_argument("--summary-json", help="write every rank's summary here")
+    launch.add_argument("--digest-interval", type=int, default=1)
+    launch.add_argument("--heartbeat-deadline", type=float, default=10.0)
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="[--] SCRIPT|-m MODULE [ARGS]")
+    return parser
+
+
+def _run_allreduce(args: argparse.Namespace, tls: TlsConfig | None) -> int:
+    import torch
+    import trio
+
+    from runtime.collectives.ring import all_gather, all_reduce, barrier
+    from runtime.config import DistributedConfig
+    from runtime.protocol.wire import tensor_buffer
+    from runtime.transport.tcp import TcpTransport
+
+    config = DistributedConfig(args.world_size, args.rank, args.coordinator)
+    numel = args.size // 4
+
+    def rank_tensor(rank: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(1000 + rank)
+        return torch.randn(numel, generator=gen, dtype=torch.float32)
+
+    async def main() -> dict:
+        async with TcpTransport.connect(config, tls=tls) as transport:
+            tensor = rank_tensor(config.rank)
+            await all_reduce(transport, tensor, "avg")
+            reference = sum(rank_tensor(r).double() for r in range(config.world_size))
+            reference = reference / config.world_size
+            max_error = float((tensor.double() - reference).abs().max()) if numel else 0.0
+            digest = hashlib.sha256(tensor_buffer(tensor)).digest()
+            token = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+            digests = await all_gather(transport, token)
+            identical = bool((digests == digests[0]).all())
+            times = []
+            for _ in range(args.repeats):
+                await barrier(transport)
+                start = time.perf_counter()
+                await all_reduce(transport, tensor, "avg")
+                times.append(time.perf_counter() - start)
+            await barrier(transport)
+        seconds = sorted(times)[len(times) // 2] if times else float("nan")
+        n = config.world_size
+        algbw = args.size / seconds / 1e9
+        return {
+            "rank": config.rank,
+            "world_size": n,
+            "bytes": args.size,
+            "max_abs_error": max_error,
+            "identical_on_all_ranks": identical,
+            "median_seconds": seconds,
+            "algbw_GBps": algbw,
+            "busbw_GBps": algbw * 2 * (n - 1) / n,
+            "digest": digest.hex(),
+        }
+
+    result = trio.run(main)
+    ok = result["identical_on_all_ranks"] and result["max_abs_error"] < 1e-5
+    if args.summary_json:
+        with open(args.summary_json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    if config.rank == 0 or not ok:
+        print(json.dumps(result), flush=True)
+    return 0 if ok else 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``paramsync`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        job = load_job(job_name(argv)) if "worker" in argv else None
+    except ValueError as exc:
+        print(f"paramsync: {exc}", file=sys.stderr)
+        return 2
+    parser = build_parser(job)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command in ("allreduce", "coordinator"):
+        from runtime.cli.train_config import resolve_tls
+
+        try:
+            args.tls = resolve_tls(_tls_flags(args))
+        except ValueError as exc:
+            log.error("bad configuration: %s", exc)
+            return 2
+    if args.command == "allreduce":
+        return _run_allreduce(args, args.tls)
+    if args.command == "coordinator":
+        from runtime.cli.daemons import run_coordinator
+
+        return run_coordinator(args)
+    if args.command == "worker":
+        from runtime.cli.daemons import run_worker
+        from runtime.cli.train_config import TLS_ENV_VARS
+
+        for key, value in _tls_flags(args).items():  # read back by DistributedTrainConfig
+            if value is not None:
+                os.environ[TLS_ENV_VARS[key]] = value
+
+        assert job is not None  # "worker" is in argv
+        return run_worker(args, job)
+    if args.command == "launch":
+        from runtime.cli.launch import run_launch
+
+        return run_launch(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

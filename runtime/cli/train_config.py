@@ -1,0 +1,387 @@
+"""Who this training process is: role, rank, device backend and where the coordinator listens.
+
+`DistributedTrainConfig` is what a training entry point builds first. It can come from torchrun's
+environment variables, from a ``[distributed]`` table in a TOML file, or from command-line flags;
+`DistributedTrainConfig.resolve` layers them (flags > environment > TOML > defaults) so a launch
+script can set what it knows and leave the rest. Every bad value is a ``ValueError`` that names
+the field, variable or key it came from.
+
+TLS (`runtime.transport.tls`) is on when ``tls_cert``, ``tls_key`` and ``tls_ca`` are all given
+(flags
+``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/KEY/CA`` or TOML keys; a
+relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
+checks the files and returns the `TlsConfig`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.config import DistributedConfig, parse_address
+from runtime.transport.tls import TlsConfig
+
+__all__ = [
+    "DEFAULT_COORDINATOR_HOST",
+    "DEFAULT_COORDINATOR_PORT",
+    "DistributedBackend",
+    "DistributedRole",
+    "DistributedTrainConfig",
+    "ENV_VARS",
+    "TLS_ENV_VARS",
+    "resolve_tls",
+]
+
+DEFAULT_COORDINATOR_HOST = "127.0.0.1"
+DEFAULT_COORDINATOR_PORT = 29500  # torchrun's default MASTER_PORT
+
+#: Environment variables `DistributedTrainConfig.from_env` reads. The first five are torchrun's.
+ENV_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PARAMSYNC_ROLE",
+    "PARAMSYNC_BACKEND",
+    "PARAMSYNC_TLS_CERT",
+    "PARAMSYNC_TLS_KEY",
+    "PARAMSYNC_TLS_CA",
+)
+
+#: The TLS fields, each with its environment variable and command-line flag.
+TLS_ENV_VARS = {
+    "tls_cert": "PARAMSYNC_TLS_CERT",
+    "tls_key": "PARAMSYNC_TLS_KEY",
+    "tls_ca": "PARAMSYNC_TLS_CA",
+}
+
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+
+
+class DistributedRole(enum.Enum):
+    """What a process does in the group: the coordinator (rank 0 by default) or a worker."""
+
+    COORDINATOR = "coordinator"
+    WORKER = "worker"
+
+    @classmethod
+    def parse(cls, value: object) -> DistributedRole:
+        """Return the role named by ``value`` (a role or its name, any case)."""
+        return _parse_enum(cls, value, "role")
+
+
+class DistributedBackend(enum.Enum):
+    """Which torch device a process computes on; ``AUTO`` takes CUDA when there is one."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    AUTO = "auto"
+
+    @classmethod
+    def parse(cls, value: object) -> DistributedBackend:
+        """Return the backend named by ``value`` (a backend or its name, any case)."""
+        return _parse_enum(cls, value, "backend")
+
+    def resolve(self, local_rank: int = 0) -> torch.device:
+        """The device to use: ``cpu``, or ``cuda:<local_rank>`` (one GPU per local process).
+
+        Raises ``RuntimeError`` when CUDA is asked for but this torch cannot see a GPU, or
+        when there are fewer GPUs than local ranks.
+        """
+        if self is DistributedBackend.CPU:
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            if self is DistributedBackend.AUTO:
+                return torch.device("cpu")
+            raise RuntimeError(
+                f"backend 'cuda' was requested but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use backend 'cpu' "
+                f"or 'auto'"
+            )
+        count = torch.cuda.device_count()
+        if not 0 <= local_rank < count:
+            raise RuntimeError(
+                f"local_rank {local_rank} needs GPU cuda:{local_rank} but only {count} "
+                f"GPU(s) are visible"
+            )
+        return torch.device("cuda", local_rank)
+
+
+def _parse_enum(cls: Any, value: object, field: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            pass
+    choices = ", ".join(repr(m.value) for m in cls)
+    raise ValueError(f"{field} must be one of {choices}, got {value!r}")
+
+
+def _check_path(name: str, value: object) -> Path:
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if isinstance(text, str) and text.strip():
+        return Path(text)
+    raise ValueError(f"{name} must be a file path, got {value!r}")
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DistributedTrainConfig:
+    """This process's place in a data-parallel training group; validated on construction.
+
+    ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``backend``
+    also accept their names as strings. ``coordinator_addr`` is ``host:port``. ``tls_cert``,
+    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    role: DistributedRole | None = None
+    coordinator_addr: str = f"{DEFAULT_COORDINATOR_HOST}:{DEFAULT_COORDINATOR_PORT}"
+    backend: DistributedBackend = DistributedBackend.AUTO
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        world_size = _check_int("world_size", self.world_size)
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        rank = _check_int("rank", self.rank)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+        local_rank = _check_int("local_rank", self.local_rank)
+        if local_rank < 0:
+            raise ValueError(f"local_rank must be non-negative, got {local_rank}")
+        if local_rank >= world_size:
+            raise ValueError(f"local_rank {local_rank} is out of range for world_size {world_size}")
+        if self.role is None:
+            role = DistributedRole.COORDINATOR if rank == 0 else DistributedRole.WORKER
+        else:
+            role = DistributedRole.parse(self.role)
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "backend", DistributedBackend.parse(self.backend))
+        if not isinstance(self.coordinator_addr, str):
+            raise ValueError(f"coordinator_addr must be a str, got {self.coordinator_addr!r}")
+        try:
+            parse_address(self.coordinator_addr)
+        except ValueError as exc:
+            raise ValueError(f"coordinator_addr: {exc}") from None
+        for name in TLS_ENV_VARS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _check_path(name, value))
+        given = [name for name in TLS_ENV_VARS if getattr(self, name) is not None]
+        if given and len(given) < len(TLS_ENV_VARS):
+            missing = [name for name in TLS_ENV_VARS if name not in given]
+            raise ValueError(
+                f"TLS needs tls_cert, tls_key and tls_ca together: {', '.join(given)} given, "
+                f"{' and '.join(missing)} missing (flags "
+                f"{', '.join('--' + name.replace('_', '-') for name in missing)}; environment "
+                f"{', '.join(TLS_ENV_VARS[name] for name in missing)})"
+            )
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True for the coordinator process."""
+        return self.role is DistributedRole.COORDINATOR
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The coordinator address as a (host, port) pair."""
+        return parse_address(self.coordinator_addr)
+
+    def device(self) -> torch.device:
+        """The torch device this process computes on (see `DistributedBackend.resolve`)."""
+        return self.backend.resolve(self.local_rank)
+
+    def tls_config(self) -> TlsConfig | None:
+        """The TLS of every connection (`runtime.transport.tls`), or None for plaintext TCP.
+
+        Reads the three files: a missing, unreadable or malformed one is a ``ValueError``
+        naming it."""
+        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
+            return None
+        return TlsConfig.from_paths(self.tls_cert, self.tls_key, self.tls_ca)
+
+    def to_distributed_config(self) -> DistributedConfig:
+        """The transport-level group description (world size, rank, rendezvous address)."""
+        return DistributedConfig(
+            world_size=self.world_size, rank=self.rank, coordinator_addr=self.coordinator_addr
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedTrainConfig:
+        """Build from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_BACKEND); unset ones take defaults."""
+        return cls(**_env_layer(os.environ if environ is None else environ))
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> DistributedTrainConfig:
+        """Build from the ``[distributed]`` table of a TOML file; missing keys take defaults.
+
+        Other tables are left for other readers; unknown keys in ``[distributed]`` are errors.
+        """
+        return cls(**_toml_layer(path))
+
+    @classmethod
+    def resolve(
+        cls,
+        toml_path: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, object] | None = None,
+    ) -> DistributedTrainConfig:
+        """Layer the sources: ``overrides`` (flags) > environment > TOML file > defaults.
+
+        ``environ`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+        ``None`` values in ``overrides`` mean "not given" (argparse's default), so they do not
+        mask lower layers; unknown override keys are errors.
+        """
+        merged: dict[str, Any] = {}
+        if toml_path is not None:
+            merged.update(_toml_layer(toml_path))
+        merged.update(_env_layer(os.environ if environ is None else environ))
+        if overrides is not None:
+            merged.update(_overrides_layer(overrides))
+        return cls(**merged)
+
+
+_FIELDS = tuple(f.name for f in fields(DistributedTrainConfig))
+_INT_FIELDS = ("world_size", "rank", "local_rank")
+
+
+def _coerce_int(value: object, where: str) -> int:
+    """An int, or a decimal string of one; ``where`` names the source in the error."""
+    if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
+        return int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{where} must be an integer, got {value!r}")
+
+
+def _coerce_fields(values: Mapping[object, object], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in _FIELDS:
+            known = ", ".join(_FIELDS)
+            raise ValueError(f"{where}: unknown key {key!r} (known keys: {known})")
+        assert isinstance(key, str)
+        label = f"{where} {key}"
+        if key in _INT_FIELDS:
+            out[key] = _coerce_int(value, label)
+        elif key == "role":
+            try:
+                out[key] = DistributedRole.parse(value)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+        elif key == "backend":
+            try:
+                out[key] = DistributedBackend.parse(value)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+        elif key in TLS_ENV_VARS:
+            out[key] = _check_path(label, value)
+        else:
+            if not isinstance(value, str):
+                raise ValueError(f"{label} must be a host:port string, got {value!r}")
+            try:
+                parse_address(value)
+            except ValueError as exc:
+                raise ValueError(f"{label}: {exc}") from None
+            out[key] = value
+    return out
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for var, key in (("RANK", "rank"), ("WORLD_SIZE", "world_size"), ("LOCAL_RANK", "local_rank")):
+        if var in environ:
+            out[key] = _coerce_int(environ[var], f"environment variable {var}")
+    host = environ.get("MASTER_ADDR")
+    port_text = environ.get("MASTER_PORT")
+    if host is not None or port_text is not None:
+        if host is not None:
+            if not isinstance(host, str):
+                raise ValueError(f"environment variable MASTER_ADDR={host!r} is not a string")
+            host = host.strip()
+            if not host or any(c.isspace() or c in "[]/" for c in host):
+                raise ValueError(f"environment variable MASTER_ADDR={host!r} is not a host name")
+        else:
+            host = DEFAULT_COORDINATOR_HOST
+        if port_text is not None:
+            port = _coerce_int(port_text, "environment variable MASTER_PORT")
+            if not 0 <= port <= 65535:
+                raise ValueError(
+                    f"environment variable MASTER_PORT={port_text!r} is not in 0-65535"
+                )
+        else:
+            port = DEFAULT_COORDINATOR_PORT
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            parse_address(addr)
+        except ValueError as exc:
+            raise ValueError(f"environment variable MASTER_ADDR={host!r}: {exc}") from None
+        out["coordinator_addr"] = addr
+    for var, key in (("PARAMSYNC_ROLE", "role"), ("PARAMSYNC_BACKEND", "backend")):
+        if var in environ:
+            out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
+    for key, var in TLS_ENV_VARS.items():
+        if var in environ:
+            out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
+    return out
+
+
+def resolve_tls(
+    flags: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> TlsConfig | None:
+    """The TLS config of a process that needs nothing else of `DistributedTrainConfig` (the
+    coordinator daemon): ``flags`` (``tls_cert``, ``tls_key``, ``tls_ca``; None: not given)
+    over ``PARAMSYNC_TLS_*`` in ``environ`` (default ``os.environ``). All three or none; the
+    files are read and checked. Every problem is a ``ValueError`` naming the flag or file."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    for key, var in TLS_ENV_VARS.items():
+        if var in env:
+            merged.update(_coerce_fields({key: env[var]}, f"environment variable {var}"))
+    if flags is not None:
+        merged.update(_overrides_layer(flags))
+    return DistributedTrainConfig(**merged).tls_config()
+
+
+def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    table = data.get("distributed", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: 'distributed' must be a table, got {table!r}")
+    out = _coerce_fields(table, f"{path} [distributed]")
+    for key in TLS_ENV_VARS:
+        if key in out:  # relative to the TOML file, not to the working directory
+            out[key] = path.parent / out[key]
+    return out
+
+
+def _overrides_layer(overrides: Mapping[str, object]) -> dict[str, Any]:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return _coerce_fields(given, "override")

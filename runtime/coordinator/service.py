@@ -1,0 +1,396 @@
+"""The coordinator actor: a thin shell that moves messages for `CoordinatorCore`.
+
+It accepts authenticated worker connections (or is handed in-process links), decodes each
+message into a core event, feeds the core, and executes the actions it returns. Every member has
+an outbound queue filled synchronously when the core speaks, so all members see the core's
+messages in the core's order; a writer task per member drains it. A member that stops reading
+until its queue is full is a stalled member, and the run stops naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from runtime.coordinator.core import (
+    Abort,
+    Action,
+    Broadcast,
+    Commit,
+    CoordinatorCore,
+    Disconnected,
+    Evict,
+    Malformed,
+    Message,
+    Refuse,
+    Report,
+    Resync,
+    RunState,
+    Send,
+    Shutdown,
+    Tick,
+    event_from_wire,
+)
+from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
+from runtime.protocol.handshake import Identity, load_secret
+from runtime.testing.faults import fault_point
+from runtime.transport.admission import AdmissionGate, HandshakeTicket
+from runtime.transport.link import Link
+from runtime.transport.tcp import DEFAULT_GROUP, accept
+from runtime.transport.tls import TlsConfig
+
+__all__ = ["Coordinator", "CoordinatorOptions", "RunFailed"]
+
+log = logging.getLogger("paramsync.coordinator")
+
+_QUEUE = 1024
+_FLUSH_SECONDS = 5.0
+_HEARTBEAT: tuple[str, dict[str, Any]] = ("heartbeat", {})
+
+
+class RunFailed(ParamsyncError):
+    """The coordinator aborted the run; the message is the core's reason."""
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """How the coordinator checks the run."""
+
+    digest_interval: int = 1
+    resync: bool = False
+    heartbeat_deadline: float = 10.0
+    start_step: int = 0
+    min_workers: int | None = None
+    """Elastic runs: keep training while at least this many workers remain (None: all)."""
+    rejoin_seconds: float = 60.0
+    """Below min_workers, wait this long for joiners before stopping the run."""
+    rendezvous_seconds: float = 5.0
+    """Elastic runs: start with min_workers or more once nobody joined for this long."""
+    stall_seconds: float = 60.0
+    """Report what a step waits for (ranks and phase) after this long without progress."""
+    stall_deadline: float | None = None
+    """Then drop the stalled ranks (elastic) or stop the run (None: report only)."""
+
+
+class _Member:
+    def __init__(self, rank: int, link: Link) -> None:
+        self.rank = rank
+        self.link = link
+        self.outbox_send, self.outbox = trio.open_memory_channel[Message | None](_QUEUE)
+        self.flushed = trio.Event()
+        self.evicted = False
+
+
+class Coordinator:
+    """Sequences one run of ``world_size`` workers around a `CoordinatorCore`."""
+
+    def __init__(
+        self,
+        world_size: int,
+        options: CoordinatorOptions | None = None,
+        *,
+        secret: bytes | str | None = None,
+        group: str = DEFAULT_GROUP,
+    ) -> None:
+        self.options = options or CoordinatorOptions()
+        self.core = CoordinatorCore(
+            world_size,
+            digest_interval=self.options.digest_interval,
+            resync=self.options.resync,
+            heartbeat_deadline=self.options.heartbeat_deadline,
+            start_step=self.options.start_step,
+            min_workers=self.options.min_workers,
+            rejoin_seconds=self.options.rejoin_seconds,
+            rendezvous_seconds=self.options.rendezvous_seconds,
+            stall_seconds=self.options.stall_seconds,
+            stall_deadline=self.options.stall_deadline,
+        )
+        self.world_size = world_size
+        self.group = group
+        self._secret = secret
+        self._members: dict[int, _Member] = {}
+        self._active = 0
+        self._all_ended = trio.Event()
+        self.finished = trio.Event()
+        self._stop_reason: str | None = None
+        self._stop_deadline: float | None = None
+        self.bound_address: tuple[str, int] | None = None
+        self.hostile_refused = 0
+        self.admission = AdmissionGate("coordinator")
+        """Caps pending handshakes and sets their deadline (replace its ``limits`` to tune)."""
+
+    finished: trio.Event
+    """Set when the run is over, whichever way."""
+
+    @property
+    def state(self) -> RunState:
+        """The run's state, as the core sees it."""
+        return self.core.state
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve_links(self, links: Mapping[int, Link]) -> None:
+        """Run with already-connected in-process links, one per rank; returns when the run ends.
+
+        Raises RunFailed with the core's reason if the run was aborted.
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._ticker)
+            for rank, link in links.items():
+                nursery.start_soon(self._serve_member, rank, link)
+            await self._wind_down()
+            nursery.cancel_scope.cancel()
+        self._raise_if_aborted()
+
+    async def _wind_down(self) -> None:
+        """Wait for the run's end, then briefly for members to read their last message."""
+        await self.finished.wait()
+        with trio.move_on_after(_FLUSH_SECONDS):
+            while self._active:
+                await self._all_ended.wait()
+
+    async def serve_tcp(
+        self,
+        host: str,
+        port: int,
+        *,
+        tls: TlsConfig | None = None,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen at host:port, admit authenticated workers and run until the run ends.
+
+        ``task_status.started`` receives the bound address (port 0 picks a free port). A
+        connection that fails its handshake is logged and dropped; serving goes on. With
+        ``tls``, every worker connection is TLS (`runtime.transport.tls`) under the handshake.
+        """
+        key = load_secret(self._secret)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.bound_address = tuple(listeners[0].socket.getsockname()[:2])  # type: ignore[assignment]
+        me = Identity(self.group, self.world_size, -1)
+
+        def admit(peer: Identity) -> str | None:
+            if not 0 <= peer.rank < self.world_size:
+                return f"rank {peer.rank} is outside 0..{self.world_size - 1}"
+            if peer.rank in self._members:
+                return f"rank {peer.rank} is already taken"
+            return None
+
+        async def handle(stream: trio.SocketStream, ticket: HandshakeTicket) -> None:
+            try:
+                with ticket:  # deadline, pending slot; logs and counts a failure
+                    conn, peer = await accept(
+                        stream, key, me, admit, handshake_seconds=ticket.seconds, tls=tls
+                    )
+            except (ProtocolError, OSError, trio.BrokenResourceError):
+                self.hostile_refused += 1
+                return
+            await self._serve_member(peer.rank, conn, self.options.heartbeat_deadline)
+
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery, handle)
+            nursery.start_soon(self._ticker)
+            task_status.started(self.bound_address)
+            try:
+                await self._wind_down()
+            finally:
+                nursery.cancel_scope.cancel()
+                for listener in listeners:
+                    await listener.aclose()
+        self._raise_if_aborted()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: Any, handle: Any) -> None:
+        await self.admission.serve(listener, nursery, handle)
+
+    def _raise_if_aborted(self) -> None:
+        if self._stop_reason is not None:
+            raise RunFailed(self._stop_reason)
+        if self.core.state is RunState.ABORTED:
+            raise RunFailed(self.core.abort_reason or "aborted")
+
+    def stop(self, reason: str, grace_seconds: float | None = None) -> None:
+        """End the run from outside (a signal) after the step in flight is committed.
+
+        Every member is then told ``reason`` (a shutdown); if no commit comes within
+        ``grace_seconds`` (default: the heartbeat deadline) the run is aborted instead.
+        """
+        if self.finished.is_set() or self._stop_reason is not None:
+            return
+        self._stop_reason = reason
+        if self.core.state is not RunState.RUNNING:
+            self._apply([Abort(reason)])
+            return
+        grace = self.options.heartbeat_deadline if grace_seconds is None else grace_seconds
+        self._stop_deadline = trio.current_time() + grace
+        log.warning("stopping after the step in flight (step %d): %s", self.core.step, reason)
+
+    async def _ticker(self) -> None:
+        period = max(0.05, min(1.0, self.options.heartbeat_deadline / 4))
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            if self._stop_deadline is not None and now > self._stop_deadline:
+                self._stop_deadline = None
+                self._apply([Abort(f"{self._stop_reason} (the step in flight did not finish)")])
+            self._apply(self.core.handle(Tick(now)))
+
+    # ------------------------------------------------------------------ one member
+
+    async def _serve_member(self, rank: int, link: Link, join_seconds: float = math.inf) -> None:
+        """Serve one member's link; a peer that authenticated over the network must send its
+        join within ``join_seconds``, or its slot is freed."""
+        member = _Member(rank, link)
+        self._members[rank] = member
+        self._active += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer, member)
+                await self._reader(member, join_seconds)
+                # Let the writer deliver what is queued (a refusal, the abort), then stop.
+                with trio.move_on_after(_FLUSH_SECONDS):
+                    try:
+                        member.outbox_send.send_nowait(None)
+                    except (trio.WouldBlock, trio.ClosedResourceError):
+                        pass
+                    await member.flushed.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            if self._members.get(rank) is member:
+                del self._members[rank]
+            self._active -= 1
+            if not self._active:
+                self._all_ended.set()
+                self._all_ended = trio.Event()
+            with trio.CancelScope(shield=True):
+                await link.aclose()
+
+    async def _reader(self, member: _Member, join_seconds: float) -> None:
+        rank = member.rank
+        join_by = trio.current_time() + join_seconds
+        joined = False
+        while True:
+            try:
+                if joined:  # no deadline scope per message once the member is in
+                    message = await member.link.recv()
+                else:
+                    with trio.CancelScope(deadline=join_by) as waiting:
+                        message = await member.link.recv()
+                    if waiting.cancelled_caught:
+                        log.warning(
+                            "rank %d authenticated but sent no join within %g s; dropped",
+                            rank,
+                            join_seconds,
+                        )
+                        return
+                    joined = True
+                event = event_from_wire(message, rank=rank, now=trio.current_time())
+            except PeerClosed as exc:
+                if not self.finished.is_set():
+                    self._apply(self.core.handle(Disconnected(rank, exc.reason)))
+                return
+            except ProtocolError as exc:
+                log.warning("rank %d sent a bad message: %s", rank, exc)
+                self._apply(self.core.handle(Malformed(rank, exc.reason)), source=rank)
+                return
+            log.debug("event %r", event)
+            refused = self._apply(self.core.handle(event), source=rank)
+            if refused or member.evicted:
+                return
+
+    async def _writer(self, member: _Member) -> None:
+        """Drain the member's queue; once the member has heard its first answer (the start),
+        whenever the queue stays empty for a heartbeat period, send a heartbeat, so the worker
+        can tell a hung or cut-off coordinator from a quiet one."""
+        period = math.inf
+        try:
+            while True:
+                kind, fields = _HEARTBEAT
+                with trio.move_on_after(period):
+                    message = await member.outbox.receive()
+                    if message is None:
+                        return
+                    kind, fields = message.to_wire()
+                try:
+                    await member.link.send(kind, fields)
+                except PeerClosed:
+                    return
+                period = max(0.05, self.options.heartbeat_deadline / 4)
+        except trio.EndOfChannel:
+            return
+        finally:
+            member.flushed.set()
+
+    # ------------------------------------------------------------------ actions
+
+    def _enqueue(self, rank: int, message: Message | None) -> None:
+        member = self._members.get(rank)
+        if member is None:
+            return
+        try:
+            member.outbox_send.send_nowait(message)
+        except trio.WouldBlock:
+            self._apply(self.core.handle(Disconnected(rank, "stopped reading (outbox full)")))
+        except trio.ClosedResourceError:
+            pass
+
+    def _apply(self, actions: list[Action], source: int | None = None) -> bool:
+        """Execute the core's actions; True when the source connection was refused."""
+        refused = False
+        for action in actions:
+            if isinstance(action, Send):
+                self._enqueue(action.rank, action.message)
+            elif isinstance(action, Broadcast):
+                if isinstance(action.message, Commit):
+                    fault_point("commit", action.message.step)
+                for rank in self.core.members:
+                    self._enqueue(rank, action.message)
+                if self.core.state is RunState.FINISHED:
+                    self._finish()
+                elif self._stop_deadline is not None and isinstance(action.message, Commit):
+                    self._stop_deadline = None
+                    for rank in self.core.members:
+                        self._enqueue(rank, Shutdown(self._stop_reason or "stopped"))
+                    self._finish()
+            elif isinstance(action, Resync):
+                for rank in action.recipients:
+                    self._enqueue(rank, action.message)
+            elif isinstance(action, Refuse):
+                log.warning("refused rank %d: %s", action.rank, action.reason)
+                if source == action.rank:
+                    member = self._members.pop(action.rank, None)
+                    if member is not None:
+                        member.outbox_send.send_nowait(action.message)
+                        member.outbox_send.send_nowait(None)
+                        refused = True
+            elif isinstance(action, Evict):
+                log.error("removed rank %d from the run: %s", action.rank, action.reason)
+                member = self._members.pop(action.rank, None)
+                if member is not None:
+                    member.evicted = True
+                    try:
+                        member.outbox_send.send_nowait(action.message)
+                        member.outbox_send.send_nowait(None)
+                    except (trio.WouldBlock, trio.ClosedResourceError):
+                        pass
+            elif isinstance(action, Report):
+                level = getattr(logging, action.level.upper(), logging.WARNING)
+                log.log(level, "%s", action.text)
+            elif isinstance(action, Abort):
+                log.error("run aborted: %s", action.reason)
+                for rank in list(self._members):
+                    self._enqueue(rank, action.message)
+                self._finish()
+        return refused
+
+    def _finish(self) -> None:
+        for member in list(self._members.values()):
+            try:
+                member.outbox_send.send_nowait(None)
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                pass
+        self.finished.set()

@@ -1,0 +1,526 @@
+"""The CBOR wire protocol: frames, message schemas and RFC 8746 tensors (sans-I/O).
+
+A frame is an 8-byte prefix followed by exactly one CBOR data item (RFC 8949)::
+
+    +----------------+----------------+---------------------------------+
+    | item length    | bulk length    | CBOR item (a map)               |
+    | u32 big-endian | u32 big-endian | {"v": 1, "kind": ..., fields}   |
+    +----------------+----------------+---------------------------------+
+
+The item is a map holding the protocol version ``v``, the message ``kind`` and that kind's
+fields. Tensors are RFC 8746 arrays: tag 40 ``[shape, typed-array]`` where the typed array is
+the little-endian tag of the element type around a byte string. When a frame carries one large
+tensor (the "bulk"), it is the map's last value, under the key ``data``, and its raw bytes are the
+last ``bulk length`` bytes of the item: the sender writes them straight from tensor memory and the
+receiver reads them straight into the destination tensor, never through the CBOR codec.
+
+Everything here is pure: functions take bytes and return messages or buffers, so hypothesis can
+throw any bytes at them, and transports stay thin shells around them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import math
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import torch
+
+from runtime.errors import FrameTooLarge, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "PREFIX_SIZE",
+    "DEFAULT_MAX_FRAME",
+    "HANDSHAKE_MAX_FRAME",
+    "BFLOAT16_TAG",
+    "DTYPE_TAGS",
+    "Field",
+    "BulkSpec",
+    "register_message",
+    "message_kinds",
+    "encode_frame",
+    "encode_frame_bytes",
+    "parse_prefix",
+    "decode_head",
+    "decode_item",
+    "decode_frame",
+    "tensor_buffer",
+    "validate_message",
+    "check_bulk_destination",
+]
+
+PROTOCOL_VERSION = 1
+"""The version every frame carries in ``v``; a peer speaking another is refused."""
+
+_PREFIX = struct.Struct(">II")
+PREFIX_SIZE = _PREFIX.size
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+"""Largest CBOR item, bulk excluded, that a receiver allocates for (control messages)."""
+HANDSHAKE_MAX_FRAME = 4096
+"""Frame cap before a peer has authenticated: garbage cannot make us allocate more."""
+MAX_DEPTH = 16
+"""Deepest nesting any message kind needs; deeper input is refused as a nesting bomb."""
+
+BFLOAT16_TAG = 0xBF16
+"""paramsync's extension tag (48918) for little-endian bfloat16 typed arrays: RFC 8746 has none."""
+
+DTYPE_TAGS: dict[torch.dtype, int] = {
+    torch.uint8: 64,
+    torch.int8: 72,
+    torch.int16: 77,
+    torch.int32: 78,
+    torch.int64: 79,
+    torch.float16: 84,
+    torch.float32: 85,
+    torch.float64: 86,
+    torch.bfloat16: BFLOAT16_TAG,
+}
+"""Element type -> RFC 8746 little-endian typed-array tag (bfloat16: the extension tag)."""
+_TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
+_MULTI_DIM_TAG = 40
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, without copying it.
+
+    Works for every dtype, bfloat16 included (numpy has no bfloat16). The caller keeps the
+    tensor alive while the view is in use.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor_buffer needs a CPU tensor, got one on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor_buffer needs a contiguous tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._owner = tensor  # the view keeps the array alive, the array keeps the memory alive
+    return memoryview(array).cast("B")
+
+
+def _tensor_tag(tensor: torch.Tensor) -> int:
+    try:
+        return DTYPE_TAGS[tensor.dtype]
+    except KeyError:
+        raise ProtocolError(f"tensors of dtype {tensor.dtype} cannot travel") from None
+
+
+def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The contiguous little-endian CPU tensor whose bytes go on the wire."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"move tensors to the CPU before sending (got {tensor.device})")
+    tensor = tensor.contiguous()
+    if not _LITTLE_ENDIAN and tensor.element_size() > 1:  # pragma: no cover - x86/arm are LE
+        tensor = tensor.view(torch.uint8).view(-1, tensor.element_size()).flip(1).contiguous()
+    return tensor
+
+
+def _encode_tensor_inline(encoder: Any, tensor: torch.Tensor) -> None:
+    tensor = _wire_tensor(tensor.detach())
+    tag = _tensor_tag(tensor)
+    data = bytes(tensor_buffer(tensor))
+    encoder.encode(cbor2.CBORTag(_MULTI_DIM_TAG, [list(tensor.shape), cbor2.CBORTag(tag, data)]))
+
+
+def _default(encoder: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        _encode_tensor_inline(encoder, value)
+        return
+    if isinstance(value, tuple):
+        encoder.encode(list(value))
+        return
+    raise ProtocolError(f"cannot encode a value of type {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class BulkSpec:
+    """What a frame's bulk tensor is: element type, shape and byte count, not yet read."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class _Deferred:
+    """Placeholder the head decoder leaves where the bulk bytes will go."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: BulkSpec) -> None:
+        self.spec = spec
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list | tuple) or len(shape) > 32:
+        raise ProtocolError("tensor shape must be an array of at most 32 dimensions")
+    dims = []
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < 2**40:
+            raise ProtocolError(f"tensor dimension {dim!r} is not a non-negative int")
+        dims.append(dim)
+    return tuple(dims)
+
+
+def _tensor_from_bytes(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if numel * itemsize != len(data):
+        raise ProtocolError(
+            f"tensor of shape {list(shape)} and dtype {dtype} needs {numel * itemsize} bytes, "
+            f"the typed array has {len(data)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    if not _LITTLE_ENDIAN and itemsize > 1:  # pragma: no cover
+        flat = flat.view(torch.uint8).view(-1, itemsize).flip(1).contiguous().view(dtype)
+    return flat.view(shape)
+
+
+class _TagDecoder:
+    """cbor2 tag hook: typed arrays and tag 40 become tensors; every other tag is refused."""
+
+    def __init__(self, bulk_len: int = 0) -> None:
+        self.bulk_len = bulk_len
+        self.deferred = 0
+
+    def __call__(self, tag: cbor2.CBORTag, _immutable: bool = False) -> Any:
+        if tag.tag in _TAG_DTYPES:
+            if not isinstance(tag.value, bytes):
+                raise ProtocolError(f"typed array tag {tag.tag} must wrap a byte string")
+            return _TypedArray(_TAG_DTYPES[tag.tag], tag.value)
+        if tag.tag == _MULTI_DIM_TAG:
+            value = tag.value
+            if not isinstance(value, list | tuple) or len(value) != 2:
+                raise ProtocolError("tag 40 must wrap [shape, typed array]")
+            shape = _check_shape(value[0])
+            if not isinstance(value[1], _TypedArray):
+                raise ProtocolError("tag 40 must wrap a typed array of a supported element type")
+            array = value[1]
+            if self.bulk_len and not array.data and math.prod(shape) > 0:
+                self.deferred += 1
+                return _Deferred(BulkSpec(array.dtype, shape, self.bulk_len))
+            return _tensor_from_bytes(array.dtype, shape, array.data)
+        raise ProtocolError(f"CBOR tag {tag.tag} is not part of the paramsync protocol")
+
+
+class _TypedArray:
+    __slots__ = ("data", "dtype")
+
+    def __init__(self, dtype: torch.dtype, data: bytes) -> None:
+        self.dtype = dtype
+        self.data = data
+
+
+def _reject_semantic(_value: Any, _immutable: bool = False) -> Any:
+    raise ProtocolError("CBOR semantic tags (dates, bignums, sets, references, ...) are refused")
+
+
+# Tags cbor2 decodes itself; paramsync messages use none of them.
+_SEMANTIC_TAGS = (0, 1, 2, 3, 4, 5, 25, 28, 29, 30, 35, 36, 37, 100, 256, 258, 260, 261, 1004)
+_SEMANTIC_REFUSED = dict.fromkeys(_SEMANTIC_TAGS, _reject_semantic)
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a message kind: its Python type and the values it may take."""
+
+    type: type | tuple[type, ...]
+    required: bool = True
+    min: int | float | None = None
+    max: int | float | None = None
+    max_len: int | None = None
+    items: type | tuple[type, ...] | None = None
+
+    def check(self, kind: str, name: str, value: Any) -> None:
+        """Raise ProtocolError naming the kind and field when ``value`` does not fit."""
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        if isinstance(value, bool) and bool not in types:
+            ok = False
+        elif isinstance(value, int) and not isinstance(value, bool) and float in types:
+            ok = True
+        else:
+            ok = isinstance(value, types)
+        if not ok:
+            expected = " or ".join(t.__name__ for t in types)
+            raise ProtocolError(
+                f"{kind} message: field {name!r} must be {expected}, got {type(value).__name__}"
+            )
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if self.min is not None and value < self.min:
+                raise ProtocolError(f"{kind} message: field {name!r}={value} is below {self.min}")
+            if self.max is not None and value > self.max:
+                raise ProtocolError(f"{kind} message: field {name!r}={value} is above {self.max}")
+        if self.max_len is not None and isinstance(value, str | bytes | list | dict):
+            if len(value) > self.max_len:
+                raise ProtocolError(
+                    f"{kind} message: field {name!r} is longer than {self.max_len} items"
+                )
+        if self.items is not None and isinstance(value, list):
+            item_types = self.items if isinstance(self.items, tuple) else (self.items,)
+            for index, item in enumerate(value):
+                if isinstance(item, bool) and bool not in item_types:
+                    bad = True
+                else:
+                    bad = not isinstance(item, item_types)
+                if bad:
+                    raise ProtocolError(
+                        f"{kind} message: field {name!r}[{index}] has type {type(item).__name__}"
+                    )
+
+
+_SCHEMAS: dict[str, dict[str, Field]] = {}
+
+
+def register_message(kind: str, **fields: Field) -> None:
+    """Declare a message kind and its fields; decoding refuses kinds never registered.
+
+    Registering the same kind twice with different fields is a programming error.
+    """
+    if kind in _SCHEMAS and _SCHEMAS[kind] != fields:
+        raise ValueError(f"message kind {kind!r} is already registered with other fields")
+    for reserved in ("v", "kind"):
+        if reserved in fields:
+            raise ValueError(f"field name {reserved!r} is reserved")
+    _SCHEMAS[kind] = dict(fields)
+
+
+def message_kinds() -> dict[str, dict[str, Field]]:
+    """All registered kinds and their fields (a copy), for documentation and fuzzing."""
+    return {kind: dict(fields) for kind, fields in _SCHEMAS.items()}
+
+
+def validate_message(message: Any) -> dict[str, Any]:
+    """Check a decoded item against the protocol: version, kind, field names and types."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a frame must hold a CBOR map, got {type(message).__name__}")
+    version = message.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        if type(version) is int:
+            raise ProtocolError(
+                f"unsupported protocol version {version} (this peer speaks {PROTOCOL_VERSION})"
+            )
+        raise ProtocolError("frame has no protocol version field 'v'")
+    kind = message.get("kind")
+    if not isinstance(kind, str):
+        raise ProtocolError("frame has no message kind field 'kind'")
+    schema = _SCHEMAS.get(kind)
+    if schema is None:
+        raise ProtocolError(f"unknown message kind {kind[:64]!r}")
+    for name in message:
+        if name in ("v", "kind"):
+            continue
+        if name not in schema:
+            raise ProtocolError(f"{kind} message has an unknown field {str(name)[:64]!r}")
+    for name, spec in schema.items():
+        if name not in message:
+            if spec.required:
+                raise ProtocolError(f"{kind} message is missing field {name!r}")
+            continue
+        value = message[name]
+        if isinstance(value, _Deferred):
+            continue
+        spec.check(kind, name, value)
+    return message
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _bstr_header(length: int) -> bytes:
+    if length < 24:
+        return bytes([0x40 | length])
+    if length < 2**8:
+        return bytes([0x58, length])
+    if length < 2**16:
+        return b"\x59" + length.to_bytes(2, "big")
+    if length < 2**32:
+        return b"\x5a" + length.to_bytes(4, "big")
+    return b"\x5b" + length.to_bytes(8, "big")
+
+
+def _item(kind: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    if kind not in _SCHEMAS:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    item: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
+    item.update(fields)
+    return item
+
+
+def encode_frame(
+    kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+) -> list[bytes | memoryview]:
+    """Encode one message as the buffers of a frame, for ``sendmsg``.
+
+    Small tensors among ``fields`` are encoded inline. ``bulk``, if given, becomes the ``data``
+    field: its bytes are not copied, the last buffer is a view of the tensor's own memory, so
+    the caller must not modify the tensor until the buffers are sent.
+    """
+    item = _item(kind, fields)
+    if bulk is None or bulk.numel() == 0:
+        if bulk is not None:
+            item["data"] = bulk
+        body = cbor2.dumps(item, default=_default)
+        return [_PREFIX.pack(len(body), 0) + body]
+    if "data" in fields:
+        raise ValueError("pass the bulk tensor as bulk=, not as a 'data' field")
+    bulk = _wire_tensor(bulk.detach())
+    tag = _tensor_tag(bulk)
+    item["data"] = cbor2.CBORTag(_MULTI_DIM_TAG, [list(bulk.shape), cbor2.CBORTag(tag, b"")])
+    head = cbor2.dumps(item, default=_default)
+    nbytes = bulk.numel() * bulk.element_size()
+    head = head[:-1] + _bstr_header(nbytes)
+    return [_PREFIX.pack(len(head) + nbytes, nbytes) + head, tensor_buffer(bulk)]
+
+
+def encode_frame_bytes(
+    kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+) -> bytes:
+    """Encode one message as a single bytes object (copies the bulk; for tests and in-process)."""
+    return b"".join(bytes(part) for part in encode_frame(kind, fields, bulk))
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def parse_prefix(prefix: bytes | bytearray | memoryview, max_frame: int) -> tuple[int, int]:
+    """Read a frame prefix: (item length, bulk length), refusing oversized control parts.
+
+    Only the non-bulk part counts against ``max_frame``: bulk bytes go into a destination
+    buffer the receiver already owns, whose size it checks in :func:`decode_head`.
+    """
+    if len(prefix) != PREFIX_SIZE:
+        raise ProtocolError(f"frame prefix must be {PREFIX_SIZE} bytes, got {len(prefix)}")
+    item_len, bulk_len = _PREFIX.unpack(prefix)
+    if item_len == 0:
+        raise ProtocolError("frame announces an empty CBOR item")
+    if bulk_len > item_len:
+        raise ProtocolError(f"frame announces {bulk_len} bulk bytes in a {item_len}-byte item")
+    if item_len - bulk_len > max_frame:
+        raise FrameTooLarge(
+            f"frame of {item_len - bulk_len} bytes exceeds this receiver's limit of {max_frame}"
+        )
+    return item_len, bulk_len
+
+
+def _loads_exact(data: bytes, tags: _TagDecoder) -> Any:
+    stream = io.BytesIO(data)
+    decoder = cbor2.CBORDecoder(
+        stream,
+        tag_hook=tags,
+        semantic_decoders=_SEMANTIC_REFUSED,
+        max_depth=MAX_DEPTH,
+        allow_indefinite=False,
+        allow_duplicate_keys=False,
+        strict_hashable_types=True,
+    )
+    try:
+        item = decoder.decode()
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("CBOR item nests too deeply") from None
+    except (cbor2.CBORError, ValueError, TypeError, OverflowError, MemoryError) as exc:
+        raise ProtocolError(f"malformed CBOR: {exc}") from None
+    if stream.tell() != len(data):
+        raise ProtocolError(f"{len(data) - stream.tell()} trailing bytes after the CBOR item")
+    return item
+
+
+def decode_item(item: bytes) -> dict[str, Any]:
+    """Decode and validate a complete CBOR item (prefix removed) carrying no bulk."""
+    return validate_message(_loads_exact(bytes(item), _TagDecoder()))
+
+
+def decode_head(head: bytes, bulk_len: int) -> tuple[dict[str, Any], BulkSpec | None]:
+    """Decode the part of an item before its bulk bytes; say what the bulk is.
+
+    ``head`` is the item minus its last ``bulk_len`` bytes. Returns the validated message,
+    whose ``data`` field is still missing, and the bulk's spec (``None`` when ``bulk_len`` is 0).
+    """
+    head = bytes(head)
+    if bulk_len == 0:
+        return decode_item(head), None
+    header = _bstr_header(bulk_len)
+    if not head.endswith(header):
+        raise ProtocolError("frame's bulk bytes are not the byte string that ends its item")
+    tags = _TagDecoder(bulk_len)
+    message = _loads_exact(head[: -len(header)] + b"\x40", tags)
+    if not isinstance(message, dict) or not message:
+        raise ProtocolError("a frame must hold a CBOR map")
+    last_key = next(reversed(message))
+    deferred = message.get("data")
+    if last_key != "data" or not isinstance(deferred, _Deferred) or tags.deferred != 1:
+        raise ProtocolError("a frame's bulk bytes must be the typed array of its last field 'data'")
+    spec = deferred.spec
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    if math.prod(spec.shape) * itemsize != bulk_len:
+        raise ProtocolError(
+            f"bulk tensor of shape {list(spec.shape)} and dtype {spec.dtype} needs "
+            f"{math.prod(spec.shape) * itemsize} bytes, the frame carries {bulk_len}"
+        )
+    validate_message(message)
+    del message["data"]
+    return message, spec
+
+
+def decode_frame(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    """Decode one whole frame (prefix included) into a validated message.
+
+    A bulk tensor is materialised (copied) into ``message["data"]``.
+    """
+    frame = bytes(frame)
+    if len(frame) < PREFIX_SIZE:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its prefix")
+    item_len, bulk_len = parse_prefix(frame[:PREFIX_SIZE], max_frame)
+    if len(frame) - PREFIX_SIZE != item_len:
+        raise ProtocolError(
+            f"frame announces a {item_len}-byte item but carries {len(frame) - PREFIX_SIZE}"
+        )
+    item = frame[PREFIX_SIZE:]
+    message, spec = decode_head(item[: item_len - bulk_len], bulk_len)
+    if spec is not None:
+        message["data"] = _tensor_from_bytes(spec.dtype, spec.shape, item[item_len - bulk_len :])
+    return message
+
+
+def check_bulk_destination(
+    spec: BulkSpec | None, out: torch.Tensor, peer: object, message: Mapping[str, Any]
+) -> None:
+    """Refuse a bulk that does not fit the destination the receiver expects.
+
+    Without a bulk, the message must carry an inline ``data`` tensor of the destination's
+    dtype and size (an empty tensor travels inline)."""
+    if spec is None:
+        data = message.get("data")
+        if (
+            isinstance(data, torch.Tensor)
+            and data.dtype == out.dtype
+            and data.numel() == out.numel()
+        ):
+            return
+        raise ProtocolError(
+            f"{message.get('kind')} message does not carry the expected {out.dtype} tensor "
+            f"of {out.numel()} elements",
+            peer=peer,
+        )
+    if spec.dtype != out.dtype or spec.nbytes != out.numel() * out.element_size():
+        raise ProtocolError(
+            f"sent a {spec.dtype} tensor of shape {list(spec.shape)}, expected {out.dtype} "
+            f"with {out.numel()} elements",
+            peer=peer,
+        )

@@ -1,0 +1,168 @@
+"""The point-to-point interface collectives run on, and its in-process implementation.
+
+A `Transport` connects one rank to every other rank of its group. Messages to one peer arrive in
+the order they were sent. Collectives are the only users of the data path, one at a time, in the
+same order on every rank, so a receiver always knows what the next frame from a peer must be.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import trio
+
+from runtime.errors import CollectiveError, PeerClosed, ProtocolError
+from runtime.protocol.wire import (
+    DEFAULT_MAX_FRAME,
+    decode_frame,
+    encode_frame_bytes,
+    tensor_buffer,
+)
+
+__all__ = ["Transport", "InProcessTransport"]
+
+
+class Transport(abc.ABC):
+    """One rank's connections to the rest of its group."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._op_counter = 0
+
+    def next_op_id(self) -> int:
+        """A fresh id for the next collective; ranks agree because they call in one order."""
+        op_id = self._op_counter
+        self._op_counter += 1
+        return op_id
+
+    def check_peer(self, peer: int) -> None:
+        """Refuse a peer rank that is this rank or outside the group."""
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise CollectiveError(f"peer must be a rank (int), got {peer!r}")
+        if peer == self.rank or not 0 <= peer < self.world_size:
+            raise CollectiveError(
+                f"rank {self.rank} cannot talk to peer {peer} in a group of {self.world_size}"
+            )
+
+    @abc.abstractmethod
+    async def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        """Send one message to ``peer``; ``bulk`` becomes its ``data`` field, sent uncopied."""
+
+    @abc.abstractmethod
+    async def recv(self, peer: int) -> dict[str, Any]:
+        """Receive the next message from ``peer``, a bulk tensor materialised as ``data``."""
+
+    @abc.abstractmethod
+    async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        """Receive the next message from ``peer``, its bulk written into ``out``.
+
+        ``out`` is a contiguous CPU tensor; a bulk of another dtype or size is a ProtocolError.
+        The returned message's ``data`` is ``out``.
+        """
+
+    def abort(self) -> None:  # noqa: B027 - optional hook, most transports have no threads
+        """Break the transport at once, waking any thread blocked on it (default: nothing to
+        wake; async receivers end when their task is cancelled)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close every connection; pending and later calls raise."""
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class InProcessTransport(Transport):
+    """Ranks in one trio run, joined by bounded memory channels carrying encoded frames.
+
+    Frames go through the same codec as on TCP, so both transports accept and refuse the same
+    messages; only the bytes' path differs.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        senders: dict[int, trio.MemorySendChannel[bytes]],
+        receivers: dict[int, trio.MemoryReceiveChannel[bytes]],
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self._senders = senders
+        self._receivers = receivers
+        self.max_frame = max_frame
+
+    @classmethod
+    def create_group(
+        cls, n: int, *, buffer_frames: int = 8, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> list[InProcessTransport]:
+        """Return ``n`` transports, rank 0 to n-1, each connected to all the others.
+
+        Each direction buffers ``buffer_frames`` frames; a sender beyond that waits (backpressure).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"group size must be a positive int, got {n!r}")
+        senders: list[dict[int, trio.MemorySendChannel[bytes]]] = [{} for _ in range(n)]
+        receivers: list[dict[int, trio.MemoryReceiveChannel[bytes]]] = [{} for _ in range(n)]
+        for src in range(n):
+            for dst in range(n):
+                if src != dst:
+                    send, receive = trio.open_memory_channel[bytes](buffer_frames)
+                    senders[src][dst] = send
+                    receivers[dst][src] = receive
+        return [cls(rank, n, senders[rank], receivers[rank], max_frame) for rank in range(n)]
+
+    async def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        self.check_peer(peer)
+        frame = encode_frame_bytes(kind, fields, bulk)
+        try:
+            await self._senders[peer].send(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise PeerClosed("connection closed", peer=peer) from None
+
+    async def _receive_frame(self, peer: int) -> dict[str, Any]:
+        self.check_peer(peer)
+        try:
+            frame = await self._receivers[peer].receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise PeerClosed("connection closed", peer=peer) from None
+        try:
+            return decode_frame(frame, self.max_frame)
+        except ProtocolError as exc:
+            raise exc.with_peer(peer) from None
+
+    async def recv(self, peer: int) -> dict[str, Any]:
+        return await self._receive_frame(peer)
+
+    async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        message = await self._receive_frame(peer)
+        data = message.get("data")
+        if not isinstance(data, torch.Tensor):
+            raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
+        if data.dtype != out.dtype or data.numel() != out.numel():
+            raise ProtocolError(
+                f"sent a {data.dtype} tensor of {data.numel()} elements, expected {out.dtype} "
+                f"with {out.numel()} elements",
+                peer=peer,
+            )
+        if out.numel():
+            tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
+        message["data"] = out
+        return message
+
+    async def aclose(self) -> None:
+        for channel in self._senders.values():
+            channel.close()
+        for channel in self._receivers.values():
+            channel.close()

@@ -1,0 +1,1237 @@
+"""TCP transport: authenticated trio socket streams between every pair of ranks.
+
+The byte path is built for throughput: frames leave with one ``sendmsg`` whose last buffer is
+the tensor's own memory, and bulk bytes land with ``recv_into`` straight in the destination
+tensor. Small frames (prefix and head) come through one reusable receive buffer, so a control
+message costs one system call.
+
+With a `TlsConfig` every connection runs TLS first, then the same handshake inside it
+(`runtime.transport.tls`); such connections go through trio's ``SSLStream`` (one copy per received
+record) and cannot lend their sockets to the blocking thread path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import torch
+import trio
+
+from runtime.config import DistributedConfig
+from runtime.errors import (
+    CollectiveError,
+    FrameTooLarge,
+    HandshakeError,
+    ListenerBusy,
+    PeerClosed,
+    ProtocolError,
+    StallError,
+)
+from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from runtime.protocol.wire import (
+    DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
+    PREFIX_SIZE,
+    Field,
+    check_bulk_destination,
+    decode_head,
+    encode_frame,
+    encode_frame_bytes,
+    parse_prefix,
+    register_message,
+    tensor_buffer,
+)
+from runtime.transport.base import Transport
+from runtime.transport.shm import SharedMemoryPlane, attach_shared_memory
+from runtime.transport.tls import TlsConfig, describe_tls_error
+
+__all__ = [
+    "TcpTransport",
+    "Connection",
+    "BlockingLinks",
+    "DEFAULT_GROUP",
+    "dial",
+    "dial_with_retry",
+    "accept",
+    "form_mesh",
+]
+
+log = logging.getLogger("paramsync.tcp")
+
+DEFAULT_GROUP = "paramsync"
+_BUFFER_SIZE = 256 * 1024
+_DIRECT_READ = 64 * 1024
+_HEAD_READ = 4096
+_SOCKET_BUFFER = 4 * 1024 * 1024
+"""Socket buffers that hold a whole 4 MiB ring part, so a blocking send rarely waits."""
+_TLS_COALESCE = 64 * 1024
+"""Under TLS, a frame up to this size leaves as one write (one record), larger ones by part."""
+_TLS_SEND = 1 << 20
+"""Under TLS, bulk is encrypted and sent this many bytes at a time (bounds the copy)."""
+_TLS_READ = 64 * 1024
+"""Under TLS, the most bytes asked of one read (a TLS record holds at most 16 KiB)."""
+
+register_message("rdv_join", host=Field(str, max_len=256), port=Field(int, min=1, max=65535))
+register_message("rdv_table", addresses=Field(list, max_len=1 << 16, items=list))
+
+_Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+
+
+class Connection:
+    """One authenticated byte stream to a peer, framed by the wire codec.
+
+    ``stream`` is a ``trio.SocketStream``, or a ``trio.SSLStream`` over one (then the instance
+    is a TLS connection, without the blocking thread path: see `supports_blocking`).
+    """
+
+    supports_blocking = True
+    """Whether `TcpTransport.blocking_links` may lend this connection to worker threads."""
+    direct = hasattr(socket, "MSG_DONTWAIT")
+    """Whether sends and receives that need no wait may skip trio's scheduler (plain TCP)."""
+
+    def __new__(cls, stream: _Stream, peer: object = None) -> Connection:
+        if cls is Connection and isinstance(stream, trio.SSLStream):
+            cls = _TlsConnection
+        return super().__new__(cls)
+
+    def __init__(self, stream: _Stream, peer: object = None) -> None:
+        self.stream = stream
+        self.peer = peer
+        self._sock = (
+            stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        )
+        self._send_lock = trio.StrictFIFOLock()
+        self._recv_lock = trio.StrictFIFOLock()
+        self._buf = bytearray(_BUFFER_SIZE)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self.closed = False
+        self._raw: socket.socket | None = None
+        _tune(self._sock)
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        """The TCP socket under the stream (TLS or not): for its addresses, not for I/O."""
+        return self._sock
+
+    # ---------------------------------------------------------------- sending
+
+    async def send(
+        self, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        """Send one message; ``bulk`` leaves from the tensor's memory.
+
+        A frame the socket takes at once leaves without a trip through trio's scheduler (see
+        `_may_skip_schedule`): a cancel point, but a schedule point only now and then."""
+        await self._send_locked(encode_frame(kind, fields, bulk))
+
+    async def send_frame(self, frame: bytes) -> None:
+        """Send one frame encoded beforehand (`runtime.protocol.wire.encode_frame_bytes`): a message
+        sent often, such as a step signal, is encoded once."""
+        await self._send_locked([frame])
+
+    async def _send_locked(self, parts: list[bytes | memoryview]) -> None:
+        async with self._holding(self._send_lock) as direct:
+            if direct:  # try the socket at once; what it does not take goes through trio
+                views = [memoryview(part).cast("B") for part in parts]
+                try:
+                    _consume(views, self._raw_socket().sendmsg(views, (), _DONTWAIT))
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise PeerClosed(
+                        f"connection lost while sending: {exc}", peer=self.peer
+                    ) from None
+                parts = views
+            if parts:
+                await self._send_parts(parts)
+
+    @asynccontextmanager
+    async def _holding(self, lock: trio.StrictFIFOLock) -> AsyncIterator[bool]:
+        """Hold ``lock``; yields True when it was free and taken without a scheduler trip
+        (`_may_skip_schedule`), so the caller may try the socket directly too."""
+        if self.direct and not lock.locked() and _may_skip_schedule():
+            await trio.lowlevel.checkpoint_if_cancelled()
+            lock.acquire_nowait()
+            try:
+                yield True
+            finally:
+                lock.release()
+            return
+        async with lock:
+            yield False
+
+    async def _send_parts(self, parts: list[bytes | memoryview]) -> None:
+        views = [memoryview(part).cast("B") for part in parts]
+        try:
+            while views:
+                _consume(views, await self._sock.sendmsg(views))
+        except OSError as exc:
+            raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise PeerClosed("connection closed", peer=self.peer) from None
+
+    # ---------------------------------------------------------------- receiving
+
+    async def _fill(self, need: int) -> None:
+        """Make at least ``need`` unread bytes sit in the receive buffer."""
+        self._make_room(need)
+        while self._end - self._start < need:
+            count = await self._recv_into(self._view[self._end :])
+            self._end += count
+
+    def _make_room(self, need: int) -> None:
+        """Move unread bytes to the buffer's front (growing it) so ``need`` bytes fit."""
+        if self._end - self._start >= need or need <= len(self._buf) - self._start:
+            return
+        pending = self._buf[self._start : self._end]
+        if need > len(self._buf):
+            self._buf = bytearray(max(need, _BUFFER_SIZE))
+            self._view = memoryview(self._buf)
+        self._buf[: len(pending)] = pending
+        self._start, self._end = 0, len(pending)
+
+    async def _recv_into(self, view: memoryview) -> int:
+        try:
+            if self.direct and _may_skip_schedule():
+                try:
+                    count = self._raw_socket().recv_into(view, 0, _DONTWAIT)
+                except BlockingIOError:
+                    count = await self._sock.recv_into(view)
+            else:
+                count = await self._sock.recv_into(view)
+        except OSError as exc:
+            raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise PeerClosed("connection closed", peer=self.peer) from None
+        if count == 0:
+            raise PeerClosed("connection closed by the peer", peer=self.peer)
+        return count
+
+    def _prefix_is(self, expected: bytes) -> bool:
+        """Whether the buffered prefix is ``expected``'s (then the frame is as long as it)."""
+        head = self._view[self._start : self._start + PREFIX_SIZE]
+        return len(expected) > PREFIX_SIZE and head == expected[:PREFIX_SIZE]
+
+    def _take_if(self, expected: bytes) -> bool:
+        """Consume the buffered frame if it is byte for byte ``expected``."""
+        size = len(expected)
+        if self._view[self._start : self._start + size] != expected:
+            return False
+        self._start += size
+        if self._start == self._end:
+            self._start = self._end = 0
+        return True
+
+    def _take(self, count: int) -> bytes:
+        data = bytes(self._view[self._start : self._start + count])
+        self._start += count
+        if self._start == self._end:
+            self._start = self._end = 0
+        return data
+
+    async def _read_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly: buffered bytes first, then straight from the socket."""
+        got = min(len(view), self._end - self._start)
+        if got:
+            view[:got] = self._view[self._start : self._start + got]
+            self._start += got
+            if self._start == self._end:
+                self._start = self._end = 0
+        while got < len(view):
+            remaining = len(view) - got
+            if remaining < _DIRECT_READ:
+                await self._fill(remaining)
+                view[got:] = self._view[self._start : self._start + remaining]
+                self._start += remaining
+                if self._start == self._end:
+                    self._start = self._end = 0
+                return
+            got += await self._recv_into(view[got:])
+
+    async def _read_head(self, max_frame: int) -> tuple[dict[str, Any], Any, int]:
+        await self._fill(PREFIX_SIZE)
+        item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
+        await self._fill(item_len - bulk_len)
+        message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
+        return message, spec, bulk_len
+
+    async def wait_readable(self) -> None:
+        """Return once bytes from the peer wait to be read (or the connection has ended), so
+        that the `recv` after it starts at once. Cancelling it loses nothing."""
+        if self._end > self._start:
+            return
+        try:
+            await trio.lowlevel.wait_readable(self._sock)
+        except (trio.ClosedResourceError, OSError):
+            return  # the recv after it says what happened
+
+    async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+        """Receive one message; a bulk tensor is allocated and filled.
+
+        With no destination given, the bulk counts against ``max_frame`` too: a peer cannot
+        make this side allocate more than that (before authentication: 4 KiB).
+        """
+        async with self._holding(self._recv_lock):
+            try:
+                message, spec, bulk_len = await self._read_head(max_frame)
+                if spec is not None:
+                    if bulk_len > max_frame:
+                        raise FrameTooLarge(
+                            f"{message['kind']} message carries {bulk_len} bulk bytes, more "
+                            f"than this receiver's limit of {max_frame}"
+                        )
+                    out = torch.empty(spec.shape, dtype=spec.dtype)
+                    await self._read_into(tensor_buffer(out))
+                    message["data"] = out
+                return message
+            except ProtocolError as exc:
+                raise exc.with_peer(self.peer) from None
+
+    async def recv_matching(
+        self, expected: bytes, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> dict[str, Any] | None:
+        """Receive one message: None if its frame is byte for byte ``expected`` (a frame the
+        caller encoded), else the message, decoded and validated as `recv` does.
+
+        A step signal is then a comparison of a few dozen bytes, not a CBOR decode."""
+        async with self._holding(self._recv_lock):
+            try:
+                await self._fill(PREFIX_SIZE)
+                if self._prefix_is(expected):
+                    await self._fill(len(expected))  # the prefix says the frame is this long
+                    if self._take_if(expected):
+                        return None
+                message, spec, bulk_len = await self._read_head(max_frame)
+                if spec is not None:
+                    raise ProtocolError(_BULK_NOT_EXPECTED.format(message["kind"], bulk_len))
+                return message
+            except ProtocolError as exc:
+                raise exc.with_peer(self.peer) from None
+
+    async def recv_into(
+        self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> dict[str, Any]:
+        """Receive one message whose bulk is written straight into ``out``."""
+        async with self._holding(self._recv_lock):
+            try:
+                message, spec, _ = await self._read_head(max_frame)
+                check_bulk_destination(spec, out, self.peer, message)
+                if spec is not None:
+                    await self._read_into(tensor_buffer(out))
+                message["data"] = out
+                return message
+            except ProtocolError as exc:
+                raise exc.with_peer(self.peer) from None
+
+    # ---------------------------------------------------------------- blocking bulk path
+    #
+    # Large transfers run in worker threads with the socket switched to blocking mode: one
+    # system call moves a whole part (MSG_WAITALL), the GIL is free meanwhile, and sends and
+    # receives proceed on two cores at once. Only `BlockingLinks` switches the mode, while it
+    # holds both of this connection's locks, so the trio path never sees a blocking socket.
+
+    def _raw_socket(self) -> socket.socket:
+        if self._raw is None:
+            fd = self._sock.fileno()
+            self._raw = socket.socket(self._sock.family, self._sock.type, fileno=os.dup(fd))
+        return self._raw
+
+    def send_blocking(
+        self, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        """Send one message from a worker thread (blocking mode only)."""
+        views = [memoryview(part).cast("B") for part in encode_frame(kind, fields, bulk)]
+        raw = self._raw_socket()
+        try:
+            while views:
+                _consume(views, raw.sendmsg(views))
+        except BlockingIOError:
+            raise StallError(f"send to peer {self.peer} stalled past its deadline") from None
+        except OSError as exc:
+            raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+
+    def _read_blocking(self, view: memoryview) -> None:
+        got = min(len(view), self._end - self._start)
+        if got:
+            view[:got] = self._view[self._start : self._start + got]
+            self._start += got
+            if self._start == self._end:
+                self._start = self._end = 0
+        raw = self._raw_socket()
+        while got < len(view):
+            got += self._recv_some_blocking(raw, view[got:], len(view) - got, socket.MSG_WAITALL)
+
+    def _recv_some_blocking(
+        self, raw: socket.socket, view: memoryview, size: int, flags: int = 0
+    ) -> int:
+        """One blocking ``recv_into``; its failures as the errors that name this peer."""
+        try:
+            count = raw.recv_into(view, size, flags)
+        except BlockingIOError:
+            raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
+        except OSError as exc:
+            raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+        if count == 0:
+            raise PeerClosed("connection closed by the peer", peer=self.peer)
+        return count
+
+    def _fill_blocking(self, need: int) -> None:
+        """`_fill` for worker threads: one wake-up usually brings prefix and head together.
+
+        Reads at most `_HEAD_READ` bytes a call, so a bulk that follows mostly lands straight
+        in its destination rather than in this buffer."""
+        self._make_room(need)
+        raw = self._raw_socket()
+        while self._end - self._start < need:
+            room = len(self._buf) - self._end
+            size = min(room, max(_HEAD_READ, need - (self._end - self._start)))
+            self._end += self._recv_some_blocking(raw, self._view[self._end :], size)
+
+    # ---------------------------------------------------------------- polled control path
+    #
+    # Small control frames (step signals) from a worker thread, with the socket left in trio's
+    # non-blocking mode: a call that cannot proceed waits in poll(2) until ``deadline``
+    # (time.monotonic()). Only `PolledLinks` lends a connection to this path, while the event
+    # loop holds both of its locks.
+
+    def _poll(self, events: int, deadline: float, what: str) -> None:
+        left = deadline - time.monotonic()
+        poller = select.poll()
+        poller.register(self._raw_socket(), events)
+        if left <= 0 or not poller.poll(left * 1000.0):
+            raise StallError(f"{what} before the deadline", peer=self.peer)
+
+    def send_frame_polled(self, frame: bytes, deadline: float) -> None:
+        """`send_frame` from a worker thread (polled mode only)."""
+        views = [memoryview(frame)]
+        raw = self._raw_socket()
+        while views:
+            try:
+                _consume(views, raw.sendmsg(views, (), _DONTWAIT))
+            except BlockingIOError:
+                self._poll(select.POLLOUT, deadline, "took no bytes")
+            except OSError as exc:
+                raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+
+    def _fill_polled(self, need: int, deadline: float) -> None:
+        """`_fill` for worker threads in polled mode."""
+        self._make_room(need)
+        raw = self._raw_socket()
+        while self._end - self._start < need:
+            try:
+                count = raw.recv_into(self._view[self._end :], 0, _DONTWAIT)
+            except BlockingIOError:
+                self._poll(select.POLLIN, deadline, "sent nothing")
+                continue
+            except OSError as exc:
+                raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+            if count == 0:
+                raise PeerClosed("connection closed by the peer", peer=self.peer)
+            self._end += count
+
+    def recv_matching_polled(
+        self, expected: bytes, deadline: float, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> dict[str, Any] | None:
+        """`recv_matching` from a worker thread (polled mode only)."""
+        try:
+            self._fill_polled(PREFIX_SIZE, deadline)
+            if self._prefix_is(expected):
+                self._fill_polled(len(expected), deadline)
+                if self._take_if(expected):
+                    return None
+            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
+            self._fill_polled(item_len - bulk_len, deadline)
+            message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
+            if spec is not None:
+                raise ProtocolError(_BULK_NOT_EXPECTED.format(message["kind"], bulk_len))
+            return message
+        except ProtocolError as exc:
+            raise exc.with_peer(self.peer) from None
+
+    def recv_into_blocking(
+        self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> dict[str, Any]:
+        """Receive one message into ``out`` from a worker thread (blocking mode only)."""
+        try:
+            self._fill_blocking(PREFIX_SIZE)
+            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
+            self._fill_blocking(item_len - bulk_len)
+            message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
+            check_bulk_destination(spec, out, self.peer, message)
+            if spec is not None:
+                self._read_blocking(tensor_buffer(out))
+            message["data"] = out
+            return message
+        except ProtocolError as exc:
+            raise exc.with_peer(self.peer) from None
+
+    def set_blocking(self, blocking: bool, deadline_seconds: float | None = None) -> None:
+        """Switch the socket between trio's non-blocking mode and the threads' blocking mode."""
+        raw = self._raw_socket()
+        raw.setblocking(blocking)
+        seconds = deadline_seconds if blocking and deadline_seconds else 0.0
+        timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+    def abort(self) -> None:
+        """Wake any thread blocked on this connection by shutting the socket down."""
+        self.closed = True
+        try:
+            self._raw_socket().shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    async def aclose(self) -> None:
+        """Close the stream; safe to call twice."""
+        self.closed = True
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+        await self.stream.aclose()
+
+
+class _TlsConnection(Connection):
+    """A `Connection` over ``trio.SSLStream``: same framing, records in and out of trio."""
+
+    supports_blocking = False
+    direct = False
+
+    async def _send_parts(self, parts: list[bytes | memoryview]) -> None:
+        views = [memoryview(part).cast("B") for part in parts]
+        try:
+            if sum(len(view) for view in views) <= _TLS_COALESCE:
+                await self.stream.send_all(b"".join(views))
+                return
+            for view in views:
+                for start in range(0, len(view), _TLS_SEND):
+                    await self.stream.send_all(view[start : start + _TLS_SEND])
+        except trio.BrokenResourceError as exc:
+            raise _TlsBroken("connection lost while sending", exc, peer=self.peer) from None
+        except trio.ClosedResourceError:
+            raise PeerClosed("connection closed", peer=self.peer) from None
+
+    async def _recv_into(self, view: memoryview) -> int:
+        try:
+            data = await self.stream.receive_some(min(len(view), _TLS_READ))
+        except trio.BrokenResourceError as exc:
+            raise _TlsBroken("connection lost", exc, peer=self.peer) from None
+        except trio.ClosedResourceError:
+            raise PeerClosed("connection closed", peer=self.peer) from None
+        count = len(data)
+        if count == 0:
+            raise PeerClosed("connection closed by the peer", peer=self.peer)
+        view[:count] = data
+        return count
+
+    async def wait_readable(self) -> None:
+        """Returns at once: decrypted bytes may wait inside the TLS layer, where the socket
+        cannot show them, so a TLS link is read as its messages come."""
+        await trio.lowlevel.checkpoint()
+
+    def _raw_socket(self) -> socket.socket:
+        raise CollectiveError(
+            f"the connection to {self.peer} is TLS: the blocking thread path needs plaintext TCP"
+        )
+
+    def abort(self) -> None:
+        """Shut the TCP socket under the TLS stream down, waking every task blocked on it."""
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _TlsBroken(PeerClosed):
+    """The TLS layer failed (an alert from the peer, a bad record): the reason is OpenSSL's."""
+
+    def __init__(self, what: str, error: BaseException, *, peer: object) -> None:
+        self.tls_reason = describe_tls_error(error)
+        super().__init__(f"{what}: {self.tls_reason}", peer=peer)
+
+
+_BULK_NOT_EXPECTED = "sent a {} message with {} bulk bytes where a control message was expected"
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # direct is off where it is missing
+_SCHEDULE_EVERY = 16
+"""A direct send or receive yields to trio's scheduler once in this many."""
+_direct_ops = 0
+
+
+def _may_skip_schedule() -> bool:
+    """Whether this direct socket operation may finish without yielding to the scheduler.
+
+    Every trio socket call yields, even when the kernel took or had the bytes at once: a trip
+    through the run loop (an epoll call, a reschedule) per small frame. Skipping it when the
+    call needs no wait (with the step signals encoded once and matched by their bytes) took a
+    training worker's event loop from 48 to 25 task steps and from 4.3 to 3.6 ms of CPU a
+    step (4 workers, `benchmarks/ddp.py`, BENCHMARKS.md). The call stays a cancel point; one
+    in `_SCHEDULE_EVERY` takes the yielding path, so a task that never has to wait still lets
+    the others run."""
+    global _direct_ops
+    _direct_ops += 1
+    if _direct_ops >= _SCHEDULE_EVERY:
+        _direct_ops = 0
+        return False
+    return True
+
+
+def _consume(views: list[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of a partly sent ``sendmsg`` buffer list, in place."""
+    while sent:
+        if sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
+
+
+def _tune(sock: Any) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    except OSError:  # pragma: no cover - options are advisory
+        pass
+
+
+# -------------------------------------------------------------------------- handshake shells
+
+
+async def dial(
+    address: tuple[str, int],
+    secret: bytes,
+    me: Identity,
+    *,
+    handshake_seconds: float = 10.0,
+    tls: TlsConfig | None = None,
+) -> tuple[Connection, Identity]:
+    """Connect to ``address`` and run the dialer's handshake; raises HandshakeError if refused.
+
+    With ``tls``, the TLS handshake runs first, within the same deadline.
+    """
+    stream = await trio.open_tcp_stream(*address)
+    where = f"{address[0]}:{address[1]}"
+    conn: Connection | None = None
+    try:
+        with trio.fail_after(handshake_seconds):
+            conn = Connection(
+                stream if tls is None else await tls.wrap_client(stream, where), peer=where
+            )
+            state = DialerHandshake(secret, me)
+            await conn.send(*state.hello())
+            reply = await conn.recv(HANDSHAKE_MAX_FRAME)
+            await conn.send(*state.on_challenge(reply))
+            peer = state.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
+    except trio.TooSlowError:
+        await _close(conn, stream)
+        raise HandshakeError(
+            f"no handshake answer from {where} within {handshake_seconds} s"
+        ) from None
+    except ProtocolError as exc:
+        await _close(conn, stream)
+        if isinstance(exc, _TlsBroken):
+            # TLS 1.3: the listener checks this side's certificate after our handshake ended.
+            reason = getattr(exc, "tls_reason", exc.reason)
+            raise HandshakeError(f"TLS handshake failed: {reason}", peer=where) from None
+        if tls is None and conn is not None and _sounds_like_tls(conn):
+            raise HandshakeError(
+                "the listener speaks TLS: this side needs --tls-cert, --tls-key and --tls-ca",
+                peer=where,
+            ) from None
+        raise
+    except BaseException:
+        await _close(conn, stream)
+        raise
+    conn.peer = peer.rank if peer.rank >= 0 else conn.peer
+    return conn, peer
+
+
+async def accept(
+    stream: trio.SocketStream,
+    secret: bytes,
+    me: Identity,
+    admit: Any,
+    *,
+    handshake_seconds: float = 10.0,
+    tls: TlsConfig | None = None,
+) -> tuple[Connection, Identity]:
+    """Run the listener's handshake on an accepted stream (with ``tls``: TLS first, within
+    the same deadline).
+
+    Any failure closes the stream and raises a ProtocolError naming the remote address; the
+    caller logs it and keeps serving.
+    """
+    try:
+        remote = stream.socket.getpeername()
+        where = f"{remote[0]}:{remote[1]}"
+    except OSError:
+        where = "unknown peer"
+    conn: Connection | None = None
+    state = ListenerHandshake(secret, me, admit)
+    try:
+        with trio.fail_after(handshake_seconds):
+            secured: _Stream = stream
+            if tls is not None:
+                secured = await tls.wrap_server(stream, where, plaintext_reply=_TLS_REQUIRED)
+            conn = Connection(secured, peer=where)
+            try:
+                hello = await conn.recv(HANDSHAKE_MAX_FRAME)
+                await conn.send(*state.on_hello(hello))
+                auth = await conn.recv(HANDSHAKE_MAX_FRAME)
+            except PeerClosed:
+                raise
+            except ProtocolError as exc:
+                refusal = exc
+                if tls is None and _sounds_like_tls(conn):
+                    refusal = HandshakeError(
+                        "the peer speaks TLS but this side has no TLS configured "
+                        "(--tls-cert, --tls-key, --tls-ca)"
+                    )
+                await _refuse(conn, refusal.reason)
+                raise refusal from None
+            kind, fields, error = state.on_auth(auth)
+            await conn.send(kind, fields)
+            if error is not None:
+                raise error
+    except trio.TooSlowError:
+        await _close(conn, stream)
+        raise HandshakeError(
+            f"handshake not finished within {handshake_seconds} s", peer=where
+        ) from None
+    except ProtocolError as exc:
+        await _close(conn, stream)
+        raise exc.with_peer(where) from None
+    except BaseException:
+        await _close(conn, stream)
+        raise
+    assert state.peer is not None
+    conn.peer = state.peer.rank
+    return conn, state.peer
+
+
+async def _close(conn: Connection | None, stream: trio.SocketStream) -> None:
+    """Close a connection that failed its handshake (or its bare stream, before TLS wrapped it)."""
+    if conn is not None:
+        await conn.aclose()
+    else:
+        await trio.aclose_forcefully(stream)
+
+
+_TLS_REQUIRED = encode_frame_bytes(
+    "refuse", {"reason": "this listener requires TLS (--tls-cert, --tls-key, --tls-ca)"}
+)
+"""What a TLS listener answers, in the clear, to a peer that opens with a paramsync frame."""
+
+
+def _sounds_like_tls(conn: Connection) -> bool:
+    """Whether the first bytes this connection received open a TLS record (a handshake or an
+    alert) where a paramsync frame was due: the peer speaks TLS and this side does not.
+
+    Such a prefix announces a head of over 350 MB, refused before the handshake's limit, so
+    the first bytes still sit at the front of the receive buffer."""
+    return conn._buf[1] == 0x03 and conn._buf[0] in (0x15, 0x16)
+
+
+async def _refuse(conn: Connection, reason: str) -> None:
+    try:
+        with trio.move_on_after(1):
+            await conn.send("refuse", {"reason": reason[:1024]})
+    except ProtocolError:
+        pass
+
+
+# -------------------------------------------------------------------------- transport
+
+
+class BlockingLinks:
+    """Blocking send/receive on a few connections, for collectives' worker threads."""
+
+    def __init__(self, conns: dict[int, Connection], max_frame: int) -> None:
+        self._conns = conns
+        self._max_frame = max_frame
+
+    def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        """Send one message to ``peer``; returns when the kernel has taken every byte."""
+        self._conns[peer].send_blocking(kind, fields, bulk)
+
+    def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        """Receive the next message from ``peer`` with its bulk written into ``out``."""
+        return self._conns[peer].recv_into_blocking(out, self._max_frame)
+
+    def abort(self) -> None:
+        """Shut every lent connection down, waking blocked threads with an error."""
+        for conn in self._conns.values():
+            conn.abort()
+
+
+class PolledLinks:
+    """Small control frames on a few connections from one worker thread: each wait is a
+    poll(2) with the transport's stall deadline, the sockets stay non-blocking."""
+
+    def __init__(self, conns: dict[int, Connection], max_frame: int, stall_seconds: float) -> None:
+        self._conns = conns
+        self._max_frame = max_frame
+        self.stall_seconds = stall_seconds
+
+    def send_frame(self, peer: int, frame: bytes) -> None:
+        """Send a frame encoded beforehand to ``peer``."""
+        self._conns[peer].send_frame_polled(frame, time.monotonic() + self.stall_seconds)
+
+    def recv_matching(self, peer: int, expected: bytes, deadline: float) -> dict[str, Any] | None:
+        """The next message from ``peer`` by ``deadline``: None if it is ``expected`` byte for
+        byte, else the message."""
+        return self._conns[peer].recv_matching_polled(expected, deadline, self._max_frame)
+
+    def abort(self) -> None:
+        """Shut every lent connection down, waking the thread with an error."""
+        for conn in self._conns.values():
+            conn.abort()
+
+
+class TcpTransport(Transport):
+    """A rank's authenticated TCP connections to every other rank of its group."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        connections: dict[int, Connection],
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.connections = connections
+        self.max_frame = max_frame
+        self.stall_seconds = 300.0
+        """A blocking transfer that moves no byte for this long fails as a stall."""
+        self.shared_memory: SharedMemoryPlane | None = None
+        """The group's shared-memory plane (`runtime.transport.shm.attach_shared_memory`), if any:
+        all-reduce then moves large tensors through it instead of the sockets."""
+
+    def _conn(self, peer: int) -> Connection:
+        self.check_peer(peer)
+        return self.connections[peer]
+
+    async def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        await self._conn(peer).send(kind, fields, bulk)
+
+    async def recv(self, peer: int) -> dict[str, Any]:
+        return await self._conn(peer).recv(self.max_frame)
+
+    async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        return await self._conn(peer).recv_into(out, self.max_frame)
+
+    async def send_frame(self, peer: int, frame: bytes) -> None:
+        """Send a frame encoded beforehand to ``peer`` (see `Connection.send_frame`)."""
+        await self._conn(peer).send_frame(frame)
+
+    async def recv_matching(self, peer: int, expected: bytes) -> dict[str, Any] | None:
+        """The next message from ``peer``: None if it is ``expected`` byte for byte, else the
+        message (see `Connection.recv_matching`)."""
+        return await self._conn(peer).recv_matching(expected, self.max_frame)
+
+    async def aclose(self) -> None:
+        self._drop_shared_memory()
+        for conn in self.connections.values():
+            await conn.aclose()
+
+    def abort(self) -> None:
+        """Shut every connection down: blocked collective threads wake with an error."""
+        self._drop_shared_memory()
+        for conn in self.connections.values():
+            conn.abort()
+
+    def _drop_shared_memory(self) -> None:
+        plane, self.shared_memory = self.shared_memory, None
+        if plane is not None:
+            plane.close()
+
+    @property
+    def supports_blocking(self) -> bool:
+        """Whether `blocking_links` can lend these connections to threads: not under TLS."""
+        return all(conn.supports_blocking for conn in self.connections.values())
+
+    @asynccontextmanager
+    async def blocking_links(self, peers: set[int]) -> AsyncIterator[BlockingLinks]:
+        """Lend the connections to ``peers`` to worker threads, in blocking mode.
+
+        Holds both locks of each connection meanwhile, so no trio task uses them. If the block
+        is left by an error or a cancellation, the connections are shut down: threads blocked on
+        them wake up, and the transport is broken, as it is after any failed collective.
+        Raises CollectiveError for TLS connections (see `supports_blocking`).
+        """
+        conns = {peer: self._conn(peer) for peer in sorted(peers)}
+        tls = sorted(peer for peer, conn in conns.items() if not conn.supports_blocking)
+        if tls:
+            raise CollectiveError(
+                f"blocking links need plaintext TCP, but the connections to ranks {tls} are "
+                f"TLS: use the trio path (collectives choose it themselves under TLS)"
+            )
+        async with AsyncExitStack() as stack:
+            for conn in conns.values():
+                await stack.enter_async_context(conn._send_lock)
+                await stack.enter_async_context(conn._recv_lock)
+            for conn in conns.values():
+                conn.set_blocking(True, self.stall_seconds)
+            links = BlockingLinks(conns, self.max_frame)
+            ok = False
+            try:
+                yield links
+                ok = True
+            finally:
+                if not ok:
+                    links.abort()
+                for conn in conns.values():
+                    if not conn.closed:
+                        conn.set_blocking(False)
+
+    @asynccontextmanager
+    async def polled_links(self, peers: set[int]) -> AsyncIterator[PolledLinks]:
+        """Lend the connections to ``peers`` to one worker thread for small control frames
+        (`PolledLinks`), holding both locks of each so no trio task uses them meanwhile.
+
+        The sockets keep trio's non-blocking mode, so lending costs no system call. If the
+        block is left by an error or a cancellation, the connections are shut down, which
+        wakes the thread, and the transport is broken. Raises CollectiveError under TLS."""
+        conns = {peer: self._conn(peer) for peer in sorted(peers)}
+        tls = sorted(peer for peer, conn in conns.items() if not conn.supports_blocking)
+        if tls:
+            raise CollectiveError(
+                f"polled links need plaintext TCP, but the connections to ranks {tls} are TLS"
+            )
+        held: list[trio.StrictFIFOLock] = []
+        ok = False
+        links = PolledLinks(conns, self.max_frame, self.stall_seconds)
+        try:
+            for conn in conns.values():
+                for lock in (conn._send_lock, conn._recv_lock):
+                    if lock.locked():
+                        await lock.acquire()
+                    else:
+                        lock.acquire_nowait()
+                    held.append(lock)
+            yield links
+            ok = True
+        finally:
+            if not ok:
+                links.abort()
+            for lock in held:
+                lock.release()
+
+    # ---------------------------------------------------------------- group formation
+
+    @classmethod
+    @asynccontextmanager
+    async def open_group(
+        cls,
+        n: int,
+        *,
+        secret: bytes | str | None = None,
+        group: str = DEFAULT_GROUP,
+        tls: TlsConfig | None = None,
+        shared_memory: bool = False,
+        **shm_options: Any,
+    ) -> AsyncIterator[list[TcpTransport]]:
+        """Yield ``n`` connected transports on loopback in this process (tests, benchmarks).
+
+        Every pair of ranks is a real authenticated TCP connection (over TLS with ``tls``).
+        With ``shared_memory``, the ranks attach a shared-memory plane (``shm_options`` go to
+        `runtime.transport.shm.attach_shared_memory`).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"group size must be a positive int, got {n!r}")
+        key = load_secret(secret if secret is not None else secrets.token_hex(16), {})
+        listeners = [
+            (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0] if n > 1 else None
+            for _ in range(n)
+        ]
+        addresses = [
+            tuple(lst.socket.getsockname()[:2]) if lst is not None else ("", 0) for lst in listeners
+        ]
+        meshes: list[dict[int, Connection]] = [{} for _ in range(n)]
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in range(n):
+                    nursery.start_soon(
+                        functools.partial(_form_mesh, tls=tls),
+                        Identity(group, n, rank),
+                        listeners[rank],
+                        addresses,
+                        key,
+                        meshes[rank],
+                        range(n),
+                    )
+        finally:
+            for lst in listeners:
+                if lst is not None:
+                    await lst.aclose()
+        transports = [cls(rank, n, meshes[rank]) for rank in range(n)]
+        try:
+            if shared_memory:
+                await _attach_all(transports, shm_options)
+            yield transports
+        finally:
+            with trio.CancelScope(shield=True):
+                for transport in transports:
+                    await transport.aclose()
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        config: DistributedConfig,
+        *,
+        secret: bytes | str | None = None,
+        group: str = DEFAULT_GROUP,
+        join_seconds: float = 60.0,
+        tls: TlsConfig | None = None,
+        shared_memory: bool | None = None,
+    ) -> AsyncIterator[TcpTransport]:
+        """Join a multi-process group: rank 0 listens at ``config.coordinator_addr``.
+
+        Every other rank dials rank 0, authenticates, announces where it listens, receives the
+        table of all ranks' addresses, then connects to the ranks below it. The whole formation
+        must finish within ``join_seconds`` seconds. With ``tls``, every connection is TLS.
+
+        Then the ranks negotiate a shared-memory plane (`runtime.transport.shm`), used when every
+        rank
+        wants it and all run on one host. ``shared_memory`` None means on unless
+        ``PARAMSYNC_SHM=0`` or TLS (its results are bitwise those of the TCP ring, so only the
+        speed changes); True asks for it even under TLS; False opts this rank, and so the
+        group, out.
+        """
+        key = load_secret(secret)
+        me = Identity(group, config.world_size, config.rank)
+        mesh: dict[int, Connection] = {}
+        if config.world_size > 1:
+            with trio.fail_after(join_seconds):
+                if config.rank == 0:
+                    await _rendezvous_root(me, config.address, key, mesh, tls=tls)
+                else:
+                    await _rendezvous_member(me, config.address, key, mesh, tls=tls)
+        transport = cls(config.rank, config.world_size, mesh)
+        try:
+            if config.world_size > 1:
+                await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
+            yield transport
+        finally:
+            with trio.CancelScope(shield=True):
+                await transport.aclose()
+
+
+async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -> None:
+    """Attach a shared-memory plane on every rank of an in-process group, concurrently."""
+    async with trio.open_nursery() as nursery:
+        for transport in transports:
+            nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
+
+
+def _admit_ranks(me: Identity, claimed: set[int], allowed: range | set[int]) -> Any:
+    def admit(peer: Identity) -> str | None:
+        if peer.rank in claimed:
+            return f"rank {peer.rank} is already taken"
+        if peer.rank not in allowed or peer.rank <= me.rank:
+            return f"rank {peer.rank} is not expected to dial rank {me.rank}"
+        claimed.add(peer.rank)
+        return None
+
+    return admit
+
+
+async def _serve_until(
+    listener: trio.SocketListener,
+    me: Identity,
+    secret: bytes,
+    mesh: dict[int, Connection],
+    expected: set[int],
+    on_joined: Any = None,
+    *,
+    tls: TlsConfig | None = None,
+) -> None:
+    """Accept connections until every rank in ``expected`` has joined ``mesh``.
+
+    A connection that fails its handshake is logged and dropped; the listener keeps serving.
+    """
+    claimed = set(mesh)
+    admit = _admit_ranks(me, claimed, expected)
+    all_in = trio.Event()
+
+    async def handle(stream: trio.SocketStream, ticket: Any) -> None:
+        try:
+            with (
+                ticket
+            ):  # deadline, pending slot; logs and counts a failure (runtime.transport.admission)
+                conn, peer = await accept(
+                    stream, secret, me, admit, handshake_seconds=ticket.seconds, tls=tls
+                )
+        except (ProtocolError, OSError, trio.BrokenResourceError):
+            return
+        if on_joined is not None:
+            try:
+                await on_joined(peer.rank, conn)
+            except (ProtocolError, OSError) as exc:
+                log.warning(
+                    "rank %d dropped rank %d after its handshake: %s", me.rank, peer.rank, exc
+                )
+                claimed.discard(peer.rank)
+                await conn.aclose()
+                return
+        mesh[peer.rank] = conn
+        if expected <= mesh.keys():
+            all_in.set()
+
+    async with trio.open_nursery() as nursery:
+
+        async def accept_loop() -> None:
+            from runtime.transport.admission import AdmissionGate
+
+            await AdmissionGate(f"rank {me.rank}").serve(listener, nursery, handle)
+
+        if expected - mesh.keys():
+            nursery.start_soon(accept_loop)
+            await all_in.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def dial_with_retry(
+    address: tuple[str, int], secret: bytes, me: Identity, *, tls: TlsConfig | None = None
+) -> tuple[Connection, Identity]:
+    """`dial`, retrying with backoff while nobody listens yet or the listener is busy; the
+    caller sets the deadline."""
+    delay = 0.01
+    while True:
+        try:
+            return await dial(address, secret, me, tls=tls)
+        except (OSError, ListenerBusy):
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+async def _form_mesh(
+    me: Identity,
+    listener: trio.SocketListener | None,
+    addresses: list[tuple[str, int]],
+    secret: bytes,
+    mesh: dict[int, Connection],
+    members: range | list[int],
+    *,
+    tls: TlsConfig | None = None,
+) -> None:
+    """Connect ``me`` to every other member: dial those below, accept those above."""
+    below = [rank for rank in members if rank < me.rank and rank not in mesh]
+    above = {rank for rank in members if rank > me.rank}
+
+    async def dial_one(rank: int) -> None:
+        conn, peer = await dial_with_retry(addresses[rank], secret, me, tls=tls)
+        if peer.rank != rank:
+            await conn.aclose()
+            raise HandshakeError(f"dialed rank {rank} at {addresses[rank]}, found rank {peer.rank}")
+        mesh[rank] = conn
+
+    async with trio.open_nursery() as nursery:
+        for rank in below:
+            nursery.start_soon(dial_one, rank)
+        if above and listener is not None:
+            nursery.start_soon(
+                functools.partial(_serve_until, listener, me, secret, mesh, above, tls=tls)
+            )
+
+
+async def form_mesh(
+    me: Identity,
+    listener: trio.SocketListener,
+    addresses: list[tuple[str, int]],
+    secret: bytes,
+    *,
+    tls: TlsConfig | None = None,
+) -> dict[int, Connection]:
+    """Connect ``me`` to every rank listed in ``addresses`` (by rank): dial the ranks below,
+    accept the ranks above on ``listener`` (all over TLS with ``tls``). Returns the
+    connections by rank."""
+    if len(addresses) != me.world_size:
+        raise HandshakeError(
+            f"{len(addresses)} addresses for a group of {me.world_size}: cannot form the mesh"
+        )
+    mesh: dict[int, Connection] = {}
+    await _form_mesh(me, listener, addresses, secret, mesh, range(me.world_size), tls=tls)
+    return mesh
+
+
+async def _rendezvous_root(
+    me: Identity,
+    address: tuple[str, int],
+    secret: bytes,
+    mesh: dict[int, Connection],
+    *,
+    tls: TlsConfig | None = None,
+) -> None:
+    listeners = await trio.open_tcp_listeners(address[1], host=address[0])
+    joins: dict[int, tuple[str, int]] = {}
+
+    async def on_joined(rank: int, conn: Connection) -> None:
+        message = await conn.recv(HANDSHAKE_MAX_FRAME)
+        if message["kind"] != "rdv_join":
+            raise ProtocolError(f"expected rdv_join, got {message['kind']}", peer=rank)
+        joins[rank] = (message["host"], message["port"])
+
+    try:
+        await _serve_until(
+            listeners[0], me, secret, mesh, set(range(1, me.world_size)), on_joined, tls=tls
+        )
+    finally:
+        for lst in listeners:
+            await lst.aclose()
+    table = [[address[0], address[1]]] + [list(joins[r]) for r in range(1, me.world_size)]
+    for rank in range(1, me.world_size):
+        await mesh[rank].send("rdv_table", {"addresses": table})
+
+
+async def _rendezvous_member(
+    me: Identity,
+    address: tuple[str, int],
+    secret: bytes,
+    mesh: dict[int, Connection],
+    *,
+    tls: TlsConfig | None = None,
+) -> None:
+    conn, peer = await dial_with_retry(address, secret, me, tls=tls)
+    if peer.rank != 0:
+        await conn.aclose()
+        raise HandshakeError(f"{address[0]}:{address[1]} is rank {peer.rank}, not rank 0")
+    mesh[0] = conn
+    local_host = conn.socket.getsockname()[0]
+    listeners = await trio.open_tcp_listeners(0, host=local_host)
+    try:
+        port = listeners[0].socket.getsockname()[1]
+        await conn.send("rdv_join", {"host": local_host, "port": port})
+        table = await conn.recv()
+        if table["kind"] != "rdv_table" or len(table["addresses"]) != me.world_size:
+            raise ProtocolError("rendezvous table does not list every rank", peer=0)
+        addresses = []
+        for entry in table["addresses"]:
+            if len(entry) != 2 or not isinstance(entry[0], str) or not isinstance(entry[1], int):
+                raise ProtocolError(f"bad address {entry!r} in the rendezvous table", peer=0)
+            addresses.append((entry[0], entry[1]))
+        await _form_mesh(
+            me, listeners[0], addresses, secret, mesh, range(1, me.world_size), tls=tls
+        )
+    finally:
+        for lst in listeners:
+            await lst.aclose()
