@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 soak: $(STAMP)
@@ -40,6 +42,8 @@ reliability-hostile: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format .

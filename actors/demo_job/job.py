@@ -24,7 +24,7 @@ from actors.state.buckets import DEFAULT_BUCKET_BYTES
 from actors.state.checkpoint import CheckpointStore
 from actors.state.training_state import capture_state, restore_state
 from actors.train.run import trainer_from_env, write_summary
-from actors.train.trainer import TrainerOptions
+from actors.train.trainer import DistributedTrainer, TrainerOptions
 from runtime.collectives.ring import all_gather
 from runtime.coordinator.service import CoordinatorOptions
 from runtime.errors import pick_error
@@ -123,6 +123,7 @@ async def run(args: argparse.Namespace) -> int:
 
     def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
+        assert isinstance(model, CharTransformer)
         return model.loss(inputs, targets)
 
     try:
@@ -209,7 +210,7 @@ def _exit_code(signum: int | None) -> int:
     return EXIT_OK
 
 
-async def _gather_and_plot(trainer: object, args: argparse.Namespace) -> None:
+async def _gather_and_plot(trainer: DistributedTrainer, args: argparse.Namespace) -> None:
     losses = torch.tensor([loss for _, loss in trainer.losses], dtype=torch.float64)
     curves = await all_gather(trainer.transport, losses)
     if trainer.dist_config.rank == 0 and args.plot:

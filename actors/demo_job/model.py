@@ -105,7 +105,8 @@ class CharTransformer(nn.Module):
         """Re-draw every weight from ``seed`` (GPT-2 style: N(0, 0.02), residual outputs
         scaled by 1/sqrt(2 * n_layers), zero biases, unit LayerNorm gains)."""
         gen = torch.Generator().manual_seed(seed)
-        residual = {id(b.attn.proj) for b in self.blocks} | {id(b.out) for b in self.blocks}
+        blocks = [block for block in self.blocks if isinstance(block, Block)]
+        residual = {id(b.attn.proj) for b in blocks} | {id(b.out) for b in blocks}
         for module in self.modules():
             if isinstance(module, nn.LayerNorm):
                 module.weight.fill_(1.0)
@@ -115,8 +116,9 @@ class CharTransformer(nn.Module):
                     continue
                 std = 0.02 / math.sqrt(2 * self.n_layers) if id(module) in residual else 0.02
                 module.weight.normal_(0.0, std, generator=gen)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.zero_()
 
     @property
     def hparams(self) -> dict[str, Any]:

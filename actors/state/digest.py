@@ -108,7 +108,7 @@ class _View:
     __slots__ = ("data", "dtype", "pointer", "seed", "shape", "stride", "tensor")
 
     def __init__(self, name: str, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor: torch.Tensor | None = tensor
         self.pointer = tensor.data_ptr()
         self.shape = tensor.shape
         self.stride = tensor.stride()
@@ -207,7 +207,7 @@ class _Plan:
                 map(is_, params, self.optimizer_params)
             ):
                 return False
-            entries = list(map(optimizer.state.get, params))
+            entries: list[Any] = list(map(optimizer.state.get, params))
             if [len(entry) if entry else 0 for entry in entries] != self.state_sizes:
                 return False
             try:

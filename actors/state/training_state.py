@@ -335,7 +335,7 @@ def restore_state(
         used.add(name)
         return source
 
-    copies = [
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = [
         (live, take(f"param.{name}", live, "model")) for name, live in model.named_parameters()
     ]
     copies += [

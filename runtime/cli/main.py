@@ -216,8 +216,8 @@ def _run_allreduce(args: argparse.Namespace, tls: TlsConfig | None) -> int:
         async with TcpTransport.connect(config, tls=tls) as transport:
             tensor = rank_tensor(config.rank)
             await all_reduce(transport, tensor, "avg")
-            reference = sum(rank_tensor(r).double() for r in range(config.world_size))
-            reference = reference / config.world_size
+            reference = torch.stack([rank_tensor(r).double() for r in range(config.world_size)])
+            reference = reference.sum(0) / config.world_size
             max_error = float((tensor.double() - reference).abs().max()) if numel else 0.0
             digest = hashlib.sha256(tensor_buffer(tensor)).digest()
             token = torch.frombuffer(bytearray(digest), dtype=torch.uint8)

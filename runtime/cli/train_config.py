@@ -383,5 +383,5 @@ def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _overrides_layer(overrides: Mapping[str, object]) -> dict[str, Any]:
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given: dict[object, object] = {k: v for k, v in overrides.items() if v is not None}
     return _coerce_fields(given, "override")

@@ -287,7 +287,7 @@ def merge_traces(
         raise ValueError("merge_traces needs at least one trace file")
     for path in paths:
         events = load_trace(path)
-        pids = {e.get("pid") for e in events if isinstance(e.get("pid"), int)}
+        pids: set[int] = {e["pid"] for e in events if isinstance(e.get("pid"), int)}
         remap: dict[int, int] = {}
         if pids & used:
             next_pid = max(used | pids) + 1
@@ -296,9 +296,9 @@ def merge_traces(
                     remap[pid] = next_pid
                     next_pid += 1
         for event in events:
-            pid = event.get("pid")
-            if isinstance(pid, int) and pid in remap:
-                event = {**event, "pid": remap[pid]}
+            event_pid = event.get("pid")
+            if isinstance(event_pid, int) and event_pid in remap:
+                event = {**event, "pid": remap[event_pid]}
             merged.append(event)
         used |= {remap.get(p, p) for p in pids}
     if rebase:
