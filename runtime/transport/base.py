@@ -48,6 +48,17 @@ class Transport(abc.ABC):
                 f"rank {self.rank} cannot talk to peer {peer} in a group of {self.world_size}"
             )
 
+    def check_destination(self, out: torch.Tensor) -> None:
+        """Refuse a `recv_into` destination that is not a contiguous CPU tensor, before any
+        byte of the message is read (it stays for the next receive)."""
+        if not isinstance(out, torch.Tensor):
+            raise CollectiveError(f"recv_into needs a torch.Tensor, got {type(out).__name__}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise CollectiveError(
+                f"recv_into needs a contiguous CPU tensor to write into, got a "
+                f"{'contiguous' if out.is_contiguous() else 'non-contiguous'} one on {out.device}"
+            )
+
     @abc.abstractmethod
     async def send(
         self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
@@ -62,8 +73,9 @@ class Transport(abc.ABC):
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         """Receive the next message from ``peer``, its bulk written into ``out``.
 
-        ``out`` is a contiguous CPU tensor; a bulk of another dtype or size is a ProtocolError.
-        The returned message's ``data`` is ``out``.
+        ``out`` must be a contiguous CPU tensor, else a CollectiveError before anything is read
+        (`check_destination`); a bulk of another dtype or size is a ProtocolError naming the
+        peer. The returned message's ``data`` is ``out``.
         """
 
     def abort(self) -> None:  # noqa: B027 - optional hook, most transports have no threads
@@ -146,6 +158,7 @@ class InProcessTransport(Transport):
         return await self._receive_frame(peer)
 
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        self.check_destination(out)
         message = await self._receive_frame(peer)
         data = message.get("data")
         if not isinstance(data, torch.Tensor):
