@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import stamina
 import torch
 import trio
 
@@ -1128,18 +1129,31 @@ async def _serve_until(
         nursery.cancel_scope.cancel()
 
 
+_REDIAL_FIRST = 0.01
+"""Seconds before the first redial; each later wait doubles, up to `_REDIAL_MAX`."""
+_REDIAL_MAX = 0.5
+_REDIAL_JITTER = 0.1
+"""Up to this many seconds, drawn at random, are added to every wait: workers that all lost a
+restarted coordinator at once redial spread out, not in one herd."""
+
+
 async def dial_with_retry(
     address: tuple[str, int], secret: bytes, me: Identity, *, tls: TlsConfig | None = None
 ) -> tuple[Connection, Identity]:
-    """`dial`, retrying with backoff while nobody listens yet or the listener is busy; the
-    caller sets the deadline."""
-    delay = 0.01
-    while True:
-        try:
+    """`dial`, retrying while nobody listens yet or the listener is busy, with exponential
+    backoff and random jitter (`stamina`); any other failure is raised at once. It retries
+    for as long as it takes: the caller sets the deadline (a cancel scope)."""
+    async for attempt in stamina.retry_context(
+        on=(OSError, ListenerBusy),
+        attempts=None,
+        timeout=None,
+        wait_initial=_REDIAL_FIRST,
+        wait_max=_REDIAL_MAX,
+        wait_jitter=_REDIAL_JITTER,
+    ):
+        with attempt:
             return await dial(address, secret, me, tls=tls)
-        except (OSError, ListenerBusy):
-            await trio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+    raise AssertionError("unreachable: retries stop only by success, error or cancellation")
 
 
 async def _form_mesh(
