@@ -655,7 +655,7 @@ async def dial(
         await _close(conn, stream)
         if isinstance(exc, _TlsBroken):
             # TLS 1.3: the listener checks this side's certificate after our handshake ended.
-            reason = getattr(exc, "tls_reason", exc.reason)
+            reason = exc.tls_reason
             raise HandshakeError(f"TLS handshake failed: {reason}", peer=where) from None
         if tls is None and conn is not None and _sounds_like_tls(conn):
             raise HandshakeError(
