@@ -3,6 +3,10 @@
 A `Transport` connects one rank to every other rank of its group. Messages to one peer arrive in
 the order they were sent. Collectives are the only users of the data path, one at a time, in the
 same order on every rank, so a receiver always knows what the next frame from a peer must be.
+
+What a transport can do beyond this contract (lend links to threads, carry a shared-memory
+plane) it declares by inheriting the interfaces of `runtime.transport.capabilities`;
+`runtime.testing.transport_conformance` checks an implementation against both.
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ class InProcessTransport(Transport):
     """Ranks in one trio run, joined by bounded memory channels carrying encoded frames.
 
     Frames go through the same codec as on TCP, so both transports accept and refuse the same
-    messages; only the bytes' path differs.
+    messages; only the bytes' path differs. It declares no capability: collectives take their
+    trio paths over it.
     """
 
     def __init__(
