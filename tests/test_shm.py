@@ -9,6 +9,7 @@ real worker processes on this host.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,8 +30,10 @@ from hypothesis import strategies as st
 from test_collectives import REDUCE_DTYPES, check_identical, check_reduced, make_inputs, numels
 
 from runtime.collectives.ring import all_reduce, barrier
-from runtime.errors import PeerClosed, ProtocolError, StallError
-from runtime.transport.base import Transport
+from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
+from runtime.protocol.wire import decode_frame
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.capabilities import SharedMemoryHolder
 from runtime.transport.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory
 from runtime.transport.tcp import TcpTransport
 
@@ -194,6 +198,82 @@ async def test_paramsync_shm_env_decides_the_default(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv("PARAMSYNC_SHM", "1")
         planes = await run_ranks(group, attach_shared_memory)
         assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+
+
+class FramedInProcess(InProcessTransport, SharedMemoryHolder):
+    """An in-process transport that declares pre-encoded frames and a shared-memory plane but
+    lends no polled links: the plane must run on it through the interfaces alone."""
+
+    stall_seconds = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared_memory = None
+
+    async def send_frame(self, peer: int, frame: bytes) -> None:
+        self.check_peer(peer)
+        await self._senders[peer].send(frame)
+
+    async def recv_matching(self, peer: int, expected: bytes) -> dict[str, Any] | None:
+        self.check_peer(peer)
+        frame = await self._receivers[peer].receive()
+        return None if frame == expected else decode_frame(frame, self.max_frame)
+
+    async def aclose(self) -> None:
+        if self.shared_memory is not None:
+            self.shared_memory.close()
+            self.shared_memory = None
+        await super().aclose()
+
+
+async def test_the_plane_runs_on_any_holder_and_refuses_other_transports() -> None:
+    """shm depends on the capability interfaces, not on TCP: it attaches to any
+    SharedMemoryHolder, refuses a transport that is none by name, and a threaded plane on a
+    holder that lends no polled links refuses to run rather than probe for them."""
+    plain = InProcessTransport.create_group(2)
+    with pytest.raises(CollectiveError, match="InProcessTransport cannot carry a shared-memory"):
+        await attach_shared_memory(plain[0])  # type: ignore[arg-type]
+    group = FramedInProcess.create_group(2)
+    try:
+        planes = await run_ranks(
+            group,
+            lambda t: attach_shared_memory(t, want=True, min_bytes=0),  # type: ignore[arg-type]
+        )
+        assert all(isinstance(plane, SharedMemoryPlane) for plane in planes)
+        tensors = [torch.arange(50_000, dtype=torch.float32) * (rank + 1) for rank in range(2)]
+        await run_ranks(group, lambda t: all_reduce(t, tensors[t.rank], small_bytes=0))
+        assert all(torch.equal(t, torch.arange(50_000, dtype=torch.float32) * 3) for t in tensors)
+        for plane in planes:
+            plane.threaded = True
+        with pytest.raises(CollectiveError, match="needs polled links"):
+            await all_reduce(group[0], tensors[0], small_bytes=0)
+    finally:
+        for transport in [*plain, *group]:
+            await transport.aclose()
+    assert all(plane.closed for plane in planes)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at its top or inside a function."""
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+    return modules
+
+
+def test_shm_imports_neither_tcp_nor_the_collectives() -> None:
+    """The layering: the plane sits on the capability interfaces (no tcp <-> shm cycle), and
+    no transport module imports the collectives or anything else above it."""
+    transport = ROOT / "runtime" / "transport"
+    for name in ("shm.py", "capabilities.py", "segments.py", "base.py"):
+        assert "runtime.transport.tcp" not in imported_modules(transport / name), name
+    above = ("runtime.collectives", "runtime.actor", "runtime.coordinator", "runtime.cli", "actors")
+    for path in transport.glob("*.py"):
+        wrong = [m for m in imported_modules(path) if m.startswith(above)]
+        assert not wrong, f"{path.name} imports {wrong} from above the transport layer"
 
 
 THREADED = pytest.mark.parametrize("threaded", [False, True], ids=["event-loop", "threaded"])

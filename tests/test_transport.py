@@ -20,12 +20,15 @@ from runtime.errors import (
     AuthenticationError,
     CollectiveError,
     HandshakeError,
+    ListenerBusy,
     PeerClosed,
     ProtocolError,
     StallError,
 )
+from runtime.protocol.handshake import Identity, load_secret
 from runtime.protocol.wire import encode_frame_bytes
-from runtime.transport.tcp import TcpTransport
+from runtime.transport import tcp
+from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport
 
 SECRET = "rendezvous-secret-for-tests"
 COLL = {"op": 0, "hop": 0, "part": 0}
@@ -469,3 +472,92 @@ async def test_a_cancelled_polled_wait_breaks_the_links_and_wakes_the_thread() -
             await woke.wait()
         with pytest.raises(PeerClosed):
             await t0.send(1, "shm_step", {"op": 0, "step": 0})
+
+
+# --------------------------------------------------------------------------- redialing
+
+
+class FlakyDial:
+    """Stands in for `tcp.dial`: fails ``failures`` times with ``error``, then connects;
+    records the (mock clock) time of every attempt."""
+
+    def __init__(self, failures: int, error: BaseException) -> None:
+        self.failures = failures
+        self.error = error
+        self.times: list[float] = []
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> tuple[str, str]:
+        self.times.append(trio.current_time())
+        await trio.lowlevel.checkpoint()
+        if len(self.times) <= self.failures:
+            raise self.error
+        return ("conn", "peer")
+
+
+DIAL_ARGS: tuple[Any, ...] = (("127.0.0.1", 1), b"k" * 32, None)
+
+
+@pytest.mark.parametrize("error", [ConnectionRefusedError("nobody listens"), ListenerBusy("busy")])
+async def test_dial_with_retry_backs_off_exponentially_with_jitter(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: Any, error: BaseException
+) -> None:
+    """Waits start at 10 ms and double up to 0.5 s, each plus up to 0.1 s of jitter, so two
+    dialers that fail at the same instant do not redial at the same instants."""
+    dialers = [FlakyDial(9, error), FlakyDial(9, error)]
+    for dialer in dialers:
+        monkeypatch.setattr(tcp, "dial", dialer)
+        assert await tcp.dial_with_retry(*DIAL_ARGS) == ("conn", "peer")
+    for dialer in dialers:
+        waits = [b - a for a, b in zip(dialer.times, dialer.times[1:])]
+        assert len(waits) == 9
+        for k, wait in enumerate(waits):
+            floor = min(0.5, 0.01 * 2**k)
+            assert floor - 1e-9 <= wait <= min(0.5, floor + 0.1) + 1e-9, (k, wait)
+    first, second = ([b - a for a, b in zip(d.times, d.times[1:])] for d in dialers)
+    assert first != second  # jittered: the odds of nine equal uniform draws are nil
+
+
+async def test_dial_with_retry_retries_until_the_callers_deadline(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
+) -> None:
+    dialer = FlakyDial(10**9, ConnectionRefusedError("nobody listens"))
+    monkeypatch.setattr(tcp, "dial", dialer)
+    with trio.move_on_after(30) as scope:
+        await tcp.dial_with_retry(*DIAL_ARGS)
+    assert scope.cancelled_caught
+    assert trio.current_time() == pytest.approx(30)
+    assert len(dialer.times) >= 30 / 0.6  # no attempt cap: the deadline alone stops it
+
+
+async def test_dial_with_retry_does_not_retry_a_refusal(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
+) -> None:
+    dialer = FlakyDial(1, AuthenticationError("wrong secret"))
+    monkeypatch.setattr(tcp, "dial", dialer)
+    with pytest.raises(AuthenticationError, match="wrong secret"):
+        await tcp.dial_with_retry(*DIAL_ARGS)
+    assert len(dialer.times) == 1
+
+
+async def test_dial_with_retry_connects_once_a_late_listener_comes_up() -> None:
+    port = free_port()
+    me = Identity(DEFAULT_GROUP, 2, 1)
+    key = load_secret(SECRET, {})
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+
+            async def listen_late() -> None:
+                await trio.sleep(0.3)
+                listener = (await trio.open_tcp_listeners(port, host="127.0.0.1"))[0]
+                stream = await listener.accept()
+                conn, peer = await tcp.accept(
+                    stream, key, Identity(DEFAULT_GROUP, 2, 0), lambda _peer: None
+                )
+                assert peer.rank == 1
+                await conn.aclose()
+                await listener.aclose()
+
+            nursery.start_soon(listen_late)
+            conn, peer = await tcp.dial_with_retry(("127.0.0.1", port), key, me)
+            assert peer.rank == 0
+            await conn.aclose()

@@ -55,6 +55,7 @@ from runtime.observe.trace import TraceRecorder
 from runtime.protocol.wire import Field, register_message
 from runtime.testing.faults import armed, fault_point
 from runtime.transport.base import Transport
+from runtime.transport.capabilities import SharedMemoryHolder
 
 __all__ = [
     "DistributedTrainer",
@@ -308,9 +309,8 @@ class GradCommActor(Actor):
         self.options = options
         self.trace = trace
         self.epoch = epoch
-        plane = getattr(transport, "shared_memory", None)
-        if plane is not None:
-            plane.threaded = options.threaded_shared_memory
+        if isinstance(transport, SharedMemoryHolder) and transport.shared_memory is not None:
+            transport.shared_memory.threaded = options.threaded_shared_memory
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
         self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]

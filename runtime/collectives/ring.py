@@ -21,8 +21,15 @@ import torch
 import trio
 
 from runtime.errors import CollectiveError, ProtocolError, first_error
-from runtime.protocol.wire import DTYPE_TAGS, Field, register_message
+from runtime.protocol.wire import Field, register_message
 from runtime.transport.base import Transport
+from runtime.transport.capabilities import (
+    BlockingLinkProvider,
+    BlockingLinkSet,
+    SharedMemoryHolder,
+)
+from runtime.transport.segments import SUPPORTED_DTYPES, segment_bounds
+from runtime.transport.segments import divide_in_place as _divide
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -58,24 +65,6 @@ register_message(
     data=Field(torch.Tensor),
 )
 
-SUPPORTED_DTYPES = frozenset(DTYPE_TAGS)
-
-
-def segment_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Split ``numel`` elements into ``world_size`` contiguous (start, stop) segments.
-
-    The first ``numel % world_size`` segments hold one element more; any length works,
-    including 0 and fewer elements than ranks.
-    """
-    base, extra = divmod(numel, world_size)
-    bounds = []
-    start = 0
-    for index in range(world_size):
-        stop = start + base + (1 if index < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
@@ -92,14 +81,6 @@ def _check_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:
 def _check_op(op: str) -> None:
     if op not in ("sum", "avg"):
         raise CollectiveError(f"reduce op must be 'sum' or 'avg', got {op!r}")
-
-
-def _divide(tensor: torch.Tensor, world_size: int) -> None:
-    """Average in place: true division for floats, floor division for integers."""
-    if tensor.is_floating_point():
-        tensor.div_(world_size)
-    else:
-        tensor.div_(world_size, rounding_mode="floor")
 
 
 def _expect(message: dict[str, Any], op_id: int, hop: int, part: int, peer: int) -> None:
@@ -141,17 +122,17 @@ async def _ring(
     fold_hops: int = 0,
     threaded_min_bytes: int = THREADED_MIN_BYTES,
 ) -> None:
-    """Run the ring on worker threads when the transport lends blocking links (not over
-    TLS) and the tensor is large enough to repay a thread hand-off; else on trio tasks."""
+    """Run the ring on worker threads when the transport lends blocking links (a
+    `BlockingLinkProvider` that supports them now: not over TLS) and the tensor is large
+    enough to repay a thread hand-off; else on trio tasks."""
     plan = _RingPlan(transport, flat, op_id, bounds, hops, chunk, fold, fold_hops)
-    links = getattr(transport, "blocking_links", None)
     nbytes = flat.numel() * flat.element_size()
     if (
-        links is not None
+        isinstance(transport, BlockingLinkProvider)
         and nbytes >= threaded_min_bytes
-        and getattr(transport, "supports_blocking", True)
+        and transport.supports_blocking
     ):
-        async with links({plan.next, plan.prev}) as io:
+        async with transport.blocking_links({plan.next, plan.prev}) as io:
             await _ring_threaded(plan, io)
         return
     await _ring_async(transport, plan)
@@ -217,7 +198,7 @@ class _RingPlan:
         self.done[hop] += 1
 
 
-async def _ring_threaded(plan: _RingPlan, io: Any) -> None:
+async def _ring_threaded(plan: _RingPlan, io: BlockingLinkSet) -> None:
     """Run ``plan`` with a sender and a receiver OS thread.
 
     Blocking calls move whole parts per system call and release the GIL, so the kernel copies
@@ -325,10 +306,11 @@ async def all_reduce(
     if flat.numel() * flat.element_size() <= small_bytes:
         await _all_reduce_direct(transport, flat, op, op_id)
         return tensor
-    plane = getattr(transport, "shared_memory", None)  # ranks on one host: `runtime.transport.shm`
-    if plane is not None and plane.accepts(flat):
-        await plane.all_reduce(transport, flat, op, op_id)
-        return tensor
+    if isinstance(transport, SharedMemoryHolder):  # ranks on one host: `runtime.transport.shm`
+        plane = transport.shared_memory
+        if plane is not None and plane.accepts(flat):
+            await plane.all_reduce(transport, flat, op, op_id)
+            return tensor
     rank = transport.rank
     owned_hop = n - 2  # the reduce-scatter hop after which this rank's segment is complete
     reduce_hops = [((rank - k) % n, (rank - k - 1) % n) for k in range(n - 1)]

@@ -3,6 +3,10 @@
 A `Transport` connects one rank to every other rank of its group. Messages to one peer arrive in
 the order they were sent. Collectives are the only users of the data path, one at a time, in the
 same order on every rank, so a receiver always knows what the next frame from a peer must be.
+
+What a transport can do beyond this contract (lend links to threads, carry a shared-memory
+plane) it declares by inheriting the interfaces of `runtime.transport.capabilities`;
+`runtime.testing.transport_conformance` checks an implementation against both.
 """
 
 from __future__ import annotations
@@ -48,6 +52,17 @@ class Transport(abc.ABC):
                 f"rank {self.rank} cannot talk to peer {peer} in a group of {self.world_size}"
             )
 
+    def check_destination(self, out: torch.Tensor) -> None:
+        """Refuse a `recv_into` destination that is not a contiguous CPU tensor, before any
+        byte of the message is read (it stays for the next receive)."""
+        if not isinstance(out, torch.Tensor):
+            raise CollectiveError(f"recv_into needs a torch.Tensor, got {type(out).__name__}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise CollectiveError(
+                f"recv_into needs a contiguous CPU tensor to write into, got a "
+                f"{'contiguous' if out.is_contiguous() else 'non-contiguous'} one on {out.device}"
+            )
+
     @abc.abstractmethod
     async def send(
         self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
@@ -62,8 +77,9 @@ class Transport(abc.ABC):
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         """Receive the next message from ``peer``, its bulk written into ``out``.
 
-        ``out`` is a contiguous CPU tensor; a bulk of another dtype or size is a ProtocolError.
-        The returned message's ``data`` is ``out``.
+        ``out`` must be a contiguous CPU tensor, else a CollectiveError before anything is read
+        (`check_destination`); a bulk of another dtype or size is a ProtocolError naming the
+        peer. The returned message's ``data`` is ``out``.
         """
 
     def abort(self) -> None:  # noqa: B027 - optional hook, most transports have no threads
@@ -85,7 +101,8 @@ class InProcessTransport(Transport):
     """Ranks in one trio run, joined by bounded memory channels carrying encoded frames.
 
     Frames go through the same codec as on TCP, so both transports accept and refuse the same
-    messages; only the bytes' path differs.
+    messages; only the bytes' path differs. It declares no capability: collectives take their
+    trio paths over it.
     """
 
     def __init__(
@@ -146,6 +163,7 @@ class InProcessTransport(Transport):
         return await self._receive_frame(peer)
 
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        self.check_destination(out)
         message = await self._receive_frame(peer)
         data = message.get("data")
         if not isinstance(data, torch.Tensor):

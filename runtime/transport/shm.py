@@ -34,17 +34,21 @@ import socket
 import stat
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import trio
 
-from runtime.collectives.ring import SUPPORTED_DTYPES, _divide, segment_bounds
 from runtime.errors import CollectiveError, ProtocolError, StallError
 from runtime.protocol.wire import Field, encode_frame_bytes, register_message
-
-if TYPE_CHECKING:
-    from runtime.transport.tcp import PolledLinks, TcpTransport
+from runtime.transport.capabilities import (
+    AllReducePlane,
+    BlockingLinkProvider,
+    PolledLinkProvider,
+    PolledLinkSet,
+    SharedMemoryHolder,
+)
+from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -97,11 +101,14 @@ def host_identity() -> str:
     return f"{boot}/{socket.gethostname()}"
 
 
-def shared_memory_wanted(transport: TcpTransport) -> bool:
-    """The default: on, unless ``PARAMSYNC_SHM=0`` or the connections are TLS (who asked for
-    TLS gets only the encrypted sockets unless they ask for the plane too)."""
+def shared_memory_wanted(transport: SharedMemoryHolder) -> bool:
+    """The default: on, unless ``PARAMSYNC_SHM=0`` or the connections are TLS, which a
+    `BlockingLinkProvider` says by lending no links (who asked for TLS gets only the encrypted
+    sockets unless they ask for the plane too)."""
     setting = os.environ.get("PARAMSYNC_SHM", "1").strip().lower()
-    return setting not in ("0", "false", "no", "off") and transport.supports_blocking
+    if setting in ("0", "false", "no", "off"):
+        return False
+    return not isinstance(transport, BlockingLinkProvider) or transport.supports_blocking
 
 
 # ------------------------------------------------------------------------------- segment
@@ -185,11 +192,12 @@ def _unlink(path: str) -> None:
 # ------------------------------------------------------------------------------- the plane
 
 
-class SharedMemoryPlane:
+class SharedMemoryPlane(AllReducePlane):
     """One rank's mapping of its group's segment, and the all-reduce that runs on it.
 
     Made by `attach_shared_memory`; `runtime.collectives.ring.all_reduce` uses it for CPU tensors
-    of at least ``min_bytes`` when it hangs on the transport as ``transport.shared_memory``.
+    of at least ``min_bytes`` while it is the transport's ``shared_memory``
+    (`runtime.transport.capabilities.SharedMemoryHolder`).
     """
 
     def __init__(
@@ -249,14 +257,15 @@ class SharedMemoryPlane:
         return self._views[dtype]
 
     async def all_reduce(
-        self, transport: TcpTransport, flat: torch.Tensor, op: str, op_id: int
+        self, transport: SharedMemoryHolder, flat: torch.Tensor, op: str, op_id: int
     ) -> None:
         """Reduce ``flat`` (contiguous, 1-D, CPU) in place across the group.
 
         By default the copies, sums and step signals run in the event loop: a step's copies
         block it for a few milliseconds at most (torch releases the GIL meanwhile), and a
         lone all-reduce pays no thread hand-off. With ``threaded`` they run on one worker
-        thread that holds the group's connections meanwhile (`TcpTransport.polled_links`):
+        thread that holds the group's connections meanwhile (the transport must be a
+        `PolledLinkProvider`, else this is a CollectiveError):
         one hand-off per all-reduce instead of a trip through the event loop for every
         signal. That takes CPU off the event loop but, on a 2-core machine under training,
         costs more than it saves (docs/shared_memory.md), hence the default. A failure (or
@@ -268,6 +277,11 @@ class SharedMemoryPlane:
         plan = _Steps(self.rank, self.world_size, self._typed(flat.dtype), flat, op)
         try:
             if self.threaded:
+                if not isinstance(transport, PolledLinkProvider):
+                    raise CollectiveError(
+                        f"a threaded shared-memory all-reduce needs polled links, which a "
+                        f"{type(transport).__name__} does not lend"
+                    )
                 peers = {peer for peer in range(self.world_size) if peer != self.rank}
                 async with transport.polled_links(peers) as links:
                     await trio.to_thread.run_sync(
@@ -281,7 +295,7 @@ class SharedMemoryPlane:
             raise
 
 
-def _run_polled(plan: _Steps, links: PolledLinks, op_id: int) -> None:
+def _run_polled(plan: _Steps, links: PolledLinkSet, op_id: int) -> None:
     """`SharedMemoryPlane.all_reduce`'s steps on a worker thread."""
     for signal in plan.run():
         _signal_all_polled(links, plan.rank, plan.n, op_id, signal)
@@ -340,7 +354,7 @@ class _Steps:
         for peer in self.order[2:]:
             acc.add_(self.inputs[parity, peer, self.rank, :size])
         if self.op == "avg":
-            _divide(acc, self.n)
+            divide_in_place(acc, self.n)
 
     def copy_out(self, step: int) -> None:
         """Every segment's result piece of ``step`` into the tensor."""
@@ -349,11 +363,11 @@ class _Steps:
             self.flat[lo:hi].copy_(self.results[step % 2, segment, : hi - lo])
 
 
-async def _signal_all(transport: TcpTransport, op_id: int, step: int) -> None:
+async def _signal_all(transport: SharedMemoryHolder, op_id: int, step: int) -> None:
     """Tell every peer this rank reached ``step``, then wait until every peer has too.
 
     Sending first cannot block: a signal is a few dozen bytes and each peer reads its backlog.
-    The signal is encoded once and recognized by its bytes (`TcpTransport.recv_matching`);
+    The signal is encoded once and recognized by its bytes (`PrecodedFrames.recv_matching`);
     anything else is decoded to say what came instead. The waits share one deadline, the
     transport's ``stall_seconds``, and a stall names the first peer still silent."""
     peers = [peer for peer in range(transport.world_size) if peer != transport.rank]
@@ -370,7 +384,7 @@ async def _signal_all(transport: TcpTransport, op_id: int, step: int) -> None:
         raise _no_signal(op_id, step, transport.stall_seconds, waiting)
 
 
-def _signal_all_polled(links: PolledLinks, rank: int, n: int, op_id: int, step: int) -> None:
+def _signal_all_polled(links: PolledLinkSet, rank: int, n: int, op_id: int, step: int) -> None:
     """`_signal_all` on a worker thread."""
     peers = [peer for peer in range(n) if peer != rank]
     frame = encode_frame_bytes("shm_step", {"op": op_id, "step": step})
@@ -411,7 +425,7 @@ def _expect_step(message: Mapping[str, Any], op_id: int, step: int, peer: int) -
 
 
 async def attach_shared_memory(
-    transport: TcpTransport,
+    transport: SharedMemoryHolder,
     *,
     want: bool | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -432,6 +446,11 @@ async def attach_shared_memory(
     to all. A rank silent for ``seconds`` fails the call with a `StallError` naming it.
     ``threaded`` is this rank's own choice (`SharedMemoryPlane.all_reduce`): ranks may differ.
     """
+    if not isinstance(transport, SharedMemoryHolder):
+        raise CollectiveError(
+            f"a {type(transport).__name__} cannot carry a shared-memory plane "
+            "(it is no runtime.transport.capabilities.SharedMemoryHolder)"
+        )
     if transport.shared_memory is not None:  # attaching again replaces the plane
         transport.shared_memory.close()
         transport.shared_memory = None
@@ -451,7 +470,7 @@ async def attach_shared_memory(
     return plane
 
 
-async def _receive(transport: TcpTransport, peer: int, kind: str, deadline: float) -> dict:
+async def _receive(transport: SharedMemoryHolder, peer: int, kind: str, deadline: float) -> dict:
     """The next message from ``peer``, which must be ``kind``, before ``deadline``."""
     try:
         with trio.fail_at(deadline):
@@ -480,7 +499,7 @@ def _decline_reason(hello: dict, hellos: dict[int, dict]) -> str | None:
 
 
 async def _attach_root(
-    transport: TcpTransport,
+    transport: SharedMemoryHolder,
     hello: dict,
     deadline: float,
     max_bytes: int,
@@ -545,7 +564,7 @@ async def _attach_root(
 
 
 async def _attach_member(
-    transport: TcpTransport, hello: dict, deadline: float
+    transport: SharedMemoryHolder, hello: dict, deadline: float
 ) -> SharedMemoryPlane | None:
     rank = transport.rank
     await transport.send(0, "shm_hello", hello)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import stamina
 import torch
 import trio
 
@@ -51,14 +52,23 @@ from runtime.protocol.wire import (
     register_message,
     tensor_buffer,
 )
-from runtime.transport.base import Transport
-from runtime.transport.shm import SharedMemoryPlane, attach_shared_memory
+from runtime.transport.admission import AdmissionGate
+from runtime.transport.capabilities import (
+    AllReducePlane,
+    BlockingLinkProvider,
+    BlockingLinkSet,
+    PolledLinkProvider,
+    PolledLinkSet,
+    SharedMemoryHolder,
+)
+from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tls import TlsConfig, describe_tls_error
 
 __all__ = [
     "TcpTransport",
     "Connection",
     "BlockingLinks",
+    "PolledLinks",
     "DEFAULT_GROUP",
     "dial",
     "dial_with_retry",
@@ -645,7 +655,7 @@ async def dial(
         await _close(conn, stream)
         if isinstance(exc, _TlsBroken):
             # TLS 1.3: the listener checks this side's certificate after our handshake ended.
-            reason = getattr(exc, "tls_reason", exc.reason)
+            reason = exc.tls_reason
             raise HandshakeError(f"TLS handshake failed: {reason}", peer=where) from None
         if tls is None and conn is not None and _sounds_like_tls(conn):
             raise HandshakeError(
@@ -757,7 +767,7 @@ async def _refuse(conn: Connection, reason: str) -> None:
 # -------------------------------------------------------------------------- transport
 
 
-class BlockingLinks:
+class BlockingLinks(BlockingLinkSet):
     """Blocking send/receive on a few connections, for collectives' worker threads."""
 
     def __init__(self, conns: dict[int, Connection], max_frame: int) -> None:
@@ -780,7 +790,7 @@ class BlockingLinks:
             conn.abort()
 
 
-class PolledLinks:
+class PolledLinks(PolledLinkSet):
     """Small control frames on a few connections from one worker thread: each wait is a
     poll(2) with the transport's stall deadline, the sockets stay non-blocking."""
 
@@ -804,8 +814,12 @@ class PolledLinks:
             conn.abort()
 
 
-class TcpTransport(Transport):
-    """A rank's authenticated TCP connections to every other rank of its group."""
+class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder):
+    """A rank's authenticated TCP connections to every other rank of its group.
+
+    Declares every capability of `runtime.transport.capabilities`: blocking and polled links
+    (plaintext TCP only: under TLS `supports_blocking` and `supports_polled` are False), frames
+    encoded beforehand, and a shared-memory plane (`runtime.transport.shm`)."""
 
     def __init__(
         self,
@@ -819,7 +833,7 @@ class TcpTransport(Transport):
         self.max_frame = max_frame
         self.stall_seconds = 300.0
         """A blocking transfer that moves no byte for this long fails as a stall."""
-        self.shared_memory: SharedMemoryPlane | None = None
+        self.shared_memory: AllReducePlane | None = None
         """The group's shared-memory plane (`runtime.transport.shm.attach_shared_memory`), if any:
         all-reduce then moves large tensors through it instead of the sockets."""
 
@@ -836,7 +850,9 @@ class TcpTransport(Transport):
         return await self._conn(peer).recv(self.max_frame)
 
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
-        return await self._conn(peer).recv_into(out, self.max_frame)
+        conn = self._conn(peer)
+        self.check_destination(out)
+        return await conn.recv_into(out, self.max_frame)
 
     async def send_frame(self, peer: int, frame: bytes) -> None:
         """Send a frame encoded beforehand to ``peer`` (see `Connection.send_frame`)."""
@@ -866,6 +882,11 @@ class TcpTransport(Transport):
     @property
     def supports_blocking(self) -> bool:
         """Whether `blocking_links` can lend these connections to threads: not under TLS."""
+        return all(conn.supports_blocking for conn in self.connections.values())
+
+    @property
+    def supports_polled(self) -> bool:
+        """Whether `polled_links` can lend these connections to a thread: not under TLS."""
         return all(conn.supports_blocking for conn in self.connections.values())
 
     @asynccontextmanager
@@ -1100,8 +1121,6 @@ async def _serve_until(
     async with trio.open_nursery() as nursery:
 
         async def accept_loop() -> None:
-            from runtime.transport.admission import AdmissionGate
-
             await AdmissionGate(f"rank {me.rank}").serve(listener, nursery, handle)
 
         if expected - mesh.keys():
@@ -1110,18 +1129,31 @@ async def _serve_until(
         nursery.cancel_scope.cancel()
 
 
+_REDIAL_FIRST = 0.01
+"""Seconds before the first redial; each later wait doubles, up to `_REDIAL_MAX`."""
+_REDIAL_MAX = 0.5
+_REDIAL_JITTER = 0.1
+"""Up to this many seconds, drawn at random, are added to every wait: workers that all lost a
+restarted coordinator at once redial spread out, not in one herd."""
+
+
 async def dial_with_retry(
     address: tuple[str, int], secret: bytes, me: Identity, *, tls: TlsConfig | None = None
 ) -> tuple[Connection, Identity]:
-    """`dial`, retrying with backoff while nobody listens yet or the listener is busy; the
-    caller sets the deadline."""
-    delay = 0.01
-    while True:
-        try:
+    """`dial`, retrying while nobody listens yet or the listener is busy, with exponential
+    backoff and random jitter (`stamina`); any other failure is raised at once. It retries
+    for as long as it takes: the caller sets the deadline (a cancel scope)."""
+    async for attempt in stamina.retry_context(
+        on=(OSError, ListenerBusy),
+        attempts=None,
+        timeout=None,
+        wait_initial=_REDIAL_FIRST,
+        wait_max=_REDIAL_MAX,
+        wait_jitter=_REDIAL_JITTER,
+    ):
+        with attempt:
             return await dial(address, secret, me, tls=tls)
-        except (OSError, ListenerBusy):
-            await trio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+    raise AssertionError("unreachable: retries stop only by success, error or cancellation")
 
 
 async def _form_mesh(
