@@ -269,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.log_level != "DEBUG":  # a redial while the coordinator starts is routine
+        logging.getLogger("stamina").setLevel(logging.ERROR)
     if args.command is None:
         parser.print_help()
         return 2
