@@ -3,23 +3,21 @@
 from actors.client.client import CoordinatorClient, RunAborted
 from actors.demo_job.corpus import CharDataset, CharVocab, load_char_dataset
 from actors.demo_job.model import CharTransformer
+from actors.graph.compute import ComputeActor
+from actors.graph.factory import ActorFactory
+from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import DataLoaderActor
+from actors.graph.optimizer import CheckCost, OptimizerActor
 from actors.graph.sampler import shard
 from actors.state.buckets import Bucket, plan_buckets
 from actors.state.digest import StateDigest, StateHasher, state_digest
 from actors.train.run import trainer_from_env
 from actors.train.sync import SyncTrainer
-from actors.train.trainer import (
-    CheckCost,
-    ComputeActor,
-    DistributedTrainer,
-    GradCommActor,
-    OptimizerActor,
-    TrainerOptions,
-)
+from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import join_run, train_in_process
 
 __all__ = [
+    "ActorFactory",
     "Bucket",
     "CharDataset",
     "CharTransformer",

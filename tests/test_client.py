@@ -11,7 +11,9 @@ import trio
 import trio.testing
 
 from actors.client.client import CoordinatorClient, CoordinatorLost
-from actors.train.trainer import OptimizerActor, OptimizerStep, TrainerOptions, Verify
+from actors.graph.messages import OptimizerStep, Verify
+from actors.graph.optimizer import OptimizerActor
+from actors.train.trainer import TrainerOptions
 from runtime.actor.base import ActorSystem
 from runtime.coordinator.core import Commit, StartRun
 from runtime.observe.trace import TraceRecorder

@@ -1,4 +1,5 @@
-"""Fault-injection trials with real worker processes (runtime.testing.fault_trials).
+"""Fault-injection trials with real worker processes (runtime.testing.fault_trials), and the
+wrappers that inject the faults (runtime.testing.faults, actors.testing.faults).
 
 Hypothesis picks where a worker is SIGKILLed (phase and step); every trial must end with the
 survivors bitwise identical and equal to a reference run with the same membership history. A
@@ -7,12 +8,35 @@ bounded number of trials runs in ``make test``; ``make soak`` runs many more.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
+import torch
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.graph.compute import ComputeActor
+from actors.graph.gradcomm import GradCommActor
+from actors.graph.loader import DataLoaderActor
+from actors.graph.optimizer import OptimizerActor
+from actors.testing.faults import faulty_actors
+from actors.train.trainer import DistributedTrainer
+from runtime.collectives.ring import all_reduce
+from runtime.coordinator.core import (
+    Broadcast,
+    Commit,
+    CoordinatorCore,
+    Digest,
+    Event,
+    Joined,
+    Ready,
+)
+from runtime.coordinator.service import Coordinator
 from runtime.testing.fault_trials import JOB_FLAGS, run_coordinator_restart_trial, run_trial
-from runtime.testing.faults import PHASES, parse_fault
+from runtime.testing.faults import PHASES, Fault, FaultyTransport, commit_fault_core, parse_fault
+from runtime.testing.faulty_daemon import arm
+from runtime.transport.base import InProcessTransport
 
 _REFERENCES: dict[int, str] = {}
 
@@ -121,3 +145,110 @@ def coordinator_reference() -> str:
 @given(phase=st.sampled_from(PHASES), step=st.integers(1, 6))
 def test_soak_killed_workers_at_random_points(phase: str, step: int) -> None:
     check_trial(phase, step)
+
+
+class _Killed(Exception):
+    """What a `Fault` that records instead of killing raises (in-process tests)."""
+
+
+class _RecordedFault(Fault):
+    def kill(self) -> None:
+        raise _Killed(f"{self.phase}:{self.step}")
+
+
+def test_fault_parse_and_strike_only_at_its_point() -> None:
+    fault = Fault.parse("optimizer:4", stamp="/tmp/x")
+    assert (fault.phase, fault.step, fault.stamp) == ("optimizer", 4, "/tmp/x")
+    assert fault.at("optimizer", 4) and not fault.at("optimizer", 3)
+    assert not fault.at("digest", 4)
+    with pytest.raises(ValueError, match="PHASE:STEP"):
+        Fault.parse("")
+    recorded = _RecordedFault("digest", 2)
+    recorded.strike("digest", 1)
+    recorded.strike("optimizer", 2)
+    with pytest.raises(_Killed, match="digest:2"):
+        recorded.strike("digest", 2)
+
+
+async def test_faulty_transport_reduces_like_its_transport_and_dies_after_a_frame_once_armed() -> (
+    None
+):
+    inner = InProcessTransport.create_group(3)
+    wrapped = [FaultyTransport(t, _RecordedFault("allreduce", 1)) for t in inner]
+    tensors = [torch.arange(40_000, dtype=torch.float32) * (rank + 1) for rank in range(3)]
+    async with trio.open_nursery() as nursery:
+        for rank in range(3):
+            nursery.start_soon(partial(all_reduce, wrapped[rank], tensors[rank], "avg"))
+    assert all(torch.equal(t, torch.arange(40_000, dtype=torch.float32) * 2) for t in tensors)
+    # The wrapper shares its transport's op ids: a collective on either stays in step.
+    assert [w.next_op_id() for w in wrapped] == [t._op_counter - 1 for t in inner]
+    assert wrapped[0].blocking_links is None
+    inner[0].shared_memory = plane = object()  # type: ignore[attr-defined]
+    assert wrapped[0].shared_memory is plane  # the collectives find the wrapped plane
+    del inner[0].shared_memory  # type: ignore[attr-defined]
+    wrapped[0].arm()
+    with pytest.raises(_Killed):
+        await wrapped[0].send(1, "coll", {"op": 99, "hop": 0, "part": 0}, torch.ones(2))
+    message = await inner[1].recv(0)
+    assert (message["kind"], message["op"]) == ("coll", 99)  # it left before the process died
+
+
+def test_the_daemon_is_armed_only_for_its_own_kind_of_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(Coordinator, "core_type", Coordinator.core_type)
+    monkeypatch.setattr(DistributedTrainer, "default_actors", DistributedTrainer.default_actors)
+    with pytest.raises(ValueError, match="starts no coordinator"):
+        arm(Fault("commit", 3), ["worker", "--rank", "1"])
+    with pytest.raises(ValueError, match="starts no worker"):
+        arm(Fault("forward", 3), ["coordinator", "--world-size", "3"])
+    with pytest.raises(ValueError, match="cannot be imported"):
+        arm(Fault("forward", 3), ["worker"], worker_faults="no.such.module")
+    arm(Fault("commit", 3), ["coordinator"])
+    assert issubclass(Coordinator.core_type, CoordinatorCore)
+    assert Coordinator.core_type is not CoordinatorCore
+    arm(Fault("forward", 3), ["worker"])
+    factory = DistributedTrainer.default_actors
+    assert factory.compute is not ComputeActor
+    assert (factory.comm, factory.optimizer, factory.loader) == (
+        GradCommActor,
+        OptimizerActor,
+        DataLoaderActor,
+    )
+
+
+def test_faulty_actors_wrap_only_the_phase_s_actor() -> None:
+    assert faulty_actors(Fault("allreduce", 1)).compute is ComputeActor
+    assert faulty_actors(Fault("allreduce", 1)).comm is not GradCommActor
+    assert faulty_actors(Fault("data", 1)).loader is not DataLoaderActor
+    assert faulty_actors(Fault("digest", 1)).optimizer is not OptimizerActor
+    with pytest.raises(ValueError, match="a worker's phase"):
+        faulty_actors(Fault("commit", 1))
+
+
+def test_commit_fault_core_dies_when_it_commits_its_step() -> None:
+    """The wrapped core answers every event like the plain one until the actions it returns
+    commit the fault's step: it dies before returning them (before anyone hears of it)."""
+    signature = (("w", (4, 4), "float32", True),)
+    spec = (((4, 4), "float32"),)
+    events: list[Event] = [
+        Joined(rank, signature, ("10.0.0.1", 7000 + rank), now=0.0) for rank in (0, 1)
+    ]
+    for step in (0, 1):
+        events += [Ready(rank, step, 0, spec) for rank in (0, 1)]
+        events += [Digest(rank, step, b"d%d" % step, (("w", b"w%d" % step),)) for rank in (0, 1)]
+    plain = CoordinatorCore(2, heartbeat_deadline=10.0)
+    faulty = commit_fault_core(_RecordedFault("commit", 1))(2, heartbeat_deadline=10.0)
+    commits = []
+    for event in events[:-1]:
+        actions = plain.handle(event)
+        assert faulty.handle(event) == actions
+        commits += [
+            a.message.step for a in actions if isinstance(getattr(a, "message", None), Commit)
+        ]
+    assert commits == [0]
+    assert any(
+        isinstance(a.message, Commit) for a in plain.handle(events[-1]) if isinstance(a, Broadcast)
+    )
+    with pytest.raises(_Killed, match="commit:1"):
+        faulty.handle(events[-1])

@@ -10,13 +10,13 @@ import pytest
 
 # Two threads take the first AdamW step of two identical replicas with tied embeddings at once.
 # Without a lock torch itself sometimes updates the tied weight differently in one of them; the
-# trainer serializes optimizer steps in a process for this reason (actors.train.trainer).
+# trainer serializes optimizer steps in a process for this reason (actors.graph.optimizer).
 _CONCURRENT_FIRST_STEP = textwrap.dedent(
     """
     import threading, torch
     torch.set_num_threads(1)
     from actors.demo_job.model import CharTransformer
-    from actors.train.trainer import _OPTIMIZER_STEP_LOCK
+    from actors.graph.optimizer import OPTIMIZER_STEP_LOCK
     LOCKED = {locked}
 
     def make():
@@ -32,7 +32,7 @@ _CONCURRENT_FIRST_STEP = textwrap.dedent(
     def step(replica):
         barrier.wait()
         if LOCKED:
-            with _OPTIMIZER_STEP_LOCK:
+            with OPTIMIZER_STEP_LOCK:
                 replica[1].step()
         else:
             replica[1].step()

@@ -30,9 +30,11 @@ from torch import nn
 
 from actors.client.client import RunAborted
 from actors.demo_job.model import CharTransformer
+from actors.graph.compute import ComputeActor
+from actors.graph.messages import Backward
 from actors.state.buckets import plan_buckets
 from actors.state.digest import state_digest
-from actors.train.trainer import Backward, ComputeActor, DistributedTrainer, TrainerOptions
+from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import join_run, train_in_process
 from runtime.actor.base import ActorSystem
 from runtime.config import DistributedConfig

@@ -91,6 +91,11 @@ class DataLoaderActor(Actor):
             prefetch + 1
         )
 
+    async def next_batch(self) -> tuple[LoaderPosition, Any]:
+        """The next batch from the channel (where it was loaded, the batch), waiting for it;
+        the trainer has asked for it with a `LoadNext` before."""
+        return await self.batches.receive()
+
     async def handle(self, message: object) -> None:
         epoch, index = self.position.epoch, self.position.batch
         if self._indices_epoch != epoch:

@@ -1,39 +1,36 @@
-"""The worker's actor graph and `DistributedTrainer` (seed 001).
+"""`DistributedTrainer`: one worker's data-parallel training loop over its actor graph.
 
-A worker is a trio nursery of actors joined by bounded mailboxes:
-
-- `ComputeActor` runs forward and backward in a worker thread, so the event loop keeps serving
-  the network; during the last backward of a step, gradient hooks report each bucket the moment
-  all its gradients exist;
-- `GradCommActor` owns each bucket's flat buffer (the gradients are views of it, so backward
-  fills it in place), reports a ready bucket (pre-averaged over accumulation steps) to the
-  coordinator, and all-reduces it when the coordinator says go, overlapping the rest of
-  backward; buckets run in the coordinator's order on every rank; from an epoch's second step
-  on, buckets are reduced at once in the agreed order, without the round trip (response cache);
-- `OptimizerActor` steps the optimizer with the averaged gradients and reports the state digest
-  for the C-DDP-001 check, waiting for the coordinator's commit;
-- `DataLoaderActor` (in `actors.graph.loader`) feeds batches of this rank's shard.
+A worker is a trio nursery of actors joined by bounded mailboxes (`actors.graph`): the compute
+actor runs forward and backward in a worker thread, the gradient-comm actor negotiates and
+all-reduces each gradient bucket while backward goes on, the optimizer actor applies the step
+and reports the state digest for the C-DDP-001 check, and the data loader actor feeds batches of
+this rank's shard. The trainer builds them for each membership epoch (through an
+`ActorFactory`), moves a step through them, and follows the coordinator's epochs.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient, Go
+from actors.client.client import CoordinatorClient
+from actors.graph.compute import ComputeActor, LossFn
+from actors.graph.factory import ActorFactory
+from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
-from actors.state.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
-from actors.state.digest import StateDigest, StateHasher, named_state, state_digest
+from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
+from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
+from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from actors.state.digest import named_state, state_digest
 from actors.state.training_state import (
     TrainingState,
     allocate,
@@ -41,28 +38,23 @@ from actors.state.training_state import (
     manifest,
     restore_state,
 )
-from runtime.actor.base import Actor, ActorStopped, ActorSystem
+from runtime.actor.base import ActorStopped, ActorSystem
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
-    all_reduce,
     broadcast,
 )
 from runtime.config import DistributedConfig
-from runtime.coordinator.core import Hold, ResyncOrder, StartRun, agreement_hash, spec_hash
+from runtime.coordinator.core import Hold, ResyncOrder, StartRun
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.wire import Field, register_message
-from runtime.testing.faults import armed, fault_point
 from runtime.transport.base import Transport
-from runtime.transport.capabilities import SharedMemoryHolder
 
 __all__ = [
     "DistributedTrainer",
     "CheckCost",
-    "ComputeActor",
-    "GradCommActor",
-    "OptimizerActor",
+    "Connect",
     "TrainerOptions",
     "LossFn",
 ]
@@ -76,26 +68,6 @@ register_message(
     data=Field(torch.Tensor),
 )
 register_message("state_manifest", manifest=Field(dict))
-
-_OPTIMIZER_STEP_LOCK = threading.Lock()
-"""Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not
-safe to step from several threads at once: two threads taking the first AdamW step of two
-identical replicas (tied embeddings, identical gradients) disagreed on the tied weight in about
-1 run in 12 (tests/test_soak.py reproduces it without paramsync). Only in-process groups run
-several trainers in one process, and a step is milliseconds, so the lock costs nothing else."""
-
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-"""``loss_fn(model, micro_batch) -> scalar loss``: the user's forward pass."""
-
-
-@dataclass
-class CheckCost:
-    """What the identical-weights check (C-DDP-001) has cost this worker: the CPU time spent
-    hashing its state, and how many digests it reported. Reporting them (a ~1.9 KB message)
-    and the coordinator's comparison are not included."""
-
-    hash_cpu_seconds: float = 0.0
-    digests: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,500 +108,6 @@ class TrainerOptions:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
 
 
-# ----------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True)
-class Backward:
-    """Run forward and backward on ``micro_batch``; ``sync`` on the step's last micro-batch."""
-
-    step: int
-    micro_batch: Any
-    sync: bool
-
-
-@dataclass(frozen=True)
-class BucketReady:
-    step: int
-    bucket: int
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """Apply the averaged gradients of ``step``."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class Verify:
-    """Report ``step``'s state digest; ``force``: a digest even off the digest interval (an
-    epoch's starting-state check); ``wait``: then wait for the coordinator's commit (the next
-    `OptimizerStep` waits for it anyway)."""
-
-    step: int
-    force: bool = False
-    wait: bool = False
-
-
-@dataclass
-class _StepState:
-    step: int
-    reduced: int = 0
-    all_reduced: trio.Event = field(default_factory=trio.Event)
-    error: BaseException | None = None
-
-
-# ----------------------------------------------------------------------------- actors
-
-
-class ComputeActor(Actor):
-    """Forward and backward in a worker thread; hooks announce finished gradient buckets.
-
-    ``on_bucket(step, bucket)`` runs in the event loop. A bucket that backward finishes while
-    others are still being computed is handed to it from the backward thread at once (its
-    all-reduce overlaps the rest of backward); the last one is announced when backward
-    returns, which wakes the event loop anyway: handing it over from the thread too would
-    wake the loop a second time for the same moment.
-    """
-
-    accepts = (Backward,)
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        loss_fn: LossFn,
-        buckets: list[Bucket],
-        on_bucket: Callable[[int, int], None],
-        trace: TraceRecorder,
-    ) -> None:
-        super().__init__("compute", mailbox_size=2)
-        self.model = model
-        self.loss_fn = loss_fn
-        self.trace = trace
-        self._on_bucket = on_bucket
-        self._params = dict(model.named_parameters())
-        self._bucket_of = {name: b.index for b in buckets for name in b.names}
-        self._pending: list[int] = [len(b.names) for b in buckets]
-        self._sizes = [len(b.names) for b in buckets]
-        self._sync_step: int | None = None
-        self._left = 0
-        """Buckets of the current backward not finished yet."""
-        self._last: tuple[int, int] | None = None
-        """(step, bucket): the backward's last bucket, announced when it returns."""
-        self._token = trio.lowlevel.current_trio_token()
-        self._hooks = [
-            self._params[name].register_post_accumulate_grad_hook(self._make_hook(name))
-            for name in self._bucket_of
-        ]
-
-    def _make_hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        bucket = self._bucket_of[name]
-
-        def hook(_param: torch.Tensor) -> None:
-            if self._sync_step is None:
-                return
-            self._pending[bucket] -= 1
-            if self._pending[bucket] == 0:
-                self._left -= 1
-                if self._left:
-                    self._token.run_sync_soon(self._on_bucket, self._sync_step, bucket)
-                else:
-                    self._last = (self._sync_step, bucket)
-
-        return hook
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the model."""
-        for handle in self._hooks:
-            handle.remove()
-
-    async def handle(self, message: object) -> float:
-        assert isinstance(message, Backward)
-        loss = await trio.to_thread.run_sync(self._backward, message)
-        last, self._last = self._last, None
-        if last is not None:
-            self._on_bucket(*last)
-        return loss
-
-    def _backward(self, message: Backward) -> float:
-        self._last = None
-        if message.sync:
-            self._pending = list(self._sizes)
-            self._left = len(self._sizes)
-            self._sync_step = message.step
-        try:
-            fault_point("forward", message.step)
-            with self.trace.span("forward", actor="compute", step=message.step):
-                loss = self.loss_fn(self.model, message.micro_batch)
-            fault_point("backward", message.step)
-            with self.trace.span("backward", actor="compute", step=message.step):
-                loss.backward()
-        finally:
-            self._sync_step = None
-        if message.sync and any(self._pending):
-            missing = [i for i, left in enumerate(self._pending) if left]
-            raise RuntimeError(
-                f"step {message.step}: backward produced no gradient for buckets {missing} "
-                "(parameters unused by the loss cannot be synchronized)"
-            )
-        return float(loss.detach())
-
-
-class GradCommActor(Actor):
-    """Packs ready buckets, negotiates them with the coordinator, all-reduces them.
-
-    The first step of an epoch negotiates every bucket: report it ready, all-reduce it when the
-    coordinator says go, in the coordinator's order. Once every bucket has had its go, the
-    members have agreed on each bucket's spec and order for the epoch (Horovod's response
-    cache): from then on a bucket is reported ready marked cached and all-reduced at once, in
-    the agreed order, without waiting for a round trip. The coordinator still checks each
-    report against the agreement and stops the run naming the rank that differs, and the ring
-    refuses a peer whose collective differs (ProtocolError), so nothing is reduced silently
-    wrong. A new epoch (new members, a new ring) starts a new actor, hence a fresh negotiation.
-    """
-
-    accepts = (BucketReady, Go)
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        buckets: list[Bucket],
-        transport: Transport,
-        client: CoordinatorClient,
-        options: TrainerOptions,
-        trace: TraceRecorder,
-        epoch: int = 1,
-        fold: bool = False,
-    ) -> None:
-        super().__init__("gradient-comm", mailbox_size=2 * len(buckets) + 4)
-        self.buckets = buckets
-        self.transport = transport
-        self.client = client
-        self.options = options
-        self.trace = trace
-        self.epoch = epoch
-        if isinstance(transport, SharedMemoryHolder) and transport.shared_memory is not None:
-            transport.shared_memory.threaded = options.threaded_shared_memory
-        params = dict(model.named_parameters())
-        self._params = [[params[name] for name in bucket.names] for bucket in buckets]
-        self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
-        self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
-        for index in range(len(buckets)):
-            self._bind(index)
-        self._specs = [bucket.spec() for bucket in buckets]
-        self._spec_hashes = [spec_hash(spec) for spec in self._specs]
-        """What a cached report carries instead of the whole spec."""
-        self._fold = fold
-        """Every member folds: cached buckets get no report, the step report says so."""
-        self._agreement = agreement_hash(dict(enumerate(self._spec_hashes)))
-        self._packed = [False] * len(buckets)
-        """Per bucket: whether this step copied the gradients in (they were not views)."""
-        self.current: _StepState | None = None
-        self._ready_ns: dict[int, int] = {}
-        self._order: list[int] = []
-        """Buckets in the order of the coordinator's gos (the epoch's first negotiation)."""
-        self._cached: set[int] = set()
-        """Buckets of the current step reported cached (reduced without a go)."""
-        self._next = 0
-        """Position in ``_order`` of the next cached bucket to reduce."""
-
-    def _bind(self, index: int) -> None:
-        """Make bucket ``index``'s gradients views of its flat buffer (torch DDP's
-        ``gradient_as_bucket_view``): backward accumulates straight into the buffer and the
-        reduced values land in the gradients, so neither needs a copy. A gradient that is not
-        the view (none yet, or replaced: ``zero_grad(set_to_none=True)``) keeps its values."""
-        views = self._views[index]
-        if views is None:
-            return
-        with torch.no_grad():
-            for param, view in zip(self._params[index], views):
-                grad = param.grad
-                if grad is view:
-                    continue
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad)
-                param.grad = view
-
-    def zero_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """What ``optimizer.zero_grad(set_to_none=False)`` does after a step, cheaper: a bucket
-        whose gradients are still views of its flat buffer is zeroed in one fill, not one
-        kernel per gradient; any other gradient the optimizer holds is zeroed on its own."""
-        done: set[int] = set()
-        for index, flat in enumerate(self._flats):
-            if self._bound(index):
-                flat.zero_()
-                done.update(id(param) for param in self._params[index])
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is not None and id(param) not in done:
-                    if grad.grad_fn is not None:
-                        grad.detach_()
-                    else:
-                        grad.requires_grad_(False)
-                    grad.zero_()
-
-    def _bound(self, index: int) -> bool:
-        """Whether every gradient of bucket ``index`` is still its view of the flat buffer."""
-        views = self._views[index]
-        return views is not None and all(
-            param.grad is view for param, view in zip(self._params[index], views)
-        )
-
-    @property
-    def cache_ready(self) -> bool:
-        """Whether buckets skip the round trip: every bucket has been agreed this epoch."""
-        return self.options.response_cache and len(self._order) == len(self.buckets)
-
-    def ready_soon(self, message: BucketReady) -> None:
-        """Queue a bucket that backward finished (run by the event loop: must not raise). The
-        mailbox holds every bucket and go of a step, so it is never full; if the actor is
-        stopping, its epoch is ending and the step will be run again."""
-        try:
-            self.tell_nowait(message)
-        except ActorStopped:
-            pass
-        except trio.WouldBlock:
-            state = self.current
-            if state is not None:
-                state.error = RuntimeError(
-                    f"step {message.step}: the gradient-comm mailbox is full (bucket "
-                    f"{message.bucket} lost)"
-                )
-                state.all_reduced.set()
-
-    def begin_step(self, step: int) -> _StepState:
-        """Expect ``len(buckets)`` reductions for ``step``."""
-        self.current = _StepState(step)
-        self._cached = set()
-        self._next = 0
-        if not self.buckets:
-            self.current.all_reduced.set()
-        return self.current
-
-    async def handle(self, message: object) -> None:
-        if isinstance(message, BucketReady):
-            await self._ready(message)
-        else:
-            assert isinstance(message, Go)
-            await self._reduce(message)
-
-    async def _ready(self, message: BucketReady) -> None:
-        bucket = self.buckets[message.bucket]
-        flat = self._flats[message.bucket]
-        if self._bound(message.bucket):
-            self._packed[message.bucket] = False  # backward wrote into the buffer itself
-        else:
-            grads = [param.grad for param in self._params[message.bucket]]
-            with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
-                if grads and grads[0] is not None and grads[0].device.type == "cuda":
-                    # C-STREAMSYNC-001: gradients must be complete before the host copy.
-                    torch.cuda.current_stream(grads[0].device).synchronize()
-                bucket.pack([g for g in grads if g is not None], flat)
-            self._packed[message.bucket] = True
-        if self.options.accumulation_steps > 1:
-            flat.div_(self.options.accumulation_steps)
-        spec = self._specs[bucket.index]
-        if self.cache_ready:  # a bucket's spec is fixed: the agreed one
-            if self._fold:  # no message on the critical path: the step report carries it
-                self.client.folded(message.step, self.epoch, self._agreement)
-            else:
-                await self.client.ready(
-                    message.step,
-                    bucket.index,
-                    self._spec_hashes[bucket.index],
-                    self.epoch,
-                    cached=True,
-                )
-            self._cached.add(bucket.index)
-            # Reduce in the agreed order: every rank runs the same collectives in sequence.
-            while self._next < len(self._order) and self._order[self._next] in self._cached:
-                index = self._order[self._next]
-                self._next += 1
-                await self._all_reduce(message.step, index)
-            return
-        # Step s+1 may report before step s is committed: the coordinator holds the report and
-        # says go only after the commit, so the check stays off the critical path.
-        await self.client.ready(message.step, bucket.index, spec, self.epoch)
-        self._ready_ns[bucket.index] = time.perf_counter_ns()
-
-    async def _reduce(self, go: Go) -> None:
-        state = self.current
-        if state is None or go.step != state.step:
-            raise RuntimeError(f"coordinator said go for step {go.step} outside that step")
-        if go.bucket in self._cached:
-            return  # reduced from the cache already (a peer negotiated it: same spec)
-        sent = self._ready_ns.pop(go.bucket, None)
-        if sent is not None:
-            self.trace.complete(
-                "negotiate",
-                sent,
-                time.perf_counter_ns(),
-                actor="gradient-comm",
-                bucket=go.bucket,
-                step=go.step,
-            )
-        if go.bucket not in self._order:
-            self._order.append(go.bucket)
-        await self._all_reduce(go.step, go.bucket)
-
-    async def _all_reduce(self, step: int, index: int) -> None:
-        state = self.current
-        assert state is not None and state.step == step
-        bucket = self.buckets[index]
-        flat = self._flats[index]
-        with self.trace.span(
-            "all-reduce", actor="gradient-comm", bucket=index, bytes=flat.numel() * 4
-        ):
-            reduce = partial(
-                all_reduce,
-                self.transport,
-                flat,
-                "avg",
-                chunk_bytes=self.options.chunk_bytes,
-                threaded_min_bytes=self.options.threaded_min_bytes,
-            )
-            if armed("allreduce", step):  # a fault trial: this rank dies in its all-reduce
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_die_mid_all_reduce, step)
-                    await reduce()
-            else:
-                await reduce()
-        if self._packed[index]:
-            grads = [param.grad for param in self._params[index]]
-            bucket.unpack(flat, [g for g in grads if g is not None])
-            self._bind(index)  # views again from the next step on
-        state.reduced += 1
-        if state.reduced == len(self.buckets):
-            state.all_reduced.set()
-
-
-def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
-    """One view of ``flat`` per parameter, shaped like it, in bucket order; None where the
-    gradients cannot live in the host buffer (a parameter on an accelerator, another dtype)."""
-    views = []
-    offset = 0
-    for param in params:
-        if param.device != flat.device or param.dtype != flat.dtype:
-            return None
-        count = param.numel()
-        views.append(flat[offset : offset + count].view(param.shape))
-        offset += count
-    return views
-
-
-async def _die_mid_all_reduce(step: int) -> None:
-    # Runs at the all-reduce's first pause (the first peer signal or ring part it waits for;
-    # with the threaded plane, the thread hand-off): this rank's part has started, its peers'
-    # is not all in. Never cancelled, so the kill happens even if the collective never waits
-    # (then right after it).
-    await trio.lowlevel.checkpoint()
-    fault_point("allreduce", step)
-
-
-class OptimizerActor(Actor):
-    """Applies the averaged gradients and reports the state digest (C-DDP-001).
-
-    The digest of step s is hashed in the optimizer step's own thread call, right after the
-    step: hashing beside the next forward pass instead made the two threads trade the GIL at
-    every torch op, which cost more than the hash. The report leaves while step s+1 computes
-    forward and backward, which only read the weights; step s+1's optimizer step first waits
-    for step s's commit, so no weight changes before step s is committed everywhere. (Waiting
-    for the commit right after the report instead woke the event loop in the middle of the
-    next compute, when the commit came in; it now waits in the socket until the compute ends,
-    see `CoordinatorClient.reads_deferred`.)
-    """
-
-    accepts = (OptimizerStep, Verify)
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        client: CoordinatorClient,
-        options: TrainerOptions,
-        trace: TraceRecorder,
-        epoch: int = 1,
-        on_applied: Callable[[int], None] | None = None,
-        check_cost: CheckCost | None = None,
-        zero_grads: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__("optimizer", mailbox_size=2)
-        self.model = model
-        self.optimizer = optimizer
-        self.client = client
-        self.options = options
-        self.trace = trace
-        self.epoch = epoch
-        self.last_digest: bytes | None = None
-        self._on_applied = on_applied
-        self.zero_grads = zero_grads
-        """Zeroes the gradients after a step (None: ``optimizer.zero_grad(set_to_none=False)``)."""
-        self.check_cost = check_cost if check_cost is not None else CheckCost()
-        self._hasher = StateHasher()
-        self._names_sent: tuple[str, ...] | None = None
-        self._hashed: tuple[int, StateDigest, int, int] | None = None
-        """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
-
-    async def handle(self, message: object) -> None:
-        if isinstance(message, OptimizerStep):
-            with self.trace.span("commit-wait", actor="optimizer", step=message.step - 1):
-                await self.client.wait_commit(message.step - 1)
-            with self.trace.span("optimizer", actor="optimizer", step=message.step):
-                await trio.to_thread.run_sync(self.apply, message.step)
-            return
-        assert isinstance(message, Verify)
-        step = message.step
-        hashed, self._hashed = self._hashed, None
-        if message.force or step % self.client.digest_interval == 0:
-            fault_point("digest", step)
-            if hashed is not None and hashed[0] == step and not message.force:
-                _, digest, started, ended = hashed
-                self.trace.complete("digest", started, ended, actor="optimizer", step=step)
-            else:  # an epoch's opening check: the state may have just arrived from a donor
-                with self.trace.span("digest", actor="optimizer", step=step):
-                    digest = await trio.to_thread.run_sync(self._timed_digest)
-            self.last_digest = digest.digest
-            # The tensor names travel with the epoch's first digest and when they change.
-            names = None if digest.names is self._names_sent else digest.names
-            await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
-            self.check_cost.digests += 1
-            self._names_sent = digest.names
-        else:
-            await self.client.step_done(step, self.epoch)
-        if message.wait:
-            with self.trace.span("commit-wait", actor="optimizer", step=step):
-                await self.client.wait_commit(step)
-
-    def _timed_digest(self) -> StateDigest:
-        cpu = time.thread_time()
-        try:
-            return self._hasher.digest(self.model, self.optimizer)
-        finally:
-            self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
-
-    def apply(self, step: int) -> None:
-        """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
-        with _OPTIMIZER_STEP_LOCK:
-            fault_point("optimizer", step)
-            self.optimizer.step()
-            if self.zero_grads is not None:
-                self.zero_grads()
-            else:
-                self.optimizer.zero_grad(set_to_none=False)
-            if self._on_applied is not None:
-                self._on_applied(step)
-        if step % self.client.digest_interval == 0:
-            started = time.perf_counter_ns()
-            digest = self._timed_digest()
-            self._hashed = (step, digest, started, time.perf_counter_ns())
-
-
-# ----------------------------------------------------------------------------- trainer
-
 Connect = Callable[[StartRun], Awaitable[Transport]]
 """Opens an epoch's data plane: a transport whose rank is this worker's ring position."""
 
@@ -665,6 +143,11 @@ class DistributedTrainer:
     which `train_batch` then runs again with the new members.
     """
 
+    default_actors: ClassVar[ActorFactory] = ActorFactory()
+    """What trainers given no ``actors`` build their actors with: the plain actor classes. A
+    seam for harnesses that run a trainer inside a job they do not control (the fault trials'
+    `runtime.testing.faulty_daemon` replaces it for its process); nothing else should."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -675,6 +158,7 @@ class DistributedTrainer:
         options: TrainerOptions,
         trace: TraceRecorder,
         connect: Connect,
+        actors: ActorFactory | None = None,
     ) -> None:
         if client.start is None:
             raise ValueError("the client must have joined the run (client.join) first")
@@ -691,6 +175,8 @@ class DistributedTrainer:
         self.client = client
         self.options = options
         self.trace = trace
+        self.actors = actors if actors is not None else type(self).default_actors
+        """The constructors of this trainer's actors (see `ActorFactory`)."""
         self.step = client.start.step
         self.losses: list[tuple[int, float]] = []
         self.step_seconds: list[float] = []
@@ -728,6 +214,7 @@ class DistributedTrainer:
         trace: TraceRecorder | None = None,
         *,
         connect: Connect | None = None,
+        actors: ActorFactory | None = None,
     ) -> AsyncIterator[DistributedTrainer]:
         """Start the worker's supervisor in a nursery of the caller's; yield once the first
         epoch is running (weights synchronized).
@@ -735,6 +222,7 @@ class DistributedTrainer:
         ``client`` must already have joined the run (its coordinator accepted this model) and
         be served (`CoordinatorClient.serve`). Pass the data plane as a fixed ``transport``
         (a run whose membership never changes) or as ``connect``, which opens each epoch's.
+        ``actors``: the constructors of its actors (default `default_actors`).
         """
         options = options or TrainerOptions()
         trace = trace if trace is not None else TraceRecorder.disabled()
@@ -755,7 +243,9 @@ class DistributedTrainer:
                     raise RuntimeError("a fixed transport cannot follow a membership change")
                 return fixed
 
-        trainer = cls(model, optimizer, loss_fn, config, client, options, trace, connect)
+        trainer = cls(
+            model, optimizer, loss_fn, config, client, options, trace, connect, actors=actors
+        )
         trainer._owns_transports = transport is None
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer._supervise)
@@ -880,7 +370,7 @@ class DistributedTrainer:
 
     def _apply_pending(self) -> None:
         step = self.step
-        with _OPTIMIZER_STEP_LOCK:
+        with OPTIMIZER_STEP_LOCK:
             if self.step == step:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
@@ -921,7 +411,7 @@ class DistributedTrainer:
     async def _start_actors(
         self, system: ActorSystem, start: StartRun, transport: Transport
     ) -> _Epoch:
-        comm = GradCommActor(
+        comm = self.actors.comm(
             self.model,
             self.buckets,
             transport,
@@ -935,8 +425,8 @@ class DistributedTrainer:
         def on_bucket(step: int, bucket: int) -> None:
             comm.ready_soon(BucketReady(step, bucket))
 
-        compute = ComputeActor(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
-        optimizer = OptimizerActor(
+        compute = self.actors.compute(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
+        optimizer = self.actors.optimizer(
             self.model,
             self.optimizer,
             self.client,
@@ -1223,11 +713,10 @@ class DistributedTrainer:
                     break
                 await self._live.wait()
                 step, position = self.step, self.position
-                fault_point("data", step)
                 if loader is None or loader.expects != (step, position):
                     if loader is not None:
                         await loader.stop()
-                    loader = DataLoaderActor(
+                    loader = self.actors.loader(
                         dataset,
                         batch_size,
                         position,
@@ -1241,7 +730,7 @@ class DistributedTrainer:
                     for _ in range(prefetch):
                         await loader.tell(LoadNext())
                 with self.trace.span("load", actor="data-loader", step=step):
-                    _, batch = await loader.batches.receive()
+                    _, batch = await loader.next_batch()
                 await loader.tell(LoadNext())
                 loader.expects = (step + 1, position)
                 try:

@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import trio
 
@@ -38,7 +38,6 @@ from runtime.coordinator.core import (
 )
 from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
 from runtime.protocol.handshake import Identity, load_secret
-from runtime.testing.faults import fault_point
 from runtime.transport.admission import AdmissionGate, HandshakeTicket
 from runtime.transport.link import Link
 from runtime.transport.tcp import DEFAULT_GROUP, accept
@@ -89,6 +88,12 @@ class _Member:
 class Coordinator:
     """Sequences one run of ``world_size`` workers around a `CoordinatorCore`."""
 
+    core_type: ClassVar[type[CoordinatorCore]] = CoordinatorCore
+    """The class of the core each coordinator builds. A seam for harnesses that run a
+    coordinator inside a daemon they do not control (the fault trials'
+    `runtime.testing.faulty_daemon` substitutes a subclass for its process); nothing else
+    should."""
+
     def __init__(
         self,
         world_size: int,
@@ -98,7 +103,7 @@ class Coordinator:
         group: str = DEFAULT_GROUP,
     ) -> None:
         self.options = options or CoordinatorOptions()
-        self.core = CoordinatorCore(
+        self.core = self.core_type(
             world_size,
             digest_interval=self.options.digest_interval,
             resync=self.options.resync,
@@ -345,8 +350,6 @@ class Coordinator:
             if isinstance(action, Send):
                 self._enqueue(action.rank, action.message)
             elif isinstance(action, Broadcast):
-                if isinstance(action.message, Commit):
-                    fault_point("commit", action.message.step)
                 for rank in self.core.members:
                     self._enqueue(rank, action.message)
                 if self.core.state is RunState.FINISHED:

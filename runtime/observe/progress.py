@@ -1,11 +1,12 @@
-"""A dependency-free progress bar for the rank that reports (rank 0).
+"""The progress bar of the rank that reports (rank 0), drawn by tqdm.
 
-On a terminal the bar redraws one line in place with ``\\r`` (at most every ``min_interval``
-seconds, so a fast loop does not flood the terminal); into a file or a pipe (CI logs) it prints
-a whole line every ``every`` steps instead. Each line shows step/total, percent, rate, ETA and
-the latest metrics, e.g.::
+On a terminal the bar redraws one line in place (tqdm's in-place display, at most every
+``min_interval`` seconds, so a fast loop does not flood the terminal); into a file or a pipe
+(CI logs) it prints a whole line every ``every`` steps instead, never a carriage return. Each
+line is tqdm's meter laid out as step/total, bar, percent, rate, ETA and the latest metrics,
+e.g.::
 
-    train  120/500 [#####...............]  24.0% | 3.41 step/s | ETA 1:51 | loss=2.314
+    train 120/500 [####................]  24.0% |  3.41step/s | ETA 01:51 | loss=2.314
 """
 
 from __future__ import annotations
@@ -17,17 +18,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["ProgressBar", "format_duration", "format_metric"]
+from tqdm import tqdm
 
-
-def format_duration(seconds: float) -> str:
-    """``M:SS`` or ``H:MM:SS``; ``?`` when unknown (not finite or negative)."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    whole = round(seconds)
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+__all__ = ["ProgressBar", "format_metric"]
 
 
 def format_metric(value: Any) -> str:
@@ -42,12 +35,27 @@ def format_metric(value: Any) -> str:
     return str(value)
 
 
+class _Display(tqdm):
+    """tqdm's terminal display (in-place redraws, `tqdm.write` around it, the final line on
+    close) showing the `ProgressBar`'s line: the bar keeps the state and the clock."""
+
+    def __init__(self, render: Callable[[], str], stream: TextIO) -> None:
+        self._render = render
+        # position=0: always the line the cursor is on (tqdm would stack concurrent bars);
+        # a delay: no frame before the first update (tqdm draws one at construction).
+        super().__init__(file=stream, position=0, leave=True, delay=math.inf)
+        self.delay = 0  # drawn from now on, and the last frame drawn again on close
+
+    def __str__(self) -> str:
+        return self._render()
+
+
 class ProgressBar:
     """Step progress with rate, ETA and metrics on ``stream`` (default ``sys.stderr``).
 
     ``tty`` forces in-place redrawing on or off (default: ``stream.isatty()``). ``every``
-    is the line interval when not a TTY (default: ten lines per run). ``clock`` is
-    injectable for tests.
+    is the line interval when not a TTY (default: ten lines per run). ``width`` is the bar's
+    width in characters (0: no bar). ``clock`` is injectable for tests.
     """
 
     def __init__(
@@ -86,10 +94,16 @@ class ProgressBar:
         self._start = clock()
         self._step = 0
         self._metrics: dict[str, Any] = {}
+        self._format = (
+            f"{{desc}}{{n_fmt:>{len(str(total))}}}/{{total_fmt}}"
+            + (f" [{{bar:{width}}}]" if width else "")
+            + " {percentage:5.1f}% | {rate_fmt} | ETA {remaining}{metrics}"
+        )
         self._last_draw = -math.inf
-        self._drawn_width = 0
+        self._drawn = False
         self._printed_step: int | None = None
         self._closed = False
+        self._display = _Display(self.render, self.stream) if tty else None
 
     @property
     def step(self) -> int:
@@ -113,22 +127,22 @@ class ProgressBar:
             return
         self._step = step
         self._metrics.update(metrics)
-        if self.tty:
+        if self._display is not None:
             now = self._clock()
             if step == self.total or now - self._last_draw >= self.min_interval:
                 self._last_draw = now
-                self._redraw()
+                self._drawn = True
+                self._display.n = step
+                self._display.refresh()
         elif (step % self.every == 0 or step == self.total) and step != self._printed_step:
             self._printed_step = step
             self._emit(self.render() + "\n")
 
     def write(self, message: str) -> None:
         """Print ``message`` on its own line without garbling the bar."""
-        if self.tty and self._drawn_width:
-            self._emit("\r" + " " * self._drawn_width + "\r" + message + "\n")
-            self._drawn_width = 0
-            if not self._closed:
-                self._redraw()
+        if self._display is not None and self._drawn and not self._closed:
+            tqdm.write(message, file=self.stream)
+            self.stream.flush()
         else:
             self._emit(message + "\n")
 
@@ -137,40 +151,27 @@ class ProgressBar:
         if self._closed:
             return
         self._closed = True
-        if self.tty:
-            self._redraw()
-            self._emit("\n")
+        if self._display is not None:
+            self._display.n = self._step
+            self._display.close()
+            self.stream.flush()
         elif self._printed_step != self._step:
             self._printed_step = self._step
             self._emit(self.render() + "\n")
 
     def render(self) -> str:
-        """The progress line for the current state (no ``\\r`` or newline)."""
-        step, total = self._step, self.total
-        parts = []
-        head = f"{self.description} " if self.description else ""
-        head += f"{step:>{len(str(total))}}/{total}"
-        if self.width:
-            filled = self.width * step // total
-            head += " [" + "#" * filled + "." * (self.width - filled) + "]"
-        head += f" {100 * step / total:5.1f}%"
-        parts.append(head)
-        rate = self.rate
-        if math.isfinite(rate) and rate > 0:
-            parts.append(f"{rate:.3g} step/s" if rate >= 1 else f"{1 / rate:.3g} s/step")
-            parts.append(f"ETA {format_duration((total - step) / rate)}")
-        else:
-            parts.append("? step/s")
-            parts.append("ETA ?")
-        if self._metrics:
-            parts.append(" ".join(f"{k}={format_metric(v)}" for k, v in self._metrics.items()))
-        return " | ".join(parts)
-
-    def _redraw(self) -> None:
-        line = self.render()
-        pad = " " * max(0, self._drawn_width - len(line))
-        self._drawn_width = len(line)
-        self._emit("\r" + line + pad)
+        """The progress line for the current state (no ``\\r`` or newline): tqdm's meter."""
+        metrics = " ".join(f"{k}={format_metric(v)}" for k, v in self._metrics.items())
+        return tqdm.format_meter(
+            self._step,
+            self.total,
+            max(0.0, self._clock() - self._start),
+            prefix=f"{self.description} " if self.description else "",
+            ascii=".#",
+            unit="step",
+            bar_format=self._format,
+            metrics=f" | {metrics}" if metrics else "",
+        )
 
     def _emit(self, text: str) -> None:
         self.stream.write(text)

@@ -1,7 +1,8 @@
 """Fault-injection trials: real worker processes SIGKILLed at a chosen phase and step.
 
 A trial starts an elastic coordinator daemon and ``workers`` worker daemons of the built-in LM
-job, arms one worker with ``PARAMSYNC_FAULT=phase:step`` (it SIGKILLs itself there), and lets
+job, arms one worker with the fault ``phase:step`` (it runs through
+`runtime.testing.faulty_daemon`, which wraps its actors so it SIGKILLs itself there), and lets
 the run finish with the survivors. It then checks what the fault-tolerance contract promises:
 the coordinator and every survivor exit 0, the survivors end bitwise identical (one digest), the
 membership history shows the loss, and the final model equals a reference run with the same
@@ -35,7 +36,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runtime.testing.faults import FAULT_ENV, PHASES, STAMP_ENV
+from runtime.testing.faults import PHASES
+from runtime.testing.faulty_daemon import command as faulty_command
 
 __all__ = [
     "TrialResult",
@@ -84,8 +86,12 @@ def _stamp(line: str) -> float | None:
     return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _python() -> list[str]:
-    return [sys.executable, "-m", "runtime.cli.main"]
+def _python(fault: str | None = None, stamp: Path | None = None) -> list[str]:
+    """The command line of a ``paramsync`` daemon; armed with ``fault`` (``phase:step``), it
+    runs through `runtime.testing.faulty_daemon` and writes the time of its kill to ``stamp``."""
+    if fault is None:
+        return [sys.executable, "-m", "runtime.cli.main"]
+    return [sys.executable, *faulty_command(fault, [], stamp=str(stamp) if stamp else None)]
 
 
 def run_trial(
@@ -126,22 +132,20 @@ def run_trial(
             deadline = time.monotonic() + timeout
             port = _wait_for_port(port_file, coordinator, coordinator_log, deadline)
 
-            def start_worker(rank: int, worker_env: dict[str, str], log: str) -> Any:
-                return _start_worker(rank, workers, port, root, flags, worker_env, log)
+            def start_worker(rank: int, log: str, fault: str | None = None) -> Any:
+                stamp = root / "killed-at"
+                return _start_worker(rank, workers, port, root, flags, env, log, fault, stamp)
 
             for rank in range(workers):
-                worker_env = dict(env)
-                if rank == victim:
-                    worker_env[FAULT_ENV] = f"{phase}:{step}"
-                    worker_env[STAMP_ENV] = str(root / "killed-at")
-                procs[rank] = start_worker(rank, worker_env, f"worker-{rank}.log")
+                fault = f"{phase}:{step}" if rank == victim else None
+                procs[rank] = start_worker(rank, f"worker-{rank}.log", fault)
             while any(
                 p.poll() is None for p in (coordinator, *procs.values(), rejoined) if p is not None
             ):
                 if kill_seen is None and procs[victim].poll() is not None:
                     kill_seen = time.time()
                     if rejoin:
-                        rejoined = start_worker(victim, env, "rejoined.log")
+                        rejoined = start_worker(victim, "rejoined.log")
                 _check_deadline(deadline, timeout, root)
                 time.sleep(0.005)
             if kill_seen is None:
@@ -239,10 +243,8 @@ class RestartResult:
 
 
 def _trial_env() -> dict[str, str]:
-    """This process's environment with a fresh secret, one thread per process, no fault armed."""
-    env = dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
-    env.pop(FAULT_ENV, None)
-    return env
+    """This process's environment with a fresh secret, one thread per process."""
+    return dict(os.environ, PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1")
 
 
 def _start_coordinator(
@@ -252,10 +254,13 @@ def _start_coordinator(
     env: dict[str, str],
     log: Path,
     extra: list[str] | None = None,
+    fault: str | None = None,
+    stamp: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A coordinator daemon (heartbeat deadline 3 s) logging to ``log``."""
+    """A coordinator daemon (heartbeat deadline 3 s) logging to ``log``; ``fault``: armed
+    to SIGKILL itself there (`runtime.testing.faulty_daemon`)."""
     command = [
-        *_python(), "coordinator", "--world-size", str(workers), "--bind", bind,
+        *_python(fault, stamp), "coordinator", "--world-size", str(workers), "--bind", bind,
         "--port-file", str(port_file), "--heartbeat-deadline", "3", *(extra or []),
     ]  # fmt: skip
     with open(log, "w") as out:
@@ -270,9 +275,12 @@ def _start_worker(
     flags: list[str],
     env: dict[str, str],
     log: str,
+    fault: str | None = None,
+    stamp: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """An LM worker daemon writing its summary to ``root``, its log to ``root / log``."""
-    command = [*_python(), "worker", "--rank", str(rank), "--world-size", str(workers)]
+    """An LM worker daemon writing its summary to ``root``, its log to ``root / log``;
+    ``fault``: armed to SIGKILL itself there (`runtime.testing.faulty_daemon`)."""
+    command = [*_python(fault, stamp), "worker", "--rank", str(rank), "--world-size", str(workers)]
     command += ["--coordinator", f"127.0.0.1:{port}"]
     command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
     with open(root / log, "w") as err:
@@ -321,11 +329,11 @@ def run_coordinator_restart_trial(
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         root = Path(tmp)
         env = _trial_env()
-        killed_env = dict(env, **{FAULT_ENV: f"commit:{step}", STAMP_ENV: str(root / "killed")})
-        if step is None:
-            killed_env = env
+        fault = None if step is None else f"commit:{step}"
         port_file, first_log, second_log = root / "port", root / "first.log", root / "second.log"
-        first = _start_coordinator(workers, "127.0.0.1:0", port_file, killed_env, first_log)
+        first = _start_coordinator(
+            workers, "127.0.0.1:0", port_file, env, first_log, fault=fault, stamp=root / "killed"
+        )
         procs: dict[int, subprocess.Popen[bytes]] = {}
         second: subprocess.Popen[bytes] | None = None
         relaunched = 0.0

@@ -1,9 +1,13 @@
 """Fault injection for the fault-tolerance trials: a process SIGKILLs itself at a chosen point.
 
-``PARAMSYNC_FAULT=phase:step`` (read once, at import) arms one point; the trainer marks the
-step it is in and calls `fault_point` at each phase, the coordinator at each commit. Unarmed, a
-call is one comparison. The kill is a real SIGKILL of the process: no cleanup, no goodbye on any
-socket.
+A `Fault` names the point, ``phase:step``. Nothing in the production modules knows about
+faults: a fault is injected by wrapping what a process runs. Here are the engine's wrappers:
+`FaultyTransport` (a transport that dies right after a frame leaves, once armed) and
+`commit_fault_core` (a `CoordinatorCore` that dies when it decides to commit the step, before
+anyone hears of it). The worker's phases are wrapped around its actors by
+`actors.testing.faults`; `runtime.testing.faulty_daemon` installs either side in a daemon
+process before running the normal ``paramsync`` main. The kill is a real SIGKILL of the process:
+no cleanup, no goodbye on any socket.
 """
 
 from __future__ import annotations
@@ -11,23 +15,28 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.coordinator.core import Action, Broadcast, Commit, CoordinatorCore, Event
+from runtime.transport.base import Transport
+from runtime.transport.capabilities import AllReducePlane, PrecodedFrames, SharedMemoryHolder
 
 __all__ = [
     "PHASES",
     "COORDINATOR_PHASES",
-    "FAULT_ENV",
-    "STAMP_ENV",
-    "armed",
-    "fault_point",
+    "Fault",
+    "FaultyTransport",
+    "commit_fault_core",
     "parse_fault",
 ]
 
-FAULT_ENV = "PARAMSYNC_FAULT"
-STAMP_ENV = "PARAMSYNC_FAULT_STAMP"
-"""Where the killed process writes the wall-clock time of its kill (for detection figures)."""
 PHASES = ("data", "forward", "backward", "allreduce", "optimizer", "digest")
 """Where a worker can be killed: loading the batch, forward, backward, in the middle of a
-gradient all-reduce (after its first chunk left), in the optimizer step, before its digest."""
+gradient all-reduce (after its first frame left), in the optimizer step, before its digest."""
 COORDINATOR_PHASES = ("commit",)
 """Where the coordinator can be killed: when it has decided to commit a step, before anyone
 hears of it."""
@@ -41,24 +50,136 @@ def parse_fault(text: str | None) -> tuple[str, int] | None:
     phases = PHASES + COORDINATOR_PHASES
     if phase not in phases or not step.isdigit():
         raise ValueError(
-            f"{FAULT_ENV}={text!r}: expected PHASE:STEP with PHASE one of {', '.join(phases)}"
+            f"fault {text!r}: expected PHASE:STEP with PHASE one of {', '.join(phases)}"
         )
     return phase, int(step)
 
 
-_ARMED = parse_fault(os.environ.get(FAULT_ENV))
+@dataclass(frozen=True)
+class Fault:
+    """Kill this process with SIGKILL at ``phase`` of ``step``; first write the wall-clock
+    time of the kill to ``stamp`` (the trials' detection figures start there)."""
 
+    phase: str
+    step: int
+    stamp: str | None = None
 
-def fault_point(phase: str, step: int) -> None:
-    """Kill this process with SIGKILL if ``phase`` of ``step`` is the armed point."""
-    if _ARMED is not None and _ARMED == (phase, step):
-        stamp = os.environ.get(STAMP_ENV)
-        if stamp:
-            with open(stamp, "w") as out:
+    @classmethod
+    def parse(cls, text: str, stamp: str | None = None) -> Fault:
+        """The fault ``"phase:step"`` names (ValueError if it names none)."""
+        parsed = parse_fault(text)
+        if parsed is None:
+            raise ValueError("fault: expected PHASE:STEP, got an empty value")
+        return cls(*parsed, stamp=stamp)
+
+    def at(self, phase: str, step: int) -> bool:
+        """Whether ``phase`` of ``step`` is this fault's point."""
+        return (phase, step) == (self.phase, self.step)
+
+    def kill(self) -> None:
+        """Write the stamp, then SIGKILL this process (from any thread); never returns."""
+        if self.stamp:
+            with open(self.stamp, "w") as out:
                 out.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def strike(self, phase: str, step: int) -> None:
+        """Kill this process if ``phase`` of ``step`` is this fault's point."""
+        if self.at(phase, step):
+            self.kill()
 
-def armed(phase: str, step: int) -> bool:
-    """Whether ``phase`` of ``step`` is the armed point (to set up a kill mid-operation)."""
-    return _ARMED is not None and _ARMED == (phase, step)
+
+class FaultyTransport(SharedMemoryHolder):
+    """A transport that, once `arm` ed, SIGKILLs the process right after the next frame it
+    sends has left: a rank dying in the middle of a collective, its peers waiting for the
+    rest of its part.
+
+    Everything else is the wrapped transport's (its op ids, its shared-memory plane, its
+    receives). It lends no blocking links, so the ring runs on trio tasks and every frame
+    passes through `send`; the shared-memory plane's threaded mode signals its peers on a
+    thread the wrapper does not see (the caller then kills after the collective, see
+    `actors.testing.faults`).
+    """
+
+    def __init__(self, inner: Transport, fault: Fault) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner = inner
+        self.fault = fault
+        self.armed = False
+
+    @property
+    def shared_memory(self) -> AllReducePlane | None:  # type: ignore[override]
+        """The wrapped transport's shared-memory plane, if any: a member whose wrapper hid it
+        would run another algorithm than its peers."""
+        inner = self.__dict__.get("inner")
+        return inner.shared_memory if isinstance(inner, SharedMemoryHolder) else None
+
+    @shared_memory.setter
+    def shared_memory(self, plane: AllReducePlane | None) -> None:
+        inner = self.__dict__.get("inner")
+        if isinstance(inner, SharedMemoryHolder):
+            inner.shared_memory = plane
+
+    @property
+    def stall_seconds(self) -> float:  # type: ignore[override]
+        inner = self.__dict__.get("inner")
+        return inner.stall_seconds if isinstance(inner, PrecodedFrames) else 10.0
+
+    def arm(self) -> None:
+        """Kill the process after the next frame this transport sends."""
+        self.armed = True
+
+    def _sent(self) -> None:
+        if self.armed:
+            self.fault.kill()
+
+    def next_op_id(self) -> int:
+        return self.inner.next_op_id()
+
+    def check_peer(self, peer: int) -> None:
+        self.inner.check_peer(peer)
+
+    async def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        await self.inner.send(peer, kind, fields, bulk)
+        self._sent()
+
+    async def send_frame(self, peer: int, frame: bytes) -> None:
+        """An encoded frame to ``peer`` (TCP transports: the shared-memory plane's signals)."""
+        if not isinstance(self.inner, PrecodedFrames):
+            raise TypeError(f"{type(self.inner).__name__} sends no pre-encoded frames")
+        await self.inner.send_frame(peer, frame)
+        self._sent()
+
+    async def recv_matching(self, peer: int, expected: bytes) -> dict[str, Any] | None:
+        if not isinstance(self.inner, PrecodedFrames):
+            raise TypeError(f"{type(self.inner).__name__} matches no pre-encoded frames")
+        return await self.inner.recv_matching(peer, expected)
+
+    async def recv(self, peer: int) -> dict[str, Any]:
+        return await self.inner.recv(peer)
+
+    async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        return await self.inner.recv_into(peer, out)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def commit_fault_core(fault: Fault) -> type[CoordinatorCore]:
+    """A `CoordinatorCore` whose `handle` SIGKILLs the process when the actions it returns
+    commit ``fault.step``: the core has decided, nobody has heard of it yet."""
+
+    class CommitFaultCore(CoordinatorCore):
+        def handle(self, event: Event) -> list[Action]:
+            actions = super().handle(event)
+            for action in actions:
+                if isinstance(action, Broadcast) and isinstance(action.message, Commit):
+                    fault.strike("commit", action.message.step)
+            return actions
+
+    return CommitFaultCore

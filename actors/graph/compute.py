@@ -1,0 +1,115 @@
+"""The compute actor: forward and backward of a worker's model, in a worker thread.
+
+Running them off the event loop keeps it serving the network meanwhile. During the last
+backward of a step, gradient hooks report each bucket the moment all its gradients exist, so
+its all-reduce overlaps the rest of backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import trio
+
+from actors.graph.messages import Backward
+from actors.state.buckets import Bucket
+from runtime.actor.base import Actor
+from runtime.observe.trace import TraceRecorder
+
+__all__ = ["ComputeActor", "LossFn"]
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``loss_fn(model, micro_batch) -> scalar loss``: the user's forward pass."""
+
+
+class ComputeActor(Actor):
+    """Forward and backward in a worker thread; hooks announce finished gradient buckets.
+
+    ``on_bucket(step, bucket)`` runs in the event loop. A bucket that backward finishes while
+    others are still being computed is handed to it from the backward thread at once (its
+    all-reduce overlaps the rest of backward); the last one is announced when backward
+    returns, which wakes the event loop anyway: handing it over from the thread too would
+    wake the loop a second time for the same moment.
+    """
+
+    accepts = (Backward,)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: LossFn,
+        buckets: list[Bucket],
+        on_bucket: Callable[[int, int], None],
+        trace: TraceRecorder,
+    ) -> None:
+        super().__init__("compute", mailbox_size=2)
+        self.model = model
+        self.loss_fn = loss_fn
+        self.trace = trace
+        self._on_bucket = on_bucket
+        self._params = dict(model.named_parameters())
+        self._bucket_of = {name: b.index for b in buckets for name in b.names}
+        self._pending: list[int] = [len(b.names) for b in buckets]
+        self._sizes = [len(b.names) for b in buckets]
+        self._sync_step: int | None = None
+        self._left = 0
+        """Buckets of the current backward not finished yet."""
+        self._last: tuple[int, int] | None = None
+        """(step, bucket): the backward's last bucket, announced when it returns."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._hooks = [
+            self._params[name].register_post_accumulate_grad_hook(self._make_hook(name))
+            for name in self._bucket_of
+        ]
+
+    def _make_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        bucket = self._bucket_of[name]
+
+        def hook(_param: torch.Tensor) -> None:
+            if self._sync_step is None:
+                return
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0:
+                self._left -= 1
+                if self._left:
+                    self._token.run_sync_soon(self._on_bucket, self._sync_step, bucket)
+                else:
+                    self._last = (self._sync_step, bucket)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the model."""
+        for handle in self._hooks:
+            handle.remove()
+
+    async def handle(self, message: object) -> float:
+        assert isinstance(message, Backward)
+        loss = await trio.to_thread.run_sync(self._backward, message)
+        last, self._last = self._last, None
+        if last is not None:
+            self._on_bucket(*last)
+        return loss
+
+    def _backward(self, message: Backward) -> float:
+        self._last = None
+        if message.sync:
+            self._pending = list(self._sizes)
+            self._left = len(self._sizes)
+            self._sync_step = message.step
+        try:
+            with self.trace.span("forward", actor="compute", step=message.step):
+                loss = self.loss_fn(self.model, message.micro_batch)
+            with self.trace.span("backward", actor="compute", step=message.step):
+                loss.backward()
+        finally:
+            self._sync_step = None
+        if message.sync and any(self._pending):
+            missing = [i for i, left in enumerate(self._pending) if left]
+            raise RuntimeError(
+                f"step {message.step}: backward produced no gradient for buckets {missing} "
+                "(parameters unused by the loss cannot be synchronized)"
+            )
+        return float(loss.detach())

@@ -1,0 +1,294 @@
+"""The gradient-comm actor: each bucket's flat buffer, its negotiation and its all-reduce.
+
+It owns each bucket's flat buffer (the gradients are views of it, so backward fills it in
+place), reports a ready bucket (pre-averaged over accumulation steps) to the coordinator, and
+all-reduces it when the coordinator says go, overlapping the rest of backward; buckets run in the
+coordinator's order on every rank. From an epoch's second step on, buckets are reduced at once
+in the agreed order, without the round trip (the response cache).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import trio
+
+from actors.client.client import CoordinatorClient, Go
+from actors.graph.messages import BucketReady
+from actors.state.buckets import Bucket
+from runtime.actor.base import Actor, ActorStopped
+from runtime.collectives.ring import all_reduce
+from runtime.coordinator.core import agreement_hash, spec_hash
+from runtime.observe.trace import TraceRecorder
+from runtime.transport.base import Transport
+from runtime.transport.capabilities import SharedMemoryHolder
+
+__all__ = ["CommOptions", "GradCommActor", "StepState"]
+
+
+class CommOptions(Protocol):
+    """What the gradient-comm actor reads of the trainer's options
+    (`actors.train.trainer.TrainerOptions` has them all)."""
+
+    @property
+    def accumulation_steps(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def threaded_min_bytes(self) -> int: ...
+    @property
+    def threaded_shared_memory(self) -> bool: ...
+    @property
+    def response_cache(self) -> bool: ...
+
+
+@dataclass
+class StepState:
+    """One step's all-reduce progress: set ``all_reduced`` once every bucket is reduced, or
+    with ``error`` when a bucket was lost."""
+
+    step: int
+    reduced: int = 0
+    all_reduced: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
+class GradCommActor(Actor):
+    """Packs ready buckets, negotiates them with the coordinator, all-reduces them.
+
+    The first step of an epoch negotiates every bucket: report it ready, all-reduce it when the
+    coordinator says go, in the coordinator's order. Once every bucket has had its go, the
+    members have agreed on each bucket's spec and order for the epoch (Horovod's response
+    cache): from then on a bucket is reported ready marked cached and all-reduced at once, in
+    the agreed order, without waiting for a round trip. The coordinator still checks each
+    report against the agreement and stops the run naming the rank that differs, and the ring
+    refuses a peer whose collective differs (ProtocolError), so nothing is reduced silently
+    wrong. A new epoch (new members, a new ring) starts a new actor, hence a fresh negotiation.
+    """
+
+    accepts = (BucketReady, Go)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: list[Bucket],
+        transport: Transport,
+        client: CoordinatorClient,
+        options: CommOptions,
+        trace: TraceRecorder,
+        epoch: int = 1,
+        fold: bool = False,
+    ) -> None:
+        super().__init__("gradient-comm", mailbox_size=2 * len(buckets) + 4)
+        self.buckets = buckets
+        self.transport = transport
+        self.client = client
+        self.options = options
+        self.trace = trace
+        self.epoch = epoch
+        if isinstance(transport, SharedMemoryHolder) and transport.shared_memory is not None:
+            transport.shared_memory.threaded = options.threaded_shared_memory
+        params = dict(model.named_parameters())
+        self._params = [[params[name] for name in bucket.names] for bucket in buckets]
+        self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
+        self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
+        for index in range(len(buckets)):
+            self._bind(index)
+        self._specs = [bucket.spec() for bucket in buckets]
+        self._spec_hashes = [spec_hash(spec) for spec in self._specs]
+        """What a cached report carries instead of the whole spec."""
+        self._fold = fold
+        """Every member folds: cached buckets get no report, the step report says so."""
+        self._agreement = agreement_hash(dict(enumerate(self._spec_hashes)))
+        self._packed = [False] * len(buckets)
+        """Per bucket: whether this step copied the gradients in (they were not views)."""
+        self.current: StepState | None = None
+        self._ready_ns: dict[int, int] = {}
+        self._order: list[int] = []
+        """Buckets in the order of the coordinator's gos (the epoch's first negotiation)."""
+        self._cached: set[int] = set()
+        """Buckets of the current step reported cached (reduced without a go)."""
+        self._next = 0
+        """Position in ``_order`` of the next cached bucket to reduce."""
+
+    def _bind(self, index: int) -> None:
+        """Make bucket ``index``'s gradients views of its flat buffer (torch DDP's
+        ``gradient_as_bucket_view``): backward accumulates straight into the buffer and the
+        reduced values land in the gradients, so neither needs a copy. A gradient that is not
+        the view (none yet, or replaced: ``zero_grad(set_to_none=True)``) keeps its values."""
+        views = self._views[index]
+        if views is None:
+            return
+        with torch.no_grad():
+            for param, view in zip(self._params[index], views):
+                grad = param.grad
+                if grad is view:
+                    continue
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                param.grad = view
+
+    def zero_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """What ``optimizer.zero_grad(set_to_none=False)`` does after a step, cheaper: a bucket
+        whose gradients are still views of its flat buffer is zeroed in one fill, not one
+        kernel per gradient; any other gradient the optimizer holds is zeroed on its own."""
+        done: set[int] = set()
+        for index, flat in enumerate(self._flats):
+            if self._bound(index):
+                flat.zero_()
+                done.update(id(param) for param in self._params[index])
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and id(param) not in done:
+                    if grad.grad_fn is not None:
+                        grad.detach_()
+                    else:
+                        grad.requires_grad_(False)
+                    grad.zero_()
+
+    def _bound(self, index: int) -> bool:
+        """Whether every gradient of bucket ``index`` is still its view of the flat buffer."""
+        views = self._views[index]
+        return views is not None and all(
+            param.grad is view for param, view in zip(self._params[index], views)
+        )
+
+    @property
+    def cache_ready(self) -> bool:
+        """Whether buckets skip the round trip: every bucket has been agreed this epoch."""
+        return self.options.response_cache and len(self._order) == len(self.buckets)
+
+    def ready_soon(self, message: BucketReady) -> None:
+        """Queue a bucket that backward finished (run by the event loop: must not raise). The
+        mailbox holds every bucket and go of a step, so it is never full; if the actor is
+        stopping, its epoch is ending and the step will be run again."""
+        try:
+            self.tell_nowait(message)
+        except ActorStopped:
+            pass
+        except trio.WouldBlock:
+            state = self.current
+            if state is not None:
+                state.error = RuntimeError(
+                    f"step {message.step}: the gradient-comm mailbox is full (bucket "
+                    f"{message.bucket} lost)"
+                )
+                state.all_reduced.set()
+
+    def begin_step(self, step: int) -> StepState:
+        """Expect ``len(buckets)`` reductions for ``step``."""
+        self.current = StepState(step)
+        self._cached = set()
+        self._next = 0
+        if not self.buckets:
+            self.current.all_reduced.set()
+        return self.current
+
+    async def handle(self, message: object) -> None:
+        if isinstance(message, BucketReady):
+            await self._ready(message)
+        else:
+            assert isinstance(message, Go)
+            await self._reduce(message)
+
+    async def _ready(self, message: BucketReady) -> None:
+        bucket = self.buckets[message.bucket]
+        flat = self._flats[message.bucket]
+        if self._bound(message.bucket):
+            self._packed[message.bucket] = False  # backward wrote into the buffer itself
+        else:
+            grads = [param.grad for param in self._params[message.bucket]]
+            with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
+                if grads and grads[0] is not None and grads[0].device.type == "cuda":
+                    # C-STREAMSYNC-001: gradients must be complete before the host copy.
+                    torch.cuda.current_stream(grads[0].device).synchronize()
+                bucket.pack([g for g in grads if g is not None], flat)
+            self._packed[message.bucket] = True
+        if self.options.accumulation_steps > 1:
+            flat.div_(self.options.accumulation_steps)
+        spec = self._specs[bucket.index]
+        if self.cache_ready:  # a bucket's spec is fixed: the agreed one
+            if self._fold:  # no message on the critical path: the step report carries it
+                self.client.folded(message.step, self.epoch, self._agreement)
+            else:
+                await self.client.ready(
+                    message.step,
+                    bucket.index,
+                    self._spec_hashes[bucket.index],
+                    self.epoch,
+                    cached=True,
+                )
+            self._cached.add(bucket.index)
+            # Reduce in the agreed order: every rank runs the same collectives in sequence.
+            while self._next < len(self._order) and self._order[self._next] in self._cached:
+                index = self._order[self._next]
+                self._next += 1
+                await self._all_reduce(message.step, index)
+            return
+        # Step s+1 may report before step s is committed: the coordinator holds the report and
+        # says go only after the commit, so the check stays off the critical path.
+        await self.client.ready(message.step, bucket.index, spec, self.epoch)
+        self._ready_ns[bucket.index] = time.perf_counter_ns()
+
+    async def _reduce(self, go: Go) -> None:
+        state = self.current
+        if state is None or go.step != state.step:
+            raise RuntimeError(f"coordinator said go for step {go.step} outside that step")
+        if go.bucket in self._cached:
+            return  # reduced from the cache already (a peer negotiated it: same spec)
+        sent = self._ready_ns.pop(go.bucket, None)
+        if sent is not None:
+            self.trace.complete(
+                "negotiate",
+                sent,
+                time.perf_counter_ns(),
+                actor="gradient-comm",
+                bucket=go.bucket,
+                step=go.step,
+            )
+        if go.bucket not in self._order:
+            self._order.append(go.bucket)
+        await self._all_reduce(go.step, go.bucket)
+
+    async def _all_reduce(self, step: int, index: int) -> None:
+        state = self.current
+        assert state is not None and state.step == step
+        bucket = self.buckets[index]
+        flat = self._flats[index]
+        with self.trace.span(
+            "all-reduce", actor="gradient-comm", bucket=index, bytes=flat.numel() * 4
+        ):
+            await all_reduce(
+                self.transport,
+                flat,
+                "avg",
+                chunk_bytes=self.options.chunk_bytes,
+                threaded_min_bytes=self.options.threaded_min_bytes,
+            )
+        if self._packed[index]:
+            grads = [param.grad for param in self._params[index]]
+            bucket.unpack(flat, [g for g in grads if g is not None])
+            self._bind(index)  # views again from the next step on
+        state.reduced += 1
+        if state.reduced == len(self.buckets):
+            state.all_reduced.set()
+
+
+def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
+    """One view of ``flat`` per parameter, shaped like it, in bucket order; None where the
+    gradients cannot live in the host buffer (a parameter on an accelerator, another dtype)."""
+    views = []
+    offset = 0
+    for param in params:
+        if param.device != flat.device or param.dtype != flat.dtype:
+            return None
+        count = param.numel()
+        views.append(flat[offset : offset + count].view(param.shape))
+        offset += count
+    return views

@@ -1,0 +1,138 @@
+"""The optimizer actor: applies a step's averaged gradients and reports the state digest.
+
+The digest is the identical-weights check (C-DDP-001): the coordinator commits a step once
+every rank's digest agrees, and no rank changes its weights again before that commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from actors.client.client import CoordinatorClient
+from actors.graph.messages import OptimizerStep, Verify
+from actors.state.digest import StateDigest, StateHasher
+from runtime.actor.base import Actor
+from runtime.observe.trace import TraceRecorder
+
+__all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor"]
+
+OPTIMIZER_STEP_LOCK = threading.Lock()
+"""Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not
+safe to step from several threads at once: two threads taking the first AdamW step of two
+identical replicas (tied embeddings, identical gradients) disagreed on the tied weight in about
+1 run in 12 (tests/test_soak.py reproduces it without paramsync). Only in-process groups run
+several trainers in one process, and a step is milliseconds, so the lock costs nothing else."""
+
+
+@dataclass
+class CheckCost:
+    """What the identical-weights check (C-DDP-001) has cost this worker: the CPU time spent
+    hashing its state, and how many digests it reported. Reporting them (a ~1.9 KB message)
+    and the coordinator's comparison are not included."""
+
+    hash_cpu_seconds: float = 0.0
+    digests: int = 0
+
+
+class OptimizerActor(Actor):
+    """Applies the averaged gradients and reports the state digest (C-DDP-001).
+
+    The digest of step s is hashed in the optimizer step's own thread call, right after the
+    step: hashing beside the next forward pass instead made the two threads trade the GIL at
+    every torch op, which cost more than the hash. The report leaves while step s+1 computes
+    forward and backward, which only read the weights; step s+1's optimizer step first waits
+    for step s's commit, so no weight changes before step s is committed everywhere. (Waiting
+    for the commit right after the report instead woke the event loop in the middle of the
+    next compute, when the commit came in; it now waits in the socket until the compute ends,
+    see `CoordinatorClient.reads_deferred`.)
+    """
+
+    accepts = (OptimizerStep, Verify)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        client: CoordinatorClient,
+        options: object,
+        trace: TraceRecorder,
+        epoch: int = 1,
+        on_applied: Callable[[int], None] | None = None,
+        check_cost: CheckCost | None = None,
+        zero_grads: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__("optimizer", mailbox_size=2)
+        self.model = model
+        self.optimizer = optimizer
+        self.client = client
+        self.options = options
+        """The trainer's options: the actor reads none of them (its peers' constructors take
+        them too)."""
+        self.trace = trace
+        self.epoch = epoch
+        self.last_digest: bytes | None = None
+        self._on_applied = on_applied
+        self.zero_grads = zero_grads
+        """Zeroes the gradients after a step (None: ``optimizer.zero_grad(set_to_none=False)``)."""
+        self.check_cost = check_cost if check_cost is not None else CheckCost()
+        self._hasher = StateHasher()
+        self._names_sent: tuple[str, ...] | None = None
+        self._hashed: tuple[int, StateDigest, int, int] | None = None
+        """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
+
+    async def handle(self, message: object) -> None:
+        if isinstance(message, OptimizerStep):
+            with self.trace.span("commit-wait", actor="optimizer", step=message.step - 1):
+                await self.client.wait_commit(message.step - 1)
+            with self.trace.span("optimizer", actor="optimizer", step=message.step):
+                await trio.to_thread.run_sync(self.apply, message.step)
+            return
+        assert isinstance(message, Verify)
+        step = message.step
+        hashed, self._hashed = self._hashed, None
+        if message.force or step % self.client.digest_interval == 0:
+            if hashed is not None and hashed[0] == step and not message.force:
+                _, digest, started, ended = hashed
+                self.trace.complete("digest", started, ended, actor="optimizer", step=step)
+            else:  # an epoch's opening check: the state may have just arrived from a donor
+                with self.trace.span("digest", actor="optimizer", step=step):
+                    digest = await trio.to_thread.run_sync(self._timed_digest)
+            self.last_digest = digest.digest
+            # The tensor names travel with the epoch's first digest and when they change.
+            names = None if digest.names is self._names_sent else digest.names
+            await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
+            self.check_cost.digests += 1
+            self._names_sent = digest.names
+        else:
+            await self.client.step_done(step, self.epoch)
+        if message.wait:
+            with self.trace.span("commit-wait", actor="optimizer", step=step):
+                await self.client.wait_commit(step)
+
+    def _timed_digest(self) -> StateDigest:
+        cpu = time.thread_time()
+        try:
+            return self._hasher.digest(self.model, self.optimizer)
+        finally:
+            self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
+
+    def apply(self, step: int) -> None:
+        """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
+        with OPTIMIZER_STEP_LOCK:
+            self.optimizer.step()
+            if self.zero_grads is not None:
+                self.zero_grads()
+            else:
+                self.optimizer.zero_grad(set_to_none=False)
+            if self._on_applied is not None:
+                self._on_applied(step)
+        if step % self.client.digest_interval == 0:
+            started = time.perf_counter_ns()
+            digest = self._timed_digest()
+            self._hashed = (step, digest, started, time.perf_counter_ns())

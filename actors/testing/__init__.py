@@ -1,0 +1,1 @@
+"""actors.testing: harness-side wrappers around a worker's actors (the fault trials')."""

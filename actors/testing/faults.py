@@ -1,0 +1,145 @@
+"""The worker's fault wrappers: its actors, subclassed to SIGKILL the process at one point.
+
+`faulty_actors(fault)` is an `ActorFactory` whose actor for the fault's phase is wrapped, the
+others plain; `install(fault)` makes it the factory of every trainer in this process (what
+`runtime.testing.faulty_daemon` calls in a worker daemon before running the job). The points,
+each before the phase's work of the fault's step:
+
+- ``data``: the trainer takes the step's batch from the data loader;
+- ``forward``: the compute actor calls the loss function (the step's first micro-batch);
+- ``backward``: the loss function has returned, backward has not begun;
+- ``allreduce``: the step's first gradient all-reduce has sent its first frame (a
+  `FaultyTransport`), so this rank's part has started and its peers' is not all in;
+- ``optimizer``: the optimizer actor is about to step the optimizer;
+- ``digest``: the optimizer actor is about to report the step's state digest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from actors.graph.compute import ComputeActor
+from actors.graph.factory import ActorFactory
+from actors.graph.gradcomm import GradCommActor
+from actors.graph.loader import DataLoaderActor, LoaderPosition
+from actors.graph.messages import Backward, Verify
+from actors.graph.optimizer import OptimizerActor
+from actors.train.trainer import DistributedTrainer
+from runtime.testing.faults import PHASES, Fault, FaultyTransport
+
+__all__ = [
+    "FaultyComputeActor",
+    "FaultyDataLoaderActor",
+    "FaultyGradCommActor",
+    "FaultyOptimizerActor",
+    "faulty_actors",
+    "install",
+]
+
+
+class FaultyDataLoaderActor(DataLoaderActor):
+    """Dies (``data``) when the trainer takes the fault step's batch."""
+
+    def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = fault
+
+    async def next_batch(self) -> tuple[LoaderPosition, Any]:
+        if self.expects is not None:
+            self.fault.strike("data", self.expects[0])
+        return await super().next_batch()
+
+
+class FaultyComputeActor(ComputeActor):
+    """Dies (``forward``) as the fault step's forward begins, or (``backward``) between its
+    forward and its backward: the loss function is wrapped."""
+
+    def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = fault
+        self._step = -1
+        inner = self.loss_fn
+
+        def loss_fn(model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:
+            self.fault.strike("forward", self._step)
+            loss = inner(model, micro_batch)
+            self.fault.strike("backward", self._step)
+            return loss
+
+        self.loss_fn = loss_fn
+
+    def _backward(self, message: Backward) -> float:
+        self._step = message.step
+        return super()._backward(message)
+
+
+class FaultyGradCommActor(GradCommActor):
+    """Dies (``allreduce``) in the fault step's first all-reduce, right after its first frame
+    left (through a `FaultyTransport`); if the collective sent nothing the transport saw (one
+    member; the shared-memory plane's threaded mode), right after the collective."""
+
+    def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = fault
+        self.transport = FaultyTransport(self.transport, fault)
+
+    async def _all_reduce(self, step: int, index: int) -> None:
+        if not self.fault.at("allreduce", step):
+            await super()._all_reduce(step, index)
+            return
+        assert isinstance(self.transport, FaultyTransport)
+        self.transport.arm()
+        await super()._all_reduce(step, index)
+        self.fault.kill()
+
+
+class FaultyOptimizerActor(OptimizerActor):
+    """Dies (``optimizer``) before the fault step's optimizer step, or (``digest``) before it
+    reports the step's state digest."""
+
+    def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = fault
+
+    def apply(self, step: int) -> None:
+        self.fault.strike("optimizer", step)
+        super().apply(step)
+
+    async def handle(self, message: object) -> None:
+        if isinstance(message, Verify) and (
+            message.force or message.step % self.client.digest_interval == 0
+        ):
+            self.fault.strike("digest", message.step)
+        await super().handle(message)
+
+
+def _wrapped(actor: type, fault: Fault) -> Any:
+    def build(*args: Any, **kwargs: Any) -> Any:
+        return actor(*args, fault=fault, **kwargs)
+
+    return build
+
+
+_WRAPPER = {
+    "data": ("loader", FaultyDataLoaderActor),
+    "forward": ("compute", FaultyComputeActor),
+    "backward": ("compute", FaultyComputeActor),
+    "allreduce": ("comm", FaultyGradCommActor),
+    "optimizer": ("optimizer", FaultyOptimizerActor),
+    "digest": ("optimizer", FaultyOptimizerActor),
+}
+
+
+def faulty_actors(fault: Fault) -> ActorFactory:
+    """The plain actors, but the one of ``fault.phase`` wrapped to die at ``fault``."""
+    if fault.phase not in PHASES:
+        raise ValueError(f"fault {fault.phase}:{fault.step}: a worker's phase is one of {PHASES}")
+    field, actor = _WRAPPER[fault.phase]
+    return ActorFactory(**{field: _wrapped(actor, fault)})
+
+
+def install(fault: Fault) -> None:
+    """Make every trainer this process starts from now on die at ``fault``."""
+    DistributedTrainer.default_actors = faulty_actors(fault)
