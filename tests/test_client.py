@@ -18,6 +18,10 @@ from runtime.observe.trace import TraceRecorder
 from runtime.transport.link import MemoryLink
 
 
+_EPOCH_0 = StartRun(addresses=(("in-process", 1),), ring=(0,), epoch=0)
+"""An epoch the tests' client takes part in without a join."""
+
+
 async def _send(link: MemoryLink, message: Commit) -> None:
     kind, fields = message.to_wire()
     await link.send(kind, fields)
@@ -35,6 +39,7 @@ async def test_messages_wait_while_reads_are_deferred_and_are_read_after(
 ) -> None:
     coordinator, worker = MemoryLink.pair("worker", "coordinator")
     client = CoordinatorClient(worker, rank=0, heartbeat_seconds=5.0)
+    client.begin_epoch(_EPOCH_0)  # attached to a conversation under way: no join
     async with trio.open_nursery() as nursery:
         await nursery.start(client.serve)
         await _send(coordinator, Commit(step=0, epoch=0))
@@ -88,6 +93,7 @@ async def test_an_optimizer_step_waits_for_the_previous_steps_commit() -> None:
     wait for."""
     coordinator, worker = MemoryLink.pair("worker", "coordinator")
     client = CoordinatorClient(worker, rank=0, heartbeat_seconds=100.0)
+    client.begin_epoch(_EPOCH_0)
     model, optimizer = _model_and_optimizer()
     actor = OptimizerActor(
         model, optimizer, client, TrainerOptions(), TraceRecorder.disabled(), epoch=0
