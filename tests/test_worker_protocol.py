@@ -21,18 +21,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors.client.protocol import (
-    COORDINATOR_TRANSITIONS,
+from actors.client.events import (
     Announce,
     ConnectionLost,
     Ended,
     EnterEpoch,
-    EpochRegression,
     HeartbeatDue,
     HeartbeatReceived,
     Join,
-    LocalProtocolError,
-    Phase,
     Progress,
     Received,
     ReportDigest,
@@ -46,6 +42,12 @@ from actors.client.protocol import (
     Started,
     Tick,
     WorkerAction,
+)
+from actors.client.protocol import (
+    COORDINATOR_TRANSITIONS,
+    EpochRegression,
+    LocalProtocolError,
+    Phase,
     WorkerProtocol,
 )
 from runtime.coordinator.core import (
@@ -221,7 +223,7 @@ def test_a_refused_join_ends_naming_the_rank_and_anything_but_a_start_is_an_erro
     protocol.handle(Join(SIG, ("h", 1)))
     assert protocol.handle(HeartbeatReceived(1.0)) == []
     (ended, _) = protocol.handle(Received(JoinRefused("rank 2 is taken")))
-    assert ended.error == "coordinator refused rank 2: rank 2 is taken"
+    assert isinstance(ended, Ended) and ended.error == "coordinator refused rank 2: rank 2 is taken"
     protocol = WorkerProtocol(2)
     protocol.handle(Join(SIG, ("h", 1)))
     with pytest.raises(
@@ -495,8 +497,8 @@ class WiredMachine(RuleBasedStateMachine):
         epoch = start.epoch
         if trainer.verify_due:  # the epoch's opening check of the state it starts from
             trainer.verify_due = False
-            report = ReportDigest(start.step - 1, state_digest(trainer.step), b"", epoch, ())
-            self._execute(rank, handle(report))
+            check = ReportDigest(start.step - 1, state_digest(trainer.step), b"", epoch, ())
+            self._execute(rank, handle(check))
         elif trainer.mode == "ready":
             if trainer.step >= STEPS:
                 trainer.mode = "finish"

@@ -28,12 +28,11 @@ from typing import Any
 import stamina
 import trio
 
-from actors.client.protocol import (
+from actors.client.events import (
     Announce,
     ConnectionLost,
     Ended,
     EnterEpoch,
-    EpochRegression,
     HeartbeatDue,
     HeartbeatReceived,
     Join,
@@ -53,6 +52,9 @@ from actors.client.protocol import (
     Tick,
     WorkerAction,
     WorkerEvent,
+)
+from actors.client.protocol import (
+    EpochRegression,
     WorkerProtocol,
 )
 from runtime.coordinator.core import (

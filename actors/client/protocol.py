@@ -1,14 +1,11 @@
 """The worker's side of the coordinator protocol as a sans-I/O state machine (pure).
 
-:class:`WorkerProtocol` is fed events, the coordinator's decoded messages (`Received`, with
-its heartbeats as `HeartbeatReceived`), the trainer's requests (`Join`, `ReportReady`,
-`ReportFolded`, `ReportReduced`, `ReportDigest`, `ReportStepDone`, `ReportFinished`,
-`EnterEpoch`, `HeartbeatDue`) and the link's fate (`ConnectionLost`, a `Tick` after the shell
-heard nothing for a while), and returns actions: messages to send (`Send`, always one of the
-message dataclasses of `runtime.coordinator.core`, never a hand-built dict) and results for
-the trainer (`Started`, `Announce`, `RunGo`, `RunResync`, `Progress`, `Ended`, `Silent`). It
-opens no socket, starts no task and reads no clock: `actors.client.client.CoordinatorClient`
-is the trio shell that moves the bytes, runs the timers and redials.
+:class:`WorkerProtocol` is fed events (`actors.client.events`: the coordinator's decoded
+messages, the trainer's requests, the link's fate) and returns actions: messages to send
+(`Send`, always one of the message dataclasses of `runtime.coordinator.core`, never a
+hand-built dict) and results for the trainer. It opens no socket, starts no task and reads no
+clock: `actors.client.client.CoordinatorClient` is the trio shell that moves the bytes, runs
+the timers and redials.
 
 Every transition is in two tables, `COORDINATOR_TRANSITIONS` (what the coordinator may send
 in each phase) and `TRAINER_TRANSITIONS` (what the trainer may ask in each phase). A
@@ -24,10 +21,35 @@ protocol error; a report of an older epoch is dropped here, as the coordinator w
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar
 
+from actors.client.events import (
+    Announce,
+    ConnectionLost,
+    Ended,
+    EnterEpoch,
+    HeartbeatDue,
+    HeartbeatReceived,
+    Join,
+    Progress,
+    Received,
+    Report,
+    ReportDigest,
+    ReportFinished,
+    ReportFolded,
+    ReportReady,
+    ReportReduced,
+    ReportStepDone,
+    RunGo,
+    RunResync,
+    Send,
+    Silent,
+    Started,
+    Tick,
+    WorkerAction,
+    WorkerEvent,
+)
 from runtime.coordinator.core import (
     AbortRun,
     Apply,
@@ -57,31 +79,6 @@ __all__ = [
     "EpochRegression",
     "COORDINATOR_TRANSITIONS",
     "TRAINER_TRANSITIONS",
-    # events
-    "Received",
-    "HeartbeatReceived",
-    "ConnectionLost",
-    "Tick",
-    "Join",
-    "ReportReady",
-    "ReportFolded",
-    "ReportReduced",
-    "ReportDigest",
-    "ReportStepDone",
-    "ReportFinished",
-    "EnterEpoch",
-    "HeartbeatDue",
-    "WorkerEvent",
-    # actions
-    "Send",
-    "Started",
-    "Announce",
-    "RunGo",
-    "RunResync",
-    "Progress",
-    "Ended",
-    "Silent",
-    "WorkerAction",
 ]
 
 COORDINATOR = "coordinator"
@@ -115,214 +112,6 @@ class Phase(enum.Enum):
     """Join sent to a (restarted) coordinator with the state held; waiting for its start."""
     ENDED = "ended"
     """The run is over for this worker (shut down, aborted, refused, or lost for good)."""
-
-
-# --------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Received:
-    """The coordinator's message ``message`` arrived at the shell's time ``now``."""
-
-    message: Message
-    now: float | None = None
-
-
-@dataclass(frozen=True)
-class HeartbeatReceived:
-    """The coordinator's heartbeat arrived at ``now``: it is alive."""
-
-    now: float | None = None
-    KIND: ClassVar[str] = "heartbeat"
-
-
-@dataclass(frozen=True)
-class ConnectionLost:
-    """The link broke (or the coordinator went silent): ``reason`` says how. ``rejoin``: the
-    shell can redial, so hold the state and rejoin; else the run ends here."""
-
-    reason: str
-    rejoin: bool = True
-
-
-@dataclass(frozen=True)
-class Tick:
-    """The shell's clock reads ``now`` and it heard nothing lately: check the deadline."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Join:
-    """Join (or, after a loss, rejoin) with this model and data-plane address; ``step``,
-    ``digest``, ``epoch``: the state this worker holds. ``fold`` None keeps the last offer;
-    ``signature``/``address`` None: those of the last join."""
-
-    signature: Signature | None
-    address: tuple[str, int] | None
-    step: int = 0
-    digest: bytes = b""
-    epoch: int = 0
-    fold: bool | None = None
-
-
-@dataclass(frozen=True)
-class ReportReady:
-    """Bucket ``bucket`` of ``step`` is packed (``cached``: reduced at once, no go waited)."""
-
-    step: int
-    bucket: int
-    spec: Any
-    epoch: int
-    cached: bool = False
-
-
-@dataclass(frozen=True)
-class ReportFolded:
-    """``step``'s buckets are reduced from the response cache under ``agreement``: no ready
-    each; the step's first report says so."""
-
-    step: int
-    epoch: int
-    agreement: str
-
-
-@dataclass(frozen=True)
-class ReportReduced:
-    """Every bucket of ``step`` is all-reduced here (elastic runs' apply barrier)."""
-
-    step: int
-    epoch: int
-
-
-@dataclass(frozen=True)
-class ReportDigest:
-    """The state digest after ``step``'s optimizer step; ``tensors``: (name, digest) pairs,
-    or packed bytes in the order of ``names`` (None: the names of the last packed digest)."""
-
-    step: int
-    digest: bytes
-    tensors: Sequence[tuple[str, bytes]] | bytes
-    epoch: int
-    names: Sequence[str] | None = None
-
-
-@dataclass(frozen=True)
-class ReportStepDone:
-    """``step`` is done (a step without a digest check)."""
-
-    step: int
-    epoch: int
-
-
-@dataclass(frozen=True)
-class ReportFinished:
-    """This worker has run its last step; ``step`` is the first it will not run (``epoch``
-    None: the newest announced)."""
-
-    step: int
-    epoch: int | None = None
-
-
-@dataclass(frozen=True)
-class EnterEpoch:
-    """The trainer enters ``start``'s epoch: count commits and applies afresh from it."""
-
-    start: StartRun
-
-
-@dataclass(frozen=True)
-class HeartbeatDue:
-    """The shell's heartbeat timer fired at ``now``."""
-
-    now: float = 0.0
-
-
-WorkerEvent = (
-    Received
-    | HeartbeatReceived
-    | ConnectionLost
-    | Tick
-    | Join
-    | ReportReady
-    | ReportFolded
-    | ReportReduced
-    | ReportDigest
-    | ReportStepDone
-    | ReportFinished
-    | EnterEpoch
-    | HeartbeatDue
-)
-"""What the shell feeds :meth:`WorkerProtocol.handle`."""
-
-
-# --------------------------------------------------------------------------- actions
-
-
-Report = Ready | Reduced | Digest | StepDone | Finished
-"""A report of the trainer's, as the coordinator's core parses it."""
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to the coordinator (``message.to_wire()`` gives kind and fields)."""
-
-    message: Joined | Report | Heartbeat
-
-
-@dataclass(frozen=True)
-class Started:
-    """The coordinator answered the join with ``start``: the run (or the rejoined run) is on."""
-
-    start: StartRun
-    rejoined: bool
-
-
-@dataclass(frozen=True)
-class Announce:
-    """A later epoch starts, or hold (the coordinator's, or this worker's own after losing the
-    coordinator): tell the trainer."""
-
-    message: StartRun | Hold
-
-
-@dataclass(frozen=True)
-class RunGo:
-    """Run ``go``'s bucket collective now."""
-
-    go: Go
-
-
-@dataclass(frozen=True)
-class RunResync:
-    """Take part in ``order``'s state re-sync."""
-
-    order: ResyncOrder
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A commit or apply moved (or an epoch was entered): wake whoever waits on them."""
-
-
-@dataclass(frozen=True)
-class Ended:
-    """The run is over for this worker: ``error`` None after a clean finish, else the
-    sentence to raise (`RunAborted`)."""
-
-    message: Shutdown | AbortRun | JoinRefused
-    error: str | None
-
-
-@dataclass(frozen=True)
-class Silent:
-    """The coordinator stayed silent past its heartbeat deadline: treat it as lost."""
-
-    reason: str
-
-
-WorkerAction = Send | Started | Announce | RunGo | RunResync | Progress | Ended | Silent
-"""What :meth:`WorkerProtocol.handle` asks the shell to do, in order."""
 
 
 # --------------------------------------------------------------------------- the tables
