@@ -17,7 +17,6 @@ from runtime.coordinator.core import Commit, StartRun
 from runtime.observe.trace import TraceRecorder
 from runtime.transport.link import MemoryLink
 
-
 _EPOCH_0 = StartRun(addresses=(("in-process", 1),), ring=(0,), epoch=0)
 """An epoch the tests' client takes part in without a join."""
 

@@ -70,6 +70,7 @@ from runtime.coordinator.core import (
     Shutdown,
     StartRun,
     StepDone,
+    agreement_hash,
     event_from_wire,
     message_from_wire,
     spec_hash,
@@ -130,9 +131,11 @@ def test_reports_are_the_core_message_classes_and_fold_into_the_first_report() -
     (ready,) = sent(protocol.handle(ReportReady(0, 1, SPECS[1], 1)))
     assert ready == Ready(0, 0, 1, SPECS[1], 1)
     assert event_from_wire(wire(ready), rank=0, now=0.0) == ready
-    protocol.handle(ReportFolded(1, 1, "xxh3:agreed"))
+    protocol.handle(Received(Go(0, 1, 0, 1)))
+    agreed = agreement_hash({1: spec_hash(SPECS[1])})
+    protocol.handle(ReportFolded(1, 1, agreed))
     (first,) = sent(protocol.handle(ReportStepDone(1, 1)))
-    assert first == StepDone(0, 1, 1, "xxh3:agreed")
+    assert first == StepDone(0, 1, 1, agreed)
     (digest,) = sent(protocol.handle(ReportDigest(2, b"x" * 16, b"a" * 32, 1, ("w", "b"))))
     assert isinstance(digest, Digest) and digest.names == ("w", "b") and not digest.cached
     assert wire(digest)["tensors"] == b"a" * 32
@@ -154,6 +157,35 @@ def test_commits_and_applies_of_the_epoch_move_the_counters_older_ones_are_dropp
     assert protocol.stale == 2 and protocol.committed == 0
     with pytest.raises(ProtocolError, match=r"peer coordinator: commit \{step 2, epoch 4\}"):
         protocol.handle(Received(Commit(2, 4)))
+
+
+def test_gos_answer_ready_reports_and_agree_the_response_cache() -> None:
+    protocol = joined()
+    with pytest.raises(ProtocolError, match=r"go \{step 0, epoch 1, bucket 0\}.*did not report"):
+        protocol.handle(Received(Go(0, 0, 0, 1)))
+    protocol.handle(ReportReady(0, 0, SPECS[0], 1))
+    protocol.handle(ReportReady(0, 1, SPECS[1], 1))
+    assert protocol.awaiting_go == {(0, 0), (0, 1)} and protocol.agreement == "none"
+    with pytest.raises(LocalProtocolError, match="agreed on no spec for it"):
+        protocol.handle(ReportReady(1, 0, spec_hash(SPECS[0]), 1, cached=True))
+    assert protocol.handle(Received(Go(0, 0, 0, 1))) == [RunGo(Go(0, 0, 0, 1))]
+    assert protocol.handle(Received(Go(0, 1, 1, 1))) == [RunGo(Go(0, 1, 1, 1))]
+    agreed = agreement_hash({0: spec_hash(SPECS[0]), 1: spec_hash(SPECS[1])})
+    assert protocol.agreement == agreed
+    (cached,) = sent(protocol.handle(ReportReady(1, 0, spec_hash(SPECS[0]), 1, cached=True)))
+    assert wire(cached)["cached"] is True and wire(cached)["spec"] == spec_hash(SPECS[0])
+    with pytest.raises(LocalProtocolError, match=r"as xxh3:.*but epoch 1 agreed on xxh3:"):
+        protocol.handle(ReportReady(1, 1, SPECS[0], 1, cached=True))
+    with pytest.raises(LocalProtocolError, match="folds step 2 under agreement xxh3:other"):
+        protocol.handle(ReportFolded(2, 1, "xxh3:other"))
+    protocol.handle(ReportFolded(2, 1, agreed))
+    # A peer that negotiates bucket 0 again: its go answers this worker's cached report.
+    assert protocol.handle(Received(Go(1, 0, 2, 1))) == [RunGo(Go(1, 0, 2, 1))]
+    protocol.handle(ReportStepDone(1, 1))
+    assert protocol.awaiting_go == set()
+    later = StartRun(addresses=START.addresses, ring=(0, 1), epoch=2, step=2, broadcast=False)
+    protocol.handle(Received(later))
+    assert protocol.agreement == "none"  # a new epoch starts without an agreement
 
 
 def test_a_hold_runs_nothing_until_the_next_start() -> None:
@@ -268,8 +300,12 @@ def legal(protocol: WorkerProtocol, message: Any) -> bool:
         return message.epoch > epoch
     if kind == "resync":
         return phase is Phase.RUNNING
-    # go, commit, apply: a running epoch's or an older one's (dropped); a hold runs none
-    return message.epoch <= epoch if phase is Phase.RUNNING else message.epoch < epoch
+    if message.epoch < epoch:
+        return True  # a go, commit or apply of an older epoch: dropped
+    if phase is Phase.HOLDING or message.epoch > epoch:
+        return False  # a hold runs nothing; a newer epoch was never announced
+    # A go answers a ready report this worker sent in the epoch.
+    return kind != "go" or (message.step, message.bucket) in protocol.awaiting_go
 
 
 def coordinator_messages(epoch: int) -> st.SearchStrategy[Any]:

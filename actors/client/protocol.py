@@ -69,6 +69,8 @@ from runtime.coordinator.core import (
     Signature,
     StartRun,
     StepDone,
+    agreement_hash,
+    spec_hash,
 )
 from runtime.errors import ParamsyncError, ProtocolError
 
@@ -243,6 +245,14 @@ class WorkerProtocol:
         """Messages and reports of an older epoch, dropped (they raced a membership change)."""
         self.lost_reason: str | None = None
         self._folded: dict[tuple[int, int], str] = {}
+        self._cache_epoch = 0
+        """The epoch the response cache below belongs to (a new epoch starts without one)."""
+        self._agreed: dict[int, Any] = {}
+        """bucket -> the spec this worker reported when its go came: the epoch's agreement."""
+        self._agreement: str | None = None
+        """The `agreement_hash` of ``_agreed`` (None: not computed since it changed)."""
+        self._awaiting: dict[tuple[int, int], tuple[Any, bool]] = {}
+        """(step, bucket) -> (spec, cached) of a ready report a go may still answer."""
         """(epoch, step) -> the agreement its buckets were reduced under without a report."""
 
     # ------------------------------------------------------------------- observability
@@ -354,7 +364,19 @@ class WorkerProtocol:
         return True
 
     def _on_go(self, go: Go) -> list[WorkerAction]:
-        return [RunGo(go)] if self._epoch_of(go) else []
+        if not self._epoch_of(go):
+            return []
+        self._cache_for(go.epoch)
+        report = self._awaiting.pop((go.step, go.bucket), None)
+        if report is None:
+            raise self._illegal(
+                go, f"this worker did not report bucket {go.bucket} of step {go.step} ready"
+            )
+        spec, cached = report
+        if not cached:  # negotiated: the spec every member reported is the agreement now
+            self._agreed[go.bucket] = spec
+            self._agreement = None
+        return [RunGo(go)]
 
     def _on_commit(self, commit: Commit) -> list[WorkerAction]:
         if not self._epoch_of(commit):
@@ -475,6 +497,8 @@ class WorkerProtocol:
 
     def _report(self, event: WorkerEvent) -> list[WorkerAction]:
         if isinstance(event, ReportFolded):
+            if event.epoch == self.epoch and self.phase is Phase.RUNNING:
+                self._check_agreement(event)
             self._remember_fold(event)
             return []
         epoch = getattr(event, "epoch", None)
@@ -490,7 +514,63 @@ class WorkerProtocol:
             self._folded.pop((epoch, getattr(event, "step", -1)), None)
             self.stale += 1
             return []
+        if isinstance(event, ReportReady):
+            self._note_ready(event)
+        elif not isinstance(event, ReportFinished):  # a step's end: no go for it follows
+            self._awaiting = {k: v for k, v in self._awaiting.items() if k[0] > event.step}
         return [Send(self._message(event, epoch))]
+
+    # ------------------------------------------------------------------- response cache
+
+    def _cache_for(self, epoch: int) -> None:
+        """Start ``epoch``'s response cache afresh if it is not the one held."""
+        if epoch != self._cache_epoch:
+            self._cache_epoch = epoch
+            self._agreed, self._awaiting, self._agreement = {}, {}, None
+
+    @property
+    def awaiting_go(self) -> frozenset[tuple[int, int]]:
+        """(step, bucket) of this epoch's ready reports that a go may still answer."""
+        return frozenset(self._awaiting) if self._cache_epoch == self.epoch else frozenset()
+
+    @property
+    def agreement(self) -> str:
+        """The `agreement_hash` of the buckets agreed in the announced epoch ("none": none)."""
+        if self._cache_epoch != self.epoch or not self._agreed:
+            return "none"
+        if self._agreement is None:
+            hashes = {bucket: spec_hash(spec) for bucket, spec in self._agreed.items()}
+            self._agreement = agreement_hash(hashes)
+        return self._agreement
+
+    def _note_ready(self, event: ReportReady) -> None:
+        """Remember a ready report for its go; a cached one must match the agreement."""
+        self._cache_for(event.epoch)
+        if event.cached:
+            agreed = self._agreed.get(event.bucket)
+            if agreed is None:
+                raise LocalProtocolError(
+                    f"rank {self.rank} reports bucket {event.bucket} of step {event.step} "
+                    f"reduced from the response cache, but epoch {event.epoch} agreed on no "
+                    f"spec for it"
+                )
+            if spec_hash(event.spec) != spec_hash(agreed):
+                raise LocalProtocolError(
+                    f"rank {self.rank} reports bucket {event.bucket} of step {event.step} "
+                    f"reduced from the response cache as {spec_hash(event.spec)}, but epoch "
+                    f"{event.epoch} agreed on {spec_hash(agreed)}"
+                )
+        self._awaiting[(event.step, event.bucket)] = (event.spec, event.cached)
+
+    def _check_agreement(self, event: ReportFolded) -> None:
+        """A folded step must be reduced under the epoch's agreement, as the coordinator
+        will check."""
+        self._cache_for(event.epoch)
+        if event.agreement != self.agreement:
+            raise LocalProtocolError(
+                f"rank {self.rank} folds step {event.step} under agreement {event.agreement}, "
+                f"but epoch {event.epoch} agreed on {self.agreement}"
+            )
 
     def _remember_fold(self, event: ReportFolded) -> None:
         if len(self._folded) > self.FOLD_MEMORY:  # steps that never reported (a new epoch)
