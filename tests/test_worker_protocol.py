@@ -35,6 +35,7 @@ from actors.client.events import (
     ReportFinished,
     ReportFolded,
     ReportReady,
+    ReportReduced,
     ReportStepDone,
     RunGo,
     Send,
@@ -59,6 +60,7 @@ from runtime.coordinator.core import (
     CoordinatorCore,
     Digest,
     Disconnected,
+    Evict,
     Go,
     Hold,
     Joined,
@@ -366,9 +368,11 @@ class Trainer:
 class WiredMachine(RuleBasedStateMachine):
     """Two workers' protocols and a coordinator core, talking through CBOR frame queues."""
 
-    @initialize(drops=st.sampled_from([False, False, True]))
-    def setup(self, drops: bool) -> None:
-        self.core = CoordinatorCore(WORLD, digest_interval=INTERVAL, heartbeat_deadline=1e9)
+    @initialize(drops=st.sampled_from([False, False, True]), elastic=st.booleans())
+    def setup(self, drops: bool, elastic: bool = False) -> None:
+        self.elastic = elastic
+        """An elastic run (min_workers 1): a lost worker ends its epoch, not the run."""
+        self.core = self._new_core()
         self.protocols = [WorkerProtocol(rank) for rank in range(WORLD)]
         self.trainers = [Trainer() for _ in range(WORLD)]
         self.up: list[list[bytes]] = [[] for _ in range(WORLD)]
@@ -405,6 +409,10 @@ class WiredMachine(RuleBasedStateMachine):
                     trainer.announced.append(action.start)
             elif isinstance(action, Announce):
                 trainer.announced.append(action.message)
+                start = trainer.epoch_start
+                if start is not None and start.apply_barrier and trainer.mode == "wait_apply":
+                    if protocol.applied >= trainer.step:  # every member holds its gradients
+                        self._apply(rank)
                 trainer.mode = "idle"  # the step in flight is dropped (the state kept)
             elif isinstance(action, RunGo):
                 go = action.go
@@ -416,6 +424,14 @@ class WiredMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(action, Progress), action
 
+    def _new_core(self) -> CoordinatorCore:
+        return CoordinatorCore(
+            WORLD,
+            digest_interval=INTERVAL,
+            heartbeat_deadline=1e9,
+            min_workers=1 if self.elastic else None,
+        )
+
     def _coordinate(self, actions: list[Any]) -> None:
         for action in actions:
             if isinstance(action, Broadcast):
@@ -424,11 +440,11 @@ class WiredMachine(RuleBasedStateMachine):
                 for rank in self.core.members:
                     self._tell(rank, action.message)
             elif isinstance(action, Abort):
-                assert self.dropped, f"an honest run aborted: {action.reason}"
+                assert self.dropped and not self.elastic, f"the run aborted: {action.reason}"
                 for rank in range(WORLD):
                     self._tell(rank, action.message)
             else:
-                assert not isinstance(action, Refuse), action
+                assert not isinstance(action, Refuse | Evict), action
 
     def _tell(self, rank: int, message: Any) -> None:
         if rank not in self.cut:  # a broken link carries nothing
@@ -444,6 +460,7 @@ class WiredMachine(RuleBasedStateMachine):
         self.now += 0.01
         event = event_from_wire(decode_frame(frame), rank=rank, now=self.now)
         if isinstance(event, Joined):
+            self.cut.discard(rank)  # it dialed again
             trainer = self.trainers[rank]
             # A rejoin presents the state it holds, and the epoch it last took part in.
             if self.protocols[rank].phase is Phase.REJOINING:
@@ -477,7 +494,7 @@ class WiredMachine(RuleBasedStateMachine):
             # which the workers refuse as an EpochRegression: left to the coordinator's side.
             return
         self.restarts += 1
-        self.core = CoordinatorCore(WORLD, digest_interval=INTERVAL, heartbeat_deadline=1e9)
+        self.core = self._new_core()
         for rank in range(WORLD):
             self.up[rank].clear()
             self.down[rank].clear()
@@ -486,7 +503,8 @@ class WiredMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.drops_allowed and not self.dropped)
     @rule(rank=st.integers(0, WORLD - 1))
     def drop_worker_link(self, rank: int) -> None:
-        """One worker's link breaks (its queued frames lost); a static run then aborts."""
+        """One worker's link breaks (its queued frames lost): a static run then aborts, an
+        elastic one goes on without it until it rejoins."""
         if self.protocols[rank].phase is not Phase.RUNNING or self.trainers[rank].step < 1:
             return
         self.dropped = True
@@ -543,15 +561,14 @@ class WiredMachine(RuleBasedStateMachine):
                 self._execute(rank, handle(ReportReady(trainer.step, bucket, spec, epoch)))
             trainer.mode, trainer.gos = "wait_go", set()
         elif trainer.mode == "wait_go" and len(trainer.gos) == len(SPECS):
-            trainer.mode = "apply"
+            trainer.mode = "reduce" if start.apply_barrier else "apply"
+        elif trainer.mode == "reduce" and protocol.committed >= trainer.step - 1:
+            self._execute(rank, handle(ReportReduced(trainer.step, epoch)))
+            trainer.mode = "wait_apply"
+        elif trainer.mode == "wait_apply" and protocol.applied >= trainer.step:
+            self._apply(rank)
         elif trainer.mode == "apply" and protocol.committed >= trainer.step - 1:
-            # No weight moves before its commit: step s-1 was committed by the coordinator
-            # in this epoch, or the epoch started from it (checked at the start).
-            previous = trainer.step - 1
-            baseline = start.step - 2 if start.verify else start.step - 1
-            assert previous <= baseline or (epoch, previous) in self.commits, (rank, previous)
-            trainer.step += 1
-            trainer.mode = "report"
+            self._apply(rank)
         elif trainer.mode == "report":
             step = trainer.step - 1
             if step % INTERVAL == 0:
@@ -563,6 +580,17 @@ class WiredMachine(RuleBasedStateMachine):
         elif trainer.mode == "finish" and protocol.committed >= trainer.step - 1:
             self._execute(rank, handle(ReportFinished(trainer.step, epoch)))
             trainer.mode = "finished"
+
+    def _apply(self, rank: int) -> None:
+        """The optimizer step: no weight moves before the previous step's commit (by the
+        coordinator in this epoch, or the state the epoch started from)."""
+        trainer, start = self.trainers[rank], self.trainers[rank].epoch_start
+        assert start is not None
+        previous = trainer.step - 1
+        baseline = start.step - 2 if start.verify else start.step - 1
+        assert previous <= baseline or (start.epoch, previous) in self.commits, (rank, previous)
+        trainer.step += 1
+        trainer.mode = "report"
 
     def _enter(self, rank: int, message: StartRun | Hold) -> None:
         trainer = self.trainers[rank]
@@ -615,24 +643,26 @@ class WiredMachine(RuleBasedStateMachine):
 
     @invariant()
     def an_honest_run_never_aborts(self) -> None:
-        if not self.dropped:
+        if self.elastic or not self.dropped:
             assert self.core.state is not RunState.ABORTED, self.core.abort_reason
 
     @invariant()
     def a_finished_run_ends_everyone_at_the_same_state(self) -> None:
         if self.core.state is RunState.FINISHED and not any(self.down):
-            assert {t.step for t in self.trainers} == {STEPS}
-            assert all(p.phase is Phase.ENDED for p in self.protocols)
+            members = self.core.members
+            assert {self.trainers[rank].step for rank in members} == {STEPS}
+            assert all(self.protocols[rank].phase is Phase.ENDED for rank in members)
 
 
 WiredMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=120, deadline=None)
 TestWiredMachine = WiredMachine.TestCase
 
 
-def test_an_uninterrupted_run_reaches_its_end() -> None:
+@pytest.mark.parametrize("elastic", [False, True])
+def test_an_uninterrupted_run_reaches_its_end(elastic: bool) -> None:
     """The model's trainer finishes a run: the wiring is not vacuous."""
     machine = WiredMachine()
-    machine.setup(drops=False)
+    machine.setup(drops=False, elastic=elastic)
     for _ in range(400):
         for rank in range(WORLD):
             machine.deliver_to_coordinator(rank)
@@ -644,3 +674,37 @@ def test_an_uninterrupted_run_reaches_its_end() -> None:
     machine.a_finished_run_ends_everyone_at_the_same_state()
     assert machine.reported[(0, 1)] == list(range(STEPS))
     assert spec_hash(SPECS[0]).startswith("xxh3:")
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_run_survives_a_coordinator_restart_and_a_lost_link_when_elastic(elastic: bool) -> None:
+    """Scripted: the coordinator restarts mid-run, every worker rejoins with what it holds
+    and the run finishes; in an elastic run a worker's link then breaks and it rejoins."""
+    machine = WiredMachine()
+    machine.setup(drops=elastic, elastic=elastic)
+
+    def run(rounds: int, until: Any = lambda: False) -> None:
+        for _ in range(rounds):
+            if until():
+                return
+            for rank in range(WORLD):
+                machine.rejoin(rank)
+                machine.deliver_to_coordinator(rank)
+                machine.deliver_to_worker(rank)
+                machine.train(rank)
+            machine.counters_follow_the_coordinators_commits()
+            machine.an_honest_run_never_aborts()
+
+    run(400, lambda: min(t.step for t in machine.trainers) >= 2)
+    machine.restart_coordinator()
+    assert machine.restarts == 1
+    assert all(p.phase is Phase.LOST for p in machine.protocols)
+    run(400, lambda: machine.core.epoch >= 2 and min(t.step for t in machine.trainers) >= 3)
+    assert machine.core.epoch >= 2
+    if elastic:
+        machine.drop_worker_link(1)
+        assert machine.dropped and machine.protocols[1].phase is Phase.LOST
+    run(600)
+    assert machine.core.state is RunState.FINISHED
+    machine.a_finished_run_ends_everyone_at_the_same_state()
+    assert {t.step for t in machine.trainers} == {STEPS}
