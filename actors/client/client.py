@@ -231,8 +231,9 @@ class CoordinatorClient:
                 await link.aclose()
 
     async def _receive(self, silence: float) -> Message | None:
-        """Feed the coordinator's next message to the protocol; heartbeats are consumed here
-        (None). More than ``silence`` seconds without a byte means the coordinator is lost."""
+        """The coordinator's next message; None for a heartbeat (fed to the protocol here).
+        After ``silence`` seconds without a byte the protocol is told the time (a `Tick`),
+        and says whether the coordinator is lost (`CoordinatorLost` is raised then)."""
         while True:
             while self._deferring:
                 await self._reads_resumed.wait()
