@@ -495,23 +495,29 @@ class WorkerProtocol:
         self.applied = start.step - 1
         return [Progress()]
 
-    def _report(self, event: WorkerEvent) -> list[WorkerAction]:
+    def _report(
+        self,
+        event: ReportReady
+        | ReportFolded
+        | ReportReduced
+        | ReportDigest
+        | ReportStepDone
+        | ReportFinished,
+    ) -> list[WorkerAction]:
         if isinstance(event, ReportFolded):
             if event.epoch == self.epoch and self.phase is Phase.RUNNING:
                 self._check_agreement(event)
             self._remember_fold(event)
             return []
-        epoch = getattr(event, "epoch", None)
-        if epoch is None:
-            epoch = self.epoch
+        epoch = self.epoch if event.epoch is None else event.epoch
         if epoch > self.epoch:
             raise LocalProtocolError(
-                f"rank {self.rank} reports step {getattr(event, 'step', '?')} of epoch {epoch}, "
-                f"which the coordinator never announced (newest: {self.epoch})"
+                f"rank {self.rank} reports step {event.step} of epoch {epoch}, which the "
+                f"coordinator never announced (newest: {self.epoch})"
             )
         if epoch < self.epoch or self.phase is not Phase.RUNNING:
             # An older epoch's report, or no epoch running: the coordinator would drop it.
-            self._folded.pop((epoch, getattr(event, "step", -1)), None)
+            self._folded.pop((epoch, event.step), None)
             self.stale += 1
             return []
         if isinstance(event, ReportReady):
