@@ -1,4 +1,5 @@
-"""The worker's side of the control link (`actors.client.client`): deferred reads.
+"""The worker's side of the control link (`actors.client.client`): deferred reads, and a
+lost coordinator's redials.
 
 The test plays the coordinator on the other end of an in-process link, on trio's mock clock.
 """
@@ -11,6 +12,7 @@ import trio
 import trio.testing
 
 from actors.client.client import CoordinatorClient, CoordinatorLost
+from actors.client.protocol import Phase
 from actors.graph.messages import OptimizerStep, Verify
 from actors.graph.optimizer import OptimizerActor
 from actors.train.trainer import TrainerOptions
@@ -18,6 +20,9 @@ from runtime.actor.base import ActorSystem
 from runtime.coordinator.core import Commit, StartRun
 from runtime.observe.trace import TraceRecorder
 from runtime.transport.link import MemoryLink
+
+_EPOCH_0 = StartRun(addresses=(("in-process", 1),), ring=(0,), epoch=0)
+"""An epoch the tests' client takes part in without a join."""
 
 
 async def _send(link: MemoryLink, message: Commit) -> None:
@@ -37,6 +42,7 @@ async def test_messages_wait_while_reads_are_deferred_and_are_read_after(
 ) -> None:
     coordinator, worker = MemoryLink.pair("worker", "coordinator")
     client = CoordinatorClient(worker, rank=0, heartbeat_seconds=5.0)
+    client.begin_epoch(_EPOCH_0)  # attached to a conversation under way: no join
     async with trio.open_nursery() as nursery:
         await nursery.start(client.serve)
         await _send(coordinator, Commit(step=0, epoch=0))
@@ -90,6 +96,7 @@ async def test_an_optimizer_step_waits_for_the_previous_steps_commit() -> None:
     wait for."""
     coordinator, worker = MemoryLink.pair("worker", "coordinator")
     client = CoordinatorClient(worker, rank=0, heartbeat_seconds=100.0)
+    client.begin_epoch(_EPOCH_0)
     model, optimizer = _model_and_optimizer()
     actor = OptimizerActor(
         model, optimizer, client, TrainerOptions(), TraceRecorder.disabled(), epoch=0
@@ -122,4 +129,75 @@ async def test_an_optimizer_step_waits_for_the_previous_steps_commit() -> None:
         with trio.fail_after(30):
             await applied.wait()
         assert not torch.equal(model.weight, after_1)
+        nursery.cancel_scope.cancel()
+
+
+# --------------------------------------------------------------------------- a lost coordinator
+
+
+async def test_workers_losing_one_coordinator_spread_their_redials(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A herd of workers that lose the coordinator at one instant redial with jitter, so a
+    restarted coordinator is not met by all of them at once; each gives up on time."""
+    redials: dict[int, list[float]] = {rank: [] for rank in range(4)}
+    outcomes: dict[int, BaseException] = {}
+
+    async def worker(rank: int, link: MemoryLink) -> None:
+        async def redial() -> MemoryLink:
+            redials[rank].append(trio.current_time())
+            raise ConnectionRefusedError("nobody listens")
+
+        client = CoordinatorClient(link, rank, redial=redial, reconnect_seconds=3.0)
+        client.begin_epoch(_EPOCH_0)
+        try:
+            await client.serve()
+        except CoordinatorLost as exc:
+            outcomes[rank] = exc
+
+    coordinator_ends = []
+    async with trio.open_nursery() as nursery:
+        for rank in range(4):
+            theirs, mine = MemoryLink.pair("worker", "coordinator")
+            coordinator_ends.append(theirs)
+            nursery.start_soon(worker, rank, mine)
+        await trio.testing.wait_all_tasks_blocked()
+        lost_at = trio.current_time()
+        for link in coordinator_ends:  # the coordinator dies
+            await link.aclose()
+    assert {rank: str(exc) for rank, exc in outcomes.items()} == dict.fromkeys(
+        range(4),
+        "peer coordinator: the coordinator did not come back within 3 s (last: nobody listens)",
+    )
+    assert all(times[0] == lost_at for times in redials.values())  # at once, then backing off
+    assert len({times[1] for times in redials.values()}) == 4  # jitter: no two alike
+    assert all(len(times) >= 4 for times in redials.values())
+
+
+async def test_reports_of_a_step_in_flight_are_dropped_while_the_coordinator_is_lost(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With the coordinator gone the trainer holds; its reports neither wait nor fail."""
+    theirs, mine = MemoryLink.pair("worker", "coordinator")
+    redialing = trio.Event()
+
+    async def redial() -> MemoryLink:
+        redialing.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    client = CoordinatorClient(mine, 0, redial=redial, heartbeat_seconds=100.0)
+    client.begin_epoch(_EPOCH_0)
+    held: list[object] = []
+    client.on_epoch = held.append
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.serve)
+        await theirs.aclose()
+        await redialing.wait()
+        assert client.protocol.phase is Phase.LOST
+        assert [type(message).__name__ for message in held] == ["Hold"]
+        with trio.fail_after(0.001):
+            await client.step_done(0, 0)
+            await client.digest(1, b"d" * 16, b"", 0, names=())
+        assert client.protocol.stale == 2
         nursery.cancel_scope.cancel()

@@ -1,15 +1,19 @@
-"""The worker's side of the control link: join, negotiate buckets, report digests, heartbeat.
+"""The worker's side of the control link: a trio shell over `WorkerProtocol`.
 
-One task reads the coordinator's messages and routes them: go to the gradient-comm actor (in
-the coordinator's order), commits to whoever waits for them, shutdown and abort as errors that
-name the coordinator's reason. Another sends heartbeats. Both live in the nursery of whoever
-runs `CoordinatorClient.serve`.
+The protocol's decisions (what each coordinator message means in each phase, which epoch a
+report belongs to, what a rejoin presents) live in the sans-I/O `actors.client.protocol`.
+This shell moves bytes and runs timers: one task reads the coordinator's messages and feeds
+them to the protocol, executing what it returns (go to the gradient-comm actor in the
+coordinator's order, commits to whoever waits for them, shutdown and abort as errors that
+name the coordinator's reason); another sends heartbeats. Both live in the nursery of
+whoever runs `CoordinatorClient.serve`.
 
 The coordinator sends heartbeats too. A link that breaks or stays silent past the heartbeat
-deadline means the coordinator is gone; with a ``reconnect`` function the client then holds the
-trainer (the step in flight is dropped, the state kept), redials with backoff and rejoins with
-the step and digest it holds, so a restarted coordinator resumes the run where every worker
-can follow.
+deadline means the coordinator is gone; with a ``redial`` function the client then holds the
+trainer (the step in flight is dropped, the state kept), redials with exponential backoff and
+jitter (`stamina`, so a restarted coordinator is not met by every worker at the same instant)
+and rejoins with the step and digest it holds, so a restarted coordinator resumes the run
+where every worker can follow.
 """
 
 from __future__ import annotations
@@ -21,15 +25,41 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import stamina
 import trio
 
+from actors.client.events import (
+    Announce,
+    ConnectionLost,
+    Ended,
+    EnterEpoch,
+    HeartbeatDue,
+    HeartbeatReceived,
+    Join,
+    Progress,
+    Received,
+    ReportDigest,
+    ReportFinished,
+    ReportFolded,
+    ReportReady,
+    ReportReduced,
+    ReportStepDone,
+    RunGo,
+    RunResync,
+    Send,
+    Silent,
+    Started,
+    Tick,
+    WorkerAction,
+    WorkerEvent,
+)
+from actors.client.protocol import (
+    EpochRegression,
+    WorkerProtocol,
+)
 from runtime.coordinator.core import (
-    AbortRun,
-    Apply,
-    Commit,
     Go,
     Hold,
-    JoinRefused,
     Message,
     ResyncOrder,
     Shutdown,
@@ -44,6 +74,13 @@ from runtime.transport.link import Link
 __all__ = ["CoordinatorClient", "CoordinatorLost", "RunAborted", "Go", "JoinResult", "Redial"]
 
 log = logging.getLogger("paramsync.worker")
+
+REDIAL_FIRST_SECONDS = 0.05
+"""The first redial waits this long (plus jitter), doubling up to `REDIAL_MAX_SECONDS`."""
+REDIAL_MAX_SECONDS = 1.0
+REDIAL_JITTER_SECONDS = 0.25
+"""Up to this much random delay on each redial: workers that lost one coordinator at one
+instant spread their redials instead of meeting its restart all at once."""
 
 
 class RunAborted(ParamsyncError):
@@ -70,6 +107,14 @@ class JoinResult:
     start: StartRun
 
 
+def _redial_again(exc: Exception) -> bool:
+    """Whether a failed redial or rejoin is worth another try: the coordinator is down, busy,
+    or cut off again (not: it restarted into an epoch this worker cannot follow)."""
+    if isinstance(exc, ExceptionGroup):
+        return all(_redial_again(inner) for inner in exc.exceptions)
+    return isinstance(exc, OSError | ProtocolError) and not isinstance(exc, EpochRegression)
+
+
 class CoordinatorClient:
     """A worker's conversation with the coordinator over one `Link`."""
 
@@ -93,34 +138,56 @@ class CoordinatorClient:
         """Set by the trainer: what to rejoin with after the coordinator was lost."""
         self.reconnects = 0
         """How many times this worker rejoined a lost (restarted) coordinator."""
-        self._signature: Signature = ()
-        self._address: tuple[str, int] = ("", 0)
-        self.fold = False
-        """Whether this worker offered, at its join, to fold cached bucket reports."""
-        self._folded: dict[tuple[int, int], str] = {}
-        """(epoch, step) -> the agreement its buckets were reduced under without a report."""
-        self._connected = trio.Event()
-        self._connected.set()
+        self.protocol = WorkerProtocol(rank)
+        """The conversation's state and every decision about it (sans-I/O)."""
         self.on_go: Callable[[Go], Awaitable[None]] | None = None
         self.on_resync: Callable[[ResyncOrder], Awaitable[None]] | None = None
         self.on_epoch: Callable[[StartRun | Hold], None] | None = None
         """Called (synchronously, in order) with every later epoch's start and every hold."""
-        self.digest_interval = 1
-        self.start_step = 0
-        self.start: StartRun | None = None
-        self.epoch = 0
-        """The newest epoch the coordinator announced; messages of older ones are dropped."""
         self.shutdown_reason: str | None = None
         self.done = trio.Event()
-        self._committed = -1
-        self._applied = -1
         self._commit_changed = trio.Event()
         self._failure: BaseException | None = None
+        self._redial_failure: BaseException | None = None
+        """Why the last redial or rejoin of a lost coordinator failed."""
         self._deferring = 0
         """How many `reads_deferred` blocks are open (reads wait while any is)."""
         self._reads_resumed = trio.Event()
         self._read_wait: trio.CancelScope | None = None
         """The reader's wait for the coordinator's next bytes: cancelled to defer reads."""
+
+    # ------------------------------------------------------------------- protocol state
+
+    @property
+    def epoch(self) -> int:
+        """The newest epoch the coordinator announced; messages of older ones are dropped."""
+        return self.protocol.epoch
+
+    @property
+    def start(self) -> StartRun | None:
+        """The start of the epoch last joined or entered."""
+        return self.protocol.start
+
+    @start.setter
+    def start(self, start: StartRun | None) -> None:
+        self.protocol.start = start
+
+    @property
+    def fold(self) -> bool:
+        """Whether this worker offered, at its join, to fold cached bucket reports."""
+        return self.protocol.fold
+
+    @fold.setter
+    def fold(self, fold: bool) -> None:
+        self.protocol.fold = fold
+
+    @property
+    def digest_interval(self) -> int:
+        return self.protocol.digest_interval
+
+    @property
+    def start_step(self) -> int:
+        return self.protocol.start_step
 
     @contextmanager
     def reads_deferred(self) -> Iterator[None]:
@@ -144,6 +211,92 @@ class CoordinatorClient:
                 self._reads_resumed.set()
                 self._reads_resumed = trio.Event()
 
+    # ------------------------------------------------------------------- driving the core
+
+    async def _feed(self, event: WorkerEvent, *, joining: bool = False) -> StartRun | None:
+        """Feed ``event`` to the protocol and carry out what it returns."""
+        return await self._run(self.protocol.handle(event), joining=joining)
+
+    async def _send(self, action: Send) -> None:
+        """Send on the live link. A link that breaks under a sender with a ``redial`` drops
+        the message: the reader notices the break (the link is closed under it) and the
+        protocol holds the trainer, whose step in flight is dropped with it."""
+        link = self.link
+        try:
+            await link.send(*action.message.to_wire())
+        except PeerClosed:
+            if self.redial is None or self.protocol.ended:
+                raise
+            with trio.CancelScope(shield=True):
+                await link.aclose()
+
+    async def _receive(self, silence: float) -> Message | None:
+        """The coordinator's next message; None for a heartbeat (fed to the protocol here).
+        After ``silence`` seconds without a byte the protocol is told the time (a `Tick`),
+        and says whether the coordinator is lost (`CoordinatorLost` is raised then)."""
+        while True:
+            while self._deferring:
+                await self._reads_resumed.wait()
+            with trio.move_on_after(silence):
+                with trio.CancelScope() as self._read_wait:
+                    await self.link.wait_readable()
+                self._read_wait = None
+                if self._deferring:
+                    continue  # deferred while waiting: nothing was read
+                raw = await self.link.recv()
+                if raw.get("kind") != HeartbeatReceived.KIND:
+                    return message_from_wire(raw)
+                validate_message(raw)
+                await self._feed(HeartbeatReceived(trio.current_time()))
+                return None
+            await self._feed(Tick(trio.current_time()))  # raises CoordinatorLost if silent
+
+    async def _run(self, actions: list[WorkerAction], *, joining: bool = False) -> StartRun | None:
+        """Carry out the protocol's actions in order; returns a join's start. ``joining``: a
+        (re)join or a loss, where an epoch announced before the trainer listens is not news
+        to anyone."""
+        started: StartRun | None = None
+        for action in actions:
+            if isinstance(action, Send):
+                await self._send(action)
+            elif isinstance(action, Progress):
+                self._wake()
+            elif isinstance(action, Started):
+                started = action.start
+            elif isinstance(action, RunGo):
+                if self.on_go is None:
+                    raise ProtocolError("go before the trainer started", peer="coordinator")
+                await self.on_go(action.go)
+            elif isinstance(action, RunResync):
+                if self.on_resync is None:
+                    raise ProtocolError(
+                        f"unexpected resync for step {action.order.step} during the run",
+                        peer="coordinator",
+                    )
+                await self.on_resync(action.order)
+            elif isinstance(action, Announce):
+                if self.on_epoch is not None:
+                    self.on_epoch(action.message)
+                elif not joining:
+                    raise ProtocolError(
+                        "a new epoch before the trainer started", peer="coordinator"
+                    )
+            elif isinstance(action, Silent):
+                raise CoordinatorLost(action.reason, peer="coordinator")
+            else:
+                assert isinstance(action, Ended), action
+                self.done.set()
+                if isinstance(action.message, Shutdown):
+                    self.shutdown_reason = action.message.reason
+                if action.error is not None:
+                    self._failure = RunAborted(action.error)
+                self._wake()
+                if self._failure is not None:
+                    raise self._failure
+        return started
+
+    # ------------------------------------------------------------------- the trainer's API
+
     async def join(
         self,
         signature: Signature,
@@ -161,87 +314,26 @@ class CoordinatorClient:
         ``fold``: offer to fold response-cache reports into step reports (the trainer does,
         with its response cache on); None keeps the last join's offer.
         """
-        self._signature, self._address = signature, address
-        if fold is not None:
-            self.fold = fold
-        params = [[name, list(shape), dtype, grad] for name, shape, dtype, grad in signature]
-        fields: dict[str, Any] = {
-            "host": address[0],
-            "port": address[1],
-            "params": params,
-            "step": step,
-            "digest": digest,
-            "epoch": epoch,
-        }
-        if self.fold:
-            fields["fold"] = True
-        await self.link.send("join", fields)
+        await self._feed(Join(signature, address, step, digest, epoch, fold))
         # Heartbeats flow from the join on: waiting for slow peers is not silence.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, True)
-            message = await self._receive(math.inf)
+            message = None
+            while message is None:
+                message = await self._receive(math.inf)
             nursery.cancel_scope.cancel()
-        if isinstance(message, JoinRefused | AbortRun | Shutdown):
-            raise RunAborted(f"coordinator refused rank {self.rank}: {message.reason}")
-        if not isinstance(message, StartRun):
-            raise ProtocolError(
-                f"expected the run's start, got {type(message).__name__}", peer="coordinator"
-            )
-        self.start_step = message.step
-        self.digest_interval = message.digest_interval
+        start = await self._feed(Received(message, trio.current_time()), joining=True)
+        assert start is not None  # else the protocol raised: a refusal, or no start
         # Until the start the deadline is unknown (a short interval is safe); from now on
         # four heartbeats per deadline are enough and cost the training loop nothing.
-        self.heartbeat_seconds = max(self.heartbeat_seconds, message.heartbeat_deadline / 4)
-        self.start = message
-        self.epoch = message.epoch
-        self.begin_epoch(message)
-        return JoinResult(list(message.addresses), message.step, message)
+        self.heartbeat_seconds = max(self.heartbeat_seconds, start.heartbeat_deadline / 4)
+        return JoinResult(list(start.addresses), start.step, start)
 
     def begin_epoch(self, start: StartRun) -> None:
         """Count commits and applies afresh for ``start``'s epoch."""
-        self.start = start
-        self._committed = start.step - 2 if start.verify else start.step - 1
-        self._applied = start.step - 1
-        self._wake()
-
-    async def _send(self, kind: str, **fields: Any) -> None:
-        """Send on the live link; while the coordinator is being redialed, wait for it."""
-        while True:
-            await self._connected.wait()
-            link = self.link
-            try:
-                await link.send(kind, fields)
-                return
-            except PeerClosed:
-                if self.redial is None or self.done.is_set():
-                    raise
-                # The reader notices too (the link is closed under it) and reconnects.
-                if link is self.link:
-                    self._disconnected()
-                with trio.CancelScope(shield=True):
-                    await link.aclose()
-
-    async def _receive(self, silence: float) -> Message:
-        """The coordinator's next message; its heartbeats are consumed here. More than
-        ``silence`` seconds without a byte means the coordinator is lost."""
-        while True:
-            while self._deferring:
-                await self._reads_resumed.wait()
-            with trio.move_on_after(silence):
-                with trio.CancelScope() as self._read_wait:
-                    await self.link.wait_readable()
-                self._read_wait = None
-                if self._deferring:
-                    continue  # deferred while waiting: nothing was read
-                raw = await self.link.recv()
-                if raw.get("kind") != "heartbeat":
-                    return message_from_wire(raw)
-                validate_message(raw)
-                continue
-            raise CoordinatorLost(
-                f"the coordinator sent nothing for {silence:g} s (heartbeat deadline)",
-                peer="coordinator",
-            )
+        for action in self.protocol.handle(EnterEpoch(start)):
+            assert isinstance(action, Progress), action
+            self._wake()
 
     async def ready(
         self,
@@ -255,32 +347,16 @@ class CoordinatorClient:
         """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go;
         ``cached``: it does not wait, it is reduced at once under the epoch's agreed spec
         (``spec`` may then be its `spec_hash`)."""
-        fields: dict[str, Any] = {
-            "epoch": epoch,
-            "step": step,
-            "bucket": bucket,
-            "spec": spec if isinstance(spec, str) else [list(item) for item in spec],
-        }
-        if cached:
-            fields["cached"] = True
-        await self._send("ready", **fields)
+        await self._feed(ReportReady(step, bucket, spec, epoch, cached))
 
     def folded(self, step: int, epoch: int, agreement: str) -> None:
         """Note that ``step``'s buckets are reduced from the response cache under
         ``agreement`` without a report each: the step's first report will say so."""
-        if len(self._folded) > 16:  # steps that never reported (dropped by a new epoch)
-            self._folded = {k: v for k, v in self._folded.items() if k[0] == epoch}
-        self._folded[(epoch, step)] = agreement
-
-    def _fold(self, fields: dict[str, Any]) -> dict[str, Any]:
-        cached = self._folded.pop((fields["epoch"], fields["step"]), None)
-        if cached is not None:
-            fields["cached"] = cached
-        return fields
+        self.protocol.handle(ReportFolded(step, epoch, agreement))
 
     async def reduced(self, step: int, epoch: int) -> None:
         """Report every bucket of ``step`` all-reduced here (elastic runs' apply barrier)."""
-        await self._send("reduced", **self._fold({"epoch": epoch, "step": step}))
+        await self._feed(ReportReduced(step, epoch))
 
     async def digest(
         self,
@@ -294,40 +370,35 @@ class CoordinatorClient:
         """Report the state digest after ``step``'s optimizer step. ``tensors``: the per-tensor
         digests as (name, digest) pairs, or packed (concatenated, in the order of ``names``;
         ``names`` None: those of this worker's last digest in the epoch)."""
-        fields: dict[str, Any] = self._fold({"epoch": epoch, "step": step, "digest": digest})
-        if isinstance(tensors, bytes):
-            fields["tensors"] = tensors
-            if names is not None:
-                fields["names"] = list(names)
-        else:
-            fields["tensors"] = [[name, value] for name, value in tensors]
-        await self._send("digest", **fields)
+        await self._feed(ReportDigest(step, digest, tensors, epoch, names))
 
     async def step_done(self, step: int, epoch: int = 1) -> None:
         """Report ``step`` done on a step without a digest check."""
-        await self._send("step_done", **self._fold({"epoch": epoch, "step": step}))
+        await self._feed(ReportStepDone(step, epoch))
 
     async def finished(self, step: int, epoch: int | None = None) -> None:
         """Tell the coordinator this worker has taken its last step."""
-        await self._send("finished", epoch=self.epoch if epoch is None else epoch, step=step)
+        await self._feed(ReportFinished(step, epoch))
 
     async def wait_commit(self, step: int) -> None:
         """Wait until the coordinator commits ``step`` (every rank agreed)."""
-        while self._committed < step:
+        while self.protocol.committed < step:
             if self._failure is not None:
                 raise self._failure
             await self._commit_changed.wait()
 
     def applied(self, step: int) -> bool:
         """Whether the coordinator said apply for ``step`` in the current epoch."""
-        return self._applied >= step
+        return self.protocol.applied >= step
 
     async def wait_apply(self, step: int) -> None:
         """Wait until every member holds ``step``'s reduced gradients (elastic runs)."""
-        while self._applied < step:
+        while self.protocol.applied < step:
             if self._failure is not None:
                 raise self._failure
             await self._commit_changed.wait()
+
+    # ------------------------------------------------------------------- serving
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Route the coordinator's messages and send heartbeats until shutdown; with a
@@ -343,115 +414,81 @@ class CoordinatorClient:
                         nursery.cancel_scope.cancel()
                 return
             except* PeerClosed as group:
+                lost = group.exceptions[0]
+                held = self.protocol.handle(ConnectionLost(str(lost), self.redial is not None))
                 if self.redial is None or self.done.is_set():
                     raise
-                lost = group.exceptions[0]
-            await self._rejoin(lost)
+            await self._rejoin(lost, held)
 
-    async def _rejoin(self, lost: BaseException) -> None:
-        """Hold the trainer, then redial with backoff and rejoin with the state it holds."""
+    async def _route(self) -> None:
+        while not self.done.is_set():
+            message = await self._receive(self.protocol.silence_seconds)
+            if message is not None:
+                await self._feed(Received(message, trio.current_time()))
+
+    async def _rejoin(self, lost: BaseException, held: list[WorkerAction]) -> None:
+        """Hold the trainer (``held``: the protocol's answer to the loss), then redial with
+        backoff and jitter and rejoin with the state it holds."""
         assert self.redial is not None
-        self._disconnected()
         log.warning("rank %d lost the coordinator (%s); reconnecting", self.rank, lost)
         with trio.CancelScope(shield=True):
             await self.link.aclose()
-        if self.on_epoch is not None:
-            self.on_epoch(Hold(self._applied + 1, self.epoch, f"coordinator lost: {lost}"))
+        await self._run(held, joining=True)
         step, digest = (0, b"") if self.resume_point is None else await self.resume_point()
-        epoch, failure, delay = self.epoch, lost, 0.05
+        self._redial_failure = lost
         start: StartRun | None = None
         with trio.move_on_after(self.reconnect_seconds):
-            while start is None:
-                try:
-                    self.link = await self.redial()
-                    joined = await self.join(
-                        self._signature, self._address, step=step, digest=digest, epoch=epoch
-                    )
-                    start = joined.start
-                except (OSError, ProtocolError) as exc:  # down, busy, or cut off again
-                    failure = exc
-                    log.info("rank %d: the coordinator is not back yet (%s)", self.rank, exc)
-                    with trio.CancelScope(shield=True):
-                        await self.link.aclose()
-                    await trio.sleep(delay)
-                    delay = min(2 * delay, 1.0)
+            try:
+                async for attempt in stamina.retry_context(
+                    on=_redial_again,
+                    attempts=None,
+                    timeout=None,  # the cancel scope above bounds it, on trio's clock
+                    wait_initial=REDIAL_FIRST_SECONDS,
+                    wait_max=REDIAL_MAX_SECONDS,
+                    wait_jitter=REDIAL_JITTER_SECONDS,
+                ):
+                    with attempt:
+                        start = await self._rejoin_once(step, digest)
+            except Exception as exc:
+                if not _redial_again(exc):
+                    raise
+                # retries switched off (stamina.set_active(False)): the last failure stands
+        failure = self._redial_failure
         if start is None:
             raise CoordinatorLost(
                 f"the coordinator did not come back within {self.reconnect_seconds:g} s "
                 f"(last: {failure})",
                 peer="coordinator",
             ) from failure
-        if start.epoch <= epoch:
-            raise ProtocolError(
-                f"the restarted coordinator opened epoch {start.epoch}, not after {epoch}",
-                peer="coordinator",
-            )
-        self.reconnects += 1
-        self._connected.set()
+        self.reconnects += 1  # the rejoin announced its start to the trainer
         log.warning(
             "rank %d rejoined the coordinator: epoch %d at step %d",
             self.rank,
             start.epoch,
             start.step,
         )
-        if self.on_epoch is not None:
-            self.on_epoch(start)
 
-    def _disconnected(self) -> None:
-        """Make senders wait for the next link (one event for all of them)."""
-        if self._connected.is_set():
-            self._connected = trio.Event()
-
-    async def _route(self) -> None:
-        silence = self.start.heartbeat_deadline if self.start is not None else math.inf
-        while True:
-            message = await self._receive(silence)
-            if isinstance(message, Go):
-                if message.epoch != self.epoch:
-                    continue  # raced a membership change
-                if self.on_go is None:
-                    raise ProtocolError("go before the trainer started", peer="coordinator")
-                await self.on_go(message)
-            elif isinstance(message, Commit):
-                if message.epoch == self.epoch:
-                    self._committed = max(self._committed, message.step)
-                    self._wake()
-            elif isinstance(message, Apply):
-                if message.epoch == self.epoch:
-                    self._applied = max(self._applied, message.step)
-                    self._wake()
-            elif isinstance(message, StartRun | Hold):
-                if message.epoch <= self.epoch:
-                    raise ProtocolError(
-                        f"epoch {message.epoch} announced after epoch {self.epoch}",
-                        peer="coordinator",
-                    )
-                self.epoch = message.epoch
-                if self.on_epoch is None:
-                    raise ProtocolError(
-                        "a new epoch before the trainer started", peer="coordinator"
-                    )
-                self.on_epoch(message)
-            elif isinstance(message, Shutdown):
-                self.done.set()
-                self.shutdown_reason = message.reason
-                if message.reason != "finished":
-                    self._failure = RunAborted(f"coordinator ended the run: {message.reason}")
-                    self._wake()
-                    raise self._failure
-                self._wake()
-                return
-            elif isinstance(message, AbortRun | JoinRefused):
-                self._failure = RunAborted(f"coordinator stopped the run: {message.reason}")
-                self._wake()
-                self.done.set()
-                raise self._failure
-            elif isinstance(message, ResyncOrder) and self.on_resync is not None:
-                await self.on_resync(message)
-            else:
-                raise ProtocolError(
-                    f"unexpected {type(message).__name__} during the run", peer="coordinator"
-                )
+    async def _rejoin_once(self, step: int, digest: bytes) -> StartRun:
+        """One redial and rejoin; a failure leaves the protocol lost again, the link closed."""
+        try:
+            self.link = await self.redial()  # type: ignore[misc]
+            joined = await self.join(
+                self.protocol.signature,
+                self.protocol.address,
+                step=step,
+                digest=digest,
+                epoch=self.epoch,
+            )
+        except Exception as exc:
+            if not _redial_again(exc):
+                raise
+            self._redial_failure = exc
+            log.info("rank %d: the coordinator is not back yet (%s)", self.rank, exc)
+            self.protocol.handle(ConnectionLost(str(exc)))
+            with trio.CancelScope(shield=True):
+                await self.link.aclose()
+            raise
+        return joined.start
 
     def _wake(self) -> None:
         self._commit_changed.set()
@@ -461,5 +498,5 @@ class CoordinatorClient:
         if wait_first:
             await trio.sleep(self.heartbeat_seconds)
         while True:
-            await self._send("heartbeat")
+            await self._feed(HeartbeatDue(trio.current_time()))
             await trio.sleep(self.heartbeat_seconds)

@@ -1,0 +1,602 @@
+"""The worker's side of the coordinator protocol as a sans-I/O state machine (pure).
+
+:class:`WorkerProtocol` is fed events (`actors.client.events`: the coordinator's decoded
+messages, the trainer's requests, the link's fate) and returns actions: messages to send
+(`Send`, always one of the message dataclasses of `runtime.coordinator.core`, never a
+hand-built dict) and results for the trainer. It opens no socket, starts no task and reads no
+clock: `actors.client.client.CoordinatorClient` is the trio shell that moves the bytes, runs
+the timers and redials.
+
+Every transition is in two tables, `COORDINATOR_TRANSITIONS` (what the coordinator may send
+in each phase) and `TRAINER_TRANSITIONS` (what the trainer may ask in each phase). A
+coordinator message that is not in its phase's table is a :class:`ProtocolError` naming the
+coordinator, the message kind, its step and epoch, and the phase; a trainer request that is
+not in its table is a :class:`LocalProtocolError` (this worker's own bug, not the peer's).
+
+Epochs decide within a transition: a run order (go, commit, apply) of an older epoch than the
+newest one announced raced a membership change and is dropped; one of a newer epoch is a
+protocol error; a report of an older epoch is dropped here, as the coordinator would drop it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from actors.client.events import (
+    Announce,
+    ConnectionLost,
+    Ended,
+    EnterEpoch,
+    HeartbeatDue,
+    HeartbeatReceived,
+    Join,
+    Progress,
+    Received,
+    Report,
+    ReportDigest,
+    ReportFinished,
+    ReportFolded,
+    ReportReady,
+    ReportReduced,
+    ReportStepDone,
+    RunGo,
+    RunResync,
+    Send,
+    Silent,
+    Started,
+    Tick,
+    WorkerAction,
+    WorkerEvent,
+)
+from runtime.coordinator.core import (
+    AbortRun,
+    Apply,
+    Commit,
+    Digest,
+    Finished,
+    Go,
+    Heartbeat,
+    Hold,
+    Joined,
+    JoinRefused,
+    Message,
+    Ready,
+    Reduced,
+    ResyncOrder,
+    Shutdown,
+    Signature,
+    StartRun,
+    StepDone,
+    agreement_hash,
+    spec_hash,
+)
+from runtime.errors import ParamsyncError, ProtocolError
+
+__all__ = [
+    "Phase",
+    "WorkerProtocol",
+    "LocalProtocolError",
+    "EpochRegression",
+    "COORDINATOR_TRANSITIONS",
+    "TRAINER_TRANSITIONS",
+]
+
+COORDINATOR = "coordinator"
+"""How errors name the peer of this protocol."""
+
+
+class LocalProtocolError(ParamsyncError):
+    """This worker's trainer asked for something its protocol state forbids (a bug here, not
+    the coordinator's)."""
+
+
+class EpochRegression(ProtocolError):
+    """A restarted coordinator opened an epoch that is not after the one this worker held:
+    rejoining it again cannot help."""
+
+
+class Phase(enum.Enum):
+    """Where the worker's conversation with the coordinator is."""
+
+    UNJOINED = "unjoined"
+    """Nothing sent yet."""
+    JOINING = "joining"
+    """Join sent; waiting for the run's start."""
+    RUNNING = "running"
+    """An epoch is announced; the trainer runs it."""
+    HOLDING = "holding"
+    """The coordinator said hold: no epoch runs until the next start."""
+    LOST = "lost"
+    """The coordinator is gone (link broke or went silent); the trainer holds its state."""
+    REJOINING = "rejoining"
+    """Join sent to a (restarted) coordinator with the state held; waiting for its start."""
+    ENDED = "ended"
+    """The run is over for this worker (shut down, aborted, refused, or lost for good)."""
+
+
+# --------------------------------------------------------------------------- the tables
+
+_RUN_ENDS = {"shutdown": "_on_end", "abort": "_on_end", "join_refused": "_on_end"}
+_JOIN_ANSWERS = {"start_run": "_on_start", "heartbeat": "_on_heartbeat", **_RUN_ENDS}
+
+COORDINATOR_TRANSITIONS: dict[Phase, dict[str, str]] = {
+    Phase.UNJOINED: {},
+    Phase.JOINING: _JOIN_ANSWERS,
+    Phase.RUNNING: {
+        "go": "_on_go",
+        "commit": "_on_commit",
+        "apply": "_on_apply",
+        "resync": "_on_resync",
+        "start_run": "_on_announce",
+        "hold": "_on_announce",
+        "heartbeat": "_on_heartbeat",
+        **_RUN_ENDS,
+    },
+    Phase.HOLDING: {
+        # A hold's epoch runs nothing: only an older epoch's orders may still be on the way.
+        "go": "_on_stale_only",
+        "commit": "_on_stale_only",
+        "apply": "_on_stale_only",
+        "start_run": "_on_announce",
+        "hold": "_on_announce",
+        "heartbeat": "_on_heartbeat",
+        **_RUN_ENDS,
+    },
+    Phase.LOST: {},
+    Phase.REJOINING: _JOIN_ANSWERS,
+    Phase.ENDED: {},
+}
+"""Phase -> coordinator message kind -> transition; a kind not listed is a ProtocolError."""
+
+_REPORTS = ("ready", "folded", "reduced", "digest", "step_done", "finished")
+
+TRAINER_TRANSITIONS: dict[Phase, dict[str, str]] = {
+    Phase.UNJOINED: {"join": "_join", "enter": "_adopt", "heartbeat": "_nothing"},
+    Phase.JOINING: {"heartbeat": "_heartbeat"},
+    Phase.RUNNING: {
+        **dict.fromkeys(_REPORTS, "_report"),
+        "enter": "_enter",
+        "heartbeat": "_heartbeat",
+    },
+    Phase.HOLDING: {
+        **dict.fromkeys(_REPORTS, "_report"),
+        "enter": "_enter",
+        "heartbeat": "_heartbeat",
+    },
+    # Without a link, reports of the step in flight are dropped: the trainer holds, and a
+    # restarted coordinator opens a later epoch, whose run drops older reports anyway.
+    Phase.LOST: {
+        **dict.fromkeys(_REPORTS, "_report"),
+        "join": "_rejoin",
+        "enter": "_enter",
+        "heartbeat": "_nothing",
+    },
+    Phase.REJOINING: {
+        **dict.fromkeys(_REPORTS, "_report"),
+        "enter": "_enter",
+        "heartbeat": "_heartbeat",
+    },
+    Phase.ENDED: {
+        **dict.fromkeys(_REPORTS, "_nothing"),
+        "enter": "_enter",
+        "heartbeat": "_nothing",
+    },
+}
+"""Phase -> trainer request -> transition; a request not listed is a LocalProtocolError."""
+
+_REQUESTS: dict[type, str] = {
+    Join: "join",
+    ReportReady: "ready",
+    ReportFolded: "folded",
+    ReportReduced: "reduced",
+    ReportDigest: "digest",
+    ReportStepDone: "step_done",
+    ReportFinished: "finished",
+    EnterEpoch: "enter",
+    HeartbeatDue: "heartbeat",
+}
+
+_CONNECTED = (Phase.JOINING, Phase.RUNNING, Phase.HOLDING, Phase.REJOINING)
+
+
+def _describe(message: Message | HeartbeatReceived) -> str:
+    """``kind {step s, epoch e}``: a message as errors name it."""
+    fields = [
+        f"{name} {getattr(message, name)}"
+        for name in ("step", "epoch", "bucket")
+        if hasattr(message, name)
+    ]
+    return f"{message.KIND} {{{', '.join(fields)}}}" if fields else message.KIND
+
+
+# --------------------------------------------------------------------------- the core
+
+
+class WorkerProtocol:
+    """One worker's protocol state: phase, epochs, commits, applies, folded reports.
+
+    ``rank`` is this worker's rank (the messages it builds carry it; the coordinator takes
+    it from the authenticated link, so it never travels).
+    """
+
+    FOLD_MEMORY: ClassVar[int] = 16
+    """How many folded steps to remember before dropping those of older epochs."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.phase = Phase.UNJOINED
+        self.epoch = 0
+        """The newest epoch the coordinator announced (start or hold)."""
+        self.start: StartRun | None = None
+        """The start of the epoch last joined or entered."""
+        self.fold = False
+        """Whether this worker offered, at its join, to fold cached bucket reports."""
+        self.signature: Signature = ()
+        self.address: tuple[str, int] = ("", 0)
+        self.committed = -1
+        """The newest step committed in the entered epoch (its baseline before any commit)."""
+        self.applied = -1
+        """The newest step the coordinator said apply for in the entered epoch."""
+        self.last_heard: float | None = None
+        """The shell's time of the coordinator's last message (None: nothing yet)."""
+        self.stale = 0
+        """Messages and reports of an older epoch, dropped (they raced a membership change)."""
+        self.lost_reason: str | None = None
+        self._folded: dict[tuple[int, int], str] = {}
+        self._cache_epoch = 0
+        """The epoch the response cache below belongs to (a new epoch starts without one)."""
+        self._agreed: dict[int, Any] = {}
+        """bucket -> the spec this worker reported when its go came: the epoch's agreement."""
+        self._agreement: str | None = None
+        """The `agreement_hash` of ``_agreed`` (None: not computed since it changed)."""
+        self._awaiting: dict[tuple[int, int], tuple[Any, bool]] = {}
+        """(step, bucket) -> (spec, cached) of a ready report a go may still answer."""
+        """(epoch, step) -> the agreement its buckets were reduced under without a report."""
+
+    # ------------------------------------------------------------------- observability
+
+    @property
+    def digest_interval(self) -> int:
+        return self.start.digest_interval if self.start is not None else 1
+
+    @property
+    def start_step(self) -> int:
+        return self.start.step if self.start is not None else 0
+
+    @property
+    def silence_seconds(self) -> float:
+        """How long the coordinator may stay silent (inf before a start says)."""
+        return self.start.heartbeat_deadline if self.start is not None else float("inf")
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+    # ------------------------------------------------------------------- dispatch
+
+    def handle(self, event: WorkerEvent) -> list[WorkerAction]:
+        """Feed one event; return the actions to execute, in order.
+
+        Raises ProtocolError (peer: the coordinator) for a coordinator message its phase's
+        table does not allow, LocalProtocolError for such a trainer request, TypeError for an
+        object that is no event.
+        """
+        if isinstance(event, Received | HeartbeatReceived):
+            return self._receive(event)
+        if isinstance(event, ConnectionLost):
+            return self._on_lost(event)
+        if isinstance(event, Tick):
+            return self._on_tick(event)
+        request = _REQUESTS.get(type(event))
+        if request is None:
+            raise TypeError(f"not a worker protocol event: {type(event).__name__}")
+        name = TRAINER_TRANSITIONS[self.phase].get(request)
+        if name is None:
+            raise LocalProtocolError(
+                f"rank {self.rank} asked to send {request} while {self.phase.value} "
+                f"(epoch {self.epoch}): not allowed in this phase"
+            )
+        handler: Callable[[Any], list[WorkerAction]] = getattr(self, name)
+        return handler(event)
+
+    def _receive(self, event: Received | HeartbeatReceived) -> list[WorkerAction]:
+        message = event.message if isinstance(event, Received) else event
+        name = COORDINATOR_TRANSITIONS[self.phase].get(message.KIND)
+        if name is None:
+            raise self._illegal(message, "not allowed in this phase")
+        if event.now is not None:
+            heard = self.last_heard
+            self.last_heard = event.now if heard is None else max(heard, event.now)
+        handler: Callable[[Any], list[WorkerAction]] = getattr(self, name)
+        return handler(message)
+
+    def _illegal(self, message: Message | HeartbeatReceived, why: str) -> ProtocolError:
+        joining = self.phase in (Phase.JOINING, Phase.REJOINING)
+        expect = " (expected the run's start)" if joining else ""
+        return ProtocolError(
+            f"{_describe(message)} while {self.phase.value} in epoch {self.epoch}: {why}{expect}",
+            peer=COORDINATOR,
+        )
+
+    # ------------------------------------------------------------------- coordinator
+
+    def _on_heartbeat(self, message: HeartbeatReceived) -> list[WorkerAction]:
+        return []
+
+    def _on_start(self, start: StartRun) -> list[WorkerAction]:
+        rejoined = self.phase is Phase.REJOINING
+        if rejoined and start.epoch <= self.epoch:
+            raise EpochRegression(
+                f"{_describe(start)} while rejoining in epoch {self.epoch}: the restarted "
+                f"coordinator opened epoch {start.epoch}, not after {self.epoch}",
+                peer=COORDINATOR,
+            )
+        self.phase = Phase.RUNNING
+        self.epoch = start.epoch
+        self.lost_reason = None
+        actions: list[WorkerAction] = [Started(start, rejoined), *self._enter(EnterEpoch(start))]
+        if rejoined:
+            actions.append(Announce(start))
+        return actions
+
+    def _on_end(self, message: Shutdown | AbortRun | JoinRefused) -> list[WorkerAction]:
+        joining = self.phase in (Phase.JOINING, Phase.REJOINING)
+        self.phase = Phase.ENDED
+        if joining:
+            error: str | None = f"coordinator refused rank {self.rank}: {message.reason}"
+        elif isinstance(message, Shutdown):
+            clean = message.reason == "finished"
+            error = None if clean else f"coordinator ended the run: {message.reason}"
+        else:
+            error = f"coordinator stopped the run: {message.reason}"
+        return [Ended(message, error), Progress()]
+
+    def _epoch_of(self, message: Go | Commit | Apply) -> bool:
+        """Whether ``message`` belongs to the announced epoch (False: an older one, dropped);
+        a newer one is a protocol error."""
+        if message.epoch < self.epoch:
+            self.stale += 1
+            return False
+        if message.epoch > self.epoch:
+            raise self._illegal(message, "an epoch that was never announced")
+        return True
+
+    def _on_go(self, go: Go) -> list[WorkerAction]:
+        if not self._epoch_of(go):
+            return []
+        self._cache_for(go.epoch)
+        report = self._awaiting.pop((go.step, go.bucket), None)
+        if report is None:
+            raise self._illegal(
+                go, f"this worker did not report bucket {go.bucket} of step {go.step} ready"
+            )
+        spec, cached = report
+        if not cached:  # negotiated: the spec every member reported is the agreement now
+            self._agreed[go.bucket] = spec
+            self._agreement = None
+        return [RunGo(go)]
+
+    def _on_commit(self, commit: Commit) -> list[WorkerAction]:
+        if not self._epoch_of(commit):
+            return []
+        self.committed = max(self.committed, commit.step)
+        return [Progress()]
+
+    def _on_apply(self, apply: Apply) -> list[WorkerAction]:
+        if not self._epoch_of(apply):
+            return []
+        self.applied = max(self.applied, apply.step)
+        return [Progress()]
+
+    def _on_stale_only(self, message: Go | Commit | Apply) -> list[WorkerAction]:
+        if message.epoch >= self.epoch:
+            raise self._illegal(message, f"epoch {self.epoch} holds and runs no step")
+        self.stale += 1
+        return []
+
+    def _on_resync(self, order: ResyncOrder) -> list[WorkerAction]:
+        return [RunResync(order)]
+
+    def _on_announce(self, message: StartRun | Hold) -> list[WorkerAction]:
+        if message.epoch <= self.epoch:
+            raise self._illegal(
+                message, f"epoch {message.epoch} announced after epoch {self.epoch}"
+            )
+        self.epoch = message.epoch
+        self.phase = Phase.RUNNING if isinstance(message, StartRun) else Phase.HOLDING
+        return [Announce(message)]
+
+    # ------------------------------------------------------------------- the link
+
+    def _on_lost(self, event: ConnectionLost) -> list[WorkerAction]:
+        phase = self.phase
+        if phase in (Phase.RUNNING, Phase.HOLDING) and event.rejoin:
+            self.phase = Phase.LOST
+            self.lost_reason = event.reason
+            hold = Hold(self.applied + 1, self.epoch, f"coordinator lost: {event.reason}")
+            return [Announce(hold), Progress()]
+        if phase in (Phase.LOST, Phase.REJOINING) and event.rejoin:
+            self.phase = Phase.LOST
+            return []
+        if phase is not Phase.ENDED:
+            self.phase = Phase.ENDED
+            self.lost_reason = event.reason
+        return []
+
+    def _on_tick(self, event: Tick) -> list[WorkerAction]:
+        if self.phase not in _CONNECTED:
+            return []
+        deadline = self.silence_seconds
+        if self.last_heard is not None and event.now - self.last_heard < deadline:
+            return []
+        return [Silent(f"the coordinator sent nothing for {deadline:g} s (heartbeat deadline)")]
+
+    # ------------------------------------------------------------------- the trainer
+
+    def _nothing(self, event: WorkerEvent) -> list[WorkerAction]:
+        return []
+
+    def _heartbeat(self, event: HeartbeatDue) -> list[WorkerAction]:
+        return [Send(Heartbeat(self.rank, event.now))]
+
+    def _joined(self, event: Join) -> Joined:
+        if event.signature is not None:
+            self.signature = tuple(event.signature)
+        if event.address is not None:
+            self.address = event.address
+        if event.fold is not None:
+            self.fold = event.fold
+        return Joined(
+            self.rank,
+            self.signature,
+            self.address,
+            None,
+            event.step,
+            event.digest,
+            event.epoch,
+            self.fold,
+        )
+
+    def _join(self, event: Join) -> list[WorkerAction]:
+        message = self._joined(event)
+        self.phase = Phase.JOINING
+        self.last_heard = None
+        return [Send(message)]
+
+    def _rejoin(self, event: Join) -> list[WorkerAction]:
+        if event.epoch != self.epoch:
+            raise LocalProtocolError(
+                f"rank {self.rank} rejoins with epoch {event.epoch}, but it last took part in "
+                f"epoch {self.epoch}: a rejoin presents the state it holds"
+            )
+        message = self._joined(event)
+        self.phase = Phase.REJOINING
+        self.last_heard = None
+        return [Send(message)]
+
+    def _adopt(self, event: EnterEpoch) -> list[WorkerAction]:
+        """A client handed its epoch's start without a join (a tool or test attached to a
+        conversation already under way): run that epoch."""
+        self.phase = Phase.RUNNING
+        self.epoch = event.start.epoch
+        return self._enter(event)
+
+    def _enter(self, event: EnterEpoch) -> list[WorkerAction]:
+        start = event.start
+        if start.epoch > self.epoch:
+            raise LocalProtocolError(
+                f"rank {self.rank} enters epoch {start.epoch}, which the coordinator never "
+                f"announced (newest: {self.epoch})"
+            )
+        self.start = start
+        self.committed = start.step - 2 if start.verify else start.step - 1
+        self.applied = start.step - 1
+        return [Progress()]
+
+    def _report(
+        self,
+        event: ReportReady
+        | ReportFolded
+        | ReportReduced
+        | ReportDigest
+        | ReportStepDone
+        | ReportFinished,
+    ) -> list[WorkerAction]:
+        if isinstance(event, ReportFolded):
+            if event.epoch == self.epoch and self.phase is Phase.RUNNING:
+                self._check_agreement(event)
+            self._remember_fold(event)
+            return []
+        epoch = self.epoch if event.epoch is None else event.epoch
+        if epoch > self.epoch:
+            raise LocalProtocolError(
+                f"rank {self.rank} reports step {event.step} of epoch {epoch}, which the "
+                f"coordinator never announced (newest: {self.epoch})"
+            )
+        if epoch < self.epoch or self.phase is not Phase.RUNNING:
+            # An older epoch's report, or no epoch running: the coordinator would drop it.
+            self._folded.pop((epoch, event.step), None)
+            self.stale += 1
+            return []
+        if isinstance(event, ReportReady):
+            self._note_ready(event)
+        elif not isinstance(event, ReportFinished):  # a step's end: no go for it follows
+            self._awaiting = {k: v for k, v in self._awaiting.items() if k[0] > event.step}
+        return [Send(self._message(event, epoch))]
+
+    # ------------------------------------------------------------------- response cache
+
+    def _cache_for(self, epoch: int) -> None:
+        """Start ``epoch``'s response cache afresh if it is not the one held."""
+        if epoch != self._cache_epoch:
+            self._cache_epoch = epoch
+            self._agreed, self._awaiting, self._agreement = {}, {}, None
+
+    @property
+    def awaiting_go(self) -> frozenset[tuple[int, int]]:
+        """(step, bucket) of this epoch's ready reports that a go may still answer."""
+        return frozenset(self._awaiting) if self._cache_epoch == self.epoch else frozenset()
+
+    @property
+    def agreement(self) -> str:
+        """The `agreement_hash` of the buckets agreed in the announced epoch ("none": none)."""
+        if self._cache_epoch != self.epoch or not self._agreed:
+            return "none"
+        if self._agreement is None:
+            hashes = {bucket: spec_hash(spec) for bucket, spec in self._agreed.items()}
+            self._agreement = agreement_hash(hashes)
+        return self._agreement
+
+    def _note_ready(self, event: ReportReady) -> None:
+        """Remember a ready report for its go; a cached one must match the agreement."""
+        self._cache_for(event.epoch)
+        if event.cached:
+            agreed = self._agreed.get(event.bucket)
+            if agreed is None:
+                raise LocalProtocolError(
+                    f"rank {self.rank} reports bucket {event.bucket} of step {event.step} "
+                    f"reduced from the response cache, but epoch {event.epoch} agreed on no "
+                    f"spec for it"
+                )
+            if spec_hash(event.spec) != spec_hash(agreed):
+                raise LocalProtocolError(
+                    f"rank {self.rank} reports bucket {event.bucket} of step {event.step} "
+                    f"reduced from the response cache as {spec_hash(event.spec)}, but epoch "
+                    f"{event.epoch} agreed on {spec_hash(agreed)}"
+                )
+        self._awaiting[(event.step, event.bucket)] = (event.spec, event.cached)
+
+    def _check_agreement(self, event: ReportFolded) -> None:
+        """A folded step must be reduced under the epoch's agreement, as the coordinator
+        will check."""
+        self._cache_for(event.epoch)
+        if event.agreement != self.agreement:
+            raise LocalProtocolError(
+                f"rank {self.rank} folds step {event.step} under agreement {event.agreement}, "
+                f"but epoch {event.epoch} agreed on {self.agreement}"
+            )
+
+    def _remember_fold(self, event: ReportFolded) -> None:
+        if len(self._folded) > self.FOLD_MEMORY:  # steps that never reported (a new epoch)
+            self._folded = {k: v for k, v in self._folded.items() if k[0] == event.epoch}
+        self._folded[(event.epoch, event.step)] = event.agreement
+
+    def _message(self, event: WorkerEvent, epoch: int) -> Report:
+        rank = self.rank
+        if isinstance(event, ReportReady):
+            return Ready(rank, event.step, event.bucket, event.spec, epoch, event.cached)
+        if isinstance(event, ReportFinished):
+            return Finished(rank, event.step, epoch)
+        assert isinstance(event, ReportReduced | ReportDigest | ReportStepDone)
+        cached = self._folded.pop((epoch, event.step), "")
+        if isinstance(event, ReportReduced):
+            return Reduced(rank, event.step, epoch, cached)
+        if isinstance(event, ReportStepDone):
+            return StepDone(rank, event.step, epoch, cached)
+        if isinstance(event.tensors, bytes | bytearray):
+            names = None if event.names is None else tuple(event.names)
+            packed = bytes(event.tensors)
+            return Digest(rank, event.step, event.digest, (), epoch, packed, names, cached)
+        return Digest(rank, event.step, event.digest, tuple(event.tensors), epoch, cached=cached)
