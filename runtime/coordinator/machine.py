@@ -129,7 +129,7 @@ class CoordinatorCore:
         self._start_step = start_step
         self._state = RunState.RENDEZVOUS
         self._abort_reason: str | None = None
-        self._members = Membership(world_size, ring=ring, reference=reference)
+        self._membership = Membership(world_size, ring=ring, reference=reference)
         self._liveness = Liveness(
             heartbeat_deadline=heartbeat_deadline,
             rejoin_seconds=rejoin_seconds,
@@ -165,7 +165,7 @@ class CoordinatorCore:
     @property
     def world_size(self) -> int:
         """The number of worker slots."""
-        return self._members.world_size
+        return self._membership.world_size
 
     @property
     def min_workers(self) -> int:
@@ -179,24 +179,24 @@ class CoordinatorCore:
     @property
     def epoch(self) -> int:
         """The membership epoch (0 before the start; grows by one per membership change)."""
-        return self._members.epoch
+        return self._membership.epoch
 
     @property
     def members(self) -> tuple[int, ...]:
         """The current epoch's members by ring position; before the start, the joined ranks."""
-        if self._members.epoch == 0:
-            return self._members.joined
-        return self._members.members
+        if self._membership.epoch == 0:
+            return self._membership.joined
+        return self._membership.members
 
     @property
     def joined(self) -> tuple[int, ...]:
         """Every rank with a live join (members and joiners waiting for an epoch), ascending."""
-        return self._members.joined
+        return self._membership.joined
 
     @property
     def history(self) -> tuple[EpochRecord, ...]:
         """Every epoch so far: where it started and who was in it."""
-        return self._members.history
+        return self._membership.history
 
     @property
     def last_commit(self) -> CommitRecord | None:
@@ -204,7 +204,7 @@ class CoordinatorCore:
 
     @property
     def addresses(self) -> Mapping[int, tuple[str, int]]:
-        return MappingProxyType(dict(self._members.addresses))
+        return MappingProxyType(dict(self._membership.addresses))
 
     @property
     def last_heartbeat(self) -> Mapping[int, float | None]:
@@ -217,7 +217,7 @@ class CoordinatorCore:
 
     @property
     def reference_signature(self) -> Signature | None:
-        return self._members.reference
+        return self._membership.reference
 
     @property
     def digest_interval(self) -> int:
@@ -238,7 +238,7 @@ class CoordinatorCore:
 
     def waiting_for(self) -> tuple[str, tuple[int, ...]]:
         """What the step in flight waits for: a phase and the ranks it waits on."""
-        return self._current.waiting_for(self._members.members)
+        return self._current.waiting_for(self._membership.members)
 
     # ------------------------------------------------------------------- dispatch
 
@@ -272,26 +272,26 @@ class CoordinatorCore:
 
     def _stale(self, epoch: int) -> bool:
         """Whether a run message of ``epoch`` raced a membership change and is to be dropped."""
-        if epoch < self._members.epoch:
+        if epoch < self._membership.epoch:
             self.stale_messages += 1
             return True
         return False
 
     def _run_message(self, rank: int, epoch: int, what: str) -> list[Action] | None:
         """The answer to a run message that cannot be taken now (None: go on)."""
-        if rank not in self._members:
+        if rank not in self._membership:
             return [Refuse(rank, f"rank {rank} sent {what} but has not joined")]
         if self._state is RunState.RENDEZVOUS:
             return self._fault(rank, f"rank {rank} sent {what} before the run started")
         if self._stale(epoch):
             return []
-        if epoch > self._members.epoch:
+        if epoch > self._membership.epoch:
             return self._fault(
                 rank,
                 f"rank {rank} sent {what} for epoch {epoch}, but the run is at "
-                f"{self._members.epoch}",
+                f"{self._membership.epoch}",
             )
-        if rank not in self._members.members or self._state is RunState.HOLDING:
+        if rank not in self._membership.members or self._state is RunState.HOLDING:
             return self._fault(rank, f"rank {rank} sent {what} while not in a running epoch")
         if self._current.finished:
             return self._fault(
@@ -307,24 +307,24 @@ class CoordinatorCore:
         rank = event.rank
         if self._state is RunState.RUNNING and not self._elastic:
             return [Refuse(rank, f"rank {rank} cannot join: the run has already started")]
-        refusal = self._members.check_join(event)
+        refusal = self._membership.check_join(event)
         if refusal is not None:
             return [Refuse(rank, refusal)]
-        self._members.admit(event)
+        self._membership.admit(event)
         self._liveness.joined(rank, event.now)
-        joined = len(self._members)
+        joined = len(self._membership)
         if self._state is RunState.RENDEZVOUS:
-            if joined < self._members.world_size:
+            if joined < self._membership.world_size:
                 return []
             return self._first_epoch()
         # An elastic run: the joiner enters a new epoch now, taking a member's state.
         if self._state is RunState.HOLDING and joined < self._min:
             return [Report(f"rank {rank} joined; waiting for {self._min - joined} more")]
-        return self._next_epoch(f"rank {rank} joined", self._members.joiners())
+        return self._next_epoch(f"rank {rank} joined", self._membership.joiners())
 
     def _first_epoch(self) -> list[Action]:
         """Everyone is in: the first epoch starts from the most advanced state reported."""
-        joins = self._members.joins
+        joins = self._membership.joins
         everyone = tuple(sorted(joins))
         plan = resume_plan(joins)
         if plan is None:
@@ -332,7 +332,7 @@ class CoordinatorCore:
             return self._start_epoch(self._start_step, everyone, "the run starts", broadcast=True)
         # Resumed workers (a checkpoint, a restarted coordinator): the majority state at the
         # newest step is the donor's; everyone else receives it.
-        self._members.resume_from(plan.epoch)
+        self._membership.resume_from(plan.epoch)
         top, donor, receivers = plan.step, plan.donor, plan.receivers
         actions = self._start_epoch(
             top, everyone, f"the run resumes at step {top}", donor, receivers
@@ -340,7 +340,7 @@ class CoordinatorCore:
         self._commits.recovering = True  # report the first commit after the restart
         given = f"; rank {donor} sends its state to ranks {list(receivers)}" if receivers else ""
         text = (
-            f"the run resumes at step {top} in epoch {self._members.epoch} with ranks "
+            f"the run resumes at step {top} in epoch {self._membership.epoch} with ranks "
             f"{list(everyone)}{given}"
         )
         return [Report(text, "info"), *actions]
@@ -356,8 +356,8 @@ class CoordinatorCore:
         broadcast: bool = False,
     ) -> list[Action]:
         """Open a new epoch of ``members`` at ``step`` and tell them (a StartRun)."""
-        opening = self._members.open_epoch(step, members, reason)
-        epoch = self._members.epoch
+        opening = self._membership.open_epoch(step, members, reason)
+        epoch = self._membership.epoch
         self._move(Trigger.START_EPOCH)
         self._liveness.resume()
         broadcast = broadcast or step == 0
@@ -368,7 +368,7 @@ class CoordinatorCore:
         self._commits.new_epoch()
         self._commits.recovering = not opening.first
         self._liveness.progressed()
-        addresses = self._members.addresses
+        addresses = self._membership.addresses
         start = StartRun(
             addresses=tuple(addresses[r] for r in members),
             ring=opening.ring,
@@ -389,7 +389,7 @@ class CoordinatorCore:
         return [Report(text, "info"), Broadcast(start)]
 
     def _next_epoch(self, reason: str, joiners: tuple[int, ...] = ()) -> list[Action]:
-        survivors = self._members.survivors()
+        survivors = self._membership.survivors()
         members = tuple(sorted(set(survivors) | set(joiners)))
         step = self._current.resume_step
         if not survivors:
@@ -399,37 +399,37 @@ class CoordinatorCore:
 
     def _lose(self, rank: int, reason: str) -> list[Action]:
         """``rank`` is gone (dead, silent, cut off or evicted)."""
-        if rank not in self._members:
+        if rank not in self._membership:
             return []
         if not self._elastic:
             # A static run ends with its membership as it was (every joined rank a member).
             return self._abort(f"rank {rank} {reason}")
-        self._members.remove(rank)
+        self._membership.remove(rank)
         self._liveness.forget(rank)
         if self._state is RunState.RENDEZVOUS:
             return [Report(f"rank {rank} left before the start: {reason}")]
-        if rank not in self._members.members:
+        if rank not in self._membership.members:
             return [Report(f"joining rank {rank} left: {reason}")]
         lost = f"rank {rank} {reason}"
-        head = f"step {self._current.resume_step}, epoch {self._members.epoch}: {lost}"
-        if len(self._members) >= self._min and self._members.survivors():
-            return [Report(head, "error"), *self._next_epoch(lost, self._members.joiners())]
+        head = f"step {self._current.resume_step}, epoch {self._membership.epoch}: {lost}"
+        if len(self._membership) >= self._min and self._membership.survivors():
+            return [Report(head, "error"), *self._next_epoch(lost, self._membership.joiners())]
         return [Report(head, "error"), *self._hold(lost)]
 
     def _hold(self, reason: str) -> list[Action]:
         """Fewer than ``min_workers`` remain: drop the step in flight and wait for joiners."""
         step = self._current.resume_step
-        self._members.hold(step, reason)
+        self._membership.hold(step, reason)
         self._move(Trigger.HOLD)
         self._liveness.hold()
         self._current = StepState.holding(step)
         self._negotiation.new_epoch(fold=self._negotiation.cache.fold)
         self._commits.new_epoch()
         text = (
-            f"{reason}; {len(self._members)} worker(s) remain, min_workers is {self._min}: "
+            f"{reason}; {len(self._membership)} worker(s) remain, min_workers is {self._min}: "
             f"holding at step {step} for up to {_seconds(self._liveness.rejoin)} s for joiners"
         )
-        return [Broadcast(Hold(step, self._members.epoch, text)), Report(text, "error")]
+        return [Broadcast(Hold(step, self._membership.epoch, text)), Report(text, "error")]
 
     # ------------------------------------------------------------------- buckets
 
@@ -439,8 +439,8 @@ class CoordinatorCore:
         )
         if early is not None:
             return early
-        members = len(self._members.members)
-        outcome = self._negotiation.report(self._current, event, members, self._members.epoch)
+        members = len(self._membership.members)
+        outcome = self._negotiation.report(self._current, event, members, self._membership.epoch)
         if isinstance(outcome, Fault):
             return self._fault(event.rank, outcome.reason)
         self._liveness.progressed()
@@ -465,7 +465,7 @@ class CoordinatorCore:
     def _fold_reports(self, rank: int, step: int, epoch: int, cached: str) -> list[Action]:
         """A step report says ``rank`` reduced every bucket from the response cache under the
         agreement ``cached``: check that, then take it as a cached report of each bucket."""
-        refusal = self._negotiation.check_fold(rank, step, cached, self._members.epoch)
+        refusal = self._negotiation.check_fold(rank, step, cached, self._membership.epoch)
         if refusal is not None:
             return self._fault(rank, refusal)
         hashes = self._negotiation.cache.hashes()
@@ -488,10 +488,10 @@ class CoordinatorCore:
             return unfinished
         self._current.reduced.add(rank)
         self._liveness.progressed()
-        if len(self._current.reduced) < len(self._members.members):
+        if len(self._current.reduced) < len(self._membership.members):
             return []
         self._current.applied = True
-        return [Broadcast(Apply(step, self._members.epoch))]
+        return [Broadcast(Apply(step, self._membership.epoch))]
 
     # ------------------------------------------------------------------- steps
 
@@ -507,15 +507,15 @@ class CoordinatorCore:
         unfinished = self._close_buckets(event, "finished the step")
         if unfinished is not None:
             return unfinished
-        refusal = self._commits.take_step_end(self._current, event, self._members.epoch)
+        refusal = self._commits.take_step_end(self._current, event, self._membership.epoch)
         if refusal is not None:
             return self._fault(rank, refusal)
         self._liveness.progressed()
-        if len(self._current.done) < len(self._members.members):
+        if len(self._current.done) < len(self._membership.members):
             return []
         if not self._commits.expects_digest(self._current):
             return self._commit()
-        verdict = self._commits.verdict(self._current, len(self._members.members))
+        verdict = self._commits.verdict(self._current, len(self._membership.members))
         if verdict.abort is not None:
             return self._abort(verdict.abort)
         resync: list[Action] = [] if verdict.resync is None else [verdict.resync]
@@ -523,7 +523,7 @@ class CoordinatorCore:
 
     def _commit(self) -> list[Action]:
         """Every member ended the step: commit it, start the next, take its early reports."""
-        ended, epoch, members = self._current, self._members.epoch, self._members.members
+        ended, epoch, members = self._current, self._membership.epoch, self._membership.members
         commit = self._commits.commit(ended, epoch, members)
         actions: list[Action] = [Broadcast(commit)]
         if self._commits.recovering and not ended.verifying:
@@ -544,17 +544,17 @@ class CoordinatorCore:
 
     def _on_finished(self, event: Finished) -> list[Action]:
         rank, step = event.rank, event.step
-        if rank not in self._members:
+        if rank not in self._membership:
             return [Refuse(rank, f"rank {rank} sent finished but has not joined")]
         if self._state is RunState.RENDEZVOUS:
             return self._fault(rank, f"rank {rank} sent finished before the run started")
         if self._stale(event.epoch):
             return []
-        if event.epoch > self._members.epoch or rank not in self._members.members:
+        if event.epoch > self._membership.epoch or rank not in self._membership.members:
             return self._fault(rank, f"rank {rank} sent finished outside its epoch")
         if self._state is RunState.HOLDING:
             return self._fault(rank, f"rank {rank} sent finished while the run holds")
-        members = self._members.members
+        members = self._membership.members
         refusal = self._commits.check_finish(self._current, rank, step, members)
         if refusal is not None:
             return self._fault(rank, refusal)
@@ -590,14 +590,14 @@ class CoordinatorCore:
                     return actions
         if self._state is RunState.HOLDING and live.hold_expired(now):
             return actions + self._abort(
-                f"only {len(self._members)} worker(s) remain (ranks {self.joined}), "
+                f"only {len(self._membership)} worker(s) remain (ranks {self.joined}), "
                 f"fewer than min_workers={self._min}, and none joined within "
                 f"{_seconds(live.rejoin)} s"
             )
         if (
             self._state is RunState.RENDEZVOUS
             and self._elastic
-            and len(self._members) >= self._min
+            and len(self._membership) >= self._min
             and live.rendezvous_due(now)
         ):
             return actions + self._first_epoch()
@@ -614,7 +614,7 @@ class CoordinatorCore:
         if not stall.give_up:
             return [
                 Report(
-                    f"stall: step {step} (epoch {self._members.epoch}) has waited "
+                    f"stall: step {step} (epoch {self._membership.epoch}) has waited "
                     f"{waited} s for ranks {list(ranks)} in {phase}"
                 )
             ]
@@ -635,12 +635,12 @@ class CoordinatorCore:
     # ------------------------------------------------------------------- connections
 
     def _on_disconnected(self, event: Disconnected) -> list[Action]:
-        if event.rank not in self._members:
+        if event.rank not in self._membership:
             return []
         return self._lose(event.rank, f"disconnected: {event.reason}")
 
     def _on_malformed(self, event: Malformed) -> list[Action]:
-        if event.rank not in self._members:
+        if event.rank not in self._membership:
             return [Refuse(event.rank, f"malformed message: {event.error}")]
         reason = f"sent a malformed message: {event.error}"
         if not self._elastic:
