@@ -1,0 +1,238 @@
+"""Step ends: the apply barrier, digests and step_done, the digest verdict and the commit.
+
+Every member ends each step with a report: ``reduced`` first in elastic runs (the apply
+barrier: once all reduced, ``apply``), then a digest on digest steps (C-DDP-001: every
+member's parameters and optimizer state hash the same) or ``step_done`` on the others.
+:class:`Commits` checks each report against the step's :class:`StepState`, and once all are
+in, :func:`digest_verdict` says whether the step commits, commits after a resync of a
+minority, or stops the run naming the ranks and the first tensor that differs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from runtime.coordinator.core import (
+    Commit,
+    Digest,
+    Resync,
+    StepDone,
+    _first_tensor_difference,
+    _packed_size,
+)
+from runtime.coordinator.step_state import StepState
+
+__all__ = ["CommitRecord", "TensorNames", "Verdict", "digest_verdict", "Commits"]
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """Step ``step`` committed in ``epoch`` by ``members``, with digests from ``digests``."""
+
+    step: int
+    epoch: int
+    members: tuple[int, ...]
+    digests: tuple[int, ...]
+
+
+class TensorNames:
+    """Per member: the names of its packed per-tensor digests, as last listed in the epoch (a
+    worker lists them once, then sends only the packed bytes)."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, tuple[str, ...]] = {}
+
+    def get(self, rank: int) -> tuple[str, ...] | None:
+        return self._names.get(rank)
+
+    def take(self, event: Digest, epoch: int) -> str | None:
+        """Keep the names of ``event``'s packed digests (listed, or the rank's last ones this
+        epoch); why not, if there are none or they do not fit (None: kept)."""
+        rank = event.rank
+        names = event.names if event.names is not None else self._names.get(rank)
+        if names is None:
+            return (
+                f"step {event.step}: rank {rank} sent packed per-tensor digests without their "
+                f"names, and listed none before in epoch {epoch}"
+            )
+        assert event.packed is not None
+        if _packed_size(event.packed, len(names)) is None:
+            return (
+                f"step {event.step}: rank {rank} sent {len(event.packed)} bytes of per-tensor "
+                f"digests for the {len(names)} tensors it listed"
+            )
+        self._names[rank] = names
+        return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a digest step's digests decide: commit (after ``resync``, if one is given), or
+    stop the run (``abort``: the reason)."""
+
+    resync: Resync | None = None
+    abort: str | None = None
+
+
+def _tensor_report(
+    reports: Mapping[int, Digest], names: TensorNames, ref: int, ranks: Sequence[int]
+) -> str:
+    """Where each of ``ranks`` (at most four named) first differs from rank ``ref``."""
+
+    def pairs(rank: int) -> tuple[tuple[str, bytes], ...]:
+        return reports[rank].pairs(names.get(rank))
+
+    shown = [
+        f"rank {r} first differs from rank {ref} at "
+        + _first_tensor_difference(pairs(r), pairs(ref))
+        for r in ranks[:4]
+    ]
+    if len(ranks) > 4:
+        shown.append(f"{len(ranks) - 4} more")
+    return "; ".join(shown)
+
+
+def digest_verdict(
+    step: int,
+    reports: Mapping[int, Digest],
+    members: int,
+    names: TensorNames,
+    *,
+    resync: bool,
+) -> Verdict:
+    """The verdict on step ``step``'s digests ``reports`` of all ``members`` members.
+
+    All equal: commit. A strict majority agrees: resync the others from the lowest rank of the
+    majority (``resync``), or abort naming the diverging ranks. No majority: abort listing
+    every group. An abort names, for each diverging rank, the first tensor that differs.
+    """
+    counts = Counter(d.digest for d in reports.values())
+    if len(counts) == 1:
+        return Verdict()
+    top, votes = counts.most_common(1)[0]
+    if votes * 2 > members:
+        good = sorted(r for r, d in reports.items() if d.digest == top)
+        bad = sorted(r for r, d in reports.items() if d.digest != top)
+        if resync:
+            return Verdict(resync=Resync(step, good[0], tuple(bad)))
+        head = (
+            f"step {step}: parameter digests diverged: ranks {bad} differ from the majority "
+            f"(ranks {good})"
+        )
+        return Verdict(abort=f"{head}; {_tensor_report(reports, names, good[0], bad)}")
+    groups: dict[bytes, list[int]] = {}
+    for rank in sorted(reports):
+        groups.setdefault(reports[rank].digest, []).append(rank)
+    listing = ", ".join(f"ranks {ranks} have {d.hex()[:12]}" for d, ranks in groups.items())
+    ref = min(reports)
+    others = [r for r in sorted(reports) if reports[r].digest != reports[ref].digest]
+    return Verdict(
+        abort=f"step {step}: parameter digests diverged with no majority: {listing}; "
+        f"{_tensor_report(reports, names, ref, others)}"
+    )
+
+
+class Commits:
+    """The run's step ends and commits: checks each end-of-step report, decides and records
+    each commit. ``digest_interval``: steps with ``step % digest_interval == 0`` end with
+    digests; ``resync``: diverged digests with a majority resync the minority."""
+
+    def __init__(self, *, digest_interval: int, resync: bool, elastic: bool) -> None:
+        self.interval = digest_interval
+        self.resync = resync
+        self.elastic = elastic
+        self.last: CommitRecord | None = None
+        self.recovering = False
+        """Whether the epoch's first commit is to be reported (it recovers from a change)."""
+        self.names = TensorNames()
+
+    def new_epoch(self) -> None:
+        """A new epoch (or a hold): the names of packed digests are listed again."""
+        self.names = TensorNames()
+
+    def is_digest_step(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def expects_digest(self, state: StepState) -> bool:
+        """Whether ``state``'s step ends with digests (a digest step, or an epoch's check)."""
+        return state.verifying or self.is_digest_step(state.step)
+
+    def check_reduced(self, state: StepState, rank: int, step: int) -> str | None:
+        """Why ``rank``'s ``reduced`` for ``step`` cannot be taken (None: it can)."""
+        if not self.elastic:
+            return f"rank {rank} sent reduced, but the run has no apply barrier"
+        if step != state.step or state.verifying:
+            return (
+                f"rank {rank} sent reduced for step {step}, but the run is at step "
+                f"{state.resume_step}"
+            )
+        if rank in state.reduced or state.applied:
+            return f"step {step}: rank {rank} sent reduced twice"
+        return None
+
+    def check_step_end(self, state: StepState, event: Digest | StepDone) -> str | None:
+        """Why ``event`` cannot end its rank's step, before its buckets are looked at."""
+        rank, step = event.rank, event.step
+        what = "a digest" if isinstance(event, Digest) else "step_done"
+        if step != state.step:
+            return f"rank {rank} sent {what} for step {step}, but the run is at step {state.step}"
+        digest_step = self.expects_digest(state)
+        if isinstance(event, Digest) != digest_step:
+            expected = "a digest" if digest_step else "step_done"
+            kind = "a digest step" if digest_step else "not a digest step"
+            return (
+                f"rank {rank} sent {what} for step {step}, which is {kind} "
+                f"(digest_interval {self.interval}): expected {expected}"
+            )
+        if rank in state.done:
+            return f"step {step}: rank {rank} finished the step twice"
+        return None
+
+    def take_step_end(self, state: StepState, event: Digest | StepDone, epoch: int) -> str | None:
+        """Record ``event`` as its rank's step end once its buckets are closed; why not (the
+        apply barrier is not passed, or packed digests have no names that fit)."""
+        what = "a digest" if isinstance(event, Digest) else "step_done"
+        if self.elastic and not state.applied:
+            return f"step {event.step}: rank {event.rank} sent {what} before every member reduced"
+        if isinstance(event, Digest) and event.packed is not None:
+            unnamed = self.names.take(event, epoch)
+            if unnamed is not None:
+                return unnamed
+        state.done[event.rank] = event
+        return None
+
+    def verdict(self, state: StepState, members: int) -> Verdict:
+        """The verdict on ``state``'s digests, every member's in."""
+        reports = {r: d for r, d in state.done.items() if isinstance(d, Digest)}
+        return digest_verdict(state.step, reports, members, self.names, resync=self.resync)
+
+    def commit(self, state: StepState, epoch: int, members: tuple[int, ...]) -> Commit:
+        """Record the commit of ``state``'s step by ``members``; the message that says so."""
+        self.last = CommitRecord(
+            state.step,
+            epoch,
+            members,
+            tuple(sorted(r for r, d in state.done.items() if isinstance(d, Digest))),
+        )
+        return Commit(state.step, epoch)
+
+    @staticmethod
+    def check_finish(
+        state: StepState, rank: int, step: int, members: tuple[int, ...]
+    ) -> str | None:
+        """Why ``rank`` cannot finish the run at ``step`` (None: it can)."""
+        if rank in state.finished:
+            return f"rank {rank} finished the run twice"
+        if step != state.step or state.verifying:
+            return (
+                f"rank {rank} finished the run at step {step}, but the run is at step "
+                f"{state.resume_step}"
+            )
+        if state.started:
+            return (
+                f"rank {rank} finished the run at step {step}, but ranks "
+                f"{state.active_ranks(members)} have started step {step}"
+            )
+        return None

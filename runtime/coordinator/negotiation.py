@@ -1,0 +1,229 @@
+"""Bucket negotiation: the members agree on each gradient bucket's spec before it is reduced.
+
+A bucket is reduced after a ``go`` once every member reported the same spec for it; the go
+also enters the spec into the epoch's :class:`ResponseCache` (Horovod's response cache), after
+which a member may reduce that bucket at once and report it ``cached``: the report is checked
+against the agreement instead of waiting for a go. A member may also fold all its cached
+reports into its step report (one agreement hash for every bucket).
+
+:class:`Negotiation` takes one bucket report against the step's :class:`StepState` and says
+what follows: nothing yet, a go to broadcast, a fault of the reporting rank, or members that
+disagree (the run cannot go on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from runtime.coordinator.core import (
+    BucketSpec,
+    Go,
+    Ready,
+    _spec_text,
+    agreement_hash,
+    spec_hash,
+)
+from runtime.coordinator.step_state import StepState
+
+__all__ = ["ResponseCache", "Negotiation", "Fault", "Disagreement", "Outcome", "spec_groups"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The reporting rank broke the protocol: ``reason`` says how."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """The members reported different specs for a bucket: the run cannot go on."""
+
+    reason: str
+
+
+Outcome = Go | Fault | Disagreement | None
+"""What a bucket report leads to: a go to broadcast, a fault, a disagreement, or nothing yet."""
+
+
+class ResponseCache:
+    """The bucket specs every member of one epoch agreed on (a go was sent), with their
+    `spec_hash`. A report marked cached must match the spec or its hash; a new epoch starts
+    with an empty cache. ``fold``: whether this epoch's members fold cached reports into
+    their step reports."""
+
+    def __init__(self, *, fold: bool = False) -> None:
+        self.fold = fold
+        self._agreed: dict[int, tuple[BucketSpec, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._agreed)
+
+    def spec(self, bucket: int) -> BucketSpec | None:
+        """The spec agreed for ``bucket`` (None: no agreement yet)."""
+        agreement = self._agreed.get(bucket)
+        return None if agreement is None else agreement[0]
+
+    def matches(self, bucket: int, spec: BucketSpec) -> bool:
+        """Whether ``spec`` (a spec, or its hash) is the one agreed for ``bucket``."""
+        agreement = self._agreed.get(bucket)
+        return agreement is not None and spec in agreement
+
+    def agree(self, bucket: int, spec: BucketSpec) -> None:
+        """Every member reported ``spec`` for ``bucket`` and got a go."""
+        self._agreed[bucket] = (spec, spec_hash(spec))
+
+    def hashes(self) -> dict[int, str]:
+        """bucket -> the agreed spec's hash."""
+        return {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
+
+    def fold_hash(self) -> str:
+        """The hash of the whole agreement, as a folded step report must carry it."""
+        hashes = self.hashes()
+        return agreement_hash(hashes) if hashes else "none"
+
+
+def spec_groups(reports: Mapping[int, BucketSpec]) -> str:
+    """Ranks grouped by the spec they reported: "ranks [0, 2] report shapes [...], ..."."""
+    groups: dict[BucketSpec, list[int]] = {}
+    for rank in sorted(reports):
+        groups.setdefault(reports[rank], []).append(rank)
+    parts = []
+    for index, (spec, ranks) in enumerate(groups.items()):
+        text = _spec_text(spec)
+        if index == 0 and not isinstance(spec, str):
+            text = "shapes " + text
+        parts.append(f"ranks {ranks} report {text}")
+    return ", ".join(parts)
+
+
+class Negotiation:
+    """The run's bucket agreements: the epoch's response cache and the seq of the next go."""
+
+    def __init__(self) -> None:
+        self.cache = ResponseCache()
+        self.seq = 0
+        """The seq the next go carries (= gos sent so far, counted from 0)."""
+
+    def new_epoch(self, *, fold: bool) -> None:
+        """A new epoch (or a hold): agreements of the last one no longer stand."""
+        self.cache = ResponseCache(fold=fold)
+
+    def report(self, state: StepState, event: Ready, members: int, epoch: int) -> Outcome:
+        """Take rank ``event.rank``'s report of a bucket ready, in a step of ``members``
+        members of ``epoch``. A report for the step after ``state`` is kept in ``state.early``
+        until the step commits."""
+        rank, step, bucket = event.rank, event.step, event.bucket
+        if step == state.step + 1:
+            # Step s+1's backward may finish before step s's digests are in: hold the report
+            # until step s commits (no Go for s+1 before that; a cached report, already being
+            # reduced, is checked then), keeping the check off the critical path.
+            if any(e.rank == rank and e.bucket == bucket for e in state.early):
+                return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
+            state.early.append(event)
+            return None
+        if step != state.step or state.verifying:
+            return Fault(
+                f"rank {rank} reported bucket {bucket} ready for step {step}, "
+                f"but the run is at step {state.resume_step}"
+            )
+        if rank in state.done or rank in state.reduced or state.applied:
+            return Fault(
+                f"step {step}: rank {rank} reported bucket {bucket} ready after finishing the step"
+            )
+        reports = state.pending.get(bucket, {})
+        if bucket in state.gone or rank in reports:
+            return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
+        agreed = self.cache.spec(bucket)
+        if event.cached:
+            fault = self._check_cached(state, event, agreed, epoch)
+            if fault is not None:
+                return fault
+        else:
+            if state.done or state.reduced:
+                return Fault(
+                    f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
+                    f"{sorted(state.ended)} finished the step without it"
+                )
+            state.plain.add(bucket)  # negotiated: the go, if all agree, updates the agreement
+        reports = state.pending.setdefault(bucket, {})
+        # A cached report matched the agreement (spec or hash): compare peers by the spec.
+        reports[rank] = agreed if event.cached else event.spec
+        state.reported.setdefault(rank, set()).add(bucket)
+        if len(set(reports.values())) > 1:
+            return Disagreement(f"step {step} bucket {bucket}: {spec_groups(reports)}")
+        if len(reports) < members:
+            return None
+        del state.pending[bucket]
+        state.gone.add(bucket)
+        if bucket not in state.plain:
+            return None  # every member reduced it from the agreement: no go to send
+        state.plain.discard(bucket)
+        if not event.cached:  # a cached report matched the agreement: it stands as it is
+            self.cache.agree(bucket, event.spec)
+        go = Go(step, bucket, self.seq, epoch)
+        self.seq += 1
+        return go
+
+    def _check_cached(
+        self, state: StepState, event: Ready, agreed: BucketSpec | None, epoch: int
+    ) -> Fault | None:
+        """A cached report: the rank is already reducing, so check it against the epoch's
+        agreement. It may trail a peer's step end (links race), but that peer must have
+        reported the bucket too: its own reports precede its step end on its link."""
+        rank, step, bucket = event.rank, event.step, event.bucket
+        if agreed is None:
+            return Fault(
+                f"step {step} bucket {bucket}: rank {rank} reduced it without a go, but the "
+                f"members agreed on no spec for bucket {bucket} in epoch {epoch}"
+            )
+        if not self.cache.matches(bucket, event.spec):
+            return Fault(
+                f"step {step} bucket {bucket}: rank {rank} reduced shapes "
+                f"{_spec_text(event.spec)} without a go, but the members agreed on "
+                f"{_spec_text(agreed)} in epoch {epoch}"
+            )
+        without = sorted(r for r in state.ended if bucket not in state.reported.get(r, ()))
+        if without:
+            return Fault(
+                f"step {step}: rank {rank} reported bucket {bucket} ready after ranks "
+                f"{without} finished the step without it"
+            )
+        return None
+
+    def check_fold(self, rank: int, step: int, cached: str, epoch: int) -> str | None:
+        """Why a step report of ``rank`` saying it reduced every bucket from the response
+        cache under agreement ``cached`` cannot be taken (None: it can)."""
+        if not self.cache.fold:
+            return (
+                f"step {step}: rank {rank} folded its bucket reports into its step report, but "
+                f"not every member of epoch {epoch} joined offering to fold"
+            )
+        expected = self.cache.fold_hash()
+        if cached != expected:
+            return (
+                f"step {step}: rank {rank} reduced its buckets from the response cache under "
+                f"agreement {cached}, but the members agreed on {expected} in epoch {epoch}"
+            )
+        return None
+
+    @staticmethod
+    def unfinished(state: StepState, rank: int, step: int, what: str) -> str | None:
+        """Why ``rank`` cannot end ``step`` (``what``) with a bucket outstanding: one still
+        negotiated (no go yet), or one that peers reduced from the cache and it never
+        reported (its peers' reports may still be on their way: those are checked as they
+        come). None: no bucket is outstanding for it."""
+        for bucket in sorted(state.pending):
+            reports = state.pending[bucket]
+            if bucket in state.plain:
+                return (
+                    f"step {step}: rank {rank} {what} while bucket {bucket} is still being "
+                    f"negotiated (ready from ranks {sorted(reports)})"
+                )
+            if rank not in reports:
+                return (
+                    f"step {step}: rank {rank} {what} without bucket {bucket}, which ranks "
+                    f"{sorted(reports)} reduced"
+                )
+        return None

@@ -1,0 +1,77 @@
+"""The run's lifecycle as a table: every legal (state, trigger) pair and the state it leads to.
+
+The coordinator core moves the run only through :func:`next_state`; a pair that is not in
+:data:`TRANSITIONS` is a protocol error (:class:`IllegalTransition`), never a silent change.
+FINISHED and ABORTED are terminal: nothing leaves them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from runtime.errors import ProtocolError
+
+__all__ = ["RunState", "Trigger", "TRANSITIONS", "DONE", "IllegalTransition", "next_state"]
+
+
+class RunState(enum.Enum):
+    """Where the run is."""
+
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    HOLDING = "holding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class Trigger(enum.Enum):
+    """What moves the run from one state to the next."""
+
+    START_EPOCH = "start an epoch"
+    """Members are known: a StartRun opens an epoch (the first, or one after a change)."""
+    HOLD = "hold"
+    """Fewer than min_workers remain: drop the step in flight and wait for joiners."""
+    FINISH = "finish"
+    """Every member finished the run."""
+    ABORT = "abort"
+    """The run stops with a reason."""
+
+
+_R, _T = RunState, Trigger
+
+TRANSITIONS: Mapping[tuple[RunState, Trigger], RunState] = MappingProxyType(
+    {
+        (_R.RENDEZVOUS, _T.START_EPOCH): _R.RUNNING,
+        (_R.RENDEZVOUS, _T.ABORT): _R.ABORTED,
+        (_R.RUNNING, _T.START_EPOCH): _R.RUNNING,
+        (_R.RUNNING, _T.HOLD): _R.HOLDING,
+        (_R.RUNNING, _T.FINISH): _R.FINISHED,
+        (_R.RUNNING, _T.ABORT): _R.ABORTED,
+        (_R.HOLDING, _T.START_EPOCH): _R.RUNNING,
+        (_R.HOLDING, _T.HOLD): _R.HOLDING,
+        (_R.HOLDING, _T.ABORT): _R.ABORTED,
+    }
+)
+"""Every legal transition of the run; anything else is an `IllegalTransition`."""
+
+DONE = frozenset({RunState.FINISHED, RunState.ABORTED})
+"""The terminal states: the core ignores every event once the run is in one."""
+
+
+class IllegalTransition(ProtocolError):
+    """The run was asked to move along a transition that is not in the table."""
+
+    def __init__(self, state: RunState, trigger: Trigger) -> None:
+        super().__init__(f"the run cannot {trigger.value} while it is {state.value}")
+        self.state = state
+        self.trigger = trigger
+
+
+def next_state(state: RunState, trigger: Trigger) -> RunState:
+    """The state ``trigger`` leads to from ``state``; IllegalTransition if there is none."""
+    try:
+        return TRANSITIONS[state, trigger]
+    except KeyError:
+        raise IllegalTransition(state, trigger) from None

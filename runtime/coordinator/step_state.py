@@ -1,0 +1,107 @@
+"""The per-step state of the coordinator: what one step of one epoch has gathered so far.
+
+A :class:`StepState` is created fresh at every step boundary (a commit, a new epoch, a hold)
+and replaced whole: nothing of one step leaks into the next, and there is one place that says
+what a step starts with. Within its step it fills up as reports arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.coordinator.core import BucketSpec, Digest, Ready, StepDone
+
+__all__ = ["StepState"]
+
+
+@dataclass(slots=True, eq=False)
+class StepState:
+    """What step ``step`` of the current epoch has gathered.
+
+    ``applied``: every member holds the step's reduced gradients (``apply`` was sent, or the
+    epoch started from a state transfer); ``verifying``: the step is the check that follows an
+    epoch's state transfer (digests only, no buckets).
+    """
+
+    step: int
+    applied: bool = False
+    verifying: bool = False
+    pending: dict[int, dict[int, BucketSpec]] = field(default_factory=dict)
+    """Buckets some rank reported ready, not yet reported by all: bucket -> rank -> spec."""
+    plain: set[int] = field(default_factory=set)
+    """Buckets with a report that waits for a go (not from the response cache)."""
+    reported: dict[int, set[int]] = field(default_factory=dict)
+    """Buckets each rank has reported ready."""
+    gone: set[int] = field(default_factory=set)
+    """Buckets every member reported (a go was sent, or all reduced them from the cache)."""
+    reduced: set[int] = field(default_factory=set)
+    """Ranks that sent ``reduced`` (elastic runs' apply barrier)."""
+    done: dict[int, Digest | StepDone] = field(default_factory=dict)
+    """Each rank's step end (a digest or step_done)."""
+    early: list[Ready] = field(default_factory=list)
+    """Reports for the next step, held until this one commits."""
+    finished: set[int] = field(default_factory=set)
+    """Ranks that finished the run at this step."""
+
+    @classmethod
+    def opening(cls, step: int, *, broadcast: bool) -> StepState:
+        """The first step of an epoch that starts at ``step``: after a state transfer (not
+        ``broadcast``, ``step > 0``) the epoch first checks step ``step - 1``'s state."""
+        verifying = not broadcast and step > 0
+        return cls(step if broadcast or step == 0 else step - 1, verifying, verifying)
+
+    @classmethod
+    def holding(cls, resume: int) -> StepState:
+        """The state while the run holds, to resume at step ``resume``."""
+        return cls(resume - 1 if resume > 0 else 0, applied=resume > 0)
+
+    def following(self) -> StepState:
+        """The step after this one commits (its early reports are taken out first)."""
+        return StepState(self.step + 1)
+
+    @property
+    def resume_step(self) -> int:
+        """Where a new epoch starts: after this step if every member holds its gradients."""
+        return self.step + 1 if self.applied else self.step
+
+    @property
+    def ended(self) -> set[int]:
+        """Ranks that ended the step (reduced, or sent their digest or step_done)."""
+        return set(self.done) | self.reduced
+
+    @property
+    def started(self) -> bool:
+        """Whether any rank has reported anything for this step (or the next)."""
+        return bool(self.pending or self.gone or self.done or self.early or self.reduced)
+
+    def active_ranks(self, members: tuple[int, ...]) -> list[int]:
+        """The ranks known to have started this step, ascending."""
+        active = self.ended | {e.rank for e in self.early}
+        for reports in self.pending.values():
+            active.update(reports)
+        if self.gone:
+            active.update(members)
+        return sorted(active)
+
+    def waiting_for(self, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """What the step waits for: a phase and the ranks of ``members`` it waits on."""
+        if self.verifying:
+            missing = tuple(r for r in members if r not in self.done)
+            return f"the epoch's state transfer and check of step {self.step}", missing
+        if self.applied:
+            missing = tuple(r for r in members if r not in self.done)
+            return "the optimizer step and digest", missing
+        if self.reduced:
+            missing = tuple(r for r in members if r not in self.reduced)
+            return "the all-reduce", missing
+        if self.pending:
+            bucket = min(self.pending)
+            missing = tuple(r for r in members if r not in self.pending[bucket])
+            return f"backward (bucket {bucket} not ready)", missing
+        if self.done:
+            missing = tuple(r for r in members if r not in self.done)
+            return "the all-reduce, optimizer step and digest", missing
+        if self.gone:
+            return "backward or the all-reduce", members
+        started = {e.rank for e in self.early}
+        return "data loading and forward", tuple(r for r in members if r not in started)
