@@ -36,11 +36,12 @@ can run them one by one.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import trio
@@ -112,6 +113,8 @@ register_message(
 )
 
 _T = TypeVar("_T")
+ReduceOp = Literal["sum", "avg"]
+_OPS: tuple[ReduceOp, ...] = ("sum", "avg")
 
 
 class ConformanceError(AssertionError):
@@ -198,7 +201,7 @@ async def _group(make_group: MakeGroup, n: int, check: str) -> AsyncIterator[lis
 
 def _telling(group: BaseExceptionGroup) -> BaseException:
     """A ConformanceError among the group's leaves, else `runtime.errors.pick_error`'s."""
-    matched, _ = group.split(ConformanceError)
+    matched: BaseException | None = group.split(ConformanceError)[0]
     while isinstance(matched, BaseExceptionGroup):
         matched = matched.exceptions[0]
     return matched if matched is not None else pick_error(group)
@@ -405,7 +408,7 @@ async def check_errors(make_group: MakeGroup, n: int) -> None:
             error = await _expect_error(
                 ProtocolError,
                 f"errors: recv_into a destination that the bulk does not fit ({what})",
-                lambda d=dst, s=src, o=out: group[d].recv_into(s, o),
+                functools.partial(group[dst].recv_into, src, out),
             )
             _require(
                 getattr(error, "peer", None) == src and f"peer {src}" in str(error),
@@ -469,7 +472,7 @@ async def check_close(make_group: MakeGroup, n: int) -> None:
 # ------------------------------------------------------------------------------ collectives
 
 
-def _exact_reduce(inputs: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+def _exact_reduce(inputs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """The exact sum (or average, rounded once as the collectives document) of ``inputs``."""
     total = torch.stack([t.to(torch.int64) for t in inputs]).sum(0).to(inputs[0].dtype)
     if op == "avg":
@@ -480,7 +483,7 @@ def _exact_reduce(inputs: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 
 
 async def _all_reduce_case(
-    group: Sequence[Transport], dtype: torch.dtype, numel: int, op: str, seed: int
+    group: Sequence[Transport], dtype: torch.dtype, numel: int, op: ReduceOp, seed: int
 ) -> None:
     n = len(group)
     inputs = [_values(dtype, (numel,), seed * 31 + rank) for rank in range(n)]
@@ -506,12 +509,12 @@ async def check_collectives(make_group: MakeGroup, n: int) -> None:
         seed = 0
         for dtype in sorted(SUPPORTED_DTYPES, key=str):
             for numel in (0, 1, n + 1, 3000):
-                for op in ("sum", "avg"):
+                for op in _OPS:
                     seed += 1
                     await _all_reduce_case(group, dtype, numel, op, seed)
         large = THREADED_MIN_BYTES // 4 + 12345  # past the threaded and plane thresholds
         for dtype in (torch.float32, torch.int64, torch.bfloat16):
-            for op in ("sum", "avg"):
+            for op in _OPS:
                 seed += 1
                 await _all_reduce_case(group, dtype, large, op, seed)
 
@@ -546,12 +549,13 @@ async def check_collectives(make_group: MakeGroup, n: int) -> None:
                     "every rank's tensor in rank order",
                 )
 
-        for numel, op in ((n - 1, "sum"), (1001, "avg"), (large, "sum")):
+        cases: tuple[tuple[int, ReduceOp], ...] = ((n - 1, "sum"), (1001, "avg"), (large, "sum"))
+        for numel, op in cases:
             inputs = [_values(torch.int64, (numel,), 3000 + rank) for rank in range(n)]
             expected = _exact_reduce(inputs, op)
             scratch = [t.clone() for t in inputs]
 
-            async def scatter(transport: Transport, s: Any = scratch, o: str = op) -> Any:
+            async def scatter(transport: Transport, s: Any = scratch, o: ReduceOp = op) -> Any:
                 return await reduce_scatter(
                     transport, s[transport.rank], o, chunk_bytes=_CHUNK_BYTES
                 )
@@ -850,7 +854,12 @@ async def check_shared_memory(make_group: MakeGroup, n: int) -> None:
             f"shared memory: some ranks hold no open plane: {planes!r}",
         )
         numel = (1 << 20) // 4 + 3
-        for dtype, op in ((torch.float32, "sum"), (torch.float64, "avg"), (torch.int32, "avg")):
+        plane_cases: tuple[tuple[torch.dtype, ReduceOp], ...] = (
+            (torch.float32, "sum"),
+            (torch.float64, "avg"),
+            (torch.int32, "avg"),
+        )
+        for dtype, op in plane_cases:
             inputs = [_values(dtype, (numel,), 4000 + rank) for rank in range(n)]
             accepted = {plane.accepts(inputs[0]) for plane in planes if plane is not None}
             _require(
@@ -861,14 +870,14 @@ async def check_shared_memory(make_group: MakeGroup, n: int) -> None:
             through_plane = [t.clone() for t in inputs]
             through_ring = [t.clone() for t in inputs]
 
-            async def reduce(transport: Transport, ts: Any, o: str = op) -> Any:
+            async def reduce(ts: Any, transport: Transport, o: ReduceOp = op) -> Any:
                 return await all_reduce(transport, ts[transport.rank], o)
 
-            await _run_ranks(holders, lambda t, ts=through_plane: reduce(t, ts))
+            await _run_ranks(holders, functools.partial(reduce, through_plane))
             for holder in holders:
                 holder.shared_memory = None
             try:
-                await _run_ranks(holders, lambda t, ts=through_ring: reduce(t, ts))
+                await _run_ranks(holders, functools.partial(reduce, through_ring))
             finally:
                 for holder, plane in zip(holders, planes):
                     holder.shared_memory = plane
