@@ -13,8 +13,8 @@ import trio.testing
 from actors.client.client import CoordinatorClient, CoordinatorLost
 from actors.train.trainer import OptimizerActor, OptimizerStep, TrainerOptions, Verify
 from runtime.actor.base import ActorSystem
-from runtime.coordinator.core import Commit, StartRun
 from runtime.observe.trace import TraceRecorder
+from runtime.protocol.messages import Commit, StartRun
 from runtime.transport.link import MemoryLink
 
 

@@ -18,37 +18,39 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from runtime.coordinator.core import (
     Abort,
-    AbortRun,
     Action,
     Broadcast,
-    Commit,
     CoordinatorCore,
-    Digest,
     Disconnected,
     Event,
+    Malformed,
+    Refuse,
+    Resync,
+    RunState,
+    Tick,
+    agreement_hash,
+    bucket_spec,
+    model_signature,
+    spec_hash,
+)
+from runtime.errors import ProtocolError
+from runtime.protocol.messages import (
+    AbortRun,
+    Commit,
+    Digest,
     Finished,
     Go,
     Heartbeat,
     Joined,
     JoinRefused,
-    Malformed,
     Ready,
-    Refuse,
-    Resync,
     ResyncOrder,
-    RunState,
     Shutdown,
     StartRun,
     StepDone,
-    Tick,
-    agreement_hash,
-    bucket_spec,
     event_from_wire,
     message_from_wire,
-    model_signature,
-    spec_hash,
 )
-from runtime.errors import ProtocolError
 from runtime.protocol.wire import decode_frame, encode_frame_bytes
 
 SIG = (

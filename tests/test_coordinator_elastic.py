@@ -15,24 +15,26 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from runtime.coordinator.core import (
     Abort,
-    Apply,
     Broadcast,
-    Commit,
     CoordinatorCore,
-    Digest,
     Disconnected,
     Evict,
+    Report,
+    RunState,
+    Tick,
+)
+from runtime.protocol.messages import (
+    Apply,
+    Commit,
+    Digest,
     Finished,
     Go,
     Hold,
     Joined,
     Ready,
     Reduced,
-    Report,
-    RunState,
     StartRun,
     StepDone,
-    Tick,
 )
 
 SIG = (("w", (2,), "float32", True),)

@@ -49,10 +49,10 @@ from runtime.collectives.ring import (
     broadcast,
 )
 from runtime.config import DistributedConfig
-from runtime.coordinator.core import Hold, ResyncOrder, StartRun, agreement_hash, spec_hash
+from runtime.coordinator.core import agreement_hash, spec_hash
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.wire import Field, register_message
+from runtime.protocol.messages import Hold, ResyncOrder, StartRun
 from runtime.testing.faults import armed, fault_point
 from runtime.transport.base import Transport
 
@@ -67,14 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("paramsync.trainer")
-
-register_message(
-    "state",
-    step=Field(int, min=0),
-    index=Field(int, min=0),
-    data=Field(torch.Tensor),
-)
-register_message("state_manifest", manifest=Field(dict))
 
 _OPTIMIZER_STEP_LOCK = threading.Lock()
 """Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not

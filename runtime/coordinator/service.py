@@ -21,7 +21,6 @@ from runtime.coordinator.core import (
     Abort,
     Action,
     Broadcast,
-    Commit,
     CoordinatorCore,
     Disconnected,
     Evict,
@@ -32,12 +31,11 @@ from runtime.coordinator.core import (
     Resync,
     RunState,
     Send,
-    Shutdown,
     Tick,
-    event_from_wire,
 )
 from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
 from runtime.protocol.handshake import Identity, load_secret
+from runtime.protocol.messages import Commit, Shutdown, event_from_wire
 from runtime.testing.faults import fault_point
 from runtime.transport.admission import AdmissionGate, HandshakeTicket
 from runtime.transport.link import Link

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import AuthenticationError, HandshakeError, ListenerBusy, ReplayedHandshake
-from runtime.protocol.wire import PROTOCOL_VERSION, Field, register_message
+from runtime.protocol.messages import NONCE_SIZE
+from runtime.protocol.schema import PROTOCOL_VERSION
 
 __all__ = [
     "SECRET_ENV",
@@ -42,33 +43,6 @@ __all__ = [
 
 SECRET_ENV = "PARAMSYNC_SECRET"
 SECRET_FILE_ENV = "PARAMSYNC_SECRET_FILE"
-NONCE_SIZE = 32
-_MAX_GROUP = 128
-_MAX_WORLD = 1 << 16
-
-register_message(
-    "hello",
-    group=Field(str, max_len=_MAX_GROUP),
-    world_size=Field(int, min=1, max=_MAX_WORLD),
-    rank=Field(int, min=-1, max=_MAX_WORLD),
-    nonce=Field(bytes, min=None, max_len=NONCE_SIZE),
-)
-register_message(
-    "challenge",
-    group=Field(str, max_len=_MAX_GROUP),
-    world_size=Field(int, min=1, max=_MAX_WORLD),
-    rank=Field(int, min=-1, max=_MAX_WORLD),
-    nonce=Field(bytes, max_len=NONCE_SIZE),
-    proof=Field(bytes, max_len=64),
-)
-register_message("auth", proof=Field(bytes, max_len=64))
-register_message("welcome")
-register_message(
-    "refuse",
-    reason=Field(str, max_len=1024),
-    auth=Field(bool, required=False),
-    busy=Field(bool, required=False),
-)
 
 
 def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | None = None) -> bytes:

@@ -41,7 +41,7 @@ import trio
 
 from runtime.collectives.ring import SUPPORTED_DTYPES, _divide, segment_bounds
 from runtime.errors import CollectiveError, ProtocolError, StallError
-from runtime.protocol.wire import Field, encode_frame_bytes, register_message
+from runtime.protocol.wire import encode_frame_bytes
 
 if TYPE_CHECKING:
     from runtime.transport.tcp import PolledLinks, TcpTransport
@@ -71,20 +71,6 @@ _ALIGN = 64
 _MAGIC = b"PSYNCSHM"
 _NONCE_BYTES = 16
 _NAME = re.compile(r"paramsync-[0-9a-f]{32}")
-
-register_message("shm_hello", host=Field(str, max_len=512), want=Field(bool))
-register_message(
-    "shm_offer",
-    path=Field(str, max_len=256),
-    reason=Field(str, max_len=1024),
-    size=Field(int, min=0),
-    step_bytes=Field(int, min=0),
-    min_bytes=Field(int, min=0),
-    nonce=Field(bytes, max_len=_NONCE_BYTES),
-)
-register_message("shm_mapped", ok=Field(bool), reason=Field(str, max_len=1024))
-register_message("shm_ready", ok=Field(bool), reason=Field(str, max_len=1024))
-register_message("shm_step", op=Field(int, min=0), step=Field(int, min=0))
 
 
 def host_identity() -> str:

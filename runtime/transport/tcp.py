@@ -42,13 +42,11 @@ from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
     PREFIX_SIZE,
-    Field,
     check_bulk_destination,
     decode_head,
     encode_frame,
     encode_frame_bytes,
     parse_prefix,
-    register_message,
     tensor_buffer,
 )
 from runtime.transport.base import Transport
@@ -80,9 +78,6 @@ _TLS_SEND = 1 << 20
 """Under TLS, bulk is encrypted and sent this many bytes at a time (bounds the copy)."""
 _TLS_READ = 64 * 1024
 """Under TLS, the most bytes asked of one read (a TLS record holds at most 16 KiB)."""
-
-register_message("rdv_join", host=Field(str, max_len=256), port=Field(int, min=1, max=65535))
-register_message("rdv_table", addresses=Field(list, max_len=1 << 16, items=list))
 
 _Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
