@@ -52,7 +52,7 @@ from runtime.config import DistributedConfig
 from runtime.coordinator.core import agreement_hash, spec_hash
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Hold, ResyncOrder, StartRun
+from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateManifest
 from runtime.testing.faults import armed, fault_point
 from runtime.transport.base import Transport
 
@@ -965,7 +965,7 @@ class DistributedTrainer:
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
         state = capture_state(self.model, self.optimizer, self.step)
-        await transport.send(peer, "state_manifest", {"manifest": manifest(state)})
+        await transport.send(peer, *StateManifest(manifest(state)).to_wire())
         for index, (_, tensor) in enumerate(state.tensors):
             fields = {"step": state.step, "index": index}
             await transport.send(peer, "state", fields, _wire_view(tensor))

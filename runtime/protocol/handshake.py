@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import AuthenticationError, HandshakeError, ListenerBusy, ReplayedHandshake
-from runtime.protocol.messages import NONCE_SIZE
+from runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
 from runtime.protocol.schema import PROTOCOL_VERSION
 
 __all__ = [
@@ -107,7 +107,7 @@ class DialerHandshake:
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
-        return "hello", {**self.me.fields(), "nonce": self._nonce}
+        return Hello(**self.me.fields(), nonce=self._nonce).to_wire()
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Check the listener's proof; return the auth message to send."""
@@ -127,7 +127,7 @@ class DialerHandshake:
             )
         self.peer = peer
         proof = _proof(self._secret, b"paramsync/dialer", (nonce, self._nonce), peer, self.me)
-        return "auth", {"proof": proof}
+        return Auth(proof).to_wire()
 
     def on_verdict(self, message: dict[str, Any]) -> Identity:
         """The listener's last word: welcome (returns its identity) or refuse (raises)."""
@@ -204,24 +204,24 @@ class ListenerHandshake:
             self.peer,
             self.me,
         )
-        return "challenge", {**self.me.fields(), "nonce": self._nonce, "proof": proof}
+        return Challenge(**self.me.fields(), nonce=self._nonce, proof=proof).to_wire()
 
     def on_auth(self, message: dict[str, Any]) -> tuple[str, dict[str, Any], Exception | None]:
         """Check the dialer's proof and admission: the verdict to send, and the error to raise
         on this side after sending it (None when welcome)."""
         if message["kind"] != "auth" or self.peer is None:
             reason = f"expected auth, got a {message['kind']} message"
-            return "refuse", {"reason": reason}, HandshakeError(reason)
+            return (*Refusal(reason).to_wire(), HandshakeError(reason))
         expected = _proof(
             self._secret, b"paramsync/dialer", (self._nonce, self._dialer_nonce), self.me, self.peer
         )
         if not hmac.compare_digest(expected, message["proof"]):
             reason = "authentication failed: wrong shared secret"
-            return "refuse", {"reason": reason, "auth": True}, AuthenticationError(reason)
+            return (*Refusal(reason, auth=True).to_wire(), AuthenticationError(reason))
         reason = self._admit_reason(self.peer)
         if reason is not None:
-            return "refuse", {"reason": reason}, HandshakeError(reason)
-        return "welcome", {}, None
+            return (*Refusal(reason).to_wire(), HandshakeError(reason))
+        return (*Welcome().to_wire(), None)
 
     def _admit_reason(self, peer: Identity) -> str | None:
         if peer.group != self.me.group:

@@ -139,7 +139,7 @@ HOST = Str(256)
 PORT = Int(1, 65535)
 REASON = Str(4096, clip=True)
 """A coordinator's reason: a longer one is clipped (ending in "...") when sent."""
-SHORT_REASON = Str(1024)
+SHORT_REASON = Str(1024, clip=True)
 NAME = Str(1024, min_len=1)
 DTYPE = Str(64, min_len=1)
 HASH = Str(256, min_len=1)

@@ -38,6 +38,7 @@ from runtime.errors import (
     StallError,
 )
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from runtime.protocol.messages import RdvJoin, RdvTable, Refusal
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
@@ -727,7 +728,7 @@ async def _close(conn: Connection | None, stream: trio.SocketStream) -> None:
 
 
 _TLS_REQUIRED = encode_frame_bytes(
-    "refuse", {"reason": "this listener requires TLS (--tls-cert, --tls-key, --tls-ca)"}
+    *Refusal("this listener requires TLS (--tls-cert, --tls-key, --tls-ca)").to_wire()
 )
 """What a TLS listener answers, in the clear, to a peer that opens with a paramsync frame."""
 
@@ -744,7 +745,7 @@ def _sounds_like_tls(conn: Connection) -> bool:
 async def _refuse(conn: Connection, reason: str) -> None:
     try:
         with trio.move_on_after(1):
-            await conn.send("refuse", {"reason": reason[:1024]})
+            await conn.send(*Refusal(reason).to_wire())
     except ProtocolError:
         pass
 
@@ -1195,7 +1196,7 @@ async def _rendezvous_root(
             await lst.aclose()
     table = [[address[0], address[1]]] + [list(joins[r]) for r in range(1, me.world_size)]
     for rank in range(1, me.world_size):
-        await mesh[rank].send("rdv_table", {"addresses": table})
+        await mesh[rank].send(*RdvTable(table).to_wire())
 
 
 async def _rendezvous_member(
@@ -1215,7 +1216,7 @@ async def _rendezvous_member(
     listeners = await trio.open_tcp_listeners(0, host=local_host)
     try:
         port = listeners[0].socket.getsockname()[1]
-        await conn.send("rdv_join", {"host": local_host, "port": port})
+        await conn.send(*RdvJoin(local_host, port).to_wire())
         table = await conn.recv()
         if table["kind"] != "rdv_table" or len(table["addresses"]) != me.world_size:
             raise ProtocolError("rendezvous table does not list every rank", peer=0)
