@@ -38,7 +38,7 @@ from runtime.errors import (
     StallError,
 )
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
-from runtime.protocol.messages import RdvJoin, RdvTable, Refusal
+from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
@@ -1182,10 +1182,10 @@ async def _rendezvous_root(
     joins: dict[int, tuple[str, int]] = {}
 
     async def on_joined(rank: int, conn: Connection) -> None:
-        message = await conn.recv(HANDSHAKE_MAX_FRAME)
-        if message["kind"] != "rdv_join":
-            raise ProtocolError(f"expected rdv_join, got {message['kind']}", peer=rank)
-        joins[rank] = (message["host"], message["port"])
+        join = decode_message(await conn.recv(HANDSHAKE_MAX_FRAME), peer=rank)
+        if not isinstance(join, RdvJoin):
+            raise ProtocolError(f"expected rdv_join, got {join.KIND}", peer=rank)
+        joins[rank] = (join.host, join.port)
 
     try:
         await _serve_until(
@@ -1217,16 +1217,11 @@ async def _rendezvous_member(
     try:
         port = listeners[0].socket.getsockname()[1]
         await conn.send(*RdvJoin(local_host, port).to_wire())
-        table = await conn.recv()
-        if table["kind"] != "rdv_table" or len(table["addresses"]) != me.world_size:
+        table = decode_message(await conn.recv(), peer=0)
+        if not isinstance(table, RdvTable) or len(table.addresses) != me.world_size:
             raise ProtocolError("rendezvous table does not list every rank", peer=0)
-        addresses = []
-        for entry in table["addresses"]:
-            if len(entry) != 2 or not isinstance(entry[0], str) or not isinstance(entry[1], int):
-                raise ProtocolError(f"bad address {entry!r} in the rendezvous table", peer=0)
-            addresses.append((entry[0], entry[1]))
         await _form_mesh(
-            me, listeners[0], addresses, secret, mesh, range(1, me.world_size), tls=tls
+            me, listeners[0], list(table.addresses), secret, mesh, range(1, me.world_size), tls=tls
         )
     finally:
         for lst in listeners:
