@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import struct
 from typing import Any
 
 import cbor2
@@ -341,3 +342,15 @@ def test_every_kind_is_a_frozen_dataclass_with_its_schema() -> None:
         for f in dataclasses.fields(cls):
             assert "wire" in f.metadata, f"{kind}.{f.name} has no wire declaration"
     assert encode(Go(1, 2, 3)) == Go(1, 2, 3).to_wire()
+
+
+def test_a_tensor_field_travels_as_the_frames_bulk() -> None:
+    tensor = torch.arange(6, dtype=torch.float32)
+    kind, fields, bulk = messages.StateTensor(4, 2, tensor).to_wire_bulk()
+    assert (kind, fields) == ("state", {"step": 4, "index": 2}) and bulk is tensor
+    frame = encode_frame_bytes(kind, fields, bulk)
+    assert struct.unpack(">II", frame[:8])[1] == tensor.numel() * 4  # the bulk, not inline
+    decoded = decode_message(decode_frame(frame))
+    assert same(decoded, messages.StateTensor(4, 2, tensor))
+    with pytest.raises(TypeError):
+        messages.Welcome().to_wire_bulk()

@@ -52,7 +52,7 @@ from runtime.config import DistributedConfig
 from runtime.coordinator.core import agreement_hash, spec_hash
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateManifest
+from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateManifest, StateTensor
 from runtime.testing.faults import armed, fault_point
 from runtime.transport.base import Transport
 
@@ -967,8 +967,8 @@ class DistributedTrainer:
         state = capture_state(self.model, self.optimizer, self.step)
         await transport.send(peer, *StateManifest(manifest(state)).to_wire())
         for index, (_, tensor) in enumerate(state.tensors):
-            fields = {"step": state.step, "index": index}
-            await transport.send(peer, "state", fields, _wire_view(tensor))
+            part = StateTensor(state.step, index, _wire_view(tensor))
+            await transport.send(peer, *part.to_wire_bulk())
 
     async def _receive_state(self, transport: Transport, peer: int) -> None:
         """Receive a healthy member's whole training state and take it over."""
@@ -1137,20 +1137,19 @@ class DistributedTrainer:
             order.source,
         )
         for index, tensor in enumerate(tensors):
-            fields = {"step": order.step, "index": index}
             if rank == order.source:
                 host = tensor.detach().to("cpu").contiguous()
+                part = StateTensor(order.step, index, _wire_view(host))
                 for target in order.targets:
-                    await epoch.transport.send(
-                        start.position(target), "state", fields, _wire_view(host)
-                    )
+                    await epoch.transport.send(start.position(target), *part.to_wire_bulk())
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
                 source = start.position(order.source)
                 message = await epoch.transport.recv_into(source, _wire_view(host))
                 if (message["kind"], message["step"], message["index"]) != (
-                    "state",
-                    *fields.values(),
+                    StateTensor.KIND,
+                    order.step,
+                    index,
                 ):
                     raise ProtocolError(
                         f"re-sync of step {order.step}: expected state tensor {index}, got "

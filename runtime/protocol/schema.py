@@ -468,6 +468,15 @@ class WireMessage:
         """The ``(kind, fields)`` pair a frame carries (see `encode`)."""
         return encode(self)
 
+    def to_wire_bulk(self, field: str = "data") -> tuple[str, dict[str, Any], torch.Tensor]:
+        """The ``(kind, fields, bulk)`` a transport's ``send`` takes: the tensor attribute
+        ``field`` travels as the frame's bulk, written from the tensor's memory uncopied."""
+        kind, fields = encode(self)
+        bulk = fields.pop(field, None)
+        if not isinstance(bulk, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.{field} is not a tensor")
+        return kind, fields, bulk
+
     @classmethod
     def from_wire(
         cls, item: Mapping[str, Any], *, peer: object = None, **context: Any
