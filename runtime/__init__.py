@@ -16,7 +16,8 @@ from runtime.collectives.ring import (
     segment_bounds,
 )
 from runtime.config import DistributedConfig, parse_address
-from runtime.coordinator.core import CoordinatorCore, RunState
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.run_state import RunState
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import (
     ActorFailed,

@@ -17,8 +17,8 @@ from actors.graph.messages import OptimizerStep, Verify
 from actors.graph.optimizer import OptimizerActor
 from actors.train.trainer import TrainerOptions
 from runtime.actor.base import ActorSystem
-from runtime.coordinator.core import Commit, StartRun
 from runtime.observe.trace import TraceRecorder
+from runtime.protocol.messages import Commit, StartRun
 from runtime.transport.link import MemoryLink
 
 _EPOCH_0 = StartRun(addresses=(("in-process", 1),), ring=(0,), epoch=0)

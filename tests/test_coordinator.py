@@ -23,11 +23,13 @@ from actors.state.digest import state_digest
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import join_run, train_in_process
 from runtime.config import DistributedConfig
-from runtime.coordinator.core import RunState, StartRun, model_signature
+from runtime.coordinator.events import model_signature
+from runtime.coordinator.run_state import RunState
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import PeerClosed
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity, load_secret
+from runtime.protocol.messages import StartRun
 from runtime.transport.base import InProcessTransport
 from runtime.transport.link import MemoryLink
 from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial

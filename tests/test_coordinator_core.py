@@ -16,39 +16,41 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runtime.coordinator.core import (
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.events import (
     Abort,
-    AbortRun,
     Action,
     Broadcast,
-    Commit,
-    CoordinatorCore,
-    Digest,
     Disconnected,
     Event,
+    Malformed,
+    Refuse,
+    Resync,
+    Tick,
+    agreement_hash,
+    bucket_spec,
+    model_signature,
+    spec_hash,
+)
+from runtime.coordinator.run_state import RunState
+from runtime.errors import ProtocolError
+from runtime.protocol.messages import (
+    AbortRun,
+    Commit,
+    Digest,
     Finished,
     Go,
     Heartbeat,
     Joined,
     JoinRefused,
-    Malformed,
     Ready,
-    Refuse,
-    Resync,
     ResyncOrder,
-    RunState,
     Shutdown,
     StartRun,
     StepDone,
-    Tick,
-    agreement_hash,
-    bucket_spec,
     event_from_wire,
     message_from_wire,
-    model_signature,
-    spec_hash,
 )
-from runtime.errors import ProtocolError
 from runtime.protocol.wire import decode_frame, encode_frame_bytes
 
 SIG = (

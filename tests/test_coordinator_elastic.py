@@ -13,26 +13,21 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runtime.coordinator.core import (
-    Abort,
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.events import Abort, Broadcast, Disconnected, Evict, Report, Tick
+from runtime.coordinator.run_state import RunState
+from runtime.protocol.messages import (
     Apply,
-    Broadcast,
     Commit,
-    CoordinatorCore,
     Digest,
-    Disconnected,
-    Evict,
     Finished,
     Go,
     Hold,
     Joined,
     Ready,
     Reduced,
-    Report,
-    RunState,
     StartRun,
     StepDone,
-    Tick,
 )
 
 SIG = (("w", (2,), "float32", True),)

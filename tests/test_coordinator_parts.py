@@ -12,17 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.coordinator.commits import CommitRecord, Commits, TensorNames, digest_verdict
-from runtime.coordinator.core import (
-    Commit,
-    Digest,
-    Go,
-    Joined,
-    Ready,
-    Resync,
-    StepDone,
-    agreement_hash,
-    spec_hash,
-)
+from runtime.coordinator.events import Resync, agreement_hash, spec_hash
 from runtime.coordinator.liveness import Liveness, Stall
 from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
 from runtime.coordinator.negotiation import (
@@ -42,6 +32,7 @@ from runtime.coordinator.run_state import (
 )
 from runtime.coordinator.step_state import StepState
 from runtime.errors import ProtocolError
+from runtime.protocol.messages import Commit, Digest, Go, Joined, Ready, StepDone
 
 SIG = (("w", (4, 2), "float32", True), ("b", (2,), "float32", True))
 TENSORS = ("w", "b", "norm")

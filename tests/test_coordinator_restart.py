@@ -21,8 +21,9 @@ from actors.client.client import CoordinatorClient, CoordinatorLost
 from actors.state.digest import state_digest
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from runtime.config import DistributedConfig
-from runtime.coordinator.core import StartRun, model_signature
+from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.protocol.messages import StartRun
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.link import Link, MemoryLink
 

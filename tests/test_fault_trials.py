@@ -23,16 +23,10 @@ from actors.graph.optimizer import OptimizerActor
 from actors.testing.faults import faulty_actors
 from actors.train.trainer import DistributedTrainer
 from runtime.collectives.ring import all_reduce
-from runtime.coordinator.core import (
-    Broadcast,
-    Commit,
-    CoordinatorCore,
-    Digest,
-    Event,
-    Joined,
-    Ready,
-)
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.events import Broadcast, Event
 from runtime.coordinator.service import Coordinator
+from runtime.protocol.messages import Commit, Digest, Joined, Ready
 from runtime.testing.fault_trials import JOB_FLAGS, run_coordinator_restart_trial, run_trial
 from runtime.testing.faults import PHASES, Fault, FaultyTransport, commit_fault_core, parse_fault
 from runtime.testing.faulty_daemon import arm

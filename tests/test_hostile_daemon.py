@@ -205,7 +205,7 @@ def lm_signature() -> list[list[Any]]:
     """The join message's ``params`` of the LM job as `hostile.LiveRun` runs it."""
     from actors.demo_job.corpus import load_char_dataset
     from actors.demo_job.model import CharTransformer
-    from runtime.coordinator.core import model_signature
+    from runtime.coordinator.events import model_signature
 
     flags = dict(zip(hostile.JOB_ARGS[::2], hostile.JOB_ARGS[1::2]))
     context, d_model = int(flags["--context"]), int(flags["--d-model"])

@@ -23,9 +23,11 @@ import torch
 from conftest import bitwise_equal
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
+from message_strategies import key_types, wire_fields
 
-import runtime  # noqa: F401  (registers every message kind of the runtime)
 from runtime.errors import FrameTooLarge, ProtocolError
+from runtime.protocol.messages import KINDS
+from runtime.protocol.schema import WireType
 from runtime.protocol.wire import (
     BFLOAT16_TAG,
     DEFAULT_MAX_FRAME,
@@ -33,12 +35,10 @@ from runtime.protocol.wire import (
     PREFIX_SIZE,
     PROTOCOL_VERSION,
     BulkSpec,
-    Field,
     decode_frame,
     decode_head,
     encode_frame,
     encode_frame_bytes,
-    message_kinds,
     parse_prefix,
     tensor_buffer,
 )
@@ -202,68 +202,9 @@ def test_large_non_contiguous_bulk_does_not_crash_the_encoder() -> None:
     assert child.stdout.strip() == "True"
 
 
-# Valid field values, generated from the registered schemas themselves.
+# Valid field values, generated from the message declarations themselves.
 
-
-def field_values(field: Field) -> st.SearchStrategy[Any] | None:
-    types = field.type if isinstance(field.type, tuple) else (field.type,)
-    options: list[st.SearchStrategy[Any]] = []
-    for typ in types:
-        if typ is bool:
-            options.append(st.booleans())
-        elif typ is int:
-            low = int(field.min) if field.min is not None else -(2**63)
-            high = int(field.max) if field.max is not None else 2**64 - 1
-            options.append(st.integers(low, high))
-        elif typ is float:
-            options.append(
-                st.floats(
-                    field.min, field.max, allow_nan=field.min is None and field.max is None
-                ).filter(lambda x: x == x)
-            )
-        elif typ is str:
-            options.append(st.text(max_size=min(field.max_len or 40, 40)))
-        elif typ is bytes:
-            options.append(st.binary(max_size=min(field.max_len or 64, 64)))
-        elif typ is list and field.items is list:
-            entry = st.lists(st.one_of(st.text(max_size=12), st.integers(1, 65535)), max_size=3)
-            options.append(st.lists(entry, max_size=min(field.max_len or 5, 5)))
-        elif typ is list and field.items is None:
-            options.append(st.lists(st.integers(-5, 5), max_size=min(field.max_len or 5, 5)))
-        elif typ is torch.Tensor:
-            options.append(
-                st.builds(
-                    random_tensor,
-                    st.sampled_from(DTYPES),
-                    st.lists(st.integers(0, 3), max_size=2).map(tuple),
-                    st.integers(0, 100),
-                )
-            )
-        elif typ is dict:
-            options.append(
-                st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1), max_size=3)
-            )
-        else:
-            return None
-    return st.one_of(options) if options else None
-
-
-def message_strategy(kind: str) -> st.SearchStrategy[dict[str, Any]] | None:
-    schema = message_kinds()[kind]
-    required, optional = {}, {}
-    for name, field in schema.items():
-        values = field_values(field)
-        if values is None:
-            return None
-        (required if field.required else optional)[name] = values
-    return st.fixed_dictionaries(required, optional=optional)
-
-
-KIND_STRATEGIES = {
-    kind: strategy
-    for kind in sorted(message_kinds())
-    if (strategy := message_strategy(kind)) is not None
-}
+KIND_STRATEGIES = {kind: wire_fields(KINDS[kind]) for kind in sorted(KINDS)}
 assert {"hello", "challenge", "auth", "welcome", "refuse", "rdv_join", "rdv_table", "coll"} <= set(
     KIND_STRATEGIES
 )
@@ -451,7 +392,7 @@ def feed_everything(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> bool:
     accepted, result = only_protocol_errors(lambda: decode_frame(frame, max_frame))
     if accepted:
         assert isinstance(result, dict) and result["v"] == PROTOCOL_VERSION
-        assert result["kind"] in message_kinds()
+        assert result["kind"] in KINDS
     if len(frame) >= PREFIX_SIZE:
         ok, lengths = only_protocol_errors(lambda: parse_prefix(frame[:PREFIX_SIZE], max_frame))
         if ok:
@@ -637,19 +578,9 @@ STRUCTURAL = (
 ALWAYS_REFUSED = set(STRUCTURAL) - {"hostile-field-value"}
 
 
-def wrong_type_value(field: Field) -> st.SearchStrategy[bytes]:
-    types = field.type if isinstance(field.type, tuple) else (field.type,)
+def wrong_type_value(types: tuple[WireType, ...]) -> st.SearchStrategy[bytes]:
     candidates: list[Any] = ["text", b"bytes", [1], {"k": 1}, None, True, 1.5, -(2**40), 7]
-    bad = []
-    for value in candidates:
-        if isinstance(value, bool):
-            fits = bool in types
-        elif isinstance(value, int):
-            fits = int in types or float in types
-        else:
-            fits = isinstance(value, types)
-        if not fits:
-            bad.append(enc(value))
+    bad = [enc(value) for value in candidates if not any(t.accepts(value) for t in types)]
     return st.sampled_from(bad)
 
 
@@ -672,7 +603,7 @@ def structural_mutations(draw: st.DrawFn) -> tuple[str, bytes]:
     elif mutation == "no-version":
         del pairs[0]
     elif mutation == "unknown-kind":
-        name = draw(st.text(max_size=30).filter(lambda s: s not in message_kinds()))
+        name = draw(st.text(max_size=30).filter(lambda s: s not in KINDS))
         pairs[1] = (enc("kind"), enc(name))
     elif mutation == "kind-not-text":
         value = draw(st.sampled_from([5, b"coll", None, ["coll"], {"k": "coll"}, True]))
@@ -680,15 +611,15 @@ def structural_mutations(draw: st.DrawFn) -> tuple[str, bytes]:
     elif mutation == "no-kind":
         del pairs[1]
     elif mutation == "wrong-field-type":
-        schema = message_kinds()[kind]
+        keys = key_types(KINDS[kind])
         candidates = [i for i, (k, _) in enumerate(pairs[2:], 2) if cbor2.loads(k) != "data"]
         assume(candidates)
         index = draw(st.sampled_from(candidates))
         name = cbor2.loads(pairs[index][0])
-        pairs[index] = (pairs[index][0], draw(wrong_type_value(schema[name])))
+        pairs[index] = (pairs[index][0], draw(wrong_type_value(keys[name][0])))
     elif mutation == "unknown-field":
         name = draw(st.text(min_size=1, max_size=10).filter(lambda s: s not in ("v", "kind")))
-        assume(name not in message_kinds()[kind])
+        assume(name not in key_types(KINDS[kind]))
         pairs.insert(2, (enc(name), enc(1)))
     elif mutation == "hostile-field-value":
         index = draw(st.integers(0, len(pairs) - 1))

@@ -51,33 +51,35 @@ from actors.client.protocol import (
     Phase,
     WorkerProtocol,
 )
-from runtime.coordinator.core import (
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.events import (
     Abort,
-    AbortRun,
-    Apply,
     Broadcast,
-    Commit,
-    CoordinatorCore,
-    Digest,
     Disconnected,
     Evict,
+    Refuse,
+    agreement_hash,
+    spec_hash,
+)
+from runtime.coordinator.run_state import RunState
+from runtime.errors import ProtocolError
+from runtime.protocol.messages import (
+    AbortRun,
+    Apply,
+    Commit,
+    Digest,
     Go,
     Hold,
     Joined,
     JoinRefused,
     Ready,
-    Refuse,
     ResyncOrder,
-    RunState,
     Shutdown,
     StartRun,
     StepDone,
-    agreement_hash,
     event_from_wire,
     message_from_wire,
-    spec_hash,
 )
-from runtime.errors import ProtocolError
 from runtime.protocol.wire import decode_frame, encode_frame_bytes
 
 SIG = (("w", (4, 2), "float32", True), ("b", (2,), "float32", True))

@@ -57,17 +57,17 @@ from actors.client.protocol import (
     EpochRegression,
     WorkerProtocol,
 )
-from runtime.coordinator.core import (
+from runtime.coordinator.events import Message
+from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
+from runtime.protocol.messages import (
     Go,
     Hold,
-    Message,
     ResyncOrder,
     Shutdown,
     Signature,
     StartRun,
     message_from_wire,
 )
-from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
 from runtime.protocol.wire import validate_message
 from runtime.transport.link import Link
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.coordinator.core import (
+from runtime.coordinator.events import Message
+from runtime.protocol.messages import (
     AbortRun,
     Digest,
     Finished,
@@ -24,7 +25,6 @@ from runtime.coordinator.core import (
     Hold,
     Joined,
     JoinRefused,
-    Message,
     Ready,
     Reduced,
     ResyncOrder,

@@ -50,7 +50,9 @@ from actors.client.events import (
     WorkerAction,
     WorkerEvent,
 )
-from runtime.coordinator.core import (
+from runtime.coordinator.events import Message, agreement_hash, spec_hash
+from runtime.errors import ParamsyncError, ProtocolError
+from runtime.protocol.messages import (
     AbortRun,
     Apply,
     Commit,
@@ -61,7 +63,6 @@ from runtime.coordinator.core import (
     Hold,
     Joined,
     JoinRefused,
-    Message,
     Ready,
     Reduced,
     ResyncOrder,
@@ -69,10 +70,7 @@ from runtime.coordinator.core import (
     Signature,
     StartRun,
     StepDone,
-    agreement_hash,
-    spec_hash,
 )
-from runtime.errors import ParamsyncError, ProtocolError
 
 __all__ = [
     "Phase",

@@ -21,7 +21,7 @@ from actors.graph.messages import BucketReady
 from actors.state.buckets import Bucket
 from runtime.actor.base import Actor, ActorStopped
 from runtime.collectives.ring import all_reduce
-from runtime.coordinator.core import agreement_hash, spec_hash
+from runtime.coordinator.events import agreement_hash, spec_hash
 from runtime.observe.trace import TraceRecorder
 from runtime.transport.base import Transport
 from runtime.transport.capabilities import SharedMemoryHolder

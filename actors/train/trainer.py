@@ -45,10 +45,9 @@ from runtime.collectives.ring import (
     broadcast,
 )
 from runtime.config import DistributedConfig
-from runtime.coordinator.core import Hold, ResyncOrder, StartRun
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.wire import Field, register_message
+from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateManifest, StateTensor
 from runtime.transport.base import Transport
 
 __all__ = [
@@ -60,14 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("paramsync.trainer")
-
-register_message(
-    "state",
-    step=Field(int, min=0),
-    index=Field(int, min=0),
-    data=Field(torch.Tensor),
-)
-register_message("state_manifest", manifest=Field(dict))
 
 
 @dataclass(frozen=True)
@@ -463,10 +454,10 @@ class DistributedTrainer:
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
         state = capture_state(self.model, self.optimizer, self.step)
-        await transport.send(peer, "state_manifest", {"manifest": manifest(state)})
+        await transport.send(peer, *StateManifest(manifest(state)).to_wire())
         for index, (_, tensor) in enumerate(state.tensors):
-            fields = {"step": state.step, "index": index}
-            await transport.send(peer, "state", fields, _wire_view(tensor))
+            part = StateTensor(state.step, index, _wire_view(tensor))
+            await transport.send(peer, *part.to_wire_bulk())
 
     async def _receive_state(self, transport: Transport, peer: int) -> None:
         """Receive a healthy member's whole training state and take it over."""
@@ -635,20 +626,19 @@ class DistributedTrainer:
             order.source,
         )
         for index, tensor in enumerate(tensors):
-            fields = {"step": order.step, "index": index}
             if rank == order.source:
                 host = tensor.detach().to("cpu").contiguous()
+                part = StateTensor(order.step, index, _wire_view(host))
                 for target in order.targets:
-                    await epoch.transport.send(
-                        start.position(target), "state", fields, _wire_view(host)
-                    )
+                    await epoch.transport.send(start.position(target), *part.to_wire_bulk())
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
                 source = start.position(order.source)
                 message = await epoch.transport.recv_into(source, _wire_view(host))
                 if (message["kind"], message["step"], message["index"]) != (
-                    "state",
-                    *fields.values(),
+                    StateTensor.KIND,
+                    order.step,
+                    index,
                 ):
                     raise ProtocolError(
                         f"re-sync of step {order.step}: expected state tensor {index}, got "

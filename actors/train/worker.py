@@ -20,10 +20,11 @@ from actors.client.client import CoordinatorClient
 from actors.state.digest import state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
 from runtime.config import DistributedConfig
-from runtime.coordinator.core import StartRun, model_signature
+from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity, load_secret
+from runtime.protocol.messages import StartRun
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.link import Link, MemoryLink
 from runtime.transport.shm import attach_shared_memory

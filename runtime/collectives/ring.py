@@ -21,7 +21,6 @@ import torch
 import trio
 
 from runtime.errors import CollectiveError, ProtocolError, first_error
-from runtime.protocol.wire import Field, register_message
 from runtime.transport.base import Transport
 from runtime.transport.capabilities import (
     BlockingLinkProvider,
@@ -56,14 +55,6 @@ TRAINING_THREADED_MIN_BYTES = 16 << 20
 ``benchmarks/ddp.py``, trio-task rings cost the training step less up to large buckets."""
 SMALL_ALLREDUCE_BYTES = 32 * 1024
 """At or below this size all-reduce exchanges whole tensors in one round instead of 2(n-1) hops."""
-
-register_message(
-    "coll",
-    op=Field(int, min=0),
-    hop=Field(int, min=0, max=1 << 20),
-    part=Field(int, min=0),
-    data=Field(torch.Tensor),
-)
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:

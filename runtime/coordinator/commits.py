@@ -14,15 +14,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.coordinator.core import (
-    Commit,
-    Digest,
-    Resync,
-    StepDone,
-    _first_tensor_difference,
-    _packed_size,
-)
+from runtime.coordinator.events import Resync, first_tensor_difference
 from runtime.coordinator.step_state import StepState
+from runtime.protocol.messages import Commit, Digest, StepDone, packed_size
 
 __all__ = ["CommitRecord", "TensorNames", "Verdict", "digest_verdict", "Commits"]
 
@@ -58,7 +52,7 @@ class TensorNames:
                 f"names, and listed none before in epoch {epoch}"
             )
         assert event.packed is not None
-        if _packed_size(event.packed, len(names)) is None:
+        if packed_size(event.packed, len(names)) is None:
             return (
                 f"step {event.step}: rank {rank} sent {len(event.packed)} bytes of per-tensor "
                 f"digests for the {len(names)} tensors it listed"
@@ -86,7 +80,7 @@ def _tensor_report(
 
     shown = [
         f"rank {r} first differs from rank {ref} at "
-        + _first_tensor_difference(pairs(r), pairs(ref))
+        + first_tensor_difference(pairs(r), pairs(ref))
         for r in ranks[:4]
     ]
     if len(ranks) > 4:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from runtime.coordinator.core import _seconds
+from runtime.coordinator.events import format_seconds
 
 __all__ = ["Liveness", "Stall"]
 
@@ -100,7 +100,8 @@ class Liveness:
 
     def missed(self, gap: float) -> str:
         """Why a rank silent for ``gap`` seconds is lost."""
-        return f"missed heartbeats for {_seconds(gap)} s (deadline {_seconds(self.deadline)} s)"
+        deadline = format_seconds(self.deadline)
+        return f"missed heartbeats for {format_seconds(gap)} s (deadline {deadline} s)"
 
     def hold(self) -> None:
         """The run starts holding now (the rejoin deadline runs from the last clock reading)."""

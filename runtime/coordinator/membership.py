@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from runtime.coordinator.core import Joined, Signature, _signature_mismatch
+from runtime.coordinator.events import signature_mismatch
+from runtime.protocol.messages import Joined, Signature
 
 __all__ = ["EpochRecord", "Opening", "ResumePlan", "resume_plan", "Membership"]
 
@@ -133,7 +134,7 @@ class Membership:
                 host, port = address
                 return f"rank {rank}'s address {host}:{port} is rank {other}'s"
         if self.reference is not None:
-            where = _signature_mismatch(event.signature, self.reference)
+            where = signature_mismatch(event.signature, self.reference)
             if where is not None:
                 ref = (
                     "the reference model"

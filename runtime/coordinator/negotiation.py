@@ -16,15 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.coordinator.core import (
-    BucketSpec,
-    Go,
-    Ready,
-    _spec_text,
-    agreement_hash,
-    spec_hash,
-)
+from runtime.coordinator.events import agreement_hash, spec_hash, spec_text
 from runtime.coordinator.step_state import StepState
+from runtime.protocol.messages import BucketSpec, Go, Ready
 
 __all__ = ["ResponseCache", "Negotiation", "Fault", "Disagreement", "Outcome", "spec_groups"]
 
@@ -91,7 +85,7 @@ def spec_groups(reports: Mapping[int, BucketSpec]) -> str:
         groups.setdefault(reports[rank], []).append(rank)
     parts = []
     for index, (spec, ranks) in enumerate(groups.items()):
-        text = _spec_text(spec)
+        text = spec_text(spec)
         if index == 0 and not isinstance(spec, str):
             text = "shapes " + text
         parts.append(f"ranks {ranks} report {text}")
@@ -181,8 +175,8 @@ class Negotiation:
         if not self.cache.matches(bucket, event.spec):
             return Fault(
                 f"step {step} bucket {bucket}: rank {rank} reduced shapes "
-                f"{_spec_text(event.spec)} without a go, but the members agreed on "
-                f"{_spec_text(agreed)} in epoch {epoch}"
+                f"{spec_text(event.spec)} without a go, but the members agreed on "
+                f"{spec_text(agreed)} in epoch {epoch}"
             )
         without = sorted(r for r in state.ended if bucket not in state.reported.get(r, ()))
         if without:

@@ -17,12 +17,11 @@ from typing import Any, ClassVar
 
 import trio
 
-from runtime.coordinator.core import (
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.events import (
     Abort,
     Action,
     Broadcast,
-    Commit,
-    CoordinatorCore,
     Disconnected,
     Evict,
     Malformed,
@@ -30,14 +29,13 @@ from runtime.coordinator.core import (
     Refuse,
     Report,
     Resync,
-    RunState,
     Send,
-    Shutdown,
     Tick,
-    event_from_wire,
 )
+from runtime.coordinator.run_state import RunState
 from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
 from runtime.protocol.handshake import Identity, load_secret
+from runtime.protocol.messages import Commit, Shutdown, event_from_wire
 from runtime.transport.admission import AdmissionGate, HandshakeTicket
 from runtime.transport.link import Link
 from runtime.transport.tcp import DEFAULT_GROUP, accept

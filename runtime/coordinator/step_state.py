@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.coordinator.core import BucketSpec, Digest, Ready, StepDone
+from runtime.protocol.messages import BucketSpec, Digest, Ready, StepDone
 
 __all__ = ["StepState"]
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import AuthenticationError, HandshakeError, ListenerBusy, ReplayedHandshake
-from runtime.protocol.wire import PROTOCOL_VERSION, Field, register_message
+from runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
+from runtime.protocol.schema import PROTOCOL_VERSION
 
 __all__ = [
     "SECRET_ENV",
@@ -42,33 +43,6 @@ __all__ = [
 
 SECRET_ENV = "PARAMSYNC_SECRET"
 SECRET_FILE_ENV = "PARAMSYNC_SECRET_FILE"
-NONCE_SIZE = 32
-_MAX_GROUP = 128
-_MAX_WORLD = 1 << 16
-
-register_message(
-    "hello",
-    group=Field(str, max_len=_MAX_GROUP),
-    world_size=Field(int, min=1, max=_MAX_WORLD),
-    rank=Field(int, min=-1, max=_MAX_WORLD),
-    nonce=Field(bytes, min=None, max_len=NONCE_SIZE),
-)
-register_message(
-    "challenge",
-    group=Field(str, max_len=_MAX_GROUP),
-    world_size=Field(int, min=1, max=_MAX_WORLD),
-    rank=Field(int, min=-1, max=_MAX_WORLD),
-    nonce=Field(bytes, max_len=NONCE_SIZE),
-    proof=Field(bytes, max_len=64),
-)
-register_message("auth", proof=Field(bytes, max_len=64))
-register_message("welcome")
-register_message(
-    "refuse",
-    reason=Field(str, max_len=1024),
-    auth=Field(bool, required=False),
-    busy=Field(bool, required=False),
-)
 
 
 def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | None = None) -> bytes:
@@ -133,7 +107,7 @@ class DialerHandshake:
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
-        return "hello", {**self.me.fields(), "nonce": self._nonce}
+        return Hello(**self.me.fields(), nonce=self._nonce).to_wire()
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Check the listener's proof; return the auth message to send."""
@@ -153,7 +127,7 @@ class DialerHandshake:
             )
         self.peer = peer
         proof = _proof(self._secret, b"paramsync/dialer", (nonce, self._nonce), peer, self.me)
-        return "auth", {"proof": proof}
+        return Auth(proof).to_wire()
 
     def on_verdict(self, message: dict[str, Any]) -> Identity:
         """The listener's last word: welcome (returns its identity) or refuse (raises)."""
@@ -230,24 +204,24 @@ class ListenerHandshake:
             self.peer,
             self.me,
         )
-        return "challenge", {**self.me.fields(), "nonce": self._nonce, "proof": proof}
+        return Challenge(**self.me.fields(), nonce=self._nonce, proof=proof).to_wire()
 
     def on_auth(self, message: dict[str, Any]) -> tuple[str, dict[str, Any], Exception | None]:
         """Check the dialer's proof and admission: the verdict to send, and the error to raise
         on this side after sending it (None when welcome)."""
         if message["kind"] != "auth" or self.peer is None:
             reason = f"expected auth, got a {message['kind']} message"
-            return "refuse", {"reason": reason}, HandshakeError(reason)
+            return (*Refusal(reason).to_wire(), HandshakeError(reason))
         expected = _proof(
             self._secret, b"paramsync/dialer", (self._nonce, self._dialer_nonce), self.me, self.peer
         )
         if not hmac.compare_digest(expected, message["proof"]):
             reason = "authentication failed: wrong shared secret"
-            return "refuse", {"reason": reason, "auth": True}, AuthenticationError(reason)
+            return (*Refusal(reason, auth=True).to_wire(), AuthenticationError(reason))
         reason = self._admit_reason(self.peer)
         if reason is not None:
-            return "refuse", {"reason": reason}, HandshakeError(reason)
-        return "welcome", {}, None
+            return (*Refusal(reason).to_wire(), HandshakeError(reason))
+        return (*Welcome().to_wire(), None)
 
     def _admit_reason(self, peer: Identity) -> str | None:
         if peer.group != self.me.group:

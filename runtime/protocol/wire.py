@@ -1,4 +1,4 @@
-"""The CBOR wire protocol: frames, message schemas and RFC 8746 tensors (sans-I/O).
+"""The CBOR wire protocol's framing: frames, their validation and RFC 8746 tensors (sans-I/O).
 
 A frame is an 8-byte prefix followed by exactly one CBOR data item (RFC 8949)::
 
@@ -8,7 +8,9 @@ A frame is an 8-byte prefix followed by exactly one CBOR data item (RFC 8949)::
     +----------------+----------------+---------------------------------+
 
 The item is a map holding the protocol version ``v``, the message ``kind`` and that kind's
-fields. Tensors are RFC 8746 arrays: tag 40 ``[shape, typed-array]`` where the typed array is
+fields, as `runtime.protocol.messages` declares them (every decoded frame is checked against
+that declaration).
+Tensors are RFC 8746 arrays: tag 40 ``[shape, typed-array]`` where the typed array is
 the little-endian tag of the element type around a byte string. When a frame carries one large
 tensor (the "bulk"), it is the map's last value, under the key ``data``, and its raw bytes are the
 last ``bulk length`` bytes of the item: the sender writes them straight from tensor memory and the
@@ -33,6 +35,8 @@ import cbor2
 import torch
 
 from runtime.errors import FrameTooLarge, ProtocolError
+from runtime.protocol.messages import KINDS, validate_message
+from runtime.protocol.schema import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -41,10 +45,7 @@ __all__ = [
     "HANDSHAKE_MAX_FRAME",
     "BFLOAT16_TAG",
     "DTYPE_TAGS",
-    "Field",
     "BulkSpec",
-    "register_message",
-    "message_kinds",
     "encode_frame",
     "encode_frame_bytes",
     "parse_prefix",
@@ -55,9 +56,6 @@ __all__ = [
     "validate_message",
     "check_bulk_destination",
 ]
-
-PROTOCOL_VERSION = 1
-"""The version every frame carries in ``v``; a peer speaking another is refused."""
 
 _PREFIX = struct.Struct(">II")
 PREFIX_SIZE = _PREFIX.size
@@ -232,112 +230,6 @@ _SEMANTIC_TAGS = (0, 1, 2, 3, 4, 5, 25, 28, 29, 30, 35, 36, 37, 100, 256, 258, 2
 _SEMANTIC_REFUSED = dict.fromkeys(_SEMANTIC_TAGS, _reject_semantic)
 
 
-# --------------------------------------------------------------------------- schemas
-
-
-@dataclass(frozen=True)
-class Field:
-    """One field of a message kind: its Python type and the values it may take."""
-
-    type: type | tuple[type, ...]
-    required: bool = True
-    min: int | float | None = None
-    max: int | float | None = None
-    max_len: int | None = None
-    items: type | tuple[type, ...] | None = None
-
-    def check(self, kind: str, name: str, value: Any) -> None:
-        """Raise ProtocolError naming the kind and field when ``value`` does not fit."""
-        types = self.type if isinstance(self.type, tuple) else (self.type,)
-        if isinstance(value, bool) and bool not in types:
-            ok = False
-        elif isinstance(value, int) and not isinstance(value, bool) and float in types:
-            ok = True
-        else:
-            ok = isinstance(value, types)
-        if not ok:
-            expected = " or ".join(t.__name__ for t in types)
-            raise ProtocolError(
-                f"{kind} message: field {name!r} must be {expected}, got {type(value).__name__}"
-            )
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            if self.min is not None and value < self.min:
-                raise ProtocolError(f"{kind} message: field {name!r}={value} is below {self.min}")
-            if self.max is not None and value > self.max:
-                raise ProtocolError(f"{kind} message: field {name!r}={value} is above {self.max}")
-        if self.max_len is not None and isinstance(value, str | bytes | list | dict):
-            if len(value) > self.max_len:
-                raise ProtocolError(
-                    f"{kind} message: field {name!r} is longer than {self.max_len} items"
-                )
-        if self.items is not None and isinstance(value, list):
-            item_types = self.items if isinstance(self.items, tuple) else (self.items,)
-            for index, item in enumerate(value):
-                if isinstance(item, bool) and bool not in item_types:
-                    bad = True
-                else:
-                    bad = not isinstance(item, item_types)
-                if bad:
-                    raise ProtocolError(
-                        f"{kind} message: field {name!r}[{index}] has type {type(item).__name__}"
-                    )
-
-
-_SCHEMAS: dict[str, dict[str, Field]] = {}
-
-
-def register_message(kind: str, **fields: Field) -> None:
-    """Declare a message kind and its fields; decoding refuses kinds never registered.
-
-    Registering the same kind twice with different fields is a programming error.
-    """
-    if kind in _SCHEMAS and _SCHEMAS[kind] != fields:
-        raise ValueError(f"message kind {kind!r} is already registered with other fields")
-    for reserved in ("v", "kind"):
-        if reserved in fields:
-            raise ValueError(f"field name {reserved!r} is reserved")
-    _SCHEMAS[kind] = dict(fields)
-
-
-def message_kinds() -> dict[str, dict[str, Field]]:
-    """All registered kinds and their fields (a copy), for documentation and fuzzing."""
-    return {kind: dict(fields) for kind, fields in _SCHEMAS.items()}
-
-
-def validate_message(message: Any) -> dict[str, Any]:
-    """Check a decoded item against the protocol: version, kind, field names and types."""
-    if not isinstance(message, dict):
-        raise ProtocolError(f"a frame must hold a CBOR map, got {type(message).__name__}")
-    version = message.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        if type(version) is int:
-            raise ProtocolError(
-                f"unsupported protocol version {version} (this peer speaks {PROTOCOL_VERSION})"
-            )
-        raise ProtocolError("frame has no protocol version field 'v'")
-    kind = message.get("kind")
-    if not isinstance(kind, str):
-        raise ProtocolError("frame has no message kind field 'kind'")
-    schema = _SCHEMAS.get(kind)
-    if schema is None:
-        raise ProtocolError(f"unknown message kind {kind[:64]!r}")
-    for name in message:
-        if name in ("v", "kind"):
-            continue
-        if name not in schema:
-            raise ProtocolError(f"{kind} message has an unknown field {str(name)[:64]!r}")
-    for name, spec in schema.items():
-        if name not in message:
-            if spec.required:
-                raise ProtocolError(f"{kind} message is missing field {name!r}")
-            continue
-        value = message[name]
-        if isinstance(value, _Deferred):
-            continue
-        spec.check(kind, name, value)
-    return message
-
-
 # --------------------------------------------------------------------------- encoding
 
 
@@ -354,7 +246,7 @@ def _bstr_header(length: int) -> bytes:
 
 
 def _item(kind: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-    if kind not in _SCHEMAS:
+    if kind not in KINDS:
         raise ProtocolError(f"unknown message kind {kind!r}")
     item: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
     item.update(fields)
@@ -473,8 +365,8 @@ def decode_head(head: bytes, bulk_len: int) -> tuple[dict[str, Any], BulkSpec | 
             f"bulk tensor of shape {list(spec.shape)} and dtype {spec.dtype} needs "
             f"{math.prod(spec.shape) * itemsize} bytes, the frame carries {bulk_len}"
         )
-    validate_message(message)
     del message["data"]
+    validate_message(message, bulk="data")
     return message, spec
 
 

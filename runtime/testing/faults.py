@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from runtime.coordinator.core import Action, Broadcast, Commit, CoordinatorCore, Event
+from runtime.coordinator.core import CoordinatorCore
+from runtime.coordinator.events import Action, Broadcast, Event
+from runtime.protocol.messages import Commit
 from runtime.transport.base import Transport
 from runtime.transport.capabilities import AllReducePlane, PrecodedFrames, SharedMemoryHolder
 

@@ -55,6 +55,7 @@ from runtime.errors import (
     PeerClosed,
     ProtocolError,
 )
+from runtime.protocol.messages import Refusal
 from runtime.protocol.wire import encode_frame_bytes
 
 __all__ = [
@@ -370,7 +371,7 @@ def _refuse_at_once(stream: trio.abc.Stream, reason: str) -> None:
         return
     try:
         fd = sock.fileno()
-        os.write(fd, encode_frame_bytes("refuse", {"reason": reason[:1024], "busy": True}))
+        os.write(fd, encode_frame_bytes(*Refusal(reason, busy=True).to_wire()))
         sock.shutdown(socket.SHUT_WR)
         os.read(fd, _DRAIN_BYTES)
     except OSError:  # buffer full, peer gone, nothing to read: the close alone will do

@@ -40,7 +40,8 @@ import torch
 import trio
 
 from runtime.errors import CollectiveError, ProtocolError, StallError
-from runtime.protocol.wire import Field, encode_frame_bytes, register_message
+from runtime.protocol.messages import ShmHello, ShmMapped, ShmOffer, ShmReady, decode_message
+from runtime.protocol.wire import encode_frame_bytes
 from runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
@@ -75,20 +76,6 @@ _ALIGN = 64
 _MAGIC = b"PSYNCSHM"
 _NONCE_BYTES = 16
 _NAME = re.compile(r"paramsync-[0-9a-f]{32}")
-
-register_message("shm_hello", host=Field(str, max_len=512), want=Field(bool))
-register_message(
-    "shm_offer",
-    path=Field(str, max_len=256),
-    reason=Field(str, max_len=1024),
-    size=Field(int, min=0),
-    step_bytes=Field(int, min=0),
-    min_bytes=Field(int, min=0),
-    nonce=Field(bytes, max_len=_NONCE_BYTES),
-)
-register_message("shm_mapped", ok=Field(bool), reason=Field(str, max_len=1024))
-register_message("shm_ready", ok=Field(bool), reason=Field(str, max_len=1024))
-register_message("shm_step", op=Field(int, min=0), step=Field(int, min=0))
 
 
 def host_identity() -> str:
@@ -459,7 +446,7 @@ async def attach_shared_memory(
     if want is None:
         want = shared_memory_wanted(transport)
     deadline = trio.current_time() + seconds
-    hello = {"host": host if host is not None else host_identity(), "want": want}
+    hello = ShmHello(host if host is not None else host_identity(), want)
     if transport.rank == 0:
         plane = await _attach_root(transport, hello, deadline, max_bytes, step_bytes, min_bytes)
     else:
@@ -470,7 +457,7 @@ async def attach_shared_memory(
     return plane
 
 
-async def _receive(transport: SharedMemoryHolder, peer: int, kind: str, deadline: float) -> dict:
+async def _receive(transport: SharedMemoryHolder, peer: int, kind: str, deadline: float) -> Any:
     """The next message from ``peer``, which must be ``kind``, before ``deadline``."""
     try:
         with trio.fail_at(deadline):
@@ -484,15 +471,15 @@ async def _receive(transport: SharedMemoryHolder, peer: int, kind: str, deadline
             f"sent a {message['kind']} message during shared-memory setup, expected {kind}",
             peer=peer,
         )
-    return message
+    return decode_message(message, peer=peer)
 
 
-def _decline_reason(hello: dict, hellos: dict[int, dict]) -> str | None:
+def _decline_reason(hello: ShmHello, hellos: dict[int, ShmHello]) -> str | None:
     """Why the group cannot use shared memory (None: it can)."""
-    unwilling = [0] * (not hello["want"]) + [p for p, m in hellos.items() if not m["want"]]
+    unwilling = [0] * (not hello.want) + [p for p, m in hellos.items() if not m.want]
     if unwilling:
         return f"ranks {unwilling} turned shared memory off"
-    elsewhere = [p for p, m in hellos.items() if m["host"] != hello["host"]]
+    elsewhere = [p for p, m in hellos.items() if m.host != hello.host]
     if elsewhere:
         return f"ranks {elsewhere} run on another host than rank 0"
     return None
@@ -500,7 +487,7 @@ def _decline_reason(hello: dict, hellos: dict[int, dict]) -> str | None:
 
 async def _attach_root(
     transport: SharedMemoryHolder,
-    hello: dict,
+    hello: ShmHello,
     deadline: float,
     max_bytes: int,
     step_bytes: int,
@@ -523,17 +510,17 @@ async def _attach_root(
             if path:
                 _unlink(path)
             path = ""
-    offer = {
-        "path": path,
-        "reason": reason or "",
-        "size": layout.size if mapping is not None else 0,
-        "step_bytes": layout.step_bytes if mapping is not None else 0,
-        "min_bytes": min_bytes,
-        "nonce": nonce,
-    }
+    offer = ShmOffer(
+        path=path,
+        reason=reason or "",
+        size=layout.size if mapping is not None else 0,
+        step_bytes=layout.step_bytes if mapping is not None else 0,
+        min_bytes=min_bytes,
+        nonce=nonce,
+    )
     try:
         for peer in peers:
-            await transport.send(peer, "shm_offer", offer)
+            await transport.send(peer, *offer.to_wire())
         if mapping is None:
             log.info("rank 0: no shared-memory plane: %s", reason)
             return None
@@ -547,56 +534,56 @@ async def _attach_root(
             _unlink(path)  # every rank has mapped it, or failed: nothing left in /dev/shm
     assert layout is not None
     failed = [
-        f"rank {peer}: {reply['reason']}"
-        if not reply["ok"]
+        f"rank {peer}: {reply.reason}"
+        if not reply.ok
         else f"rank {peer}: its writes are not visible to rank 0"
         for peer, reply in replies.items()
-        if not reply["ok"] or mapping[layout.ack_slot(peer)] != nonce
+        if not reply.ok or mapping[layout.ack_slot(peer)] != nonce
     ]
-    verdict = {"ok": not failed, "reason": "; ".join(failed)[:1024]}
+    verdict = ShmReady(not failed, "; ".join(failed)[:1024])
     for peer in peers:
-        await transport.send(peer, "shm_ready", verdict)
+        await transport.send(peer, *verdict.to_wire())
     if failed:
         mapping.close()
-        log.warning("no shared-memory plane: %s", verdict["reason"])
+        log.warning("no shared-memory plane: %s", verdict.reason)
         return None
     return SharedMemoryPlane(0, layout, mapping, min_bytes, path)
 
 
 async def _attach_member(
-    transport: SharedMemoryHolder, hello: dict, deadline: float
+    transport: SharedMemoryHolder, hello: ShmHello, deadline: float
 ) -> SharedMemoryPlane | None:
     rank = transport.rank
-    await transport.send(0, "shm_hello", hello)
-    offer = await _receive(transport, 0, "shm_offer", deadline)
-    if not offer["path"]:
-        log.info("rank %d: no shared-memory plane: %s", rank, offer["reason"])
+    await transport.send(0, *hello.to_wire())
+    offer: ShmOffer = await _receive(transport, 0, "shm_offer", deadline)
+    if not offer.path:
+        log.info("rank %d: no shared-memory plane: %s", rank, offer.reason)
         return None
     mapping, layout, reason = None, None, ""
     try:
-        layout = _Layout(transport.world_size, offer["step_bytes"])
-        if layout.step_bytes != offer["step_bytes"] or layout.size != offer["size"]:
+        layout = _Layout(transport.world_size, offer.step_bytes)
+        if layout.step_bytes != offer.step_bytes or layout.size != offer.size:
             raise ValueError(f"rank 0 offered an inconsistent layout: {offer}")
-        mapping = _map(_open_segment(offer["path"], layout.size), layout.size)
-        if mapping[: len(_MAGIC) + _NONCE_BYTES] != _MAGIC + offer["nonce"]:
+        mapping = _map(_open_segment(offer.path, layout.size), layout.size)
+        if mapping[: len(_MAGIC) + _NONCE_BYTES] != _MAGIC + offer.nonce:
             raise ValueError("the segment does not hold rank 0's nonce: not the same memory")
-        mapping[layout.ack_slot(rank)] = offer["nonce"]
+        mapping[layout.ack_slot(rank)] = offer.nonce
     except (OSError, ValueError) as exc:
-        reason = f"cannot map {offer['path']}: {exc}"
+        reason = f"cannot map {offer.path}: {exc}"
         if mapping is not None:
             mapping.close()
         mapping = None
     try:
-        await transport.send(0, "shm_mapped", {"ok": mapping is not None, "reason": reason})
-        verdict = await _receive(transport, 0, "shm_ready", deadline)
+        await transport.send(0, *ShmMapped(mapping is not None, reason[:1024]).to_wire())
+        verdict: ShmReady = await _receive(transport, 0, "shm_ready", deadline)
     except BaseException:
         if mapping is not None:
             mapping.close()
         raise
-    if mapping is None or not verdict["ok"]:
+    if mapping is None or not verdict.ok:
         if mapping is not None:
             mapping.close()
-        log.warning("rank %d: no shared-memory plane: %s", rank, reason or verdict["reason"])
+        log.warning("rank %d: no shared-memory plane: %s", rank, reason or verdict.reason)
         return None
     assert layout is not None
-    return SharedMemoryPlane(rank, layout, mapping, offer["min_bytes"], offer["path"])
+    return SharedMemoryPlane(rank, layout, mapping, offer.min_bytes, offer.path)

@@ -39,17 +39,16 @@ from runtime.errors import (
     StallError,
 )
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
     PREFIX_SIZE,
-    Field,
     check_bulk_destination,
     decode_head,
     encode_frame,
     encode_frame_bytes,
     parse_prefix,
-    register_message,
     tensor_buffer,
 )
 from runtime.transport.admission import AdmissionGate
@@ -90,9 +89,6 @@ _TLS_SEND = 1 << 20
 """Under TLS, bulk is encrypted and sent this many bytes at a time (bounds the copy)."""
 _TLS_READ = 64 * 1024
 """Under TLS, the most bytes asked of one read (a TLS record holds at most 16 KiB)."""
-
-register_message("rdv_join", host=Field(str, max_len=256), port=Field(int, min=1, max=65535))
-register_message("rdv_table", addresses=Field(list, max_len=1 << 16, items=list))
 
 _Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
@@ -742,7 +738,7 @@ async def _close(conn: Connection | None, stream: trio.SocketStream) -> None:
 
 
 _TLS_REQUIRED = encode_frame_bytes(
-    "refuse", {"reason": "this listener requires TLS (--tls-cert, --tls-key, --tls-ca)"}
+    *Refusal("this listener requires TLS (--tls-cert, --tls-key, --tls-ca)").to_wire()
 )
 """What a TLS listener answers, in the clear, to a peer that opens with a paramsync frame."""
 
@@ -759,7 +755,7 @@ def _sounds_like_tls(conn: Connection) -> bool:
 async def _refuse(conn: Connection, reason: str) -> None:
     try:
         with trio.move_on_after(1):
-            await conn.send("refuse", {"reason": reason[:1024]})
+            await conn.send(*Refusal(reason).to_wire())
     except ProtocolError:
         pass
 
@@ -1218,10 +1214,10 @@ async def _rendezvous_root(
     joins: dict[int, tuple[str, int]] = {}
 
     async def on_joined(rank: int, conn: Connection) -> None:
-        message = await conn.recv(HANDSHAKE_MAX_FRAME)
-        if message["kind"] != "rdv_join":
-            raise ProtocolError(f"expected rdv_join, got {message['kind']}", peer=rank)
-        joins[rank] = (message["host"], message["port"])
+        join = decode_message(await conn.recv(HANDSHAKE_MAX_FRAME), peer=rank)
+        if not isinstance(join, RdvJoin):
+            raise ProtocolError(f"expected rdv_join, got {join.KIND}", peer=rank)
+        joins[rank] = (join.host, join.port)
 
     try:
         await _serve_until(
@@ -1232,7 +1228,7 @@ async def _rendezvous_root(
             await lst.aclose()
     table = [[address[0], address[1]]] + [list(joins[r]) for r in range(1, me.world_size)]
     for rank in range(1, me.world_size):
-        await mesh[rank].send("rdv_table", {"addresses": table})
+        await mesh[rank].send(*RdvTable(table).to_wire())
 
 
 async def _rendezvous_member(
@@ -1252,17 +1248,12 @@ async def _rendezvous_member(
     listeners = await trio.open_tcp_listeners(0, host=local_host)
     try:
         port = listeners[0].socket.getsockname()[1]
-        await conn.send("rdv_join", {"host": local_host, "port": port})
-        table = await conn.recv()
-        if table["kind"] != "rdv_table" or len(table["addresses"]) != me.world_size:
+        await conn.send(*RdvJoin(local_host, port).to_wire())
+        table = decode_message(await conn.recv(), peer=0)
+        if not isinstance(table, RdvTable) or len(table.addresses) != me.world_size:
             raise ProtocolError("rendezvous table does not list every rank", peer=0)
-        addresses = []
-        for entry in table["addresses"]:
-            if len(entry) != 2 or not isinstance(entry[0], str) or not isinstance(entry[1], int):
-                raise ProtocolError(f"bad address {entry!r} in the rendezvous table", peer=0)
-            addresses.append((entry[0], entry[1]))
         await _form_mesh(
-            me, listeners[0], addresses, secret, mesh, range(1, me.world_size), tls=tls
+            me, listeners[0], list(table.addresses), secret, mesh, range(1, me.world_size), tls=tls
         )
     finally:
         for lst in listeners:

@@ -1,0 +1,707 @@
+"""Every message kind of the paramsync wire protocol, declared once, and the closed kind table.
+
+Each kind is a frozen dataclass (a `runtime.protocol.schema.WireMessage`) whose fields carry
+their schema: type, range, length, nesting, whether the field may be absent. The one generic
+codec of `runtime.protocol.schema` encodes and decodes all of them; :data:`KINDS`, built
+explicitly at the end of this module, is the set of kinds a frame may carry (no import adds
+one). The kinds, by who sends them:
+
+- the connection handshake (`runtime.protocol.handshake`): `Hello`, `Challenge`, `Auth`,
+  `Welcome`, `Refusal`;
+- the TCP rendezvous (`runtime.transport.tcp`): `RdvJoin`, `RdvTable`;
+- the shared-memory plane (`runtime.transport.shm`): `ShmHello`, `ShmOffer`, `ShmMapped`,
+  `ShmReady`, `ShmStep`;
+- collectives (`runtime.collectives.ring`): `Coll`; training-state transfer
+  (`actors.train.trainer`): `StateManifest`, `StateTensor`;
+- the coordinator protocol, coordinator -> worker: `StartRun`, `Go`, `Apply`, `Commit`, `Hold`,
+  `ResyncOrder`, `Shutdown`, `AbortRun`, `JoinRefused` (:func:`message_from_wire`);
+  worker -> coordinator: `Joined`, `Ready`, `Reduced`, `Digest`, `StepDone`, `Heartbeat`,
+  `Finished` (:func:`event_from_wire`; their ``rank``, and ``now`` where they have one, are
+  the receiver's, never on the wire).
+
+`docs/protocol.md` describes the frames; `tests/test_wire.py` pins their bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+
+from runtime.errors import ProtocolError
+from runtime.protocol.schema import (
+    MAX_INT,
+    Bool,
+    Bytes,
+    Either,
+    Float,
+    Int,
+    Invalid,
+    Map,
+    Record,
+    Seq,
+    Spread,
+    Str,
+    Tensor,
+    WireMessage,
+    check_envelope,
+    check_item,
+    decode,
+    decode_as,
+    local,
+    schema,
+    wire,
+)
+
+__all__ = [
+    "ParamSpec",
+    "Signature",
+    "BucketSpec",
+    "MAX_DIGEST",
+    "NONCE_SIZE",
+    # handshake
+    "Hello",
+    "Challenge",
+    "Auth",
+    "Welcome",
+    "Refusal",
+    # rendezvous, shared memory, collectives, state transfer
+    "RdvJoin",
+    "RdvTable",
+    "ShmHello",
+    "ShmOffer",
+    "ShmMapped",
+    "ShmReady",
+    "ShmStep",
+    "Coll",
+    "StateManifest",
+    "StateTensor",
+    # coordinator -> worker
+    "StartRun",
+    "Go",
+    "Apply",
+    "Commit",
+    "Hold",
+    "ResyncOrder",
+    "Shutdown",
+    "AbortRun",
+    "JoinRefused",
+    "CoordinatorMessage",
+    # worker -> coordinator
+    "Joined",
+    "Ready",
+    "Reduced",
+    "Digest",
+    "StepDone",
+    "Heartbeat",
+    "Finished",
+    "WorkerReport",
+    # the closed tables and the codec bound to them
+    "KINDS",
+    "COORDINATOR_KINDS",
+    "WORKER_KINDS",
+    "validate_message",
+    "decode_message",
+    "message_from_wire",
+    "event_from_wire",
+    "normalize_signature",
+    "packed_size",
+]
+
+ParamSpec = tuple[str, tuple[int, ...], str, bool]
+"""One parameter of a model signature: (name, shape, dtype name, requires_grad)."""
+Signature = tuple[ParamSpec, ...]
+"""A model's parameters in registration order."""
+BucketSpec = tuple[tuple[tuple[int, ...], str], ...] | str
+"""A gradient bucket's layout, ((shape, dtype name), ...), or a hash string of it."""
+
+# --------------------------------------------------------------------------- field types
+
+_MAX_WORLD = 1 << 16
+_MAX_ITEMS = 1 << 20
+MAX_DIGEST = 64
+"""Longest digest (whole-state or per-tensor) a report may carry, in bytes."""
+NONCE_SIZE = 32
+"""Bytes of a handshake nonce."""
+_SHM_NONCE = 16
+
+COUNT = Int(0, None)
+"""A non-negative counter with no bound but CBOR's (op ids, parts, byte counts)."""
+STEP = Int(0, MAX_INT)
+EPOCH = Int(0, MAX_INT)
+BUCKET = Int(0, MAX_INT)
+RANK = Int(0, _MAX_WORLD)
+RANKS = Seq(RANK, _MAX_WORLD)
+HOST = Str(256)
+PORT = Int(1, 65535)
+REASON = Str(4096, clip=True)
+"""A coordinator's reason: a longer one is clipped (ending in "...") when sent."""
+SHORT_REASON = Str(1024, clip=True)
+NAME = Str(1024, min_len=1)
+DTYPE = Str(64, min_len=1)
+HASH = Str(256, min_len=1)
+SHAPE = Seq(Int(0, 2**40), 32)
+DIGEST = Bytes(MAX_DIGEST)
+ADDRESS = Record(("host", Str(256, min_len=1)), ("port", PORT))
+SIGNATURE = Seq(
+    Record(("name", NAME), ("shape", SHAPE), ("dtype", DTYPE), ("requires_grad", Bool())),
+    _MAX_ITEMS,
+)
+"""A model signature: [[name, shape, dtype, requires_grad], ...]."""
+BUCKET_SPEC = Either(HASH, Seq(Record(("shape", SHAPE), ("dtype", DTYPE)), _MAX_ITEMS))
+"""A bucket's layout, [[shape, dtype], ...], or the hash string of one (`spec_hash`)."""
+CACHED = Str(256)
+"""A folding report's response-cache agreement hash (empty: none)."""
+
+
+def packed_size(packed: bytes, count: int) -> int | None:
+    """The size of each of ``count`` digests packed into ``packed``; None if they do not fit
+    (sizes 1 to `MAX_DIGEST` bytes, all equal)."""
+    if count == 0:
+        return 0 if not packed else None
+    size, rest = divmod(len(packed), count)
+    return size if not rest and 0 < size <= MAX_DIGEST else None
+
+
+def normalize_signature(signature: Any) -> Signature:
+    """A model signature checked and normalized to tuples (ProtocolError naming the entry)."""
+    try:
+        return SIGNATURE.check(signature)
+    except Invalid as exc:
+        raise ProtocolError(f"signature{exc}") from None
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+@dataclass(frozen=True)
+class Hello(WireMessage):
+    """Dialer -> listener: who the dialer is, and its nonce."""
+
+    KIND: ClassVar[str] = "hello"
+    group: str = wire(Str(128))
+    world_size: int = wire(Int(1, _MAX_WORLD))
+    rank: int = wire(Int(-1, _MAX_WORLD))
+    nonce: bytes = wire(Bytes(NONCE_SIZE))
+
+
+@dataclass(frozen=True)
+class Challenge(WireMessage):
+    """Listener -> dialer: who the listener is, its nonce and its proof of the secret."""
+
+    KIND: ClassVar[str] = "challenge"
+    group: str = wire(Str(128))
+    world_size: int = wire(Int(1, _MAX_WORLD))
+    rank: int = wire(Int(-1, _MAX_WORLD))
+    nonce: bytes = wire(Bytes(NONCE_SIZE))
+    proof: bytes = wire(Bytes(64))
+
+
+@dataclass(frozen=True)
+class Auth(WireMessage):
+    """Dialer -> listener: the dialer's proof of the secret."""
+
+    KIND: ClassVar[str] = "auth"
+    proof: bytes = wire(Bytes(64))
+
+
+@dataclass(frozen=True)
+class Welcome(WireMessage):
+    """Listener -> dialer: authenticated and admitted."""
+
+    KIND: ClassVar[str] = "welcome"
+
+
+@dataclass(frozen=True)
+class Refusal(WireMessage):
+    """Either side: the handshake is refused (``auth``: a wrong secret; ``busy``: too many
+    handshakes in progress, dial again later)."""
+
+    KIND: ClassVar[str] = "refuse"
+    reason: str = wire(SHORT_REASON)
+    auth: bool = wire(Bool(), default=False, omit=False)
+    busy: bool = wire(Bool(), default=False, omit=False)
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+
+@dataclass(frozen=True)
+class RdvJoin(WireMessage):
+    """A member -> rank 0: the address it listens on for its peers."""
+
+    KIND: ClassVar[str] = "rdv_join"
+    host: str = wire(HOST)
+    port: int = wire(PORT)
+
+
+@dataclass(frozen=True)
+class RdvTable(WireMessage):
+    """Rank 0 -> every member: every rank's listen address, by rank."""
+
+    KIND: ClassVar[str] = "rdv_table"
+    addresses: tuple[tuple[str, int], ...] = wire(
+        Seq(Record(("host", HOST), ("port", Int(0, 65535))), _MAX_WORLD)
+    )
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+@dataclass(frozen=True)
+class ShmHello(WireMessage):
+    """A rank -> rank 0: its host identity and whether it wants the shared-memory plane."""
+
+    KIND: ClassVar[str] = "shm_hello"
+    host: str = wire(Str(512))
+    want: bool = wire(Bool())
+
+
+@dataclass(frozen=True)
+class ShmOffer(WireMessage):
+    """Rank 0 -> a rank: the segment to map (empty ``path``: none, ``reason`` says why)."""
+
+    KIND: ClassVar[str] = "shm_offer"
+    path: str = wire(Str(256))
+    reason: str = wire(SHORT_REASON)
+    size: int = wire(COUNT)
+    step_bytes: int = wire(COUNT)
+    min_bytes: int = wire(COUNT)
+    nonce: bytes = wire(Bytes(_SHM_NONCE))
+
+
+@dataclass(frozen=True)
+class ShmMapped(WireMessage):
+    """A rank -> rank 0: whether it mapped the offered segment."""
+
+    KIND: ClassVar[str] = "shm_mapped"
+    ok: bool = wire(Bool())
+    reason: str = wire(SHORT_REASON)
+
+
+@dataclass(frozen=True)
+class ShmReady(WireMessage):
+    """Rank 0 -> every rank: whether the whole group uses the plane."""
+
+    KIND: ClassVar[str] = "shm_ready"
+    ok: bool = wire(Bool())
+    reason: str = wire(SHORT_REASON)
+
+
+@dataclass(frozen=True)
+class ShmStep(WireMessage):
+    """A rank -> its peers: step ``step`` of collective ``op`` is in the segment."""
+
+    KIND: ClassVar[str] = "shm_step"
+    op: int = wire(COUNT)
+    step: int = wire(COUNT)
+
+
+# --------------------------------------------------------------------------- data frames
+
+
+@dataclass(frozen=True)
+class Coll(WireMessage):
+    """A part of a collective's data: collective ``op``, ring hop ``hop``, part ``part``;
+    ``data`` usually travels as the frame's bulk."""
+
+    KIND: ClassVar[str] = "coll"
+    op: int = wire(COUNT)
+    hop: int = wire(Int(0, 1 << 20))
+    part: int = wire(COUNT)
+    data: torch.Tensor = wire(Tensor())
+
+
+@dataclass(frozen=True)
+class StateManifest(WireMessage):
+    """A healthy member -> a joiner: the training state about to follow (its reader checks
+    the manifest's contents)."""
+
+    KIND: ClassVar[str] = "state_manifest"
+    manifest: dict[str, Any] = wire(Map())
+
+
+@dataclass(frozen=True)
+class StateTensor(WireMessage):
+    """Tensor ``index`` of the training state after ``step`` (a transfer or a re-sync)."""
+
+    KIND: ClassVar[str] = "state"
+    step: int = wire(COUNT)
+    index: int = wire(COUNT)
+    data: torch.Tensor = wire(Tensor())
+
+
+# --------------------------------------------------------------------------- coordinator -> worker
+
+
+@dataclass(frozen=True)
+class StartRun(WireMessage):
+    """An epoch starts: its members, their data-plane addresses and the ring, the first step.
+
+    ``members[p]`` is the worker at ring position ``p`` (its data-plane rank in this epoch) and
+    ``addresses[p]`` its listen address; ``ring`` orders the positions. Before the step:
+    ``broadcast``: position 0's weights go to everyone (a fresh run); ``donor`` >= 0: that worker
+    sends its whole training state to ``receivers`` (joiners, laggards); then, unless
+    ``broadcast``, every member reports the digest of step ``step - 1`` (the state it starts
+    from) and waits for its commit. ``apply_barrier``: an elastic run, where the optimizer waits
+    for ``apply`` so no step is ever applied with a partly reduced gradient. ``fold``: every
+    member joined offering to fold; once a bucket spec is agreed, members send no ``ready`` for
+    buckets they reduce from the response cache, and say so in their step report instead.
+    ``members`` left empty means ``0 .. len(addresses) - 1``.
+    """
+
+    KIND: ClassVar[str] = "start_run"
+    addresses: tuple[tuple[str, int], ...] = wire(Seq(ADDRESS, _MAX_WORLD))
+    ring: tuple[int, ...] = wire(RANKS)
+    step: int = wire(STEP, default=0)
+    digest_interval: int = wire(Int(1, MAX_INT), default=1)
+    heartbeat_deadline: float = wire(Float(0.0), default=10.0)
+    epoch: int = wire(EPOCH, default=1)
+    members: tuple[int, ...] = wire(RANKS, default=())
+    donor: int = wire(Int(-1, _MAX_WORLD), default=-1)
+    receivers: tuple[int, ...] = wire(RANKS, default=())
+    broadcast: bool = wire(Bool(), default=True)
+    apply_barrier: bool = wire(Bool(), default=False)
+    fold: bool = wire(Bool(), default=False, omit=False)
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            object.__setattr__(self, "members", tuple(range(len(self.addresses))))
+        super().__post_init__()
+
+    def invariants(self) -> None:
+        """The ring orders the positions; members, donor and receivers are consistent."""
+        if sorted(self.ring) != list(range(len(self.addresses))):
+            raise Invalid(" is not a permutation of the ranks", "'ring'")
+        if len(self.members) != len(self.addresses) or len(set(self.members)) != len(self.members):
+            raise Invalid(" must list one distinct worker per address", "'members'")
+        if self.receivers and self.donor not in self.members:
+            raise Invalid(f" {self.donor} is not a member", "'donor'")
+        if not set(self.receivers) <= set(self.members) or self.donor in self.receivers:
+            raise Invalid(" must be members other than the donor", "'receivers'")
+
+    @property
+    def verify(self) -> bool:
+        """Whether members report the digest of ``step - 1`` before the first step."""
+        return not self.broadcast and self.step > 0
+
+    def position(self, worker: int) -> int:
+        """The ring position (data-plane rank) of ``worker`` in this epoch."""
+        return self.members.index(worker)
+
+
+@dataclass(frozen=True)
+class Go(WireMessage):
+    """Every rank is ready: run bucket ``bucket`` of ``step`` now; ``seq`` orders all Gos."""
+
+    KIND: ClassVar[str] = "go"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "bucket", "seq")
+    step: int = wire(STEP)
+    bucket: int = wire(BUCKET)
+    seq: int = wire(Int(0, MAX_INT))
+    epoch: int = wire(EPOCH, default=1)
+
+
+@dataclass(frozen=True)
+class Apply(WireMessage):
+    """Every member holds the fully reduced gradients of ``step``: apply them (elastic runs)."""
+
+    KIND: ClassVar[str] = "apply"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step")
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH, default=1)
+
+
+@dataclass(frozen=True)
+class Commit(WireMessage):
+    """Step ``step`` is verified and done everywhere: go on with ``step + 1``."""
+
+    KIND: ClassVar[str] = "commit"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step")
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH, default=1)
+
+
+@dataclass(frozen=True)
+class Hold(WireMessage):
+    """Too few workers remain: drop the step in flight, keep the state, wait for an epoch."""
+
+    KIND: ClassVar[str] = "hold"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "reason")
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+    reason: str = wire(REASON)
+
+
+@dataclass(frozen=True)
+class ResyncOrder(WireMessage):
+    """``source`` sends its parameters and optimizer state (after ``step``) to ``targets``."""
+
+    KIND: ClassVar[str] = "resync"
+    step: int = wire(STEP)
+    source: int = wire(RANK)
+    targets: tuple[int, ...] = wire(RANKS)
+
+
+@dataclass(frozen=True)
+class Shutdown(WireMessage):
+    """The run is over (``reason`` is "finished" after a clean end): close down."""
+
+    KIND: ClassVar[str] = "shutdown"
+    reason: str = wire(REASON)
+
+
+@dataclass(frozen=True)
+class AbortRun(WireMessage):
+    """The run stopped on an error: ``reason`` says which ranks and what went wrong."""
+
+    KIND: ClassVar[str] = "abort"
+    reason: str = wire(REASON)
+
+
+@dataclass(frozen=True)
+class JoinRefused(WireMessage):
+    """This worker may not join (rank taken or out of range, model differs, run started)."""
+
+    KIND: ClassVar[str] = "join_refused"
+    reason: str = wire(REASON)
+
+
+CoordinatorMessage = (
+    StartRun | Go | Apply | Commit | Hold | ResyncOrder | Shutdown | AbortRun | JoinRefused
+)
+"""What the coordinator sends a worker."""
+
+
+# --------------------------------------------------------------------------- worker -> coordinator
+
+
+@dataclass(frozen=True)
+class Joined(WireMessage):
+    """Rank ``rank`` authenticated and announced its model and data-plane listen address.
+
+    ``now`` is the shell's clock at the join (heartbeat baseline); None: the next Tick's.
+    ``step`` is the next step the worker would run (0 when fresh; more when it resumes from a
+    checkpoint or rejoins a restarted coordinator), ``digest`` its state's digest there
+    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``fold``: the
+    worker folds its response-cache reports into its step reports when every member does.
+    """
+
+    KIND: ClassVar[str] = "join"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = (
+        "host",
+        "port",
+        "params",
+        "step",
+        "digest",
+        "epoch",
+        "fold",
+    )
+    rank: int = local()
+    signature: Signature = wire(SIGNATURE, key="params")
+    address: tuple[str, int] = wire(Spread(("host", Str(256)), ("port", PORT)))
+    now: float | None = local(default=None)
+    step: int = wire(STEP, default=0, optional=True)
+    digest: bytes = wire(DIGEST, default=b"", optional=True)
+    epoch: int = wire(EPOCH, default=0, optional=True)
+    fold: bool = wire(Bool(), default=False, omit=False)
+
+
+@dataclass(frozen=True)
+class Ready(WireMessage):
+    """Rank ``rank``'s gradient bucket ``bucket`` of ``step`` is ready; ``spec`` is its layout.
+
+    ``cached``: the rank did not wait for a go; it reduces the bucket at once because the
+    members agreed on this spec for this bucket earlier in the epoch (Horovod's response cache:
+    the coordinator still checks the report against that agreement, and the ring refuses a
+    peer whose tensor differs)."""
+
+    KIND: ClassVar[str] = "ready"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "bucket", "spec", "cached")
+    rank: int = local()
+    step: int = wire(STEP)
+    bucket: int = wire(BUCKET)
+    spec: BucketSpec = wire(BUCKET_SPEC)
+    epoch: int = wire(EPOCH, default=1)
+    cached: bool = wire(Bool(), default=False, omit=False)
+
+
+@dataclass(frozen=True)
+class Reduced(WireMessage):
+    """Rank ``rank`` holds every bucket of ``step`` fully reduced (elastic runs). ``cached``:
+    it reduced every bucket from the response cache under that `agreement_hash`."""
+
+    KIND: ClassVar[str] = "reduced"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "cached")
+    rank: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH, default=1)
+    cached: str = wire(CACHED, default="", omit="")
+
+
+@dataclass(frozen=True)
+class Digest(WireMessage):
+    """After the optimizer step of ``step``: a hash of all parameters and optimizer state, and
+    per-tensor hashes in a fixed order (to name the first tensor that differs).
+
+    The per-tensor hashes come either as ``tensor_digests`` (name, digest) pairs, or packed:
+    ``packed`` holds them concatenated, all of one size, in the order of ``names``; ``names``
+    is None when they are the names of this rank's previous digest in the epoch (a worker lists
+    them once, not on every step; the core keeps them). On the wire both are field
+    ``tensors``: a list of pairs, or the packed bytes. ``cached``: as in a `Reduced` report.
+    """
+
+    KIND: ClassVar[str] = "digest"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = (
+        "epoch",
+        "step",
+        "digest",
+        "tensors",
+        "names",
+        "cached",
+    )
+    rank: int = local()
+    step: int = wire(STEP)
+    digest: bytes = wire(DIGEST)
+    tensor_digests: tuple[tuple[str, bytes], ...] = wire(
+        Seq(Record(("name", NAME), ("digest", DIGEST)), _MAX_ITEMS), default=(), key="tensors"
+    )
+    epoch: int = wire(EPOCH, default=1)
+    packed: bytes | None = wire(Bytes(_MAX_ITEMS), default=None, key="tensors", omit=None)
+    names: tuple[str, ...] | None = wire(Seq(NAME, _MAX_ITEMS), default=None, omit=None)
+    cached: str = wire(CACHED, default="", omit="")
+
+    def invariants(self) -> None:
+        """Names come only with packed digests, and the packed bytes split into one equal
+        digest per name."""
+        if self.names is None:
+            return
+        if self.packed is None:
+            raise Invalid(" comes only with packed 'tensors' (bytes)", "'names'")
+        if packed_size(self.packed, len(self.names)) is None:
+            raise Invalid(
+                f" holds {len(self.packed)} bytes, which are not {len(self.names)} equal "
+                f"digests of 1 to {MAX_DIGEST} bytes (one per name)",
+                "'tensors'",
+            )
+
+    def pairs(self, names: Sequence[str] | None) -> tuple[tuple[str, bytes], ...]:
+        """The per-tensor (name, digest) pairs; ``names``: those of a packed digest."""
+        if self.packed is None:
+            return self.tensor_digests
+        size = None if names is None else packed_size(self.packed, len(names))
+        if names is None or size is None:
+            raise ValueError(f"{len(self.packed)} bytes of packed digests do not fit {names!r}")
+        return tuple((name, self.packed[i * size : (i + 1) * size]) for i, name in enumerate(names))
+
+
+@dataclass(frozen=True)
+class StepDone(WireMessage):
+    """Rank ``rank`` finished ``step`` (on steps that carry no digest); ``cached``: as in a
+    `Reduced` report."""
+
+    KIND: ClassVar[str] = "step_done"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "cached")
+    rank: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH, default=1)
+    cached: str = wire(CACHED, default="", omit="")
+
+
+@dataclass(frozen=True)
+class Heartbeat(WireMessage):
+    """Rank ``rank`` is alive at the shell's time ``now`` (seconds); the frame is empty."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    rank: int = local()
+    now: float = local()
+
+
+@dataclass(frozen=True)
+class Finished(WireMessage):
+    """Rank ``rank`` ran all its steps; ``step`` is the first step it will not run."""
+
+    KIND: ClassVar[str] = "finished"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step")
+    rank: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH, default=1)
+
+
+WorkerReport = Joined | Ready | Reduced | Digest | StepDone | Heartbeat | Finished
+"""What a worker sends the coordinator (the coordinator core's wire events)."""
+
+
+# --------------------------------------------------------------------------- the kind tables
+
+
+def _table(*classes: type[WireMessage]) -> Mapping[str, type[WireMessage]]:
+    table: dict[str, type[WireMessage]] = {}
+    for cls in classes:
+        kind = schema(cls).kind  # compiles the declaration: a mistake fails at import
+        if kind in table:
+            raise TypeError(f"message kind {kind!r} is declared by {table[kind]} and {cls}")
+        table[kind] = cls
+    return MappingProxyType(table)
+
+
+COORDINATOR_KINDS = _table(
+    StartRun, Go, Apply, Commit, Hold, ResyncOrder, Shutdown, AbortRun, JoinRefused
+)
+"""The kinds the coordinator sends a worker."""
+WORKER_KINDS = _table(Joined, Ready, Reduced, Digest, StepDone, Heartbeat, Finished)
+"""The kinds a worker sends the coordinator."""
+KINDS = _table(
+    Hello,
+    Challenge,
+    Auth,
+    Welcome,
+    Refusal,
+    RdvJoin,
+    RdvTable,
+    ShmHello,
+    ShmOffer,
+    ShmMapped,
+    ShmReady,
+    ShmStep,
+    Coll,
+    StateManifest,
+    StateTensor,
+    *COORDINATOR_KINDS.values(),
+    *WORKER_KINDS.values(),
+)
+"""Every kind a frame may carry, by its ``kind``: the closed set of the protocol."""
+
+
+def validate_message(item: Any, *, peer: object = None, bulk: str | None = None) -> dict[str, Any]:
+    """Check a decoded map against the protocol (version, kind, every field's type and range)
+    and return it unchanged; ProtocolError names the kind, the field and ``peer``. ``bulk``:
+    the field whose tensor the frame's bulk bytes will fill (present, not yet read)."""
+    return check_item(item, KINDS, peer=peer, present=bulk)
+
+
+def decode_message(item: Any, *, peer: object = None, **context: Any) -> WireMessage:
+    """The message of any kind that a decoded map holds (``context``: its `local` fields)."""
+    return decode(item, KINDS, peer=peer, **context)
+
+
+def message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> CoordinatorMessage:
+    """Parse a decoded coordinator -> worker message (the worker's side)."""
+    spec = check_envelope(item, KINDS, peer)
+    assert spec is not None
+    if spec.kind not in COORDINATOR_KINDS:
+        raise ProtocolError(f"a {spec.kind} message does not come from the coordinator", peer=peer)
+    return decode_as(spec, item, peer, {})
+
+
+def event_from_wire(item: Mapping[str, Any], *, rank: int, now: float) -> WorkerReport:
+    """Parse a decoded worker -> coordinator message from authenticated rank ``rank``, which
+    arrived at the shell's time ``now``. ProtocolError names the kind, field and rank."""
+    spec = check_envelope(item, KINDS, rank)
+    assert spec is not None
+    if spec.kind not in WORKER_KINDS:
+        raise ProtocolError(f"a {spec.kind} message is not for the coordinator", peer=rank)
+    return decode_as(spec, item, rank, {"rank": rank, "now": now})
