@@ -11,10 +11,12 @@ every sum is exact and must equal the reference bit for bit.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 import trio
+import trustme
 from conftest import TRANSPORT_KINDS, bitwise_equal, open_group, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +25,8 @@ from runtime.collectives.groups import ProcessGroup, group_name, new_group
 from runtime.collectives.ring import all_gather, all_reduce, broadcast
 from runtime.errors import CollectiveError, ProtocolError
 from runtime.transport.base import Transport
+from runtime.transport.tcp import TcpTransport
+from runtime.transport.tls import TlsConfig
 
 SETTINGS = {
     "inproc": settings(
@@ -348,3 +352,30 @@ def test_random_partition_seeded_example_inproc() -> None:
     groups = [[r for r in range(8) if labels[r] == k] for k in sorted(set(labels))]
     groups += [[0, 3, 5, 7], [1, 2, 3, 4, 5, 6]]
     _check_plan("inproc", (8, groups, 11, 40000, "float64"))
+
+
+def test_tcp_groups_over_tls_form_tls_meshes(tmp_path: Path) -> None:
+    """A TLS world's groups authenticate with its secret and run TLS on their own meshes."""
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.cert_chain_pems[0].write_to_path(tmp_path / "node.crt")
+    leaf.private_key_pem.write_to_path(tmp_path / "node.key")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    tls = TlsConfig.from_paths(tmp_path / "node.crt", tmp_path / "node.key", tmp_path / "ca.pem")
+
+    async def rank_fn(world: Transport) -> tuple[bool, float] | None:
+        group = await new_group(world, [0, 2])
+        if group is None:
+            return None
+        async with group:
+            tensor = torch.full((1000,), float(world.rank + 1))
+            await all_reduce(group, tensor)
+            return group.supports_blocking, float(tensor[0])
+
+    async def main() -> list:
+        async with TcpTransport.open_group(3, tls=tls) as world:
+            return await run_ranks(world, rank_fn)
+
+    results = trio.run(main)
+    assert results[0] == results[2] == (False, 4.0)  # TLS: no blocking path, no shm plane
+    assert results[1] is None

@@ -124,8 +124,7 @@ class _Inbox:
     """Receives posted for one peer. One posted receive at a time reads the link (whoever
     is waiting), and each message it reads goes to the first receive posted for its tag."""
 
-    def __init__(self, transport: Transport, peer: int) -> None:
-        self.transport = transport
+    def __init__(self, peer: int) -> None:
         self.peer = peer
         self.posted: dict[int, deque[_Posted]] = {}
         self.reading = False
@@ -143,7 +142,7 @@ class _Inbox:
             if not queue:
                 del self.posted[entry.tag]
 
-    async def complete(self, entry: _Posted) -> torch.Tensor:
+    async def complete(self, transport: Transport, entry: _Posted) -> torch.Tensor:
         try:
             while not entry.done:
                 if self.reading:
@@ -151,7 +150,7 @@ class _Inbox:
                     continue
                 self.reading = True
                 try:
-                    await self._read_one()
+                    await self._read_one(transport)
                 finally:
                     self.reading = False
                     self.lot.unpark_all()
@@ -161,7 +160,7 @@ class _Inbox:
             raise entry.error
         return entry.tensor
 
-    async def _read_one(self) -> None:
+    async def _read_one(self, transport: Transport) -> None:
         chosen: list[_Posted] = []
 
         def route(head: dict[str, Any], dtype: torch.dtype, shape: tuple[int, ...]) -> Any:
@@ -174,8 +173,8 @@ class _Inbox:
                 return None  # read into a fresh tensor, to keep the link in step; refused below
             return entry.tensor
 
-        message = await self.transport.recv_routed(self.peer, route)
-        who = _describe(self.transport, self.peer)
+        message = await transport.recv_routed(self.peer, route)
+        who = _describe(transport, self.peer)
         if message["kind"] != "p2p":
             raise ProtocolError(
                 f"sent a {message['kind']} message where a point-to-point message with tag "
@@ -208,10 +207,10 @@ class _Inbox:
 
 
 class _Peers:
-    """Point-to-point state of one transport: an outbox and an inbox per peer."""
+    """Point-to-point state of one transport: an outbox and an inbox per peer (it holds no
+    reference to the transport, so the state goes when the transport does)."""
 
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
+    def __init__(self) -> None:
         self.outboxes: dict[int, _Outbox] = {}
         self.inboxes: dict[int, _Inbox] = {}
 
@@ -222,7 +221,7 @@ class _Peers:
 
     def inbox(self, peer: int) -> _Inbox:
         if peer not in self.inboxes:
-            self.inboxes[peer] = _Inbox(self.transport, peer)
+            self.inboxes[peer] = _Inbox(peer)
         return self.inboxes[peer]
 
 
@@ -232,7 +231,7 @@ _STATE: weakref.WeakKeyDictionary[Transport, _Peers] = weakref.WeakKeyDictionary
 def _peers(transport: Transport) -> _Peers:
     state = _STATE.get(transport)
     if state is None:
-        state = _STATE[transport] = _Peers(transport)
+        state = _STATE[transport] = _Peers()
     return state
 
 
@@ -280,7 +279,7 @@ def _post_recv(group: Transport, tensor: torch.Tensor, src: int, tag: int) -> An
     entry = inbox.post(tag, tensor)
 
     async def run() -> torch.Tensor:
-        return await inbox.complete(entry)
+        return await inbox.complete(group, entry)
 
     return run
 
