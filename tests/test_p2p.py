@@ -5,6 +5,7 @@ or shape is a ProtocolError naming the peer, after which the link stays in step.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -49,7 +50,9 @@ class Message:
 
 
 @st.composite
-def programs(draw: st.DrawFn, max_world: int) -> tuple[int, list[Message], int, bool]:
+def programs(draw: st.DrawFn, max_world: int) -> tuple[int, list[Message], int, bool, bool]:
+    """A world size, matched messages among its ranks, a seed, blocking or not, and whether
+    the program runs in a process group (group ranks 0..n-1 = world ranks 1..n of n+1)."""
     n = draw(st.integers(2, max_world))
     count = draw(st.integers(1, 12))
     messages = []
@@ -63,7 +66,8 @@ def programs(draw: st.DrawFn, max_world: int) -> tuple[int, list[Message], int, 
         messages.append(Message(index, src, dst, tag, shape, dtype))
     seed = draw(st.integers(0, 2**16))
     blocking = draw(st.booleans())
-    return n, messages, seed, blocking
+    in_group = draw(st.booleans())
+    return n, messages, seed, blocking, in_group
 
 
 def _posting_order(incoming: list[Message], rng: random.Random) -> list[Message]:
@@ -120,14 +124,24 @@ async def _run_program(
 def test_random_matched_programs_complete_and_deliver(kind: str) -> None:
     @SETTINGS[kind]
     @given(programs(MAX_WORLD[kind]))
-    def check(program: tuple[int, list[Message], int, bool]) -> None:
-        n, messages, seed, blocking = program
+    def check(program: tuple[int, list[Message], int, bool, bool]) -> None:
+        n, messages, seed, blocking, in_group = program
+
+        async def in_a_group(world: Transport) -> dict[int, torch.Tensor] | None:
+            group = await new_group(world, range(1, n + 1), shared_memory=False)
+            if group is None:
+                return None
+            async with group:
+                return await _run_program(group, messages, seed, blocking)
 
         async def main() -> list[dict[int, torch.Tensor]]:
-            async with open_group(kind, n) as world:
-                return await run_ranks(
-                    world, lambda t: _run_program(t, messages, seed, blocking), seconds=30
-                )
+            if not in_group:
+                async with open_group(kind, n) as world:
+                    return await run_ranks(
+                        world, lambda t: _run_program(t, messages, seed, blocking), seconds=30
+                    )
+            async with open_group(kind, n + 1) as world:
+                return (await run_ranks(world, in_a_group, seconds=30))[1:]
 
         results = trio.run(main)
         for m in messages:
@@ -176,7 +190,7 @@ async def _mismatch(kind: str, sent: torch.Tensor, sent_tag: int, want: torch.Te
             await recv(t, want, 0, tag)
         except ProtocolError as exc:
             error = exc
-        else:  # pragma: no cover - the assertion below reports it
+        else:
             error = None
         after = torch.empty(1, dtype=torch.int64)
         await recv(t, after, 0, 9)
@@ -201,6 +215,32 @@ def test_wrong_tag_dtype_or_shape_is_a_protocol_error_naming_the_peer(kind: str)
         for phrase in phrases:
             assert phrase in str(error)
         assert after == 42, "the link fell out of step after the refused message"
+
+
+SIGNATURES = st.tuples(
+    st.integers(0, 3),
+    st.sampled_from(((3,), (2, 5), (5, 2), (10,), (4000,))),
+    st.sampled_from(DTYPES),
+)
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_any_tag_dtype_or_shape_mismatch_is_refused_and_a_match_delivered(kind: str) -> None:
+    @SETTINGS[kind]
+    @given(SIGNATURES, SIGNATURES)
+    def check(sent_sig: tuple, want_sig: tuple) -> None:
+        (sent_tag, sent_shape, sent_dtype), (tag, shape, dtype) = sent_sig, want_sig
+        sent = torch.arange(math.prod(sent_shape)).view(sent_shape).to(sent_dtype)
+        want = torch.empty(shape, dtype=dtype)
+        error, after = trio.run(_mismatch, kind, sent, sent_tag, want, tag)
+        assert after == 42
+        if sent_sig == want_sig:
+            assert error is None and torch.equal(want, sent)
+        else:
+            assert isinstance(error, ProtocolError) and error.peer == "rank 0"
+            assert f"tag {sent_tag}" in str(error)
+
+    check()
 
 
 @pytest.mark.parametrize("kind", TRANSPORT_KINDS)
@@ -314,3 +354,34 @@ def test_a_send_cancelled_before_its_turn_does_not_block_later_sends() -> None:
             return received
 
     assert trio.run(main) == [0, 1, 2, 3, 4, 5, 6, 7, 100]
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_recv_routed_lands_the_bulk_where_the_route_says(kind: str) -> None:
+    """The transport hook under p2p: the route sees the head (kind, tag, dtype, shape) before
+    the bulk, and the bulk lands in the tensor it returns, or in a fresh one for None."""
+
+    async def main() -> None:
+        async with open_group(kind, 2) as (a, b):
+            out = torch.empty(5000)
+            seen = []
+
+            def route(head: dict, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+                seen.append((head["kind"], head["tag"], dtype, tuple(shape)))
+                return out
+
+            with trio.fail_after(10):
+                await a.send(1, "p2p", {"tag": 3}, torch.arange(5000.0))
+                message = await b.recv_routed(0, route)
+                assert message["data"] is out and torch.equal(out, torch.arange(5000.0))
+                assert seen == [("p2p", 3, torch.float32, (5000,))]
+
+                await a.send(1, "p2p", {"tag": 4}, torch.arange(6.0).view(2, 3))
+                message = await b.recv_routed(0, lambda *_: None)
+                assert torch.equal(message["data"], torch.arange(6.0).view(2, 3))
+
+                await a.send(1, "p2p", {"tag": 5}, torch.ones(4))
+                with pytest.raises(ProtocolError, match=r"expected torch\.float32 with 5 elements"):
+                    await b.recv_routed(0, lambda *_: torch.empty(5))
+
+    trio.run(main)
