@@ -112,12 +112,13 @@ def test_mesh_groups_all_reduce_along_every_dimension_at_once(kind: str) -> None
     sizes, names = CASES[kind]
 
     async def rank_fn(world: Transport) -> dict[str, tuple]:
-        mesh = await init_device_mesh(
-            world,
-            dict(zip(names, sizes, strict=True)),
-            **({"shared_memory": False} if kind == "tcp" else {}),
-        )
+        if kind == "tcp":
+            mesh = await init_device_mesh(world, names, sizes, shared_memory=False)
+        else:
+            mesh = await DeviceMesh.create(world, dict(zip(names, sizes, strict=True)))
         assert isinstance(mesh, DeviceMesh)
+        assert mesh.shape == dict(zip(names, sizes, strict=True))
+        assert mesh.groups(names[-1]) == mesh_groups(sizes, names, names[-1])
         out: dict[str, tuple] = {}
 
         async def along(dim: str) -> None:

@@ -105,6 +105,13 @@ class DeviceMesh:
     ``mesh.groups("dp")`` all the dp groups (world ranks). Close with ``await mesh.aclose()``.
     """
 
+    @classmethod
+    async def create(
+        cls, world: Transport, shape: Mapping[str, int], **group_options: Any
+    ) -> DeviceMesh:
+        """``await DeviceMesh.create(world, {"pp": 4, "dp": 2, "tp": 2})``: `init_device_mesh`."""
+        return await init_device_mesh(world, shape, **group_options)
+
     def __init__(
         self,
         world: Transport,
