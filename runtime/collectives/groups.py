@@ -179,7 +179,7 @@ class ProcessGroup(Transport):
 
 def group_name(parent: Transport, index: int, ranks: Iterable[int]) -> str:
     """The name every member derives for the ``index``-th group of ``parent`` over ``ranks``."""
-    base = getattr(parent, "name", "world") if isinstance(parent, ProcessGroup) else "world"
+    base = parent.name if isinstance(parent, ProcessGroup) else "world"
     ranks = sorted(ranks)
     digest = hashlib.sha256(f"{base}|{index}|{ranks}".encode()).hexdigest()[:16]
     return f"pg{index}-{len(ranks)}-{digest}"
