@@ -315,6 +315,56 @@ class Coll(WireMessage):
     data: torch.Tensor = wire(Tensor())
 
 
+P2P_MAX_TAG = (1 << 63) - 1
+"""The largest tag a point-to-point message may carry (`runtime.collectives.p2p`)."""
+
+
+@dataclass(frozen=True)
+class P2P(WireMessage):
+    """A point-to-point message (`runtime.collectives.p2p`): ``tag`` chooses the posted receive
+    it is for; ``data`` (its dtype and shape included) travels as the frame's bulk."""
+
+    KIND: ClassVar[str] = "p2p"
+    tag: int = wire(Int(0, P2P_MAX_TAG))
+    data: torch.Tensor = wire(Tensor())
+
+
+@dataclass(frozen=True)
+class GroupAddr(WireMessage):
+    """A member of a process group being formed -> every other member, over the parent's
+    connections (`runtime.collectives.groups`): the group's name and ranks, which must be the
+    same on every member, and the address this member listens on for the group's own mesh."""
+
+    KIND: ClassVar[str] = "group_addr"
+    name: str = wire(Str(128))
+    ranks: tuple[int, ...] = wire(RANKS)
+    host: str = wire(HOST)
+    port: int = wire(PORT)
+
+
+@dataclass(frozen=True)
+class Probe(WireMessage):
+    """A diagnostic message from ``src`` to ``dst`` (the transport conformance suite,
+    `runtime.testing.transport_conformance`, and debugging tools send it; workers and the
+    coordinator never do, and refuse it as any kind they do not expect)."""
+
+    KIND: ClassVar[str] = "probe"
+    src: int = wire(COUNT)
+    dst: int = wire(COUNT)
+    seq: int = wire(COUNT)
+    note: str = wire(Str(256))
+
+
+@dataclass(frozen=True)
+class ProbeData(WireMessage):
+    """A diagnostic message from ``src`` that may carry a tensor (see `Probe`)."""
+
+    KIND: ClassVar[str] = "probe_data"
+    src: int = wire(COUNT)
+    seq: int = wire(COUNT)
+    data: torch.Tensor | None = wire(Tensor(), default=None, omit=None)
+
+
 @dataclass(frozen=True)
 class StateManifest(WireMessage):
     """A healthy member -> a joiner: the training state about to follow (its reader checks
@@ -668,6 +718,10 @@ KINDS = _table(
     ShmReady,
     ShmStep,
     Coll,
+    P2P,
+    GroupAddr,
+    Probe,
+    ProbeData,
     StateManifest,
     StateTensor,
     *COORDINATOR_KINDS.values(),

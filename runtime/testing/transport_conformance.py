@@ -56,7 +56,7 @@ from runtime.collectives.ring import (
     reduce_scatter,
 )
 from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError, pick_error
-from runtime.protocol.wire import Field, encode_frame_bytes, register_message
+from runtime.protocol.wire import encode_frame_bytes
 from runtime.transport.base import Transport
 from runtime.transport.capabilities import (
     AllReducePlane,
@@ -98,19 +98,6 @@ doubles the 4 MiB asked for), so each side must read while it writes."""
 _CHUNK_BYTES = 64 << 10
 """Collectives' part size here: small, so a large tensor travels in many parts."""
 
-register_message(
-    "conformance_ping",
-    src=Field(int, min=0),
-    dst=Field(int, min=0),
-    seq=Field(int, min=0),
-    note=Field(str, max_len=256),
-)
-register_message(
-    "conformance_data",
-    src=Field(int, min=0),
-    seq=Field(int, min=0),
-    data=Field(torch.Tensor, required=False),
-)
 
 _T = TypeVar("_T")
 ReduceOp = Literal["sum", "avg"]
@@ -229,11 +216,9 @@ async def check_pairs(make_group: MakeGroup, n: int, count: int = 24) -> None:
                 if payload is None:
                     note = f"{src}->{dst} #{seq}"
                     fields = {"src": src, "dst": dst, "seq": seq, "note": note}
-                    await group[src].send(dst, "conformance_ping", fields)
+                    await group[src].send(dst, "probe", fields)
                 else:
-                    await group[src].send(
-                        dst, "conformance_data", {"src": src, "seq": seq}, payload
-                    )
+                    await group[src].send(dst, "probe_data", {"src": src, "seq": seq}, payload)
 
         async def recv_all(dst: int, src: int) -> None:
             for seq in range(count):
@@ -242,14 +227,14 @@ async def check_pairs(make_group: MakeGroup, n: int, count: int = 24) -> None:
                 where = f"pairs: rank {dst}'s message #{seq} from rank {src}"
                 if expected is None:
                     _require(
-                        message.get("kind") == "conformance_ping"
+                        message.get("kind") == "probe"
                         and (message["src"], message["dst"], message["seq"]) == (src, dst, seq)
                         and message["note"] == f"{src}->{dst} #{seq}",
                         f"{where} is {message!r}",
                     )
                 else:
                     _require(
-                        message.get("kind") == "conformance_data"
+                        message.get("kind") == "probe_data"
                         and (message["src"], message["seq"]) == (src, seq)
                         and isinstance(message.get("data"), torch.Tensor)
                         and _same(message["data"], expected),
@@ -283,11 +268,11 @@ async def check_tensors(make_group: MakeGroup, n: int) -> None:
 
         async def send_all() -> None:
             for seq, (_, _, tensor) in enumerate(cases):
-                await sender.send(dst, "conformance_data", {"src": src, "seq": seq}, tensor)
+                await sender.send(dst, "probe_data", {"src": src, "seq": seq}, tensor)
             for seq, (_, _, tensor) in enumerate(cases):
-                await sender.send(dst, "conformance_data", {"src": src, "seq": seq}, tensor)
-            await sender.send(dst, "conformance_data", {"src": src, "seq": 0}, strided)
-            await sender.send(dst, "conformance_data", {"src": src, "seq": 1}, strided)
+                await sender.send(dst, "probe_data", {"src": src, "seq": seq}, tensor)
+            await sender.send(dst, "probe_data", {"src": src, "seq": 0}, strided)
+            await sender.send(dst, "probe_data", {"src": src, "seq": 1}, strided)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_all)
@@ -367,7 +352,7 @@ async def check_concurrent_bulk(make_group: MakeGroup, n: int, nbytes: int = LAR
                     nursery.start_soon(
                         transport.send,
                         peer,
-                        "conformance_data",
+                        "probe_data",
                         {"src": me, "seq": 0},
                         payload(me, peer),
                     )
@@ -404,7 +389,7 @@ async def check_errors(make_group: MakeGroup, n: int) -> None:
             if bulk is None:
                 await group[src].send(dst, "welcome", {})
             else:
-                await group[src].send(dst, "conformance_data", {"src": src, "seq": 0}, bulk)
+                await group[src].send(dst, "probe_data", {"src": src, "seq": 0}, bulk)
             error = await _expect_error(
                 ProtocolError,
                 f"errors: recv_into a destination that the bulk does not fit ({what})",
@@ -436,7 +421,7 @@ async def check_close(make_group: MakeGroup, n: int) -> None:
 
         async def send_until_refused() -> None:
             for _ in range(1000):  # TCP may take a few sends to notice the reset
-                await t1.send(0, "conformance_data", {"src": 1, "seq": 0}, torch.zeros(16384))
+                await t1.send(0, "probe_data", {"src": 1, "seq": 0}, torch.zeros(16384))
 
         error = await _expect_error(PeerClosed, "close: send to a closed peer", send_until_refused)
         _require(getattr(error, "peer", None) == 0, f"close: {error!r} does not name peer 0")
@@ -630,10 +615,10 @@ async def _still_usable(group: Sequence[Transport], check: str) -> None:
     async def ping(transport: Transport) -> None:
         me = transport.rank
         fields = {"src": me, "dst": (me + 1) % n, "seq": 0, "note": "after"}
-        await transport.send((me + 1) % n, "conformance_ping", fields)
+        await transport.send((me + 1) % n, "probe", fields)
         message = await transport.recv((me - 1) % n)
         _require(
-            message.get("kind") == "conformance_ping" and message["src"] == (me - 1) % n,
+            message.get("kind") == "probe" and message["src"] == (me - 1) % n,
             f"{check}: after the links came back, rank {me} got {message!r}",
         )
 
@@ -681,7 +666,7 @@ async def check_blocking_links(make_group: MakeGroup, n: int) -> None:
                 )
 
                 def send() -> None:
-                    links.send(nxt, "conformance_data", {"src": me, "seq": 0}, payload(me))
+                    links.send(nxt, "probe_data", {"src": me, "seq": 0}, payload(me))
 
                 def receive() -> dict[str, Any]:
                     return links.recv_into(prv, out)
@@ -733,7 +718,7 @@ async def check_polled_links(make_group: MakeGroup, n: int) -> None:
 
         def signal(src: int, seq: int) -> bytes:
             fields = {"src": src, "dst": 0, "seq": seq, "note": "signal"}
-            return encode_frame_bytes("conformance_ping", fields)
+            return encode_frame_bytes("probe", fields)
 
         async def exchange(transport: PolledLinkProvider) -> None:
             me = transport.rank
@@ -798,16 +783,14 @@ async def check_precoded_frames(make_group: MakeGroup, n: int) -> None:
             )
             return
         framers = [t for t in group if isinstance(t, PrecodedFrames)]
-        frame = encode_frame_bytes(
-            "conformance_ping", {"src": 0, "dst": 0, "seq": 0, "note": "step"}
-        )
+        frame = encode_frame_bytes("probe", {"src": 0, "dst": 0, "seq": 0, "note": "step"})
 
         async def exchange(transport: PrecodedFrames) -> None:
             me = transport.rank
             peers = [peer for peer in range(n) if peer != me]
             for peer in peers:
                 await transport.send_frame(peer, frame)
-                await transport.send(peer, "conformance_data", {"src": me, "seq": 5})
+                await transport.send(peer, "probe_data", {"src": me, "seq": 5})
                 await transport.send_frame(peer, frame)
             for peer in peers:
                 first = await transport.recv_matching(peer, frame)
@@ -819,13 +802,13 @@ async def check_precoded_frames(make_group: MakeGroup, n: int) -> None:
                 )
                 _require(
                     second is not None
-                    and second.get("kind") == "conformance_data"
+                    and second.get("kind") == "probe_data"
                     and (second["src"], second["seq"]) == (peer, 5),
                     f"pre-encoded frames: rank {me} got {second!r} from rank {peer}",
                 )
 
         await _run_ranks(framers, exchange)
-        await framers[1].send(0, "conformance_data", {"src": 1, "seq": 0}, torch.zeros(64))
+        await framers[1].send(0, "probe_data", {"src": 1, "seq": 0}, torch.zeros(64))
         error = await _expect_error(
             ProtocolError,
             "pre-encoded frames: a bulk message where a frame was due",

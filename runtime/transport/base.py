@@ -12,7 +12,7 @@ plane) it declares by inheriting the interfaces of `runtime.transport.capabiliti
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,7 +26,12 @@ from runtime.protocol.wire import (
     tensor_buffer,
 )
 
-__all__ = ["Transport", "InProcessTransport"]
+__all__ = ["Transport", "InProcessTransport", "BulkRoute"]
+
+BulkRoute = Callable[[dict[str, Any], torch.dtype, tuple[int, ...]], torch.Tensor | None]
+"""Where a message's bulk should land, chosen once its head is read (`Transport.recv_routed`):
+given the message (without ``data``), the bulk's dtype and shape, a contiguous CPU tensor of that
+dtype and size to write it into, or None to allocate one."""
 
 
 class Transport(abc.ABC):
@@ -82,6 +87,32 @@ class Transport(abc.ABC):
         peer. The returned message's ``data`` is ``out``.
         """
 
+    async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
+        """Receive the next message from ``peer``, its bulk written where ``route`` says.
+
+        ``route`` sees the message's head before any bulk byte is read, so a receiver that
+        expects several messages (point-to-point tags) can land each in its own tensor. This
+        default receives the message whole and copies the bulk over; `TcpTransport` reads it
+        straight into the chosen tensor.
+        """
+        message = await self.recv(peer)
+        data = message.get("data")
+        if not isinstance(data, torch.Tensor):
+            return message
+        head = {key: value for key, value in message.items() if key != "data"}
+        out = route(head, data.dtype, tuple(data.shape))
+        if out is not None:
+            if out.dtype != data.dtype or out.numel() != data.numel():
+                raise ProtocolError(
+                    f"sent a {data.dtype} tensor of shape {list(data.shape)}, expected "
+                    f"{out.dtype} with {out.numel()} elements",
+                    peer=peer,
+                )
+            if out.numel():
+                tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
+            message["data"] = out
+        return message
+
     def abort(self) -> None:  # noqa: B027 - optional hook, most transports have no threads
         """Break the transport at once, waking any thread blocked on it (default: nothing to
         wake; async receivers end when their task is cancelled)."""
@@ -112,19 +143,29 @@ class InProcessTransport(Transport):
         senders: dict[int, trio.MemorySendChannel[bytes]],
         receivers: dict[int, trio.MemoryReceiveChannel[bytes]],
         max_frame: int = DEFAULT_MAX_FRAME,
+        registry: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         self._senders = senders
         self._receivers = receivers
         self.max_frame = max_frame
+        self.registry: dict[str, Any] = registry if registry is not None else {}
+        """State shared by every rank of one `create_group` call: process groups built over
+        these transports (`runtime.collectives.groups`) find one another's channels here."""
 
     @classmethod
     def create_group(
-        cls, n: int, *, buffer_frames: int = 8, max_frame: int = DEFAULT_MAX_FRAME
+        cls,
+        n: int,
+        *,
+        buffer_frames: int = 8,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        registry: dict[str, Any] | None = None,
     ) -> list[InProcessTransport]:
         """Return ``n`` transports, rank 0 to n-1, each connected to all the others.
 
         Each direction buffers ``buffer_frames`` frames; a sender beyond that waits (backpressure).
+        The transports share ``registry`` (a fresh dict by default; see `registry`).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"group size must be a positive int, got {n!r}")
@@ -136,7 +177,10 @@ class InProcessTransport(Transport):
                     send, receive = trio.open_memory_channel[bytes](buffer_frames)
                     senders[src][dst] = send
                     receivers[dst][src] = receive
-        return [cls(rank, n, senders[rank], receivers[rank], max_frame) for rank in range(n)]
+        shared: dict[str, Any] = registry if registry is not None else {}
+        return [
+            cls(rank, n, senders[rank], receivers[rank], max_frame, shared) for rank in range(n)
+        ]
 
     async def send(
         self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None

@@ -52,6 +52,7 @@ from runtime.protocol.wire import (
     tensor_buffer,
 )
 from runtime.transport.admission import AdmissionGate
+from runtime.transport.base import BulkRoute
 from runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
@@ -337,6 +338,32 @@ class Connection:
                 if spec is not None:
                     await self._read_into(tensor_buffer(out))
                 message["data"] = out
+                return message
+            except ProtocolError as exc:
+                raise exc.with_peer(self.peer) from None
+
+    async def recv_routed(
+        self, route: BulkRoute, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> dict[str, Any]:
+        """Receive one message whose bulk lands where ``route`` says, once the head is read:
+        straight into the tensor it returns (checked as `recv_into` checks), or, for None, a
+        fresh one (bounded by ``max_frame`` as in `recv`)."""
+        async with self._holding(self._recv_lock):
+            try:
+                message, spec, bulk_len = await self._read_head(max_frame)
+                if spec is not None:
+                    out = route(message, spec.dtype, spec.shape)
+                    if out is None:
+                        if bulk_len > max_frame:
+                            raise FrameTooLarge(
+                                f"{message['kind']} message carries {bulk_len} bulk bytes, "
+                                f"more than this receiver's limit of {max_frame}"
+                            )
+                        out = torch.empty(spec.shape, dtype=spec.dtype)
+                    else:
+                        check_bulk_destination(spec, out, self.peer, message)
+                    await self._read_into(tensor_buffer(out))
+                    message["data"] = out
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
@@ -823,10 +850,18 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         world_size: int,
         connections: dict[int, Connection],
         max_frame: int = DEFAULT_MAX_FRAME,
+        *,
+        secret: bytes | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         self.connections = connections
         self.max_frame = max_frame
+        self.secret = secret
+        """The key the connections authenticated with, kept so that process groups
+        (`runtime.collectives.groups`) can form their own meshes; None if not given."""
+        self.tls = tls
+        """The TLS configuration of the connections (None: plain TCP), for the same purpose."""
         self.stall_seconds = 300.0
         """A blocking transfer that moves no byte for this long fails as a stall."""
         self.shared_memory: AllReducePlane | None = None
@@ -849,6 +884,11 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         conn = self._conn(peer)
         self.check_destination(out)
         return await conn.recv_into(out, self.max_frame)
+
+    async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
+        """The next message from ``peer``, its bulk read straight into the tensor ``route``
+        chooses (see `Transport.recv_routed` and `Connection.recv_routed`)."""
+        return await self._conn(peer).recv_routed(route, self.max_frame)
 
     async def send_frame(self, peer: int, frame: bytes) -> None:
         """Send a frame encoded beforehand to ``peer`` (see `Connection.send_frame`)."""
@@ -999,7 +1039,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             for lst in listeners:
                 if lst is not None:
                     await lst.aclose()
-        transports = [cls(rank, n, meshes[rank]) for rank in range(n)]
+        transports = [cls(rank, n, meshes[rank], secret=key, tls=tls) for rank in range(n)]
         try:
             if shared_memory:
                 await _attach_all(transports, shm_options)
@@ -1043,7 +1083,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
                     await _rendezvous_root(me, config.address, key, mesh, tls=tls)
                 else:
                     await _rendezvous_member(me, config.address, key, mesh, tls=tls)
-        transport = cls(config.rank, config.world_size, mesh)
+        transport = cls(config.rank, config.world_size, mesh, secret=key, tls=tls)
         try:
             if config.world_size > 1:
                 await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
