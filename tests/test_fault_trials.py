@@ -31,6 +31,7 @@ from runtime.testing.fault_trials import JOB_FLAGS, run_coordinator_restart_tria
 from runtime.testing.faults import PHASES, Fault, FaultyTransport, commit_fault_core, parse_fault
 from runtime.testing.faulty_daemon import arm
 from runtime.transport.base import InProcessTransport
+from runtime.transport.capabilities import BlockingLinkProvider
 
 _REFERENCES: dict[int, str] = {}
 
@@ -176,7 +177,7 @@ async def test_faulty_transport_reduces_like_its_transport_and_dies_after_a_fram
     assert all(torch.equal(t, torch.arange(40_000, dtype=torch.float32) * 2) for t in tensors)
     # The wrapper shares its transport's op ids: a collective on either stays in step.
     assert [w.next_op_id() for w in wrapped] == [t._op_counter - 1 for t in inner]
-    assert wrapped[0].blocking_links is None
+    assert not isinstance(wrapped[0], BlockingLinkProvider)  # it lends no blocking links
     inner[0].shared_memory = plane = object()  # type: ignore[attr-defined]
     assert wrapped[0].shared_memory is plane  # the collectives find the wrapped plane
     del inner[0].shared_memory  # type: ignore[attr-defined]
