@@ -31,7 +31,7 @@ from runtime.testing.fault_trials import JOB_FLAGS, run_coordinator_restart_tria
 from runtime.testing.faults import PHASES, Fault, FaultyTransport, commit_fault_core, parse_fault
 from runtime.testing.faulty_daemon import arm
 from runtime.transport.base import InProcessTransport
-from runtime.transport.capabilities import BlockingLinkProvider
+from runtime.transport.capabilities import BlockingLinkProvider, SharedMemoryHolder
 
 _REFERENCES: dict[int, str] = {}
 
@@ -165,6 +165,19 @@ def test_fault_parse_and_strike_only_at_its_point() -> None:
         recorded.strike("digest", 2)
 
 
+class _PlaneHolder(InProcessTransport, SharedMemoryHolder):
+    """An in-process transport that can carry a shared-memory plane (never sends frames)."""
+
+    shared_memory = None
+    stall_seconds = 1.0
+
+    async def send_frame(self, peer: int, frame: bytes) -> None:
+        raise NotImplementedError
+
+    async def recv_matching(self, peer: int, expected: bytes) -> dict | None:
+        raise NotImplementedError
+
+
 async def test_faulty_transport_reduces_like_its_transport_and_dies_after_a_frame_once_armed() -> (
     None
 ):
@@ -178,9 +191,11 @@ async def test_faulty_transport_reduces_like_its_transport_and_dies_after_a_fram
     # The wrapper shares its transport's op ids: a collective on either stays in step.
     assert [w.next_op_id() for w in wrapped] == [t._op_counter - 1 for t in inner]
     assert not isinstance(wrapped[0], BlockingLinkProvider)  # it lends no blocking links
-    inner[0].shared_memory = plane = object()  # type: ignore[attr-defined]
-    assert wrapped[0].shared_memory is plane  # the collectives find the wrapped plane
-    del inner[0].shared_memory  # type: ignore[attr-defined]
+    (holder,) = _PlaneHolder.create_group(1)
+    around = FaultyTransport(holder, _RecordedFault("allreduce", 1))
+    assert isinstance(around, SharedMemoryHolder) and around.shared_memory is None
+    holder.shared_memory = plane = object()  # type: ignore[assignment]
+    assert around.shared_memory is plane  # the collectives find the wrapped plane
     wrapped[0].arm()
     with pytest.raises(_Killed):
         await wrapped[0].send(1, "coll", {"op": 99, "hop": 0, "part": 0}, torch.ones(2))
