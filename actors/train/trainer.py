@@ -31,13 +31,7 @@ from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
 from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
-from actors.state.training_state import (
-    TrainingState,
-    allocate,
-    capture_state,
-    manifest,
-    restore_state,
-)
+from actors.train.state_transfer import receive_state, send_state, wire_view
 from runtime.actor.base import ActorStopped, ActorSystem
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
@@ -48,7 +42,6 @@ from runtime.config import DistributedConfig
 from runtime.coordinator.core import Hold, ResyncOrder, StartRun
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.wire import Field, register_message
 from runtime.transport.base import Transport
 
 __all__ = [
@@ -60,14 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("paramsync.trainer")
-
-register_message(
-    "state",
-    step=Field(int, min=0),
-    index=Field(int, min=0),
-    data=Field(torch.Tensor),
-)
-register_message("state_manifest", manifest=Field(dict))
 
 
 @dataclass(frozen=True)
@@ -386,7 +371,9 @@ class DistributedTrainer:
                 for receiver in start.receivers:
                     await self._send_state(transport, start.position(receiver))
             elif self.rank in start.receivers:
-                await self._receive_state(transport, start.position(start.donor))
+                await self._receive_state(
+                    transport, start.position(start.donor), donor=f"rank {start.donor}"
+                )
         if self.rank not in start.receivers:
             if start.broadcast:
                 self.step = start.step
@@ -455,38 +442,19 @@ class DistributedTrainer:
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
             host = tensor.detach().to("cpu").contiguous()
             await broadcast(
-                transport, _wire_view(host), root=0, chunk_bytes=self.options.chunk_bytes
+                transport, wire_view(host), root=0, chunk_bytes=self.options.chunk_bytes
             )
             with torch.no_grad():  # never across an await: grad mode is per thread, not per task
                 tensor.copy_(host)
 
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
-        state = capture_state(self.model, self.optimizer, self.step)
-        await transport.send(peer, "state_manifest", {"manifest": manifest(state)})
-        for index, (_, tensor) in enumerate(state.tensors):
-            fields = {"step": state.step, "index": index}
-            await transport.send(peer, "state", fields, _wire_view(tensor))
+        await send_state(transport, peer, self.model, self.optimizer, self.step)
 
-    async def _receive_state(self, transport: Transport, peer: int) -> None:
-        """Receive a healthy member's whole training state and take it over."""
-        message = await transport.recv(peer)
-        if message.get("kind") != "state_manifest":
-            raise ProtocolError(
-                f"expected the state manifest, got {message.get('kind')}", peer=peer
-            )
-        plan = message["manifest"]
-        tensors = allocate(plan)
-        for index, (name, tensor) in enumerate(tensors):
-            got = await transport.recv_into(peer, _wire_view(tensor))
-            if got["kind"] != "state" or got["index"] != index:
-                raise ProtocolError(
-                    f"state transfer: expected tensor {index} ({name}), got {got['kind']} "
-                    f"{got.get('index')}",
-                    peer=peer,
-                )
-        state = TrainingState.from_manifest(plan, tensors)
-        await trio.to_thread.run_sync(restore_state, self.model, self.optimizer, state)
+    async def _receive_state(self, transport: Transport, peer: int, donor: object = None) -> None:
+        """Receive a healthy member's whole training state and take it over; its manifest is
+        checked against this model before anything is allocated (`receive_state`)."""
+        state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
         self.step = state.step
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
@@ -640,12 +608,12 @@ class DistributedTrainer:
                 host = tensor.detach().to("cpu").contiguous()
                 for target in order.targets:
                     await epoch.transport.send(
-                        start.position(target), "state", fields, _wire_view(host)
+                        start.position(target), "state", fields, wire_view(host)
                     )
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
                 source = start.position(order.source)
-                message = await epoch.transport.recv_into(source, _wire_view(host))
+                message = await epoch.transport.recv_into(source, wire_view(host))
                 if (message["kind"], message["step"], message["index"]) != (
                     "state",
                     *fields.values(),
@@ -777,11 +745,6 @@ def _broken_by_a_peer(error: BaseException) -> bool:
     while isinstance(leaf, ActorFailed) and leaf.__cause__ is not None:
         leaf = pick_error(leaf.__cause__)
     return isinstance(leaf, ProtocolError | ActorStopped)
-
-
-def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as the wire can carry it: bool (no RFC 8746 tag) as its uint8 bytes."""
-    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def _split(batch: Any, parts: int) -> list[Any]:
