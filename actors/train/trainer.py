@@ -81,6 +81,10 @@ class TrainerOptions:
     verify_overlap: bool = True
     """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
     diverged workers (``resync``): a re-sync must not overwrite weights a forward is reading."""
+    history_steps: int = 10_000
+    """Steps kept in the trainer's ``losses`` and ``step_seconds`` (the newest ones): enough for
+    the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
+    summary's first loss and throughput cover the whole run whatever this is."""
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -91,6 +95,8 @@ class TrainerOptions:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.digest_interval is not None and self.digest_interval < 1:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
+        if self.history_steps < 1:
+            raise ValueError(f"history_steps must be >= 1, got {self.history_steps}")
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
@@ -164,7 +170,12 @@ class DistributedTrainer:
         """The constructors of this trainer's actors (see `ActorFactory`)."""
         self.step = client.start.step
         self.losses: list[tuple[int, float]] = []
+        """(step, loss) of the last ``options.history_steps`` steps this worker ran."""
         self.step_seconds: list[float] = []
+        """Wall time of the last ``options.history_steps`` steps this worker ran."""
+        self._first_loss: float | None = None
+        self._steps_run = 0
+        self._seconds_run = 0.0
         self.check_cost = CheckCost()
         """The identical-weights check's cost to this worker so far (all epochs)."""
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
@@ -582,9 +593,22 @@ class DistributedTrainer:
             self._step_scope = None
         if scope.cancelled_caught or self.step != step + 1:
             raise _StepAborted
-        self.losses.append((step, loss))
-        self.step_seconds.append(time.perf_counter() - started)
+        self._record(step, loss, time.perf_counter() - started)
         return loss
+
+    def _record(self, step: int, loss: float, seconds: float) -> None:
+        """Append to the bounded histories; keep the whole run's totals for the summary."""
+        if self._first_loss is None:
+            self._first_loss = loss
+        self._steps_run += 1
+        self._seconds_run += seconds
+        keep = self.options.history_steps
+        self.losses.append((step, loss))
+        self.step_seconds.append(seconds)
+        if len(self.losses) > keep:
+            del self.losses[: len(self.losses) - keep]
+        if len(self.step_seconds) > keep:
+            del self.step_seconds[: len(self.step_seconds) - keep]
 
     async def _resync(self, order: ResyncOrder) -> None:
         """Copy the source rank's parameters and optimizer state to the diverged ranks."""
@@ -718,17 +742,19 @@ class DistributedTrainer:
 
     def summary(self) -> dict[str, Any]:
         """Final step and loss, the digest of this rank's state after its last step (None before
-        the first), the throughput and the membership epochs it saw."""
-        seconds = sum(self.step_seconds)
+        the first), the throughput and the membership epochs it saw. First loss and steps per
+        second cover the whole run; the median step time the kept history (the last
+        ``options.history_steps`` steps)."""
+        seconds = self._seconds_run
         digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
         return {
             "rank": self._config.rank,
             "world_size": self._config.world_size,
             "final_step": self.step,
-            "first_loss": self.losses[0][1] if self.losses else None,
+            "first_loss": self._first_loss,
             "final_loss": self.losses[-1][1] if self.losses else None,
             "digest": digest.hex() if digest is not None else None,
-            "steps_per_second": len(self.step_seconds) / seconds if seconds else None,
+            "steps_per_second": self._steps_run / seconds if seconds else None,
             "median_step_seconds": sorted(self.step_seconds)[len(self.step_seconds) // 2]
             if self.step_seconds
             else None,
