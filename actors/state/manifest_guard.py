@@ -41,10 +41,10 @@ def _local_layout(
     """The exact (shape, dtype) of every ``param.``/``buffer.``/``rng.`` tensor this process
     restores, and the optimizer's parameters in packed-index order."""
     exact: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for name, tensor in model.named_parameters():
-        exact[f"param.{name}"] = (tuple(tensor.shape), tensor.dtype)
-    for name, tensor in model.named_buffers():
-        exact[f"buffer.{name}"] = (tuple(tensor.shape), tensor.dtype)
+    for name, param in model.named_parameters():
+        exact[f"param.{name}"] = (tuple(param.shape), param.dtype)
+    for name, buffer in model.named_buffers():
+        exact[f"buffer.{name}"] = (tuple(buffer.shape), buffer.dtype)
     exact["rng.torch"] = (tuple(torch.get_rng_state().shape), torch.uint8)
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
