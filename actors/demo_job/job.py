@@ -21,8 +21,9 @@ import trio
 from actors.demo_job.corpus import load_char_dataset
 from actors.demo_job.model import CharTransformer
 from actors.state.buckets import DEFAULT_BUCKET_BYTES
-from actors.state.checkpoint import CheckpointStore
+from actors.state.checkpoint import CheckpointError, CheckpointStore, new_run_id
 from actors.state.training_state import capture_state, restore_state
+from actors.train.checkpointing import CommittedCheckpoints
 from actors.train.run import trainer_from_env, write_summary
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from runtime.collectives.ring import all_gather
@@ -32,7 +33,10 @@ from runtime.observe.plot import write_loss_plot
 from runtime.observe.progress import ProgressBar
 from runtime.observe.trace import TraceRecorder
 
-__all__ = ["main", "build_parser", "run"]
+__all__ = ["main", "build_parser", "run", "RUN_ID_ENV"]
+
+RUN_ID_ENV = "PARAMSYNC_RUN_ID"
+"""The run id every rank of a fresh run shares (``paramsync launch`` sets it)."""
 
 log = logging.getLogger("paramsync.lm_job")
 
@@ -72,7 +76,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--checkpoint-every",
         type=int,
         default=0,
-        help="steps between checkpoints (0: only at stop)",
+        help="steps between checkpoints (0: only at stop); a checkpoint is written once its "
+        "step is committed (every rank's digest agreed), never before",
+    )
+    group.add_argument(
+        "--run-id",
+        help="the run id recorded in every checkpoint (default: $PARAMSYNC_RUN_ID, set by "
+        "paramsync launch, else random; with --resume: the one recorded in --checkpoint-dir)",
     )
     group.add_argument(
         "--reconnect-seconds",
@@ -85,7 +95,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument(
         "--resume",
         action="store_true",
-        help="every worker restores the newest valid checkpoint of --checkpoint-dir first",
+        help="every worker restores the newest committed checkpoint of this run (its run id "
+        "recorded in --checkpoint-dir) first; other runs' checkpoints are refused",
     )
     return parser
 
@@ -105,16 +116,21 @@ async def run(args: argparse.Namespace) -> int:
         digest_interval=args.digest_interval,
     )
     rank = int(os.environ.get("RANK", "0"))
-    store = CheckpointStore(args.checkpoint_dir) if args.checkpoint_dir else None
+    store: CheckpointStore | None = None
     resume_step = 0
-    if args.resume:
-        if store is None:
-            log.error("--resume needs --checkpoint-dir")
-            return EXIT_USAGE
-        state = store.load_latest_valid()
-        if state is None:
+    if args.resume and not args.checkpoint_dir:
+        log.error("--resume needs --checkpoint-dir")
+        return EXIT_USAGE
+    if args.checkpoint_dir:
+        try:
+            store = _open_store(args, rank)
+            state = store.load_latest_valid(committed_only=True) if args.resume else None
+        except (CheckpointError, ValueError) as exc:
+            log.error("rank %d: %s", rank, exc)
+            return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+        if args.resume and state is None:
             log.warning("rank %d: no checkpoint in %s, starting afresh", rank, args.checkpoint_dir)
-        else:
+        elif state is not None:
             restore_state(model, optimizer, state)
             resume_step = state.step
             log.info("rank %d resumes from the checkpoint of step %d", rank, resume_step)
@@ -159,10 +175,21 @@ async def run(args: argparse.Namespace) -> int:
                     else None
                 )
 
+                writer = (
+                    CommittedCheckpoints(store, trainer.client.wait_commit)
+                    if store is not None
+                    else None
+                )
+                if writer is not None:
+                    nursery.start_soon(writer.run)
+
                 def save_checkpoint() -> None:
-                    if store is not None and trainer.position == 0:
-                        path = store.save(capture_state(model, optimizer, trainer.step))
-                        log.info("rank %d wrote %s", rank, path)
+                    """Offer the state to the writer, which writes it once it is committed."""
+                    if writer is not None and trainer.position == 0:
+                        assert store is not None
+                        if store.recorded_run_id() != store.run_id:
+                            store.record_run_id()
+                        writer.offer(capture_state(model, optimizer, trainer.step))
 
                 def on_step(step: int, loss: float) -> None:
                     if bar is not None:
@@ -179,9 +206,11 @@ async def run(args: argparse.Namespace) -> int:
                 )
                 if bar is not None:
                     bar.close()
-                if store is not None and (stop["signal"] is not None or not args.checkpoint_every):
+                if writer is not None:
                     await trainer.verified()  # on SIGTERM/SIGINT: the last committed state
-                    save_checkpoint()
+                    if stop["signal"] is not None or not args.checkpoint_every:
+                        save_checkpoint()
+                    await writer.flush()
                 if stop["signal"] is None and args.plot:
                     await _gather_and_plot(trainer, args)
                 summary = trainer.summary()
@@ -200,6 +229,25 @@ async def run(args: argparse.Namespace) -> int:
     if args.summary_json:
         write_summary(args.summary_json.format(rank=rank), summary)
     return _exit_code(stop["signal"])
+
+
+def _open_store(args: argparse.Namespace, rank: int) -> CheckpointStore:
+    """The checkpoint store of this run: on --resume, bound to the run id recorded in the
+    directory (or --run-id); on a fresh run, to --run-id, $PARAMSYNC_RUN_ID or a random one."""
+    found = CheckpointStore(args.checkpoint_dir)
+    if args.resume:
+        run_id = args.run_id or found.recorded_run_id()
+        if run_id is None:
+            if found.checkpoints():
+                raise CheckpointError(
+                    f"{args.checkpoint_dir}: no run id recorded for its checkpoints; pass "
+                    "--run-id to say which run to resume"
+                )
+            run_id = os.environ.get(RUN_ID_ENV) or new_run_id()
+    else:
+        run_id = args.run_id or os.environ.get(RUN_ID_ENV) or new_run_id()
+    log.info("rank %d: checkpoints of run %r in %s", rank, run_id, args.checkpoint_dir)
+    return CheckpointStore(args.checkpoint_dir, run_id=run_id)
 
 
 def _exit_code(signum: int | None) -> int:

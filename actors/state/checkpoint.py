@@ -4,7 +4,9 @@ One checkpoint is one safetensors file named ``step-000000123.safetensors`` (the
 the next step to run). Its tensors are the state's tensors under their state names; its
 safetensors metadata holds, under the key ``"paramsync"``, one JSON document with the checkpoint
 format version, the state's manifest (step, meta, and each tensor's name, shape and dtype, in
-order) and an XXH3-128 digest of every tensor's name, shape, dtype and bytes. safetensors checks
+order), an XXH3-128 digest of every tensor's name, shape, dtype and bytes, the run id of the run
+that wrote it (``run_id``, or null) and whether its state was committed (``committed``: every
+rank's digest of it agreed). safetensors checks
 the file's structure (a truncated file is refused); the digest catches flipped bits in tensor
 data, which safetensors would load silently.
 
@@ -12,6 +14,15 @@ data, which safetensors would load silently.
 of the directory), so a crash leaves either the previous checkpoints or the new one, never a
 torn file under a checkpoint name; leftover temporary files are ignored when reading and removed
 by the next save. One process writes to a store's directory at a time.
+
+Provenance (security review rows 7 and 8): a store bound to a run id (``run_id=``) writes it into
+every checkpoint, counts only its own run's checkpoints when pruning, never deletes another
+run's, and refuses to load another run's (`load`: `CheckpointError` naming both ids;
+`load_latest_valid`: skipped with a warning naming both, and an error if nothing of its own run
+is left). ``load_latest_valid(committed_only=True)`` skips checkpoints whose state was not
+committed. The run id of the run writing to a directory is recorded in its ``run-id`` file.
+Format 1 files (before run ids) read as ``run_id`` None, not committed. The content digest is
+unkeyed: it detects corruption, not tampering by someone who can write the directory.
 
 ``meta`` values JSON cannot carry are encoded reversibly: bytes as ``{"$b64": ...}``,
 non-finite floats as ``{"$float": "nan" | "inf" | "-inf"}``, and a dict with a key starting
@@ -29,7 +40,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -45,14 +56,22 @@ __all__ = [
     "METADATA_KEY",
     "CheckpointError",
     "CheckpointStore",
+    "CheckpointRecord",
+    "RUN_ID_FILE",
     "checkpoint_name",
+    "checkpoint_record",
     "load_checkpoint",
+    "new_run_id",
 ]
 
 log = logging.getLogger("paramsync.checkpoint")
 
-CHECKPOINT_FORMAT = 1
-"""Version of the checkpoint's metadata document."""
+CHECKPOINT_FORMAT = 2
+"""Version of the checkpoint's metadata document (2: run id and committed flag)."""
+_READABLE_FORMATS = (1, 2)
+RUN_ID_FILE = "run-id"
+"""The file in a checkpoint directory naming the run that writes its checkpoints."""
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 METADATA_KEY = "paramsync"
 """The safetensors metadata key holding paramsync's JSON document."""
 
@@ -62,6 +81,25 @@ _TEMP = re.compile(r"\.step-\d{9,}\.safetensors\.tmp-[0-9a-f-]+")
 
 class CheckpointError(ParamsyncError):
     """A checkpoint could not be written or read; the message names the file and the problem."""
+
+
+class CheckpointRecord(NamedTuple):
+    """What a checkpoint says of itself, read from its metadata alone (no tensor data)."""
+
+    step: int
+    run_id: str | None
+    committed: bool
+
+
+def new_run_id() -> str:
+    """A fresh random run id."""
+    return secrets.token_hex(8)
+
+
+def _check_run_id(run_id: str | None) -> str | None:
+    if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+        raise ValueError(f"a run id must be 1-128 letters, digits, '.', '_' or '-', got {run_id!r}")
+    return run_id
 
 
 def checkpoint_name(step: int) -> str:
@@ -75,16 +113,52 @@ def checkpoint_name(step: int) -> str:
 
 
 class CheckpointStore:
-    """A directory of checkpoints, the newest ``keep`` of them kept."""
+    """A directory of checkpoints, the newest ``keep`` of them (of this store's run) kept.
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 3) -> None:
+    ``run_id``: the run this store writes for and reads from (None: any, as before run ids).
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], keep: int = 3, *, run_id: str | None = None
+    ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self.directory = Path(directory)
         self.keep = keep
+        self.run_id = _check_run_id(run_id)
 
     def __repr__(self) -> str:
-        return f"CheckpointStore({str(self.directory)!r}, keep={self.keep})"
+        return f"CheckpointStore({str(self.directory)!r}, keep={self.keep}, run_id={self.run_id!r})"
+
+    def recorded_run_id(self) -> str | None:
+        """The run id in the directory's ``run-id`` file, or None if there is none."""
+        try:
+            text = (self.directory / RUN_ID_FILE).read_text().strip()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise CheckpointError(f"{self.directory / RUN_ID_FILE}: cannot read: {err}") from err
+        try:
+            return _check_run_id(text)
+        except ValueError as err:
+            raise CheckpointError(f"{self.directory / RUN_ID_FILE}: {err}") from None
+
+    def record_run_id(self) -> None:
+        """Write this store's run id into the directory's ``run-id`` file (atomically)."""
+        if self.run_id is None:
+            raise ValueError("this store has no run id to record")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        target = self.directory / RUN_ID_FILE
+        temporary = self.directory / f".{RUN_ID_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            temporary.write_text(self.run_id + "\n")
+            _fsync_path(temporary)
+            os.replace(temporary, target)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise CheckpointError(f"{target}: could not record the run id: {err}") from err
+        _fsync_path(self.directory)
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Every file with a checkpoint name, as ``(step, path)``, oldest first. Names only:
@@ -105,17 +179,18 @@ class CheckpointStore:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
-    def save(self, state: TrainingState) -> Path:
+    def save(self, state: TrainingState, *, committed: bool = False) -> Path:
         """Write ``state`` atomically as ``step-<step>.safetensors`` (replacing a checkpoint of
-        the same step), then delete all but the newest ``keep`` checkpoints (never the one just
-        written). Returns the checkpoint's path.
+        the same step), recording this store's run id and ``committed`` (whether every rank's
+        digest of this state agreed), then delete all but the newest ``keep`` checkpoints of
+        this run (never the one just written). Returns the checkpoint's path.
 
         Raises `CheckpointError` if the file cannot be written (nothing is left behind), and
         TypeError if the state holds what a checkpoint cannot (see `actors.state.training_state`).
         """
         name = checkpoint_name(state.step)
         final = self.directory / name
-        tensors, metadata = _encode(state)
+        tensors, metadata = _encode(state, self.run_id, committed)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._remove_temporaries()
@@ -138,22 +213,52 @@ class CheckpointStore:
 
     def load(self, path: str | os.PathLike[str] | None = None) -> TrainingState:
         """Read the checkpoint at ``path`` (default: `latest`); `CheckpointError` if there is
-        none or it cannot be read whole and intact."""
+        none, it cannot be read whole and intact, or it belongs to another run than this
+        store's (naming both run ids)."""
         if path is None:
             path = self.latest()
             if path is None:
                 raise CheckpointError(f"{self.directory}: no checkpoint")
+        self._check_run(Path(path), checkpoint_record(path))
         return load_checkpoint(path)
 
-    def load_latest_valid(self) -> TrainingState | None:
-        """The newest checkpoint that reads whole and intact, skipping (with a warning) newer
-        ones that do not; None if none does."""
+    def load_latest_valid(self, *, committed_only: bool = False) -> TrainingState | None:
+        """The newest checkpoint of this store's run that reads whole and intact (and, with
+        ``committed_only``, whose state was committed), skipping newer ones that do not, each
+        with a warning; None if there is none. Raises `CheckpointError`, naming the run ids, if
+        the directory holds only other runs' checkpoints: resuming must not silently start
+        afresh next to them."""
+        others: set[str | None] = set()
         for _, path in reversed(self.checkpoints()):
+            try:
+                record = checkpoint_record(path)
+                self._check_run(path, record)
+            except CheckpointError as err:
+                if isinstance(err, _ForeignRun):
+                    others.add(err.other)
+                log.warning("skipping checkpoint: %s", err)
+                continue
+            if committed_only and not record.committed:
+                log.warning(
+                    "skipping checkpoint %s: its state was not committed (no digest agreement)",
+                    path,
+                )
+                continue
             try:
                 return load_checkpoint(path)
             except CheckpointError as err:
                 log.warning("skipping unreadable checkpoint: %s", err)
+        if others:
+            named = ", ".join(sorted(repr(other) for other in others))
+            raise CheckpointError(
+                f"{self.directory}: no checkpoint of run {self.run_id!r}, only of run(s) "
+                f"{named}: refusing to resume from another run or to start afresh beside it"
+            )
         return None
+
+    def _check_run(self, path: Path, record: CheckpointRecord) -> None:
+        if self.run_id is not None and record.run_id != self.run_id:
+            raise _ForeignRun(path, record.run_id, self.run_id)
 
     def _remove_temporaries(self) -> None:
         """Delete temporary files a crashed save left behind."""
@@ -165,12 +270,28 @@ class CheckpointStore:
 
     def _prune(self, keep_also: Path) -> None:
         found = self.checkpoints()
+        if self.run_id is not None:
+            found = [(step, path) for step, path in found if self._is_ours(path)]
         newest = {path for _, path in found[-self.keep :]}
         for _, path in found:
             if path not in newest and path != keep_also:
                 log.debug("pruning checkpoint %s", path)
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+
+    def _is_ours(self, path: Path) -> bool:
+        try:
+            return checkpoint_record(path).run_id == self.run_id
+        except CheckpointError:
+            return False  # unreadable: not provably ours, so never deleted by us
+
+
+class _ForeignRun(CheckpointError):
+    """A checkpoint of another run than the store's."""
+
+    def __init__(self, path: Path, other: str | None, ours: str) -> None:
+        self.other = other
+        super().__init__(f"{path}: checkpoint of run {other!r}, not of this run {ours!r}: refused")
 
 
 def _fsync_path(path: Path) -> None:
@@ -185,7 +306,9 @@ def _fsync_path(path: Path) -> None:
 # --------------------------------------------------------------------------- encoding
 
 
-def _encode(state: TrainingState) -> tuple[dict[str, torch.Tensor], str]:
+def _encode(
+    state: TrainingState, run_id: str | None, committed: bool
+) -> tuple[dict[str, torch.Tensor], str]:
     """The tensors safetensors accepts (contiguous CPU tensors, no two sharing memory: others
     are cloned) and the metadata document."""
     tensors: dict[str, torch.Tensor] = {}
@@ -206,6 +329,8 @@ def _encode(state: TrainingState) -> tuple[dict[str, torch.Tensor], str]:
         "format": CHECKPOINT_FORMAT,
         "manifest": {**manifest(state), "meta": _to_json(state.meta)},
         "digest": _content_digest(list(tensors.items())),
+        "run_id": run_id,
+        "committed": bool(committed),
     }
     try:
         text = json.dumps(document, allow_nan=False, separators=(",", ":"))
@@ -258,6 +383,24 @@ def _from_json(value: Any) -> Any:
 # --------------------------------------------------------------------------- reading
 
 
+def checkpoint_record(path: str | os.PathLike[str]) -> CheckpointRecord:
+    """The step, run id and committed flag a checkpoint records, from its metadata alone
+    (its tensor data is not read or checked: `load_checkpoint` does that)."""
+    path = Path(path)
+    try:
+        with safe_open(path, framework="pt", device="cpu", backend="pread") as file:
+            metadata = file.metadata() or {}
+    except Exception as err:  # safetensors raises its own SafetensorError, OSError, ...
+        raise CheckpointError(f"{path}: cannot read the checkpoint: {err}") from err
+    if METADATA_KEY not in metadata:
+        raise CheckpointError(f"{path}: not a paramsync checkpoint (no {METADATA_KEY!r} metadata)")
+    document = _parse_document(path, metadata[METADATA_KEY])
+    step = document["manifest"].get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise CheckpointError(f"{path}: corrupt {METADATA_KEY!r} metadata: bad step {step!r}")
+    return CheckpointRecord(step, document["run_id"], document["committed"])
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> TrainingState:
     """Read one checkpoint file whole into CPU memory and check it: safetensors structure,
     paramsync metadata, tensor names, shapes and dtypes against the manifest, content digest,
@@ -304,11 +447,16 @@ def _parse_document(path: Path, text: str) -> dict[str, Any]:
         document = json.loads(text)
         if not isinstance(document, dict):
             raise ValueError("not a JSON object")
-        if document.get("format") != CHECKPOINT_FORMAT:
+        if document.get("format") not in _READABLE_FORMATS:
             raise CheckpointError(
                 f"{path}: checkpoint format {document.get('format')!r} is not supported "
-                f"(expected {CHECKPOINT_FORMAT})"
+                f"(expected one of {list(_READABLE_FORMATS)})"
             )
+        run_id = document.setdefault("run_id", None)
+        if run_id is not None and not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+            raise ValueError(f"bad run id {run_id!r}")
+        if not isinstance(document.setdefault("committed", False), bool):
+            raise ValueError("the committed flag is not a boolean")
         described = document.get("manifest")
         if not isinstance(described, dict) or not isinstance(described.get("tensors"), list):
             raise ValueError("no manifest with a tensor list")

@@ -41,6 +41,7 @@ __all__ = [
     "restore_state",
     "manifest",
     "allocate",
+    "parse_manifest",
     "dtype_name",
 ]
 
@@ -91,7 +92,7 @@ class TrainingState:
         """Assemble a state from a manifest and the tensors received for it (e.g. into
         `allocate`'s buffers); raises ValueError unless names, order, shapes and dtypes match
         the manifest exactly."""
-        step, meta, specs = _parse_manifest(manifest)
+        step, meta, specs = parse_manifest(manifest)
         if len(tensors) != len(specs):
             raise ValueError(f"manifest lists {len(specs)} tensors, got {len(tensors)}")
         for (name, shape, dtype), (got_name, tensor) in zip(specs, tensors):
@@ -248,7 +249,7 @@ def allocate(
     """Empty contiguous CPU tensors, named and ordered as ``manifest`` lists them, to receive
     a state into. The manifest is validated first (it may come from the network); with
     ``max_bytes``, one announcing more data than that is refused before allocating."""
-    _, _, specs = _parse_manifest(manifest)
+    _, _, specs = parse_manifest(manifest)
     if max_bytes is not None:
         total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
         if total > max_bytes:
@@ -256,9 +257,12 @@ def allocate(
     return [(name, torch.empty(shape, dtype=dtype)) for name, shape, dtype in specs]
 
 
-def _parse_manifest(
+def parse_manifest(
     manifest: Mapping[str, Any],
 ) -> tuple[int, dict[str, Any], list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """Validate a manifest's structure: ``(step, meta, [(name, shape, dtype), ...])``, or
+    ValueError naming the problem. Allocates nothing (see `actors.state.manifest_guard` for the
+    check against a local model)."""
     if not isinstance(manifest, Mapping):
         raise ValueError(f"manifest must be a map, got {type(manifest).__name__}")
     if manifest.get("format") != STATE_FORMAT:

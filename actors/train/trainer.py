@@ -31,13 +31,7 @@ from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
 from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
-from actors.state.training_state import (
-    TrainingState,
-    allocate,
-    capture_state,
-    manifest,
-    restore_state,
-)
+from actors.train.state_transfer import receive_state, send_state, wire_view
 from runtime.actor.base import ActorStopped, ActorSystem
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
@@ -47,7 +41,7 @@ from runtime.collectives.ring import (
 from runtime.config import DistributedConfig
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateManifest, StateTensor
+from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateTensor
 from runtime.transport.base import Transport
 
 __all__ = [
@@ -87,6 +81,10 @@ class TrainerOptions:
     verify_overlap: bool = True
     """Check step s's digests while step s+1 computes. Turn off when the coordinator re-syncs
     diverged workers (``resync``): a re-sync must not overwrite weights a forward is reading."""
+    history_steps: int = 10_000
+    """Steps kept in the trainer's ``losses`` and ``step_seconds`` (the newest ones): enough for
+    the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
+    summary's first loss and throughput cover the whole run whatever this is."""
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -97,6 +95,8 @@ class TrainerOptions:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.digest_interval is not None and self.digest_interval < 1:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
+        if self.history_steps < 1:
+            raise ValueError(f"history_steps must be >= 1, got {self.history_steps}")
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
@@ -170,7 +170,12 @@ class DistributedTrainer:
         """The constructors of this trainer's actors (see `ActorFactory`)."""
         self.step = client.start.step
         self.losses: list[tuple[int, float]] = []
+        """(step, loss) of the last ``options.history_steps`` steps this worker ran."""
         self.step_seconds: list[float] = []
+        """Wall time of the last ``options.history_steps`` steps this worker ran."""
+        self._first_loss: float | None = None
+        self._steps_run = 0
+        self._seconds_run = 0.0
         self.check_cost = CheckCost()
         """The identical-weights check's cost to this worker so far (all epochs)."""
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
@@ -377,7 +382,9 @@ class DistributedTrainer:
                 for receiver in start.receivers:
                     await self._send_state(transport, start.position(receiver))
             elif self.rank in start.receivers:
-                await self._receive_state(transport, start.position(start.donor))
+                await self._receive_state(
+                    transport, start.position(start.donor), donor=f"rank {start.donor}"
+                )
         if self.rank not in start.receivers:
             if start.broadcast:
                 self.step = start.step
@@ -446,38 +453,19 @@ class DistributedTrainer:
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
             host = tensor.detach().to("cpu").contiguous()
             await broadcast(
-                transport, _wire_view(host), root=0, chunk_bytes=self.options.chunk_bytes
+                transport, wire_view(host), root=0, chunk_bytes=self.options.chunk_bytes
             )
             with torch.no_grad():  # never across an await: grad mode is per thread, not per task
                 tensor.copy_(host)
 
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
-        state = capture_state(self.model, self.optimizer, self.step)
-        await transport.send(peer, *StateManifest(manifest(state)).to_wire())
-        for index, (_, tensor) in enumerate(state.tensors):
-            part = StateTensor(state.step, index, _wire_view(tensor))
-            await transport.send(peer, *part.to_wire_bulk())
+        await send_state(transport, peer, self.model, self.optimizer, self.step)
 
-    async def _receive_state(self, transport: Transport, peer: int) -> None:
-        """Receive a healthy member's whole training state and take it over."""
-        message = await transport.recv(peer)
-        if message.get("kind") != "state_manifest":
-            raise ProtocolError(
-                f"expected the state manifest, got {message.get('kind')}", peer=peer
-            )
-        plan = message["manifest"]
-        tensors = allocate(plan)
-        for index, (name, tensor) in enumerate(tensors):
-            got = await transport.recv_into(peer, _wire_view(tensor))
-            if got["kind"] != "state" or got["index"] != index:
-                raise ProtocolError(
-                    f"state transfer: expected tensor {index} ({name}), got {got['kind']} "
-                    f"{got.get('index')}",
-                    peer=peer,
-                )
-        state = TrainingState.from_manifest(plan, tensors)
-        await trio.to_thread.run_sync(restore_state, self.model, self.optimizer, state)
+    async def _receive_state(self, transport: Transport, peer: int, donor: object = None) -> None:
+        """Receive a healthy member's whole training state and take it over; its manifest is
+        checked against this model before anything is allocated (`receive_state`)."""
+        state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
         self.step = state.step
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
@@ -605,9 +593,22 @@ class DistributedTrainer:
             self._step_scope = None
         if scope.cancelled_caught or self.step != step + 1:
             raise _StepAborted
-        self.losses.append((step, loss))
-        self.step_seconds.append(time.perf_counter() - started)
+        self._record(step, loss, time.perf_counter() - started)
         return loss
+
+    def _record(self, step: int, loss: float, seconds: float) -> None:
+        """Append to the bounded histories; keep the whole run's totals for the summary."""
+        if self._first_loss is None:
+            self._first_loss = loss
+        self._steps_run += 1
+        self._seconds_run += seconds
+        keep = self.options.history_steps
+        self.losses.append((step, loss))
+        self.step_seconds.append(seconds)
+        if len(self.losses) > keep:
+            del self.losses[: len(self.losses) - keep]
+        if len(self.step_seconds) > keep:
+            del self.step_seconds[: len(self.step_seconds) - keep]
 
     async def _resync(self, order: ResyncOrder) -> None:
         """Copy the source rank's parameters and optimizer state to the diverged ranks."""
@@ -628,13 +629,13 @@ class DistributedTrainer:
         for index, tensor in enumerate(tensors):
             if rank == order.source:
                 host = tensor.detach().to("cpu").contiguous()
-                part = StateTensor(order.step, index, _wire_view(host))
+                part = StateTensor(order.step, index, wire_view(host))
                 for target in order.targets:
                     await epoch.transport.send(start.position(target), *part.to_wire_bulk())
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
                 source = start.position(order.source)
-                message = await epoch.transport.recv_into(source, _wire_view(host))
+                message = await epoch.transport.recv_into(source, wire_view(host))
                 if (message["kind"], message["step"], message["index"]) != (
                     StateTensor.KIND,
                     order.step,
@@ -740,17 +741,19 @@ class DistributedTrainer:
 
     def summary(self) -> dict[str, Any]:
         """Final step and loss, the digest of this rank's state after its last step (None before
-        the first), the throughput and the membership epochs it saw."""
-        seconds = sum(self.step_seconds)
+        the first), the throughput and the membership epochs it saw. First loss and steps per
+        second cover the whole run; the median step time the kept history (the last
+        ``options.history_steps`` steps)."""
+        seconds = self._seconds_run
         digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
         return {
             "rank": self._config.rank,
             "world_size": self._config.world_size,
             "final_step": self.step,
-            "first_loss": self.losses[0][1] if self.losses else None,
+            "first_loss": self._first_loss,
             "final_loss": self.losses[-1][1] if self.losses else None,
             "digest": digest.hex() if digest is not None else None,
-            "steps_per_second": len(self.step_seconds) / seconds if seconds else None,
+            "steps_per_second": self._steps_run / seconds if seconds else None,
             "median_step_seconds": sorted(self.step_seconds)[len(self.step_seconds) // 2]
             if self.step_seconds
             else None,
@@ -767,11 +770,6 @@ def _broken_by_a_peer(error: BaseException) -> bool:
     while isinstance(leaf, ActorFailed) and leaf.__cause__ is not None:
         leaf = pick_error(leaf.__cause__)
     return isinstance(leaf, ProtocolError | ActorStopped)
-
-
-def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as the wire can carry it: bool (no RFC 8746 tag) as its uint8 bytes."""
-    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def _split(batch: Any, parts: int) -> list[Any]:

@@ -78,6 +78,9 @@ def run_launch(args: argparse.Namespace) -> int:
     base = dict(
         os.environ,
         PARAMSYNC_SECRET=os.environ.get("PARAMSYNC_SECRET") or secrets.token_hex(16),
+        # One run id for every rank: jobs record it in their checkpoints (a resume refuses
+        # another run's).
+        PARAMSYNC_RUN_ID=os.environ.get("PARAMSYNC_RUN_ID") or secrets.token_hex(8),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(args.nproc),

@@ -75,7 +75,9 @@ TCP ring (docs/shared_memory.md)."""
 _ALIGN = 64
 _MAGIC = b"PSYNCSHM"
 _NONCE_BYTES = 16
-_NAME = re.compile(r"paramsync-[0-9a-f]{32}")
+_NAME = re.compile(r"paramsync-([1-9][0-9]{0,9})-[0-9a-f]{32}")
+"""Segment names: ``paramsync-<creator pid>-<32 hex>``. The pid lets a later start reap a segment
+whose creator died between creating and unlinking it (`_reap_orphans`)."""
 
 
 def host_identity() -> str:
@@ -127,12 +129,51 @@ class _Layout:
         return slice(start, start + _NONCE_BYTES)
 
 
+def _creator_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def _reap_orphans() -> None:
+    """Unlink this user's segments whose creator process is gone: rank 0 died between creating
+    one and unlinking it. A live creator's segment (a run attaching now) is never touched; a
+    pid reused since only delays the reaping. Ranks sharing one /dev/shm from different pid
+    namespaces would see each other's creators as dead: they must not share it."""
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return
+    uid = os.getuid()
+    for entry in entries:
+        match = _NAME.fullmatch(entry.name)
+        if match is None or _creator_alive(int(match.group(1))):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == uid:
+            log.warning(
+                "removing %s: its creator (pid %s) died before unlinking it",
+                entry.path,
+                match.group(1),
+            )
+            _unlink(entry.path)
+
+
 def _create_segment(size: int) -> tuple[str, int]:
     """Create a fresh 0600 file in /dev/shm with ``size`` bytes reserved; return (path, fd).
 
-    The pages are allocated now, so running out of /dev/shm fails here rather than as a
-    SIGBUS in the middle of a collective."""
-    path = os.path.join(SHM_DIR, f"paramsync-{secrets.token_hex(16)}")
+    Orphaned segments of dead creators are reaped first (`_reap_orphans`). The pages are
+    allocated now, so running out of /dev/shm fails here rather than as a SIGBUS in the middle
+    of a collective."""
+    _reap_orphans()
+    path = os.path.join(SHM_DIR, f"paramsync-{os.getpid()}-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
