@@ -32,7 +32,9 @@ duplicate_rank ``--duplicate-trials`` trials of two dialers holding the secret a
                free rank, their auths sent back to back: how many trials welcomed both
 ============== ==============================================================================
 
-Each attempt's local address is what the coordinator logs as the peer, so every attempt is
+Attempts connect from 127.0.0.1-8 in turn (`ATTACK_SOURCES`), so the cap per source address
+does not refuse them before the global cap would. Each attempt's local address is what the
+coordinator logs as the peer, so every attempt is
 matched with the coordinator's log line naming it, or with the count a rate-limit summary line
 gives for its category (the gate logs at most 20 refusal lines a second). Each attack is a phase
 of its own, a log window after the previous one, opened by a marker connection (the right
@@ -52,6 +54,7 @@ end with the same state digest, the coordinator's memory, and the daemon's admis
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -160,8 +163,15 @@ class Attempt:
         return not self.outcome.startswith("welcome")
 
 
+ATTACK_SOURCES = tuple(f"127.0.0.{i}" for i in range(1, 9))
+"""The attacks connect from these eight loopback addresses in turn, so the coordinator's cap
+per source (8) does not refuse them before the global cap (64) would."""
+_next_source = itertools.cycle(ATTACK_SOURCES)
+
+
 async def _open(target: Target) -> tuple[trio.SocketStream, str]:
-    stream = await trio.open_tcp_stream(*target.address)
+    source = next(_next_source) if target.host.startswith("127.") else None
+    stream = await trio.open_tcp_stream(*target.address, local_address=source)
     host, port = stream.socket.getsockname()[:2]
     return stream, f"{host}:{port}"
 
@@ -263,6 +273,9 @@ async def forged_auth(target: Target, index: int) -> list[Attempt]:
         hello = dialer.hello()
         await conn.send(*hello)
         challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
+        if challenge["kind"] != "challenge":  # refused before the challenge (busy)
+            attempt.outcome = f"{challenge['kind']}: {challenge.get('reason', '')}"
+            return [attempt]
         # A listener holding the attacker's secret, with the real listener's nonce, gives the
         # dialer a challenge it accepts, so it produces the auth it would send.
         lookalike = ListenerHandshake(

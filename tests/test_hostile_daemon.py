@@ -48,7 +48,7 @@ hostile = _load_bench()
 HANDSHAKE_SECONDS = 1.5
 CAP = 16
 PER_SOURCE = 8
-"""The gate's default cap per source address (every attack here comes from 127.0.0.1)."""
+"""The gate's default cap per source address (the attacks come from 127.0.0.1-8 in turn)."""
 FLOOD = 40
 STEPS = 1500  # about 15 s on 2 cores: the attacks are over after about 5 s of it
 
@@ -137,19 +137,16 @@ def test_every_attack_is_refused_and_logged_while_training_finishes(tmp_path: Pa
     sent, total = (int(n) for n in drip.outcome.split()[2:5:2])
     assert sent < total, drip  # cut by the deadline, not finished
 
-    # The flood, all from 127.0.0.1: the cap per source (8 of CAP) held until the deadline
-    # (or evicted for a newcomer), the others refused at once.
+    # The flood (from eight addresses, 5 each: under the cap per source): CAP connections held
+    # until the deadline (or evicted for a newcomer), the others refused at once.
     flood = [a for a in attempts if a.attack == "flood"]
     busy = [a for a in flood if a.outcome.startswith("refuse: coordinator is busy")]
-    assert len(busy) >= FLOOD - PER_SOURCE - 4, [a.outcome for a in flood]
+    assert len(busy) >= FLOOD - CAP - 4, [a.outcome for a in flood]
     caps = (f"the cap is {CAP}", f"the cap per source is {PER_SOURCE}", "made no progress")
     assert all(any(cap in a.outcome for cap in caps) for a in busy), [a.outcome for a in busy]
     over_cap_lines = [a for a in busy if log.lines.get(a.address, [("", "")])[0][0] == "over_cap"]
     assert over_cap_lines, "no over-the-cap line names a flood connection"
-    assert all(
-        f"from 127.0.0.1 (the cap per source is {PER_SOURCE})" in log.lines[a.address][0][1]
-        for a in over_cap_lines
-    )
+    assert all(any(cap in log.lines[a.address][0][1] for cap in caps[:2]) for a in over_cap_lines)
     rows = hostile.account(attempts, log)
     assert rows["flood"]["unaccounted"] == 0 and not rows["flood"]["unexpected"], rows["flood"]
 
