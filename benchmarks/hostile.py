@@ -60,6 +60,7 @@ import os
 import random
 import re
 import secrets
+import signal
 import struct
 import subprocess
 import sys
@@ -836,6 +837,15 @@ class LiveRun:
                 summaries[rank] = json.loads(path.read_text())
         return RunOutcome(codes, summaries, self.coordinator_log())
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the coordinator as an operator would (SIGINT) and wait for it to exit."""
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGINT)
+            try:
+                self.coordinator.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
     def kill(self) -> None:
         """Kill the processes this run started that still run."""
         for proc in [self.coordinator, *self.workers.values()]:
@@ -975,6 +985,7 @@ def main(argv: list[str] | None = None) -> int:
             admission = trio.run(
                 admission_attacks, free.target(), args.holders, args.duplicate_trials
             )
+            free.stop()  # a stopped daemon logs its admission totals
             free_log = free.coordinator_log()
         finally:
             free.kill()

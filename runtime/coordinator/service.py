@@ -153,7 +153,7 @@ class Coordinator:
         self._secret = secret
         self._members: dict[int, _Member] = {}
         self._reserved: set[int] = set()
-        """Ranks granted to a handshake that has not yet become a member (`_claim_rank`)."""
+        """Ranks granted to a handshake that has not yet become a member (`_RankClaim`)."""
         self._active = 0
         self._all_ended = trio.Event()
         self.finished = trio.Event()
