@@ -513,16 +513,16 @@ class AdmissionGate:
         stats = self.stats
         failed = " ".join(f"{name}={stats.failed[name]}" for name in FAILURE_CATEGORIES)
         log.info(
-            "%s admission totals: connections=%d admitted=%d over_cap=%d over_source_cap=%d %s "
-            "peak_pending=%d accept_errors=%d",
+            "%s admission totals: connections=%d admitted=%d over_cap=%d %s peak_pending=%d "
+            "accept_errors=%d over_source_cap=%d",
             self.name,
             stats.connections,
             stats.admitted,
             stats.refused_by_cap,
-            stats.refused_by_source,
             failed,
             stats.peak_pending,
             stats.accept_errors,
+            stats.refused_by_source,
         )
 
 
