@@ -222,3 +222,49 @@ async def test_concurrent_duplicate_dialers_get_one_welcome(
             (refusal,) = [v for v in verdicts if not v.startswith("welcome")]
             assert "rank 0 is already taken" in refusal, refusal
     assert outcomes == {"1 welcomed": trials}, dict(outcomes)
+
+
+@pytest.mark.parametrize("transport", ["plaintext", "tls"])
+async def test_a_mesh_listener_welcomes_one_of_two_concurrent_dialers_of_a_rank(
+    transport: str, tls_config: TlsConfig
+) -> None:
+    """The same race at a worker's data-plane listener (`_serve_until`): one welcome, and the
+    mesh holds the welcomed connection; the other rank still joins."""
+    tls = tls_config if transport == "tls" else None
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    address = tuple(listener.socket.getsockname()[:2])
+    me0 = Identity(GROUP, 3, 0)
+    mesh: dict[int, tcp.Connection] = {}
+    secret = SECRET.encode()
+
+    async def dialer_at_auth(rank: int) -> tuple[tcp.Connection, bytes]:
+        stream = await trio.open_tcp_stream(*address)
+        where = f"{address[0]}:{address[1]}"
+        conn = tcp.Connection(stream if tls is None else await tls.wrap_client(stream, where))
+        state = DialerHandshake(secret, Identity(GROUP, 3, rank))
+        await conn.send(*state.hello())
+        return conn, encode_frame_bytes(*state.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME)))
+
+    verdicts: list[str] = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(tcp._serve_until, listener, me0, secret, mesh, {1, 2}, tls=tls)
+            )
+            pair = [await dialer_at_auth(1) for _ in range(2)]
+            for conn, auth in pair:
+                await conn.stream.send_all(auth)
+
+            async def hear(conn: tcp.Connection) -> None:
+                verdicts.append(await _verdict(conn))
+
+            async with trio.open_nursery() as both:
+                for conn, _ in pair:
+                    both.start_soon(hear, conn)
+            other, _ = await tcp.dial(address, secret, Identity(GROUP, 3, 2), tls=tls)
+    assert sum(v.startswith("welcome") for v in verdicts) == 1, verdicts
+    assert any("rank 1 is already taken" in v for v in verdicts), verdicts
+    assert set(mesh) == {1, 2}
+    for conn in [*(c for c, _ in pair), other, *mesh.values()]:
+        await conn.aclose()
+    await listener.aclose()
