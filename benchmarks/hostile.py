@@ -19,7 +19,22 @@ slow_drip      a valid hello, one byte every 100 ms (cut at the handshake deadli
 flood          ``--flood`` connections opened at once and held open
 ============== ==============================================================================
 
-Each attempt's local address is what the coordinator logs as the peer, so every attempt is
+Two more attacks need a rank that is free, so they run against a second coordinator daemon with
+no workers (world size 2 + ``--duplicate-trials``), after the training run (issue 18, rows 3
+and 9):
+
+============== ==============================================================================
+slow_holders   ``--holders`` connections from eight loopback addresses (127.0.0.2-9) that send
+               the first bytes of a hello and hold, reopening whenever they are cut; once every
+               slot has been held for a while, real dialers (the workers' `dial_with_retry`,
+               from 127.0.0.1) join a rank, drop it and rejoin it: the time each took
+duplicate_rank ``--duplicate-trials`` trials of two dialers holding the secret and claiming one
+               free rank, their auths sent back to back: how many trials welcomed both
+============== ==============================================================================
+
+Attempts connect from 127.0.0.1-8 in turn (`ATTACK_SOURCES`), so the cap per source address
+does not refuse them before the global cap would. Each attempt's local address is what the
+coordinator logs as the peer, so every attempt is
 matched with the coordinator's log line naming it, or with the count a rate-limit summary line
 gives for its category (the gate logs at most 20 refusal lines a second). Each attack is a phase
 of its own, a log window after the previous one, opened by a marker connection (the right
@@ -39,11 +54,13 @@ end with the same state digest, the coordinator's memory, and the daemon's admis
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
 import re
 import secrets
+import signal
 import struct
 import subprocess
 import sys
@@ -69,7 +86,12 @@ from runtime.protocol.handshake import (  # noqa: E402
     NonceLedger,
 )
 from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial  # noqa: E402
+from runtime.transport.tcp import (  # noqa: E402
+    DEFAULT_GROUP,
+    Connection,
+    dial,
+    dial_with_retry,
+)
 
 __all__ = [
     "ATTACKS",
@@ -78,6 +100,8 @@ __all__ = [
     "Target",
     "parse_admission_log",
     "run_attacks",
+    "slow_holders",
+    "duplicate_rank",
     "account",
     "mark_phase",
     "main",
@@ -140,8 +164,15 @@ class Attempt:
         return not self.outcome.startswith("welcome")
 
 
+ATTACK_SOURCES = tuple(f"127.0.0.{i}" for i in range(1, 9))
+"""The attacks connect from these eight loopback addresses in turn, so the coordinator's cap
+per source (8) does not refuse them before the global cap (64) would."""
+_next_source = itertools.cycle(ATTACK_SOURCES)
+
+
 async def _open(target: Target) -> tuple[trio.SocketStream, str]:
-    stream = await trio.open_tcp_stream(*target.address)
+    source = next(_next_source) if target.host.startswith("127.") else None
+    stream = await trio.open_tcp_stream(*target.address, local_address=source)
     host, port = stream.socket.getsockname()[:2]
     return stream, f"{host}:{port}"
 
@@ -243,6 +274,9 @@ async def forged_auth(target: Target, index: int) -> list[Attempt]:
         hello = dialer.hello()
         await conn.send(*hello)
         challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
+        if challenge["kind"] != "challenge":  # refused before the challenge (busy)
+            attempt.outcome = f"{challenge['kind']}: {challenge.get('reason', '')}"
+            return [attempt]
         # A listener holding the attacker's secret, with the real listener's nonce, gives the
         # dialer a challenge it accepts, so it produces the auth it would send.
         lookalike = ListenerHandshake(
@@ -307,8 +341,8 @@ async def slow_drip(target: Target, index: int, interval: float = 0.1) -> list[A
     """A valid hello, one byte every ``interval`` seconds, until the coordinator hangs up."""
     hello = encode_frame_bytes(*DialerHandshake(WRONG_SECRET, _me(target, 0)).hello())
     stream, where = await _open(target)
-    text = f"handshake not finished within {target.handshake_seconds} s"
-    attempt = Attempt("slow_drip", where, ("deadline",), text, "")
+    text = ""  # cut at the deadline, or evicted for a newcomer once a cap is reached
+    attempt = Attempt("slow_drip", where, ("deadline", "evicted"), text, "")
     sent = 0
     try:
         async with trio.open_nursery() as nursery:
@@ -342,7 +376,7 @@ async def flood(target: Target, count: int) -> list[Attempt]:
     for _ in range(count):
         stream, where = await _open(target)
         streams.append(stream)
-        attempts.append(Attempt("flood", where, ("over_cap", "deadline"), "", ""))
+        attempts.append(Attempt("flood", where, ("over_cap", "deadline", "evicted"), "", ""))
 
     async def hold(stream: trio.SocketStream, attempt: Attempt) -> None:
         conn = Connection(stream)
@@ -358,6 +392,141 @@ async def flood(target: Target, count: int) -> list[Attempt]:
         for stream, attempt in zip(streams, attempts):
             nursery.start_soon(hold, stream, attempt)
     return attempts
+
+
+HOLDER_SOURCES = tuple(f"127.0.0.{i}" for i in range(2, 10))
+"""Where the slow holders connect from: eight addresses, none of them the workers' 127.0.0.1."""
+
+
+async def _hold(
+    target: Target, source: str, stop: trio.Event, counts: Counter[str], pause: float = 0.05
+) -> None:
+    """One slow holder that comes back: connect from ``source``, send the first 5 bytes of a
+    hello, hold until the listener hangs up (a busy refusal, an eviction or the deadline),
+    and connect again ``pause`` seconds later, until ``stop``."""
+    hello = encode_frame_bytes(*DialerHandshake(WRONG_SECRET, _me(target, 0)).hello())
+    while not stop.is_set():
+        try:
+            stream = await trio.open_tcp_stream(*target.address, local_address=source)
+        except OSError:
+            counts["connect_failed"] += 1
+            await trio.sleep(pause)
+            continue
+        counts["connections"] += 1
+        try:
+            await stream.send_all(hello[:5])
+            answer = b""
+            with trio.move_on_after(target.handshake_seconds + 5):
+                while chunk := await stream.receive_some(4096):
+                    answer += chunk
+            counts["refused busy" if b"busy" in answer else "cut"] += 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            counts["reset"] += 1
+        finally:
+            await stream.aclose()
+        await trio.sleep(pause)
+
+
+async def _join_rank(target: Target, rank: int) -> tuple[Connection, float]:
+    """Dial as ``rank`` the way a worker does (`dial_with_retry`: retrying while the listener
+    is busy), also while the rank's previous link is still being closed; (link, seconds)."""
+    started = time.monotonic()
+    while True:
+        try:
+            conn, _ = await dial_with_retry(target.address, target.secret, _me(target, rank))
+        except HandshakeError as exc:
+            if "already taken" not in str(exc):
+                raise
+            await trio.sleep(0.02)
+            continue
+        return conn, time.monotonic() - started
+
+
+async def slow_holders(
+    target: Target,
+    holders: int,
+    *,
+    hold_first: float = 2.0,
+    ranks: tuple[int, ...] = (0, 1),
+    join_within: float | None = None,
+    sources: tuple[str, ...] = HOLDER_SOURCES,
+) -> dict[str, Any]:
+    """``holders`` slow holders from ``sources`` (reconnecting when cut) fill the target's
+    slots for ``hold_first`` seconds; then each rank of ``ranks`` joins, and the first drops
+    its link and rejoins. Returns the seconds each took (``joins``; None: not within
+    ``join_within``, default a quarter of the handshake deadline) and the holders' counts."""
+    join_within = target.handshake_seconds / 4 if join_within is None else join_within
+    counts: Counter[str] = Counter()
+    stop = trio.Event()
+    joins: dict[str, float | None] = {}
+    links: list[Connection] = []
+    async with trio.open_nursery() as nursery:
+        for index in range(holders):
+            nursery.start_soon(_hold, target, sources[index % len(sources)], stop, counts)
+        await trio.sleep(hold_first)
+        steps = [(f"join {rank}", rank) for rank in ranks] + [(f"rejoin {ranks[0]}", ranks[0])]
+        for name, rank in steps:
+            joins[name] = None
+            if name.startswith("rejoin"):
+                if joins[f"join {rank}"] is None:
+                    continue  # never joined: nothing to rejoin
+                await links.pop(0).aclose()  # the first rank's link drops
+            with trio.move_on_after(join_within):
+                conn, joins[name] = await _join_rank(target, rank)
+                links.append(conn)
+        stop.set()
+        nursery.cancel_scope.cancel()
+    for conn in links:
+        await conn.aclose()
+    return {
+        "holders": holders,
+        "sources": len(sources),
+        "hold_first_seconds": hold_first,
+        "join_within_seconds": join_within,
+        "joins_seconds": joins,
+        "all_joined_in_time": all(v is not None for v in joins.values()),
+        "holder_counts": dict(counts),
+    }
+
+
+async def _dialer_at_auth(target: Target, rank: int) -> tuple[Connection, bytes]:
+    """A dialer with the secret, stopped before its auth: the connection and the auth frame."""
+    stream = await trio.open_tcp_stream(*target.address)
+    conn = Connection(stream)
+    dialer = DialerHandshake(target.secret, _me(target, rank))
+    await conn.send(*dialer.hello())
+    return conn, encode_frame_bytes(*dialer.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME)))
+
+
+async def duplicate_rank(target: Target, trials: int, first_rank: int = 2) -> dict[str, Any]:
+    """``trials`` pairs of dialers claiming the same free rank (trial ``i`` claims rank
+    ``first_rank + i``: the target needs ``world_size >= first_rank + trials``; ranks 0 and 1
+    are left to `slow_holders`), both auths sent back to back; how many trials welcomed
+    both, one, or none."""
+    outcomes: Counter[str] = Counter()
+    refusals: Counter[str] = Counter()
+    for trial in range(trials):
+        pair = [await _dialer_at_auth(target, first_rank + trial) for _ in range(2)]
+        for conn, auth in pair:
+            await conn.stream.send_all(auth)
+        verdicts: list[str] = []
+
+        async def hear(conn: Connection, into: list[str]) -> None:
+            into.append(await _answer(conn, target.handshake_seconds + 2))
+
+        async with trio.open_nursery() as nursery:
+            for conn, _ in pair:
+                nursery.start_soon(hear, conn, verdicts)
+        for conn, _ in pair:
+            await conn.aclose()
+        outcomes[f"{sum(v.startswith('welcome') for v in verdicts)} welcomed"] += 1
+        refusals.update(v for v in verdicts if not v.startswith("welcome"))
+    return {
+        "trials": trials,
+        "outcomes": dict(outcomes),
+        "both_welcomed": outcomes["2 welcomed"],
+        "refusals": dict(refusals.most_common(3)),
+    }
 
 
 AttackFn = Callable[[Target, int], Awaitable[list[Attempt]]]
@@ -668,6 +837,15 @@ class LiveRun:
                 summaries[rank] = json.loads(path.read_text())
         return RunOutcome(codes, summaries, self.coordinator_log())
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the coordinator as an operator would (SIGINT) and wait for it to exit."""
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGINT)
+            try:
+                self.coordinator.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
     def kill(self) -> None:
         """Kill the processes this run started that still run."""
         for proc in [self.coordinator, *self.workers.values()]:
@@ -689,6 +867,27 @@ PHASES = (
     "slow_drip",
     "flood",
 )
+"""The attacks on the training run, in order (each a phase of the log)."""
+
+ADMISSION_PHASES = ("slow_holders", "duplicate_rank")
+"""The attacks on a coordinator with free ranks (`admission_attacks`), after the training run."""
+
+
+async def admission_attacks(
+    target: Target, holders: int, duplicate_trials: int
+) -> dict[str, dict[str, Any]]:
+    """`ADMISSION_PHASES` against ``target`` (a coordinator whose ranks are free)."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in ADMISSION_PHASES:
+        await mark_phase(target, name)
+        started = time.monotonic()
+        if name == "slow_holders":
+            results[name] = await slow_holders(target, holders)
+        else:
+            results[name] = await duplicate_rank(target, duplicate_trials)
+        print(f"  {name}: {time.monotonic() - started:.1f} s", flush=True)
+        await trio.sleep(LOG_WINDOW + 0.2)
+    return results
 
 
 async def _attack_all(
@@ -723,6 +922,18 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline",
         action="store_true",
         help="then train the same run without attacks: compare the final digest and steps/s",
+    )
+    parser.add_argument(
+        "--holders", type=int, default=96, help="slow holders (issue 18 row 3: 64 and 96)"
+    )
+    parser.add_argument(
+        "--duplicate-trials", type=int, default=192, help="pairs of duplicate rank dialers"
+    )
+    parser.add_argument(
+        "--admission-handshake-seconds",
+        type=float,
+        default=10.0,
+        help="the handshake deadline of the coordinator the admission attacks target",
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -761,6 +972,24 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 quiet.kill()
 
+        print("admission attacks on a coordinator with free ranks", flush=True)
+        free = LiveRun(
+            Path(tmp) / "admission",
+            world_size=2 + args.duplicate_trials,
+            handshake_seconds=args.admission_handshake_seconds,
+            max_pending=args.max_pending,
+        )
+        free.workdir.mkdir()
+        try:
+            free.start_coordinator()
+            admission = trio.run(
+                admission_attacks, free.target(), args.holders, args.duplicate_trials
+            )
+            free.stop()  # a stopped daemon logs its admission totals
+            free_log = free.coordinator_log()
+        finally:
+            free.kill()
+
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
     names = [a for a in ("connect_close", "http_garbage", "framed_garbage", "oversized",
@@ -797,6 +1026,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{peak_rss / 2**20:.0f} MiB after"
         )
     print(f"daemon admission totals: {log.totals}")
+    holding, dupes = admission["slow_holders"], admission["duplicate_rank"]
+    print(
+        f"slow_holders: {holding['holders']} holders from {holding['sources']} addresses; "
+        f"joins (s, limit {holding['join_within_seconds']:g}): {holding['joins_seconds']}; "
+        f"holders' connections: {holding['holder_counts']}"
+    )
+    print(
+        f"duplicate_rank: {dupes['trials']} trials, both welcomed in {dupes['both_welcomed']}: "
+        f"{dupes['outcomes']}"
+    )
+    print(f"admission daemon totals: {parse_admission_log(free_log).totals}")
     same_as_baseline = None
     if baseline is not None:
         quiet0 = baseline.summaries.get(0, {})
@@ -833,6 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
             "rank0_steps_per_second": baseline.summaries.get(0, {}).get("steps_per_second"),
             "same_final_digest_as_attacked_run": same_as_baseline,
         },
+        "admission_attacks": admission,
+        "admission_daemon_totals": parse_admission_log(free_log).totals,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -846,6 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
         and outcome.digests_identical
         and alive_after
         and same_as_baseline is not False
+        and holding["all_joined_in_time"]
+        and dupes["both_welcomed"] == 0
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
     )
     return 0 if ok else 1

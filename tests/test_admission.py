@@ -98,6 +98,8 @@ class FakeListener:
         ({"handshake_seconds": 0.0}, "handshake_seconds"),
         ({"handshake_seconds": math.nan}, "handshake_seconds"),
         ({"log_lines_per_second": 0}, "log_lines_per_second"),
+        ({"max_pending_per_source": 0}, "max_pending_per_source"),
+        ({"evict_after_seconds": 0.0}, "evict_after_seconds"),
     ],
 )
 def test_limits_refuse_values_that_cannot_work(kwargs: dict[str, Any], words: str) -> None:
@@ -108,6 +110,93 @@ def test_limits_refuse_values_that_cannot_work(kwargs: dict[str, Any], words: st
 def test_default_limits() -> None:
     limits = AdmissionLimits()
     assert (limits.max_pending, limits.handshake_seconds) == (64, 10.0)
+    assert (limits.per_source, limits.evict_after) == (8, 1.0)
+    assert AdmissionLimits(max_pending=4, handshake_seconds=0.5).per_source == 4
+    assert AdmissionLimits(max_pending=4, handshake_seconds=0.5).evict_after == 0.5
+
+
+# --------------------------------------------------------------------------- fairness
+
+
+class _FakeSocket:
+    def __init__(self, host: str, port: int) -> None:
+        self.address = (host, port)
+
+    def getpeername(self) -> tuple[str, int]:
+        return self.address
+
+    def fileno(self) -> int:
+        raise OSError("a fake socket has no descriptor")
+
+
+class SourcedStream(FakeStream):
+    """A fake accepted stream from ``host`` (what the per-source cap counts)."""
+
+    ports = iter(range(40000, 60000))
+
+    def __init__(self, host: str) -> None:
+        super().__init__()
+        self.socket = _FakeSocket(host, next(self.ports))
+
+
+FAIR = AdmissionLimits(max_pending=4, max_pending_per_source=2, evict_after_seconds=1.0)
+
+
+async def test_one_source_holds_at_most_its_share(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = AdmissionGate("test", FAIR)
+    held = [await gate.admit(SourcedStream("10.0.0.1")) for _ in range(2)]  # type: ignore[arg-type]
+    assert all(held) and gate.pending_from("10.0.0.1") == 2
+    extra = SourcedStream("10.0.0.1")
+    assert await gate.admit(extra) is None  # type: ignore[arg-type]
+    assert extra.closed and gate.stats.refused_by_source == 1
+    assert any(
+        "[over_cap]" in line and "from 10.0.0.1 (the cap per source is 2)" in line
+        for line in refusal_lines(caplog)
+    )
+    assert await gate.admit(SourcedStream("10.0.0.2")) is not None  # type: ignore[arg-type]
+
+
+async def test_a_source_at_its_cap_evicts_its_own_oldest_holder(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = AdmissionGate("test", FAIR)
+    oldest = await gate.admit(SourcedStream("10.0.0.1"))  # type: ignore[arg-type]
+    await trio.sleep(0.5)
+    younger = await gate.admit(SourcedStream("10.0.0.1"))  # type: ignore[arg-type]
+    assert oldest is not None and younger is not None
+    await trio.sleep(0.6)  # the oldest is 1.1 s old, the younger 0.6 s
+    newcomer = await gate.admit(SourcedStream("10.0.0.1"))  # type: ignore[arg-type]
+    assert newcomer is not None and oldest.evicted and not younger.evicted
+    assert gate.stats.evicted == 1 and gate.stats.failed == {"evicted": 1}
+    assert gate.pending_from("10.0.0.1") == 2 and gate.stats.pending == 2
+    with pytest.raises(HandshakeError, match=r"evicted: .*made no progress for 1\.1 s"):
+        with oldest:  # the evicted handshake's block is cancelled at once
+            await trio.sleep(60)
+    assert gate.stats.pending == 2  # its slot was freed once, at the eviction
+    assert any("[evicted]" in line for line in refusal_lines(caplog))
+
+
+async def test_a_newcomer_takes_an_old_slot_from_the_busiest_source_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = AdmissionGate("test", AdmissionLimits(max_pending=4, evict_after_seconds=1.0))
+    busiest = [await gate.admit(SourcedStream("10.0.0.1")) for _ in range(3)]  # type: ignore[arg-type]
+    other = await gate.admit(SourcedStream("10.0.0.2"))  # type: ignore[arg-type]
+    assert all(busiest) and other is not None
+    # Young holders are never evicted: a newcomer is refused.
+    assert await gate.admit(SourcedStream("10.0.0.3")) is None  # type: ignore[arg-type]
+    await trio.sleep(1.0)
+    # 10.0.0.2 holds 1 slot: it may take one from 10.0.0.1 (3 >= 1 + 2), its oldest.
+    assert await gate.admit(SourcedStream("10.0.0.2")) is not None  # type: ignore[arg-type]
+    assert busiest[0] is not None and busiest[0].evicted
+    assert [t.evicted for t in busiest if t is not None] == [True, False, False]
+    # Now 2 and 2: nobody is two ahead, so 10.0.0.2 cannot take another.
+    assert await gate.admit(SourcedStream("10.0.0.2")) is None  # type: ignore[arg-type]
+    # A fresh source (0 slots) may: 10.0.0.1 and 10.0.0.2 both hold 2 >= 0 + 2.
+    assert await gate.admit(SourcedStream("10.0.0.3")) is not None  # type: ignore[arg-type]
+    assert gate.stats.evicted == 2 and gate.stats.pending == 4
 
 
 @pytest.mark.parametrize(
@@ -198,7 +287,8 @@ async def test_over_the_cap_the_stream_is_closed_at_once(
 async def test_refusal_lines_are_rate_limited_and_summed_up(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gate = AdmissionGate("test", AdmissionLimits(max_pending=1, log_lines_per_second=5))
+    limits = AdmissionLimits(max_pending=1, log_lines_per_second=5, evict_after_seconds=10)
+    gate = AdmissionGate("test", limits)  # (no eviction within the test's 1 s)
     assert await gate.admit(FakeStream()) is not None  # type: ignore[arg-type]
     for _ in range(30):
         assert await gate.admit(FakeStream()) is None  # type: ignore[arg-type]
@@ -389,11 +479,16 @@ async def test_tcp_over_the_cap_is_refused_with_a_reason_then_slots_free_up(
 
 async def test_tcp_flood_never_holds_more_than_the_cap(caplog: pytest.LogCaptureFixture) -> None:
     cap, flood = 16, 200
-    gate = AdmissionGate("test", AdmissionLimits(max_pending=cap, handshake_seconds=10))
+    limits = AdmissionLimits(max_pending=cap, handshake_seconds=10, evict_after_seconds=10)
+    gate = AdmissionGate("test", limits)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             address = await nursery.start(serve_gate, gate)
-            streams = [await trio.open_tcp_stream(*address) for _ in range(flood)]
+            # From eight addresses: one alone would hit the cap per source (8) first.
+            streams = [
+                await trio.open_tcp_stream(*address, local_address=f"127.0.0.{1 + i % 8}")
+                for i in range(flood)
+            ]
             await wait_until(lambda: gate.stats.connections == flood, seconds=10)
             assert gate.stats.pending == cap and gate.stats.refused_by_cap == flood - cap
             for stream in streams:
@@ -498,8 +593,12 @@ async def test_rendezvous_listener_is_gated_and_still_admits_the_rank() -> None:
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(tcp._serve_until, listener, LISTENER, SECRET, mesh, {1})
-            strangers = [await trio.open_tcp_stream(*address) for _ in range(64)]
-            extra = await trio.open_tcp_stream(*address)
+            # Eight addresses, eight each (the cap per source); the 65th from a ninth address.
+            strangers = [
+                await trio.open_tcp_stream(*address, local_address=f"127.0.0.{1 + i % 8}")
+                for i in range(64)
+            ]
+            extra = await trio.open_tcp_stream(*address, local_address="127.0.0.9")
             refusal = await read_refusal(extra)
             assert "rank 0 is busy" in refusal["reason"] and "the cap is 64" in refusal["reason"]
             for stream in [*strangers, extra]:

@@ -83,6 +83,39 @@ class _Member:
         self.evicted = False
 
 
+class _RankClaim:
+    """One connection's claim on a rank, made atomically when its handshake is admitted.
+
+    The listener's ``admit`` runs once the dialer has proven the secret; the welcome is sent
+    after it, and the member is registered only once the handshake returns, so between the two
+    a second dialer claiming the same rank would see it free (issue 18, row 9: both were
+    welcomed, the run hung). The claim reserves the rank in the same step as the check, and
+    `release` frees the reservation when the handshake ends: failed, or succeeded (then the
+    caller registers the member before its next checkpoint, so the rank is never free between).
+    """
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self.rank: int | None = None
+
+    def admit(self, peer: Identity) -> str | None:
+        """The admission policy: the rank in range, neither a member nor reserved; reserves it."""
+        coordinator = self._coordinator
+        if not 0 <= peer.rank < coordinator.world_size:
+            return f"rank {peer.rank} is outside 0..{coordinator.world_size - 1}"
+        if peer.rank in coordinator._members or peer.rank in coordinator._reserved:
+            return f"rank {peer.rank} is already taken"
+        coordinator._reserved.add(peer.rank)
+        self.rank = peer.rank
+        return None
+
+    def release(self) -> None:
+        """Free the reservation (idempotent)."""
+        if self.rank is not None:
+            self._coordinator._reserved.discard(self.rank)
+            self.rank = None
+
+
 class Coordinator:
     """Sequences one run of ``world_size`` workers around a `CoordinatorCore`."""
 
@@ -117,6 +150,8 @@ class Coordinator:
         self.group = group
         self._secret = secret
         self._members: dict[int, _Member] = {}
+        self._reserved: set[int] = set()
+        """Ranks granted to a handshake that has not yet become a member (`_RankClaim`)."""
         self._active = 0
         self._all_ended = trio.Event()
         self.finished = trio.Event()
@@ -176,22 +211,19 @@ class Coordinator:
         self.bound_address = tuple(listeners[0].socket.getsockname()[:2])  # type: ignore[assignment]
         me = Identity(self.group, self.world_size, -1)
 
-        def admit(peer: Identity) -> str | None:
-            if not 0 <= peer.rank < self.world_size:
-                return f"rank {peer.rank} is outside 0..{self.world_size - 1}"
-            if peer.rank in self._members:
-                return f"rank {peer.rank} is already taken"
-            return None
-
         async def handle(stream: trio.SocketStream, ticket: HandshakeTicket) -> None:
+            claim = _RankClaim(self)
             try:
                 with ticket:  # deadline, pending slot; logs and counts a failure
                     conn, peer = await accept(
-                        stream, key, me, admit, handshake_seconds=ticket.seconds, tls=tls
+                        stream, key, me, claim.admit, handshake_seconds=ticket.seconds, tls=tls
                     )
             except (ProtocolError, OSError, trio.BrokenResourceError):
                 self.hostile_refused += 1
                 return
+            finally:
+                claim.release()
+            # No checkpoint between the release and _serve_member's registration of the rank.
             await self._serve_member(peer.rank, conn, self.options.heartbeat_deadline)
 
         async with trio.open_nursery() as nursery:

@@ -5,14 +5,50 @@ An unauthenticated connection costs a task, a file descriptor and a receive buff
 for one
 serving endpoint (the coordinator's listeners, or a worker's data-plane listener):
 
-* at most ``max_pending`` handshakes run at once; a connection over the cap is answered with a
-  ``refuse`` frame and closed at once, before any task or buffer exists for it;
+* at most ``max_pending`` handshakes run at once, and at most ``max_pending_per_source`` from
+  one IP address; a connection over either cap is answered with a ``refuse`` frame (``busy``:
+  the dialer retries) and closed at once, before any task or buffer exists for it;
 * every handshake has a deadline (``handshake_seconds``, from the accept), enforced around the
   whole handshake block, so a slow-drip peer holds its slot for a bounded time;
+* a handshake that has held its slot for ``evict_after_seconds`` without finishing is evicted
+  when a newcomer needs the slot (see *Fairness* below), so slow holders cannot keep the
+  workers out for the length of the deadline;
 * running out of file descriptors (EMFILE and friends) makes the accept loop back off and retry
   instead of crashing the listener;
 * refusals are logged one line each, naming the remote address and a category in brackets,
   at most ``log_lines_per_second`` a second; the rest are counted and summed up in one line.
+
+Fairness (issue 18, row 3). Who a dialer is (its rank) is known only once it has proven the
+secret, at the end of the handshake, so no slot can be set aside for "a rank the run expects"
+before that point without trusting what a stranger claims. Instead the gate makes a slot
+impossible to hold against a newcomer for long:
+
+1. Per-source cap: one IP address holds at most ``max_pending_per_source`` slots (default 8 of
+   64), so a single host cannot take them all.
+2. Eviction of holders that do not progress, by fair shares: a newcomer that finds the cap
+   reached takes the slot of a pending handshake at least ``evict_after_seconds`` old (default
+   1 s; a real handshake takes a round trip and two HMACs, milliseconds) from a source that
+   holds at least two slots more than the newcomer's own: the source holding the most, its
+   oldest handshake. A newcomer whose own source is at its cap can only take the oldest slot
+   of its own source (same age rule). The evicted peer gets a ``refuse`` frame marked
+   ``busy`` (a real dialer waiting for its challenge then retries, as over the cap) and its
+   connection is closed; the log names it with the category ``evicted``.
+3. What that guarantees. A dialer whose handshake finishes within ``evict_after_seconds`` is
+   never evicted. A worker dialing from an address that holds fewer slots than the busiest
+   source minus one gets a slot as soon as that source's oldest handshake is
+   ``evict_after_seconds`` old, however fast the attacker reconnects: the attacker's own
+   newcomers cannot evict each other across sources (their sources are not two behind), so
+   holders cannot take the freed slots back first. To keep such a worker out an attacker
+   needs about ``max_pending`` addresses of its own (one slot each), not a handful of slow
+   connections. Rejoins after a coordinator restart go through the same gate and get the same
+   guarantee. What it cannot do: tell an attacker from a worker *on the same address* before
+   the proof; there the attacker holds at most ``max_pending_per_source`` slots and shares the
+   address's evictions with the worker (a worker's host running hostile code is out of scope).
+
+Once the proof is checked, the rank claim is atomic (the listener's ``admit`` callback
+reserves the rank before the welcome is sent; see `runtime.coordinator.service` and
+`runtime.transport.tcp._admit_ranks`), so two dialers claiming one rank at once cannot both be
+welcomed (issue 18, row 9).
 
 Frames stay capped at `runtime.protocol.wire.HANDSHAKE_MAX_FRAME` until the peer authenticates (the
 prefix is checked before any byte of the item is read), so pending handshakes cost at most
@@ -72,6 +108,7 @@ log = logging.getLogger("paramsync.admission")
 FAILURE_CATEGORIES = (
     "closed",
     "deadline",
+    "evicted",
     "frame_too_large",
     "malformed",
     "authentication",
@@ -101,6 +138,11 @@ class AdmissionLimits:
     """Deadline of one handshake, from its accept."""
     log_lines_per_second: int | None = 20
     """Refusal log lines per second (None: no limit); the others are summed up in one line."""
+    max_pending_per_source: int = 8
+    """Handshakes in progress at once from one IP address (at most ``max_pending``)."""
+    evict_after_seconds: float = 1.0
+    """A handshake this old (or ``handshake_seconds``, if shorter) may be evicted to make room
+    for a newcomer when a cap is reached."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_pending, bool) or not isinstance(self.max_pending, int):
@@ -109,11 +151,28 @@ class AdmissionLimits:
             raise ValueError(f"max_pending must be at least 1, got {self.max_pending}")
         if not self.handshake_seconds > 0:  # also refuses NaN
             raise ValueError(f"handshake_seconds must be positive, got {self.handshake_seconds}")
+        per_source = self.max_pending_per_source
+        if isinstance(per_source, bool) or not isinstance(per_source, int) or per_source < 1:
+            raise ValueError(f"max_pending_per_source must be an int >= 1, got {per_source!r}")
+        if not self.evict_after_seconds > 0:
+            raise ValueError(
+                f"evict_after_seconds must be positive, got {self.evict_after_seconds}"
+            )
         if self.log_lines_per_second is not None and self.log_lines_per_second < 1:
             raise ValueError(
                 f"log_lines_per_second must be at least 1 (or None), got "
                 f"{self.log_lines_per_second}"
             )
+
+    @property
+    def per_source(self) -> int:
+        """The per-source cap in force: ``max_pending_per_source``, at most ``max_pending``."""
+        return min(self.max_pending_per_source, self.max_pending)
+
+    @property
+    def evict_after(self) -> float:
+        """The age from which a pending handshake may be evicted (at most the deadline)."""
+        return min(self.evict_after_seconds, self.handshake_seconds)
 
 
 @dataclass
@@ -123,6 +182,11 @@ class AdmissionStats:
     connections: int = 0
     """Connections accepted from the OS, refused ones included."""
     refused_by_cap: int = 0
+    """Refused at once: the global cap, or the source's, was reached and nobody was evictable."""
+    refused_by_source: int = 0
+    """Of ``refused_by_cap``, those refused by their source's cap."""
+    evicted: int = 0
+    """Pending handshakes evicted to make room for a newcomer (also in ``failed``)."""
     admitted: int = 0
     """Handshakes that finished with the peer authenticated and admitted."""
     failed: Counter[str] = field(default_factory=Counter)
@@ -138,6 +202,8 @@ class AdmissionStats:
         return {
             "connections": self.connections,
             "refused_by_cap": self.refused_by_cap,
+            "refused_by_source": self.refused_by_source,
+            "evicted": self.evicted,
             "admitted": self.admitted,
             "failed": {name: self.failed[name] for name in FAILURE_CATEGORIES if self.failed[name]},
             "pending": self.pending,
@@ -164,15 +230,16 @@ def classify_failure(error: BaseException, elapsed: float, deadline: float) -> s
     return "other"
 
 
-def _remote_address(stream: trio.abc.Stream) -> str:
+def _remote_address(stream: trio.abc.Stream) -> tuple[str, str]:
+    """(``host:port``, the source key: the IP address) of the peer of ``stream``."""
     sock = getattr(stream, "socket", None)
     try:
         remote = sock.getpeername() if sock is not None else None
     except OSError:
         remote = None
     if isinstance(remote, tuple) and len(remote) >= 2:
-        return f"{remote[0]}:{remote[1]}"
-    return "unknown peer"
+        return f"{remote[0]}:{remote[1]}", str(remote[0])
+    return "unknown peer", "unknown peer"
 
 
 class HandshakeTicket:
@@ -183,15 +250,50 @@ class HandshakeTicket:
     logs a failure (the exception propagates unchanged).
     """
 
-    def __init__(self, gate: AdmissionGate, where: str, seconds: float, started: float) -> None:
+    def __init__(
+        self,
+        gate: AdmissionGate,
+        where: str,
+        seconds: float,
+        started: float,
+        source: str | None = None,
+        stream: trio.abc.Stream | None = None,
+    ) -> None:
         self.gate = gate
         self.where = where
         """The remote ``host:port``."""
+        self.source = where.rsplit(":", 1)[0] if source is None else source
+        """The remote IP address: what the per-source cap counts."""
         self.seconds = seconds
         """The deadline; pass it on to the handshake (``accept(..., handshake_seconds=)``)."""
         self._started = started
+        self._stream = stream
         self._scope = trio.CancelScope(deadline=started + seconds)
         self._released = False
+        self._eviction = ""
+        self.evicted = False
+        """Whether the gate took this slot back for a newcomer (`AdmissionGate.admit`)."""
+
+    @property
+    def started(self) -> float:
+        """When the connection was accepted (trio's clock)."""
+        return self._started
+
+    def evict(self, reason: str) -> None:
+        """Take the slot back now: send the peer a ``refuse`` frame marked busy (a dialer
+        waiting for its challenge retries), cancel the handshake and free the slot (the
+        handler's ``with`` block then raises `HandshakeError` naming the eviction)."""
+        if self._released:
+            return
+        self.evicted = True
+        self._eviction = reason
+        if self._stream is not None:
+            _refuse_at_once(self._stream, f"{self.gate.name} is busy: {reason}; try again later")
+        self._scope.cancel()
+        self.gate.stats.evicted += 1
+        self.gate.stats.failed["evicted"] += 1
+        self.gate._log_refusal(self.where, "evicted", reason)
+        self.release()
 
     def __enter__(self) -> HandshakeTicket:
         self._scope.__enter__()
@@ -208,6 +310,8 @@ class HandshakeTicket:
         except BaseException as raised:
             self._finish(raised)
             raise
+        if self.evicted:  # counted and logged by evict()
+            raise HandshakeError(f"evicted: {self._eviction}", peer=self.where) from None
         if self._scope.cancelled_caught:  # our deadline: the Cancelled was swallowed
             late = HandshakeError(
                 f"handshake not finished within {self.seconds} s", peer=self.where
@@ -218,7 +322,7 @@ class HandshakeTicket:
         return False
 
     def _finish(self, error: BaseException | None) -> None:
-        if self._released:
+        if self._released:  # also: evicted, already counted
             return
         if error is None:
             self.gate.stats.admitted += 1
@@ -234,7 +338,7 @@ class HandshakeTicket:
         """Free the slot (idempotent); the handshake's outcome is not counted."""
         if not self._released:
             self._released = True
-            self.gate.stats.pending -= 1
+            self.gate._forget(self)
 
 
 Handle = Callable[[trio.SocketStream, HandshakeTicket], Awaitable[None]]
@@ -252,6 +356,8 @@ class AdmissionGate:
         self.name = name
         self.limits = limits or AdmissionLimits()
         self.stats = AdmissionStats()
+        self._pending: dict[str, list[HandshakeTicket]] = {}
+        """Pending handshakes by source, oldest first."""
         self._serving = 0
         self._window_start = -float("inf")
         self._window_lines = 0
@@ -291,22 +397,79 @@ class AdmissionGate:
                 await trio.sleep(_ACCEPT_BACKOFF)
 
     async def admit(self, stream: trio.SocketStream) -> HandshakeTicket | None:
-        """A ticket for ``stream``, or None when the cap is reached: then the peer gets a
-        ``refuse`` frame, the stream is closed and the refusal logged."""
+        """A ticket for ``stream``, or None when a cap is reached and no pending handshake is
+        old enough to evict: then the peer gets a ``refuse`` frame, the stream is closed and
+        the refusal logged. See the module doc (*Fairness*) for who is evicted."""
         self.stats.connections += 1
-        where = _remote_address(stream)
-        cap = self.limits.max_pending
-        if self.stats.pending >= cap:
+        where, source = _remote_address(stream)
+        now = trio.current_time()
+        refusal = self._make_room(source, now)
+        if refusal is not None:
             self.stats.refused_by_cap += 1
-            reason = f"{self.stats.pending} handshakes already in progress (the cap is {cap})"
-            _refuse_at_once(stream, f"{self.name} is busy: {reason}; try again later")
+            _refuse_at_once(stream, f"{self.name} is busy: {refusal}; try again later")
             with trio.CancelScope(shield=True):
                 await stream.aclose()
-            self._log_refusal(where, "over_cap", f"{reason}; closed at once")
+            self._log_refusal(where, "over_cap", f"{refusal}; closed at once")
             return None
+        ticket = HandshakeTicket(
+            self, where, self.limits.handshake_seconds, now, source=source, stream=stream
+        )
+        self._pending.setdefault(source, []).append(ticket)
         self.stats.pending += 1
         self.stats.peak_pending = max(self.stats.peak_pending, self.stats.pending)
-        return HandshakeTicket(self, where, self.limits.handshake_seconds, trio.current_time())
+        return ticket
+
+    def pending_from(self, source: str) -> int:
+        """Handshakes in progress from one IP address."""
+        return len(self._pending.get(source, ()))
+
+    def _make_room(self, source: str, now: float) -> str | None:
+        """Make room for a newcomer from ``source``: None when there is (evicting a holder if
+        a cap is reached), else the reason it is refused."""
+        per_source, cap = self.limits.per_source, self.limits.max_pending
+        old_enough = now - self.limits.evict_after
+        mine = self._pending.get(source, [])
+        if len(mine) >= per_source:
+            if mine[0].started > old_enough:
+                if per_source >= cap:  # one source fills the whole gate: the global cap
+                    return f"{self.stats.pending} handshakes already in progress (the cap is {cap})"
+                self.stats.refused_by_source += 1
+                return (
+                    f"{len(mine)} handshakes already in progress from {source} (the cap per "
+                    f"source is {per_source})"
+                )
+            mine[0].evict(
+                f"{source} holds {len(mine)} pending handshakes (the cap per source is "
+                f"{per_source}); this one made no progress for "
+                f"{now - mine[0].started:.1f} s and a newcomer from it needs the slot"
+            )
+            return None
+        if self.stats.pending < cap:
+            return None
+        # Fair shares: only a source holding at least two slots more than the newcomer's
+        # gives one up (so the swap never leaves the newcomer's source ahead of it).
+        candidates = [
+            held[0]
+            for held in self._pending.values()
+            if len(held) >= len(mine) + 2 and held[0].started <= old_enough
+        ]
+        if not candidates:
+            return f"{self.stats.pending} handshakes already in progress (the cap is {cap})"
+        victim = max(candidates, key=lambda t: (self.pending_from(t.source), -t.started))
+        victim.evict(
+            f"{self.stats.pending} handshakes in progress (the cap is {cap}), "
+            f"{self.pending_from(victim.source)} of them from {victim.source}; this one made "
+            f"no progress for {now - victim.started:.1f} s and a newcomer needs the slot"
+        )
+        return None
+
+    def _forget(self, ticket: HandshakeTicket) -> None:
+        self.stats.pending -= 1
+        held = self._pending.get(ticket.source)
+        if held is not None and ticket in held:
+            held.remove(ticket)
+            if not held:
+                del self._pending[ticket.source]
 
     async def _run(
         self, handle: Handle, stream: trio.SocketStream, ticket: HandshakeTicket
@@ -352,7 +515,7 @@ class AdmissionGate:
         failed = " ".join(f"{name}={stats.failed[name]}" for name in FAILURE_CATEGORIES)
         log.info(
             "%s admission totals: connections=%d admitted=%d over_cap=%d %s peak_pending=%d "
-            "accept_errors=%d",
+            "accept_errors=%d over_source_cap=%d",
             self.name,
             stats.connections,
             stats.admitted,
@@ -360,6 +523,7 @@ class AdmissionGate:
             failed,
             stats.peak_pending,
             stats.accept_errors,
+            stats.refused_by_source,
         )
 
 

@@ -1100,13 +1100,22 @@ async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -
             nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
 
 
-def _admit_ranks(me: Identity, claimed: set[int], allowed: range | set[int]) -> Any:
+def _admit_ranks(
+    me: Identity, claimed: set[int], allowed: range | set[int], granted: list[int] | None = None
+) -> Any:
+    """The admission policy of a mesh or rendezvous listener: a rank above ``me`` in
+    ``allowed``, not yet ``claimed``. The check and the claim are one step (no checkpoint
+    between), so two dialers claiming one rank at once cannot both be welcomed; the granted
+    rank is appended to ``granted``, so a handshake that fails after it can give it back."""
+
     def admit(peer: Identity) -> str | None:
         if peer.rank in claimed:
             return f"rank {peer.rank} is already taken"
         if peer.rank not in allowed or peer.rank <= me.rank:
             return f"rank {peer.rank} is not expected to dial rank {me.rank}"
         claimed.add(peer.rank)
+        if granted is not None:
+            granted.append(peer.rank)
         return None
 
     return admit
@@ -1127,10 +1136,11 @@ async def _serve_until(
     A connection that fails its handshake is logged and dropped; the listener keeps serving.
     """
     claimed = set(mesh)
-    admit = _admit_ranks(me, claimed, expected)
     all_in = trio.Event()
 
     async def handle(stream: trio.SocketStream, ticket: Any) -> None:
+        granted: list[int] = []
+        admit = _admit_ranks(me, claimed, expected, granted)
         try:
             with (
                 ticket
@@ -1139,6 +1149,7 @@ async def _serve_until(
                     stream, secret, me, admit, handshake_seconds=ticket.seconds, tls=tls
                 )
         except (ProtocolError, OSError, trio.BrokenResourceError):
+            claimed.difference_update(granted)  # failed after its rank was granted: free it
             return
         if on_joined is not None:
             try:
