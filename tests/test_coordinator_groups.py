@@ -12,7 +12,7 @@ from conftest import open_group, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.client.events import EnterEpoch, Join, Received, ReportReady
+from actors.client.events import EnterEpoch, Join, Received, ReportReady, RunGo
 from actors.client.events import Send as WorkerSend
 from actors.client.protocol import LocalProtocolError, WorkerProtocol
 from runtime.collectives.groups import derive_group_name
@@ -131,9 +131,10 @@ def test_a_join_declaring_other_groups_is_refused_naming_group_rank_and_both() -
 
 def test_without_groups_the_start_is_one_broadcast_as_before() -> None:
     _, actions = started(2)
-    assert len(actions) == 1 and isinstance(actions[0], Broadcast)
-    assert actions[0].message.groups == ()
-    assert "groups" not in actions[0].message.to_wire()[1]
+    [start] = actions
+    assert isinstance(start, Broadcast) and isinstance(start.message, StartRun)
+    assert start.message.groups == ()
+    assert "groups" not in start.message.to_wire()[1]
 
 
 def test_each_rank_starts_with_its_groups_and_their_addresses() -> None:
@@ -284,13 +285,13 @@ def test_random_meshes_give_every_rank_its_groups_and_one_go_order_per_group(
     starts = sends(actions)
     expected: dict[int, set[tuple[int, ...]]] = {r: set() for r in range(world)}
     for dim in names:
-        for ranks in mesh_groups(sizes, names, dim):
-            for r in ranks:
-                expected[r].add(tuple(ranks))
+        for along in mesh_groups(sizes, names, dim):
+            for r in along:
+                expected[r].add(tuple(along))
     for rank in range(world):
         [start] = starts[rank]
         groups = start.groups
-        assert {ranks for _, ranks, _ in groups} == expected[rank]
+        assert {members for _, members, _ in groups} == expected[rank]
         assert len(groups) == len(names)  # one per dimension, even of size 1
         for _, ranks, addresses in groups:
             assert addresses == tuple(addr(r) for r in ranks)
@@ -301,9 +302,9 @@ def test_random_meshes_give_every_rank_its_groups_and_one_go_order_per_group(
         for name, _, _ in starts[rank][0].groups
         for bucket in range(3)
     ]
-    reports = data.draw(st.permutations(reports))
+    shuffled = data.draw(st.permutations(reports))
     received: dict[tuple[int, str], list[tuple[int, int]]] = {}
-    for report in reports:
+    for report in shuffled:
         for rank, messages in sends(core.handle(report)).items():
             for go in messages:
                 received.setdefault((rank, go.group), []).append((go.bucket, go.seq))
@@ -321,7 +322,8 @@ def test_random_meshes_give_every_rank_its_groups_and_one_go_order_per_group(
 def test_the_worker_declares_its_groups_and_runs_a_groups_go() -> None:
     protocol = WorkerProtocol(0)
     [send] = protocol.handle(Join(SIG, addr(0), groups=PAIRS))
-    assert isinstance(send, WorkerSend) and send.message.groups == PAIRS
+    assert isinstance(send, WorkerSend) and isinstance(send.message, Joined)
+    assert send.message.groups == PAIRS
     core = CoordinatorCore(4)
     starts: dict[int, list[Any]] = {}
     for rank in range(4):
@@ -332,7 +334,7 @@ def test_the_worker_declares_its_groups_and_runs_a_groups_go() -> None:
     [ready] = protocol.handle(ReportReady(0, 4, spec(4), 1, group="a"))
     assert isinstance(ready, WorkerSend) and ready.message == Ready(0, 0, 4, spec(4), group="a")
     [run] = protocol.handle(Received(Go(0, 4, 0, 1, "a"), 0.0))
-    assert run.go == Go(0, 4, 0, 1, "a")  # type: ignore[attr-defined]
+    assert isinstance(run, RunGo) and run.go == Go(0, 4, 0, 1, "a")
     with pytest.raises(ProtocolError, match="ready in group 'a'"):
         protocol.handle(Received(Go(0, 5, 1, 1, "a"), 0.0))
 

@@ -45,8 +45,9 @@ def declaration_of(event: Joined, world_size: int) -> Declaration | str:
         groups: list[GroupRanks] = []
         try:
             for dim in names:
-                for ranks in mesh_groups(sizes, names, dim):
-                    groups.append((derive_group_name("world", len(groups), ranks), tuple(ranks)))
+                for members in mesh_groups(sizes, names, dim):
+                    name = derive_group_name("world", len(groups), members)
+                    groups.append((name, tuple(members)))
         except CollectiveError as exc:
             return f"rank {rank} declares an invalid mesh: {exc}"
         return tuple(groups)
