@@ -10,6 +10,10 @@ module only routes each event and composes the answers of the parts, each with o
 - :mod:`~runtime.coordinator.step_state`: what the step in flight gathered, replaced whole at
   every step boundary;
 - :mod:`~runtime.coordinator.negotiation`: bucket-spec agreement and the response cache;
+- :mod:`~runtime.coordinator.group_negotiation`: the same per declared process group (a
+  ``ready`` naming a ``group``; its ``go`` goes to that group's members only); the groups
+  themselves are declared at the join (:mod:`~runtime.coordinator.group_decl`, checked by
+  membership) and each member's start lists its own;
 - :mod:`~runtime.coordinator.commits`: step ends, the C-DDP-001 digest verdict, commits;
 - :mod:`~runtime.coordinator.liveness`: heartbeats, hold and rendezvous deadlines, stalls;
 - :mod:`~runtime.coordinator.events`: the events that never travel, the actions, the helpers.
