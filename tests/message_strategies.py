@@ -106,7 +106,8 @@ def key_types(cls: type) -> dict[str, tuple[tuple[WireType, ...], bool]]:
 
 def _start_run_fields(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 4))
-    addresses = draw(st.lists(wire_value(messages.ADDRESS), min_size=n, max_size=n))
+    address = wire_value(messages.ADDRESS)
+    addresses = draw(st.lists(address, min_size=n, max_size=n))
     members = draw(st.lists(st.integers(0, 1 << 16), min_size=n, max_size=n, unique=True))
     donor = draw(st.sampled_from([-1, *members]))
     others = [m for m in members if m != donor]
@@ -128,6 +129,14 @@ def _start_run_fields(draw: st.DrawFn) -> dict[str, Any]:
     }
     if draw(st.booleans()):
         fields["fold"] = draw(st.booleans())
+    if draw(st.booleans()):
+        fields["groups"] = [
+            [name, ranks, draw(st.lists(address, min_size=len(ranks), max_size=len(ranks)))]
+            for name in draw(
+                st.lists(wire_value(messages.GROUP_NAME), min_size=1, max_size=3, unique=True)
+            )
+            for ranks in [draw(st.lists(st.integers(0, 1 << 16), max_size=4, unique=True))]
+        ]
     return fields
 
 

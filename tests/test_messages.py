@@ -354,3 +354,60 @@ def test_a_tensor_field_travels_as_the_frames_bulk() -> None:
     assert same(decoded, messages.StateTensor(4, 2, tensor))
     with pytest.raises(TypeError):
         messages.Welcome().to_wire_bulk()
+
+
+# --------------------------------------------------------------------------- process groups
+
+_SIG = (("w", (2,), "float32", True),)
+_PEERS = (("a", (0, 2), (("h", 1), ("h", 3))), ("b", (0,), (("h", 1),)))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Joined(1, _SIG, ("h", 2), mesh=(("dp", "tp"), (2, 2))),
+        Joined(1, _SIG, ("h", 2), groups=(("a", (0, 2)), ("b", (1, 3)))),
+        StartRun(addresses=(("h", 1), ("h", 2), ("h", 3)), ring=(0, 1, 2), groups=_PEERS),
+        Ready(1, 3, 4, "spec-hash", 2, cached=True, group="a"),
+        Go(3, 4, 7, 2, group="a"),
+    ],
+    ids=["join-mesh", "join-groups", "start_run-groups", "ready-group", "go-group"],
+)
+def test_group_fields_round_trip_through_a_frame(message: Any) -> None:
+    name, fields = message.to_wire()
+    decoded = decode_message(
+        decode_frame(encode_frame_bytes(name, fields)), peer=PEER, **locals_of(message)
+    )
+    assert same(decoded, message), (decoded, message)
+    assert {"mesh", "groups", "group"} & set(fields)
+
+
+def test_without_groups_the_frames_carry_no_group_field() -> None:
+    for message in (
+        Joined(1, _SIG, ("h", 2)),
+        StartRun(addresses=(("h", 1),), ring=(0,)),
+        Ready(1, 3, 4, "spec-hash", 2),
+        Go(3, 4, 7, 2),
+    ):
+        assert not {"mesh", "groups", "group"} & set(message.to_wire()[1])
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "problem"),
+    [
+        ("start_run", {"groups": [["a", [0, 1], [["h", 1]]]]}, "one address each"),
+        ("start_run", {"groups": [["a", [0], [["h", 1]]], ["a", [1], [["h", 2]]]]}, "twice"),
+        ("join", {"mesh": [["dp"], [0]]}, "'mesh'"),
+        ("join", {"groups": [["", [0]]]}, "'groups'"),
+    ],
+)
+def test_bad_group_fields_are_refused_by_name(
+    kind: str, fields: dict[str, Any], problem: str
+) -> None:
+    base: dict[str, Any] = (
+        StartRun(addresses=(("h", 1), ("h", 2)), ring=(0, 1)).to_wire()[1]
+        if kind == "start_run"
+        else {"host": "h", "port": 2, "params": []}
+    )
+    with pytest.raises(ProtocolError, match=problem):
+        decode_message(item(kind, {**base, **fields}), peer=PEER, rank=1, now=0.0)

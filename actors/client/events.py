@@ -111,17 +111,23 @@ class Join:
     digest: bytes = b""
     epoch: int = 0
     fold: bool | None = None
+    mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+    """The device mesh this worker's process groups follow (or ``groups``; None: neither)."""
+    groups: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+    """Explicit process groups, (name, ranks) each (None: none, or the mesh's)."""
 
 
 @dataclass(frozen=True)
 class ReportReady:
-    """Bucket ``bucket`` of ``step`` is packed (``cached``: reduced at once, no go waited)."""
+    """Bucket ``bucket`` of ``step`` is packed (``cached``: reduced at once, no go waited);
+    ``group``: reduced within that declared process group ("": the world)."""
 
     step: int
     bucket: int
     spec: Any
     epoch: int
     cached: bool = False
+    group: str = ""
 
 
 @dataclass(frozen=True)

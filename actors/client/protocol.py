@@ -242,6 +242,13 @@ class WorkerProtocol:
         self.stale = 0
         """Messages and reports of an older epoch, dropped (they raced a membership change)."""
         self.lost_reason: str | None = None
+        self.mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+        self.declared_groups: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+        """The process groups this worker declared at its join (``mesh`` or a list)."""
+        self._group_agreed: dict[tuple[str, int], Any] = {}
+        """(group, bucket) -> the spec agreed within that group in the cache's epoch."""
+        self._group_awaiting: dict[tuple[str, int, int], tuple[Any, bool]] = {}
+        """(group, step, bucket) -> (spec, cached) of a group ready a go may still answer."""
         self._folded: dict[tuple[int, int], str] = {}
         self._cache_epoch = 0
         """The epoch the response cache below belongs to (a new epoch starts without one)."""
@@ -267,6 +274,14 @@ class WorkerProtocol:
     def silence_seconds(self) -> float:
         """How long the coordinator may stay silent (inf before a start says)."""
         return self.start.heartbeat_deadline if self.start is not None else float("inf")
+
+    @property
+    def groups(self) -> dict[str, tuple[tuple[int, ...], tuple[tuple[str, int], ...]]]:
+        """This worker's process groups in the entered epoch (its start's ``groups``): name
+        -> (world ranks, their addresses)."""
+        if self.start is None:
+            return {}
+        return {name: (ranks, addresses) for name, ranks, addresses in self.start.groups}
 
     @property
     def ended(self) -> bool:
@@ -365,6 +380,8 @@ class WorkerProtocol:
         if not self._epoch_of(go):
             return []
         self._cache_for(go.epoch)
+        if go.group:
+            return self._on_group_go(go)
         report = self._awaiting.pop((go.step, go.bucket), None)
         if report is None:
             raise self._illegal(
@@ -374,6 +391,19 @@ class WorkerProtocol:
         if not cached:  # negotiated: the spec every member reported is the agreement now
             self._agreed[go.bucket] = spec
             self._agreement = None
+        return [RunGo(go)]
+
+    def _on_group_go(self, go: Go) -> list[WorkerAction]:
+        report = self._group_awaiting.pop((go.group, go.step, go.bucket), None)
+        if report is None:
+            raise self._illegal(
+                go,
+                f"this worker did not report bucket {go.bucket} of step {go.step} ready in "
+                f"group {go.group!r}",
+            )
+        spec, cached = report
+        if not cached:
+            self._group_agreed[(go.group, go.bucket)] = spec
         return [RunGo(go)]
 
     def _on_commit(self, commit: Commit) -> list[WorkerAction]:
@@ -446,6 +476,8 @@ class WorkerProtocol:
             self.address = event.address
         if event.fold is not None:
             self.fold = event.fold
+        if event.mesh is not None or event.groups is not None:
+            self.mesh, self.declared_groups = event.mesh, event.groups
         return Joined(
             self.rank,
             self.signature,
@@ -455,6 +487,8 @@ class WorkerProtocol:
             event.digest,
             event.epoch,
             self.fold,
+            self.mesh,
+            self.declared_groups,
         )
 
     def _join(self, event: Join) -> list[WorkerAction]:
@@ -522,6 +556,9 @@ class WorkerProtocol:
             self._note_ready(event)
         elif not isinstance(event, ReportFinished):  # a step's end: no go for it follows
             self._awaiting = {k: v for k, v in self._awaiting.items() if k[0] > event.step}
+            self._group_awaiting = {
+                k: v for k, v in self._group_awaiting.items() if k[1] > event.step
+            }
         return [Send(self._message(event, epoch))]
 
     # ------------------------------------------------------------------- response cache
@@ -531,6 +568,7 @@ class WorkerProtocol:
         if epoch != self._cache_epoch:
             self._cache_epoch = epoch
             self._agreed, self._awaiting, self._agreement = {}, {}, None
+            self._group_agreed, self._group_awaiting = {}, {}
 
     @property
     def awaiting_go(self) -> frozenset[tuple[int, int]]:
@@ -550,6 +588,9 @@ class WorkerProtocol:
     def _note_ready(self, event: ReportReady) -> None:
         """Remember a ready report for its go; a cached one must match the agreement."""
         self._cache_for(event.epoch)
+        if event.group:
+            self._note_group_ready(event)
+            return
         if event.cached:
             agreed = self._agreed.get(event.bucket)
             if agreed is None:
@@ -565,6 +606,30 @@ class WorkerProtocol:
                     f"{event.epoch} agreed on {spec_hash(agreed)}"
                 )
         self._awaiting[(event.step, event.bucket)] = (event.spec, event.cached)
+
+    def _note_group_ready(self, event: ReportReady) -> None:
+        """A ready within a declared group: the group must be this worker's in the epoch
+        (its group table), and a cached one must match the group's agreement."""
+        groups = self.groups
+        if self.start is not None and self.start.epoch == self.epoch and event.group not in groups:
+            raise LocalProtocolError(
+                f"rank {self.rank} reports bucket {event.bucket} of step {event.step} ready in "
+                f"group {event.group!r}, which is not one of its groups in epoch {self.epoch} "
+                f"({sorted(groups)})"
+            )
+        if event.cached:
+            agreed = self._group_agreed.get((event.group, event.bucket))
+            if agreed is None or spec_hash(event.spec) != spec_hash(agreed):
+                raise LocalProtocolError(
+                    f"rank {self.rank} reports bucket {event.bucket} of step {event.step} "
+                    f"reduced from group {event.group!r}'s response cache, but epoch "
+                    f"{event.epoch} agreed on "
+                    f"{'no spec' if agreed is None else spec_hash(agreed)} for it there"
+                )
+        self._group_awaiting[(event.group, event.step, event.bucket)] = (
+            event.spec,
+            event.cached,
+        )
 
     def _check_agreement(self, event: ReportFolded) -> None:
         """A folded step must be reduced under the epoch's agreement, as the coordinator
@@ -584,7 +649,9 @@ class WorkerProtocol:
     def _message(self, event: WorkerEvent, epoch: int) -> Report:
         rank = self.rank
         if isinstance(event, ReportReady):
-            return Ready(rank, event.step, event.bucket, event.spec, epoch, event.cached)
+            return Ready(
+                rank, event.step, event.bucket, event.spec, epoch, event.cached, event.group
+            )
         if isinstance(event, ReportFinished):
             return Finished(rank, event.step, epoch)
         assert isinstance(event, ReportReduced | ReportDigest | ReportStepDone)

@@ -56,7 +56,7 @@ from runtime.transport.capabilities import (
 from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tcp import TcpTransport, form_mesh
 
-__all__ = ["ProcessGroup", "new_group", "group_name", "DEFAULT_GROUP_SECONDS"]
+__all__ = ["ProcessGroup", "new_group", "group_name", "derive_group_name", "DEFAULT_GROUP_SECONDS"]
 
 _STALL_SECONDS = 10.0
 """How long a peer may stay silent in a signalled exchange when the members do not say."""
@@ -212,6 +212,12 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
 def group_name(parent: Transport, index: int, ranks: Iterable[int]) -> str:
     """The name every member derives for the ``index``-th group of ``parent`` over ``ranks``."""
     base = parent.name if isinstance(parent, ProcessGroup) else "world"
+    return derive_group_name(base, index, ranks)
+
+
+def derive_group_name(base: str, index: int, ranks: Iterable[int]) -> str:
+    """`group_name` without a transport: ``base`` is the parent's name ("world" for the
+    world), ``index`` the group's number among the parent's groups in creation order."""
     ranks = sorted(ranks)
     digest = hashlib.sha256(f"{base}|{index}|{ranks}".encode()).hexdigest()[:16]
     return f"pg{index}-{len(ranks)}-{digest}"

@@ -10,6 +10,10 @@ module only routes each event and composes the answers of the parts, each with o
 - :mod:`~runtime.coordinator.step_state`: what the step in flight gathered, replaced whole at
   every step boundary;
 - :mod:`~runtime.coordinator.negotiation`: bucket-spec agreement and the response cache;
+- :mod:`~runtime.coordinator.group_negotiation`: the same per declared process group (a
+  ``ready`` naming a ``group``; its ``go`` goes to that group's members only); the groups
+  themselves are declared at the join (:mod:`~runtime.coordinator.group_decl`, checked by
+  membership) and each member's start lists its own;
 - :mod:`~runtime.coordinator.commits`: step ends, the C-DDP-001 digest verdict, commits;
 - :mod:`~runtime.coordinator.liveness`: heartbeats, hold and rendezvous deadlines, stalls;
 - :mod:`~runtime.coordinator.events`: the events that never travel, the actions, the helpers.
@@ -38,6 +42,7 @@ The messages are declared in `runtime.protocol.messages`; malformed wire input r
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -53,10 +58,12 @@ from runtime.coordinator.events import (
     Malformed,
     Refuse,
     Report,
+    Send,
     Tick,
     format_seconds,
     is_int,
 )
+from runtime.coordinator.group_negotiation import GroupGo, GroupNegotiation
 from runtime.coordinator.liveness import Liveness
 from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
 from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation
@@ -161,6 +168,7 @@ class CoordinatorCore:
             stall_deadline=stall_deadline,
         )
         self._negotiation = Negotiation()
+        self._groups = GroupNegotiation()
         self._commits = Commits(
             digest_interval=digest_interval, resync=bool(resync), elastic=self._elastic
         )
@@ -250,6 +258,15 @@ class CoordinatorCore:
     def applied(self) -> bool:
         """Whether every member holds this step's reduced gradients (``apply`` was sent)."""
         return self._current.applied
+
+    @property
+    def groups(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The process groups every join declared, in creation order: (name, ranks)."""
+        return self._membership.groups or ()
+
+    def group_seq(self, group: str) -> int:
+        """The seq the next go of process group ``group`` will carry."""
+        return self._groups.seq(group)
 
     @property
     def pending_buckets(self) -> Mapping[int, tuple[int, ...]]:
@@ -388,6 +405,7 @@ class CoordinatorCore:
             donor, receivers = -1, ()
         self._current = StepState.opening(step, broadcast=broadcast)
         self._negotiation.new_epoch(fold=opening.fold)
+        self._groups.new_epoch(self.groups, members)
         self._commits.new_epoch()
         self._commits.recovering = not opening.first
         self._liveness.progressed()
@@ -406,10 +424,28 @@ class CoordinatorCore:
             apply_barrier=self._elastic,
             fold=opening.fold,
         )
+        starts = self._starts(start)
         if opening.first:
-            return [Broadcast(start)]
+            return starts
         text = f"epoch {epoch} starts at step {step} with ranks {list(members)} ({reason})"
-        return [Report(text, "info"), Broadcast(start)]
+        return [Report(text, "info"), *starts]
+
+    def _starts(self, start: StartRun) -> list[Action]:
+        """The start to every member: one broadcast, or, when the joins declared process
+        groups, each member's own start listing its groups (members and addresses)."""
+        if not self.groups:
+            return [Broadcast(start)]
+        addresses = self._membership.addresses
+        present = set(start.members)
+        starts: list[Action] = []
+        for rank in start.members:
+            peers = []
+            for name, ranks in self.groups:
+                if rank in ranks:
+                    active = tuple(r for r in ranks if r in present)
+                    peers.append((name, active, tuple(addresses[r] for r in active)))
+            starts.append(Send(rank, replace(start, groups=tuple(peers))))
+        return starts
 
     def _next_epoch(self, reason: str, joiners: tuple[int, ...] = ()) -> list[Action]:
         survivors = self._membership.survivors()
@@ -447,6 +483,7 @@ class CoordinatorCore:
         self._liveness.hold()
         self._current = StepState.holding(step)
         self._negotiation.new_epoch(fold=self._negotiation.cache.fold)
+        self._groups.new_epoch(self.groups, ())
         self._commits.new_epoch()
         text = (
             f"{reason}; {len(self._membership)} worker(s) remain, min_workers is {self._min}: "
@@ -463,6 +500,8 @@ class CoordinatorCore:
         )
         if early is not None:
             return early
+        if event.group:
+            return self._on_group_ready(event)
         members = len(self._membership.members)
         outcome = self._negotiation.report(self._current, event, members, self._membership.epoch)
         if isinstance(outcome, Fault):
@@ -473,6 +512,21 @@ class CoordinatorCore:
         if isinstance(outcome, Go):
             return [Broadcast(outcome)]
         return []
+
+    def _on_group_ready(self, event: Ready) -> list[Action]:
+        outcome = self._groups.report(self._current, event, self._membership.epoch)
+        if isinstance(outcome, Fault):
+            return self._fault(event.rank, outcome.reason)
+        self._liveness.progressed()
+        if isinstance(outcome, Disagreement):
+            return self._abort(outcome.reason)
+        if isinstance(outcome, GroupGo):
+            return self._group_go(outcome)
+        return []
+
+    @staticmethod
+    def _group_go(outcome: GroupGo) -> list[Action]:
+        return [Send(rank, outcome.go) for rank in outcome.ranks]
 
     def _close_buckets(self, event: Reduced | Digest | StepDone, what: str) -> list[Action] | None:
         """The step's buckets as of ``event``, a rank's first report of its step end: take a
@@ -560,6 +614,8 @@ class CoordinatorCore:
                 )
             )
         self._current = ended.following()
+        for go in self._groups.advance(self._current.step, epoch):
+            actions += self._group_go(go)
         for event in ended.early:
             actions += self._on_ready(event)
             if self._state is not RunState.RUNNING:

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from runtime.coordinator.events import signature_mismatch
+from runtime.coordinator.group_decl import (
+    Declaration,
+    declaration_mismatch,
+    declaration_of,
+    describe,
+)
 from runtime.protocol.messages import Joined, Signature
 
 __all__ = ["EpochRecord", "Opening", "ResumePlan", "resume_plan", "Membership"]
@@ -77,6 +83,9 @@ class Membership:
         self.ring = ring
         self.reference = reference
         self.reference_rank: int | None = None
+        self.groups: Declaration | None = None
+        """The process groups every join declared (the first join's; None: no join yet)."""
+        self.groups_rank: int | None = None
         self.epoch = 0
         """The membership epoch (0 before the start; grows by one per membership change)."""
         self.members: tuple[int, ...] = ()
@@ -142,13 +151,33 @@ class Membership:
                     else f"rank {self.reference_rank}'s"
                 )
                 return f"rank {rank}'s model differs from {ref} {where}"
-        return None
+        return self._check_groups(event)
+
+    def _check_groups(self, event: Joined) -> str | None:
+        """Why ``event``'s process-group declaration cannot be taken (None: it can)."""
+        declared = declaration_of(event, self.world_size)
+        if isinstance(declared, str):
+            return declared
+        if self.groups is None:
+            return None
+        where = declaration_mismatch(declared, self.groups)
+        if where is None:
+            return None
+        return (
+            f"rank {event.rank} declares other process groups than rank {self.groups_rank}: "
+            f"{where}; rank {event.rank} declares {describe(declared)}, rank "
+            f"{self.groups_rank} declares {describe(self.groups)}"
+        )
 
     def admit(self, event: Joined) -> None:
         """Take a join `check_join` accepted; the first one fixes the reference model."""
         if self.reference is None:
             self.reference = event.signature
             self.reference_rank = event.rank
+        if self.groups is None:
+            declared = declaration_of(event, self.world_size)
+            assert not isinstance(declared, str), "admit() takes only joins check_join took"
+            self.groups, self.groups_rank = declared, event.rank
         self._addresses[event.rank] = event.address
         self._joins[event.rank] = event
 

@@ -60,6 +60,9 @@ __all__ = [
     "ParamSpec",
     "Signature",
     "BucketSpec",
+    "MeshLayout",
+    "GroupRanks",
+    "GroupPeers",
     "MAX_DIGEST",
     "NONCE_SIZE",
     # handshake
@@ -117,6 +120,12 @@ Signature = tuple[ParamSpec, ...]
 """A model's parameters in registration order."""
 BucketSpec = tuple[tuple[tuple[int, ...], str], ...] | str
 """A gradient bucket's layout, ((shape, dtype name), ...), or a hash string of it."""
+MeshLayout = tuple[tuple[str, ...], tuple[int, ...]]
+"""A device mesh: (dimension names, their sizes), row-major (`runtime.collectives.mesh`)."""
+GroupRanks = tuple[str, tuple[int, ...]]
+"""A named process group: (name, its world ranks)."""
+GroupPeers = tuple[str, tuple[int, ...], tuple[tuple[str, int], ...]]
+"""A rank's process group at rendezvous: (name, its world ranks, their addresses by rank)."""
 
 # --------------------------------------------------------------------------- field types
 
@@ -155,6 +164,17 @@ BUCKET_SPEC = Either(HASH, Seq(Record(("shape", SHAPE), ("dtype", DTYPE)), _MAX_
 """A bucket's layout, [[shape, dtype], ...], or the hash string of one (`spec_hash`)."""
 CACHED = Str(256)
 """A folding report's response-cache agreement hash (empty: none)."""
+GROUP_NAME = Str(256, min_len=1)
+"""A process group's name (`runtime.coordinator.group_decl` says how a mesh's are derived)."""
+MESH = Record(("names", Seq(Str(256, min_len=1), 16)), ("sizes", Seq(Int(1, _MAX_WORLD), 16)))
+"""A device mesh declaration: [names, sizes]."""
+GROUP_PEERS = Seq(
+    Record(("name", GROUP_NAME), ("ranks", RANKS), ("addresses", Seq(ADDRESS, _MAX_WORLD))),
+    _MAX_WORLD,
+)
+"""A rank's process groups at the start: [[name, ranks, addresses], ...]."""
+GROUP_LIST = Seq(Record(("name", GROUP_NAME), ("ranks", RANKS)), _MAX_WORLD)
+"""Explicit process groups: [[name, ranks], ...]."""
 
 
 def packed_size(packed: bytes, count: int) -> int | None:
@@ -400,7 +420,10 @@ class StartRun(WireMessage):
     for ``apply`` so no step is ever applied with a partly reduced gradient. ``fold``: every
     member joined offering to fold; once a bucket spec is agreed, members send no ``ready`` for
     buckets they reduce from the response cache, and say so in their step report instead.
-    ``members`` left empty means ``0 .. len(addresses) - 1``.
+    ``members`` left empty means ``0 .. len(addresses) - 1``. ``groups``: when the joins
+    declared process groups, each member gets its own start listing its groups in this epoch,
+    each as [name, ranks, addresses] (``addresses[i]``: the listen address of world rank
+    ``ranks[i]``, from the address table; only ranks that are members of the epoch).
     """
 
     KIND: ClassVar[str] = "start_run"
@@ -416,6 +439,7 @@ class StartRun(WireMessage):
     broadcast: bool = wire(Bool(), default=True)
     apply_barrier: bool = wire(Bool(), default=False)
     fold: bool = wire(Bool(), default=False, omit=False)
+    groups: tuple[GroupPeers, ...] = wire(GROUP_PEERS, default=(), omit=())
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -432,6 +456,12 @@ class StartRun(WireMessage):
             raise Invalid(f" {self.donor} is not a member", "'donor'")
         if not set(self.receivers) <= set(self.members) or self.donor in self.receivers:
             raise Invalid(" must be members other than the donor", "'receivers'")
+        names = [group[0] for group in self.groups]
+        if len(set(names)) != len(names):
+            raise Invalid(" names a group twice", "'groups'")
+        for name, ranks, addresses in self.groups:
+            if len(set(ranks)) != len(ranks) or len(addresses) != len(ranks):
+                raise Invalid(f" group {name!r} needs distinct ranks, one address each", "'groups'")
 
     @property
     def verify(self) -> bool:
@@ -445,14 +475,18 @@ class StartRun(WireMessage):
 
 @dataclass(frozen=True)
 class Go(WireMessage):
-    """Every rank is ready: run bucket ``bucket`` of ``step`` now; ``seq`` orders all Gos."""
+    """Every rank is ready: run bucket ``bucket`` of ``step`` now; ``seq`` orders all Gos.
+
+    ``group``: the process group whose members are all ready (sent to them only; ``seq``
+    then orders that group's Gos); absent: the world."""
 
     KIND: ClassVar[str] = "go"
-    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "bucket", "seq")
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "bucket", "seq", "group")
     step: int = wire(STEP)
     bucket: int = wire(BUCKET)
     seq: int = wire(Int(0, MAX_INT))
     epoch: int = wire(EPOCH, default=1)
+    group: str = wire(Str(256), default="", omit="")
 
 
 @dataclass(frozen=True)
@@ -538,6 +572,8 @@ class Joined(WireMessage):
     checkpoint or rejoins a restarted coordinator), ``digest`` its state's digest there
     (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``fold``: the
     worker folds its response-cache reports into its step reports when every member does.
+    ``mesh`` (names, sizes) or ``groups`` ((name, ranks), ...): the process groups the worker
+    will use (`runtime.coordinator.group_decl`); every join must declare the same ones.
     """
 
     KIND: ClassVar[str] = "join"
@@ -549,6 +585,8 @@ class Joined(WireMessage):
         "digest",
         "epoch",
         "fold",
+        "mesh",
+        "groups",
     )
     rank: int = local()
     signature: Signature = wire(SIGNATURE, key="params")
@@ -558,6 +596,8 @@ class Joined(WireMessage):
     digest: bytes = wire(DIGEST, default=b"", optional=True)
     epoch: int = wire(EPOCH, default=0, optional=True)
     fold: bool = wire(Bool(), default=False, omit=False)
+    mesh: MeshLayout | None = wire(MESH, default=None, omit=None)
+    groups: tuple[GroupRanks, ...] | None = wire(GROUP_LIST, default=None, omit=None)
 
 
 @dataclass(frozen=True)
@@ -567,16 +607,25 @@ class Ready(WireMessage):
     ``cached``: the rank did not wait for a go; it reduces the bucket at once because the
     members agreed on this spec for this bucket earlier in the epoch (Horovod's response cache:
     the coordinator still checks the report against that agreement, and the ring refuses a
-    peer whose tensor differs)."""
+    peer whose tensor differs). ``group``: the bucket is reduced within that declared process
+    group, negotiated among its members only (absent: the world)."""
 
     KIND: ClassVar[str] = "ready"
-    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "bucket", "spec", "cached")
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = (
+        "epoch",
+        "step",
+        "bucket",
+        "spec",
+        "cached",
+        "group",
+    )
     rank: int = local()
     step: int = wire(STEP)
     bucket: int = wire(BUCKET)
     spec: BucketSpec = wire(BUCKET_SPEC)
     epoch: int = wire(EPOCH, default=1)
     cached: bool = wire(Bool(), default=False, omit=False)
+    group: str = wire(Str(256), default="", omit="")
 
 
 @dataclass(frozen=True)
