@@ -1,43 +1,26 @@
-"""paramsync's workers: the actor graph, the trainer built from it, and the built-in LM job."""
+"""paramsync's worker: the trainer a training script reaches for.
 
-from actors.client.client import CoordinatorClient, RunAborted
-from actors.demo_job.corpus import CharDataset, CharVocab, load_char_dataset
-from actors.demo_job.model import CharTransformer
-from actors.graph.compute import ComputeActor
-from actors.graph.factory import ActorFactory
-from actors.graph.gradcomm import GradCommActor
-from actors.graph.loader import DataLoaderActor
-from actors.graph.optimizer import CheckCost, OptimizerActor
-from actors.graph.sampler import shard
-from actors.state.buckets import Bucket, plan_buckets
-from actors.state.digest import StateDigest, StateHasher, state_digest
+The layers below, lowest first (``docs/architecture.md``): ``actors.state`` (buckets, the
+C-DDP-001 digest, checkpoints), ``actors.client`` (the worker's side of the coordinator
+protocol), ``actors.graph`` (the actors of one worker), ``actors.train`` (the trainers built from
+them); ``actors.demo_job`` is the built-in demo, a user of all this. Only what a training script
+uses is exported here; everything else stays importable from its module.
+"""
+
+from actors.client.client import RunAborted
+from actors.state.digest import StateDigest, state_digest
 from actors.train.run import trainer_from_env
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import join_run, train_in_process
 
 __all__ = [
-    "ActorFactory",
-    "Bucket",
-    "CharDataset",
-    "CharTransformer",
-    "CharVocab",
-    "CheckCost",
-    "ComputeActor",
-    "CoordinatorClient",
-    "DataLoaderActor",
     "DistributedTrainer",
-    "GradCommActor",
-    "OptimizerActor",
     "RunAborted",
     "StateDigest",
-    "StateHasher",
     "SyncTrainer",
     "TrainerOptions",
     "join_run",
-    "load_char_dataset",
-    "plan_buckets",
-    "shard",
     "state_digest",
     "train_in_process",
     "trainer_from_env",
