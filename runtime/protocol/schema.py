@@ -112,8 +112,8 @@ class WireType:
     """
 
     name: str = "value"
-    plain: ClassVar[bool] = True
-    normalize: ClassVar[bool] = False
+    plain: bool = True
+    normalize: bool = False
 
     def check(self, value: Any) -> Any:
         raise NotImplementedError
@@ -152,8 +152,8 @@ class Float(WireType):
 
     lo: float | None = None
     name = "float"
-    plain: ClassVar[bool] = False
-    normalize: ClassVar[bool] = True
+    plain = False
+    normalize = True
 
     def check(self, value: Any) -> float:
         if type(value) is not float and type(value) is not int:
@@ -224,7 +224,7 @@ class Bytes(WireType):
 
     max_len: int
     name = "bytes"
-    normalize: ClassVar[bool] = True
+    normalize = True
 
     def check(self, value: Any) -> bytes:
         if type(value) is not bytes:
@@ -246,8 +246,8 @@ class Seq(WireType):
     item: WireType
     max_len: int
     name = "list"
-    plain: ClassVar[bool] = False
-    normalize: ClassVar[bool] = True
+    plain = False
+    normalize = True
 
     def check(self, value: Any) -> tuple[Any, ...]:
         if type(value) is not list and type(value) is not tuple:
