@@ -182,6 +182,29 @@ def test_start_run_custom_ring_and_start_step() -> None:
     )
 
 
+@pytest.mark.parametrize("elastic", [False, True])
+@pytest.mark.parametrize("epochs", [(1, 1, 1), (0, 3, 2), (4, 0, 0)])
+def test_a_restart_at_step_0_opens_an_epoch_after_the_workers_latest(
+    elastic: bool, epochs: tuple[int, int, int]
+) -> None:
+    """A coordinator restarted before any worker applied step 0: every join reports step 0
+    but an epoch the workers already took part in; the fresh run must open a later epoch
+    (workers refuse a start_run whose epoch does not grow: EpochRegression)."""
+    kwargs: dict[str, Any] = {"min_workers": 2} if elastic else {}
+    core = CoordinatorCore(3, heartbeat_deadline=5.0, **kwargs)
+    for rank, epoch in enumerate(epochs):
+        actions = core.handle(Joined(rank, SIG, addr(rank), now=0.0, epoch=epoch))
+    starts = [a.message for a in actions if isinstance(a, Broadcast)]
+    assert len(starts) == 1 and isinstance(starts[0], StartRun), actions
+    start = starts[0]
+    assert start.step == 0 and start.broadcast and start.donor == -1
+    assert start.epoch == max(epochs) + 1 and core.epoch == start.epoch
+    assert start.members == (0, 1, 2)
+    epoch = start.epoch
+    actions = [a for r in range(3) for a in core.handle(Ready(r, 0, 0, spec(0), epoch=epoch))]
+    assert actions == [Broadcast(Go(0, 0, 0, epoch=epoch))]
+
+
 def test_constructor_checks() -> None:
     with pytest.raises(ValueError, match="world_size"):
         CoordinatorCore(0)

@@ -490,11 +490,6 @@ class WiredMachine(RuleBasedStateMachine):
         """The coordinator dies: every queued frame is lost; a fresh one listens."""
         if any(p.phase not in (Phase.RUNNING, Phase.HOLDING) for p in self.protocols):
             return
-        if all(t.step == 0 for t in self.trainers):
-            # A restarted coordinator whose workers all hold step 0 opens a fresh run at epoch
-            # 1 instead of after their epoch (runtime/coordinator/core.py `_first_epoch`),
-            # which the workers refuse as an EpochRegression: left to the coordinator's side.
-            return
         self.restarts += 1
         self.core = self._new_core()
         for rank in range(WORLD):

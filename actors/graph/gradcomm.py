@@ -10,6 +10,7 @@ in the agreed order, without the round trip (the response cache).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -280,7 +281,7 @@ class GradCommActor(Actor):
             state.all_reduced.set()
 
 
-def _grad_views(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
+def _grad_views(params: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
     """One view of ``flat`` per parameter, shaped like it, in bucket order; None where the
     gradients cannot live in the host buffer (a parameter on an accelerator, another dtype)."""
     views = []

@@ -268,7 +268,10 @@ class DistributedTrainer:
         """The coordinator's next epoch or hold; after a data-plane failure, within a deadline
         (the coordinator names the lost peer, or the failure stands)."""
         if not self._announced:
-            seconds = 2 * self.client.start.heartbeat_deadline + 5.0 if failure else math.inf
+            start = self.client.start
+            seconds = (
+                2 * start.heartbeat_deadline + 5.0 if failure and start is not None else math.inf
+            )
             with trio.move_on_after(seconds):
                 while not self._announced:
                     self._announced_event = trio.Event()
@@ -560,7 +563,13 @@ class DistributedTrainer:
                 with self.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
                     for index, micro in enumerate(micro_batches):
                         last = index == len(micro_batches) - 1
-                        total += await epoch.compute.ask(Backward(step, micro, last))
+                        part = await epoch.compute.ask(Backward(step, micro, last))
+                        if not isinstance(part, float):
+                            raise TypeError(
+                                f"step {step}: the compute actor answered a backward with "
+                                f"{part!r}, not a loss"
+                            )
+                        total += part
                 loss = total / len(micro_batches)
                 self._last_loss, self._last_loss_step = loss, step
                 with self.trace.span("grad-wait", actor="trainer", step=step):
@@ -772,7 +781,7 @@ def _broken_by_a_peer(error: BaseException) -> bool:
     return isinstance(leaf, ProtocolError | ActorStopped)
 
 
-def _split(batch: Any, parts: int) -> list[Any]:
+def _split(batch: Any, parts: int) -> Sequence[Any]:
     if parts == 1:
         return [batch]
     if isinstance(batch, torch.Tensor):

@@ -166,8 +166,8 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             raise CollectiveError(f"group {self.name!r}: its transport lends no polled links")
         return self.members.polled_links(peers)
 
-    @property  # type: ignore[override]
-    def stall_seconds(self) -> float:
+    @property
+    def stall_seconds(self) -> float:  # type: ignore[override]  # the members' value, read-only
         members = self.__dict__.get("members")
         return members.stall_seconds if isinstance(members, PrecodedFrames) else _STALL_SECONDS
 
@@ -182,7 +182,7 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             raise CollectiveError(f"group {self.name!r}: its transport sends no pre-encoded frames")
         return self.members
 
-    @property  # type: ignore[override]
+    @property
     def shared_memory(self) -> AllReducePlane | None:
         """The group's own shared-memory plane, if its members attached one."""
         members = self.__dict__.get("members")

@@ -180,7 +180,8 @@ async def init_device_mesh(
     if isinstance(names, Mapping):
         if sizes is not None:
             raise CollectiveError("pass the mesh as a mapping of sizes or as names and sizes")
-        names, sizes = tuple(names), tuple(names.values())
+        sizes = tuple(names.values())
+        names = tuple(names)
     if sizes is None:
         raise CollectiveError("init_device_mesh needs the sizes of its dimensions")
     sizes_t, names_t = _check_layout(sizes, names)

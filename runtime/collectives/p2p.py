@@ -162,7 +162,8 @@ class _Inbox:
         chosen: list[_Posted] = []
 
         def route(head: dict[str, Any], dtype: torch.dtype, shape: tuple[int, ...]) -> Any:
-            queue = self.posted.get(head.get("tag")) if head["kind"] == P2P.KIND else None
+            tag = head.get("tag") if head["kind"] == P2P.KIND else None
+            queue = self.posted.get(tag) if isinstance(tag, int) else None
             if not queue:
                 return None
             entry = queue[0]

@@ -366,13 +366,15 @@ class CoordinatorCore:
         """Everyone is in: the first epoch starts from the most advanced state reported."""
         joins = self._membership.joins
         everyone = tuple(sorted(joins))
+        # Workers that took part in an epoch (a restarted coordinator) get a later one, even
+        # when none of them applied a step yet: they refuse an epoch that does not grow.
+        self._membership.resume_from(max(j.epoch for j in joins.values()))
         plan = resume_plan(joins)
         if plan is None:
             # A fresh run: position 0's weights go to everyone.
             return self._start_epoch(self._start_step, everyone, "the run starts", broadcast=True)
         # Resumed workers (a checkpoint, a restarted coordinator): the majority state at the
         # newest step is the donor's; everyone else receives it.
-        self._membership.resume_from(plan.epoch)
         top, donor, receivers = plan.step, plan.donor, plan.receivers
         actions = self._start_epoch(
             top, everyone, f"the run resumes at step {top}", donor, receivers

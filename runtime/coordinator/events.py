@@ -223,7 +223,8 @@ def spec_hash(spec: BucketSpec | Sequence[Any]) -> str:
     its own hash."""
     if isinstance(spec, str):
         return spec
-    text = ";".join(f"{','.join(str(d) for d in shape)}:{dtype}" for shape, dtype in spec)
+    # Indexed, not unpacked: mypy keeps ``str`` among a ``Sequence``'s cases past the check.
+    text = ";".join(f"{','.join(str(d) for d in entry[0])}:{entry[1]}" for entry in spec)
     return "xxh3:" + xxhash.xxh3_128_hexdigest(text.encode())
 
 

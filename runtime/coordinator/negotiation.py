@@ -143,7 +143,8 @@ class Negotiation:
             state.plain.add(bucket)  # negotiated: the go, if all agree, updates the agreement
         reports = state.pending.setdefault(bucket, {})
         # A cached report matched the agreement (spec or hash): compare peers by the spec.
-        reports[rank] = agreed if event.cached else event.spec
+        # (A cached report without an agreement faulted above.)
+        reports[rank] = agreed if event.cached and agreed is not None else event.spec
         state.reported.setdefault(rank, set()).add(bucket)
         if len(set(reports.values())) > 1:
             return Disagreement(f"step {step} bucket {bucket}: {spec_groups(reports)}")

@@ -208,7 +208,8 @@ class Coordinator:
         """
         key = load_secret(self._secret)
         listeners = await trio.open_tcp_listeners(port, host=host)
-        self.bound_address = tuple(listeners[0].socket.getsockname()[:2])  # type: ignore[assignment]
+        bound_host, bound_port = listeners[0].socket.getsockname()[:2]
+        self.bound_address = (bound_host, bound_port)
         me = Identity(self.group, self.world_size, -1)
 
         async def handle(stream: trio.SocketStream, ticket: HandshakeTicket) -> None:

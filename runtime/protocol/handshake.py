@@ -216,11 +216,11 @@ class ListenerHandshake:
             self._secret, b"paramsync/dialer", (self._nonce, self._dialer_nonce), self.me, self.peer
         )
         if not hmac.compare_digest(expected, message["proof"]):
-            reason = "authentication failed: wrong shared secret"
-            return (*Refusal(reason, auth=True).to_wire(), AuthenticationError(reason))
-        reason = self._admit_reason(self.peer)
-        if reason is not None:
-            return (*Refusal(reason).to_wire(), HandshakeError(reason))
+            failed = "authentication failed: wrong shared secret"
+            return (*Refusal(failed, auth=True).to_wire(), AuthenticationError(failed))
+        refused = self._admit_reason(self.peer)
+        if refused is not None:
+            return (*Refusal(refused).to_wire(), HandshakeError(refused))
         return (*Welcome().to_wire(), None)
 
     def _admit_reason(self, peer: Identity) -> str | None:

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -131,7 +131,7 @@ class Int(WireType):
 
     lo: int = 0
     hi: int | None = MAX_INT
-    name: ClassVar[str] = "int"
+    name = "int"
 
     def check(self, value: Any) -> int:
         if type(value) is not int:
@@ -151,9 +151,9 @@ class Float(WireType):
     """A number at least ``lo`` (an int is taken as a float); travels as a CBOR float."""
 
     lo: float | None = None
-    name: ClassVar[str] = "float"
-    plain: ClassVar[bool] = False
-    normalize: ClassVar[bool] = True
+    name = "float"
+    plain = False
+    normalize = True
 
     def check(self, value: Any) -> float:
         if type(value) is not float and type(value) is not int:
@@ -173,7 +173,7 @@ class Float(WireType):
 class Bool(WireType):
     """True or false (never an integer)."""
 
-    name: ClassVar[str] = "bool"
+    name = "bool"
 
     def check(self, value: Any) -> bool:
         if type(value) is not bool:
@@ -192,7 +192,7 @@ class Str(WireType):
     max_len: int
     min_len: int = 0
     clip: bool = False
-    name: ClassVar[str] = "str"
+    name = "str"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plain", not self.clip)
@@ -223,8 +223,8 @@ class Bytes(WireType):
     copied into bytes)."""
 
     max_len: int
-    name: ClassVar[str] = "bytes"
-    normalize: ClassVar[bool] = True
+    name = "bytes"
+    normalize = True
 
     def check(self, value: Any) -> bytes:
         if type(value) is not bytes:
@@ -245,9 +245,9 @@ class Seq(WireType):
 
     item: WireType
     max_len: int
-    name: ClassVar[str] = "list"
-    plain: ClassVar[bool] = False
-    normalize: ClassVar[bool] = True
+    name = "list"
+    plain = False
+    normalize = True
 
     def check(self, value: Any) -> tuple[Any, ...]:
         if type(value) is not list and type(value) is not tuple:
@@ -364,7 +364,7 @@ class Spread(Record):
 class Tensor(WireType):
     """A tensor (an RFC 8746 typed array; as a message's last field ``data``, maybe the bulk)."""
 
-    name: ClassVar[str] = "tensor"
+    name = "tensor"
 
     def check(self, value: Any) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
@@ -381,7 +381,7 @@ class Map(WireType):
     validates the contents, such as a state manifest)."""
 
     max_len: int = 1 << 20
-    name: ClassVar[str] = "map"
+    name = "map"
 
     def check(self, value: Any) -> dict[str, Any]:
         if type(value) is not dict:
@@ -478,9 +478,7 @@ class WireMessage:
         return kind, fields, bulk
 
     @classmethod
-    def from_wire(
-        cls, item: Mapping[str, Any], *, peer: object = None, **context: Any
-    ) -> WireMessage:
+    def from_wire(cls, item: Mapping[str, Any], *, peer: object = None, **context: Any) -> Self:
         """Decode ``item`` as this kind (see `decode`); another kind is a ProtocolError."""
         if isinstance(item, Mapping) and item.get("kind") != cls.KIND:
             check_envelope(item, {cls.KIND: cls}, peer, lookup=False)
@@ -504,7 +502,7 @@ class Schema:
     must hold; ``normalized``: the attributes a local construction normalizes.
     """
 
-    cls: type
+    cls: type[WireMessage]
     kind: str
     slots: tuple[_Slot, ...]
     encode_order: tuple[_Slot, ...]
@@ -526,9 +524,8 @@ def _keys_of(slot: _Slot) -> list[str]:
     return [label for label, _ in ftype.parts] if isinstance(ftype, Spread) else [slot[1]]
 
 
-@functools.cache
-def schema(cls: type) -> Schema:
-    """Compile ``cls``'s declaration once (a programming error raises TypeError).
+def _compile_schema(cls: type) -> Schema:
+    """Compile ``cls``'s declaration (a programming error raises TypeError); see `schema`.
 
     A class may set ``WIRE_ORDER`` (its wire keys in frame order) when its frames list the
     fields in another order than its constructor takes them.
@@ -589,6 +586,12 @@ def schema(cls: type) -> Schema:
         nullable=nullable,
         invariants=getattr(cls, "invariants", None),
     )
+
+
+schema: Callable[[type], Schema] = functools.cache(_compile_schema)
+"""``cls``'s compiled declaration, compiled once per class. (Declared as a plain callable:
+mypy does not count a class object as Hashable, which ``functools.cache`` asks of its
+arguments.)"""
 
 
 def _plan(

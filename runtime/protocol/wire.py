@@ -103,7 +103,9 @@ def tensor_buffer(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray(0))
     array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    array._owner = tensor  # the view keeps the array alive, the array keeps the memory alive
+    # The view keeps the array alive, the array keeps the memory alive. (ctypes arrays take
+    # attributes; the stubs declare none.)
+    array._owner = tensor  # type: ignore[attr-defined]
     return memoryview(array).cast("B")
 
 

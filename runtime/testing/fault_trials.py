@@ -224,7 +224,8 @@ def run_trial(
 class RestartResult:
     """What one coordinator-restart trial ended with."""
 
-    step: int
+    step: int | None
+    """The commit the coordinator was killed at (None: the uninterrupted reference run)."""
     exit_codes: dict[str, int]
     digests: dict[int, str | None]
     epochs: list[dict[str, Any]]
@@ -442,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  problem: {problem}", flush=True)
     restarts = []
     if args.coordinator_restarts:
-        reference = run_coordinator_restart_trial(None)
-        expected = set(reference.digests.values())
+        uninterrupted = run_coordinator_restart_trial(None)
+        expected = set(uninterrupted.digests.values())
         for index in range(args.coordinator_restarts):
             restart = run_coordinator_restart_trial(rng.randint(0, 6))
             if restart.ok and set(restart.digests.values()) != expected:

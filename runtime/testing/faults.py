@@ -110,7 +110,7 @@ class FaultyTransport(SharedMemoryHolder):
         self.armed = False
 
     @property
-    def shared_memory(self) -> AllReducePlane | None:  # type: ignore[override]
+    def shared_memory(self) -> AllReducePlane | None:
         """The wrapped transport's shared-memory plane, if any: a member whose wrapper hid it
         would run another algorithm than its peers."""
         inner = self.__dict__.get("inner")

@@ -80,7 +80,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -304,7 +304,7 @@ class HandshakeTicket:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         try:
             self._scope.__exit__(exc_type, exc, tb)
         except BaseException as raised:

@@ -224,7 +224,7 @@ class InProcessTransport(Transport):
         return message
 
     async def aclose(self) -> None:
-        for channel in self._senders.values():
-            channel.close()
-        for channel in self._receivers.values():
-            channel.close()
+        for sender in self._senders.values():
+            sender.close()
+        for receiver in self._receivers.values():
+            receiver.close()

@@ -554,8 +554,8 @@ async def _attach_root(
     offer = ShmOffer(
         path=path,
         reason=reason or "",
-        size=layout.size if mapping is not None else 0,
-        step_bytes=layout.step_bytes if mapping is not None else 0,
+        size=layout.size if mapping is not None and layout is not None else 0,
+        step_bytes=layout.step_bytes if mapping is not None and layout is not None else 0,
         min_bytes=min_bytes,
         nonce=nonce,
     )

@@ -20,9 +20,9 @@ import select
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import stamina
 import torch
@@ -63,6 +63,10 @@ from runtime.transport.capabilities import (
 )
 from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tls import TlsConfig, describe_tls_error
+
+if TYPE_CHECKING:
+    # Connection's ``socket`` property hides the module in its methods' annotations.
+    from socket import socket as RawSocket
 
 __all__ = [
     "TcpTransport",
@@ -124,7 +128,7 @@ class Connection:
         self._start = 0
         self._end = 0
         self.closed = False
-        self._raw: socket.socket | None = None
+        self._raw: RawSocket | None = None
         _tune(self._sock)
 
     @property
@@ -148,7 +152,7 @@ class Connection:
         sent often, such as a step signal, is encoded once."""
         await self._send_locked([frame])
 
-    async def _send_locked(self, parts: list[bytes | memoryview]) -> None:
+    async def _send_locked(self, parts: Sequence[bytes | memoryview]) -> None:
         async with self._holding(self._send_lock) as direct:
             if direct:  # try the socket at once; what it does not take goes through trio
                 views = [memoryview(part).cast("B") for part in parts]
@@ -179,7 +183,7 @@ class Connection:
         async with lock:
             yield False
 
-    async def _send_parts(self, parts: list[bytes | memoryview]) -> None:
+    async def _send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
         views = [memoryview(part).cast("B") for part in parts]
         try:
             while views:
@@ -375,7 +379,7 @@ class Connection:
     # receives proceed on two cores at once. Only `BlockingLinks` switches the mode, while it
     # holds both of this connection's locks, so the trio path never sees a blocking socket.
 
-    def _raw_socket(self) -> socket.socket:
+    def _raw_socket(self) -> RawSocket:
         if self._raw is None:
             fd = self._sock.fileno()
             self._raw = socket.socket(self._sock.family, self._sock.type, fileno=os.dup(fd))
@@ -407,7 +411,7 @@ class Connection:
             got += self._recv_some_blocking(raw, view[got:], len(view) - got, socket.MSG_WAITALL)
 
     def _recv_some_blocking(
-        self, raw: socket.socket, view: memoryview, size: int, flags: int = 0
+        self, raw: RawSocket, view: memoryview, size: int, flags: int = 0
     ) -> int:
         """One blocking ``recv_into``; its failures as the errors that name this peer."""
         try:
@@ -542,7 +546,7 @@ class _TlsConnection(Connection):
     supports_blocking = False
     direct = False
 
-    async def _send_parts(self, parts: list[bytes | memoryview]) -> None:
+    async def _send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
         views = [memoryview(part).cast("B") for part in parts]
         try:
             if sum(len(view) for view in views) <= _TLS_COALESCE:
@@ -574,7 +578,7 @@ class _TlsConnection(Connection):
         cannot show them, so a TLS link is read as its messages come."""
         await trio.lowlevel.checkpoint()
 
-    def _raw_socket(self) -> socket.socket:
+    def _raw_socket(self) -> RawSocket:
         raise CollectiveError(
             f"the connection to {self.peer} is TLS: the blocking thread path needs plaintext TCP"
         )
@@ -1277,7 +1281,7 @@ async def _rendezvous_root(
     finally:
         for lst in listeners:
             await lst.aclose()
-    table = [[address[0], address[1]]] + [list(joins[r]) for r in range(1, me.world_size)]
+    table = ((address[0], address[1]), *(joins[r] for r in range(1, me.world_size)))
     for rank in range(1, me.world_size):
         await mesh[rank].send(*RdvTable(table).to_wire())
 
