@@ -8,7 +8,6 @@ no other exception, however malformed the input.
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 import subprocess
@@ -23,7 +22,7 @@ import torch
 from conftest import bitwise_equal
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
-from message_strategies import key_types, wire_fields
+from message_strategies import key_types, random_tensor, wire_fields
 
 from runtime.errors import FrameTooLarge, ProtocolError
 from runtime.protocol.messages import KINDS
@@ -73,15 +72,6 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, -0.0, subnormals included) of the given dtype."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = math.prod(shape)
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (numel * itemsize,), generator=gen, dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
 
 
 def little_endian_bytes(tensor: torch.Tensor) -> bytes:
