@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-allreduce bench bench-ddp reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-allreduce bench bench-ddp bench-groups reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -32,6 +32,9 @@ demo-allreduce: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py --json out/allreduce.json
+
+bench-groups: $(STAMP)
+	$(BIN)/python benchmarks/groups.py --json out/groups.json
 
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
