@@ -9,8 +9,9 @@ each (`runtime.collectives.groups`), ``gloo`` torch's ``new_group`` on gloo. For
 a world barrier, each rank times back-to-back all-reduces; a repeat's time is the slowest rank's
 (the moment both groups are done). Reported: the median over repeats and rounds, the bus
 bandwidth per group (algbw x 2(k-1)/k with k = 2, i.e. the algbw), and each paramsync system's
-bus-bandwidth ratio to gloo (above 1: faster; the JSON also has the time ratio). The systems alternate round by round, order rotated, so
-drift in machine load hits all alike (as in ``benchmarks/allreduce.py``).
+bus-bandwidth ratio to gloo (above 1: faster; the JSON also has the time ratio). The systems
+alternate round by round, order rotated, so drift in machine load hits all alike (as in
+``benchmarks/allreduce.py``).
 
     python benchmarks/groups.py --json out/groups.json
     python benchmarks/groups.py --rounds 1 --repeats 2 --sizes 65536 1048576
