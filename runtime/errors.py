@@ -24,7 +24,36 @@ __all__ = [
     "ActorFailed",
     "pick_error",
     "first_error",
+    "quoted",
+    "plain_or_quoted",
+    "QUOTED_LIMIT",
 ]
+
+QUOTED_LIMIT = 200
+"""The most characters of a peer-supplied string that `quoted` keeps."""
+
+
+def quoted(value: object, limit: int = QUOTED_LIMIT) -> str:
+    """A peer-supplied value as it may enter a log line or a refusal/abort reason: its
+    ``repr`` (a string in quotes, newlines and control characters escaped, so it cannot forge a
+    log line), clipped to about ``limit`` characters with the clipped length said."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) > limit + 2:
+        return f"{text[:limit]}... ({len(text)} characters)"
+    return text
+
+
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-[]")
+
+
+def plain_or_quoted(value: object, limit: int = 64) -> str:
+    """A peer-supplied name that is usually plain (a dtype, a host): as it is when it is a
+    short string of letters, digits and ``_.:-[]``, else `quoted` (so it cannot forge a line)."""
+    if isinstance(value, str) and 0 < len(value) <= limit and _PLAIN.issuperset(value):
+        return value
+    return quoted(value)
 
 
 class ParamsyncError(Exception):

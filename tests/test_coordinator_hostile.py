@@ -21,7 +21,7 @@ from runtime.coordinator.run_state import RunState
 from runtime.coordinator.step_state import MAX_EARLY_READIES
 from runtime.errors import HandshakeError, quoted
 from runtime.protocol.handshake import DialerHandshake, Identity
-from runtime.protocol.messages import Digest, Joined, Ready, StepDone
+from runtime.protocol.messages import Digest, Joined, Ready
 
 FORGED = "\n2026-11-23 21:00:00 INFO paramsync.daemon: run finished"
 SIG = (("embed.w", (16, 8), "float32", True), ("norm.b", (8,), "float32", False))
@@ -90,7 +90,9 @@ def test_early_ready_beyond_the_agreed_layout_is_a_fault_naming_the_rank() -> No
     for rank in range(2):  # step 0: the members agree on a two-bucket layout
         for bucket in range(2):
             core.handle(Ready(rank, 0, bucket, spec(bucket)))
-    core.handle(StepDone(0, 0))  # rank 1 still in step 0: rank 0's step-1 reports are early
+    core.handle(
+        Digest(0, 0, b"x", (("w", b"1"),))
+    )  # rank 1 still in step 0: rank 0's step-1 reports are early
     assert core.handle(Ready(0, 1, 1, spec(1))) == []
     actions = core.handle(Ready(0, 1, 2, spec(2)))
     reasons = " ".join(getattr(a, "reason", "") for a in actions)

@@ -115,7 +115,7 @@ def test_the_next_step_starts_empty() -> None:
     state.gone.add(1)
     state.reduced.add(1)
     state.done[1] = StepDone(1, 3)
-    state.early.append(Ready(0, 4, 0, spec(0)))
+    state.early[0, 0] = Ready(0, 4, 0, spec(0))
     state.finished.add(2)
     after = state.following()
     assert after is not state
@@ -128,7 +128,7 @@ def test_waiting_for_names_the_phase_and_the_missing_ranks() -> None:
     members = (0, 1, 2)
     state = StepState(2)
     assert state.waiting_for(members) == ("data loading and forward", members)
-    state.early.append(Ready(1, 3, 0, spec(0)))
+    state.early[1, 0] = Ready(1, 3, 0, spec(0))
     assert state.waiting_for(members) == ("data loading and forward", (0, 2))
     state.gone.add(0)
     assert state.waiting_for(members) == ("backward or the all-reduce", members)
@@ -271,7 +271,7 @@ def test_a_cached_report_needs_an_agreement_it_matches() -> None:
 def test_reports_out_of_step_twice_or_after_the_step_end_are_faults() -> None:
     negotiation, state = Negotiation(), StepState(2)
     assert negotiation.report(state, Ready(0, 3, 1, spec(1)), 2, 1) is None
-    assert [e.bucket for e in state.early] == [1]
+    assert [e.bucket for e in state.early.values()] == [1]
     assert negotiation.report(state, Ready(0, 3, 1, spec(1)), 2, 1) == Fault(
         "step 3: rank 0 reported bucket 1 twice"
     )

@@ -238,7 +238,7 @@ def test_out_of_order_messages_are_handshake_errors() -> None:
         dialer.on_challenge(over_the_wire("welcome", {}))
     with pytest.raises(HandshakeError):
         dialer.on_verdict(over_the_wire("welcome", {}))  # welcome before a challenge
-    with pytest.raises(HandshakeError, match="refused: busy"):
+    with pytest.raises(HandshakeError, match="refused: 'busy'"):
         dialer.on_challenge(over_the_wire("refuse", {"reason": "busy"}))
 
 

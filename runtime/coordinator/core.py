@@ -618,7 +618,7 @@ class CoordinatorCore:
         self._current = ended.following()
         for go in self._groups.advance(self._current.step, epoch):
             actions += self._group_go(go)
-        for event in ended.early:
+        for event in ended.early.values():
             actions += self._on_ready(event)
             if self._state is not RunState.RUNNING:
                 break

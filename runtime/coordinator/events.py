@@ -10,6 +10,7 @@ from typing import Any
 
 import xxhash
 
+from runtime.errors import plain_or_quoted, quoted
 from runtime.protocol.messages import (
     AbortRun,
     BucketSpec,
@@ -237,8 +238,20 @@ def agreement_hash(spec_hashes: Mapping[int, str]) -> str:
 
 def spec_text(spec: BucketSpec) -> str:
     if isinstance(spec, str):
-        return f"spec {spec!r}"
-    return "[" + "; ".join(f"{shape}, {dtype}" for shape, dtype in spec) + "]"
+        return f"spec {quoted(spec)}"
+    return "[" + "; ".join(f"{shape}, {_dtype_text(dtype)}" for shape, dtype in spec) + "]"
+
+
+def _dtype_text(dtype: object) -> str:
+    """A peer's dtype name as text: bare when plain ("float32"), else quoted."""
+    return plain_or_quoted(dtype)
+
+
+def _shape_text(shape: object) -> str:
+    """A peer's shape as text: a tuple of ints as Python writes it, anything else quoted."""
+    if isinstance(shape, tuple) and all(type(d) is int for d in shape):
+        return str(shape)
+    return quoted(shape)
 
 
 def signature_mismatch(mine: Signature, ref: Signature) -> str | None:
@@ -248,20 +261,23 @@ def signature_mismatch(mine: Signature, ref: Signature) -> str | None:
     for index, (m, r) in enumerate(zip(mine, ref)):
         if m[0] != r[0]:
             if r[0] not in mine_names:
-                return f"at parameter {r[0]!r}: missing"
+                return f"at parameter {quoted(r[0])}: missing"
             if m[0] not in ref_names:
-                return f"at parameter {m[0]!r}: extra parameter"
-            return f"at position {index}: parameter {m[0]!r} vs {r[0]!r} (order differs)"
+                return f"at parameter {quoted(m[0])}: extra parameter"
+            return (
+                f"at position {index}: parameter {quoted(m[0])} vs {quoted(r[0])} (order differs)"
+            )
         if m[1] != r[1]:
-            return f"at parameter {m[0]!r}: shape {m[1]} vs {r[1]}"
+            shapes = f"{_shape_text(m[1])} vs {_shape_text(r[1])}"
+            return f"at parameter {quoted(m[0])}: shape {shapes}"
         if m[2] != r[2]:
-            return f"at parameter {m[0]!r}: dtype {m[2]} vs {r[2]}"
+            return f"at parameter {quoted(m[0])}: dtype {_dtype_text(m[2])} vs {_dtype_text(r[2])}"
         if m[3] != r[3]:
-            return f"at parameter {m[0]!r}: requires_grad {m[3]} vs {r[3]}"
+            return f"at parameter {quoted(m[0])}: requires_grad {quoted(m[3])} vs {quoted(r[3])}"
     if len(mine) < len(ref):
-        return f"at parameter {ref[len(mine)][0]!r}: missing"
+        return f"at parameter {quoted(ref[len(mine)][0])}: missing"
     if len(mine) > len(ref):
-        return f"at parameter {mine[len(ref)][0]!r}: extra parameter"
+        return f"at parameter {quoted(mine[len(ref)][0])}: extra parameter"
     return None
 
 
@@ -270,13 +286,13 @@ def first_tensor_difference(
 ) -> str:
     for (m_name, m_digest), (r_name, r_digest) in zip(mine, ref):
         if m_name != r_name:
-            return f"tensor {m_name!r} (where it has {r_name!r})"
+            return f"tensor {quoted(m_name)} (where it has {quoted(r_name)})"
         if m_digest != r_digest:
-            return f"tensor {m_name!r}"
+            return f"tensor {quoted(m_name)}"
     if len(mine) < len(ref):
-        return f"tensor {ref[len(mine)][0]!r} (missing)"
+        return f"tensor {quoted(ref[len(mine)][0])} (missing)"
     if len(mine) > len(ref):
-        return f"tensor {mine[len(ref)][0]!r} (extra)"
+        return f"tensor {quoted(mine[len(ref)][0])} (extra)"
     return "no listed tensor (every per-tensor digest matches)"
 
 

@@ -20,7 +20,7 @@ import math
 
 from runtime.collectives.groups import derive_group_name
 from runtime.collectives.mesh import mesh_groups
-from runtime.errors import CollectiveError
+from runtime.errors import CollectiveError, plain_or_quoted, quoted
 from runtime.protocol.messages import GroupRanks, Joined
 
 __all__ = ["Declaration", "declaration_of", "declaration_mismatch", "describe", "rank_groups"]
@@ -55,18 +55,18 @@ def declaration_of(event: Joined, world_size: int) -> Declaration | str:
     out: list[GroupRanks] = []
     for name, ranks in event.groups or ():
         if name in seen:
-            return f"rank {rank} declares group {name!r} twice"
+            return f"rank {rank} declares group {quoted(name)} twice"
         seen.add(name)
         if not ranks:
-            return f"rank {rank} declares group {name!r} with no ranks"
+            return f"rank {rank} declares group {quoted(name)} with no ranks"
         outside = sorted(r for r in ranks if not 0 <= r < world_size)
         if outside:
             return (
-                f"rank {rank} declares group {name!r} with ranks {outside} outside the world "
+                f"rank {rank} declares group {quoted(name)} with ranks {outside} outside the world "
                 f"of {world_size}"
             )
         if len(set(ranks)) != len(ranks):
-            return f"rank {rank} declares group {name!r} listing a rank twice: {list(ranks)}"
+            return f"rank {rank} declares group {quoted(name)} listing a rank twice: {list(ranks)}"
         out.append((name, tuple(sorted(ranks))))
     return tuple(out)
 
@@ -75,7 +75,11 @@ def describe(declaration: Declaration) -> str:
     """A declaration as errors show it: "{name: [ranks], ...}" or "no groups"."""
     if not declaration:
         return "no groups"
-    return "{" + ", ".join(f"{name}: {list(ranks)}" for name, ranks in declaration) + "}"
+    return (
+        "{"
+        + ", ".join(f"{plain_or_quoted(name)}: {list(ranks)}" for name, ranks in declaration)
+        + "}"
+    )
 
 
 def declaration_mismatch(mine: Declaration, reference: Declaration) -> str | None:
@@ -85,13 +89,13 @@ def declaration_mismatch(mine: Declaration, reference: Declaration) -> str | Non
     theirs = dict(reference)
     for name, ranks in mine:
         if name not in theirs:
-            return f"group {name!r} (ranks {list(ranks)}) is not in the reference declaration"
+            return f"group {quoted(name)} (ranks {list(ranks)}) is not in the reference declaration"
         if theirs[name] != ranks:
-            return f"group {name!r} has ranks {list(ranks)}, not {list(theirs[name])}"
+            return f"group {quoted(name)} has ranks {list(ranks)}, not {list(theirs[name])}"
     ours = dict(mine)
     for name, ranks in reference:
         if name not in ours:
-            return f"group {name!r} (ranks {list(ranks)}) is missing"
+            return f"group {quoted(name)} (ranks {list(ranks)}) is missing"
     return "the groups are declared in another order"
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from runtime.coordinator.group_decl import Declaration
 from runtime.coordinator.negotiation import Disagreement, Fault, ResponseCache, spec_groups
 from runtime.coordinator.step_state import StepState
+from runtime.errors import quoted
 from runtime.protocol.messages import BucketSpec, Go, Ready
 
 __all__ = ["GroupGo", "GroupNegotiation", "GroupOutcome"]
@@ -93,37 +94,37 @@ class GroupNegotiation:
         group = self._groups.get(name)
         if group is None:
             return Fault(
-                f"step {step}: rank {rank} reported bucket {bucket} ready in group {name!r}, "
+                f"step {step}: rank {rank} reported bucket {bucket} ready in group {quoted(name)}, "
                 f"which no join declared"
             )
         if rank not in group.ranks:
             return Fault(
-                f"step {step}: rank {rank} reported bucket {bucket} ready in group {name!r}, "
+                f"step {step}: rank {rank} reported bucket {bucket} ready in group {quoted(name)}, "
                 f"whose members in epoch {epoch} are ranks {list(group.ranks)}"
             )
         if step not in (state.step, state.step + 1) or state.verifying:
             return Fault(
-                f"rank {rank} reported bucket {bucket} of group {name!r} ready for step "
+                f"rank {rank} reported bucket {bucket} of group {quoted(name)} ready for step "
                 f"{step}, but the run is at step {state.resume_step}"
             )
         key = (step, bucket)
         reports = group.pending.get(key, {})
         if key in group.gone or rank in reports:
             return Fault(
-                f"step {step}: rank {rank} reported bucket {bucket} of group {name!r} twice"
+                f"step {step}: rank {rank} reported bucket {bucket} of group {quoted(name)} twice"
             )
         agreed = group.cache.spec(bucket)
         if event.cached:
             if agreed is None:
                 return Fault(
-                    f"step {step} bucket {bucket}: rank {rank} reduced it in group {name!r} "
+                    f"step {step} bucket {bucket}: rank {rank} reduced it in group {quoted(name)} "
                     f"without a go, but the group agreed on no spec for it in epoch {epoch}"
                 )
             if not group.cache.matches(bucket, event.spec):
                 return Fault(
-                    f"step {step} bucket {bucket}: rank {rank} reduced it in group {name!r} "
-                    f"without a go as {event.spec!r}, but the group agreed on {agreed!r} in "
-                    f"epoch {epoch}"
+                    f"step {step} bucket {bucket}: rank {rank} reduced it in group {quoted(name)} "
+                    f"without a go as {quoted(event.spec)}, but the group agreed on "
+                    f"{quoted(agreed)} in epoch {epoch}"
                 )
         else:
             group.plain.add(key)
@@ -131,7 +132,7 @@ class GroupNegotiation:
         reports[rank] = agreed if event.cached else event.spec  # type: ignore[assignment]
         if len(set(reports.values())) > 1:
             return Disagreement(
-                f"group {name!r} step {step} bucket {bucket}: {spec_groups(reports)}"
+                f"group {quoted(name)} step {step} bucket {bucket}: {spec_groups(reports)}"
             )
         if len(reports) < len(group.ranks):
             return None

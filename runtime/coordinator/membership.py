@@ -20,6 +20,7 @@ from runtime.coordinator.group_decl import (
     declaration_of,
     describe,
 )
+from runtime.errors import plain_or_quoted
 from runtime.protocol.messages import Joined, Signature
 
 __all__ = ["EpochRecord", "Opening", "ResumePlan", "resume_plan", "Membership"]
@@ -141,7 +142,7 @@ class Membership:
         for other, address in self._addresses.items():
             if address == event.address:
                 host, port = address
-                return f"rank {rank}'s address {host}:{port} is rank {other}'s"
+                return f"rank {rank}'s address {plain_or_quoted(host)}:{port} is rank {other}'s"
         if self.reference is not None:
             where = signature_mismatch(event.signature, self.reference)
             if where is not None:

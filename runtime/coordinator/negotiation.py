@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime.coordinator.events import agreement_hash, spec_hash, spec_text
-from runtime.coordinator.step_state import StepState
+from runtime.coordinator.step_state import MAX_EARLY_READIES, StepState
 from runtime.protocol.messages import BucketSpec, Go, Ready
 
 __all__ = ["ResponseCache", "Negotiation", "Fault", "Disagreement", "Outcome", "spec_groups"]
@@ -53,6 +53,11 @@ class ResponseCache:
 
     def __len__(self) -> int:
         return len(self._agreed)
+
+    def id_bound(self) -> int:
+        """One past the highest bucket id agreed (0: none agreed): with the usual dense ids,
+        the number of buckets in the agreed layout."""
+        return max(self._agreed) + 1 if self._agreed else 0
 
     def spec(self, bucket: int) -> BucketSpec | None:
         """The spec agreed for ``bucket`` (None: no agreement yet)."""
@@ -113,10 +118,7 @@ class Negotiation:
             # Step s+1's backward may finish before step s's digests are in: hold the report
             # until step s commits (no Go for s+1 before that; a cached report, already being
             # reduced, is checked then), keeping the check off the critical path.
-            if any(e.rank == rank and e.bucket == bucket for e in state.early):
-                return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
-            state.early.append(event)
-            return None
+            return self._hold_early(state, event)
         if step != state.step or state.verifying:
             return Fault(
                 f"rank {rank} reported bucket {bucket} ready for step {step}, "
@@ -160,6 +162,30 @@ class Negotiation:
         go = Go(step, bucket, self.seq, epoch)
         self.seq += 1
         return go
+
+    def _hold_early(self, state: StepState, event: Ready) -> Fault | None:
+        """Keep a report for the next step until this one commits, bounded: once the epoch
+        agreed on its buckets, an id must be below their number; before, a rank holds at most
+        `MAX_EARLY_READIES` early reports. Each check is O(1), so a flood costs linear time."""
+        rank, step, bucket = event.rank, event.step, event.bucket
+        key = (rank, bucket)
+        if key in state.early:
+            return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
+        layout = self.cache.id_bound()
+        if layout and not bucket < layout:
+            return Fault(
+                f"step {step}: rank {rank} reported bucket {bucket} ready, but the members "
+                f"agreed on {layout} buckets (ids 0 to {layout - 1})"
+            )
+        held = state.early_count.get(rank, 0)
+        if held >= MAX_EARLY_READIES:
+            return Fault(
+                f"step {step}: rank {rank} reported more than {MAX_EARLY_READIES} buckets ready "
+                "ahead of the step"
+            )
+        state.early[key] = event
+        state.early_count[rank] = held + 1
+        return None
 
     def _check_cached(
         self, state: StepState, event: Ready, agreed: BucketSpec | None, epoch: int

@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 
 from runtime.protocol.messages import BucketSpec, Digest, Ready, StepDone
 
-__all__ = ["StepState"]
+__all__ = ["StepState", "MAX_EARLY_READIES"]
+
+MAX_EARLY_READIES = 16_384
+"""The most ``ready`` reports for the next step one rank may hold before its epoch agreed on a
+bucket layout (afterwards a bucket id is bounded by the agreed number of buckets)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -38,8 +42,11 @@ class StepState:
     """Ranks that sent ``reduced`` (elastic runs' apply barrier)."""
     done: dict[int, Digest | StepDone] = field(default_factory=dict)
     """Each rank's step end (a digest or step_done)."""
-    early: list[Ready] = field(default_factory=list)
-    """Reports for the next step, held until this one commits."""
+    early: dict[tuple[int, int], Ready] = field(default_factory=dict)
+    """Reports for the next step, held until this one commits: (rank, bucket) -> report, in
+    arrival order (a dict, so a duplicate is found in O(1))."""
+    early_count: dict[int, int] = field(default_factory=dict)
+    """How many reports of ``early`` each rank holds."""
     finished: set[int] = field(default_factory=set)
     """Ranks that finished the run at this step."""
 
@@ -76,7 +83,7 @@ class StepState:
 
     def active_ranks(self, members: tuple[int, ...]) -> list[int]:
         """The ranks known to have started this step, ascending."""
-        active = self.ended | {e.rank for e in self.early}
+        active = self.ended | {rank for rank, _ in self.early}
         for reports in self.pending.values():
             active.update(reports)
         if self.gone:
@@ -103,5 +110,5 @@ class StepState:
             return "the all-reduce, optimizer step and digest", missing
         if self.gone:
             return "backward or the all-reduce", members
-        started = {e.rank for e in self.early}
+        started = {rank for rank, _ in self.early}
         return "data loading and forward", tuple(r for r in members if r not in started)

@@ -25,7 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.errors import AuthenticationError, HandshakeError, ListenerBusy, ReplayedHandshake
+from runtime.errors import (
+    AuthenticationError,
+    HandshakeError,
+    ListenerBusy,
+    ReplayedHandshake,
+    quoted,
+)
 from runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
 from runtime.protocol.schema import PROTOCOL_VERSION
 
@@ -113,7 +119,7 @@ class DialerHandshake:
         """Check the listener's proof; return the auth message to send."""
         if message["kind"] == "refuse":
             error = ListenerBusy if message.get("busy") else HandshakeError
-            raise error(f"refused: {message['reason']}")
+            raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "challenge":
             raise HandshakeError(f"expected a challenge, got a {message['kind']} message")
         peer = Identity(message["group"], message["world_size"], message["rank"])
@@ -133,7 +139,7 @@ class DialerHandshake:
         """The listener's last word: welcome (returns its identity) or refuse (raises)."""
         if message["kind"] == "refuse":
             error = AuthenticationError if message.get("auth") else HandshakeError
-            raise error(f"refused: {message['reason']}")
+            raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "welcome" or self.peer is None:
             raise HandshakeError(f"expected welcome or refuse, got a {message['kind']} message")
         return self.peer
