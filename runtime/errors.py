@@ -26,6 +26,7 @@ __all__ = [
     "first_error",
     "quoted",
     "plain_or_quoted",
+    "one_line",
     "QUOTED_LIMIT",
 ]
 
@@ -43,6 +44,20 @@ def quoted(value: object, limit: int = QUOTED_LIMIT) -> str:
     if len(text) > limit + 2:
         return f"{text[:limit]}... ({len(text)} characters)"
     return text
+
+
+def one_line(value: object, limit: int = 4000) -> str:
+    """``str(value)`` made safe for one log line: printable text stays as it is, every newline
+    or control character is escaped (``\\n``, ``\\x1b``), so no text a peer put into it can
+    start a line of its own; clipped to ``limit`` characters."""
+    text = str(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
 
 
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-[]")

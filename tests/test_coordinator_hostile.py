@@ -16,10 +16,11 @@ import time
 import pytest
 
 from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Abort, Action, Refuse
+from runtime.coordinator.events import Abort, Action, Refuse, Report
 from runtime.coordinator.run_state import RunState
+from runtime.coordinator.service import Coordinator
 from runtime.coordinator.step_state import MAX_EARLY_READIES
-from runtime.errors import HandshakeError, quoted
+from runtime.errors import HandshakeError, one_line, quoted
 from runtime.protocol.handshake import DialerHandshake, Identity
 from runtime.protocol.messages import Digest, Joined, Ready
 
@@ -44,8 +45,10 @@ def started(n: int, **kwargs: object) -> CoordinatorCore:
 
 
 def log_actions(actions: list[Action], caplog: pytest.LogCaptureFixture) -> None:
-    """Log every reason the way the daemon does: one record per refusal/abort."""
-    log = logging.getLogger("paramsync.coordinator")
+    """Log the core's actions as the daemon does (`Coordinator._apply` logs every refusal,
+    eviction, report and abort), and as a plain ``%s`` of the reason would."""
+    Coordinator(3)._apply(actions)
+    log = logging.getLogger("paramsync.test")
     for action in actions:
         if isinstance(action, (Refuse, Abort)):
             log.warning("refusing: %s", action.reason)
@@ -114,6 +117,19 @@ def test_quoted_escapes_and_clips() -> None:
     assert "\n" not in quoted(FORGED) and "\\n" in quoted(FORGED)
     assert "\x1b" not in quoted("a\x1b[2Jb")
     assert len(quoted("x" * 10_000)) < 300
+
+
+def test_one_line_escapes_control_characters_and_keeps_plain_text() -> None:
+    assert one_line("rank 1 sent a bad message: 'x'") == "rank 1 sent a bad message: 'x'"
+    assert one_line("a" + FORGED) == "a\\n" + FORGED[1:]
+    assert "\x1b" not in one_line("\x1b[2J") and "\r" not in one_line("a\rb")
+
+
+def test_the_daemon_logs_a_forged_report_on_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    Coordinator(2)._apply([Report("rank 1 says" + FORGED, "info"), Refuse(1, "x" + FORGED)])
+    assert len(caplog.records) == 2
+    assert_no_forged_line(caplog)
 
 
 def test_a_forged_dtype_in_a_join_is_refused_without_forging_a_log_line(

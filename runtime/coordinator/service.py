@@ -33,7 +33,7 @@ from runtime.coordinator.events import (
     Tick,
 )
 from runtime.coordinator.run_state import RunState
-from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
+from runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
 from runtime.protocol.handshake import Identity, load_secret
 from runtime.protocol.messages import Commit, Shutdown, event_from_wire
 from runtime.transport.admission import AdmissionGate, HandshakeTicket
@@ -263,7 +263,9 @@ class Coordinator:
             return
         grace = self.options.heartbeat_deadline if grace_seconds is None else grace_seconds
         self._stop_deadline = trio.current_time() + grace
-        log.warning("stopping after the step in flight (step %d): %s", self.core.step, reason)
+        log.warning(
+            "stopping after the step in flight (step %d): %s", self.core.step, one_line(reason)
+        )
 
     async def _ticker(self) -> None:
         period = max(0.05, min(1.0, self.options.heartbeat_deadline / 4))
@@ -330,7 +332,7 @@ class Coordinator:
                     self._apply(self.core.handle(Disconnected(rank, exc.reason)))
                 return
             except ProtocolError as exc:
-                log.warning("rank %d sent a bad message: %s", rank, exc)
+                log.warning("rank %d sent a bad message: %s", rank, one_line(exc))
                 self._apply(self.core.handle(Malformed(rank, exc.reason)), source=rank)
                 return
             log.debug("event %r", event)
@@ -394,7 +396,7 @@ class Coordinator:
                 for rank in action.recipients:
                     self._enqueue(rank, action.message)
             elif isinstance(action, Refuse):
-                log.warning("refused rank %d: %s", action.rank, action.reason)
+                log.warning("refused rank %d: %s", action.rank, one_line(action.reason))
                 if source == action.rank:
                     member = self._members.pop(action.rank, None)
                     if member is not None:
@@ -402,7 +404,7 @@ class Coordinator:
                         member.outbox_send.send_nowait(None)
                         refused = True
             elif isinstance(action, Evict):
-                log.error("removed rank %d from the run: %s", action.rank, action.reason)
+                log.error("removed rank %d from the run: %s", action.rank, one_line(action.reason))
                 member = self._members.pop(action.rank, None)
                 if member is not None:
                     member.evicted = True
@@ -413,9 +415,9 @@ class Coordinator:
                         pass
             elif isinstance(action, Report):
                 level = getattr(logging, action.level.upper(), logging.WARNING)
-                log.log(level, "%s", action.text)
+                log.log(level, "%s", one_line(action.text))
             elif isinstance(action, Abort):
-                log.error("run aborted: %s", action.reason)
+                log.error("run aborted: %s", one_line(action.reason))
                 for rank in list(self._members):
                     self._enqueue(rank, action.message)
                 self._finish()

@@ -90,6 +90,7 @@ from runtime.errors import (
     HandshakeError,
     PeerClosed,
     ProtocolError,
+    one_line,
 )
 from runtime.protocol.messages import Refusal
 from runtime.protocol.wire import encode_frame_bytes
@@ -491,7 +492,13 @@ class AdmissionGate:
             self.stats.log_lines_suppressed += 1
             return
         self._window_lines += 1
-        log.warning("%s refused a connection from %s [%s]: %s", self.name, where, category, reason)
+        log.warning(
+            "%s refused a connection from %s [%s]: %s",
+            self.name,
+            one_line(where),
+            category,
+            one_line(reason),
+        )
 
     def flush_log(self, now: float | None = None) -> None:
         """Log one line summing up the refusals not logged one by one, and start a new window."""

@@ -37,6 +37,7 @@ from runtime.errors import (
     PeerClosed,
     ProtocolError,
     StallError,
+    one_line,
 )
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
 from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
@@ -1160,7 +1161,10 @@ async def _serve_until(
                 await on_joined(peer.rank, conn)
             except (ProtocolError, OSError) as exc:
                 log.warning(
-                    "rank %d dropped rank %d after its handshake: %s", me.rank, peer.rank, exc
+                    "rank %d dropped rank %d after its handshake: %s",
+                    me.rank,
+                    peer.rank,
+                    one_line(exc),
                 )
                 claimed.discard(peer.rank)
                 await conn.aclose()
