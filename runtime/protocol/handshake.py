@@ -30,6 +30,7 @@ from runtime.errors import (
     HandshakeError,
     ListenerBusy,
     ReplayedHandshake,
+    plain_or_quoted,
     quoted,
 )
 from runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
@@ -102,6 +103,11 @@ def _proof(
     return hmac.new(secret, _transcript(label, *nonces, a, b), hashlib.sha256).digest()
 
 
+def _kind(message: dict[str, Any]) -> str:
+    """A received message's kind as it may enter an error (a peer's string: quoted if odd)."""
+    return plain_or_quoted(message["kind"])
+
+
 class DialerHandshake:
     """The connecting side's handshake state: feed it the listener's replies."""
 
@@ -121,7 +127,7 @@ class DialerHandshake:
             error = ListenerBusy if message.get("busy") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "challenge":
-            raise HandshakeError(f"expected a challenge, got a {message['kind']} message")
+            raise HandshakeError(f"expected a challenge, got a {_kind(message)} message")
         peer = Identity(message["group"], message["world_size"], message["rank"])
         nonce = message["nonce"]
         if len(nonce) != NONCE_SIZE:
@@ -141,7 +147,7 @@ class DialerHandshake:
             error = AuthenticationError if message.get("auth") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "welcome" or self.peer is None:
-            raise HandshakeError(f"expected welcome or refuse, got a {message['kind']} message")
+            raise HandshakeError(f"expected welcome or refuse, got a {_kind(message)} message")
         return self.peer
 
 
@@ -194,7 +200,7 @@ class ListenerHandshake:
     def on_hello(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Answer a hello with a challenge carrying this side's proof."""
         if message["kind"] != "hello":
-            raise HandshakeError(f"expected hello, got a {message['kind']} message")
+            raise HandshakeError(f"expected hello, got a {_kind(message)} message")
         if len(message["nonce"]) != NONCE_SIZE:
             raise HandshakeError(f"hello nonce must be {NONCE_SIZE} bytes")
         if self._ledger.seen_before(message["nonce"]):
@@ -216,7 +222,7 @@ class ListenerHandshake:
         """Check the dialer's proof and admission: the verdict to send, and the error to raise
         on this side after sending it (None when welcome)."""
         if message["kind"] != "auth" or self.peer is None:
-            reason = f"expected auth, got a {message['kind']} message"
+            reason = f"expected auth, got a {_kind(message)} message"
             return (*Refusal(reason).to_wire(), HandshakeError(reason))
         expected = _proof(
             self._secret, b"paramsync/dialer", (self._nonce, self._dialer_nonce), self.me, self.peer
