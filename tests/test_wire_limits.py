@@ -117,3 +117,24 @@ def test_real_frames_still_decode() -> None:
     tensor = torch.arange(6, dtype=torch.float32)
     frame = encode_frame_bytes("state", {"step": 1, "index": 0}, bulk=tensor)
     assert torch.equal(decode_frame(frame)["data"], tensor)
+
+
+async def test_a_tcp_reader_refuses_an_oversized_control_head_before_reading_it() -> None:
+    """The peer announces a 1 MiB `heartbeat` head and sends only its first bytes: the reader
+    refuses it from the prefix and the peeked kind, without waiting for (or buffering) the
+    rest."""
+    import trio
+
+    from runtime.transport.tcp import Connection
+
+    left, right = trio.socket.socketpair()
+    sender, receiver = trio.SocketStream(left), trio.SocketStream(right)
+    body = cbor2.dumps({"v": 1, "kind": "heartbeat", "pad": b"\x00" * MIB})
+    conn = Connection(receiver, peer=7)
+    try:
+        await sender.send_all(struct.pack(">II", len(body), 0) + body[:64])
+        with trio.fail_after(5), pytest.raises(FrameTooLarge, match="heartbeat frame of"):
+            await conn.recv()
+    finally:
+        await sender.aclose()
+        await receiver.aclose()

@@ -38,6 +38,7 @@ __all__ = [
     "SCAN_THRESHOLD",
     "kind_max_frame",
     "peek_kind",
+    "PEEK_SIZE",
     "check_kind_size",
     "count_items",
 ]
@@ -131,14 +132,24 @@ def peek_kind(head: bytes | bytearray | memoryview) -> str | None:
     return kind if kind in KINDS else None
 
 
-def check_kind_size(head: bytes | bytearray | memoryview) -> str | None:
+PEEK_SIZE = 48
+"""Bytes of a head that `peek_kind` needs at most (map head, "v", its value, "kind", name)."""
+
+
+def check_kind_size(
+    head: bytes | bytearray | memoryview, head_len: int | None = None
+) -> str | None:
     """Peek the kind of a frame's head and refuse a head longer than that kind's cap (a head
-    that does not open with ``"v"`` and a known ``"kind"``: longer than `CONTROL_MAX_FRAME`)."""
+    that does not open with ``"v"`` and a known ``"kind"``: longer than `CONTROL_MAX_FRAME`).
+
+    ``head`` may be only the head's first `PEEK_SIZE` bytes when ``head_len`` gives the
+    announced length, so a reader refuses an oversized head before reading it."""
+    size = len(head) if head_len is None else head_len
     kind = peek_kind(head)
     cap = CONTROL_MAX_FRAME if kind is None else kind_max_frame(kind)
-    if len(head) > cap:
+    if size > cap:
         what = "a frame not led by 'v' and a known 'kind'" if kind is None else f"{kind} frame"
-        raise FrameTooLarge(f"{what} of {len(head)} bytes exceeds the {cap}-byte cap of its kind")
+        raise FrameTooLarge(f"{what} of {size} bytes exceeds the {cap}-byte cap of its kind")
     return kind
 
 
