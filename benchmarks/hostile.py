@@ -72,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +86,11 @@ from runtime.protocol.handshake import (  # noqa: E402
     ListenerHandshake,
     NonceLedger,
 )
-from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes  # noqa: E402
+from runtime.protocol.wire import (  # noqa: E402
+    HANDSHAKE_MAX_FRAME,
+    decode_frame,
+    encode_frame_bytes,
+)
 from runtime.transport.tcp import (  # noqa: E402
     DEFAULT_GROUP,
     Connection,
@@ -529,6 +534,55 @@ async def duplicate_rank(target: Target, trials: int, first_rank: int = 2) -> di
     }
 
 
+def join_bomb(size: int) -> bytes:
+    """Issue 18 row 4: a framed `join` whose ``params`` is an array of ``size`` empty arrays
+    (one byte each on the wire, about 72 bytes each once decoded). Sent after a valid
+    handshake (it needs a free rank), or handed to `decode_frame` directly."""
+    head = b"\xa3\x61v\x01\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
+    return struct.pack(">II", len(head) + size, 0) + head + b"\x80" * size
+
+
+def ip_tag_manifest(tag: int) -> bytes:
+    """Issue 18 row 10: a framed `state_manifest` carrying CBOR tag 52 or 54 (an IP address)."""
+    value = b"\x0a\x00\x00\x01" if tag == 52 else bytes(16)
+    body = cbor2.dumps(
+        {"v": 1, "kind": "state_manifest", "manifest": {"host": cbor2.CBORTag(tag, value)}}
+    )
+    return struct.pack(">II", len(body), 0) + body
+
+
+def wire_bombs() -> dict[str, dict[str, Any]]:
+    """Rows 4 and 10 against the frame decoder in this process: each crafted frame's refusal,
+    how long it took and the peak memory it allocated (tracemalloc, a second run)."""
+    import tracemalloc
+
+    frames = {
+        "join_bomb_16MiB": join_bomb(16 * 2**20),
+        "manifest_tag_52": ip_tag_manifest(52),
+        "manifest_tag_54": ip_tag_manifest(54),
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for name, frame in frames.items():
+        started = time.perf_counter()
+        try:
+            decode_frame(frame)
+            reason = "ACCEPTED"
+        except ProtocolError as exc:
+            reason = str(exc)
+        seconds = time.perf_counter() - started
+        tracemalloc.start()
+        try:
+            try:
+                decode_frame(frame)
+            except ProtocolError:
+                pass
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        results[name] = {"refusal": reason, "seconds": seconds, "peak_bytes": peak}
+    return results
+
+
 AttackFn = Callable[[Target, int], Awaitable[list[Attempt]]]
 
 ATTACKS: dict[str, AttackFn] = {
@@ -938,6 +992,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
+    bombs = wire_bombs()
+    for name, row in bombs.items():
+        print(
+            f"{name}: refused in {row['seconds'] * 1e3:.1f} ms, "
+            f"peak {row['peak_bytes'] / 2**20:.2f} MiB: {row['refusal']}"
+        )
     with tempfile.TemporaryDirectory(prefix="paramsync-hostile-") as tmp:
         run = LiveRun(
             Path(tmp),
@@ -1075,6 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "admission_attacks": admission,
         "admission_daemon_totals": parse_admission_log(free_log).totals,
+        "wire_bombs": bombs,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -1090,6 +1151,7 @@ def main(argv: list[str] | None = None) -> int:
         and same_as_baseline is not False
         and holding["all_joined_in_time"]
         and dupes["both_welcomed"] == 0
+        and all(row["refusal"] != "ACCEPTED" for row in bombs.values())
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
     )
     return 0 if ok else 1

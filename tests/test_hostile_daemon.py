@@ -311,3 +311,51 @@ def test_coordinator_refuses_admission_limits_that_cannot_work(
     )
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert words in result.stderr
+
+
+def test_a_16_mib_join_of_empty_arrays_is_refused_fast_and_the_daemon_serves_on(
+    tmp_path: Path,
+) -> None:
+    """Issue 18, row 4, against a daemon: an authenticated peer takes the free rank 1 and sends
+    a 16 MiB `join` whose ``params`` is an array of empty arrays (about 72x amplification if
+    decoded). The coordinator refuses it from the raw bytes, quickly, naming the item bound;
+    then the real workers join and train."""
+    run = hostile.LiveRun(tmp_path, steps=30)
+    try:
+        run.start_coordinator()
+        target = run.target()
+
+        async def take_rank_1_and_send_a_bomb() -> tuple[list[dict[str, Any]], float]:
+            conn, _ = await dial(
+                target.address, target.secret, Identity(DEFAULT_GROUP, target.world_size, 1)
+            )
+            replies = []
+            try:
+                bomb = hostile.join_bomb(16 * 1024 * 1024)
+                await conn.stream.send_all(bomb)
+                sent = time.monotonic()
+                with trio.fail_after(30):
+                    replies.append(await conn.recv())
+                answered = time.monotonic() - sent
+                with trio.fail_after(10):
+                    replies.append(await conn.recv())  # then the coordinator hangs up
+            except PeerClosed:
+                pass
+            finally:
+                await conn.aclose()
+            return replies, answered
+
+        replies, answered = trio.run(take_rank_1_and_send_a_bomb)
+        assert [r["kind"] for r in replies] == ["join_refused"], replies
+        assert answered < 2.0, f"refused after {answered:.2f} s"
+        wait_for_log(run, ["rank 1 sent a bad message: peer 1: frame announces more than"])
+        run.start_worker(0)
+        run.start_worker(1)
+        outcome = run.finish(timeout=120)
+    finally:
+        run.kill()
+    assert outcome.exit_codes == {"coordinator": 0, "rank 0": 0, "rank 1": 0}, (
+        outcome.exit_codes,
+        outcome.coordinator_log[-4000:],
+    )
+    assert outcome.digests_identical, outcome.digests

@@ -35,6 +35,7 @@ import cbor2
 import torch
 
 from runtime.errors import FrameTooLarge, ProtocolError
+from runtime.protocol.limits import SCAN_THRESHOLD, check_kind_size, count_items
 from runtime.protocol.messages import KINDS, validate_message
 from runtime.protocol.schema import PROTOCOL_VERSION
 
@@ -172,7 +173,9 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _tensor_from_bytes(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+def _tensor_from_bytes(
+    dtype: torch.dtype, shape: tuple[int, ...], data: bytes | bytearray | memoryview
+) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)
     if numel * itemsize != len(data):
@@ -223,13 +226,59 @@ class _TypedArray:
         self.data = data
 
 
-def _reject_semantic(_value: Any, _immutable: bool = False) -> Any:
-    raise ProtocolError("CBOR semantic tags (dates, bignums, sets, references, ...) are refused")
+def _refuser(tag: int) -> Any:
+    def refuse(_decoder: Any, _value: Any = None, _immutable: bool = False) -> Any:
+        raise ProtocolError(
+            f"CBOR tag {tag} is not part of the paramsync protocol (semantic tags: dates, "
+            "bignums, sets, references, IP addresses, ... are refused)"
+        )
+
+    return refuse
 
 
-# Tags cbor2 decodes itself; paramsync messages use none of them.
-_SEMANTIC_TAGS = (0, 1, 2, 3, 4, 5, 25, 28, 29, 30, 35, 36, 37, 100, 256, 258, 260, 261, 1004)
-_SEMANTIC_REFUSED = dict.fromkeys(_SEMANTIC_TAGS, _reject_semantic)
+# Tags cbor2 decodes itself (52/54: IP addresses and networks; 55799: self-described CBOR);
+# paramsync messages use none of them.
+_SEMANTIC_TAGS = (
+    0, 1, 2, 3, 4, 5, 25, 28, 29, 30, 35, 36, 37, 52, 54, 100, 256, 258, 260, 261, 1004, 55799,
+)  # fmt: skip
+_SEMANTIC_REFUSED = {tag: _refuser(tag) for tag in _SEMANTIC_TAGS}
+
+_PLAIN_TYPES = (int, str, bytes, bool, float, type(None))
+
+
+def _check_types(item: Any) -> None:
+    """Refuse any decoded value whose type is not in the protocol's allow-list: int, str,
+    bytes, bool, None, float, list, dict (text or int keys) and tensors (one walk)."""
+    stack = [item]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        value = pop()
+        kind = type(value)
+        if kind in _PLAIN_TYPES:
+            continue
+        if kind is list:
+            push(value)
+        elif kind is dict:
+            for key in value:
+                if type(key) not in _PLAIN_TYPES:
+                    raise ProtocolError(f"a map key of type {type(key).__name__} is refused")
+            push(value.values())
+        elif isinstance(value, torch.Tensor | _Deferred):
+            continue
+        else:
+            raise ProtocolError(f"a decoded value of type {kind.__name__} is refused")
+
+
+def _protocol_cause(exc: BaseException) -> ProtocolError | None:
+    """The project's own ProtocolError that cbor2 wrapped (cbor2 6 wraps tag-hook errors)."""
+    seen = 0
+    cause: BaseException | None = exc
+    while cause is not None and seen < 8:
+        if isinstance(cause, ProtocolError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+        seen += 1
+    return None
 
 
 # --------------------------------------------------------------------------- encoding
@@ -329,26 +378,41 @@ def _loads_exact(data: bytes, tags: _TagDecoder) -> Any:
     except RecursionError:
         raise ProtocolError("CBOR item nests too deeply") from None
     except (cbor2.CBORError, ValueError, TypeError, OverflowError, MemoryError) as exc:
+        own = _protocol_cause(exc)
+        if own is not None:
+            raise own from None
         raise ProtocolError(f"malformed CBOR: {exc}") from None
     if stream.tell() != len(data):
         raise ProtocolError(f"{len(data) - stream.tell()} trailing bytes after the CBOR item")
+    _check_types(item)
     return item
 
 
-def decode_item(item: bytes) -> dict[str, Any]:
+def _check_limits(head: bytes | bytearray | memoryview) -> None:
+    """Refuse, before decoding, a head longer than its kind's cap or holding too many items."""
+    check_kind_size(head)
+    if len(head) > SCAN_THRESHOLD:
+        count_items(head)
+
+
+def decode_item(item: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Decode and validate a complete CBOR item (prefix removed) carrying no bulk."""
+    _check_limits(item)
     return validate_message(_loads_exact(bytes(item), _TagDecoder()))
 
 
-def decode_head(head: bytes, bulk_len: int) -> tuple[dict[str, Any], BulkSpec | None]:
+def decode_head(
+    head: bytes | bytearray | memoryview, bulk_len: int
+) -> tuple[dict[str, Any], BulkSpec | None]:
     """Decode the part of an item before its bulk bytes; say what the bulk is.
 
     ``head`` is the item minus its last ``bulk_len`` bytes. Returns the validated message,
     whose ``data`` field is still missing, and the bulk's spec (``None`` when ``bulk_len`` is 0).
     """
-    head = bytes(head)
     if bulk_len == 0:
         return decode_item(head), None
+    _check_limits(head)
+    head = bytes(head)
     header = _bstr_header(bulk_len)
     if not head.endswith(header):
         raise ProtocolError("frame's bulk bytes are not the byte string that ends its item")
@@ -377,15 +441,15 @@ def decode_frame(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, 
 
     A bulk tensor is materialised (copied) into ``message["data"]``.
     """
-    frame = bytes(frame)
-    if len(frame) < PREFIX_SIZE:
-        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its prefix")
-    item_len, bulk_len = parse_prefix(frame[:PREFIX_SIZE], max_frame)
-    if len(frame) - PREFIX_SIZE != item_len:
+    view = memoryview(frame).cast("B")
+    if len(view) < PREFIX_SIZE:
+        raise ProtocolError(f"frame of {len(view)} bytes is shorter than its prefix")
+    item_len, bulk_len = parse_prefix(view[:PREFIX_SIZE], max_frame)
+    if len(view) - PREFIX_SIZE != item_len:
         raise ProtocolError(
-            f"frame announces a {item_len}-byte item but carries {len(frame) - PREFIX_SIZE}"
+            f"frame announces a {item_len}-byte item but carries {len(view) - PREFIX_SIZE}"
         )
-    item = frame[PREFIX_SIZE:]
+    item = view[PREFIX_SIZE:]
     message, spec = decode_head(item[: item_len - bulk_len], bulk_len)
     if spec is not None:
         message["data"] = _tensor_from_bytes(spec.dtype, spec.shape, item[item_len - bulk_len :])

@@ -40,6 +40,7 @@ from runtime.errors import (
     one_line,
 )
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
+from runtime.protocol.limits import PEEK_SIZE, check_kind_size
 from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
@@ -275,8 +276,12 @@ class Connection:
     async def _read_head(self, max_frame: int) -> tuple[dict[str, Any], Any, int]:
         await self._fill(PREFIX_SIZE)
         item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
-        await self._fill(item_len - bulk_len)
-        message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
+        head_len = item_len - bulk_len
+        peek = min(head_len, PEEK_SIZE)  # the kind's cap, before the head is read
+        await self._fill(peek)
+        check_kind_size(self._view[self._start : self._start + peek], head_len)
+        await self._fill(head_len)
+        message, spec = decode_head(self._take(head_len), bulk_len)
         return message, spec, bulk_len
 
     async def wait_readable(self) -> None:
