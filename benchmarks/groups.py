@@ -22,24 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from allreduce import _free_port, _human  # the sibling benchmark's helpers (same folder)
+
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 4
 GROUPS = ([0, 1], [2, 3])
 DEFAULT_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 SYSTEMS = ("gloo", "paramsync", "paramsync-shm")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _iterations(nbytes: int) -> int:
@@ -206,13 +201,6 @@ def _summarise(samples: dict, systems: list[str], sizes: list[int]) -> list[dict
                     ours["busbw_ratio"] = ours["busbw_GBps"] / gloo["busbw_GBps"]
         table.append(row)
     return table
-
-
-def _human(nbytes: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def _print_table(table: list[dict], systems: list[str]) -> None:
