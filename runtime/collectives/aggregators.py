@@ -14,10 +14,11 @@ from typing import Protocol, runtime_checkable
 import torch
 import trio
 
-from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, _check_op, _divide, _expect, all_reduce
+from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, _check_op, _expect, all_reduce
 from runtime.config import DistributedConfig
 from runtime.errors import CollectiveError
 from runtime.transport.base import Transport
+from runtime.transport.segments import divide_in_place
 
 __all__ = [
     "GradientAggregator",
@@ -137,7 +138,7 @@ class ParameterServerAggregator:
         total = received[0].clone()
         for peer in range(1, n):
             total.add_(received[peer])
-        _divide(total, n)
+        divide_in_place(total, n)
         flat.copy_(total)
         async with trio.open_nursery() as nursery:
             for peer in range(n):

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import trio
 
-from runtime.collectives.ring import SUPPORTED_DTYPES
 from runtime.errors import CollectiveError, ProtocolError
 from runtime.protocol.messages import P2P, P2P_MAX_TAG
 from runtime.transport.base import Transport
+from runtime.transport.segments import SUPPORTED_DTYPES
 
 __all__ = ["MAX_TAG", "P2PHandle", "send", "recv", "isend", "irecv"]
 

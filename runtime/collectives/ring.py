@@ -27,8 +27,7 @@ from runtime.transport.capabilities import (
     BlockingLinkSet,
     SharedMemoryHolder,
 )
-from runtime.transport.segments import SUPPORTED_DTYPES, segment_bounds
-from runtime.transport.segments import divide_in_place as _divide
+from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -292,7 +291,7 @@ async def all_reduce(
     op_id = transport.next_op_id()
     if n == 1:
         if op == "avg":
-            _divide(flat, 1)
+            divide_in_place(flat, 1)
         return tensor
     if flat.numel() * flat.element_size() <= small_bytes:
         await _all_reduce_direct(transport, flat, op, op_id)
@@ -310,7 +309,7 @@ async def all_reduce(
     def fold(hop: int, dest: torch.Tensor, part: torch.Tensor) -> None:
         dest.add_(part)
         if op == "avg" and hop == owned_hop:
-            _divide(dest, n)
+            divide_in_place(dest, n)
 
     # One pipeline for both phases: reduce hops fold in, gather hops land in place.
     bounds = segment_bounds(flat.numel(), n)
@@ -359,7 +358,7 @@ async def _all_reduce_direct(transport: Transport, flat: torch.Tensor, op: str, 
     for peer in range(1, n):
         result.add_(gathered[peer])
     if op == "avg":
-        _divide(result, n)
+        divide_in_place(result, n)
     flat.copy_(result)
 
 
@@ -388,11 +387,11 @@ async def reduce_scatter(
         def fold(hop: int, dest: torch.Tensor, part: torch.Tensor) -> None:
             dest.add_(part)
             if op == "avg" and hop == n - 2:
-                _divide(dest, n)
+                divide_in_place(dest, n)
 
         await _ring(transport, flat, op_id, bounds, hops, chunk, fold, n - 1)
     elif op == "avg":
-        _divide(flat, 1)
+        divide_in_place(flat, 1)
     lo, hi = bounds[rank]
     return flat[lo:hi].clone()
 
