@@ -184,13 +184,16 @@ def test_slow_holders_and_duplicate_dialers_against_a_daemon(tmp_path: Path) -> 
             return holding, await hostile.duplicate_rank(target, 48)
 
         holding, dupes = trio.run(attacks)
+        run.stop()  # SIGINT: the gate logs its totals (refusal lines are rate-limited)
         log = run.coordinator_log()
     finally:
         run.kill()
     assert holding["all_joined_in_time"], (holding, log[-3000:])
     assert set(holding["joins_seconds"]) == {"join 0", "join 1", "rejoin 0"}
     assert holding["holder_counts"]["connections"] > 32  # the holders were cut and came back
-    assert "[evicted]" in log  # the workers' slots were taken from the holders
+    # the workers' slots were taken from the holders (one line each, or counted in the totals)
+    evicted = hostile.parse_admission_log(log).totals.get("evicted", 0)
+    assert "[evicted]" in log or evicted > 0, log[-3000:]
     assert dupes["outcomes"] == {"1 welcomed": 48}, dupes
     assert all("is already taken" in reason for reason in dupes["refusals"]), dupes
 
