@@ -60,9 +60,10 @@ def test_names_follow_named_state() -> None:
     model, optimizer = _replica()
     _train(model, optimizer)
     digest = StateHasher().digest(model, optimizer)
+    # The tensors named_state lists, then the non-tensor parts (the param-group hyperparameters).
     assert [name for name, _ in digest.tensors] == [
         name for name, _ in named_state(model, optimizer)
-    ]
+    ] + ["optim/param_groups"]
     assert all(len(value) == 16 for _, value in digest.tensors)
     assert len(digest.digest) == 16
     # The packed form the coordinator receives: the same digests, concatenated, in order.
@@ -105,7 +106,8 @@ def test_optimizer_state_appearing_and_vanishing() -> None:
     model, optimizer = _replica()
     hasher = StateHasher()
     empty = hasher.digest(model, optimizer)
-    assert all(name.startswith("param/") for name, _ in empty.tensors)
+    assert all(name.startswith("param/") for name, _ in empty.tensors[:-1])
+    assert empty.tensors[-1][0] == "optim/param_groups"  # no per-parameter state yet
     _train(model, optimizer)
     assert hasher.digest(model, optimizer) == state_digest(model, optimizer)
     optimizer.state.clear()

@@ -1,10 +1,16 @@
 """Digests of a replica's training state, for the C-DDP-001 check.
 
-A digest is a 128-bit XXH3 hash over the exact bytes of every parameter and every
-optimizer-state tensor, in a fixed order, with names, shapes and dtypes mixed in, so two replicas
-have equal digests only if their states are bitwise identical (an accidental collision has
-probability about 2**-128). Per-tensor digests let the coordinator name the first tensor that
-differs.
+A digest is a 128-bit XXH3 hash over the exact bytes of every parameter, every buffer
+(BatchNorm running statistics, any registered buffer, persistent or not) and every
+optimizer-state tensor, in a fixed order, with names, shapes and dtypes mixed in, plus the
+optimizer's param-group hyperparameters and an LR scheduler's ``state_dict()`` (canonical CBOR),
+so two replicas have equal digests only if their whole training states are identical (an
+accidental collision has probability about 2**-128). Per-entry digests let the coordinator name
+the first one that differs.
+
+Buffers are left out (``buffers=False``) only when the trainer keeps them local
+(``TrainerOptions(buffer_sync="local")``, torch DDP's ``broadcast_buffers=False``): each rank's
+running statistics then legitimately differ, and the check covers the rest of the state.
 
 Why XXH3 and not SHA-256: the check runs after every optimizer step and must cost at most a few
 percent of it. SHA-256 hashes about 1.5 GB/s here (3.5 ms for a 5 MiB model state, more than the
@@ -26,12 +32,16 @@ from __future__ import annotations
 from operator import attrgetter, is_
 from typing import Any
 
+import cbor2
 import torch
 import xxhash
 
 from runtime.protocol.wire import tensor_buffer
 
-__all__ = ["StateDigest", "StateHasher", "state_digest", "named_state"]
+__all__ = ["StateDigest", "StateHasher", "state_digest", "named_state", "Scheduler"]
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+"""The LR schedulers a training state holds (torch's base class)."""
 
 _digest128 = xxhash.xxh3_128_digest
 _seed64 = xxhash.xxh3_64_intdigest
@@ -71,12 +81,15 @@ class StateDigest:
 
 
 def _state_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, buffers: bool = True
 ) -> list[tuple[str, Any]]:
-    """Every parameter and optimizer-state value with its stable name, in the fixed order; the
-    values as they are held (parameters not detached, optimizer scalars not yet tensors)."""
+    """Every parameter, buffer (unless ``buffers`` is False) and optimizer-state value with its
+    stable name, in the fixed order; the values as they are held (parameters not detached,
+    optimizer scalars not yet tensors)."""
     named = list(model.named_parameters())
     items: list[tuple[str, Any]] = [(f"param/{name}", param) for name, param in named]
+    if buffers:
+        items += [(f"buffer/{name}", buffer) for name, buffer in model.named_buffers()]
     if optimizer is not None:
         names = {id(param): name for name, param in named}
         states = optimizer.state
@@ -92,14 +105,54 @@ def _state_tensors(
 
 
 def named_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, buffers: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and optimizer-state tensor with a stable name, in a fixed order: what
-    the digest covers and what a re-sync copies."""
+    """Every parameter, buffer (unless ``buffers`` is False) and optimizer-state tensor with a
+    stable name, in a fixed order: the tensors the digest covers and a re-sync copies."""
     return [
         (name, value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value))
-        for name, value in _state_tensors(model, optimizer)
+        for name, value in _state_tensors(model, optimizer, buffers)
     ]
+
+
+def _canonical(value: Any, where: str) -> bytes:
+    """Canonical CBOR of a small non-tensor state (param groups, a scheduler's state_dict):
+    tuples as lists, tensors as their values; TypeError naming ``where`` for anything else CBOR
+    cannot carry (a scheduler holding a callable object's attributes, say)."""
+
+    def plain(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return item.detach().cpu().tolist()
+        if isinstance(item, list | tuple):
+            return [plain(x) for x in item]
+        if isinstance(item, dict):
+            return {str(k): plain(v) for k, v in item.items()}
+        return item
+
+    try:
+        return cbor2.dumps(plain(value), canonical=True)
+    except (TypeError, ValueError, cbor2.CBOREncodeError) as err:
+        raise TypeError(f"{where} cannot be digested: {err}") from None
+
+
+def _meta_items(
+    optimizer: torch.optim.Optimizer | None, scheduler: Scheduler | None
+) -> list[tuple[str, bytes]]:
+    """The non-tensor parts of the training state the digest covers, each canonically encoded:
+    the optimizer's param-group hyperparameters (learning rates included) and the scheduler's
+    ``state_dict()``."""
+    items = []
+    if optimizer is not None:
+        groups = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups
+        ]
+        items.append(("optim/param_groups", _canonical(groups, "the optimizer's param groups")))
+    if scheduler is not None:
+        items.append(
+            ("sched/state", _canonical(scheduler.state_dict(), "the LR scheduler's state_dict"))
+        )
+    return items
 
 
 class _View:
@@ -151,6 +204,8 @@ class _Plan:
     and dtypes. Built only when every tensor is a cacheable CPU tensor."""
 
     __slots__ = (
+        "buffer_names",
+        "buffers",
         "data",
         "dtypes",
         "model",
@@ -159,6 +214,7 @@ class _Plan:
         "optimizer_params",
         "param_names",
         "pointers",
+        "scheduler",
         "seeds",
         "shapes",
         "state_keys",
@@ -171,13 +227,19 @@ class _Plan:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
+        scheduler: Scheduler | None,
+        buffers: bool,
         names: tuple[str, ...],
         views: list[_View],
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.buffers = buffers
         self.names = names
+        """Every entry's name: the tensors' (one per view), then the non-tensor parts'."""
         self.param_names = [name for name, _ in model.named_parameters()]
+        self.buffer_names = [name for name, _ in model.named_buffers()] if buffers else []
         self.optimizer_params: list[Any] = []
         self.state_keys: list[tuple[Any, ...]] = []
         if optimizer is not None:
@@ -193,14 +255,27 @@ class _Plan:
         self.data = [view.data for view in views]
         self.seeds = [view.seed for view in views]
 
-    def holds(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
-        """Whether the state of ``model`` and ``optimizer`` still has this plan's layout."""
+    def holds(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Scheduler | None = None,
+    ) -> bool:
+        """Whether the state of ``model``, ``optimizer`` and ``scheduler`` still has this plan's
+        layout."""
         if model is not self.model or optimizer is not self.optimizer:
+            return False
+        if scheduler is not self.scheduler:
             return False
         named = list(model.named_parameters())
         if [name for name, _ in named] != self.param_names:
             return False
         tensors = [param for _, param in named]
+        if self.buffers:
+            named_buffers = list(model.named_buffers())
+            if [name for name, _ in named_buffers] != self.buffer_names:
+                return False
+            tensors += [buffer for _, buffer in named_buffers]
         if optimizer is not None:
             params = _optimizer_params(optimizer)
             if len(params) != len(self.optimizer_params) or not all(
@@ -228,9 +303,12 @@ class _Plan:
             and list(map(_dtype, tensors)) == self.dtypes
         )
 
-    def digest(self) -> StateDigest:
-        digests = map(_digest128, self.data, self.seeds)
-        return StateDigest(None, list(zip(self.names, digests)), self.names)
+    def digest(self, meta: list[tuple[str, bytes]]) -> StateDigest:
+        """The digest of the planned tensors now and of ``meta`` (`_meta_items`' entries, whose
+        names the plan holds too)."""
+        digests = list(zip(self.names, map(_digest128, self.data, self.seeds)))
+        digests += [(name, _digest128(data, _seed64(name.encode()))) for name, data in meta]
+        return StateDigest(None, digests, self.names)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -238,27 +316,34 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 
 class StateHasher:
-    """Computes `StateDigest`s of one model and optimizer, step after step, cheaply.
+    """Computes `StateDigest`s of one model, optimizer and scheduler, step after step, cheaply.
 
     Holds a byte view of each tensor between calls (so it keeps those tensors alive); views of
-    tensors that left the state are dropped at the next digest.
+    tensors that left the state are dropped at the next digest. ``buffers=False`` leaves the
+    model's buffers out (buffers kept local on each rank, see the module docstring).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, buffers: bool = True) -> None:
+        self.buffers = buffers
         self._views: dict[str, _View] = {}
         self._names: tuple[str, ...] = ()
         self._plan: _Plan | None = None
 
     def digest(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Scheduler | None = None,
     ) -> StateDigest:
-        """The digest of the model's parameters and the optimizer's state now (CUDA tensors
-        are copied to the host after their stream is synchronized, C-STREAMSYNC-001)."""
+        """The digest of the model's parameters and buffers, the optimizer's state and the
+        scheduler's state now (CUDA tensors are copied to the host after their stream is
+        synchronized, C-STREAMSYNC-001)."""
+        meta = _meta_items(optimizer, scheduler)
         plan = self._plan
-        if plan is not None and plan.holds(model, optimizer):
-            return plan.digest()
+        if plan is not None and plan.holds(model, optimizer, scheduler):
+            return plan.digest(meta)
         self._plan = None
-        items = _state_tensors(model, optimizer)
+        items = _state_tensors(model, optimizer, self.buffers)
         views = self._views
         fresh: dict[str, _View] = {}
         per_tensor = []
@@ -274,7 +359,8 @@ class StateHasher:
                 fresh[name] = view
             per_tensor.append((name, _digest128(view.data, view.seed)))
         self._views = fresh
-        names = tuple(name for name, _ in items)
+        per_tensor += [(name, _digest128(data, _seed64(name.encode()))) for name, data in meta]
+        names = tuple(name for name, _ in items) + tuple(name for name, _ in meta)
         repeated = names == self._names
         if repeated:
             names = self._names  # the same object while the layout holds: cheap to compare
@@ -282,9 +368,10 @@ class StateHasher:
         # A layout seen twice, every tensor cacheable: later digests may skip this walk (a
         # one-off digest, as `state_digest`'s, never pays for the plan).
         if repeated and len(fresh) == len(items):
-            plan = _Plan(model, optimizer, names, [fresh[name] for name, _ in items])
+            views = [fresh[name] for name, _ in items]
+            plan = _Plan(model, optimizer, scheduler, self.buffers, names, views)
             # The plan's own walk must find exactly the tensors this one hashed, or it is unused.
-            if plan.holds(model, optimizer):
+            if plan.holds(model, optimizer, scheduler):
                 self._plan = plan
         return StateDigest(None, per_tensor, names)
 
@@ -301,8 +388,13 @@ def _host_copy(value: Any) -> torch.Tensor:
 
 
 def state_digest(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Scheduler | None = None,
+    *,
+    buffers: bool = True,
 ) -> StateDigest:
-    """Hash the model's parameters and the optimizer's state once (a training loop that
-    digests every step keeps a `StateHasher` instead)."""
-    return StateHasher().digest(model, optimizer)
+    """Hash the model's parameters and buffers (unless ``buffers`` is False), the optimizer's
+    state and the scheduler's state once (a training loop that digests every step keeps a
+    `StateHasher` instead)."""
+    return StateHasher(buffers=buffers).digest(model, optimizer, scheduler)
