@@ -18,8 +18,9 @@ Tensors are named and ordered deterministically:
 Everything else lives in ``meta``, which holds only CBOR-able values (str, int, float, bool,
 None, list, dict with str keys, bytes), so the manifest can travel as one CBOR message and be
 stored as JSON: the optimizer's class, its param groups (hyperparameters, tuples as lists, and
-the ``params`` index lists), its non-tensor per-parameter state, Python's ``random`` state, and
-the caller's free ``extra`` dict. Nothing is pickled.
+the ``params`` index lists), its non-tensor per-parameter state, an LR scheduler's class and
+``state_dict()`` (``meta["scheduler"]``, None without one), Python's ``random`` state, and the
+caller's free ``extra`` dict. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -127,8 +128,10 @@ def capture_state(
     step: int,
     *,
     extra: Mapping[str, Any] | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> TrainingState:
-    """Snapshot the model, the optimizer, the RNGs and ``step`` (the next step to run).
+    """Snapshot the model, the optimizer, the LR scheduler, the RNGs and ``step`` (the next
+    step to run).
 
     Every tensor is a fresh contiguous CPU *copy* (never a view), so the snapshot stays valid
     while training goes on, can be written to a checkpoint or sent over the network as is, and
@@ -156,6 +159,7 @@ def capture_state(
     version, internal, gauss_next = random.getstate()
     meta = {
         "optimizer": optimizer_meta,
+        "scheduler": _capture_scheduler(scheduler),
         "rng": {"python": [version, list(internal), gauss_next]},
         "extra": _cborable(dict(extra or {}), "extra"),
     }
@@ -203,6 +207,24 @@ def _capture_optimizer(
         "state": state_meta,
     }
     return meta, tensors
+
+
+def _class_name(value: object) -> str:
+    cls = type(value)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _capture_scheduler(
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> dict[str, Any] | None:
+    """The scheduler's class and ``state_dict()``; TypeError naming the entry CBOR cannot carry
+    (e.g. a `LambdaLR` whose lambda is a callable object with such attributes)."""
+    if scheduler is None:
+        return None
+    return {
+        "class": _class_name(scheduler),
+        "state": _cborable(scheduler.state_dict(), "LR scheduler state"),
+    }
 
 
 def _cborable(value: Any, where: str) -> Any:
@@ -306,12 +328,15 @@ def restore_state(
     state: TrainingState,
     *,
     restore_rng: bool = True,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> None:
-    """Make ``model``, ``optimizer`` (and the RNGs) hold exactly ``state``.
+    """Make ``model``, ``optimizer``, ``scheduler`` (and the RNGs) hold exactly ``state``.
 
     Everything is validated first; the first problem found raises `StateMismatch` and nothing
-    is changed. Then the optimizer's state is replaced through ``load_state_dict`` (from copies:
-    torch would otherwise adopt ``state``'s tensors and mutate them while training), parameters
+    is changed (a state with scheduler state needs a scheduler of its class, one without needs
+    none). Then the optimizer's state is replaced through ``load_state_dict`` (from copies:
+    torch would otherwise adopt ``state``'s tensors and mutate them while training), the
+    scheduler's through its ``load_state_dict``, parameters
     and buffers are copied in place onto their own devices, and the RNG states are set. The
     caller resumes at ``state.step``. With ``restore_rng=False`` the ``rng.*`` tensors are
     ignored (e.g. restoring a CUDA machine's state on a CPU-only one).
@@ -349,6 +374,7 @@ def restore_state(
         if name.startswith(("param.", "buffer.")) and name not in used:
             raise StateMismatch(f"unexpected tensor {name!r} in the state (not in the model)")
     optimizer_state = _plan_optimizer(optimizer, state, by_name, used)
+    scheduler_state = _plan_scheduler(scheduler, state)
     rng_states: list[tuple[int | None, torch.Tensor]] = []
     if restore_rng:
         rng_states.append((None, take("rng.torch", torch.get_rng_state(), "process")))
@@ -367,6 +393,9 @@ def restore_state(
     if optimizer is not None:
         assert optimizer_state is not None
         optimizer.load_state_dict(optimizer_state)
+    if scheduler is not None:
+        assert scheduler_state is not None
+        scheduler.load_state_dict(scheduler_state)
     with torch.no_grad():
         for live, source in copies:
             live.copy_(source)
@@ -453,6 +482,30 @@ def _plan_optimizer(
         "state": {i: dict(sorted(packed_state[i].items())) for i in sorted(packed_state)},
         "param_groups": packed_groups,
     }
+
+
+def _plan_scheduler(
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None, state: TrainingState
+) -> dict[str, Any] | None:
+    """Validate the scheduler part of ``state`` against ``scheduler``; its state dict to load
+    (a copy), without touching the scheduler."""
+    saved = state.meta.get("scheduler")
+    if scheduler is None:
+        if saved is not None:
+            held = saved.get("class") if isinstance(saved, dict) else saved
+            raise StateMismatch(f"the state holds {held!r} LR scheduler state, no scheduler given")
+        return None
+    name = _class_name(scheduler)
+    if not isinstance(saved, dict):
+        raise StateMismatch(f"the state holds no LR scheduler state, the scheduler is {name}")
+    if saved.get("class") != name:
+        raise StateMismatch(
+            f"LR scheduler class: {saved.get('class')!r} in the state, {name!r} here"
+        )
+    values = saved.get("state")
+    if not isinstance(values, dict):
+        raise StateMismatch("malformed LR scheduler state in the state")
+    return copy.deepcopy(values)
 
 
 def _python_rng(meta: dict[str, Any]) -> tuple[Any, ...]:
