@@ -1,4 +1,5 @@
-"""The optimizer actor: applies a step's averaged gradients and reports the state digest.
+"""The optimizer actor: applies a step's averaged gradients, steps the LR scheduler, and reports
+the state digest.
 
 The digest is the identical-weights check (C-DDP-001): the coordinator commits a step once
 every rank's digest agrees, and no rank changes its weights again before that commit.
@@ -16,7 +17,7 @@ import trio
 
 from actors.client.client import CoordinatorClient
 from actors.graph.messages import OptimizerStep, Verify
-from actors.state.digest import StateDigest, StateHasher
+from actors.state.digest import Scheduler, StateDigest, StateHasher
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
 
@@ -66,6 +67,8 @@ class OptimizerActor(Actor):
         on_applied: Callable[[int], None] | None = None,
         check_cost: CheckCost | None = None,
         zero_grads: Callable[[], None] | None = None,
+        scheduler: Scheduler | None = None,
+        digest_buffers: bool = True,
     ) -> None:
         super().__init__("optimizer", mailbox_size=2)
         self.model = model
@@ -81,7 +84,11 @@ class OptimizerActor(Actor):
         self.zero_grads = zero_grads
         """Zeroes the gradients after a step (None: ``optimizer.zero_grad(set_to_none=False)``)."""
         self.check_cost = check_cost if check_cost is not None else CheckCost()
-        self._hasher = StateHasher()
+        self.scheduler = scheduler
+        """Stepped right after each optimizer step (torch's order); None: no scheduler."""
+        self._hasher = StateHasher(buffers=digest_buffers)
+        """``digest_buffers``: the digest covers the model's buffers (not when each rank keeps
+        its own, ``buffer_sync="local"``)."""
         self._names_sent: tuple[str, ...] | None = None
         self._hashed: tuple[int, StateDigest, int, int] | None = None
         """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
@@ -118,14 +125,17 @@ class OptimizerActor(Actor):
     def _timed_digest(self) -> StateDigest:
         cpu = time.thread_time()
         try:
-            return self._hasher.digest(self.model, self.optimizer)
+            return self._hasher.digest(self.model, self.optimizer, self.scheduler)
         finally:
             self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
     def apply(self, step: int) -> None:
-        """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
+        """Step the optimizer with ``step``'s reduced gradients, then the scheduler (on a worker
+        thread)."""
         with OPTIMIZER_STEP_LOCK:
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             if self.zero_grads is not None:
                 self.zero_grads()
             else:

@@ -270,7 +270,7 @@ class _Plan:
         named = list(model.named_parameters())
         if [name for name, _ in named] != self.param_names:
             return False
-        tensors = [param for _, param in named]
+        tensors: list[torch.Tensor] = [param for _, param in named]
         if self.buffers:
             named_buffers = list(model.named_buffers())
             if [name for name, _ in named_buffers] != self.buffer_names:
@@ -368,8 +368,8 @@ class StateHasher:
         # A layout seen twice, every tensor cacheable: later digests may skip this walk (a
         # one-off digest, as `state_digest`'s, never pays for the plan).
         if repeated and len(fresh) == len(items):
-            views = [fresh[name] for name, _ in items]
-            plan = _Plan(model, optimizer, scheduler, self.buffers, names, views)
+            planned = [fresh[name] for name, _ in items]
+            plan = _Plan(model, optimizer, scheduler, self.buffers, names, planned)
             # The plan's own walk must find exactly the tensors this one hashed, or it is unused.
             if plan.holds(model, optimizer, scheduler):
                 self._plan = plan

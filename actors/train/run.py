@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import trio
 
+from actors.state.digest import Scheduler
 from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from actors.train.worker import join_run
 from runtime.cli.train_config import DistributedRole, DistributedTrainConfig
@@ -54,10 +55,12 @@ async def trainer_from_env(
     secret: bytes | str | None = None,
     resume_step: int = 0,
     reconnect_seconds: float | None = 60.0,
+    scheduler: Scheduler | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join (and, for the COORDINATOR role, also host) the run this environment describes.
 
     ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`).
+    ``scheduler``: an LR scheduler of ``optimizer``, stepped after each optimizer step.
     """
     config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
     tls = config.tls_config()
@@ -77,6 +80,7 @@ async def trainer_from_env(
             tls=tls,
             resume_step=resume_step,
             reconnect_seconds=reconnect_seconds,
+            scheduler=scheduler,
         ) as trainer:
             yield trainer
             summary_path = os.environ.get(SUMMARY_ENV)

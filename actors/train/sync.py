@@ -11,14 +11,17 @@ into it. Errors from the run (an abort, a lost peer) surface from the call that 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 import trio
 
+from actors.state.digest import Scheduler
 from actors.train.run import trainer_from_env
 from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from runtime.config import DistributedConfig
@@ -41,9 +44,11 @@ class SyncTrainer:
         coordinator_options: CoordinatorOptions | None = None,
         overrides: Mapping[str, object] | None = None,
         secret: bytes | str | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self._args = (model, optimizer, loss_fn)
         self._kwargs: dict[str, Any] = {
+            "scheduler": scheduler,
             "options": options,
             "coordinator_options": coordinator_options,
             "overrides": overrides,
@@ -149,3 +154,11 @@ class SyncTrainer:
     def summary(self) -> dict[str, Any]:
         """Final step and loss, digest and throughput (see `DistributedTrainer.summary`)."""
         return self.trainer.summary()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trained model's plain ``state_dict`` (see `DistributedTrainer.state_dict`)."""
+        return self.trainer.state_dict()
+
+    def save_safetensors(self, path: str | os.PathLike[str]) -> Path:
+        """Write `state_dict` to a safetensors file (`DistributedTrainer.save_safetensors`)."""
+        return self.trainer.save_safetensors(path)

@@ -6,21 +6,29 @@ all-reduces each gradient bucket while backward goes on, the optimizer actor app
 and reports the state digest for the C-DDP-001 check, and the data loader actor feeds batches of
 this rank's shard. The trainer builds them for each membership epoch (through an
 `ActorFactory`), moves a step through them, and follows the coordinator's epochs.
+
+Besides the parameters, the trainer keeps the model's buffers identical on every rank
+(`actors.train.buffer_sync`, ``TrainerOptions.buffer_sync``), steps an optional LR scheduler
+right after each optimizer step (its state travels with the training state and is part of the
+digest), and exports the trained model (`DistributedTrainer.state_dict`, `save_safetensors`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import trio
+from safetensors.torch import save_file
 
 from actors.client.client import CoordinatorClient
 from actors.graph.compute import ComputeActor, LossFn
@@ -30,7 +38,8 @@ from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, Lo
 from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
 from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
-from actors.state.digest import named_state, state_digest
+from actors.state.digest import Scheduler, StateDigest, named_state, state_digest
+from actors.train.buffer_sync import BufferSync, check_buffer_sync, sync_buffers
 from actors.train.state_transfer import receive_state, send_state, wire_view
 from runtime.actor.base import ActorStopped, ActorSystem
 from runtime.collectives.ring import (
@@ -50,6 +59,7 @@ __all__ = [
     "Connect",
     "TrainerOptions",
     "LossFn",
+    "Scheduler",
 ]
 
 log = logging.getLogger("paramsync.trainer")
@@ -86,7 +96,20 @@ class TrainerOptions:
     the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
     summary's first loss and throughput cover the whole run whatever this is."""
 
+    # -- buffers (issue 14) ------------------------------------------------------------------
+    buffer_sync: BufferSync = "broadcast"
+    """How the model's buffers (BatchNorm running statistics, any registered buffer) are kept
+    identical on every rank, once per step after its forward and backward, before the
+    optimizer step (`actors.train.buffer_sync`): ``"broadcast"`` ring position 0's (torch
+    DDP's ``broadcast_buffers=True``, the default; the buffers each forward starts from are
+    DDP's), ``"average"`` the mean of the ranks' floating-point buffers (integer and bool
+    buffers such as ``num_batches_tracked`` are broadcast: a mean of counters is meaningless),
+    ``"local"`` each rank keeps its own (``broadcast_buffers=False``). The identical-weights
+    digest covers the buffers in the first two modes and leaves them out in ``"local"``, where
+    they legitimately differ."""
+
     def __post_init__(self) -> None:
+        check_buffer_sync(self.buffer_sync)
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         if self.bucket_bytes < 1:
@@ -150,7 +173,9 @@ class DistributedTrainer:
         trace: TraceRecorder,
         connect: Connect,
         actors: ActorFactory | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
+        _check_scheduler(scheduler, optimizer)
         if client.start is None:
             raise ValueError("the client must have joined the run (client.join) first")
         if client.fold and not options.response_cache:
@@ -161,6 +186,8 @@ class DistributedTrainer:
             )
         self.model = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        """The LR scheduler stepped right after each optimizer step (None: none)."""
         self.loss_fn = loss_fn
         self._config = config
         self.client = client
@@ -211,6 +238,7 @@ class DistributedTrainer:
         *,
         connect: Connect | None = None,
         actors: ActorFactory | None = None,
+        scheduler: Scheduler | None = None,
     ) -> AsyncIterator[DistributedTrainer]:
         """Start the worker's supervisor in a nursery of the caller's; yield once the first
         epoch is running (weights synchronized).
@@ -219,6 +247,9 @@ class DistributedTrainer:
         be served (`CoordinatorClient.serve`). Pass the data plane as a fixed ``transport``
         (a run whose membership never changes) or as ``connect``, which opens each epoch's.
         ``actors``: the constructors of its actors (default `default_actors`).
+        ``scheduler``: an LR scheduler of ``optimizer`` (torch's ``LRScheduler``), stepped right
+        after each optimizer step, as a torch loop calls ``scheduler.step()`` after
+        ``optimizer.step()``; its state is part of the training state (live rejoin, the digest).
         """
         options = options or TrainerOptions()
         trace = trace if trace is not None else TraceRecorder.disabled()
@@ -240,7 +271,16 @@ class DistributedTrainer:
                 return fixed
 
         trainer = cls(
-            model, optimizer, loss_fn, config, client, options, trace, connect, actors=actors
+            model,
+            optimizer,
+            loss_fn,
+            config,
+            client,
+            options,
+            trace,
+            connect,
+            actors=actors,
+            scheduler=scheduler,
         )
         trainer._owns_transports = transport is None
         async with trio.open_nursery() as nursery:
@@ -364,14 +404,26 @@ class DistributedTrainer:
         """Once the supervisor holds, the next step and the state digest this worker rejoins
         a restarted coordinator with (it picks the majority's newest state)."""
         await self._held.wait()
-        digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
+        digest = await trio.to_thread.run_sync(self.state_digest)
         return self.step, digest.digest
+
+    def state_digest(self) -> StateDigest:
+        """The digest of this worker's training state now, as the C-DDP-001 check computes it
+        (parameters, buffers unless kept local, optimizer and scheduler state)."""
+        return state_digest(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            buffers=self.options.buffer_sync != "local",
+        )
 
     def _apply_pending(self) -> None:
         step = self.step
         with OPTIMIZER_STEP_LOCK:
             if self.step == step:
                 self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=False)
                 self.step = step + 1
                 log.info("rank %d applied step %d while leaving its epoch", self.rank, step)
@@ -388,6 +440,10 @@ class DistributedTrainer:
                 await self._receive_state(
                     transport, start.position(start.donor), donor=f"rank {start.donor}"
                 )
+        if not start.broadcast and self.options.buffer_sync != "local":
+            # Buffers a dropped step's forward moved on some ranks only: the epoch's opening
+            # check covers them, so every member starts from position 0's.
+            await self._sync_buffers(transport, "broadcast")
         if self.rank not in start.receivers:
             if start.broadcast:
                 self.step = start.step
@@ -437,6 +493,8 @@ class DistributedTrainer:
             self._applied,
             self.check_cost,
             zero_grads=partial(comm.zero_grads, self.optimizer),
+            scheduler=self.scheduler,
+            digest_buffers=self.options.buffer_sync != "local",
         )
         try:
             await system.start(compute)
@@ -461,14 +519,27 @@ class DistributedTrainer:
             with torch.no_grad():  # never across an await: grad mode is per thread, not per task
                 tensor.copy_(host)
 
+    async def _sync_buffers(self, transport: Transport, mode: BufferSync | None = None) -> None:
+        """Make the model's buffers identical across the epoch's members (``mode``, default
+        ``options.buffer_sync``)."""
+        await sync_buffers(
+            transport,
+            list(self.model.buffers()),
+            mode if mode is not None else self.options.buffer_sync,
+            chunk_bytes=self.options.chunk_bytes,
+            threaded_min_bytes=self.options.threaded_min_bytes,
+        )
+
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
-        await send_state(transport, peer, self.model, self.optimizer, self.step)
+        await send_state(transport, peer, self.model, self.optimizer, self.step, self.scheduler)
 
     async def _receive_state(self, transport: Transport, peer: int, donor: object = None) -> None:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
-        state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
+        state = await receive_state(
+            transport, peer, self.model, self.optimizer, donor=donor, scheduler=self.scheduler
+        )
         self.step = state.step
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
@@ -576,6 +647,12 @@ class DistributedTrainer:
                     await state.all_reduced.wait()
                 if state.error is not None:
                     raise state.error
+                if self.options.buffer_sync != "local":
+                    # After every bucket's all-reduce (one collective at a time on the
+                    # transport), before this step is reported reduced: a step applied while
+                    # leaving the epoch (`_apply_pending`) has its buffers synchronized too.
+                    with self.trace.span("buffer-sync", actor="trainer", step=step):
+                        await self._sync_buffers(epoch.transport)
                 if epoch.start.apply_barrier:
                     # A cached all-reduce may finish before the previous step is committed;
                     # the coordinator takes this step's report only after that commit.
@@ -628,7 +705,9 @@ class DistributedTrainer:
         rank = self.rank
         if rank != order.source and rank not in order.targets:
             return
-        tensors = [tensor for _, tensor in named_state(self.model, self.optimizer)]
+        local = self.options.buffer_sync == "local"
+        state = named_state(self.model, self.optimizer, buffers=not local)
+        tensors = [tensor for _, tensor in state]
         log.warning(
             "step %d: re-syncing ranks %s from rank %d",
             order.step,
@@ -754,7 +833,7 @@ class DistributedTrainer:
         second cover the whole run; the median step time the kept history (the last
         ``options.history_steps`` steps)."""
         seconds = self._seconds_run
-        digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
+        digest = self.state_digest().digest if self.step_seconds else None
         return {
             "rank": self._config.rank,
             "world_size": self._config.world_size,
@@ -770,6 +849,65 @@ class DistributedTrainer:
             "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
             "digests": self.check_cost.digests,
         }
+
+    # ------------------------------------------------------------------ export
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's ``state_dict()`` (parameters and persistent buffers) as plain,
+        contiguous CPU copies under the model's own names, with no wrapper prefix: it loads into
+        a fresh instance of the plain module (``load_state_dict``), into torch DDP's
+        ``DistributedDataParallel(model).module``, and through DDP's own ``load_state_dict``
+        after adding its ``module.`` prefix. Tied weights come out as separate copies of one
+        value. Call it between steps (a step in flight is still changing the weights)."""
+        return {
+            name: tensor.detach().to("cpu", copy=True).contiguous()
+            for name, tensor in _export_model(self.model).state_dict().items()
+        }
+
+    def save_safetensors(
+        self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+    ) -> Path:
+        """Write `state_dict` to a safetensors file at ``path`` (readable by
+        ``safetensors.torch.load_file``); its metadata records ``format: pt``, the next step
+        (``paramsync_step``) and ``metadata``'s strings. Returns the path."""
+        target = Path(path)
+        extra = dict(metadata or {})
+        extra.update({"format": "pt", "paramsync_step": str(self.step)})
+        save_file(self.state_dict(), str(target), metadata=extra)
+        return target
+
+
+def _check_scheduler(scheduler: Scheduler | None, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler the trainer cannot step in lockstep: one of another optimizer, or one
+    that needs a metric (each rank's loss differs, so their learning rates would too)."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "scheduler: ReduceLROnPlateau steps on a metric, which differs from rank to rank; "
+            "step it yourself on an all-reduced metric, or pass a schedule of the step count"
+        )
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(
+            f"scheduler must be a torch.optim.lr_scheduler.LRScheduler, got "
+            f"{type(scheduler).__name__}"
+        )
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("scheduler: it schedules another optimizer than the trainer's")
+
+
+def _export_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module under wrappers whose ``state_dict`` keys carry a prefix (torch DDP and
+    DataParallel's ``module.``, ``torch.compile``'s ``_orig_mod.``)."""
+    while True:
+        if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel | torch.nn.parallel.DataParallel
+        ):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
 
 
 def _broken_by_a_peer(error: BaseException) -> bool:

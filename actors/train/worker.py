@@ -17,7 +17,7 @@ import torch
 import trio
 
 from actors.client.client import CoordinatorClient
-from actors.state.digest import state_digest
+from actors.state.digest import Scheduler, state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
 from runtime.config import DistributedConfig
 from runtime.coordinator.events import model_signature
@@ -31,10 +31,17 @@ from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial, dial_with_retry, form_mesh
 from runtime.transport.tls import TlsConfig
 
-__all__ = ["join_run", "train_in_process", "WorkerBody"]
+__all__ = ["join_run", "train_in_process", "WorkerBody", "Replica"]
 
 WorkerBody = Callable[[DistributedTrainer], Awaitable[Any]]
 """What one in-process worker does with its trainer; its return value is collected."""
+
+Replica = (
+    tuple[torch.nn.Module, torch.optim.Optimizer]
+    | tuple[torch.nn.Module, torch.optim.Optimizer, Scheduler | None]
+)
+"""What `train_in_process`'s ``make_replica`` returns: a model and its optimizer, and
+optionally an LR scheduler of that optimizer."""
 
 
 @asynccontextmanager
@@ -47,6 +54,7 @@ async def _trainer_session(
     client: CoordinatorClient,
     options: TrainerOptions | None,
     trace: TraceRecorder | None,
+    scheduler: Scheduler | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Listen to the coordinator from the start, so an abort reaches this worker even while
     it is still connecting an epoch's data plane (``connect``), then train; at the end say
@@ -54,7 +62,16 @@ async def _trainer_session(
     async with trio.open_nursery() as nursery:
         await nursery.start(client.serve)
         async with DistributedTrainer.open(
-            model, optimizer, loss_fn, config, None, client, options, trace, connect=connect
+            model,
+            optimizer,
+            loss_fn,
+            config,
+            None,
+            client,
+            options,
+            trace,
+            connect=connect,
+            scheduler=scheduler,
         ) as trainer:
             yield trainer
             await trainer.finish()
@@ -76,6 +93,7 @@ async def join_run(
     tls: TlsConfig | None = None,
     resume_step: int = 0,
     reconnect_seconds: float | None = 60.0,
+    scheduler: Scheduler | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join the run whose coordinator listens at ``config.coordinator_addr``.
 
@@ -86,6 +104,8 @@ async def join_run(
     ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
     silent past the heartbeat deadline), keep the state and redial it with backoff for this
     long, then rejoin where the workers stand (None: losing the coordinator ends the run).
+    ``scheduler``: an LR scheduler of ``optimizer``, stepped after each optimizer step
+    (`DistributedTrainer.open`).
     """
     key = load_secret(secret)
     me = Identity(group, config.world_size, config.rank)
@@ -121,7 +141,12 @@ async def join_run(
     try:
         port = listeners[0].socket.getsockname()[1]
         with trio.fail_after(join_seconds):
-            digest = state_digest(model, optimizer).digest if resume_step else b""
+            local = (options or TrainerOptions()).buffer_sync == "local"
+            digest = (
+                state_digest(model, optimizer, scheduler, buffers=not local).digest
+                if resume_step
+                else b""
+            )
             await client.join(
                 model_signature(model.named_parameters()),
                 (local_host, port),
@@ -130,7 +155,7 @@ async def join_run(
                 fold=(options or TrainerOptions()).response_cache,
             )
         async with _trainer_session(
-            model, optimizer, loss_fn, config, connect, client, options, trace
+            model, optimizer, loss_fn, config, connect, client, options, trace, scheduler
         ) as trainer:
             yield trainer
     finally:
@@ -143,7 +168,7 @@ async def join_run(
 
 async def train_in_process(
     world_size: int,
-    make_replica: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    make_replica: Callable[[int], Replica],
     loss_fn: LossFn,
     body: WorkerBody,
     *,
@@ -153,7 +178,8 @@ async def train_in_process(
 ) -> list[Any]:
     """Run a coordinator and ``world_size`` workers in this trio run; return each body's result.
 
-    ``make_replica(rank)`` builds that rank's model and optimizer; ``body(trainer)`` trains.
+    ``make_replica(rank)`` builds that rank's model and optimizer (and optionally an LR
+    scheduler of it, as a third item); ``body(trainer)`` trains.
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
     data plane; the default is `InProcessTransport`.
     """
@@ -164,7 +190,9 @@ async def train_in_process(
     results: list[Any] = [None] * world_size
 
     async def worker(rank: int) -> None:
-        model, optimizer = make_replica(rank)
+        replica = make_replica(rank)
+        model, optimizer = replica[0], replica[1]
+        scheduler = replica[2] if len(replica) > 2 else None
         link = pairs[rank][1]
         client = CoordinatorClient(link, rank)
         try:
@@ -185,7 +213,7 @@ async def train_in_process(
                 return groups[start.epoch][start.position(rank)]
 
             async with _trainer_session(
-                model, optimizer, loss_fn, config, connect, client, options, None
+                model, optimizer, loss_fn, config, connect, client, options, None, scheduler
             ) as trainer:
                 results[rank] = await body(trainer)
         finally:
