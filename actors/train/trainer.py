@@ -872,6 +872,11 @@ class DistributedTrainer:
         (``paramsync_step``) and ``metadata``'s strings. Returns the path."""
         target = Path(path)
         extra = dict(metadata or {})
+        for key, value in extra.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(
+                    f"safetensors metadata {key!r} must be a str, got {type(value).__name__}"
+                )
         extra.update({"format": "pt", "paramsync_step": str(self.step)})
         save_file(self.state_dict(), str(target), metadata=extra)
         return target
