@@ -225,7 +225,17 @@ def test_scheduler_mismatches_are_refused_and_change_nothing() -> None:
     other = lr_scheduler.ExponentialLR(target_optimizer, 0.5)
     with pytest.raises(StateMismatch, match=r"LR scheduler class: .*StepLR.* in the state"):
         restore_state(target, target_optimizer, with_scheduler, scheduler=other)
+    # A peer's scheduler state is untrusted: torch would set each key as an attribute.
+    hostile = capture_state(model, optimizer, 3, scheduler=scheduler)
+    hostile.meta["scheduler"]["state"]["optimizer"] = "not an optimizer"
+    with pytest.raises(StateMismatch, match=r"keys differ \(unexpected \['optimizer'\]"):
+        restore_state(target, target_optimizer, hostile, scheduler=target_scheduler)
+    hostile = capture_state(model, optimizer, 3, scheduler=scheduler)
+    hostile.meta["scheduler"]["state"]["_last_lr"] = "0.1"
+    with pytest.raises(StateMismatch, match=r"\['_last_lr'\]: expected a list of 1"):
+        restore_state(target, target_optimizer, hostile, scheduler=target_scheduler)
     assert target_scheduler.state_dict() == before
+    assert target_scheduler.optimizer is target_optimizer
 
 
 async def test_live_state_transfer_carries_the_scheduler() -> None:

@@ -505,7 +505,38 @@ def _plan_scheduler(
     values = saved.get("state")
     if not isinstance(values, dict):
         raise StateMismatch("malformed LR scheduler state in the state")
+    # torch's load_state_dict sets every key as an attribute: only this scheduler's own keys,
+    # holding values of their own kinds, may come in (a peer's state is untrusted input).
+    _check_like(values, scheduler.state_dict(), "LR scheduler state")
     return copy.deepcopy(values)
+
+
+def _check_like(saved: Any, local: Any, where: str) -> None:
+    """`StateMismatch` naming the first place where ``saved`` is not shaped like ``local``: maps
+    with other keys, lists of another length, a leaf of another kind (numbers are one kind;
+    None fits anything)."""
+    if isinstance(local, dict):
+        if not isinstance(saved, dict):
+            raise StateMismatch(f"{where}: expected a map, got {type(saved).__name__}")
+        if set(saved) != {str(key) for key in local}:
+            extra = sorted(set(saved) - {str(key) for key in local})
+            missing = sorted({str(key) for key in local} - set(saved))
+            raise StateMismatch(f"{where}: keys differ (unexpected {extra}, missing {missing})")
+        for key, value in local.items():
+            _check_like(saved[str(key)], value, f"{where}[{key!r}]")
+    elif isinstance(local, list | tuple):
+        if not isinstance(saved, list | tuple) or len(saved) != len(local):
+            raise StateMismatch(f"{where}: expected a list of {len(local)}, got {saved!r:.80}")
+        for index, (item, mine) in enumerate(zip(saved, local)):
+            _check_like(item, mine, f"{where}[{index}]")
+    elif saved is not None and local is not None:
+        number = (int, float)
+        if isinstance(local, number) and isinstance(saved, number):
+            return
+        if type(saved) is not type(local):
+            raise StateMismatch(
+                f"{where}: expected a {type(local).__name__}, got {type(saved).__name__}"
+            )
 
 
 def _python_rng(meta: dict[str, Any]) -> tuple[Any, ...]:
