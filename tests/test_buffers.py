@@ -13,6 +13,8 @@
   modes every buffer is bitwise identical, for random models with and without buffers
   (BatchNorm with and without affine or running statistics, custom float and integer buffers
   updated in forward), buffer modes, world sizes, optimizers and both transports.
+* Entering a live-rejoin epoch, the joiner takes the donor's buffers and scheduler, and a
+  member whose buffers a dropped step moved takes position 0's (unless buffers are local).
 * The digest really covers buffers in training: with the buffer sync switched off in a mode
   that promises identical buffers, the run aborts naming the buffer; in ``"local"`` mode the
   buffers differ and the run goes on.
@@ -26,6 +28,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,6 +47,8 @@ from actors.state.digest import state_digest
 from actors.train.buffer_sync import sync_buffers
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import train_in_process
+from runtime.config import DistributedConfig
+from runtime.protocol.messages import StartRun
 from runtime.transport.tcp import TcpTransport
 
 RUN_SECONDS = 30.0
@@ -426,3 +431,71 @@ async def test_c_ddp_001_fixed_case_with_every_kind_of_buffer(mode: str) -> None
             "seed": 5,
         }
     )
+
+
+# --------------------------------------------------------------------------- epoch entry
+
+
+def entering_trainer(
+    rank: int, world_size: int, model: nn.Module, step: int, mode: str
+) -> DistributedTrainer:
+    """A trainer holding just what `DistributedTrainer._enter` reads (no coordinator)."""
+    trainer = DistributedTrainer.__new__(DistributedTrainer)
+    trainer.model = model
+    trainer.optimizer = bn_optimizer(model)
+    trainer.scheduler = torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2, gamma=0.5)
+    trainer.options = TrainerOptions(buffer_sync=mode)  # type: ignore[arg-type]
+    trainer._config = DistributedConfig(world_size, rank)
+    trainer.step = step
+    trainer.epochs = []
+    trainer.client = SimpleNamespace(begin_epoch=lambda start: None)  # type: ignore[assignment]
+    return trainer
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_live_rejoin_epoch_brings_buffers_and_scheduler_into_line(mode: str) -> None:
+    """Epoch 2: rank 0 donates its whole state to the joiner rank 2; rank 1's buffers were
+    moved by a step dropped when the epoch ended. Entering the epoch, the joiner takes the
+    donor's state (buffers and scheduler included) and, unless buffers are local, every member
+    takes position 0's buffers, so the epoch's opening digest check agrees."""
+    start = StartRun(
+        addresses=(("in-process", 1), ("in-process", 2), ("in-process", 3)),
+        ring=(0, 1, 2),
+        step=5,
+        epoch=2,
+        donor=0,
+        receivers=(2,),
+        broadcast=False,
+    )
+    donor_model = bn_model(0)
+    moved = bn_model(0)
+    with torch.no_grad():
+        moved.norm.running_mean.add_(1.0)
+        moved.norm.num_batches_tracked += 1
+    trainers = [
+        entering_trainer(0, 3, donor_model, 5, mode),
+        entering_trainer(1, 3, moved, 5, mode),
+        entering_trainer(2, 3, bn_model(7), 0, mode),
+    ]
+    for _ in range(5):  # the donor's schedule has moved on
+        trainers[0].optimizer.step()
+        trainers[0].scheduler.step()  # type: ignore[union-attr]
+    assert trainers[0].scheduler is not None and trainers[2].scheduler is not None
+    async with open_group("inproc", 3) as transports:
+        with trio.fail_after(RUN_SECONDS):
+            async with trio.open_nursery() as nursery:
+                for trainer, transport in zip(trainers, transports):
+                    nursery.start_soon(trainer._enter, start, transport)
+    assert [t.step for t in trainers] == [5, 5, 5]
+    assert trainers[2].scheduler.state_dict() == trainers[0].scheduler.state_dict()
+    donor_state = donor_model.state_dict()
+    for name, value in trainers[2].model.state_dict().items():
+        assert torch.equal(value, donor_state[name]), f"joiner {name}"
+    digests = [t.state_digest() for t in trainers[::2]]
+    assert digests[0] == digests[1]
+    moved_mean = moved.norm.running_mean
+    if mode == "local":
+        assert not torch.equal(moved_mean, donor_model.norm.running_mean)
+    else:
+        for name, value in moved.state_dict().items():
+            assert torch.equal(value, donor_state[name]), f"rank 1 {name}"
