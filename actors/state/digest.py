@@ -3,7 +3,7 @@
 A digest is a 128-bit XXH3 hash over the exact bytes of every parameter, every buffer
 (BatchNorm running statistics, any registered buffer, persistent or not) and every
 optimizer-state tensor, in a fixed order, with names, shapes and dtypes mixed in, plus the
-optimizer's param-group hyperparameters and an LR scheduler's ``state_dict()`` (canonical CBOR),
+optimizer's param-group hyperparameters and an LR scheduler's ``state_dict()`` (CBOR, keys sorted),
 so two replicas have equal digests only if their whole training states are identical (an
 accidental collision has probability about 2**-128). Per-entry digests let the coordinator name
 the first one that differs.
@@ -115,22 +115,30 @@ def named_state(
     ]
 
 
-def _canonical(value: Any, where: str) -> bytes:
-    """Canonical CBOR of a small non-tensor state (param groups, a scheduler's state_dict):
-    tuples as lists, tensors as their values; TypeError naming ``where`` for anything else CBOR
-    cannot carry (a scheduler holding a callable object's attributes, say)."""
+_SCALARS = (bool, int, float, str, bytes, type(None))
 
-    def plain(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            return item.detach().cpu().tolist()
-        if isinstance(item, list | tuple):
-            return [plain(x) for x in item]
-        if isinstance(item, dict):
-            return {str(k): plain(v) for k, v in item.items()}
+
+def _plain(item: Any) -> Any:
+    """``item`` with dict keys as sorted strings, tuples as lists and tensors as their values."""
+    if isinstance(item, _SCALARS):
         return item
+    if isinstance(item, dict):
+        return {str(key): _plain(item[key]) for key in sorted(item, key=str)}
+    if isinstance(item, list | tuple):
+        return [_plain(x) for x in item]
+    if isinstance(item, torch.Tensor):
+        return item.detach().cpu().tolist()
+    return item  # CBOR refuses it below, by name
 
+
+def _canonical(value: Any, where: str) -> bytes:
+    """A deterministic CBOR encoding of a small non-tensor state (param groups, a scheduler's
+    state_dict): keys sorted, tuples as lists, tensors as their values, floats always 64-bit
+    (cbor2's ``canonical`` mode would also sort, at eight times the cost). TypeError naming
+    ``where`` for anything CBOR cannot carry (a scheduler holding a callable object's
+    attributes, say)."""
     try:
-        return cbor2.dumps(plain(value), canonical=True)
+        return cbor2.dumps(_plain(value))
     except (TypeError, ValueError, cbor2.CBOREncodeError) as err:
         raise TypeError(f"{where} cannot be digested: {err}") from None
 
