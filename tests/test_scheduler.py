@@ -9,11 +9,13 @@
   live state transfer to a joiner, and refused when the scheduler does not match.
 * The digest covers it: ranks whose schedulers disagree are stopped by the coordinator, which
   names ``sched/state``.
-* Schedulers the trainer cannot step in lockstep are refused by name.
+* Schedulers the trainer cannot step in lockstep are refused by name; the synchronous
+  `SyncTrainer` steps the scheduler it is given and exports the model too.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+from safetensors.torch import load_file
 from torch import nn
 from torch.optim import lr_scheduler
 
@@ -29,6 +32,7 @@ from actors.state.checkpoint import CheckpointStore
 from actors.state.digest import state_digest
 from actors.state.training_state import StateMismatch, capture_state, restore_state
 from actors.train.state_transfer import receive_state, send_state
+from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import train_in_process
 from runtime.transport.base import InProcessTransport
@@ -349,3 +353,28 @@ async def test_schedulers_the_trainer_cannot_step_in_lockstep_are_refused(
     refusals = [leaf for leaf in found if isinstance(leaf, error) and leaf.args]
     assert refusals, found
     assert any(match in str(leaf) for leaf in refusals), found
+
+
+def test_sync_trainer_steps_its_scheduler_and_exports(tmp_path: Path) -> None:
+    """The synchronous trainer (a torchrun-style script) passes its scheduler through."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = mlp(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    overrides = {"world_size": 1, "rank": 0, "coordinator_addr": f"127.0.0.1:{port}"}
+    data = batches(1)
+    with SyncTrainer(
+        model, optimizer, mse, scheduler=scheduler, overrides=overrides, secret="sched-test"
+    ) as trainer:
+        assert trainer.trainer.scheduler is scheduler
+        for batch in data[:4]:
+            trainer.train_batch(batch)
+        trainer.verified()
+        state = trainer.state_dict()
+        path = trainer.save_safetensors(tmp_path / "model.safetensors")
+    assert lrs(optimizer) == [pytest.approx(0.025)]  # two halvings in four steps
+    assert scheduler.last_epoch == 4
+    assert list(state) == list(model.state_dict())
+    assert all(torch.equal(load_file(str(path))[k], v) for k, v in state.items())
