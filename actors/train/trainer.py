@@ -28,7 +28,13 @@ from actors.graph.factory import ActorFactory
 from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
 from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
-from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
+from actors.graph.optimizer import (
+    OPTIMIZER_STEP_LOCK,
+    CheckCost,
+    OptimizerActor,
+    clip_gradients,
+    clip_settings,
+)
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
 from actors.train.state_transfer import receive_state, send_state, wire_view
@@ -85,6 +91,23 @@ class TrainerOptions:
     """Steps kept in the trainer's ``losses`` and ``step_seconds`` (the newest ones): enough for
     the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
     summary's first loss and throughput cover the whole run whatever this is."""
+    find_unused_parameters: bool = False
+    """Let a step's backward leave trainable parameters without a gradient (torch DDP's
+    option of that name): their gradients reduce as zeros, and a parameter no rank used gets
+    no gradient at all for the step (``.grad`` None while the optimizer steps, as in DDP), which
+    costs one small extra all-reduce per step. Off: such a step fails naming the parameters.
+    Every rank must set it alike."""
+    clip_grad_norm: float | None = None
+    """Clip the averaged gradients to this total norm before each optimizer step
+    (`torch.nn.utils.clip_grad_norm_` over the model's parameters); the norm before clipping
+    is kept in ``grad_norms``. None: no clipping (and no norm)."""
+    clip_norm_type: float = 2.0
+    """The p of the clipping norm (``math.inf``: the largest absolute gradient)."""
+    join: bool = False
+    """Uneven inputs (torch's ``Join``): every step first counts the ranks that still have
+    data, so a rank whose data ended can keep stepping with zero gradients (`join`) until every
+    rank's has; gradients stay averaged over all members (DDP's default
+    ``divide_by_initial_world_size=True``). Every rank must set it alike."""
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -97,6 +120,10 @@ class TrainerOptions:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
         if self.history_steps < 1:
             raise ValueError(f"history_steps must be >= 1, got {self.history_steps}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive, got {self.clip_grad_norm}")
+        if not self.clip_norm_type > 0:
+            raise ValueError(f"clip_norm_type must be positive, got {self.clip_norm_type}")
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
@@ -173,6 +200,9 @@ class DistributedTrainer:
         """(step, loss) of the last ``options.history_steps`` steps this worker ran."""
         self.step_seconds: list[float] = []
         """Wall time of the last ``options.history_steps`` steps this worker ran."""
+        self.grad_norms: list[tuple[int, float]] = []
+        """(step, total gradient norm before clipping) of the last ``options.history_steps``
+        steps, with ``clip_grad_norm`` set (the averaged gradients': the same on every rank)."""
         self._first_loss: float | None = None
         self._steps_run = 0
         self._seconds_run = 0.0
@@ -369,6 +399,9 @@ class DistributedTrainer:
 
     def _apply_pending(self) -> None:
         step = self.step
+        clip = clip_settings(self.options)
+        if clip is not None:
+            self._record_norm(step, clip_gradients(self.model, *clip))
         with OPTIMIZER_STEP_LOCK:
             if self.step == step:
                 self.optimizer.step()
@@ -584,6 +617,9 @@ class DistributedTrainer:
                     with self.trace.span("apply-wait", actor="trainer", step=step):
                         await self.client.wait_apply(step)
                 await epoch.optimizer.ask(OptimizerStep(step))
+                norm = epoch.optimizer.grad_norm
+                if norm is not None and norm[0] == step:
+                    self._record_norm(step, norm[1])
                 if self.options.verify_overlap:
                     await epoch.optimizer.tell(Verify(step))
                 else:
@@ -604,6 +640,11 @@ class DistributedTrainer:
             raise _StepAborted
         self._record(step, loss, time.perf_counter() - started)
         return loss
+
+    def _record_norm(self, step: int, norm: float) -> None:
+        self.grad_norms.append((step, norm))
+        if len(self.grad_norms) > self.options.history_steps:
+            del self.grad_norms[0]
 
     def _record(self, step: int, loss: float, seconds: float) -> None:
         """Append to the bounded histories; keep the whole run's totals for the summary."""
@@ -769,6 +810,7 @@ class DistributedTrainer:
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
             "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
             "digests": self.check_cost.digests,
+            "final_grad_norm": self.grad_norms[-1][1] if self.grad_norms else None,
         }
 
 
