@@ -200,6 +200,9 @@ class DistributedTrainer:
         """(step, loss) of the last ``options.history_steps`` steps this worker ran."""
         self.step_seconds: list[float] = []
         """Wall time of the last ``options.history_steps`` steps this worker ran."""
+        self.unused_parameters: tuple[str, ...] = ()
+        """The parameters no rank gave a gradient in the last step this worker took part in
+        (``find_unused_parameters``; the same on every rank)."""
         self.grad_norms: list[tuple[int, float]] = []
         """(step, total gradient norm before clipping) of the last ``options.history_steps``
         steps, with ``clip_grad_norm`` set (the averaged gradients': the same on every rank)."""
@@ -459,7 +462,15 @@ class DistributedTrainer:
         def on_bucket(step: int, bucket: int) -> None:
             comm.ready_soon(BucketReady(step, bucket))
 
-        compute = self.actors.compute(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
+        compute = self.actors.compute(
+            self.model,
+            self.loss_fn,
+            self.buckets,
+            on_bucket,
+            self.trace,
+            find_unused=self.options.find_unused_parameters,
+            on_unused=comm.note_unused,
+        )
         optimizer = self.actors.optimizer(
             self.model,
             self.optimizer,
@@ -609,6 +620,7 @@ class DistributedTrainer:
                     await state.all_reduced.wait()
                 if state.error is not None:
                     raise state.error
+                self.unused_parameters = state.unused_everywhere
                 if epoch.start.apply_barrier:
                     # A cached all-reduce may finish before the previous step is committed;
                     # the coordinator takes this step's report only after that commit.
