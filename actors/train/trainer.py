@@ -42,6 +42,7 @@ from runtime.actor.base import ActorStopped, ActorSystem
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
+    all_reduce,
     broadcast,
 )
 from runtime.config import DistributedConfig
@@ -134,6 +135,10 @@ class _StepAborted(Exception):
     """The step in flight was dropped by a membership change; it runs again in the new epoch."""
 
 
+class _AllJoined(Exception):
+    """Every rank's data has ended (``join``): the ranks stop together, before the step."""
+
+
 @dataclass
 class _Epoch:
     start: StartRun
@@ -206,6 +211,8 @@ class DistributedTrainer:
         self.grad_norms: list[tuple[int, float]] = []
         """(step, total gradient norm before clipping) of the last ``options.history_steps``
         steps, with ``clip_grad_norm`` set (the averaged gradients': the same on every rank)."""
+        self.joined_steps = 0
+        """Steps this worker took part in with zero gradients, its data ended (`join`)."""
         self._first_loss: float | None = None
         self._steps_run = 0
         self._seconds_run = 0.0
@@ -583,9 +590,51 @@ class DistributedTrainer:
                     return self._last_loss if self._last_loss_step == step else math.nan
                 continue
 
-    async def _attempt(self, batch: Any, step: int, position: int | None = None) -> float:
+    async def join(self) -> int:
+        """This worker's data has ended (uneven inputs, torch's ``Join``): keep taking part in
+        steps with zero gradients until every worker's data has ended; returns how many steps
+        it took so. Needs ``TrainerOptions(join=True)`` on every worker.
+
+        Each step of a ``join`` run starts with an all-reduce counting the workers that still
+        have data; a joined worker contributes zeros to the step's gradient average, which
+        still divides by the number of members (DDP's default,
+        ``divide_by_initial_world_size=True``), so the others' steps are those of one process
+        whose loss is the sum of the active shards' mean losses over the world size. Every
+        worker takes the same optimizer step and the identical-weights check goes on; once
+        the count is zero all workers stop at the same step (``max_steps`` ends it too)."""
+        if not self.options.join:
+            raise RuntimeError(
+                "join needs TrainerOptions(join=True) on every worker: without it a worker "
+                "cannot step with zero gradients while its peers still train"
+            )
+        taken = 0
+        while not self.reached_max_steps:
+            step = self.step
+            try:
+                await self._attempt(None, step, has_data=False)
+            except _AllJoined:
+                break
+            except _StepAborted:
+                if self.step > step:  # done without this attempt finishing
+                    taken += 1
+                continue
+            taken += 1
+        return taken
+
+    async def _count_with_data(self, epoch: _Epoch, step: int, has_data: bool) -> int:
+        """All-reduce how many members still have data at ``step`` (``join``)."""
+        count = torch.tensor([1.0 if has_data else 0.0])
+        with self.trace.span("join-count", actor="trainer", step=step):
+            await all_reduce(epoch.transport, count, "sum", chunk_bytes=self.options.chunk_bytes)
+        return round(float(count[0]))
+
+    async def _attempt(
+        self, batch: Any, step: int, position: int | None = None, *, has_data: bool = True
+    ) -> float:
         """Run ``step`` once in the live epoch; raises _StepAborted if the epoch ends, or if
-        the worker is no longer at ``step`` (or ring ``position``) when the epoch is live."""
+        the worker is no longer at ``step`` (or ring ``position``) when the epoch is live.
+        Without data (``join``) the step reduces zero gradients, or raises _AllJoined when no
+        member has data left."""
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
         await self._live.wait()
@@ -599,23 +648,14 @@ class DistributedTrainer:
         try:
             with scope:
                 self._step_scope = scope
+                if self.options.join and not await self._count_with_data(epoch, step, has_data):
+                    raise _AllJoined
                 state = epoch.comm.begin_step(step)
-                micro_batches = _split(batch, self.options.accumulation_steps)
-                total = 0.0
-                # Once every bucket is agreed, the compute needs nothing from the coordinator:
-                # its messages (the last step's commit) wait until the compute is done.
-                with self.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
-                    for index, micro in enumerate(micro_batches):
-                        last = index == len(micro_batches) - 1
-                        part = await epoch.compute.ask(Backward(step, micro, last))
-                        if not isinstance(part, float):
-                            raise TypeError(
-                                f"step {step}: the compute actor answered a backward with "
-                                f"{part!r}, not a loss"
-                            )
-                        total += part
-                loss = total / len(micro_batches)
-                self._last_loss, self._last_loss_step = loss, step
+                if has_data:
+                    loss = await self._compute(epoch, batch, step)
+                    self._last_loss, self._last_loss_step = loss, step
+                else:
+                    self._reduce_zeros(epoch, step)
                 with self.trace.span("grad-wait", actor="trainer", step=step):
                     await state.all_reduced.wait()
                 if state.error is not None:
@@ -650,8 +690,40 @@ class DistributedTrainer:
             self._step_scope = None
         if scope.cancelled_caught or self.step != step + 1:
             raise _StepAborted
-        self._record(step, loss, time.perf_counter() - started)
+        if has_data:
+            self._record(step, loss, time.perf_counter() - started)
+        else:
+            self.joined_steps += 1
         return loss
+
+    async def _compute(self, epoch: _Epoch, batch: Any, step: int) -> float:
+        """Forward and backward of ``batch``'s micro-batches (the buckets go out as backward
+        finishes them); returns the mean loss."""
+        micro_batches = _split(batch, self.options.accumulation_steps)
+        total = 0.0
+        # Once every bucket is agreed, the compute needs nothing from the coordinator:
+        # its messages (the last step's commit) wait until the compute is done.
+        with self.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
+            for index, micro in enumerate(micro_batches):
+                last = index == len(micro_batches) - 1
+                part = await epoch.compute.ask(Backward(step, micro, last))
+                if not isinstance(part, float):
+                    raise TypeError(
+                        f"step {step}: the compute actor answered a backward with "
+                        f"{part!r}, not a loss"
+                    )
+                total += part
+        return total / len(micro_batches)
+
+    def _reduce_zeros(self, epoch: _Epoch, step: int) -> None:
+        """A joined worker's step: every bucket goes out holding zeros, and (with
+        ``find_unused_parameters``) no parameter counts as used by this worker."""
+        epoch.comm.zero_grads(self.optimizer)
+        if self.options.find_unused_parameters:
+            names = frozenset(name for bucket in self.buckets for name in bucket.names)
+            epoch.comm.note_unused(step, names)
+        for bucket in self.buckets:
+            epoch.comm.ready_soon(BucketReady(step, bucket.index))
 
     def _record_norm(self, step: int, norm: float) -> None:
         self.grad_norms.append((step, norm))
@@ -753,7 +825,10 @@ class DistributedTrainer:
         Step s's batch for the worker at ring position p is a pure function of (s, p), so a
         step dropped by a membership change is rerun on the data its new position owns.
         ``on_step(step, loss)`` is called after each step; ``should_stop()`` returning True
-        ends training after the step in flight. Returns this call's (step, loss) pairs.
+        ends training after the step in flight. With ``TrainerOptions(join=True)`` a worker
+        whose steps are done (``steps`` reached, ``should_stop``) then `join`s its peers until
+        theirs are too, so ``fit`` returns on every worker at the same step. Returns this call's
+        (step, loss) pairs (the steps taken joined are not among them).
         """
         if steps is None and self.options.max_steps is None:
             raise ValueError("fit needs steps= or TrainerOptions(max_steps=...)")
@@ -799,6 +874,8 @@ class DistributedTrainer:
                     on_step(step, loss)
             if loader is not None:
                 await loader.stop()
+        if self.options.join:  # this worker's steps are done: follow its peers' to their end
+            await self.join()
         return history
 
     def summary(self) -> dict[str, Any]:
@@ -807,7 +884,8 @@ class DistributedTrainer:
         second cover the whole run; the median step time the kept history (the last
         ``options.history_steps`` steps)."""
         seconds = self._seconds_run
-        digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
+        stepped = bool(self.step_seconds) or self.joined_steps > 0
+        digest = state_digest(self.model, self.optimizer).digest if stepped else None
         return {
             "rank": self._config.rank,
             "world_size": self._config.world_size,
@@ -823,6 +901,7 @@ class DistributedTrainer:
             "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
             "digests": self.check_cost.digests,
             "final_grad_norm": self.grad_norms[-1][1] if self.grad_norms else None,
+            "joined_steps": self.joined_steps,
         }
 
 
