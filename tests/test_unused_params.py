@@ -323,3 +323,34 @@ async def test_a_parameter_no_rank_uses_keeps_no_gradient_and_no_optimizer_state
         assert not torch.equal(
             result["end"]["branches.0.weight"], result["start"]["branches.0.weight"]
         )
+
+
+async def test_gradients_set_to_none_between_steps_are_packed_with_zeros_for_unused() -> None:
+    """A user who drops the gradients between steps (``zero_grad(set_to_none=True)``) leaves
+    them out of the bucket buffers: a bucket is then packed, an unused parameter's missing
+    gradient as zeros, and the result still matches the reference."""
+    world_size = 2
+    batches = make_batches(3, world_size, PER_RANK, 1, BRANCHES, STEPS, p=0.3)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = Branchy(rank, BRANCHES)
+        return model, OPTIMIZERS["adamw"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        for batch in batches:
+            trainer.optimizer.zero_grad(set_to_none=True)
+            await trainer.train_batch(shard(batch, trainer.rank, PER_RANK))
+        return {"params": clone_state(trainer.model)}
+
+    options = TrainerOptions(bucket_bytes=200, find_unused_parameters=True)
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(
+            world_size, make_replica, branchy_loss, body, options=options
+        )
+    ref_model, _, ref_unused = reference(BRANCHES, "adamw", batches)
+    assert any(ref_unused)
+    for rank, result in enumerate(results):
+        for name, value in clone_state(ref_model).items():
+            torch.testing.assert_close(
+                result["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}"
+            )
