@@ -23,7 +23,7 @@ from actors.state.digest import StateDigest, StateHasher
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
 
-__all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor", "clip_gradients"]
+__all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor", "clip_gradients", "clip_settings"]
 
 OPTIMIZER_STEP_LOCK = threading.Lock()
 """Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not

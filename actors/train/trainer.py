@@ -410,10 +410,10 @@ class DistributedTrainer:
     def _apply_pending(self) -> None:
         step = self.step
         clip = clip_settings(self.options)
-        if clip is not None:
-            self._record_norm(step, clip_gradients(self.model, *clip))
         with OPTIMIZER_STEP_LOCK:
             if self.step == step:
+                if clip is not None:  # as the optimizer actor would have
+                    self._record_norm(step, clip_gradients(self.model, *clip))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
                 self.step = step + 1
