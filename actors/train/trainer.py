@@ -469,6 +469,8 @@ class DistributedTrainer:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
         state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
+        if state.step < self.step:
+            log.warning("rank %d rolls back from step %d", self.rank, self.step)
         self.step = state.step
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
@@ -529,6 +531,9 @@ class DistributedTrainer:
         membership changes meanwhile, the step runs again with the new members. If instead the
         step was completed without this call (applied while leaving an epoch, or received with
         a peer's state), it returns this worker's loss of it, or nan if none was computed.
+        If the worker was rolled back to an earlier step meanwhile (a restarted coordinator
+        resumed from a committed or majority state behind it), the batch is not run and it
+        returns nan: the caller feeds the batch of `step` next.
         """
         step = self.step
         while True:
@@ -537,6 +542,14 @@ class DistributedTrainer:
             except _StepAborted:
                 if self.step > step:  # the step is done: never run this batch on a later one
                     return self._last_loss if self._last_loss_step == step else math.nan
+                if self.step < step:  # rolled back: never run this batch on an earlier one
+                    log.warning(
+                        "rank %d: step %d's batch not run: rolled back to step %d",
+                        self.rank,
+                        step,
+                        self.step,
+                    )
+                    return math.nan
                 continue
 
     async def _attempt(self, batch: Any, step: int, position: int | None = None) -> float:
