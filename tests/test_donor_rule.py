@@ -14,14 +14,21 @@ a restarted coordinator (`tests/test_coordinator_restart.py`'s cluster).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
+import torch
+import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_coordinator_restart import run_cluster
 
 from actors.client.events import ConnectionLost, EnterEpoch, Join, Received, ReportDigest
 from actors.client.protocol import WorkerProtocol
+from actors.state.checkpoint import CheckpointStore
+from actors.state.training_state import TrainingState
+from actors.train.checkpointing import CommittedCheckpoints
 from runtime.coordinator.core import CoordinatorCore
 from runtime.coordinator.events import Action, Broadcast, Report
 from runtime.coordinator.membership import COMMITTED, MAJORITY, PLURALITY, resume_plan
@@ -229,6 +236,38 @@ def test_a_join_from_a_committed_checkpoint_says_so() -> None:
     assert send.message.committed  # type: ignore[union-attr]
 
 
+# --------------------------------------------------------------------------- checkpoints
+
+
+async def test_a_state_replaced_before_its_commit_never_reaches_the_disk(tmp_path: Path) -> None:
+    """The rank alone ahead offered its state after step 3 for writing once step 3 commits;
+    the restart rolls it back (a donor's state replaces it) and step 3 commits again after
+    the rerun: that commit checked the rerun's state, so only the rerun's offer is written."""
+    store = CheckpointStore(tmp_path, keep=5, run_id="run-a")
+    received = 0
+    commits: dict[int, trio.Event] = {}
+
+    async def wait_commit(step: int) -> None:
+        await commits.setdefault(step, trio.Event()).wait()
+
+    writer = CommittedCheckpoints(store, wait_commit, replaced=lambda: received)
+    ahead = TrainingState(4, [("x", torch.full((3,), -1.0))], {})
+    rerun = TrainingState(4, [("x", torch.full((3,), 4.0))], {})
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.run)
+            writer.offer(ahead)
+            await trio.testing.wait_all_tasks_blocked()
+            received += 1  # the donor's state at step 3 replaces it
+            writer.offer(rerun)
+            commits.setdefault(3, trio.Event()).set()  # the rerun of step 3 commits
+            await writer.flush()
+            nursery.cancel_scope.cancel()
+    assert [s for s, _ in store.checkpoints()] == [4]
+    written = store.load_latest_valid(committed_only=True)
+    assert written is not None and written.tensors[0][1].tolist() == [4.0, 4.0, 4.0]
+
+
 # --------------------------------------------------------------------------- end to end
 
 
@@ -253,3 +292,5 @@ async def test_a_restarted_coordinator_rolls_a_lone_rank_ahead_back_to_the_commi
         caplog.text
     )
     assert "rank 2 rolls back from step 4" in caplog.text
+    # Its train_batch for step 4 was in flight: not run on step 3, the loop fed step 3's.
+    assert "rank 2: step 4's batch not run: rolled back to step 3" in caplog.text

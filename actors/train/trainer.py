@@ -180,6 +180,9 @@ class DistributedTrainer:
         """The identical-weights check's cost to this worker so far (all epochs)."""
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
         """(epoch, first step, members) of every epoch this worker took part in."""
+        self.states_received = 0
+        """How many times a peer's state replaced this worker's (a donor's whole state, a
+        re-sync): a state captured before then is not the one a later commit checked."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
         self._connect = connect
         self._owns_transports = True
@@ -472,6 +475,7 @@ class DistributedTrainer:
         if state.step < self.step:
             log.warning("rank %d rolls back from step %d", self.rank, self.step)
         self.step = state.step
+        self.states_received += 1
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
     # ------------------------------------------------------------------ the seed's API
@@ -670,6 +674,8 @@ class DistributedTrainer:
                     )
                 with torch.no_grad():
                     tensor.copy_(host)
+        if rank != order.source:
+            self.states_received += 1
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""
