@@ -365,7 +365,7 @@ class DistributedTrainer:
 
     async def _resume_point(self) -> tuple[int, bytes]:
         """Once the supervisor holds, the next step and the state digest this worker rejoins
-        a restarted coordinator with (it picks the majority's newest state)."""
+        a restarted coordinator with (its donor rule picks the state the run resumes from)."""
         await self._held.wait()
         digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
         return self.step, digest.digest

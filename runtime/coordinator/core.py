@@ -363,7 +363,8 @@ class CoordinatorCore:
         return self._next_epoch(f"rank {rank} joined", self._membership.joiners())
 
     def _first_epoch(self) -> list[Action]:
-        """Everyone is in: the first epoch starts from the most advanced state reported."""
+        """Everyone is in: the first epoch starts afresh, or from the state the donor rule
+        (`resume_plan`) picks among those the joins report."""
         joins = self._membership.joins
         everyone = tuple(sorted(joins))
         # Workers that took part in an epoch (a restarted coordinator) get a later one, even
