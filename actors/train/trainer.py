@@ -220,6 +220,9 @@ class DistributedTrainer:
         """The identical-weights check's cost to this worker so far (all epochs)."""
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
         """(epoch, first step, members) of every epoch this worker took part in."""
+        self.states_received = 0
+        """How many times a peer's state replaced this worker's (a donor's whole state, a
+        re-sync): a state captured before then is not the one a later commit checked."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
         self._connect = connect
         self._owns_transports = True
@@ -402,7 +405,7 @@ class DistributedTrainer:
 
     async def _resume_point(self) -> tuple[int, bytes]:
         """Once the supervisor holds, the next step and the state digest this worker rejoins
-        a restarted coordinator with (it picks the majority's newest state)."""
+        a restarted coordinator with (its donor rule picks the state the run resumes from)."""
         await self._held.wait()
         digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
         return self.step, digest.digest
@@ -520,7 +523,10 @@ class DistributedTrainer:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
         state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
+        if state.step < self.step:
+            log.warning("rank %d rolls back from step %d", self.rank, self.step)
         self.step = state.step
+        self.states_received += 1
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
     # ------------------------------------------------------------------ the seed's API
@@ -580,6 +586,9 @@ class DistributedTrainer:
         membership changes meanwhile, the step runs again with the new members. If instead the
         step was completed without this call (applied while leaving an epoch, or received with
         a peer's state), it returns this worker's loss of it, or nan if none was computed.
+        If the worker was rolled back to an earlier step meanwhile (a restarted coordinator
+        resumed from a committed or majority state behind it), the batch is not run and it
+        returns nan: the caller feeds the batch of `step` next.
         """
         step = self.step
         while True:
@@ -588,6 +597,14 @@ class DistributedTrainer:
             except _StepAborted:
                 if self.step > step:  # the step is done: never run this batch on a later one
                     return self._last_loss if self._last_loss_step == step else math.nan
+                if self.step < step:  # rolled back: never run this batch on an earlier one
+                    log.warning(
+                        "rank %d: step %d's batch not run: rolled back to step %d",
+                        self.rank,
+                        step,
+                        self.step,
+                    )
+                    return math.nan
                 continue
 
     async def join(self) -> int:
@@ -782,6 +799,8 @@ class DistributedTrainer:
                     )
                 with torch.no_grad():
                     tensor.copy_(host)
+        if rank != order.source:
+            self.states_received += 1
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""
