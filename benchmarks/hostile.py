@@ -538,7 +538,7 @@ def join_bomb(size: int) -> bytes:
     """Issue 18 row 4: a framed `join` whose ``params`` is an array of ``size`` empty arrays
     (one byte each on the wire, about 72 bytes each once decoded). Sent after a valid
     handshake (it needs a free rank), or handed to `decode_frame` directly."""
-    head = b"\xa3\x61v\x01\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
+    head = b"\xa3\x61v\x02\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
     return struct.pack(">II", len(head) + size, 0) + head + b"\x80" * size
 
 
@@ -546,7 +546,7 @@ def ip_tag_manifest(tag: int) -> bytes:
     """Issue 18 row 10: a framed `state_manifest` carrying CBOR tag 52 or 54 (an IP address)."""
     value = b"\x0a\x00\x00\x01" if tag == 52 else bytes(16)
     body = cbor2.dumps(
-        {"v": 1, "kind": "state_manifest", "manifest": {"host": cbor2.CBORTag(tag, value)}}
+        {"v": PROTOCOL_VERSION, "kind": "state_manifest", "manifest": {"host": cbor2.CBORTag(tag, value)}}
     )
     return struct.pack(">II", len(body), 0) + body
 

@@ -30,6 +30,7 @@ from runtime.errors import PeerClosed
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity, load_secret
 from runtime.protocol.messages import StartRun
+from runtime.protocol.wire import PROTOCOL_VERSION
 from runtime.transport.base import InProcessTransport
 from runtime.transport.link import MemoryLink
 from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
@@ -617,7 +618,7 @@ async def test_garbage_from_a_joined_in_process_worker_aborts_naming_its_rank() 
     assert rank0 is not None and "rank 1" in str(rank0)
 
 
-UNKNOWN_KIND = cbor2.dumps({"v": 1, "kind": "gimme-weights"})
+UNKNOWN_KIND = cbor2.dumps({"v": PROTOCOL_VERSION, "kind": "gimme-weights"})
 
 GARBAGE = {
     "bytes": lambda conn: conn.stream.send_all(b"\xff" * 64),
