@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import stat
 import string
 import subprocess
@@ -37,6 +38,8 @@ from runtime.protocol.handshake import (
     Identity,
     ListenerHandshake,
     NonceLedger,
+    dialer_proof,
+    listener_proof,
     load_secret,
     stretch_secret,
 )
@@ -367,3 +370,24 @@ def test_a_secret_file_others_may_read_is_warned_about(tmp_path: Path, mode: int
     message = str(caught[0].message)
     assert str(path) in message and f"{mode:04o}" in message and "chmod 600" in message
     assert stat.S_IMODE(path.stat().st_mode) == mode  # warned, not changed
+
+
+# --------------------------------------------------------------------------- the document
+
+
+def test_the_test_vector_in_the_protocol_document_is_what_the_code_computes() -> None:
+    """docs/protocol.md section 5.1's example: the key, both proofs and the session key."""
+    text = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
+    values = dict(re.findall(r"^(K|proof_d|proof_l|session) +([0-9a-f]{64})$", text, re.M))
+    assert set(values) == {"K", "proof_d", "proof_l", "session"}, values
+    secret = b"example-secret-0123456789abcdef!"
+    dialer_id, listener_id = Identity("paramsync", 2, 1), Identity("paramsync", 2, -1)
+    n_d, n_l = b"\x11" * NONCE_SIZE, b"\x22" * NONCE_SIZE
+    dialer, listener = handshake(secret, secret, dialer_id, listener_id, n_d, n_l)
+    assert stretch_secret(secret).hex() == values["K"]
+    auth = dialer_proof(stretch_secret(secret), n_d, n_l, dialer_id)
+    assert auth.hex() == values["proof_d"]
+    welcome = listener_proof(stretch_secret(secret), n_d, n_l, dialer_id, listener_id)
+    assert welcome.hex() == values["proof_l"]
+    assert dialer.session_key().hex() == listener.session_key().hex() == values["session"]
+    assert "export PARAMSYNC_SECRET=$(paramsync secret)" in text
