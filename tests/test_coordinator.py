@@ -704,7 +704,7 @@ async def test_unauthenticated_connections_are_refused_and_the_run_completes() -
             await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 100)
             # A dialer with the wrong secret, claiming rank 0.
             with pytest.raises(Exception, match=r"secret|refused"):
-                await dial(address, b"not-the-secret!", Identity(DEFAULT_GROUP, 2, 0))
+                await dial(address, b"not-the-right-secret", Identity(DEFAULT_GROUP, 2, 0))
             await wait_for(lambda: coordinator.hostile_refused >= 2)
             await stream.aclose()
             nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 3)
