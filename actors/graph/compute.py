@@ -3,6 +3,9 @@
 Running them off the event loop keeps it serving the network meanwhile. During the last
 backward of a step, gradient hooks report each bucket the moment all its gradients exist, so
 its all-reduce overlaps the rest of backward.
+
+With mixed precision (`actors.graph.precision`), the loss function runs under autocast and
+backward runs on the scaled loss when there is a loss scaler; the loss it answers is unscaled.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import trio
 
 from actors.graph.messages import Backward
+from actors.graph.precision import MixedPrecision, autocast_of
 from actors.state.buckets import Bucket
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
@@ -43,8 +47,12 @@ class ComputeActor(Actor):
         buckets: list[Bucket],
         on_bucket: Callable[[int, int], None],
         trace: TraceRecorder,
+        *,
+        precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__("compute", mailbox_size=2)
+        self.precision = precision
+        """Autocast around the loss function and the loss scaler (None: full precision)."""
         self.model = model
         self.loss_fn = loss_fn
         self.trace = trace
@@ -101,9 +109,10 @@ class ComputeActor(Actor):
             self._sync_step = message.step
         try:
             with self.trace.span("forward", actor="compute", step=message.step):
-                loss = self.loss_fn(self.model, message.micro_batch)
+                with autocast_of(self.precision):
+                    loss = self.loss_fn(self.model, message.micro_batch)
             with self.trace.span("backward", actor="compute", step=message.step):
-                loss.backward()
+                (loss if self.precision is None else self.precision.scaled(loss)).backward()
         finally:
             self._sync_step = None
         if message.sync and any(self._pending):
