@@ -29,6 +29,7 @@ from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
 from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
 from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
+from actors.graph.precision import MixedPrecision, check_precision_options
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
 from actors.train.state_transfer import receive_state, send_state, wire_view
@@ -86,6 +87,24 @@ class TrainerOptions:
     the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
     summary's first loss and throughput cover the whole run whatever this is."""
 
+    # -- mixed precision (see `actors.graph.precision`)
+    autocast_dtype: str | None = None
+    """Run the loss function under ``torch.autocast`` of this dtype ("bfloat16": on CPU and
+    CUDA; "float16": on CUDA, and on CPU where this torch has it) on the model's device type;
+    None: full precision. The parameters, their gradients and the all-reduce stay in the
+    parameters' dtype."""
+    grad_scaler: bool = False
+    """Scale the loss with a ``torch.amp.GradScaler`` (needs ``autocast_dtype="float16"``;
+    meant for CUDA, torch runs it on the CPU too). A step whose averaged gradients hold an inf
+    or nan is skipped on every rank, and the scale backs off identically; the scaler's state is
+    covered by the state digest and carried by checkpoints and state transfers
+    (`DistributedTrainer.grad_scaler`)."""
+    grad_scaler_init_scale: float = 2.0**16
+    """The loss scaler's initial scale (torch's default)."""
+    grad_scaler_growth_interval: int = 2000
+    """Steps without an overflow after which the loss scaler doubles its scale (torch's
+    default)."""
+
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
@@ -97,6 +116,12 @@ class TrainerOptions:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
         if self.history_steps < 1:
             raise ValueError(f"history_steps must be >= 1, got {self.history_steps}")
+        check_precision_options(
+            self.autocast_dtype,
+            self.grad_scaler,
+            self.grad_scaler_init_scale,
+            self.grad_scaler_growth_interval,
+        )
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
@@ -181,6 +206,18 @@ class DistributedTrainer:
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
         """(epoch, first step, members) of every epoch this worker took part in."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
+        self.precision = MixedPrecision.for_model(
+            model,
+            options.autocast_dtype,
+            options.grad_scaler,
+            init_scale=options.grad_scaler_init_scale,
+            growth_interval=options.grad_scaler_growth_interval,
+        )
+        """Autocast and the loss scaler (None: full precision), from the options."""
+        self.skipped_steps: list[int] = []
+        """The last ``options.history_steps`` steps the loss scaler skipped (inf or nan in the
+        averaged gradients: every rank skips the same ones)."""
+        self._skipped_total = 0
         self._connect = connect
         self._owns_transports = True
         """Close each epoch's transport at its end (not a fixed one the caller passed in)."""
@@ -371,7 +408,10 @@ class DistributedTrainer:
         step = self.step
         with OPTIMIZER_STEP_LOCK:
             if self.step == step:
-                self.optimizer.step()
+                if self.precision is None:
+                    self.optimizer.step()
+                elif self.precision.step(self.optimizer):
+                    self._skipped(step)
                 self.optimizer.zero_grad(set_to_none=False)
                 self.step = step + 1
                 log.info("rank %d applied step %d while leaving its epoch", self.rank, step)
@@ -426,7 +466,9 @@ class DistributedTrainer:
         def on_bucket(step: int, bucket: int) -> None:
             comm.ready_soon(BucketReady(step, bucket))
 
-        compute = self.actors.compute(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
+        compute = self.actors.compute(
+            self.model, self.loss_fn, self.buckets, on_bucket, self.trace, precision=self.precision
+        )
         optimizer = self.actors.optimizer(
             self.model,
             self.optimizer,
@@ -437,6 +479,8 @@ class DistributedTrainer:
             self._applied,
             self.check_cost,
             zero_grads=partial(comm.zero_grads, self.optimizer),
+            precision=self.precision,
+            on_skipped=self._skipped,
         )
         try:
             await system.start(compute)
@@ -451,6 +495,19 @@ class DistributedTrainer:
     def _applied(self, step: int) -> None:
         self.step = step + 1
 
+    def _skipped(self, step: int) -> None:
+        """The loss scaler skipped ``step`` (called in the optimizer step's thread)."""
+        self._skipped_total += 1
+        self.skipped_steps.append(step)
+        if len(self.skipped_steps) > self.options.history_steps:
+            del self.skipped_steps[0]
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler (None without ``TrainerOptions(grad_scaler=True)``): pass it as
+        ``grad_scaler`` to `capture_state` and `restore_state` with the model and optimizer."""
+        return self.precision.scaler if self.precision is not None else None
+
     async def _sync_initial_weights(self, transport: Transport) -> None:
         """Broadcast position 0's parameters and buffers so every replica starts identical."""
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
@@ -463,12 +520,16 @@ class DistributedTrainer:
 
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
-        await send_state(transport, peer, self.model, self.optimizer, self.step)
+        await send_state(
+            transport, peer, self.model, self.optimizer, self.step, grad_scaler=self.grad_scaler
+        )
 
     async def _receive_state(self, transport: Transport, peer: int, donor: object = None) -> None:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
-        state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
+        state = await receive_state(
+            transport, peer, self.model, self.optimizer, donor=donor, grad_scaler=self.grad_scaler
+        )
         self.step = state.step
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
@@ -769,6 +830,7 @@ class DistributedTrainer:
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
             "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
             "digests": self.check_cost.digests,
+            "skipped_steps": self._skipped_total,
         }
 
 
