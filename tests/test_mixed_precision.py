@@ -23,10 +23,12 @@ agreed by every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -268,10 +270,17 @@ async def test_bfloat16_autocast_parity_with_single_process_torch(world_size: in
         assert result["losses"][0] != first_loss(data, rank, None), f"rank {rank}"
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-async def test_float16_with_grad_scaler_parity_with_single_process_torch(world_size: int) -> None:
+@pytest.mark.parametrize(
+    ("world_size", "accumulation_steps"), [(1, 1), (3, 1), (2, 2)], ids=["1", "3", "2-accum2"]
+)
+async def test_float16_with_grad_scaler_parity_with_single_process_torch(
+    world_size: int, accumulation_steps: int
+) -> None:
+    """With accumulation, every micro-batch's loss is scaled by the same scale (it changes only
+    at the optimizer step) and the accumulated gradients are averaged as usual."""
     data = batches(world_size, seed=1)
-    results = await run_job(world_size, data, SCALED)
+    options = dataclasses.replace(SCALED, accumulation_steps=accumulation_steps)
+    results = await run_job(world_size, data, options)
     want = reference(data, torch.float16, scaler())
     assert_ranks_identical(results)
     for rank, result in enumerate(results):
@@ -475,21 +484,24 @@ def test_a_malformed_scaler_state_is_refused_before_anything_changes(
 
 
 async def test_a_live_state_transfer_carries_the_scaler_state() -> None:
+    """Through the trainer's own donor and joiner paths, which pass its `grad_scaler`."""
     model, optimizer, scaler = trained_scaler()
+    donor = SimpleNamespace(model=model, optimizer=optimizer, step=4, grad_scaler=scaler)
     joiner = mlp(6)
-    joiner_optimizer = sgd(joiner)
-    joiner_scaler = torch.amp.GradScaler("cpu")
-    donor, joining = InProcessTransport.create_group(2, buffer_frames=64)
+    receiver = SimpleNamespace(
+        model=joiner,
+        optimizer=sgd(joiner),
+        step=0,
+        rank=1,
+        grad_scaler=torch.amp.GradScaler("cpu"),
+    )
+    sending, joining = InProcessTransport.create_group(2, buffer_frames=64)
     with trio.fail_after(RUN_SECONDS):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                partial(send_state, donor, 1, model, optimizer, 4, grad_scaler=scaler)
-            )
-            state = await receive_state(
-                joining, 0, joiner, joiner_optimizer, grad_scaler=joiner_scaler
-            )
-    assert state.step == 4
-    assert joiner_scaler.state_dict() == scaler.state_dict()
+            nursery.start_soon(DistributedTrainer._send_state, donor, sending, 1)
+            await DistributedTrainer._receive_state(receiver, joining, 0)  # type: ignore[arg-type]
+    assert receiver.step == 4
+    assert receiver.grad_scaler.state_dict() == scaler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(joiner.parameters(), model.parameters()))
 
 
