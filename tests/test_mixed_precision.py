@@ -131,9 +131,11 @@ async def run_job(
     *,
     tamper: Callable[[DistributedTrainer], None] | None = None,
     coordinator_options: CoordinatorOptions | None = None,
+    verify_each_step: bool = False,
 ) -> list[dict[str, Any]]:
     """``world_size`` workers (rank r starts from ``mlp(100 + r)``) train one step per batch on
-    their shards; each returns its losses, scales and skipped steps, and its final weights."""
+    their shards; each returns its losses, scales and skipped steps, and its final weights.
+    ``verify_each_step``: wait for each step's commit (and any re-sync) before recording."""
 
     def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = mlp(100 + rank)
@@ -145,6 +147,8 @@ async def run_job(
         losses, scales, weights = [], [], []
         for batch in data:
             losses.append(await trainer.train_batch(shard(batch, trainer.position)))
+            if verify_each_step:
+                await trainer.verified()
             scaler = trainer.grad_scaler
             scales.append(scaler.get_scale() if scaler is not None else None)
             weights.append(params(trainer.model))
@@ -403,6 +407,26 @@ async def test_a_rank_deciding_alone_to_skip_is_caught_by_the_digest_check() -> 
     text = " ".join(str(leaf) for leaf in leaves(caught.value))
     assert "step 1: parameter digests diverged: ranks [1] differ from the majority" in text, text
     assert f"first differs from rank 0 at tensor {GRAD_SCALER_DIGEST_ENTRY!r}" in text, text
+
+
+async def test_a_resync_restores_a_lone_skippers_scaler_too() -> None:
+    """CoordinatorOptions(resync=True): the rank that skipped alone gets the majority's weights
+    and scaler state back, and the run then follows an untampered run's trajectory."""
+    data = batches(3, seed=4)
+    clean = await run_job(3, data, SCALED, verify_each_step=True)
+    healed = await run_job(
+        3,
+        data,
+        SCALED,
+        tamper=overflow_on_rank_1(1),
+        coordinator_options=CoordinatorOptions(resync=True),
+        verify_each_step=True,
+    )
+    assert healed[1]["skipped"] == [1] and healed[0]["skipped"] == []
+    for rank, result in enumerate(healed):
+        assert result["scales"][2:] == clean[0]["scales"][2:], f"rank {rank}"
+        for name, value in clean[0]["params"].items():
+            assert raw(result["params"][name]) == raw(value), f"rank {rank} {name}"
 
 
 def leaves(error: BaseException) -> list[BaseException]:

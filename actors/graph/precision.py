@@ -150,6 +150,27 @@ class MixedPrecision:
         self.scaler.update()
         return self.scaler.get_scale() < before
 
+    def scaler_tensors(self) -> list[torch.Tensor]:
+        """The loss scaler's changing state as two host tensors, its scale (float64) and its
+        growth tracker (int64), for a re-sync to copy ([] without a scaler); received into,
+        they go back into a scaler with `load_scaler_tensors`."""
+        if self.scaler is None:
+            return []
+        state = self.scaler.state_dict()
+        return [
+            torch.tensor([state["scale"]], dtype=torch.float64),
+            torch.tensor([state["_growth_tracker"]], dtype=torch.int64),
+        ]
+
+    def load_scaler_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Set the loss scaler's scale and growth tracker from `scaler_tensors`' layout."""
+        if self.scaler is None:
+            return
+        scale, tracker = tensors
+        state = self.scaler.state_dict()
+        state["scale"], state["_growth_tracker"] = float(scale[0]), int(tracker[0])
+        self.scaler.load_state_dict(state)
+
 
 def _autocast_supports(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch.autocast(device_type, dtype)`` really computes in ``dtype`` here (torch

@@ -681,7 +681,8 @@ class DistributedTrainer:
             del self.step_seconds[: len(self.step_seconds) - keep]
 
     async def _resync(self, order: ResyncOrder) -> None:
-        """Copy the source rank's parameters and optimizer state to the diverged ranks."""
+        """Copy the source rank's parameters, optimizer state and loss scaler state to the
+        diverged ranks."""
         epoch = self._epoch
         if epoch is None:
             return
@@ -690,6 +691,8 @@ class DistributedTrainer:
         if rank != order.source and rank not in order.targets:
             return
         tensors = [tensor for _, tensor in named_state(self.model, self.optimizer)]
+        scaler = self.precision.scaler_tensors() if self.precision is not None else []
+        tensors += scaler  # the loss scaler's scale and growth tracker travel last
         log.warning(
             "step %d: re-syncing ranks %s from rank %d",
             order.step,
@@ -718,6 +721,9 @@ class DistributedTrainer:
                     )
                 with torch.no_grad():
                     tensor.copy_(host)
+        if scaler and rank != order.source:
+            assert self.precision is not None
+            self.precision.load_scaler_tensors(scaler)
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""
