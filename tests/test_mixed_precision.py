@@ -38,7 +38,12 @@ from torch import nn
 
 from actors.graph.precision import GRAD_SCALER_DIGEST_ENTRY, MixedPrecision
 from actors.state.checkpoint import CheckpointStore
-from actors.state.training_state import StateMismatch, capture_state, restore_state
+from actors.state.training_state import (
+    StateMismatch,
+    capture_state,
+    restore_state,
+    saved_grad_scaler,
+)
 from actors.train.state_transfer import receive_state, send_state
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import train_in_process
@@ -132,12 +137,13 @@ async def run_job(
     tamper: Callable[[DistributedTrainer], None] | None = None,
     coordinator_options: CoordinatorOptions | None = None,
     verify_each_step: bool = False,
+    make_replica: Callable[[int], tuple[nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> list[dict[str, Any]]:
     """``world_size`` workers (rank r starts from ``mlp(100 + r)``) train one step per batch on
     their shards; each returns its losses, scales and skipped steps, and its final weights.
     ``verify_each_step``: wait for each step's commit (and any re-sync) before recording."""
 
-    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def fresh_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = mlp(100 + rank)
         return model, sgd(model)
 
@@ -160,12 +166,15 @@ async def run_job(
             "params": params(trainer.model),
             "skipped": list(trainer.skipped_steps),
             "summary": trainer.summary(),
+            "state": capture_state(
+                trainer.model, trainer.optimizer, trainer.step, grad_scaler=trainer.grad_scaler
+            ),
         }
 
     with trio.fail_after(RUN_SECONDS):
         return await train_in_process(
             world_size,
-            make_replica,
+            make_replica or fresh_replica,
             mse_loss,
             body,
             options=options,
@@ -219,6 +228,8 @@ def test_options_refuse_bad_mixed_precision_settings() -> None:
         TrainerOptions(autocast_dtype="float16", grad_scaler=True, grad_scaler_init_scale=0.0)
     with pytest.raises(ValueError, match="grad_scaler_growth_interval"):
         TrainerOptions(autocast_dtype="float16", grad_scaler=True, grad_scaler_growth_interval=0)
+    with pytest.raises(ValueError, match="grad_scaler_growth_tracker"):
+        TrainerOptions(autocast_dtype="float16", grad_scaler=True, grad_scaler_growth_tracker=-1)
     TrainerOptions(autocast_dtype="float16", grad_scaler=True)  # accepted
 
 
@@ -474,10 +485,45 @@ def test_the_scaler_state_is_captured_and_restored_through_a_checkpoint(tmp_path
 
     with pytest.raises(StateMismatch, match="no enabled grad scaler"):
         restore_state(other, other_optimizer, state)
+    restore_state(other, other_optimizer, state, restore_grad_scaler=False)  # ignored
     plain = capture_state(model, optimizer, 4)
     assert plain.meta["grad_scaler"] is None
     with pytest.raises(StateMismatch, match="holds no grad scaler state"):
         restore_state(other, other_optimizer, plain, grad_scaler=torch.amp.GradScaler("cpu"))
+
+
+async def test_a_run_resumed_from_a_checkpoint_goes_on_with_its_scaler_state(
+    tmp_path: Any,
+) -> None:
+    """Three steps, a checkpoint, then a new run from it (the scaler through the options, from
+    `saved_grad_scaler`) for two more: bitwise the weights and the scales of five steps in one
+    run. The growth tracker matters: the resumed run's first step doubles the scale."""
+    data = batches(2, seed=5)
+    whole = await run_job(2, data, SCALED)
+    first = await run_job(2, data[:3], SCALED)
+    store = CheckpointStore(tmp_path)
+    state = store.load(store.save(first[0]["state"], committed=True))
+    saved = saved_grad_scaler(state)
+    assert saved == {**saved, "scale": 2.0**9, "_growth_tracker": 1}, saved
+
+    def restored(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(100 + rank)
+        optimizer = sgd(model)
+        restore_state(model, optimizer, state, restore_grad_scaler=False)
+        return model, optimizer
+
+    assert saved is not None
+    options = dataclasses.replace(
+        SCALED,
+        grad_scaler_init_scale=saved["scale"],
+        grad_scaler_growth_tracker=saved["_growth_tracker"],
+    )
+    second = await run_job(2, data[3:], options, make_replica=restored)
+    assert [r["scales"] for r in second] == [whole[0]["scales"][3:]] * 2
+    assert whole[0]["scales"][3] == 2.0**10
+    for rank, result in enumerate(second):
+        for name, value in whole[0]["params"].items():
+            assert raw(result["params"][name]) == raw(value), f"rank {rank} {name}"
 
 
 @pytest.mark.parametrize(

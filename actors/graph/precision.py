@@ -51,6 +51,7 @@ def check_precision_options(
     grad_scaler: bool,
     init_scale: float,
     growth_interval: int,
+    growth_tracker: int = 0,
 ) -> None:
     """Refuse (ValueError naming the option) mixed-precision options that cannot work on any
     device; what depends on the model's device is checked by `MixedPrecision.for_model`."""
@@ -68,6 +69,8 @@ def check_precision_options(
         raise ValueError(f"grad_scaler_init_scale must be positive and finite, got {init_scale}")
     if growth_interval < 1:
         raise ValueError(f"grad_scaler_growth_interval must be >= 1, got {growth_interval}")
+    if growth_tracker < 0:
+        raise ValueError(f"grad_scaler_growth_tracker must be >= 0, got {growth_tracker}")
 
 
 class MixedPrecision:
@@ -97,12 +100,16 @@ class MixedPrecision:
         *,
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
+        growth_tracker: int = 0,
     ) -> MixedPrecision | None:
         """The mixed precision ``model`` trains with (None: ``autocast_dtype`` is None).
 
         Raises ValueError when autocast of that dtype is not available on the device the
-        model's parameters live on, or the model's parameters span several device types."""
-        check_precision_options(autocast_dtype, grad_scaler, init_scale, growth_interval)
+        model's parameters live on, or the model's parameters span several device types.
+        ``init_scale`` and ``growth_tracker``: where the scaler starts (a resumed run's)."""
+        check_precision_options(
+            autocast_dtype, grad_scaler, init_scale, growth_interval, growth_tracker
+        )
         if autocast_dtype is None:
             return None
         dtype = AUTOCAST_DTYPES[autocast_dtype]
@@ -124,6 +131,8 @@ class MixedPrecision:
             scaler = torch.amp.GradScaler(
                 device_type, init_scale=init_scale, growth_interval=growth_interval
             )
+            if growth_tracker:
+                scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": growth_tracker})
         return cls(device_type, dtype, scaler)
 
     def autocast(self) -> torch.autocast:

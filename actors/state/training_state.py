@@ -47,6 +47,7 @@ __all__ = [
     "allocate",
     "parse_manifest",
     "dtype_name",
+    "saved_grad_scaler",
 ]
 
 STATE_FORMAT = 1
@@ -313,6 +314,7 @@ def restore_state(
     *,
     restore_rng: bool = True,
     grad_scaler: torch.amp.GradScaler | None = None,
+    restore_grad_scaler: bool = True,
 ) -> None:
     """Make ``model``, ``optimizer`` (and the RNGs) hold exactly ``state``.
 
@@ -322,7 +324,9 @@ def restore_state(
     and buffers are copied in place onto their own devices, and the RNG states are set. The
     caller resumes at ``state.step``. With ``restore_rng=False`` the ``rng.*`` tensors are
     ignored (e.g. restoring a CUDA machine's state on a CPU-only one). A state with a loss
-    scaler's state needs ``grad_scaler`` to restore it into, one without needs none.
+    scaler's state needs ``grad_scaler`` to restore it into, one without needs none; with
+    ``restore_grad_scaler=False`` that part of the state is ignored (a trainer that resumes
+    makes its own scaler from `saved_grad_scaler`, through its options).
     """
     by_name: dict[str, torch.Tensor] = {}
     for name, tensor in state.tensors:
@@ -357,7 +361,7 @@ def restore_state(
         if name.startswith(("param.", "buffer.")) and name not in used:
             raise StateMismatch(f"unexpected tensor {name!r} in the state (not in the model)")
     optimizer_state = _plan_optimizer(optimizer, state, by_name, used)
-    scaler_state = _plan_grad_scaler(grad_scaler, state.meta)
+    scaler_state = _plan_grad_scaler(grad_scaler, state.meta) if restore_grad_scaler else None
     rng_states: list[tuple[int | None, torch.Tensor]] = []
     if restore_rng:
         rng_states.append((None, take("rng.torch", torch.get_rng_state(), "process")))
@@ -376,8 +380,7 @@ def restore_state(
     if optimizer is not None:
         assert optimizer_state is not None
         optimizer.load_state_dict(optimizer_state)
-    if scaler_state is not None:
-        assert grad_scaler is not None
+    if scaler_state is not None and grad_scaler is not None:
         grad_scaler.load_state_dict(scaler_state)
     with torch.no_grad():
         for live, source in copies:
@@ -486,6 +489,16 @@ def _capture_grad_scaler(scaler: torch.amp.GradScaler | None) -> dict[str, Any] 
     return _cborable(dict(scaler.state_dict()), "grad scaler state")
 
 
+def saved_grad_scaler(state: TrainingState) -> dict[str, Any] | None:
+    """The loss scaler's state dict a state holds, validated (None: the state has none); e.g.
+    for the options of a trainer resuming from a checkpoint (``grad_scaler_init_scale`` its
+    ``scale``, ``grad_scaler_growth_tracker`` its ``_growth_tracker``). StateMismatch if
+    malformed."""
+    if state.meta.get("grad_scaler") is None:
+        return None
+    return _check_grad_scaler(state.meta["grad_scaler"])
+
+
 def _plan_grad_scaler(
     scaler: torch.amp.GradScaler | None, meta: Mapping[str, Any]
 ) -> dict[str, Any] | None:
@@ -503,8 +516,14 @@ def _plan_grad_scaler(
     if not enabled:
         raise StateMismatch(
             "the state holds grad scaler state (a run with a loss scaler), no enabled grad "
-            "scaler was given to restore it into"
+            "scaler was given to restore it into (restore_grad_scaler=False ignores it)"
         )
+    return _check_grad_scaler(saved)
+
+
+def _check_grad_scaler(saved: Any) -> dict[str, Any]:
+    """``saved`` if it is a well-formed `torch.amp.GradScaler` state dict (a copy), else
+    StateMismatch naming the problem."""
     if not isinstance(saved, dict) or set(saved) != set(_GRAD_SCALER_FIELDS):
         keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
         raise StateMismatch(
@@ -515,7 +534,9 @@ def _plan_grad_scaler(
         if isinstance(value, bool) or not isinstance(value, types):
             raise StateMismatch(f"grad scaler state {key!r}: {value!r} is not a number of {types}")
     if not (0 < saved["scale"] < math.inf):
-        raise StateMismatch(f"grad scaler state 'scale': {saved['scale']!r} is not positive")
+        raise StateMismatch(
+            f"grad scaler state 'scale': {saved['scale']!r} is not positive and finite"
+        )
     if saved["growth_interval"] < 1 or saved["_growth_tracker"] < 0:
         raise StateMismatch(
             f"grad scaler state: growth_interval {saved['growth_interval']!r} must be >= 1 and "

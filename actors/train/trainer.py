@@ -104,6 +104,10 @@ class TrainerOptions:
     grad_scaler_growth_interval: int = 2000
     """Steps without an overflow after which the loss scaler doubles its scale (torch's
     default)."""
+    grad_scaler_growth_tracker: int = 0
+    """Steps without an overflow the loss scaler starts having counted. A run resuming from a
+    checkpoint passes its scaler's (`actors.state.training_state.saved_grad_scaler`: its
+    ``_growth_tracker``, and its ``scale`` as ``grad_scaler_init_scale``)."""
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -121,6 +125,7 @@ class TrainerOptions:
             self.grad_scaler,
             self.grad_scaler_init_scale,
             self.grad_scaler_growth_interval,
+            self.grad_scaler_growth_tracker,
         )
 
 
@@ -212,6 +217,7 @@ class DistributedTrainer:
             options.grad_scaler,
             init_scale=options.grad_scaler_init_scale,
             growth_interval=options.grad_scaler_growth_interval,
+            growth_tracker=options.grad_scaler_growth_tracker,
         )
         """Autocast and the loss scaler (None: full precision), from the options."""
         self.skipped_steps: list[int] = []
