@@ -261,6 +261,27 @@ def test_float16_on_cpu_is_accepted_only_where_torch_has_it() -> None:
         assert mlp(0)(torch.ones(1, WIDTHS[0])).dtype == torch.float16
 
 
+def test_unscale_before_the_step_is_not_undone_by_it() -> None:
+    """What clipping by norm needs: the true gradients before the step, unscaled once."""
+    precision = MixedPrecision.for_model(mlp(0), "float16", grad_scaler=True, init_scale=8.0)
+    assert precision is not None and precision.scaler is not None
+    batch = batches(1)[0]
+    plain, scaled = mlp(0), mlp(0)
+    with precision.autocast():
+        mse_loss(plain, batch).backward()
+        loss = mse_loss(scaled, batch)
+    precision.scaled(loss).backward()
+    optimizer = torch.optim.SGD(scaled.parameters(), lr=0.1)
+    precision.unscale(optimizer)
+    for a, b in zip(plain.parameters(), scaled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5)
+    after_unscale = [p.grad.clone() for p in scaled.parameters()]
+    expected = [p.detach() - 0.1 * g for p, g in zip(scaled.parameters(), after_unscale)]
+    assert precision.step(optimizer) is False
+    for param, want in zip(scaled.parameters(), expected):
+        torch.testing.assert_close(param.detach(), want)
+
+
 # --------------------------------------------------------------------------- parity
 
 

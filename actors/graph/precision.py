@@ -144,6 +144,13 @@ class MixedPrecision:
         scaler)."""
         return loss if self.scaler is None else self.scaler.scale(loss)
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale now, in place, noting any inf or nan
+        (nothing without a scaler). What must see the true gradients before the step (clipping
+        by norm) calls this first; `step` then does not unscale them again."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` with the averaged gradients, through the scaler if there is one
         (unscale, skip on inf/nan, update the scale); returns whether the step was skipped.

@@ -511,7 +511,8 @@ class DistributedTrainer:
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """The loss scaler (None without ``TrainerOptions(grad_scaler=True)``): pass it as
-        ``grad_scaler`` to `capture_state` and `restore_state` with the model and optimizer."""
+        ``grad_scaler`` to `capture_state` with the model and optimizer to checkpoint it (a
+        resumed run starts its scaler from `saved_grad_scaler`, through the options)."""
         return self.precision.scaler if self.precision is not None else None
 
     async def _sync_initial_weights(self, transport: Transport) -> None:
