@@ -107,9 +107,11 @@ def reference(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype | None,
     scaler: torch.amp.GradScaler | None = None,
+    clip: float | None = None,
 ) -> dict[str, Any]:
     """ONE plain-torch process: rank 0's initial model, a step per whole batch, under
-    ``dtype`` autocast (None: float32), through ``scaler`` if given."""
+    ``dtype`` autocast (None: float32), through ``scaler`` if given, clipping the gradients'
+    norm to ``clip`` (unscaled first, torch's recipe) if given."""
     model = mlp(100)
     optimizer = sgd(model)
     losses, scales = [], []
@@ -122,6 +124,9 @@ def reference(
             optimizer.step()
         else:
             scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             scaler.step(optimizer)
             scaler.update()
             scales.append(scaler.get_scale())
@@ -395,6 +400,57 @@ async def test_an_overflow_on_one_rank_is_skipped_by_every_rank_alike(world_size
     assert_ranks_identical(results)
 
 
+async def test_clipping_sees_the_unscaled_gradients_and_an_overflow_still_skips() -> None:
+    """clip_grad_norm with the scaler: the averaged gradients are unscaled before their norm is
+    taken (torch's recipe); the poisoned step is skipped all the same."""
+    data = poisoned(2, position=1)
+    options = dataclasses.replace(SCALED, clip_grad_norm=0.05)
+    results = await run_job(2, data, options)
+    want = reference(data, torch.float16, scaler(), clip=0.05)
+    assert want["scales"] == [2.0**8, 2.0**9, 2.0**8, 2.0**8, 2.0**9]
+    assert_ranks_identical(results)
+    for rank, result in enumerate(results):
+        assert result["skipped"] == [OVERFLOW_STEP] and result["scales"] == want["scales"]
+        norm = result["summary"]["final_grad_norm"]
+        assert norm is not None and 0.05 < norm < 100, norm  # an unscaled norm, clipped
+        for name, value in want["params"].items():
+            torch.testing.assert_close(
+                result["params"][name], value, rtol=1e-2, atol=1e-3, msg=f"rank {rank} {name}"
+            )
+    unclipped = reference(data, torch.float16, scaler())["params"]
+    assert max(float((unclipped[k] - want["params"][k]).abs().max()) for k in unclipped) > 1e-2
+
+
+async def test_a_worker_without_data_from_the_start_steps_with_the_scaler() -> None:
+    """Uneven inputs (join): rank 1 has no data at all, so it never scales a loss, yet it takes
+    every step through its scaler with its peer, and their states stay identical."""
+    data = batches(2, seed=6)[:3]
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(100 + rank)
+        return model, sgd(model)
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        if trainer.rank == 0:
+            for batch in data:
+                await trainer.train_batch(shard(batch, 0))
+        await trainer.join()
+        await trainer.verified()
+        assert trainer.grad_scaler is not None
+        return {
+            "params": params(trainer.model),
+            "scale": trainer.grad_scaler.get_scale(),
+            "step": trainer.step,
+        }
+
+    options = dataclasses.replace(SCALED, join=True)
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(2, make_replica, mse_loss, body, options=options)
+    assert [r["step"] for r in results] == [3, 3]
+    assert results[0]["scale"] == results[1]["scale"] == 2.0**9
+    assert_ranks_identical(results)
+
+
 def overflow_on_rank_1(step: int) -> Callable[[DistributedTrainer], None]:
     """Make rank 1 alone see an inf among its averaged gradients at ``step``: a rank whose
     overflow decision differs from its peers'."""
@@ -584,6 +640,7 @@ async def test_a_live_state_transfer_carries_the_scaler_state() -> None:
         optimizer=sgd(joiner),
         step=0,
         rank=1,
+        states_received=0,
         grad_scaler=torch.amp.GradScaler("cpu"),
     )
     sending, joining = InProcessTransport.create_group(2, buffer_frames=64)

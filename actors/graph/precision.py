@@ -90,6 +90,9 @@ class MixedPrecision:
         self.device_type = device_type
         self.dtype = dtype
         self.scaler = scaler
+        self._scaled = False
+        """Whether the scaler has scaled a loss in this process (which creates its scale
+        tensor, on the loss's device)."""
 
     @classmethod
     def for_model(
@@ -142,7 +145,10 @@ class MixedPrecision:
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward runs on: the loss times the current scale (the loss without a
         scaler)."""
-        return loss if self.scaler is None else self.scaler.scale(loss)
+        if self.scaler is None:
+            return loss
+        self._scaled = True
+        return self.scaler.scale(loss)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale now, in place, noting any inf or nan
@@ -161,6 +167,11 @@ class MixedPrecision:
         if self.scaler is None:
             optimizer.step()
             return False
+        if not self._scaled:
+            # A worker that computed nothing yet (it only reduces zeros, its data ended):
+            # torch's scaler steps only once a loss has made its scale tensor; make it here.
+            first = next(p for group in optimizer.param_groups for p in group["params"])
+            self.scaled(torch.zeros((), device=first.device))
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
