@@ -10,6 +10,9 @@ its bucket never ready: the step fails naming it (`UnusedParametersError`), or, 
 backward returns, holding what the step accumulated for it (zeros if nothing), and the
 parameters unused in the whole step are reported (``on_unused``) so the gradient-comm actor
 can agree with its peers which ones no rank used.
+
+With mixed precision (`actors.graph.precision`), the loss function runs under autocast and
+backward runs on the scaled loss when there is a loss scaler; the loss it answers is unscaled.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import trio
 
 from actors.graph.messages import Backward
+from actors.graph.precision import MixedPrecision, autocast_of
 from actors.state.buckets import Bucket
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
@@ -72,10 +76,13 @@ class ComputeActor(Actor):
         *,
         find_unused: bool = False,
         on_unused: Callable[[int, frozenset[str]], None] | None = None,
+        precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__("compute", mailbox_size=2)
         self.find_unused = find_unused
         self._on_unused = on_unused
+        self.precision = precision
+        """Autocast around the loss function and the loss scaler (None: full precision)."""
         self.model = model
         self.loss_fn = loss_fn
         self.trace = trace
@@ -152,9 +159,10 @@ class ComputeActor(Actor):
             self._sync_step = message.step
         try:
             with self.trace.span("forward", actor="compute", step=message.step):
-                loss = self.loss_fn(self.model, message.micro_batch)
+                with autocast_of(self.precision):
+                    loss = self.loss_fn(self.model, message.micro_batch)
             with self.trace.span("backward", actor="compute", step=message.step):
-                loss.backward()
+                (loss if self.precision is None else self.precision.scaled(loss)).backward()
         finally:
             self._sync_step = None
         if message.sync and any(self._pending):

@@ -5,6 +5,11 @@ ask for it (``clip_grad_norm``): every rank holds the same averaged gradients, s
 clips them identically. The digest is the identical-weights check (C-DDP-001): the coordinator
 commits a step once every rank's digest agrees, and no rank changes its weights again before
 that commit.
+
+With a loss scaler (`actors.graph.precision`), the step goes through it: it unscales the averaged
+gradients (before clipping) and skips the step when one is inf or nan, identically on every rank
+(the gradients are bitwise identical after the all-reduce); the digest then covers the scaler's
+state too, so a rank that decided otherwise is caught by the same check.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import trio
 
 from actors.client.client import CoordinatorClient
 from actors.graph.messages import OptimizerStep, Verify
+from actors.graph.precision import GradScalerDigests, MixedPrecision
 from actors.state.digest import StateDigest, StateHasher
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
@@ -86,6 +92,9 @@ class OptimizerActor(Actor):
         on_applied: Callable[[int], None] | None = None,
         check_cost: CheckCost | None = None,
         zero_grads: Callable[[], None] | None = None,
+        *,
+        precision: MixedPrecision | None = None,
+        on_skipped: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__("optimizer", mailbox_size=2)
         self.model = model
@@ -105,6 +114,12 @@ class OptimizerActor(Actor):
         """Zeroes the gradients after a step (None: ``optimizer.zero_grad(set_to_none=False)``)."""
         self.check_cost = check_cost if check_cost is not None else CheckCost()
         self._hasher = StateHasher()
+        self.precision = precision
+        """Steps through its loss scaler, if it has one (None: ``optimizer.step()``)."""
+        self._on_skipped = on_skipped
+        """Called with each step the loss scaler skipped (inf or nan in the averaged gradients)."""
+        scaler = precision.scaler if precision is not None else None
+        self._scaler_digests = GradScalerDigests(scaler) if scaler is not None else None
         self._names_sent: tuple[str, ...] | None = None
         self._hashed: tuple[int, StateDigest, int, int] | None = None
         """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
@@ -143,17 +158,25 @@ class OptimizerActor(Actor):
     def _timed_digest(self) -> StateDigest:
         cpu = time.thread_time()
         try:
-            return self._hasher.digest(self.model, self.optimizer)
+            digest = self._hasher.digest(self.model, self.optimizer)
+            if self._scaler_digests is not None:
+                digest = self._scaler_digests.extend(digest)
+            return digest
         finally:
             self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
     def apply(self, step: int) -> None:
         """Step the optimizer with ``step``'s reduced gradients (on a worker thread), clipped
-        first if the options say so."""
+        first if the options say so (unscaled first: the true gradients' norm)."""
         if self._clip is not None:
+            if self.precision is not None:
+                self.precision.unscale(self.optimizer)
             self.grad_norm = (step, clip_gradients(self.model, *self._clip))
         with OPTIMIZER_STEP_LOCK:
-            self.optimizer.step()
+            if self.precision is None:
+                self.optimizer.step()
+            elif self.precision.step(self.optimizer) and self._on_skipped is not None:
+                self._on_skipped(step)
             if self.zero_grads is not None:
                 self.zero_grads()
             else:

@@ -9,6 +9,8 @@ the donor.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import trio
 
@@ -38,9 +40,12 @@ async def send_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     step: int,
+    *,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> None:
-    """Send this worker's whole training state (next step ``step``) to ring position ``peer``."""
-    state = capture_state(model, optimizer, step)
+    """Send this worker's whole training state (next step ``step``, and the loss scaler's
+    state if it has one) to ring position ``peer``."""
+    state = capture_state(model, optimizer, step, grad_scaler=grad_scaler)
     await transport.send(peer, *StateManifest(manifest(state)).to_wire())
     for index, (_, tensor) in enumerate(state.tensors):
         part = StateTensor(state.step, index, wire_view(tensor))
@@ -54,9 +59,11 @@ async def receive_state(
     optimizer: torch.optim.Optimizer,
     *,
     donor: object = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> TrainingState:
     """Receive the state the donor at ring position ``peer`` sends and restore it into
-    ``model`` and ``optimizer``; returns it. ``donor`` names the donor in errors (default: its
+    ``model`` and ``optimizer`` (and ``grad_scaler``, the loss scaler, if the run has one);
+    returns it. ``donor`` names the donor in errors (default: its
     position). Raises `ProtocolError` naming the donor for a manifest this process cannot hold
     (before allocating anything), out-of-order frames, or a state that does not restore."""
     who = f"donor {donor if donor is not None else peer}"
@@ -81,7 +88,9 @@ async def receive_state(
             )
     try:
         state = TrainingState.from_manifest(plan, tensors)
-        await trio.to_thread.run_sync(restore_state, model, optimizer, state)
+        await trio.to_thread.run_sync(
+            partial(restore_state, model, optimizer, state, grad_scaler=grad_scaler)
+        )
     except ValueError as err:
         raise ProtocolError(
             f"{who}: the received state does not restore: {err}", peer=peer

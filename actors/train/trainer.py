@@ -35,6 +35,7 @@ from actors.graph.optimizer import (
     clip_gradients,
     clip_settings,
 )
+from actors.graph.precision import MixedPrecision, check_precision_options
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
 from actors.train.state_transfer import receive_state, send_state, wire_view
@@ -110,6 +111,28 @@ class TrainerOptions:
     rank's has; gradients stay averaged over all members (DDP's default
     ``divide_by_initial_world_size=True``). Every rank must set it alike."""
 
+    # -- mixed precision (see `actors.graph.precision`)
+    autocast_dtype: str | None = None
+    """Run the loss function under ``torch.autocast`` of this dtype ("bfloat16": on CPU and
+    CUDA; "float16": on CUDA, and on CPU where this torch has it) on the model's device type;
+    None: full precision. The parameters, their gradients and the all-reduce stay in the
+    parameters' dtype."""
+    grad_scaler: bool = False
+    """Scale the loss with a ``torch.amp.GradScaler`` (needs ``autocast_dtype="float16"``;
+    meant for CUDA, torch runs it on the CPU too). A step whose averaged gradients hold an inf
+    or nan is skipped on every rank, and the scale backs off identically; the scaler's state is
+    covered by the state digest and carried by checkpoints and state transfers
+    (`DistributedTrainer.grad_scaler`)."""
+    grad_scaler_init_scale: float = 2.0**16
+    """The loss scaler's initial scale (torch's default)."""
+    grad_scaler_growth_interval: int = 2000
+    """Steps without an overflow after which the loss scaler doubles its scale (torch's
+    default)."""
+    grad_scaler_growth_tracker: int = 0
+    """Steps without an overflow the loss scaler starts having counted. A run resuming from a
+    checkpoint passes its scaler's (`actors.state.training_state.saved_grad_scaler`: its
+    ``_growth_tracker``, and its ``scale`` as ``grad_scaler_init_scale``)."""
+
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
@@ -125,6 +148,13 @@ class TrainerOptions:
             raise ValueError(f"clip_grad_norm must be positive, got {self.clip_grad_norm}")
         if not self.clip_norm_type > 0:
             raise ValueError(f"clip_norm_type must be positive, got {self.clip_norm_type}")
+        check_precision_options(
+            self.autocast_dtype,
+            self.grad_scaler,
+            self.grad_scaler_init_scale,
+            self.grad_scaler_growth_interval,
+            self.grad_scaler_growth_tracker,
+        )
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
@@ -224,6 +254,19 @@ class DistributedTrainer:
         """How many times a peer's state replaced this worker's (a donor's whole state, a
         re-sync): a state captured before then is not the one a later commit checked."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
+        self.precision = MixedPrecision.for_model(
+            model,
+            options.autocast_dtype,
+            options.grad_scaler,
+            init_scale=options.grad_scaler_init_scale,
+            growth_interval=options.grad_scaler_growth_interval,
+            growth_tracker=options.grad_scaler_growth_tracker,
+        )
+        """Autocast and the loss scaler (None: full precision), from the options."""
+        self.skipped_steps: list[int] = []
+        """The last ``options.history_steps`` steps the loss scaler skipped (inf or nan in the
+        averaged gradients: every rank skips the same ones)."""
+        self._skipped_total = 0
         self._connect = connect
         self._owns_transports = True
         """Close each epoch's transport at its end (not a fixed one the caller passed in)."""
@@ -416,8 +459,13 @@ class DistributedTrainer:
         with OPTIMIZER_STEP_LOCK:
             if self.step == step:
                 if clip is not None:  # as the optimizer actor would have
+                    if self.precision is not None:
+                        self.precision.unscale(self.optimizer)  # clip the true gradients
                     self._record_norm(step, clip_gradients(self.model, *clip))
-                self.optimizer.step()
+                if self.precision is None:
+                    self.optimizer.step()
+                elif self.precision.step(self.optimizer):
+                    self._skipped(step)
                 self.optimizer.zero_grad(set_to_none=False)
                 self.step = step + 1
                 log.info("rank %d applied step %d while leaving its epoch", self.rank, step)
@@ -480,6 +528,7 @@ class DistributedTrainer:
             self.trace,
             find_unused=self.options.find_unused_parameters,
             on_unused=comm.note_unused,
+            precision=self.precision,
         )
         optimizer = self.actors.optimizer(
             self.model,
@@ -491,6 +540,8 @@ class DistributedTrainer:
             self._applied,
             self.check_cost,
             zero_grads=partial(comm.zero_grads, self.optimizer),
+            precision=self.precision,
+            on_skipped=self._skipped,
         )
         try:
             await system.start(compute)
@@ -505,6 +556,20 @@ class DistributedTrainer:
     def _applied(self, step: int) -> None:
         self.step = step + 1
 
+    def _skipped(self, step: int) -> None:
+        """The loss scaler skipped ``step`` (called in the optimizer step's thread)."""
+        self._skipped_total += 1
+        self.skipped_steps.append(step)
+        if len(self.skipped_steps) > self.options.history_steps:
+            del self.skipped_steps[0]
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler (None without ``TrainerOptions(grad_scaler=True)``): pass it as
+        ``grad_scaler`` to `capture_state` with the model and optimizer to checkpoint it (a
+        resumed run starts its scaler from `saved_grad_scaler`, through the options)."""
+        return self.precision.scaler if self.precision is not None else None
+
     async def _sync_initial_weights(self, transport: Transport) -> None:
         """Broadcast position 0's parameters and buffers so every replica starts identical."""
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
@@ -517,12 +582,16 @@ class DistributedTrainer:
 
     async def _send_state(self, transport: Transport, peer: int) -> None:
         """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
-        await send_state(transport, peer, self.model, self.optimizer, self.step)
+        await send_state(
+            transport, peer, self.model, self.optimizer, self.step, grad_scaler=self.grad_scaler
+        )
 
     async def _receive_state(self, transport: Transport, peer: int, donor: object = None) -> None:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
-        state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
+        state = await receive_state(
+            transport, peer, self.model, self.optimizer, donor=donor, grad_scaler=self.grad_scaler
+        )
         if state.step < self.step:
             log.warning("rank %d rolls back from step %d", self.rank, self.step)
         self.step = state.step
@@ -762,7 +831,8 @@ class DistributedTrainer:
             del self.step_seconds[: len(self.step_seconds) - keep]
 
     async def _resync(self, order: ResyncOrder) -> None:
-        """Copy the source rank's parameters and optimizer state to the diverged ranks."""
+        """Copy the source rank's parameters, optimizer state and loss scaler state to the
+        diverged ranks."""
         epoch = self._epoch
         if epoch is None:
             return
@@ -771,6 +841,8 @@ class DistributedTrainer:
         if rank != order.source and rank not in order.targets:
             return
         tensors = [tensor for _, tensor in named_state(self.model, self.optimizer)]
+        scaler = self.precision.scaler_tensors() if self.precision is not None else []
+        tensors += scaler  # the loss scaler's scale and growth tracker travel last
         log.warning(
             "step %d: re-syncing ranks %s from rank %d",
             order.step,
@@ -799,6 +871,9 @@ class DistributedTrainer:
                     )
                 with torch.no_grad():
                     tensor.copy_(host)
+        if scaler and rank != order.source:
+            assert self.precision is not None
+            self.precision.load_scaler_tensors(scaler)
         if rank != order.source:
             self.states_received += 1
 
@@ -919,6 +994,7 @@ class DistributedTrainer:
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
             "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
             "digests": self.check_cost.digests,
+            "skipped_steps": self._skipped_total,
             "final_grad_norm": self.grad_norms[-1][1] if self.grad_norms else None,
             "joined_steps": self.joined_steps,
         }
