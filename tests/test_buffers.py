@@ -448,6 +448,8 @@ def entering_trainer(
     trainer._config = DistributedConfig(world_size, rank)
     trainer.step = step
     trainer.epochs = []
+    trainer.precision = None
+    trainer.states_received = 0
     trainer.client = SimpleNamespace(begin_epoch=lambda start: None)  # type: ignore[assignment]
     return trainer
 

@@ -366,7 +366,12 @@ def test_sync_trainer_steps_its_scheduler_and_exports(tmp_path: Path) -> None:
     overrides = {"world_size": 1, "rank": 0, "coordinator_addr": f"127.0.0.1:{port}"}
     data = batches(1)
     with SyncTrainer(
-        model, optimizer, mse, scheduler=scheduler, overrides=overrides, secret="sched-test"
+        model,
+        optimizer,
+        mse,
+        scheduler=scheduler,
+        overrides=overrides,
+        secret="scheduler-tests-secret",
     ) as trainer:
         assert trainer.trainer.scheduler is scheduler
         for batch in data[:4]:

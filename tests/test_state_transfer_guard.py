@@ -44,7 +44,15 @@ def genuine_manifest() -> dict[str, Any]:
 def joiner() -> SimpleNamespace:
     """What `DistributedTrainer._receive_state` reads of its trainer."""
     model, optimizer = make_replica(99, "adamw")
-    return SimpleNamespace(model=model, optimizer=optimizer, scheduler=None, step=0, rank=1)
+    return SimpleNamespace(
+        model=model,
+        optimizer=optimizer,
+        scheduler=None,
+        step=0,
+        rank=1,
+        states_received=0,
+        grad_scaler=None,
+    )
 
 
 def set_entry(name: str, shape: list[int] | None = None, dtype: str | None = None):

@@ -21,6 +21,10 @@ stored as JSON: the optimizer's class, its param groups (hyperparameters, tuples
 the ``params`` index lists), its non-tensor per-parameter state, an LR scheduler's class and
 ``state_dict()`` (``meta["scheduler"]``, None without one), Python's ``random`` state, and the
 caller's free ``extra`` dict. Nothing is pickled.
+
+A mixed-precision run's loss scaler (`torch.amp.GradScaler`) is part of the state too:
+``meta["grad_scaler"]`` holds its ``state_dict()`` (scale, growth tracker, growth and backoff
+factors, growth interval), None without one (see the scaler block below).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "allocate",
     "parse_manifest",
     "dtype_name",
+    "saved_grad_scaler",
 ]
 
 STATE_FORMAT = 1
@@ -129,6 +134,7 @@ def capture_state(
     *,
     extra: Mapping[str, Any] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> TrainingState:
     """Snapshot the model, the optimizer, the LR scheduler, the RNGs and ``step`` (the next
     step to run).
@@ -137,7 +143,7 @@ def capture_state(
     while training goes on, can be written to a checkpoint or sent over the network as is, and
     shares no storage between entries. CUDA tensors are copied after their device's current
     stream is synchronized. ``extra`` must be CBOR-able (tuples become lists); it comes back
-    unchanged in ``meta["extra"]``.
+    unchanged in ``meta["extra"]``. ``grad_scaler``: the run's loss scaler, if it has one.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -163,6 +169,7 @@ def capture_state(
         "rng": {"python": [version, list(internal), gauss_next]},
         "extra": _cborable(dict(extra or {}), "extra"),
     }
+    meta["grad_scaler"] = _capture_grad_scaler(grad_scaler)
     return TrainingState(step, tensors, meta)
 
 
@@ -329,6 +336,8 @@ def restore_state(
     *,
     restore_rng: bool = True,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    restore_grad_scaler: bool = True,
 ) -> None:
     """Make ``model``, ``optimizer``, ``scheduler`` (and the RNGs) hold exactly ``state``.
 
@@ -339,7 +348,10 @@ def restore_state(
     scheduler's through its ``load_state_dict``, parameters
     and buffers are copied in place onto their own devices, and the RNG states are set. The
     caller resumes at ``state.step``. With ``restore_rng=False`` the ``rng.*`` tensors are
-    ignored (e.g. restoring a CUDA machine's state on a CPU-only one).
+    ignored (e.g. restoring a CUDA machine's state on a CPU-only one). A state with a loss
+    scaler's state needs ``grad_scaler`` to restore it into, one without needs none; with
+    ``restore_grad_scaler=False`` that part of the state is ignored (a trainer that resumes
+    makes its own scaler from `saved_grad_scaler`, through its options).
     """
     by_name: dict[str, torch.Tensor] = {}
     for name, tensor in state.tensors:
@@ -375,6 +387,7 @@ def restore_state(
             raise StateMismatch(f"unexpected tensor {name!r} in the state (not in the model)")
     optimizer_state = _plan_optimizer(optimizer, state, by_name, used)
     scheduler_state = _plan_scheduler(scheduler, state)
+    scaler_state = _plan_grad_scaler(grad_scaler, state.meta) if restore_grad_scaler else None
     rng_states: list[tuple[int | None, torch.Tensor]] = []
     if restore_rng:
         rng_states.append((None, take("rng.torch", torch.get_rng_state(), "process")))
@@ -396,6 +409,8 @@ def restore_state(
     if scheduler is not None:
         assert scheduler_state is not None
         scheduler.load_state_dict(scheduler_state)
+    if scaler_state is not None and grad_scaler is not None:
+        grad_scaler.load_state_dict(scaler_state)
     with torch.no_grad():
         for live, source in copies:
             live.copy_(source)
@@ -537,6 +552,86 @@ def _check_like(saved: Any, local: Any, where: str) -> None:
             raise StateMismatch(
                 f"{where}: expected a {type(local).__name__}, got {type(saved).__name__}"
             )
+
+
+# --------------------------------------------------------------------------- loss scaler
+
+_GRAD_SCALER_FIELDS: dict[str, tuple[type, ...]] = {
+    "scale": (float, int),
+    "growth_factor": (float, int),
+    "backoff_factor": (float, int),
+    "growth_interval": (int,),
+    "_growth_tracker": (int,),
+}
+"""The keys of `torch.amp.GradScaler.state_dict()` and the types each may hold."""
+
+
+def _capture_grad_scaler(scaler: torch.amp.GradScaler | None) -> dict[str, Any] | None:
+    """The loss scaler's state dict (None without one, or for a disabled one: it holds none)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return _cborable(dict(scaler.state_dict()), "grad scaler state")
+
+
+def saved_grad_scaler(state: TrainingState) -> dict[str, Any] | None:
+    """The loss scaler's state dict a state holds, validated (None: the state has none); e.g.
+    for the options of a trainer resuming from a checkpoint (``grad_scaler_init_scale`` its
+    ``scale``, ``grad_scaler_growth_tracker`` its ``_growth_tracker``). StateMismatch if
+    malformed."""
+    if state.meta.get("grad_scaler") is None:
+        return None
+    return _check_grad_scaler(state.meta["grad_scaler"])
+
+
+def _plan_grad_scaler(
+    scaler: torch.amp.GradScaler | None, meta: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """Validate the loss scaler part of a state's ``meta`` against ``scaler``: the state dict to
+    load (None: nothing to load), without touching the scaler."""
+    saved = meta.get("grad_scaler")
+    enabled = scaler is not None and scaler.is_enabled()
+    if saved is None:
+        if enabled:
+            raise StateMismatch(
+                "the state holds no grad scaler state, but a grad scaler was given (the state "
+                "comes from a run without a loss scaler)"
+            )
+        return None
+    if not enabled:
+        raise StateMismatch(
+            "the state holds grad scaler state (a run with a loss scaler), no enabled grad "
+            "scaler was given to restore it into (restore_grad_scaler=False ignores it)"
+        )
+    return _check_grad_scaler(saved)
+
+
+def _check_grad_scaler(saved: Any) -> dict[str, Any]:
+    """``saved`` if it is a well-formed `torch.amp.GradScaler` state dict (a copy), else
+    StateMismatch naming the problem."""
+    if not isinstance(saved, dict) or set(saved) != set(_GRAD_SCALER_FIELDS):
+        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise StateMismatch(
+            f"malformed grad scaler state: expected keys {sorted(_GRAD_SCALER_FIELDS)}, got {keys}"
+        )
+    for key, types in _GRAD_SCALER_FIELDS.items():
+        value = saved[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise StateMismatch(f"grad scaler state {key!r}: {value!r} is not a number of {types}")
+    if not (0 < saved["scale"] < math.inf):
+        raise StateMismatch(
+            f"grad scaler state 'scale': {saved['scale']!r} is not positive and finite"
+        )
+    if saved["growth_interval"] < 1 or saved["_growth_tracker"] < 0:
+        raise StateMismatch(
+            f"grad scaler state: growth_interval {saved['growth_interval']!r} must be >= 1 and "
+            f"_growth_tracker {saved['_growth_tracker']!r} >= 0"
+        )
+    if not (saved["growth_factor"] > 1 and 0 < saved["backoff_factor"] < 1):
+        raise StateMismatch(
+            f"grad scaler state: growth_factor {saved['growth_factor']!r} must be > 1 and "
+            f"backoff_factor {saved['backoff_factor']!r} in (0, 1)"
+        )
+    return dict(saved)
 
 
 def _python_rng(meta: dict[str, Any]) -> tuple[Any, ...]:

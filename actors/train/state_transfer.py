@@ -41,10 +41,12 @@ async def send_state(
     optimizer: torch.optim.Optimizer,
     step: int,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Send this worker's whole training state (next step ``step``, the LR scheduler's state
-    included) to ring position ``peer``."""
-    state = capture_state(model, optimizer, step, scheduler=scheduler)
+    and the loss scaler's, if it has them) to ring position ``peer``."""
+    state = capture_state(model, optimizer, step, scheduler=scheduler, grad_scaler=grad_scaler)
     await transport.send(peer, *StateManifest(manifest(state)).to_wire())
     for index, (_, tensor) in enumerate(state.tensors):
         part = StateTensor(state.step, index, wire_view(tensor))
@@ -59,12 +61,13 @@ async def receive_state(
     *,
     donor: object = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> TrainingState:
     """Receive the state the donor at ring position ``peer`` sends and restore it into
-    ``model``, ``optimizer`` and ``scheduler``; returns it. ``donor`` names the donor in
-    errors (default: its position). Raises `ProtocolError` naming the donor for a manifest
-    this process cannot hold (before allocating anything), out-of-order frames, or a state
-    that does not restore."""
+    ``model``, ``optimizer`` and ``scheduler`` (and ``grad_scaler``, the loss scaler, if the run
+    has one); returns it. ``donor`` names the donor in errors (default: its position). Raises
+    `ProtocolError` naming the donor for a manifest this process cannot hold (before allocating
+    anything), out-of-order frames, or a state that does not restore."""
     who = f"donor {donor if donor is not None else peer}"
     message = await transport.recv(peer)
     if message.get("kind") != StateManifest.KIND:
@@ -88,7 +91,14 @@ async def receive_state(
     try:
         state = TrainingState.from_manifest(plan, tensors)
         await trio.to_thread.run_sync(
-            partial(restore_state, model, optimizer, state, scheduler=scheduler)
+            partial(
+                restore_state,
+                model,
+                optimizer,
+                state,
+                scheduler=scheduler,
+                grad_scaler=grad_scaler,
+            )
         )
     except ValueError as err:
         raise ProtocolError(
