@@ -22,6 +22,7 @@ from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOpt
 from runtime.config import DistributedConfig
 from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.errors import ConfigError, one_line
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity, load_secret
 from runtime.protocol.messages import StartRun
@@ -86,11 +87,23 @@ async def join_run(
     ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
     silent past the heartbeat deadline), keep the state and redial it with backoff for this
     long, then rejoin where the workers stand (None: losing the coordinator ends the run).
+    No secret, or no coordinator answering within ``join_seconds``, is a `ConfigError`.
     """
-    key = load_secret(secret)
+    try:
+        key = load_secret(secret)
+    except ValueError as exc:
+        raise ConfigError(one_line(exc)) from None
     me = Identity(group, config.world_size, config.rank)
+    try:
+        with trio.fail_after(join_seconds):
+            conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
+    except trio.TooSlowError:
+        raise ConfigError(
+            f"rank {config.rank}: no coordinator answered at {config.coordinator_addr} within "
+            f"{join_seconds:g} s: start it there, or set MASTER_ADDR and MASTER_PORT "
+            "(--coordinator) to where it listens"
+        ) from None
     with trio.fail_after(join_seconds):
-        conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
         local_host = conn.socket.getsockname()[0]
         listeners = await trio.open_tcp_listeners(0, host=local_host)
 

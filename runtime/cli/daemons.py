@@ -11,7 +11,8 @@ import trio
 from runtime.cli.jobs import WorkerJob
 from runtime.config import parse_address
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
-from runtime.errors import ParamsyncError, pick_error
+from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
+from runtime.protocol.handshake import load_secret
 from runtime.transport.admission import AdmissionLimits
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
@@ -38,12 +39,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
             stall_seconds=args.stall_seconds,
             stall_deadline=args.stall_deadline,
         )
-        coordinator = Coordinator(args.world_size, options)
+        coordinator = Coordinator(args.world_size, options, secret=load_secret())
         coordinator.admission.limits = AdmissionLimits(
             max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
         )
-    except ValueError as exc:
-        log.error("bad configuration: %s", exc)
+    except ValueError as exc:  # no secret, a bad --bind or --world-size, ...
+        log.error("bad configuration: %s", one_line(exc))
         return EXIT_USAGE
     stopped: list[int] = []
 
@@ -79,8 +80,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         if isinstance(cause, RunFailed):
             log.error("run aborted: %s", cause)
             return EXIT_FAILED
-        if isinstance(cause, ValueError | OSError):  # no secret, port taken, ...
-            log.error("cannot serve: %s", cause)
+        if isinstance(cause, ValueError | OSError):  # port taken, ...
+            log.error("cannot serve: %s", one_line(cause))
             return EXIT_USAGE
         raise
     if stopped:
@@ -115,8 +116,11 @@ def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
         cause = pick_error(exc)
         if isinstance(cause, KeyboardInterrupt):
             return _SIGNAL_EXIT[signal.SIGINT]
-        if isinstance(cause, ValueError):
-            log.error("bad configuration: %s", cause)
+        message = configuration_error(exc)  # no secret, wrong secret or world size, ...
+        if message is None and isinstance(cause, ValueError):
+            message = one_line(cause)
+        if message is not None:
+            log.error("bad configuration: %s", message)
             return EXIT_USAGE
         if isinstance(cause, ParamsyncError):  # RunAborted included
             log.error("rank %s stopped: %s", os.environ.get("RANK", "?"), cause)
