@@ -24,7 +24,7 @@ from actors.state.buckets import DEFAULT_BUCKET_BYTES
 from actors.state.checkpoint import CheckpointError, CheckpointStore, new_run_id
 from actors.state.training_state import capture_state, restore_state
 from actors.train.checkpointing import CommittedCheckpoints
-from actors.train.run import trainer_from_env, write_summary
+from actors.train.run import run_script, trainer_from_env, write_summary
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from runtime.cli.torchrun import RUN_ID_ENV, run_id_from_env
 from runtime.collectives.ring import all_gather
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return trio.run(run, args)
+    return run_script(run, args)  # a configuration error: one line, exit code 2
 
 
 if __name__ == "__main__":
