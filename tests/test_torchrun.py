@@ -9,6 +9,7 @@ the store exchange against a real TCPStore in this process.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import secrets
@@ -114,6 +115,31 @@ def test_a_missing_secret_under_torchrun_is_one_line_and_exit_2_on_every_rank() 
     assert "ExceptionGroup" not in proc.stderr, proc.stderr
     assert "exitcode  : 2" in proc.stderr, proc.stderr  # torchrun's report of the ranks
     assert proc.returncode != 0
+
+
+def test_paramsync_worker_under_torchrun_hosts_the_coordinator_on_rank_0(tmp_path: Path) -> None:
+    """``paramsync worker`` (the built-in job) under torchrun: no coordinator daemon, rank 0
+    hosts one, and both ranks end at the same step with the same weights."""
+    summary = str(tmp_path / "s{rank}.json")
+    proc = _torchrun(
+        [
+            "-m",
+            "runtime.cli.main",
+            "worker",
+            "--steps=3",
+            "--batch-size=4",
+            "--d-model=32",
+            "--layers=1",
+            "--corpus-bytes=200000",
+            "--no-progress",
+            f"--summary-json={summary}",
+        ],
+        _env(PARAMSYNC_SECRET=SECRET),
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    ranks = [json.loads((tmp_path / f"s{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["final_step"] for r in ranks] == [3, 3], ranks
+    assert ranks[0]["digest"] == ranks[1]["digest"], ranks
 
 
 RESTARTING_SCRIPT = """

@@ -9,6 +9,7 @@ import signal
 import trio
 
 from runtime.cli.jobs import WorkerJob
+from runtime.cli.torchrun import TorchrunEnv
 from runtime.config import parse_address
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
@@ -102,6 +103,11 @@ def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
         value = getattr(args, flag)
         if value is not None:
             os.environ[variable] = str(value)
+    try:
+        torchrun_env = TorchrunEnv.from_env()
+    except ValueError as exc:
+        log.error("bad configuration: %s", one_line(exc))
+        return EXIT_USAGE
     if args.coordinator:
         try:
             host, port = parse_address(args.coordinator)
@@ -109,7 +115,11 @@ def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
             log.error("bad configuration: %s", exc)
             return EXIT_USAGE
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    os.environ.setdefault("PARAMSYNC_ROLE", args.role)
+    if args.role is not None:
+        os.environ.setdefault("PARAMSYNC_ROLE", args.role)
+    elif torchrun_env is None:  # by hand or under launch: the coordinator is a daemon
+        os.environ.setdefault("PARAMSYNC_ROLE", "worker")
+    # Under torchrun nobody else starts a coordinator: rank 0 hosts it (trainer_from_env).
     try:
         return trio.run(job.run, args)
     except BaseException as exc:
