@@ -148,6 +148,7 @@ def test_launch_with_a_short_secret_exits_2_before_starting_anything() -> None:
     assert result.returncode == 2, (result.returncode, result.stderr)
     [line] = _error_lines(result.stderr)
     assert "bad configuration: the shared secret must be at least" in line, line
+    assert "(set PARAMSYNC_SECRET, or PARAMSYNC_SECRET_FILE to a file holding one)" in line, line
     assert "launched" not in result.stderr
 
 

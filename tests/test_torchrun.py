@@ -297,6 +297,9 @@ def test_the_environment_says_whether_this_is_torchrun() -> None:
         _env_of(29500, **{COORDINATOR_PORT_ENV: "x"})
     with pytest.raises(ConfigError, match="MASTER_PORT"):
         TorchrunEnv.from_env({"TORCHELASTIC_RUN_ID": "r", "MASTER_ADDR": "h"})
+    # No agent store on MASTER_PORT: the coordinator takes it, no exchange.
+    assert _env_of(29500, TORCHELASTIC_USE_AGENT_STORE="False").coordinator_port == 29500
+    assert _env_of(29500, TORCHELASTIC_USE_AGENT_STORE="True").coordinator_port is None
     assert run_id_from_env({"TORCHELASTIC_RUN_ID": "abc"}) == "abc"
     assert run_id_from_env({"TORCHELASTIC_RUN_ID": "abc", "PARAMSYNC_RUN_ID": "mine"}) == "mine"
     assert run_id_from_env({"TORCHELASTIC_RUN_ID": "none"}) is None

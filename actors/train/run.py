@@ -24,12 +24,11 @@ import trio
 from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from actors.train.worker import join_run
 from runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
-from runtime.cli.train_config import DistributedRole, DistributedTrainConfig
+from runtime.cli.train_config import DistributedRole, DistributedTrainConfig, shared_secret
 from runtime.config import DistributedConfig
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
 from runtime.errors import ConfigError, configuration_error, one_line, pick_error
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.handshake import load_secret
 from runtime.transport.tls import TlsConfig
 
 __all__ = ["trainer_from_env", "run_script", "SUMMARY_ENV", "write_summary"]
@@ -80,7 +79,7 @@ async def trainer_from_env(
     try:
         config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
         tls = config.tls_config()
-        key = load_secret(secret)
+        key = shared_secret(secret)
         torchrun = TorchrunEnv.from_env()
     except ConfigError:
         raise

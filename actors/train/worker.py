@@ -19,12 +19,13 @@ import trio
 from actors.client.client import CoordinatorClient
 from actors.state.digest import state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
+from runtime.cli.train_config import shared_secret
 from runtime.config import DistributedConfig
 from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import ConfigError, one_line
+from runtime.errors import ConfigError
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.handshake import Identity, load_secret
+from runtime.protocol.handshake import Identity
 from runtime.protocol.messages import StartRun
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.link import Link, MemoryLink
@@ -89,10 +90,7 @@ async def join_run(
     long, then rejoin where the workers stand (None: losing the coordinator ends the run).
     No secret, or no coordinator answering within ``join_seconds``, is a `ConfigError`.
     """
-    try:
-        key = load_secret(secret)
-    except ValueError as exc:
-        raise ConfigError(one_line(exc)) from None
+    key = shared_secret(secret)
     me = Identity(group, config.world_size, config.rank)
     try:
         with trio.fail_after(join_seconds):

@@ -10,10 +10,10 @@ import trio
 
 from runtime.cli.jobs import WorkerJob
 from runtime.cli.torchrun import TorchrunEnv
+from runtime.cli.train_config import shared_secret
 from runtime.config import parse_address
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
-from runtime.protocol.handshake import load_secret
 from runtime.transport.admission import AdmissionLimits
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
@@ -40,7 +40,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             stall_seconds=args.stall_seconds,
             stall_deadline=args.stall_deadline,
         )
-        coordinator = Coordinator(args.world_size, options, secret=load_secret())
+        coordinator = Coordinator(args.world_size, options, secret=shared_secret())
         coordinator.admission.limits = AdmissionLimits(
             max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
         )

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.cli.train_config import shared_secret
 from runtime.errors import one_line
-from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
+from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
 
 __all__ = ["run_launch", "merge_summaries", "free_port"]
 
@@ -83,7 +84,7 @@ def run_launch(args: argparse.Namespace) -> int:
             raise ValueError(f"--master-port must be a TCP port (0-65535), got {args.master_port}")
         given_secret = bool(os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV))
         if given_secret:
-            load_secret()  # the user's secret must work before N processes find out it does not
+            shared_secret()  # the user's secret must work before N processes find out it does not
     except ValueError as exc:
         log.error("bad configuration: %s", one_line(exc))
         return EXIT_USAGE

@@ -14,7 +14,9 @@ attempt would fail the run at random, while the store is already the rendezvous 
 rank of this torchrun run reaches, and one key costs one round trip. A restarted attempt
 (``--max-restarts``) reads a key of its own, so it never dials the previous attempt's
 coordinator. ``PARAMSYNC_COORDINATOR_PORT`` fixes the port for every rank and skips the store
-(a firewall that opens one port, a coordinator started by hand).
+(a firewall that opens one port, a coordinator started by hand). When torchrun says its agent
+hosts no store (TORCHELASTIC_USE_AGENT_STORE=False), MASTER_PORT is free and the coordinator
+takes it, as under ``paramsync launch``.
 
 Only the port number goes into the store. The shared secret comes from PARAMSYNC_SECRET or
 PARAMSYNC_SECRET_FILE on every rank, as ever: torchrun's store is plain, unauthenticated TCP,
@@ -92,13 +94,19 @@ class TorchrunEnv:
             raise ConfigError("TORCHELASTIC_RUN_ID is set but MASTER_ADDR is not: set MASTER_ADDR")
         if "MASTER_PORT" not in env:
             raise ConfigError("TORCHELASTIC_RUN_ID is set but MASTER_PORT is not: set MASTER_PORT")
+        store_port = _port(env["MASTER_PORT"], "MASTER_PORT")
         fixed = env.get(COORDINATOR_PORT_ENV)
+        coordinator_port = None if fixed is None else _port(fixed, COORDINATOR_PORT_ENV)
+        if coordinator_port is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+            # No agent store on MASTER_PORT (the workers would host one themselves, through
+            # init_process_group): MASTER_PORT is free for the coordinator, as under launch.
+            coordinator_port = store_port
         return cls(
             run_id=run_id,
             restart_count=int(restart_text),
             store_host=host,
-            store_port=_port(env["MASTER_PORT"], "MASTER_PORT"),
-            coordinator_port=None if fixed is None else _port(fixed, COORDINATOR_PORT_ENV),
+            store_port=store_port,
+            coordinator_port=coordinator_port,
         )
 
     @property
