@@ -11,7 +11,10 @@ intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   `DistributedTrainer.train_batch` once per step (the identical-weights digest check included,
   every ``--digest-interval`` steps, 1 by default);
 - DDP: N processes in a gloo process group, the model wrapped in
-  ``torch.nn.parallel.DistributedDataParallel``.
+  ``torch.nn.parallel.DistributedDataParallel``;
+- the limit: N processes training their replicas with no communication at all (a barrier before
+  the first step and after the last only): what the machine allows, so that both systems'
+  overhead over the physical limit is printed, paired round by round.
 
 Per system and world size: ``--warmup`` untimed steps, then ``--steps`` timed ones. Rank 0
 takes the time between the ends of consecutive steps; the table shows the median of those step
@@ -42,7 +45,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("ddp", "paramsync")
+SYSTEMS = ("ddp", "paramsync", "limit")
+LIMIT = "limit"
+"""The physical limit: the same processes, model, data and steps, each rank training its own
+replica with no communication at all during the steps (a gloo barrier before the first step
+and after the last only, so that the ranks compete for the cores as the other systems' do)."""
 UNCHECKED = "paramsync-unchecked"
 """paramsync with the weight check off (``--check-cost``): same workers, a coordinator that
 checks digests only every 1000000 steps."""
@@ -55,6 +62,7 @@ one run, each checked step against its unchecked neighbours (`_split_check_cost`
 LABELS = {
     "ddp": "DDP (gloo)",
     "paramsync": "paramsync",
+    LIMIT: "no communication (limit)",
     UNCHECKED: "paramsync, check off",
     VARIANT: "paramsync, variant",
     SPLIT: "paramsync, check every K steps",
@@ -152,6 +160,42 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
                 logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
             )
             loss.backward()  # DDP all-reduces the gradient buckets during backward
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            ends.append(time.perf_counter())
+            if step == args.warmup - 1:
+                cpu_start = time.process_time()
+        overall = ends[-1] - ends[args.warmup - 1]
+        cpu = (cpu_start, time.process_time())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return _result(ends, losses, args.warmup, overall, info, cpu)
+
+
+def _worker_limit(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    model, optimizer, batch, info = _setup(args)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+    )
+    try:
+        dist.barrier()  # start together; nothing crosses between ranks from here to the end
+        ends: list[float] = []
+        losses: list[float] = []
+        for step in range(args.warmup + args.steps):
+            inputs, targets = batch(step)
+            optimizer.zero_grad()
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
+            loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
             ends.append(time.perf_counter())
@@ -281,7 +325,7 @@ def _trainer_options(items: list[str]) -> dict:
 
 
 def _run_worker(args: argparse.Namespace) -> None:
-    worker = _worker_ddp if args.worker == "ddp" else _worker_paramsync
+    worker = {"ddp": _worker_ddp, LIMIT: _worker_limit}.get(args.worker, _worker_paramsync)
     result = worker(args)
     if args.rank == 0:
         print(json.dumps(result), flush=True)
@@ -542,6 +586,13 @@ def _summarise(
         row["throughput_ratio"] = (
             row["paramsync"]["steps_per_second"] / row["ddp"]["steps_per_second"]
         )
+        # Each system's overhead over the physical limit, round by round (same rounds).
+        limit_runs = runs[(LIMIT, world)]
+        for system in ("paramsync", "ddp"):
+            over = [ratio - 1 for ratio in _round_ratios(runs[(system, world)], limit_runs)]
+            row[f"{system}_over_limit"] = statistics.median(over)
+            row[f"{system}_over_limit_interval"] = _median_interval(over)
+            row[f"{system}_over_limit_rounds"] = over
         pairs = list(zip(runs[("paramsync", world)], runs[("ddp", world)]))
         row["loss_curve_max_abs_diff"] = max(
             abs(a - b) for ours, theirs in pairs for a, b in zip(ours["losses"], theirs["losses"])
@@ -651,6 +702,15 @@ def _print_table(table: list[dict]) -> None:
             f"{row['step_time_ratio_paired']:.3f}x"
             f"{_interval_text(row['step_time_ratio_paired_interval'])} "
             f"(rounds: {rounds})"
+        )
+        limit = row[LIMIT]["median_step_seconds"]
+        print(
+            f"n={row['world_size']}: over the limit (the same processes with no communication, "
+            f"{limit * 1e3:.1f} ms a step), round by round: paramsync "
+            f"{row['paramsync_over_limit'] * 100:+.1f} %"
+            f"{_interval_text(row['paramsync_over_limit_interval'], percent=True)}; DDP "
+            f"{row['ddp_over_limit'] * 100:+.1f} %"
+            f"{_interval_text(row['ddp_over_limit_interval'], percent=True)}"
         )
         if UNCHECKED in row:
             off = row[UNCHECKED]["median_step_seconds"]

@@ -133,8 +133,13 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
     table = json.loads(out.read_text())
     row = table["rows"][0]
     assert row["world_size"] == 2
-    for system in ("ddp", "paramsync"):
+    for system in ("ddp", "paramsync", "limit"):
         assert row[system]["median_step_seconds"] > 0
+    # The limit column: the same processes with no communication; each system's overhead over it.
+    assert "over the limit (the same processes with no communication" in done.stdout
+    for system in ("paramsync", "ddp"):
+        assert len(row[f"{system}_over_limit_rounds"]) == 1
+        assert row[f"{system}_over_limit"] == row[f"{system}_over_limit_rounds"][0]
     assert row["paramsync"]["coordinator_cpu_seconds_per_step"] is not None
     # The run checking every 3rd step: its 6 timed steps hold at least one whole cycle.
     assert row["check_cost_split"]["interval"] == 3

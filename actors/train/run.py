@@ -61,6 +61,7 @@ async def trainer_from_env(
     overrides: Mapping[str, object] | None = None,
     secret: bytes | str | None = None,
     resume_step: int = 0,
+    resume_committed: bool = False,
     reconnect_seconds: float | None = 60.0,
     join_seconds: float = 120.0,
 ) -> AsyncIterator[DistributedTrainer]:
@@ -73,8 +74,11 @@ async def trainer_from_env(
 
     Under torchrun (TORCHELASTIC_RUN_ID set) the coordinator listens on a free port of
     MASTER_ADDR, not on MASTER_PORT (torchrun's own store has it), and the ranks find it
-    through torchrun's store (`runtime.cli.torchrun`). ``reconnect_seconds``: how long a worker
-    redials a lost coordinator (`join_run`); ``join_seconds``: how long joining may take.
+    through torchrun's store (`runtime.cli.torchrun`).
+
+    ``resume_step``/``resume_committed``: the checkpoint this worker restored (`join_run`);
+    ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`);
+    ``join_seconds``: how long joining may take.
     """
     try:
         config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
@@ -116,6 +120,7 @@ async def trainer_from_env(
                 trace=trace,
                 tls=tls,
                 resume_step=resume_step,
+                resume_committed=resume_committed,
                 reconnect_seconds=reconnect_seconds,
                 join_seconds=join_seconds,
             ) as trainer:

@@ -570,7 +570,11 @@ class Joined(WireMessage):
     ``now`` is the shell's clock at the join (heartbeat baseline); None: the next Tick's.
     ``step`` is the next step the worker would run (0 when fresh; more when it resumes from a
     checkpoint or rejoins a restarted coordinator), ``digest`` its state's digest there
-    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``fold``: the
+    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``committed``:
+    that state is one the coordinator committed (its digest check of the step before
+    ``step`` passed, and the worker's state still has the digest it reported there; False
+    when absent), which the restart's donor rule trusts over a majority
+    (`runtime.coordinator.membership.resume_plan`). ``fold``: the
     worker folds its response-cache reports into its step reports when every member does.
     ``mesh`` (names, sizes) or ``groups`` ((name, ranks), ...): the process groups the worker
     will use (`runtime.coordinator.group_decl`); every join must declare the same ones.
@@ -584,6 +588,7 @@ class Joined(WireMessage):
         "step",
         "digest",
         "epoch",
+        "committed",
         "fold",
         "mesh",
         "groups",
@@ -598,6 +603,7 @@ class Joined(WireMessage):
     fold: bool = wire(Bool(), default=False, omit=False)
     mesh: MeshLayout | None = wire(MESH, default=None, omit=None)
     groups: tuple[GroupRanks, ...] | None = wire(GROUP_LIST, default=None, omit=None)
+    committed: bool = wire(Bool(), default=False, omit=False)
 
 
 @dataclass(frozen=True)
