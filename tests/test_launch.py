@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -254,3 +255,15 @@ def test_a_worker_with_another_world_size_is_one_line_and_exit_2(tmp_path: Path)
     assert result.returncode == 2, (result.returncode, result.stderr)
     [line] = _error_lines(result.stderr)
     assert "world size 3 does not match this group's 2" in line and "WORLD_SIZE" in line, line
+
+
+def test_coordinator_on_a_taken_port_is_one_line_naming_bind() -> None:
+    env = dict(env_without_secret(), PARAMSYNC_SECRET=os.urandom(16).hex())
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_cli("coordinator", "--world-size", "2", "--bind", f"127.0.0.1:{port}", env=env)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    [line] = _error_lines(result.stderr)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "--bind" in line, line

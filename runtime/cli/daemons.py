@@ -81,8 +81,16 @@ def run_coordinator(args: argparse.Namespace) -> int:
         if isinstance(cause, RunFailed):
             log.error("run aborted: %s", cause)
             return EXIT_FAILED
-        if isinstance(cause, ValueError | OSError):  # port taken, ...
-            log.error("cannot serve: %s", one_line(cause))
+        if isinstance(cause, OSError):  # the port is taken, the address is not this host's
+            log.error(
+                "bad configuration: cannot listen on %s (%s): give --bind a free port of this "
+                "host (host:0 picks one)",
+                args.bind,
+                one_line(cause.strerror or cause),
+            )
+            return EXIT_USAGE
+        if isinstance(cause, ValueError):
+            log.error("bad configuration: %s", one_line(cause))
             return EXIT_USAGE
         raise
     if stopped:
