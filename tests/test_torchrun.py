@@ -303,3 +303,35 @@ def test_the_environment_says_whether_this_is_torchrun() -> None:
     assert run_id_from_env({"TORCHELASTIC_RUN_ID": "abc"}) == "abc"
     assert run_id_from_env({"TORCHELASTIC_RUN_ID": "abc", "PARAMSYNC_RUN_ID": "mine"}) == "mine"
     assert run_id_from_env({"TORCHELASTIC_RUN_ID": "none"}) is None
+
+
+# A first run's mistakes that only show while joining, in this process.
+
+
+async def test_a_world_size_larger_than_the_ranks_started_is_a_config_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WORLD_SIZE=2 but only rank 0 runs: after ``join_seconds`` the wait ends in one
+    `ConfigError` naming WORLD_SIZE, not an exception group of cancellations."""
+    import torch
+
+    from actors.train.run import trainer_from_env
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PARAMSYNC_SECRET": SECRET,
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("TORCHELASTIC_RUN_ID", "PARAMSYNC_ROLE", "PARAMSYNC_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"all 2 ranks: start every rank, or set WORLD_SIZE"):
+        async with trainer_from_env(model, optimizer, lambda m, b: m(b).sum(), join_seconds=1.0):
+            pytest.fail("the run started with one of its two ranks")

@@ -149,7 +149,10 @@ async def _serve_coordinator(
         bound = await nursery.start(partial(coordinator.serve_tcp, host, port, tls=tls))
     except OSError as exc:
         if torchrun is not None:
-            what = f"set {COORDINATOR_PORT_ENV} to a free port, or leave it unset"
+            what = (
+                f"MASTER_ADDR must be an address of this host (rank 0's), and "
+                f"{COORDINATOR_PORT_ENV}, if set, a free port"
+            )
         else:
             what = "set MASTER_ADDR to an address of this host and MASTER_PORT to a free port"
         raise ConfigError(

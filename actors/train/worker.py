@@ -92,7 +92,8 @@ async def join_run(
     ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
     silent past the heartbeat deadline), keep the state and redial it with backoff for this
     long, then rejoin where the workers stand (None: losing the coordinator ends the run).
-    No secret, or no coordinator answering within ``join_seconds``, is a `ConfigError`.
+    No secret, no coordinator answering within ``join_seconds``, or a run that does not start
+    within ``join_seconds`` of joining (ranks missing: WORLD_SIZE too large) is a `ConfigError`.
     """
     key = shared_secret(secret)
     me = Identity(group, config.world_size, config.rank)
@@ -135,16 +136,24 @@ async def join_run(
 
     try:
         port = listeners[0].socket.getsockname()[1]
-        with trio.fail_after(join_seconds):
-            digest = state_digest(model, optimizer).digest if resume_step else b""
-            await client.join(
-                model_signature(model.named_parameters()),
-                (local_host, port),
-                step=resume_step,
-                digest=digest,
-                committed=resume_committed and resume_step > 0,
-                fold=(options or TrainerOptions()).response_cache,
-            )
+        try:
+            with trio.fail_after(join_seconds):
+                digest = state_digest(model, optimizer).digest if resume_step else b""
+                await client.join(
+                    model_signature(model.named_parameters()),
+                    (local_host, port),
+                    step=resume_step,
+                    digest=digest,
+                    committed=resume_committed and resume_step > 0,
+                    fold=(options or TrainerOptions()).response_cache,
+                )
+        except trio.TooSlowError:
+            raise ConfigError(
+                f"rank {config.rank}: the run did not start within {join_seconds:g} s of joining "
+                f"the coordinator at {config.coordinator_addr}, which waits for all "
+                f"{config.world_size} ranks: start every rank, or set WORLD_SIZE (--world-size) "
+                "to the number of processes"
+            ) from None
         async with _trainer_session(
             model, optimizer, loss_fn, config, connect, client, options, trace
         ) as trainer:
