@@ -149,7 +149,7 @@ def test_launch_with_a_short_secret_exits_2_before_starting_anything() -> None:
     assert result.returncode == 2, (result.returncode, result.stderr)
     [line] = _error_lines(result.stderr)
     assert "bad configuration: the shared secret must be at least" in line, line
-    assert "(set PARAMSYNC_SECRET, or PARAMSYNC_SECRET_FILE to a file holding one)" in line, line
+    assert "PARAMSYNC_SECRET" in line, line  # names what to set
     assert "launched" not in result.stderr
 
 
@@ -173,6 +173,7 @@ def test_launch_keeps_a_secret_file_as_it_is(tmp_path: Path) -> None:
     launcher's own is put into their environment, and the run trains with the file's."""
     secret_file = tmp_path / "secret"
     secret_file.write_text(os.urandom(16).hex())
+    secret_file.chmod(0o600)
     script = tmp_path / "check_env.py"
     script.write_text(
         "import os, runpy, sys\n"

@@ -210,14 +210,11 @@ class Hello(WireMessage):
 
 @dataclass(frozen=True)
 class Challenge(WireMessage):
-    """Listener -> dialer: who the listener is, its nonce and its proof of the secret."""
+    """Listener -> dialer: the listener's nonce, and nothing about the listener (the dialer
+    has not proven the secret yet)."""
 
     KIND: ClassVar[str] = "challenge"
-    group: str = wire(Str(128))
-    world_size: int = wire(Int(1, _MAX_WORLD))
-    rank: int = wire(Int(-1, _MAX_WORLD))
     nonce: bytes = wire(Bytes(NONCE_SIZE))
-    proof: bytes = wire(Bytes(64))
 
 
 @dataclass(frozen=True)
@@ -230,9 +227,14 @@ class Auth(WireMessage):
 
 @dataclass(frozen=True)
 class Welcome(WireMessage):
-    """Listener -> dialer: authenticated and admitted."""
+    """Listener -> dialer: authenticated and admitted; who the listener is, and its proof of
+    the secret (the dialer checks it before trusting the rest)."""
 
     KIND: ClassVar[str] = "welcome"
+    group: str = wire(Str(128))
+    world_size: int = wire(Int(1, _MAX_WORLD))
+    rank: int = wire(Int(-1, _MAX_WORLD))
+    proof: bytes = wire(Bytes(64))
 
 
 @dataclass(frozen=True)
