@@ -4,7 +4,7 @@ Run it with one process per worker, under ``paramsync launch`` or torchrun, unch
 
     .venv/bin/paramsync launch --nproc 2 -- examples/own_training_loop.py
     .venv/bin/paramsync launch --nproc 4 -- examples/own_training_loop.py --steps 200
-    PARAMSYNC_SECRET=$(openssl rand -hex 16) .venv/bin/torchrun --nproc-per-node 2 \
+    PARAMSYNC_SECRET=$(.venv/bin/paramsync secret) .venv/bin/torchrun --nproc-per-node 2 \
         examples/own_training_loop.py
 
 ``paramsync launch`` starts a coordinator process and N copies of this script with RANK,
