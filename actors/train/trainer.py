@@ -33,6 +33,7 @@ from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
 from actors.train.state_transfer import receive_state, send_state, wire_view
 from runtime.actor.base import ActorStopped, ActorSystem
+from runtime.collectives.compression import check_comm_options
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
@@ -85,6 +86,17 @@ class TrainerOptions:
     """Steps kept in the trainer's ``losses`` and ``step_seconds`` (the newest ones): enough for
     the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
     summary's first loss and throughput cover the whole run whatever this is."""
+    # Gradient compression (torch DDP's comm hooks; `runtime.collectives.compression`).
+    comm_hook: str = "none"
+    """How float32/float64 buckets are averaged: "none" (exact), "fp16" / "bf16" (torch's
+    fp16_compress_hook / bf16_compress_hook: half the bytes) or "powersgd" (torch's
+    powerSGD_hook with error feedback). Every member must use the same (the coordinator
+    checks it with the bucket specs)."""
+    powersgd_rank: int = 1
+    """PowerSGD's ``matrix_approximation_rank``."""
+    powersgd_start_iter: int = 2
+    """PowerSGD's ``start_powerSGD_iter``: steps of each epoch averaged exactly before
+    compression starts."""
 
     def __post_init__(self) -> None:
         if self.accumulation_steps < 1:
@@ -97,6 +109,7 @@ class TrainerOptions:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
         if self.history_steps < 1:
             raise ValueError(f"history_steps must be >= 1, got {self.history_steps}")
+        check_comm_options(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
