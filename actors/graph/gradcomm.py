@@ -117,8 +117,6 @@ class GradCommActor(Actor):
             for bucket in buckets
         ]
         """Per bucket: how it is averaged (`runtime.collectives.compression`: a comm hook)."""
-        self.payload_bytes = 0
-        """Bytes this rank has all-reduced for its buckets (compressed, if a hook compresses)."""
         self._specs = [
             tag_spec(bucket.spec(), reducer.label)
             for bucket, reducer in zip(buckets, self._reducers)
@@ -290,9 +288,7 @@ class GradCommActor(Actor):
         with self.trace.span(
             "all-reduce", actor="gradient-comm", bucket=index, bytes=reducer.payload_bytes()
         ):
-            self.payload_bytes += await reducer.reduce(
-                flat, self.transport.world_size, self._all_reduce_flat
-            )
+            await reducer.reduce(flat, self.transport.world_size, self._all_reduce_flat)
         if self._packed[index]:
             grads = [param.grad for param in self._params[index]]
             bucket.unpack(flat, [g for g in grads if g is not None])
