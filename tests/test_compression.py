@@ -107,6 +107,39 @@ async def test_cast_hook_is_torchs_arithmetic_and_bitwise_identical(
     assert bool(((results[0][0] - exact).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+async def test_cast_hook_through_the_shared_memory_plane_is_bitwise_the_rings(
+    wire: torch.dtype,
+) -> None:
+    """A bucket large enough for the shared-memory plane: every rank casts back the same bits,
+    the very bits of the TCP ring's result."""
+    world_size, numel = 3, 40_000  # 80 KB in half precision: the plane takes it
+    grads = [rank_gradient(rank, numel) for rank in range(world_size)]
+    used: list[bool] = []
+
+    async def rank_fn(t: Transport) -> torch.Tensor:
+        plane = t.shared_memory  # type: ignore[attr-defined]
+        used.append(plane is not None and plane.accepts(torch.empty(numel, dtype=wire)))
+
+        async def reduce(tensor: torch.Tensor, op: ReduceOp) -> None:
+            await all_reduce(t, tensor, op)
+
+        flat = grads[t.rank].clone()
+        await CastReducer(numel, wire).reduce(flat, t.world_size, reduce)
+        return flat
+
+    finals = []
+    for shared_memory in (True, False):
+        used.clear()
+        with trio.fail_after(RUN_SECONDS):
+            async with TcpTransport.open_group(world_size, shared_memory=shared_memory) as group:
+                results = await run_ranks(list(group), rank_fn)
+        assert used == [shared_memory] * world_size
+        assert all(bitwise_equal(flat, results[0]) for flat in results)
+        finals.append(results[0])
+    assert bitwise_equal(finals[0], finals[1])
+
+
 def test_options_are_validated_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="comm_hook must be one of none, fp16, bf16, powersgd"):
         TrainerOptions(comm_hook="fp8")
