@@ -482,3 +482,37 @@ async def test_training_with_each_hook_converges_like_uncompressed() -> None:
         assert final[hook][0]["full_loss"] == pytest.approx(base, rel=0.05), hook
     # Rank-1 PowerSGD with error feedback: a little behind (measured: 0.0203 against 0.0194).
     assert final["powersgd"][0]["full_loss"] < base * 1.5
+
+
+def test_the_ddp_benchmark_passes_the_hook_to_both_systems() -> None:
+    """``benchmarks/ddp.py --comm-hook``: the choices are the trainer's, and every worker
+    (DDP's and paramsync's alike) is started with the hook and its PowerSGD settings."""
+    import importlib.util
+    from pathlib import Path
+
+    from runtime.collectives.compression import COMM_HOOKS
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ddp.py"
+    spec = importlib.util.spec_from_file_location("ddp_benchmark_hooks", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.COMM_HOOKS == COMM_HOOKS
+    args = bench.build_parser().parse_args(
+        ["--comm-hook", "powersgd", "--powersgd-rank", "4", "--powersgd-start-iter", "10"]
+    )
+    flags = bench._model_flags(args)
+    for flag, value in [
+        ("--comm-hook", "powersgd"),
+        ("--powersgd-rank", "4"),
+        ("--powersgd-start-iter", "10"),
+    ]:
+        assert flags[flags.index(flag) + 1] == value
+    worker = bench.build_parser().parse_args(flags)
+    assert (worker.comm_hook, worker.powersgd_rank, worker.powersgd_start_iter) == (
+        "powersgd",
+        4,
+        10,
+    )
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--comm-hook", "fp8"])

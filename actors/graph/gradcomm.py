@@ -4,7 +4,8 @@ It owns each bucket's flat buffer (the gradients are views of it, so backward fi
 place), reports a ready bucket (pre-averaged over accumulation steps) to the coordinator, and
 all-reduces it when the coordinator says go, overlapping the rest of backward; buckets run in the
 coordinator's order on every rank. From an epoch's second step on, buckets are reduced at once
-in the agreed order, without the round trip (the response cache).
+in the agreed order, without the round trip (the response cache). Each bucket is averaged by its
+reducer (`runtime.collectives.compression`: exactly, or compressed by ``comm_hook``).
 """
 
 from __future__ import annotations
