@@ -159,6 +159,9 @@ def test_hooks_apply_to_float32_and_float64_buckets_only_and_mark_the_spec() -> 
     assert isinstance(make_reducer("powersgd", 0, shapes, torch.float32), PowerSGDReducer)
     assert isinstance(make_reducer("fp16", 0, shapes, torch.float16), AverageReducer)
     assert isinstance(make_reducer("none", 0, shapes, torch.float32), AverageReducer)
+    # PowerSGD's first Q: bucket i takes torch's i-th seed, the same on every rank.
+    seeds = [make_reducer("powersgd", i, shapes, torch.float32).seed for i in range(3)]  # type: ignore[attr-defined]
+    assert seeds == [int(x) for x in np.random.RandomState(0).randint(1_000_000_000, size=3)]
     spec: list[list[object]] = [[[4, 3], "float32"], [[3], "float32"]]
     assert tag_spec(spec, "") == spec
     tagged = tag_spec(spec, make_reducer("fp16", 0, shapes, torch.float32).label)
@@ -235,11 +238,12 @@ def test_powersgd_is_bitwise_torchs_powersgd_hook(rank: int) -> None:
         state = psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
         )
-        # torch seeds each bucket's first Q from numpy's RandomState(random_seed): ours is told.
-        seed = int(np.random.RandomState(0).randint(1_000_000_000))
-        ours = PowerSGDReducer(
-            TORCH_SHAPES, matrix_approximation_rank=rank, start_powerSGD_iter=2, seed=seed
+        # Bucket 0 draws torch's first seed (numpy's RandomState(0)), as make_reducer builds it.
+        ours = make_reducer(
+            "powersgd", 0, TORCH_SHAPES, torch.float32, powersgd_rank=rank, powersgd_start_iter=2
         )
+        assert isinstance(ours, PowerSGDReducer)
+        assert ours.seed == int(np.random.RandomState(0).randint(1_000_000_000))
 
         async def no_peers(tensor: torch.Tensor, op: ReduceOp) -> None:
             pass  # one rank: an all-reduce leaves the tensor as it is

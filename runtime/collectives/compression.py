@@ -22,7 +22,8 @@ all-reduced. One reducer lives per bucket for an epoch and keeps that bucket's s
   averaged all-reduce first. Error feedback keeps, per rank, what the applied gradient missed of
   this rank's own (gradient + previous error), and adds it to the next step's gradient; warm
   start reuses the last averaged Q as the next step's start. The first Q is drawn from a normal
-  distribution by a generator seeded from the bucket's index, identically on every rank.
+  distribution by a generator seeded from the bucket's index, identically on every rank (with
+  torch's seeds: `_bucket_seed`).
 
 Every reducer works on CPU float buffers; a bucket of another dtype (integers, or already half
 precision) is reduced plainly whatever the hook. Ranks must agree on the hook: `tag_spec` marks
@@ -36,6 +37,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from runtime.collectives.ring import ReduceOp
@@ -134,8 +136,11 @@ def tag_spec(spec: list[list[object]], label: str) -> list[list[object]]:
 
 
 def _bucket_seed(random_seed: int, index: int) -> int:
-    """The seed of bucket ``index``'s first Q: the same on every rank, different per bucket."""
-    return (random_seed * 1_000_003 + index) % (1 << 62)
+    """The seed of bucket ``index``'s first Q, the same on every rank: torch's, which draws
+    one ``randint(1_000_000_000)`` per bucket from ``numpy.random.RandomState(random_seed)``
+    as buckets first compress (in index order, where its buckets first compress so)."""
+    rng = np.random.RandomState(random_seed)
+    return int(rng.randint(1_000_000_000, size=index + 1)[index])
 
 
 class AverageReducer:
@@ -210,8 +215,7 @@ class PowerSGDReducer:
     """torch's ``powerSGD_hook`` for one bucket: low-rank P and Q instead of the gradients.
 
     The parameters mirror torch's `PowerSGDState`; ``seed`` draws the first Q (torch seeds
-    its global generator from ``random_seed`` per bucket; here each bucket has its own seed,
-    the same on every rank).
+    its global generator with it; `make_reducer` gives bucket i torch's i-th seed).
     """
 
     label: str
