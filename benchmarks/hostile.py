@@ -11,8 +11,11 @@ connect_close  connects and closes without a word
 http_garbage   sends an HTTP request (its first 8 bytes announce a 405 MB head)
 framed_garbage a well-formed frame prefix followed by random bytes
 oversized      a frame prefix that announces 4 GiB
-wrong_secret   a real dialer holding another secret (it hangs up after the challenge)
-forged_auth    a dialer holding another secret that sends its auth anyway
+wrong_secret   a real dialer holding another secret (the dialer proves first: its auth is refused)
+forged_auth    a stranger holding no secret that sends a random proof as its auth
+offline_guess  one hello, then a hang-up: the reply is searched offline for anything to test
+               a dictionary of secrets against (issue 18 row 2); the dictionary holds the
+               run's secret, as it would a weak one, so any verifier in the reply recovers it
 taken_rank     a dialer with the right secret claiming rank 0, which a worker holds
 replay         the hello and auth recorded from a taken_rank session, replayed verbatim
 slow_drip      a valid hello, one byte every 100 ms (cut at the handshake deadline)
@@ -54,6 +57,8 @@ end with the same state digest, the coordinator's memory, and the daemon's admis
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import itertools
 import json
 import os
@@ -83,11 +88,11 @@ from runtime.errors import HandshakeError, PeerClosed, ProtocolError  # noqa: E4
 from runtime.protocol.handshake import (  # noqa: E402
     DialerHandshake,
     Identity,
-    ListenerHandshake,
-    NonceLedger,
+    stretch_secret,
 )
 from runtime.protocol.wire import (  # noqa: E402
     HANDSHAKE_MAX_FRAME,
+    PROTOCOL_VERSION,
     decode_frame,
     encode_frame_bytes,
 )
@@ -107,6 +112,9 @@ __all__ = [
     "run_attacks",
     "slow_holders",
     "duplicate_rank",
+    "offline_guess",
+    "guess_tester",
+    "guess_costs",
     "account",
     "mark_phase",
     "main",
@@ -247,17 +255,21 @@ async def oversized(target: Target, index: int) -> list[Attempt]:
     return [await _send_then_answer(target, "oversized", data, ("frame_too_large",), text)]
 
 
+WRONG_AUTH = "authentication failed: wrong shared secret"
+
+
 async def wrong_secret(target: Target, index: int) -> list[Attempt]:
-    """The real dialer's steps with another secret: it finds the challenge's proof wrong and
-    hangs up without sending auth (as `runtime.transport.tcp.dial` does)."""
+    """The real dialer's steps (as `runtime.transport.tcp.dial` takes them) with another
+    secret: the dialer proves first, so its auth is refused and it learns nothing."""
     stream, where = await _open(target)
     conn = Connection(stream)
     dialer = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size))
-    attempt = Attempt("wrong_secret", where, ("closed",), "closed by the peer", "")
+    attempt = Attempt("wrong_secret", where, ("authentication",), WRONG_AUTH, "")
     try:
         await conn.send(*dialer.hello())
-        dialer.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME))
-        attempt.outcome = "the coordinator proved a secret it should not hold"
+        await conn.send(*dialer.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME)))
+        dialer.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
+        attempt.outcome = "welcome: the coordinator admitted a dialer with another secret"
     except ProtocolError as exc:
         attempt.outcome = f"{type(exc).__name__}: {exc}"
     finally:
@@ -266,39 +278,116 @@ async def wrong_secret(target: Target, index: int) -> list[Attempt]:
 
 
 async def forged_auth(target: Target, index: int) -> list[Attempt]:
-    """Another secret, but the attacker sends an auth anyway (its proof made with that secret
-    over the real nonces and identities): the coordinator checks it and refuses."""
+    """A stranger with no secret at all answers the challenge with 32 random bytes as its
+    proof: the coordinator checks it and refuses."""
     stream, where = await _open(target)
     conn = Connection(stream)
-    me = _me(target, index % target.world_size)
-    dialer = DialerHandshake(WRONG_SECRET, me)
-    attempt = Attempt(
-        "forged_auth", where, ("authentication",), "authentication failed: wrong shared secret", ""
-    )
+    dialer = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size))
+    attempt = Attempt("forged_auth", where, ("authentication",), WRONG_AUTH, "")
     try:
-        hello = dialer.hello()
-        await conn.send(*hello)
+        await conn.send(*dialer.hello())
         challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
         if challenge["kind"] != "challenge":  # refused before the challenge (busy)
             attempt.outcome = f"{challenge['kind']}: {challenge.get('reason', '')}"
             return [attempt]
-        # A listener holding the attacker's secret, with the real listener's nonce, gives the
-        # dialer a challenge it accepts, so it produces the auth it would send.
-        lookalike = ListenerHandshake(
-            WRONG_SECRET,
-            Identity(challenge["group"], challenge["world_size"], challenge["rank"]),
-            lambda _peer: None,
-            nonce=challenge["nonce"],
-            ledger=NonceLedger(),  # not this process's: the hello is the attacker's own
-        )
-        kind, fields = lookalike.on_hello({"kind": "hello", **hello[1]})
-        await conn.send(*dialer.on_challenge({"kind": kind, **fields}))
+        await conn.send("auth", {"proof": random.Random(index).randbytes(32)})
         attempt.outcome = await _answer(conn, target.handshake_seconds + 2)
     except ProtocolError as exc:
         attempt.outcome = f"{type(exc).__name__}: {exc}"
     finally:
         await conn.aclose()
     return [attempt]
+
+
+GUESS_WORDS = 200
+"""Words in `offline_guess`'s dictionary before the planted secret (the last one tried)."""
+
+
+def _transcript(
+    label: bytes, version: int, first: bytes, second: bytes, *identities: Identity
+) -> bytes:
+    """A proof's transcript as docs/protocol.md section 5.1 defines it."""
+    out = label + version.to_bytes(2, "big") + first + second
+    for ident in identities:
+        group = ident.group.encode()
+        out += len(group).to_bytes(2, "big") + group
+        out += ident.world_size.to_bytes(4, "big") + (ident.rank + 1).to_bytes(4, "big")
+    return out
+
+
+def guess_tester(hello: dict[str, Any], reply: dict[str, Any]) -> Callable[[bytes], bool] | None:
+    """What one reply to ``hello`` lets an offline guesser test candidate secrets against:
+    a check of a candidate, or None when the reply holds nothing to test against.
+
+    The one verifier a listener's first reply ever held is its proof (protocol version 1:
+    HMAC-SHA256 keyed by the raw secret over a transcript the stranger knows, with the
+    listener's identity beside it); keyed by the stretched secret too, in case a listener
+    sends one under version 2."""
+    proof = reply.get("proof")
+    if not isinstance(proof, bytes) or not {"group", "world_size", "rank"} <= set(reply):
+        return None
+    dialer = Identity(hello["group"], hello["world_size"], hello["rank"])
+    listener = Identity(reply["group"], reply["world_size"], reply["rank"])
+    transcript = _transcript(
+        b"paramsync/listener", reply["v"], hello["nonce"], reply["nonce"], dialer, listener
+    )
+
+    def check(candidate: bytes) -> bool:
+        key = candidate if reply["v"] == 1 else stretch_secret(candidate)
+        return hmac.compare_digest(hmac.new(key, transcript, hashlib.sha256).digest(), proof)
+
+    return check
+
+
+async def offline_guess(target: Target, index: int) -> list[Attempt]:
+    """Issue 18 row 2: send one hello as a stranger, keep the reply, hang up; then search the
+    reply offline with a dictionary of `GUESS_WORDS` words plus the run's secret (a weak secret
+    is in the dictionary). Outcome: what the reply held, and whether the secret fell."""
+    stream, where = await _open(target)
+    conn = Connection(stream)
+    attempt = Attempt("offline_guess", where, ("closed",), "closed by the peer", "")
+    kind, hello = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size)).hello()
+    try:
+        await conn.send(kind, hello)
+        reply = await conn.recv(HANDSHAKE_MAX_FRAME)
+    except ProtocolError as exc:
+        attempt.outcome = f"{type(exc).__name__}: {exc}"
+        return [attempt]
+    finally:
+        await conn.aclose()
+    held = sorted(set(reply) - {"v", "kind"})
+    check = guess_tester(hello, reply)
+    if check is None:
+        attempt.outcome = f"{reply['kind']} {held}: nothing to test guesses against"
+        return [attempt]
+    words = [f"guess-{index}-{n:06d}".encode() for n in range(GUESS_WORDS)] + [target.secret]
+    started = time.perf_counter()
+    found = next((n for n, word in enumerate(words, 1) if check(word)), None)
+    took = f"{(time.perf_counter() - started) * 1e3:.2f} ms"
+    attempt.outcome = (
+        f"recovered the secret after {found} guesses in {took} from a {reply['kind']} {held}"
+        if found is not None
+        else f"{reply['kind']} {held}: {len(words)} guesses in {took}, none right"
+    )
+    return [attempt]
+
+
+def guess_costs(guesses: int = 20) -> dict[str, float]:
+    """Seconds one offline guess costs an attacker holding a proof, per key: the raw secret
+    (protocol version 1) and the scrypt-stretched one (version 2; each guess a fresh scrypt)."""
+    transcript = bytes(128)
+    started = time.perf_counter()
+    for n in range(guesses * 1000):
+        hmac.new(n.to_bytes(16, "big"), transcript, hashlib.sha256).digest()
+    raw = (time.perf_counter() - started) / (guesses * 1000)
+    started = time.perf_counter()
+    for n in range(guesses):
+        hashlib.scrypt(
+            n.to_bytes(16, "big") + b"guess", salt=b"paramsync/secret/v2", n=2**14, r=8, p=1,
+            maxmem=64 * 2**20, dklen=32,
+        )  # fmt: skip
+    stretched = (time.perf_counter() - started) / guesses
+    return {"raw_hmac_seconds_per_guess": raw, "scrypt_seconds_per_guess": stretched}
 
 
 async def replay(target: Target, index: int) -> list[Attempt]:
@@ -538,7 +627,7 @@ def join_bomb(size: int) -> bytes:
     """Issue 18 row 4: a framed `join` whose ``params`` is an array of ``size`` empty arrays
     (one byte each on the wire, about 72 bytes each once decoded). Sent after a valid
     handshake (it needs a free rank), or handed to `decode_frame` directly."""
-    head = b"\xa3\x61v\x01\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
+    head = b"\xa3\x61v\x02\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
     return struct.pack(">II", len(head) + size, 0) + head + b"\x80" * size
 
 
@@ -546,7 +635,11 @@ def ip_tag_manifest(tag: int) -> bytes:
     """Issue 18 row 10: a framed `state_manifest` carrying CBOR tag 52 or 54 (an IP address)."""
     value = b"\x0a\x00\x00\x01" if tag == 52 else bytes(16)
     body = cbor2.dumps(
-        {"v": 1, "kind": "state_manifest", "manifest": {"host": cbor2.CBORTag(tag, value)}}
+        {
+            "v": PROTOCOL_VERSION,
+            "kind": "state_manifest",
+            "manifest": {"host": cbor2.CBORTag(tag, value)},
+        }
     )
     return struct.pack(">II", len(body), 0) + body
 
@@ -592,6 +685,7 @@ ATTACKS: dict[str, AttackFn] = {
     "oversized": oversized,
     "wrong_secret": wrong_secret,
     "forged_auth": forged_auth,
+    "offline_guess": offline_guess,
     "replay": replay,
     "slow_drip": slow_drip,
 }
@@ -917,6 +1011,7 @@ PHASES = (
     "oversized",
     "wrong_secret",
     "forged_auth",
+    "offline_guess",
     "replay",
     "slow_drip",
     "flood",
@@ -998,6 +1093,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: refused in {row['seconds'] * 1e3:.1f} ms, "
             f"peak {row['peak_bytes'] / 2**20:.2f} MiB: {row['refusal']}"
         )
+    costs = guess_costs()
+    print(
+        f"one offline guess against a proof: {costs['raw_hmac_seconds_per_guess'] * 1e6:.1f} us "
+        f"keyed by the raw secret (protocol v1), {costs['scrypt_seconds_per_guess'] * 1e3:.1f} "
+        f"ms keyed by the scrypt-stretched secret (v2)"
+    )
     with tempfile.TemporaryDirectory(prefix="paramsync-hostile-") as tmp:
         run = LiveRun(
             Path(tmp),
@@ -1053,8 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
     names = [a for a in ("connect_close", "http_garbage", "framed_garbage", "oversized",
-                         "wrong_secret", "forged_auth", "taken_rank", "replay", "slow_drip",
-                         "flood") if a in rows]  # fmt: skip
+                         "wrong_secret", "forged_auth", "offline_guess", "taken_rank", "replay",
+                         "slow_drip", "flood") if a in rows]  # fmt: skip
     header = (
         f"{'attack':<15} {'tried':>6} {'refused':>8} {'logged':>7} {'summed':>7} "
         f"{'missing':>8}  categories as expected"
@@ -1086,6 +1187,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{peak_rss / 2**20:.0f} MiB after"
         )
     print(f"daemon admission totals: {log.totals}")
+    guessed = [a for a in attempts if a.attack == "offline_guess"]
+    recovered = [a for a in guessed if a.outcome.startswith("recovered")]
+    print(
+        f"offline_guess: the secret recovered from {len(recovered)} of {len(guessed)} replies; "
+        f"e.g. {guessed[0].outcome if guessed else None}"
+    )
     holding, dupes = admission["slow_holders"], admission["duplicate_rank"]
     print(
         f"slow_holders: {holding['holders']} holders from {holding['sources']} addresses; "
@@ -1136,6 +1243,12 @@ def main(argv: list[str] | None = None) -> int:
         "admission_attacks": admission,
         "admission_daemon_totals": parse_admission_log(free_log).totals,
         "wire_bombs": bombs,
+        "offline_guess": {
+            "replies": len(guessed),
+            "secret_recovered": len(recovered),
+            "sample_outcome": guessed[0].outcome if guessed else None,
+            **costs,
+        },
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -1151,6 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
         and same_as_baseline is not False
         and holding["all_joined_in_time"]
         and dupes["both_welcomed"] == 0
+        and not recovered
         and all(row["refusal"] != "ACCEPTED" for row in bombs.values())
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
     )

@@ -30,6 +30,7 @@ from runtime.errors import PeerClosed
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity, load_secret
 from runtime.protocol.messages import StartRun
+from runtime.protocol.wire import PROTOCOL_VERSION
 from runtime.transport.base import InProcessTransport
 from runtime.transport.link import MemoryLink
 from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
@@ -617,7 +618,7 @@ async def test_garbage_from_a_joined_in_process_worker_aborts_naming_its_rank() 
     assert rank0 is not None and "rank 1" in str(rank0)
 
 
-UNKNOWN_KIND = cbor2.dumps({"v": 1, "kind": "gimme-weights"})
+UNKNOWN_KIND = cbor2.dumps({"v": PROTOCOL_VERSION, "kind": "gimme-weights"})
 
 GARBAGE = {
     "bytes": lambda conn: conn.stream.send_all(b"\xff" * 64),
@@ -703,7 +704,7 @@ async def test_unauthenticated_connections_are_refused_and_the_run_completes() -
             await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 100)
             # A dialer with the wrong secret, claiming rank 0.
             with pytest.raises(Exception, match=r"secret|refused"):
-                await dial(address, b"not-the-secret!", Identity(DEFAULT_GROUP, 2, 0))
+                await dial(address, b"not-the-right-secret", Identity(DEFAULT_GROUP, 2, 0))
             await wait_for(lambda: coordinator.hostile_refused >= 2)
             await stream.aclose()
             nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 3)

@@ -51,7 +51,7 @@ from runtime.protocol.messages import (
     event_from_wire,
     message_from_wire,
 )
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
 
 SIG = (
     ("embed.w", (16, 8), "float32", True),
@@ -851,7 +851,7 @@ def test_signature_and_spec_helpers() -> None:
 
 
 def wire(kind: str, **fields: Any) -> dict[str, Any]:
-    return {"v": 1, "kind": kind, **fields}
+    return {"v": PROTOCOL_VERSION, "kind": kind, **fields}
 
 
 @pytest.mark.parametrize(
@@ -1376,7 +1376,14 @@ def test_packed_digests_without_names_or_that_do_not_fit_name_the_rank() -> None
     ],
 )
 def test_packed_digest_fields_are_checked(fields: dict[str, Any], match: str) -> None:
-    message = {"v": 1, "kind": "digest", "epoch": 1, "step": 0, "digest": b"d", **fields}
+    message = {
+        "v": PROTOCOL_VERSION,
+        "kind": "digest",
+        "epoch": 1,
+        "step": 0,
+        "digest": b"d",
+        **fields,
+    }
     with pytest.raises(ProtocolError, match=match):
         event_from_wire(message, rank=1, now=0.0)
 

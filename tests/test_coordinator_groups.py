@@ -23,6 +23,7 @@ from runtime.coordinator.group_decl import declaration_of
 from runtime.coordinator.run_state import RunState
 from runtime.errors import ProtocolError
 from runtime.protocol.messages import Digest, Go, Joined, Ready, StartRun, decode_message
+from runtime.protocol.wire import PROTOCOL_VERSION
 from runtime.transport.base import Transport
 
 SIG = (("w", (4, 2), "float32", True),)
@@ -145,7 +146,10 @@ def test_each_rank_starts_with_its_groups_and_their_addresses() -> None:
         assert isinstance(start, StartRun) and start.members == (0, 1, 2, 3)
         name, ranks = PAIRS[rank // 2]
         assert start.groups == ((name, ranks, tuple(addr(r) for r in ranks)),)
-        assert decode_message(start.to_wire()[1] | {"kind": "start_run", "v": 1}) == start
+        assert (
+            decode_message(start.to_wire()[1] | {"kind": "start_run", "v": PROTOCOL_VERSION})
+            == start
+        )
 
 
 # --------------------------------------------------------------------------- negotiation

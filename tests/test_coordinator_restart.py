@@ -63,12 +63,16 @@ def loss_fn(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> torch.
 class Cluster:
     """Workers that redial whichever coordinator is up; the test kills and restarts it."""
 
-    def __init__(self, restart_at: int | None, stray: int | None = None) -> None:
+    def __init__(
+        self, restart_at: int | None, stray: int | None = None, *, ahead: bool = False
+    ) -> None:
         self.restart_at = restart_at
         self.stray = stray
         """This rank's state is damaged while the coordinator is down (its digest differs);
-        then every worker waits at ``restart_at`` for the restart, so none is a step ahead
-        (a worker alone ahead would be the donor, damaged or not: see docs/protocol.md)."""
+        then every worker waits at ``restart_at`` for the restart."""
+        self.ahead = ahead
+        """The stray rank's damaged state is also one step ahead of the others (a step it
+        took alone, never checked): the donor rule rolls it back (tests/test_donor_rule.py)."""
         self.arrived = 0
         self.restarted = trio.Event()
         self.masks: dict[int, torch.Tensor] = {}
@@ -136,6 +140,8 @@ class Cluster:
                         with torch.no_grad():
                             model.body[0].weight.add_(1.0)
                             model.mask.logical_not_()
+                        if self.ahead:
+                            trainer.step += 1
                         return await resume_point()
 
                     client.resume_point = damaged
@@ -181,8 +187,10 @@ class Cluster:
             await self.coordinator()
 
 
-async def run_cluster(restart_at: int | None, stray: int | None = None) -> Cluster:
-    cluster = Cluster(restart_at, stray)
+async def run_cluster(
+    restart_at: int | None, stray: int | None = None, *, ahead: bool = False
+) -> Cluster:
+    cluster = Cluster(restart_at, stray, ahead=ahead)
     with trio.fail_after(60):
         await cluster.run()
     return cluster

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import struct
 from typing import Any
@@ -40,9 +39,16 @@ from runtime.protocol.handshake import (
     Identity,
     ListenerHandshake,
     NonceLedger,
+    listener_proof,
     load_secret,
+    stretch_secret,
 )
-from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
+from runtime.protocol.wire import (
+    HANDSHAKE_MAX_FRAME,
+    PROTOCOL_VERSION,
+    decode_frame,
+    encode_frame_bytes,
+)
 from runtime.transport import tcp
 
 SECRET = b"correct horse battery staple"
@@ -66,13 +72,10 @@ def admit_all(_peer: Identity) -> str | None:
 def run_sans_io(
     dialer: DialerHandshake, listener: ListenerHandshake
 ) -> tuple[Identity | Exception, Exception | str | None]:
-    """Play the four messages. Returns (the dialer's outcome, the listener's error); the
-    listener's is "hung up" when the dialer refused the challenge and never sent auth."""
+    """Play the four messages. Returns (the dialer's outcome, the listener's error)."""
     challenge = over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello())))
-    try:
-        auth = over_the_wire(*dialer.on_challenge(challenge))
-    except HandshakeError as exc:
-        return exc, "hung up"
+    assert set(challenge) == {"v", "kind", "nonce"}  # nothing about the listener yet
+    auth = over_the_wire(*dialer.on_challenge(challenge))
     kind, fields, error = listener.on_auth(auth)
     assert (kind == "welcome") == (error is None)
     verdict = over_the_wire(kind, fields)
@@ -100,12 +103,12 @@ def test_happy_path_admits_the_authenticated_dialer() -> None:
     assert admitted == [DIALER]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)  # each new secret costs one scrypt (~50 ms)
 @given(
     group=st.text(max_size=128),
     world_size=st.integers(1, 1 << 16),
     data=st.data(),
-    secret=st.binary(min_size=8, max_size=256),
+    secret=st.binary(min_size=16, max_size=256),
 )
 def test_happy_path_for_any_identity(
     group: str, world_size: int, data: st.DataObject, secret: bytes
@@ -119,33 +122,53 @@ def test_happy_path_for_any_identity(
     assert outcome == Identity(group, world_size, listener_rank)
 
 
-def test_listener_with_the_wrong_secret_fails_the_dialers_check() -> None:
+def test_listener_with_the_wrong_secret_refuses_and_both_sides_raise() -> None:
+    """The dialer proves first, so a listener holding another secret refuses its proof."""
     dialer = DialerHandshake(SECRET, DIALER)
     listener = ListenerHandshake(OTHER_SECRET, LISTENER, admit_all)
     outcome, error = run_sans_io(dialer, listener)
     assert isinstance(outcome, AuthenticationError), outcome
-    assert error == "hung up"  # the dialer sends no auth to a listener that failed its proof
+    assert isinstance(error, AuthenticationError), error
 
 
 def test_dialer_with_the_wrong_secret_is_refused_on_both_sides() -> None:
-    """A dialer holding the wrong secret that got as far as sending auth (here: it was shown a
-    challenge made with its own secret for the real listener's nonce) is refused, and both sides
-    raise AuthenticationError with the same sentence."""
-    nonce = secrets.token_bytes(NONCE_SIZE)
-    listener = ListenerHandshake(SECRET, LISTENER, admit_all, nonce=nonce)
-    lookalike = ListenerHandshake(
-        OTHER_SECRET, LISTENER, admit_all, nonce=nonce, ledger=NonceLedger()
-    )
+    """A dialer holding the wrong secret sends its auth and is refused; both sides raise
+    AuthenticationError with the same sentence, and the listener said nothing about itself."""
+    listener = ListenerHandshake(SECRET, LISTENER, admit_all)
     dialer = DialerHandshake(OTHER_SECRET, DIALER)
-    hello = over_the_wire(*dialer.hello())
-    listener.on_hello(hello)
-    auth = over_the_wire(*dialer.on_challenge(over_the_wire(*lookalike.on_hello(hello))))
-    kind, fields, error = listener.on_auth(auth)
+    challenge = over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello())))
+    kind, fields, error = listener.on_auth(over_the_wire(*dialer.on_challenge(challenge)))
     assert kind == "refuse" and isinstance(error, AuthenticationError)
+    assert set(fields) <= {"reason", "auth", "busy"}  # no identity, no proof
     with pytest.raises(AuthenticationError) as dialer_error:
         dialer.on_verdict(over_the_wire(kind, fields))
     assert fields["reason"] in str(dialer_error.value)
     assert fields["reason"] == str(error)
+    assert listener.peer is None and dialer.peer is None
+
+
+def test_a_rogue_listener_without_the_secret_fails_the_dialers_check() -> None:
+    """A listener that welcomes without the secret (its proof made with another secret, or
+    the dialer's own proof reflected) is caught by the dialer before it trusts the welcome."""
+    for forge in ("other-secret", "reflected", "zeros"):
+        dialer = DialerHandshake(SECRET, DIALER)
+        rogue = ListenerHandshake(OTHER_SECRET, LISTENER, admit_all, ledger=NonceLedger())
+        challenge = over_the_wire(*rogue.on_hello(over_the_wire(*dialer.hello())))
+        auth = over_the_wire(*dialer.on_challenge(challenge))
+        if forge == "other-secret":  # a listener that skips the dialer's check
+            proof = listener_proof(
+                stretch_secret(OTHER_SECRET), dialer._nonce, challenge["nonce"], DIALER, LISTENER
+            )
+        elif forge == "reflected":
+            proof = auth["proof"]
+        else:
+            proof = bytes(32)
+        welcome = over_the_wire("welcome", {**LISTENER.fields(), "proof": proof})
+        with pytest.raises(AuthenticationError, match="failed to prove the shared secret"):
+            dialer.on_verdict(welcome)
+        assert dialer.peer is None
+        with pytest.raises(HandshakeError, match="has not completed"):
+            dialer.session_key()
 
 
 @given(proof=st.binary(max_size=64))
@@ -189,7 +212,9 @@ def test_a_replayed_auth_fails_against_a_fresh_challenge() -> None:
     hello = over_the_wire(*dialer.hello())
     challenge = over_the_wire(*first.on_hello(hello))
     auth = over_the_wire(*dialer.on_challenge(challenge))
-    assert first.on_auth(auth)[0] == "welcome"
+    kind, fields, _ = first.on_auth(auth)
+    assert kind == "welcome"
+    welcome = over_the_wire(kind, fields)
 
     # A listener that saw the recorded hello refuses its replay by name...
     with pytest.raises(ReplayedHandshake, match="replayed handshake"):
@@ -200,28 +225,48 @@ def test_a_replayed_auth_fails_against_a_fresh_challenge() -> None:
     kind, _, error = second.on_auth(auth)  # the replayed auth
     assert kind == "refuse" and isinstance(error, AuthenticationError)
 
-    # ...and a recorded challenge is worthless to a dialer with a fresh nonce
+    # ...and a recorded welcome is worthless to a dialer with a fresh nonce
+    fresh = DialerHandshake(SECRET, DIALER)
+    fresh.on_challenge(challenge)
     with pytest.raises(AuthenticationError):
-        DialerHandshake(SECRET, DIALER).on_challenge(challenge)
+        fresh.on_verdict(welcome)
 
 
 def test_a_reflected_proof_is_refused() -> None:
-    """Sending the listener's own proof back as the dialer's fails: the labels differ."""
+    """A listener's proof sent back as a dialer's fails, and so does a dialer's sent back as
+    a listener's: the labels and transcripts differ."""
     dialer = DialerHandshake(SECRET, DIALER)
     listener = ListenerHandshake(SECRET, LISTENER, admit_all)
     challenge = over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello())))
-    kind, _, error = listener.on_auth(over_the_wire("auth", {"proof": challenge["proof"]}))
+    auth = over_the_wire(*dialer.on_challenge(challenge))
+    kind, fields, _ = listener.on_auth(auth)
+    assert kind == "welcome"
+    # the listener's proof, reflected to a second listener session with the same nonces
+    other = ListenerHandshake(
+        SECRET, LISTENER, admit_all, nonce=challenge["nonce"], ledger=NonceLedger()
+    )
+    other.on_hello(over_the_wire(*dialer.hello()))
+    kind, _, error = other.on_auth(over_the_wire("auth", {"proof": fields["proof"]}))
     assert kind == "refuse" and isinstance(error, AuthenticationError)
 
 
 def test_a_tampered_identity_breaks_the_proof() -> None:
-    """A man in the middle rewriting the hello's rank cannot produce a proof that verifies."""
+    """A man in the middle rewriting the hello's rank, or the welcome's, cannot produce a
+    proof that verifies."""
     dialer = DialerHandshake(SECRET, DIALER)
     listener = ListenerHandshake(SECRET, LISTENER, admit_all)
     hello = over_the_wire(*dialer.hello())
     hello["rank"] = 3
+    auth = over_the_wire(*dialer.on_challenge(over_the_wire(*listener.on_hello(hello))))
+    kind, _, error = listener.on_auth(auth)
+    assert kind == "refuse" and isinstance(error, AuthenticationError)
+
+    dialer = DialerHandshake(SECRET, DIALER)
+    listener = ListenerHandshake(SECRET, LISTENER, admit_all)
+    challenge = over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello())))
+    kind, fields, _ = listener.on_auth(over_the_wire(*dialer.on_challenge(challenge)))
     with pytest.raises(AuthenticationError):
-        dialer.on_challenge(over_the_wire(*listener.on_hello(hello)))
+        dialer.on_verdict(over_the_wire(kind, {**fields, "rank": 1}))
 
 
 def test_out_of_order_messages_are_handshake_errors() -> None:
@@ -234,10 +279,11 @@ def test_out_of_order_messages_are_handshake_errors() -> None:
         listener.on_hello(over_the_wire("hello", short))
     kind, _, error = listener.on_auth(over_the_wire("auth", {"proof": b"x" * 32}))
     assert kind == "refuse" and type(error) is HandshakeError  # auth before any hello
+    welcome = {**LISTENER.fields(), "proof": b"\x00" * 32}
     with pytest.raises(HandshakeError):
-        dialer.on_challenge(over_the_wire("welcome", {}))
+        dialer.on_challenge(over_the_wire("welcome", welcome))
     with pytest.raises(HandshakeError):
-        dialer.on_verdict(over_the_wire("welcome", {}))  # welcome before a challenge
+        dialer.on_verdict(over_the_wire("welcome", welcome))  # welcome before a challenge
     with pytest.raises(HandshakeError, match="refused: 'busy'"):
         dialer.on_challenge(over_the_wire("refuse", {"reason": "busy"}))
 
@@ -248,9 +294,10 @@ def test_out_of_order_messages_are_handshake_errors() -> None:
 def test_load_secret_prefers_the_argument_then_the_env_then_the_file(tmp_path: Any) -> None:
     path = tmp_path / "secret"
     path.write_bytes(b"from-the-file-123\n")
+    path.chmod(0o600)
     env = {SECRET_ENV: "from-the-env-123", SECRET_FILE_ENV: str(path)}
     assert load_secret("from-the-arg-123", env) == b"from-the-arg-123"
-    assert load_secret(b"\x00\xffbytes-arg", env) == b"\x00\xffbytes-arg"
+    assert load_secret(b"\x00\xffbytes-arg-1234", env) == b"\x00\xffbytes-arg-1234"
     assert load_secret(None, env) == b"from-the-env-123"
     assert load_secret(None, {SECRET_FILE_ENV: str(path)}) == b"from-the-file-123"
     assert load_secret(None, {SECRET_ENV: "", SECRET_FILE_ENV: str(path)}) == b"from-the-file-123"
@@ -274,11 +321,15 @@ def test_unreadable_or_short_secrets_are_refused(tmp_path: Any) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(ValueError, match="nope"):
         load_secret(None, {SECRET_FILE_ENV: str(missing)})
-    with pytest.raises(ValueError, match="8 bytes"):
+    with pytest.raises(ValueError, match=r"16 bytes.*paramsync secret"):
         load_secret("short", {})
+    with pytest.raises(ValueError, match="16 bytes"):
+        load_secret("fifteen-bytes!!", {})  # one short of the minimum
+    assert load_secret("sixteen-bytes!!!", {}) == b"sixteen-bytes!!!"
     short_file = tmp_path / "short"
     short_file.write_text("abc\n")
-    with pytest.raises(ValueError, match="8 bytes"):
+    short_file.chmod(0o600)
+    with pytest.raises(ValueError, match="16 bytes"):
         load_secret(None, {SECRET_FILE_ENV: str(short_file)})
 
 
@@ -368,7 +419,7 @@ def bulk_head(bulk_len: int) -> bytes:
     """A coll frame's prefix and head announcing ``bulk_len`` bytes of uint8, without them."""
     item = cbor2.dumps(
         {
-            "v": 1,
+            "v": PROTOCOL_VERSION,
             "kind": "coll",
             "op": 0,
             "hop": 0,
@@ -431,7 +482,7 @@ def hostile_clients(draw: st.DrawFn) -> tuple[list[bytes | str], bool]:
             draw(
                 st.sampled_from(
                     [
-                        frame("welcome", {}),
+                        frame("welcome", {**LISTENER.fields(), "proof": b"\x00" * 32}),
                         frame("auth", {"proof": b"\x00" * 32}),
                         frame("refuse", {"reason": "x"}),
                         frame("rdv_join", {"host": "h", "port": 1}),
@@ -454,7 +505,7 @@ def hostile_clients(draw: st.DrawFn) -> tuple[list[bytes | str], bool]:
         fields = {**DIALER.fields(), "nonce": b"\x01" * NONCE_SIZE}
         key = draw(st.sampled_from(sorted(fields)))
         fields[key] = draw(st.sampled_from([None, -5, "x" * 200, b"\x00" * 40, 2**70, [1]]))
-        item = cbor2.dumps({"v": 1, "kind": "hello", **fields})
+        item = cbor2.dumps({"v": PROTOCOL_VERSION, "kind": "hello", **fields})
         steps = [struct.pack(">II", len(item), 0) + item, "read"]
     else:  # silent: connect and close without a word
         steps = []
@@ -478,8 +529,8 @@ async def play_hostile_client(
                         challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
                     except ProtocolError:
                         return
-            elif step == "reflect":
-                proof = challenge["proof"] if challenge and "proof" in challenge else b"\x00"
+            elif step == "reflect":  # the listener's own nonce, as if it were a proof
+                proof = challenge["nonce"] if challenge and "nonce" in challenge else b"\x00"
                 await stream.send_all(frame("auth", {"proof": proof}))
             else:
                 assert isinstance(step, bytes)
@@ -569,7 +620,7 @@ async def test_serve_until_survives_garbage_and_admits_the_real_rank() -> None:
         ([hello_frame(Identity(GROUP, 2, 1))[:20]], True),
         ([hello_frame(Identity(GROUP, 2, 1)), "read", frame("auth", {"proof": b"x" * 32})], False),
         ([b"\x00\x00\x00\x0b\x00\x00\x00\x00" + b"\x81" * 10 + b"\x00"], False),
-        ([frame("welcome", {}), "read"], True),
+        ([frame("welcome", {**LISTENER.fields(), "proof": b"\x00" * 32}), "read"], True),
         ([bulk_head(1000) + b"\x00" * 10], False),
         ([], True),
     ]

@@ -2,10 +2,10 @@
 
 A coordinator (``python -m runtime.cli.main coordinator``) and two LM-job workers run as processes;
 the test process attacks the coordinator's port with the attacks of ``benchmarks/hostile.py``
-(strangers, garbage, a 4 GiB length prefix, wrong secrets, a replayed handshake, a slow drip,
-a connection flood over the cap). Every attack must be refused with a log line naming the
-attacker's address and the reason, the daemon must keep serving, and the training must finish
-with exit code 0 and the same state digest on both workers.
+(strangers, garbage, a 4 GiB length prefix, wrong secrets, an offline guesser, a replayed
+handshake, a slow drip, a connection flood over the cap). Every attack must be refused with a
+log line naming the attacker's address and the reason, the daemon must keep serving, and the
+training must finish with exit code 0 and the same state digest on both workers.
 
 Garbage after a valid handshake needs a free rank, so it runs against a second coordinator
 whose rank 1 the test takes itself before the real workers start.
@@ -93,8 +93,10 @@ EXPECTED_OUTCOMES = {
     "http_garbage": "refuse: frame of 405081036 bytes exceeds this receiver's limit of 4096",
     "framed_garbage": "refuse: ",
     "oversized": "refuse: frame of 4294967295 bytes exceeds this receiver's limit of 4096",
-    "wrong_secret": "AuthenticationError: the listener failed to prove the shared secret",
+    "wrong_secret": "AuthenticationError: refused: 'authentication failed: wrong shared secret'",
     "forged_auth": "refuse: authentication failed: wrong shared secret",
+    # issue 18 row 2: one hello's reply holds a nonce and nothing to test guesses against
+    "offline_guess": "challenge ['nonce']: nothing to test guesses against",
     "taken_rank": "refuse: rank 0 is already taken",
     "replay": "refuse: replayed handshake: this hello's nonce was sent by an earlier connection",
     "slow_drip": "closed after ",

@@ -37,6 +37,7 @@ from runtime.protocol.messages import (
     validate_message,
 )
 from runtime.protocol.schema import (
+    PROTOCOL_VERSION,
     Bytes,
     Either,
     Float,
@@ -80,7 +81,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def item(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
-    return {"v": 1, "kind": kind, **fields}
+    return {"v": PROTOCOL_VERSION, "kind": kind, **fields}
 
 
 # --------------------------------------------------------------------------- round trips
@@ -353,7 +354,7 @@ def test_a_tensor_field_travels_as_the_frames_bulk() -> None:
     decoded = decode_message(decode_frame(frame))
     assert same(decoded, messages.StateTensor(4, 2, tensor))
     with pytest.raises(TypeError):
-        messages.Welcome().to_wire_bulk()
+        messages.Heartbeat().to_wire_bulk()
 
 
 # --------------------------------------------------------------------------- process groups

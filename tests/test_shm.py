@@ -372,7 +372,8 @@ rank, world, port, loops = (int(arg) for arg in sys.argv[1:5])
 
 async def main():
     config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
-    async with TcpTransport.connect(config, secret="shm-test", join_seconds=30) as transport:
+    secret = "shm-tests-secret"  # 16 bytes: the shortest a shared secret may be
+    async with TcpTransport.connect(config, secret=secret, join_seconds=30) as transport:
         plane = transport.shared_memory
         transport.stall_seconds = 20
         attached = plane is not None

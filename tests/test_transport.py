@@ -26,7 +26,7 @@ from runtime.errors import (
     StallError,
 )
 from runtime.protocol.handshake import Identity, load_secret
-from runtime.protocol.wire import encode_frame_bytes
+from runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
 from runtime.transport import tcp
 from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport
 
@@ -65,7 +65,7 @@ async def test_send_and_recv_every_kind_of_payload(kind: str) -> None:
                 nursery.start_soon(sender)
                 for msg_kind, fields, bulk in messages:
                     got = await t1.recv(0)
-                    assert got["kind"] == msg_kind and got["v"] == 1
+                    assert got["kind"] == msg_kind and got["v"] == PROTOCOL_VERSION
                     assert {k: got[k] for k in fields} == fields
                     if bulk is not None:
                         assert bitwise_equal(got["data"], bulk)

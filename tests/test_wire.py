@@ -42,6 +42,8 @@ from runtime.protocol.wire import (
     tensor_buffer,
 )
 
+V = PROTOCOL_VERSION
+
 # The RFC 8746 little-endian typed-array tags, written out independently of runtime.protocol.wire.
 WIRE_TAGS = {
     torch.uint8: 64,
@@ -270,7 +272,7 @@ def test_a_plain_cbor_decoder_reads_frames(dtype: torch.dtype, inline: bool) -> 
     assert len(item) == item_len
     obj = cbor2.loads(item)  # one complete CBOR data item, nothing after it
     assert isinstance(obj, dict)
-    assert obj["v"] == 1 and obj["kind"] == "coll"
+    assert obj["v"] == PROTOCOL_VERSION and obj["kind"] == "coll"
     assert {k: obj[k] for k in COLL} == COLL
     assert list(obj)[-1] == "data"  # the tensor is the last map value
     array = obj["data"]
@@ -300,7 +302,7 @@ def test_a_plain_cbor_decoder_reads_every_kind(message: tuple[str, dict[str, Any
     kind, fields = message
     frame = encode_frame_bytes(kind, fields)
     obj = cbor2.loads(frame[8:])
-    assert isinstance(obj, dict) and obj["v"] == 1 and obj["kind"] == kind
+    assert isinstance(obj, dict) and obj["v"] == PROTOCOL_VERSION and obj["kind"] == kind
     assert set(obj) == {"v", "kind", *fields}
 
 
@@ -340,24 +342,26 @@ def test_frame_length_must_match_its_prefix() -> None:
 @pytest.mark.parametrize(
     ("item", "match"),
     [
-        ({"v": 2, "kind": "welcome"}, "version 2"),
-        ({"v": 0, "kind": "welcome"}, "version 0"),
-        ({"v": "1", "kind": "welcome"}, "version"),
-        ({"v": True, "kind": "welcome"}, "version"),  # True == 1 in Python, not on the wire
-        ({"v": 1.0, "kind": "welcome"}, "version"),  # a float is not the integer 1
-        ({"kind": "welcome"}, "version"),
-        ({"v": 1}, "kind"),
-        ({"v": 1, "kind": 7}, "kind"),
-        ({"v": 1, "kind": "gossip"}, "unknown message kind"),
-        ({"v": 1, "kind": "welcome", "extra": 1}, "unknown field"),
-        ({"v": 1, "kind": "refuse"}, "missing field 'reason'"),
-        ({"v": 1, "kind": "refuse", "reason": 5}, "'reason' must be str"),
-        ({"v": 1, "kind": "refuse", "reason": "x" * 1025}, "longer than"),
-        ({"v": 1, "kind": "rdv_join", "host": "h", "port": 0}, "below"),
-        ({"v": 1, "kind": "rdv_join", "host": "h", "port": 70000}, "above"),
-        ({"v": 1, "kind": "rdv_join", "host": "h", "port": True}, "must be int"),
-        ({"v": 1, "kind": "rdv_join", "host": "h", "port": 80.0}, "must be int"),
-        ({"v": 1, "kind": "rdv_table", "addresses": [["h", 1], "h:2"]}, r"'addresses'\[1\]"),
+        ({"v": 3, "kind": "heartbeat"}, "version 3"),
+        ({"v": 1, "kind": "heartbeat"}, "version 1"),  # the version before the v2 handshake
+        ({"v": 0, "kind": "heartbeat"}, "version 0"),
+        ({"v": "2", "kind": "heartbeat"}, "version"),
+        ({"v": True, "kind": "heartbeat"}, "version"),  # a bool is no version on the wire
+        ({"v": 2.0, "kind": "heartbeat"}, "version"),  # a float is not the integer 2
+        ({"kind": "heartbeat"}, "version"),
+        ({"v": V}, "kind"),
+        ({"v": V, "kind": 7}, "kind"),
+        ({"v": V, "kind": "gossip"}, "unknown message kind"),
+        ({"v": V, "kind": "heartbeat", "extra": 1}, "unknown field"),
+        ({"v": V, "kind": "welcome"}, "missing field"),
+        ({"v": V, "kind": "refuse"}, "missing field 'reason'"),
+        ({"v": V, "kind": "refuse", "reason": 5}, "'reason' must be str"),
+        ({"v": V, "kind": "refuse", "reason": "x" * 1025}, "longer than"),
+        ({"v": V, "kind": "rdv_join", "host": "h", "port": 0}, "below"),
+        ({"v": V, "kind": "rdv_join", "host": "h", "port": 70000}, "above"),
+        ({"v": V, "kind": "rdv_join", "host": "h", "port": True}, "must be int"),
+        ({"v": V, "kind": "rdv_join", "host": "h", "port": 80.0}, "must be int"),
+        ({"v": V, "kind": "rdv_table", "addresses": [["h", 1], "h:2"]}, r"'addresses'\[1\]"),
         (["v", 1], "map"),
         ("hello", "map"),
     ],
@@ -369,7 +373,7 @@ def test_invalid_items_are_refused_with_a_reason(item: Any, match: str) -> None:
 
 
 def test_trailing_bytes_after_the_item_are_refused() -> None:
-    body = cbor2.dumps({"v": 1, "kind": "welcome"}) + b"\x00"
+    body = cbor2.dumps({"v": V, "kind": "heartbeat"}) + b"\x00"
     with pytest.raises(ProtocolError, match="trailing"):
         decode_frame(prefix(len(body), 0) + body)
 
@@ -525,7 +529,7 @@ def valid_frames(draw: st.DrawFn) -> tuple[str, list[tuple[bytes, bytes]], bytes
     """A valid message as raw map pairs, plus the bulk bytes that end it (possibly empty)."""
     kind, fields = draw(valid_messages())
     bulk = b""
-    pairs = [(enc("v"), enc(1)), (enc("kind"), enc(kind))]
+    pairs = [(enc("v"), enc(V)), (enc("kind"), enc(kind))]
     if kind == "coll" and draw(st.booleans()):
         fields = {k: v for k, v in fields.items() if k != "data"}
         dtype = draw(st.sampled_from(DTYPES))
@@ -587,8 +591,8 @@ def structural_mutations(draw: st.DrawFn) -> tuple[str, bytes]:
         key, _ = draw(st.sampled_from(pairs[:-1] if bulk else pairs))
         pairs.insert(draw(st.integers(0, len(pairs) - (1 if bulk else 0))), (key, enc(2)))
     elif mutation == "wrong-version":
-        # (1.0 and True, which compare equal to 1, have their own test above)
-        value = draw(st.sampled_from([0, 2, -1, 2**64 - 1, "1", 1.5, False, None, b"\x01", [1]]))
+        # (2.0, which compares equal to 2, has its own test above)
+        value = draw(st.sampled_from([0, 1, 3, -1, 2**64 - 1, "2", 1.5, False, None, b"\x02", [2]]))
         pairs[0] = (enc("v"), enc(value))
     elif mutation == "no-version":
         del pairs[0]
@@ -734,7 +738,7 @@ def test_lying_prefixes_only_raise_protocol_error(
 
 def test_nesting_bombs_are_refused() -> None:
     for bomb in (b"\x81" * 10000 + b"\x00", b"\xd8\x28" * 10000 + b"\x00", b"\xa1\x61a" * 10000):
-        for item in (bomb, raw_map([(enc("v"), enc(1)), (enc("kind"), bomb)])):
+        for item in (bomb, raw_map([(enc("v"), enc(V)), (enc("kind"), bomb)])):
             with pytest.raises(ProtocolError):
                 decode_frame(prefix(len(item), 0) + item)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.errors import FrameTooLarge, ProtocolError
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
 
 MIB = 1024 * 1024
 
@@ -24,7 +24,7 @@ def framed(body: bytes) -> bytes:
 
 def join_of_empty_arrays(size: int) -> bytes:
     """A `join` whose ``params`` is one array of ``size`` empty arrays (row 4's attack)."""
-    head = b"\xa3\x61v\x01\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
+    head = b"\xa3\x61v\x02\x64kind\x64join\x66params\x9a" + size.to_bytes(4, "big")
     return framed(head + b"\x80" * size)
 
 
@@ -32,7 +32,7 @@ def join_of_nested_arrays(size: int) -> bytes:
     """The same bytes as arrays of 255 empty arrays, so no single length announces it."""
     inner = b"\x98\xff" + b"\x80" * 255
     count = size // len(inner)
-    head = b"\xa3\x61v\x01\x64kind\x64join\x66params\x9a" + count.to_bytes(4, "big")
+    head = b"\xa3\x61v\x02\x64kind\x64join\x66params\x9a" + count.to_bytes(4, "big")
     return framed(head + inner * count)
 
 
@@ -65,17 +65,17 @@ def test_a_16_mib_join_of_nested_empty_arrays_is_refused_fast_and_small() -> Non
 
 
 def test_a_control_kind_has_a_small_frame_cap() -> None:
-    body = cbor2.dumps({"v": 1, "kind": "heartbeat", "pad": b"\x00" * (1 * MIB)})
+    body = cbor2.dumps({"v": PROTOCOL_VERSION, "kind": "heartbeat", "pad": b"\x00" * (1 * MIB)})
     with pytest.raises(FrameTooLarge, match=r"heartbeat frame of .* exceeds the 16384-byte cap"):
         decode_frame(framed(body))
 
 
 def test_a_frame_not_led_by_v_and_kind_is_held_to_the_control_cap() -> None:
-    body = cbor2.dumps({"kind": "join", "v": 1, "params": [[]] * (1 * MIB)})
+    body = cbor2.dumps({"kind": "join", "v": PROTOCOL_VERSION, "params": [[]] * (1 * MIB)})
     with pytest.raises(FrameTooLarge, match=r"not led by 'v' and a known 'kind' of \d+ bytes"):
         decode_frame(framed(body))
     with pytest.raises(ProtocolError, match="version"):  # small: the decoder names the problem
-        decode_frame(framed(cbor2.dumps({"kind": "heartbeat", "v": 2})))
+        decode_frame(framed(cbor2.dumps({"kind": "heartbeat", "v": 3})))
 
 
 @pytest.mark.parametrize(
@@ -89,14 +89,16 @@ def test_a_frame_not_led_by_v_and_kind_is_held_to_the_control_cap() -> None:
     ],
 )
 def test_a_state_manifest_carrying_ip_address_tags_is_refused_naming_the_tag(value: object) -> None:
-    body = cbor2.dumps({"v": 1, "kind": "state_manifest", "manifest": {"host": value}})
+    body = cbor2.dumps(
+        {"v": PROTOCOL_VERSION, "kind": "state_manifest", "manifest": {"host": value}}
+    )
     with pytest.raises(ProtocolError, match=r"CBOR tag 5[24] is not part of the paramsync"):
         decode_frame(framed(body))
 
 
 def test_a_tag_refusal_keeps_its_own_reason_not_cbor2s_wrapper() -> None:
     inner = cbor2.CBORTag(40, [[1], cbor2.CBORTag(999, b"")])
-    body = cbor2.dumps({"v": 1, "kind": "state_manifest", "manifest": {"t": inner}})
+    body = cbor2.dumps({"v": PROTOCOL_VERSION, "kind": "state_manifest", "manifest": {"t": inner}})
     with pytest.raises(ProtocolError) as info:
         decode_frame(framed(body))
     assert str(info.value) == "CBOR tag 999 is not part of the paramsync protocol"
@@ -104,7 +106,9 @@ def test_a_tag_refusal_keeps_its_own_reason_not_cbor2s_wrapper() -> None:
 
 
 def test_undefined_and_other_simple_values_are_refused_by_the_type_allow_list() -> None:
-    body = cbor2.dumps({"v": 1, "kind": "state_manifest", "manifest": {"x": cbor2.undefined}})
+    body = cbor2.dumps(
+        {"v": PROTOCOL_VERSION, "kind": "state_manifest", "manifest": {"x": cbor2.undefined}}
+    )
     with pytest.raises(ProtocolError, match="of type UndefinedType is refused"):
         decode_frame(framed(body))
 
@@ -129,7 +133,7 @@ async def test_a_tcp_reader_refuses_an_oversized_control_head_before_reading_it(
 
     left, right = trio.socket.socketpair()
     sender, receiver = trio.SocketStream(left), trio.SocketStream(right)
-    body = cbor2.dumps({"v": 1, "kind": "heartbeat", "pad": b"\x00" * MIB})
+    body = cbor2.dumps({"v": PROTOCOL_VERSION, "kind": "heartbeat", "pad": b"\x00" * MIB})
     conn = Connection(receiver, peer=7)
     try:
         await sender.send_all(struct.pack(">II", len(body), 0) + body[:64])

@@ -80,7 +80,7 @@ from runtime.protocol.messages import (
     event_from_wire,
     message_from_wire,
 )
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
 
 SIG = (("w", (4, 2), "float32", True), ("b", (2,), "float32", True))
 SPECS = ((((4, 2), "float32"),), (((2,), "float32"),))
@@ -112,7 +112,7 @@ def test_a_join_sends_the_joined_message_and_the_start_enters_the_epoch() -> Non
     (message,) = sent(protocol.handle(Join(SIG, ("h", 7), step=5, digest=b"d" * 16, fold=True)))
     assert isinstance(message, Joined)
     assert wire(message) == {
-        "v": 1,
+        "v": PROTOCOL_VERSION,
         "kind": "join",
         "host": "h",
         "port": 7,
@@ -146,7 +146,7 @@ def test_reports_are_the_core_message_classes_and_fold_into_the_first_report() -
     (pairs,) = sent(protocol.handle(ReportDigest(3, b"x" * 16, [("w", b"1"), ("b", b"2")], 1)))
     assert wire(pairs)["tensors"] == [["w", b"1"], ["b", b"2"]]
     (finished,) = sent(protocol.handle(ReportFinished(4)))
-    assert wire(finished) == {"v": 1, "kind": "finished", "epoch": 1, "step": 4}
+    assert wire(finished) == {"v": PROTOCOL_VERSION, "kind": "finished", "epoch": 1, "step": 4}
 
 
 def test_commits_and_applies_of_the_epoch_move_the_counters_older_ones_are_dropped() -> None:

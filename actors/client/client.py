@@ -306,15 +306,20 @@ class CoordinatorClient:
         digest: bytes = b"",
         epoch: int = 0,
         fold: bool | None = None,
+        committed: bool | None = None,
     ) -> JoinResult:
         """Send this worker's model signature and data-plane address; wait for the start.
 
         ``step``, ``digest`` and ``epoch`` describe the state a resuming worker holds (a
         checkpoint, or a coordinator that restarted); a fresh worker sends the defaults.
         ``fold``: offer to fold response-cache reports into step reports (the trainer does,
-        with its response cache on); None keeps the last join's offer.
+        with its response cache on); None keeps the last join's offer. ``committed``: the
+        state is a committed one (a checkpoint written once its step was committed); None:
+        the protocol says, from the commits this client saw (a rejoin after a lost
+        coordinator), which the restart's donor rule trusts over a majority.
         """
-        await self._feed(Join(signature, address, step, digest, epoch, fold))
+        join = Join(signature, address, step, digest, epoch, fold, committed=committed)
+        await self._feed(join)
         # Heartbeats flow from the join on: waiting for slow peers is not silence.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats, True)

@@ -115,6 +115,9 @@ class Join:
     """The device mesh this worker's process groups follow (or ``groups``; None: neither)."""
     groups: tuple[tuple[str, tuple[int, ...]], ...] | None = None
     """Explicit process groups, (name, ranks) each (None: none, or the mesh's)."""
+    committed: bool | None = None
+    """Whether (``step``, ``digest``) is a committed state (a checkpoint written only once
+    committed); None: the protocol says, from the commits it saw (`WorkerProtocol.verified`)."""
 
 
 @dataclass(frozen=True)

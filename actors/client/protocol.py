@@ -235,6 +235,12 @@ class WorkerProtocol:
         self.address: tuple[str, int] = ("", 0)
         self.committed = -1
         """The newest step committed in the entered epoch (its baseline before any commit)."""
+        self.verified: tuple[int, bytes] | None = None
+        """The newest committed state this worker held: (next step, digest) after a step whose
+        digest it reported and whose commit came (its digest check passed); None: none yet.
+        A rejoin reports its state as committed when it still is this one."""
+        self._digests: dict[tuple[int, int], bytes] = {}
+        """(epoch, step) -> the digest this worker reported for it, until its commit."""
         self.applied = -1
         """The newest step the coordinator said apply for in the entered epoch."""
         self.last_heard: float | None = None
@@ -410,6 +416,10 @@ class WorkerProtocol:
         if not self._epoch_of(commit):
             return []
         self.committed = max(self.committed, commit.step)
+        digest = self._digests.get((commit.epoch, commit.step))
+        if digest is not None:  # a digest step: every rank's digest agreed with this one
+            self.verified = (commit.step + 1, digest)
+        self._digests = {k: v for k, v in self._digests.items() if k[1] > commit.step}
         return [Progress()]
 
     def _on_apply(self, apply: Apply) -> list[WorkerAction]:
@@ -425,6 +435,8 @@ class WorkerProtocol:
         return []
 
     def _on_resync(self, order: ResyncOrder) -> list[WorkerAction]:
+        if self.rank in order.targets:  # the digest it reported is about to be overwritten
+            self._digests.pop((self.epoch, order.step), None)
         return [RunResync(order)]
 
     def _on_announce(self, message: StartRun | Hold) -> list[WorkerAction]:
@@ -478,6 +490,9 @@ class WorkerProtocol:
             self.fold = event.fold
         if event.mesh is not None or event.groups is not None:
             self.mesh, self.declared_groups = event.mesh, event.groups
+        committed = event.committed
+        if committed is None:
+            committed = event.step > 0 and self.verified == (event.step, event.digest)
         return Joined(
             self.rank,
             self.signature,
@@ -489,6 +504,7 @@ class WorkerProtocol:
             self.fold,
             self.mesh,
             self.declared_groups,
+            committed,
         )
 
     def _join(self, event: Join) -> list[WorkerAction]:
@@ -523,6 +539,7 @@ class WorkerProtocol:
                 f"announced (newest: {self.epoch})"
             )
         self.start = start
+        self._digests = {k: v for k, v in self._digests.items() if k[0] == start.epoch}
         self.committed = start.step - 2 if start.verify else start.step - 1
         self.applied = start.step - 1
         return [Progress()]
@@ -559,6 +576,8 @@ class WorkerProtocol:
             self._group_awaiting = {
                 k: v for k, v in self._group_awaiting.items() if k[1] > event.step
             }
+            if isinstance(event, ReportDigest):
+                self._digests[(epoch, event.step)] = bytes(event.digest)
         return [Send(self._message(event, epoch))]
 
     # ------------------------------------------------------------------- response cache

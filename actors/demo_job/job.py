@@ -166,6 +166,7 @@ async def run(args: argparse.Namespace) -> int:
                 trace=trace,
                 toml_path=args.config,
                 resume_step=resume_step,
+                resume_committed=resume_step > 0,  # loaded with committed_only=True
                 reconnect_seconds=args.reconnect_seconds or None,
             ) as trainer:
                 rank = trainer.dist_config.rank
@@ -176,7 +177,11 @@ async def run(args: argparse.Namespace) -> int:
                 )
 
                 writer = (
-                    CommittedCheckpoints(store, trainer.client.wait_commit)
+                    CommittedCheckpoints(
+                        store,
+                        trainer.client.wait_commit,
+                        replaced=lambda: trainer.states_received,
+                    )
                     if store is not None
                     else None
                 )

@@ -3,6 +3,13 @@
 Running them off the event loop keeps it serving the network meanwhile. During the last
 backward of a step, gradient hooks report each bucket the moment all its gradients exist, so
 its all-reduce overlaps the rest of backward.
+
+A trainable parameter the step's last backward gave no gradient (unused by the loss) would leave
+its bucket never ready: the step fails naming it (`UnusedParametersError`), or, with
+``find_unused`` (``TrainerOptions.find_unused_parameters``), its bucket is announced when
+backward returns, holding what the step accumulated for it (zeros if nothing), and the
+parameters unused in the whole step are reported (``on_unused``) so the gradient-comm actor
+can agree with its peers which ones no rank used.
 """
 
 from __future__ import annotations
@@ -18,10 +25,25 @@ from actors.state.buckets import Bucket
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
 
-__all__ = ["ComputeActor", "LossFn"]
+__all__ = ["ComputeActor", "LossFn", "UnusedParametersError"]
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch) -> scalar loss``: the user's forward pass."""
+
+
+class UnusedParametersError(RuntimeError):
+    """A step's backward gave no gradient to trainable parameters, and the trainer was not told
+    to expect that (``find_unused_parameters``)."""
+
+    def __init__(self, step: int, names: list[str]) -> None:
+        super().__init__(
+            f"step {step}: backward produced no gradient for parameters {names} (unused by the "
+            "loss in the step's last backward), so their buckets cannot be synchronized: pass "
+            "TrainerOptions(find_unused_parameters=True) to train with parameters a step "
+            "leaves unused"
+        )
+        self.step = step
+        self.names = names
 
 
 class ComputeActor(Actor):
@@ -32,6 +54,10 @@ class ComputeActor(Actor):
     all-reduce overlaps the rest of backward); the last one is announced when backward
     returns, which wakes the event loop anyway: handing it over from the thread too would
     wake the loop a second time for the same moment.
+
+    With ``find_unused``, buckets the last backward left incomplete are announced when it
+    returns, after ``on_unused(step, names)`` has named the parameters no backward of the step
+    gave a gradient.
     """
 
     accepts = (Backward,)
@@ -43,8 +69,13 @@ class ComputeActor(Actor):
         buckets: list[Bucket],
         on_bucket: Callable[[int, int], None],
         trace: TraceRecorder,
+        *,
+        find_unused: bool = False,
+        on_unused: Callable[[int, frozenset[str]], None] | None = None,
     ) -> None:
         super().__init__("compute", mailbox_size=2)
+        self.find_unused = find_unused
+        self._on_unused = on_unused
         self.model = model
         self.loss_fn = loss_fn
         self.trace = trace
@@ -58,6 +89,13 @@ class ComputeActor(Actor):
         """Buckets of the current backward not finished yet."""
         self._last: tuple[int, int] | None = None
         """(step, bucket): the backward's last bucket, announced when it returns."""
+        self._used: set[str] = set()
+        """Parameters some backward of ``_used_step`` gave a gradient (written by the hooks)."""
+        self._used_step: int | None = None
+        self._fired: set[str] = set()
+        """Parameters the current step's last backward gave a gradient."""
+        self._incomplete: list[int] = []
+        """Buckets the last backward left without all their gradients (``find_unused``)."""
         self._token = trio.lowlevel.current_trio_token()
         self._hooks = [
             self._params[name].register_post_accumulate_grad_hook(self._make_hook(name))
@@ -68,8 +106,10 @@ class ComputeActor(Actor):
         bucket = self._bucket_of[name]
 
         def hook(_param: torch.Tensor) -> None:
+            self._used.add(name)
             if self._sync_step is None:
                 return
+            self._fired.add(name)
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
                 self._left -= 1
@@ -89,13 +129,24 @@ class ComputeActor(Actor):
         assert isinstance(message, Backward)
         loss = await trio.to_thread.run_sync(self._backward, message)
         last, self._last = self._last, None
+        incomplete, self._incomplete = self._incomplete, []
+        if message.sync and self.find_unused:
+            if self._on_unused is not None:
+                unused = frozenset(name for name in self._bucket_of if name not in self._used)
+                self._on_unused(message.step, unused)
+            for bucket in incomplete:
+                self._on_bucket(message.step, bucket)
         if last is not None:
             self._on_bucket(*last)
         return loss
 
     def _backward(self, message: Backward) -> float:
         self._last = None
+        self._incomplete = []
+        if message.step != self._used_step:
+            self._used, self._used_step = set(), message.step
         if message.sync:
+            self._fired = set()
             self._pending = list(self._sizes)
             self._left = len(self._sizes)
             self._sync_step = message.step
@@ -107,9 +158,8 @@ class ComputeActor(Actor):
         finally:
             self._sync_step = None
         if message.sync and any(self._pending):
-            missing = [i for i, left in enumerate(self._pending) if left]
-            raise RuntimeError(
-                f"step {message.step}: backward produced no gradient for buckets {missing} "
-                "(parameters unused by the loss cannot be synchronized)"
-            )
+            if not self.find_unused:
+                missing = [name for name in self._bucket_of if name not in self._fired]
+                raise UnusedParametersError(message.step, missing)
+            self._incomplete = [i for i, left in enumerate(self._pending) if left]
         return float(loss.detach())

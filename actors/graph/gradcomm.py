@@ -6,6 +6,12 @@ all-reduces it when the coordinator says go, overlapping the rest of backward; b
 coordinator's order on every rank. From an epoch's second step on, buckets are reduced at once
 in the agreed order, without the round trip (the response cache). Each bucket is averaged by its
 reducer (`runtime.collectives.compression`: exactly, or compressed by ``comm_hook``).
+
+With ``find_unused_parameters``, once a step's buckets are reduced the ranks all-reduce which
+parameters each used (a flag per parameter, summed): a parameter some rank used keeps the
+averaged gradient (zeros from the ranks that did not use it), one that no rank used gets no
+gradient for the step (``.grad`` None until the optimizer has stepped, as torch DDP leaves a
+globally unused parameter's gradient untouched), identically on every rank.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class CommOptions(Protocol):
     @property
     def response_cache(self) -> bool: ...
     @property
+    def find_unused_parameters(self) -> bool: ...
+    @property
     def comm_hook(self) -> str: ...
     @property
     def powersgd_rank(self) -> int: ...
@@ -63,6 +71,11 @@ class StepState:
     reduced: int = 0
     all_reduced: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
+    unused: frozenset[str] = frozenset()
+    """Parameters this rank gave no gradient in the step (``find_unused_parameters``)."""
+    unused_everywhere: tuple[str, ...] = ()
+    """Parameters no rank gave a gradient in the step: their ``.grad`` is None until the
+    optimizer has stepped (``find_unused_parameters``)."""
 
 
 class GradCommActor(Actor):
@@ -135,6 +148,9 @@ class GradCommActor(Actor):
         """Buckets in the order of the coordinator's gos (the epoch's first negotiation)."""
         self._cached: set[int] = set()
         """Buckets of the current step reported cached (reduced without a go)."""
+        self._released: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        """(parameter, its bucket view) of the gradients set to None for the step: used by no
+        rank (``find_unused_parameters``); bound again when the gradients are zeroed."""
         self._next = 0
         """Position in ``_order`` of the next cached bucket to reduce."""
 
@@ -160,7 +176,9 @@ class GradCommActor(Actor):
     def zero_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """What ``optimizer.zero_grad(set_to_none=False)`` does after a step, cheaper: a bucket
         whose gradients are still views of its flat buffer is zeroed in one fill, not one
-        kernel per gradient; any other gradient the optimizer holds is zeroed on its own."""
+        kernel per gradient; any other gradient the optimizer holds is zeroed on its own.
+        Gradients released for a step no rank used them in are bound to their views again."""
+        self._restore_released()
         done: set[int] = set()
         for index, flat in enumerate(self._flats):
             if self._bound(index):
@@ -175,6 +193,19 @@ class GradCommActor(Actor):
                     else:
                         grad.requires_grad_(False)
                     grad.zero_()
+
+    def _restore_released(self) -> None:
+        released, self._released = self._released, []
+        for param, view in released:
+            if param.grad is None and view is not None:
+                param.grad = view
+
+    def note_unused(self, step: int, names: frozenset[str]) -> None:
+        """The parameters this rank gave no gradient in ``step`` (from the compute actor, before
+        the step's last bucket is announced)."""
+        state = self.current
+        if state is not None and state.step == step:
+            state.unused = names
 
     def _bound(self, index: int) -> bool:
         """Whether every gradient of bucket ``index`` is still its view of the flat buffer."""
@@ -207,6 +238,7 @@ class GradCommActor(Actor):
 
     def begin_step(self, step: int) -> StepState:
         """Expect ``len(buckets)`` reductions for ``step``."""
+        self._restore_released()  # a step that was never applied: the gradients come back
         self.current = StepState(step)
         self._cached = set()
         self._next = 0
@@ -227,6 +259,9 @@ class GradCommActor(Actor):
         if self._bound(message.bucket):
             self._packed[message.bucket] = False  # backward wrote into the buffer itself
         else:
+            for param in self._params[message.bucket]:
+                if param.grad is None:  # unused by this rank (find_unused_parameters)
+                    param.grad = torch.zeros_like(param)
             grads = [param.grad for param in self._params[message.bucket]]
             with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
                 if grads and grads[0] is not None and grads[0].device.type == "cuda":
@@ -296,6 +331,8 @@ class GradCommActor(Actor):
             self._bind(index)  # views again from the next step on
         state.reduced += 1
         if state.reduced == len(self.buckets):
+            if self.options.find_unused_parameters:
+                await self._agree_unused(state)
             state.all_reduced.set()
 
     async def _all_reduce_flat(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -308,6 +345,27 @@ class GradCommActor(Actor):
             chunk_bytes=self.options.chunk_bytes,
             threaded_min_bytes=self.options.threaded_min_bytes,
         )
+
+    async def _agree_unused(self, state: StepState) -> None:
+        """All-reduce which parameters each rank used in the step; release the gradients of
+        those no rank used (every rank runs this after its last bucket, in the same order)."""
+        flags = torch.tensor(
+            [0.0 if name in state.unused else 1.0 for b in self.buckets for name in b.names],
+            dtype=torch.float32,
+        )
+        with self.trace.span("unused-params", actor="gradient-comm", step=state.step):
+            await all_reduce(self.transport, flags, "sum", chunk_bytes=self.options.chunk_bytes)
+        unused: list[str] = []
+        position = 0
+        for index, bucket in enumerate(self.buckets):
+            views = self._views[index]
+            for offset, (name, param) in enumerate(zip(bucket.names, self._params[index])):
+                if flags[position] == 0:
+                    unused.append(name)
+                    self._released.append((param, views[offset] if views is not None else None))
+                    param.grad = None
+                position += 1
+        state.unused_everywhere = tuple(unused)
 
 
 def _grad_views(params: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:

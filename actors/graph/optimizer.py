@@ -1,7 +1,10 @@
 """The optimizer actor: applies a step's averaged gradients and reports the state digest.
 
-The digest is the identical-weights check (C-DDP-001): the coordinator commits a step once
-every rank's digest agrees, and no rank changes its weights again before that commit.
+Before the step it clips the averaged gradients by their global norm when the trainer's options
+ask for it (``clip_grad_norm``): every rank holds the same averaged gradients, so every rank
+clips them identically. The digest is the identical-weights check (C-DDP-001): the coordinator
+commits a step once every rank's digest agrees, and no rank changes its weights again before
+that commit.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from actors.state.digest import StateDigest, StateHasher
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
 
-__all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor"]
+__all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor", "clip_gradients", "clip_settings"]
 
 OPTIMIZER_STEP_LOCK = threading.Lock()
 """Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not
@@ -28,6 +31,23 @@ safe to step from several threads at once: two threads taking the first AdamW st
 identical replicas (tied embeddings, identical gradients) disagreed on the tied weight in about
 1 run in 12 (tests/test_soak.py reproduces it without paramsync). Only in-process groups run
 several trainers in one process, and a step is milliseconds, so the lock costs nothing else."""
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale ``model``'s gradients so their total ``norm_type``-norm is at most ``max_norm``
+    (`torch.nn.utils.clip_grad_norm_`, parameters without a gradient left out); return the
+    total norm before clipping."""
+    grads = [param for param in model.parameters() if param.grad is not None]
+    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
+
+
+def clip_settings(options: object) -> tuple[float, float] | None:
+    """(max norm, norm type) of the trainer options' gradient clipping; None: no clipping.
+    Options without the clipping fields (a harness's own) clip nothing."""
+    max_norm = getattr(options, "clip_grad_norm", None)
+    if max_norm is None:
+        return None
+    return float(max_norm), float(getattr(options, "clip_norm_type", 2.0))
 
 
 @dataclass
@@ -72,8 +92,11 @@ class OptimizerActor(Actor):
         self.optimizer = optimizer
         self.client = client
         self.options = options
-        """The trainer's options: the actor reads none of them (its peers' constructors take
-        them too)."""
+        """The trainer's options: the actor reads only the gradient clipping (its peers'
+        constructors take them too)."""
+        self._clip = clip_settings(options)
+        self.grad_norm: tuple[int, float] | None = None
+        """(step, total gradient norm before clipping) of the last step applied with clipping."""
         self.trace = trace
         self.epoch = epoch
         self.last_digest: bytes | None = None
@@ -90,8 +113,10 @@ class OptimizerActor(Actor):
         if isinstance(message, OptimizerStep):
             with self.trace.span("commit-wait", actor="optimizer", step=message.step - 1):
                 await self.client.wait_commit(message.step - 1)
-            with self.trace.span("optimizer", actor="optimizer", step=message.step):
+            with self.trace.span("optimizer", actor="optimizer", step=message.step) as span:
                 await trio.to_thread.run_sync(self.apply, message.step)
+                if self.grad_norm is not None and self.grad_norm[0] == message.step:
+                    span.set(grad_norm=self.grad_norm[1])
             return
         assert isinstance(message, Verify)
         step = message.step
@@ -123,7 +148,10 @@ class OptimizerActor(Actor):
             self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
     def apply(self, step: int) -> None:
-        """Step the optimizer with ``step``'s reduced gradients (on a worker thread)."""
+        """Step the optimizer with ``step``'s reduced gradients (on a worker thread), clipped
+        first if the options say so."""
+        if self._clip is not None:
+            self.grad_norm = (step, clip_gradients(self.model, *self._clip))
         with OPTIMIZER_STEP_LOCK:
             self.optimizer.step()
             if self.zero_grads is not None:

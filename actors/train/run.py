@@ -53,10 +53,12 @@ async def trainer_from_env(
     overrides: Mapping[str, object] | None = None,
     secret: bytes | str | None = None,
     resume_step: int = 0,
+    resume_committed: bool = False,
     reconnect_seconds: float | None = 60.0,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join (and, for the COORDINATOR role, also host) the run this environment describes.
 
+    ``resume_step``/``resume_committed``: the checkpoint this worker restored (`join_run`);
     ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`).
     """
     config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
@@ -76,6 +78,7 @@ async def trainer_from_env(
             trace=trace,
             tls=tls,
             resume_step=resume_step,
+            resume_committed=resume_committed,
             reconnect_seconds=reconnect_seconds,
         ) as trainer:
             yield trainer

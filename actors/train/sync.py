@@ -114,6 +114,13 @@ class SyncTrainer:
         assert self._trainer is not None
         return self._call(self._trainer.train_batch, batch)
 
+    def join(self) -> int:
+        """This worker's data has ended: take part in steps with zero gradients until every
+        worker's has (see `DistributedTrainer.join`); returns how many steps it took so."""
+        assert self._trainer is not None
+        result: int = self._call(self._trainer.join)
+        return result
+
     def verified(self) -> None:
         """Block until every step so far passed the identical-weights check."""
         assert self._trainer is not None

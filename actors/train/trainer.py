@@ -28,7 +28,13 @@ from actors.graph.factory import ActorFactory
 from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
 from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
-from actors.graph.optimizer import OPTIMIZER_STEP_LOCK, CheckCost, OptimizerActor
+from actors.graph.optimizer import (
+    OPTIMIZER_STEP_LOCK,
+    CheckCost,
+    OptimizerActor,
+    clip_gradients,
+    clip_settings,
+)
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import named_state, state_digest
 from actors.train.state_transfer import receive_state, send_state, wire_view
@@ -37,6 +43,7 @@ from runtime.collectives.compression import check_comm_options
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
+    all_reduce,
     broadcast,
 )
 from runtime.config import DistributedConfig
@@ -86,6 +93,23 @@ class TrainerOptions:
     """Steps kept in the trainer's ``losses`` and ``step_seconds`` (the newest ones): enough for
     the demo job's whole loss curve up to this many steps, bounded for runs of any length; the
     summary's first loss and throughput cover the whole run whatever this is."""
+    find_unused_parameters: bool = False
+    """Let a step's backward leave trainable parameters without a gradient (torch DDP's
+    option of that name): their gradients reduce as zeros, and a parameter no rank used gets
+    no gradient at all for the step (``.grad`` None while the optimizer steps, as in DDP), which
+    costs one small extra all-reduce per step. Off: such a step fails naming the parameters.
+    Every rank must set it alike."""
+    clip_grad_norm: float | None = None
+    """Clip the averaged gradients to this total norm before each optimizer step
+    (`torch.nn.utils.clip_grad_norm_` over the model's parameters); the norm before clipping
+    is kept in ``grad_norms``. None: no clipping (and no norm)."""
+    clip_norm_type: float = 2.0
+    """The p of the clipping norm (``math.inf``: the largest absolute gradient)."""
+    join: bool = False
+    """Uneven inputs (torch's ``Join``): every step first counts the ranks that still have
+    data, so a rank whose data ended can keep stepping with zero gradients (`join`) until every
+    rank's has; gradients stay averaged over all members (DDP's default
+    ``divide_by_initial_world_size=True``). Every rank must set it alike."""
     # Gradient compression (torch DDP's comm hooks; `runtime.collectives.compression`).
     comm_hook: str = "none"
     """How float32/float64 buckets are averaged: "none" (exact), "fp16" / "bf16" (torch's
@@ -109,6 +133,10 @@ class TrainerOptions:
             raise ValueError(f"digest_interval must be >= 1, got {self.digest_interval}")
         if self.history_steps < 1:
             raise ValueError(f"history_steps must be >= 1, got {self.history_steps}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive, got {self.clip_grad_norm}")
+        if not self.clip_norm_type > 0:
+            raise ValueError(f"clip_norm_type must be positive, got {self.clip_norm_type}")
         check_comm_options(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
 
 
@@ -118,6 +146,10 @@ Connect = Callable[[StartRun], Awaitable[Transport]]
 
 class _StepAborted(Exception):
     """The step in flight was dropped by a membership change; it runs again in the new epoch."""
+
+
+class _AllJoined(Exception):
+    """Every rank's data has ended (``join``): the ranks stop together, before the step."""
 
 
 @dataclass
@@ -186,6 +218,14 @@ class DistributedTrainer:
         """(step, loss) of the last ``options.history_steps`` steps this worker ran."""
         self.step_seconds: list[float] = []
         """Wall time of the last ``options.history_steps`` steps this worker ran."""
+        self.unused_parameters: tuple[str, ...] = ()
+        """The parameters no rank gave a gradient in the last step this worker took part in
+        (``find_unused_parameters``; the same on every rank)."""
+        self.grad_norms: list[tuple[int, float]] = []
+        """(step, total gradient norm before clipping) of the last ``options.history_steps``
+        steps, with ``clip_grad_norm`` set (the averaged gradients': the same on every rank)."""
+        self.joined_steps = 0
+        """Steps this worker took part in with zero gradients, its data ended (`join`)."""
         self._first_loss: float | None = None
         self._steps_run = 0
         self._seconds_run = 0.0
@@ -193,6 +233,9 @@ class DistributedTrainer:
         """The identical-weights check's cost to this worker so far (all epochs)."""
         self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
         """(epoch, first step, members) of every epoch this worker took part in."""
+        self.states_received = 0
+        """How many times a peer's state replaced this worker's (a donor's whole state, a
+        re-sync): a state captured before then is not the one a later commit checked."""
         self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
         self._connect = connect
         self._owns_transports = True
@@ -375,15 +418,18 @@ class DistributedTrainer:
 
     async def _resume_point(self) -> tuple[int, bytes]:
         """Once the supervisor holds, the next step and the state digest this worker rejoins
-        a restarted coordinator with (it picks the majority's newest state)."""
+        a restarted coordinator with (its donor rule picks the state the run resumes from)."""
         await self._held.wait()
         digest = await trio.to_thread.run_sync(state_digest, self.model, self.optimizer)
         return self.step, digest.digest
 
     def _apply_pending(self) -> None:
         step = self.step
+        clip = clip_settings(self.options)
         with OPTIMIZER_STEP_LOCK:
             if self.step == step:
+                if clip is not None:  # as the optimizer actor would have
+                    self._record_norm(step, clip_gradients(self.model, *clip))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
                 self.step = step + 1
@@ -439,7 +485,15 @@ class DistributedTrainer:
         def on_bucket(step: int, bucket: int) -> None:
             comm.ready_soon(BucketReady(step, bucket))
 
-        compute = self.actors.compute(self.model, self.loss_fn, self.buckets, on_bucket, self.trace)
+        compute = self.actors.compute(
+            self.model,
+            self.loss_fn,
+            self.buckets,
+            on_bucket,
+            self.trace,
+            find_unused=self.options.find_unused_parameters,
+            on_unused=comm.note_unused,
+        )
         optimizer = self.actors.optimizer(
             self.model,
             self.optimizer,
@@ -482,7 +536,10 @@ class DistributedTrainer:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
         state = await receive_state(transport, peer, self.model, self.optimizer, donor=donor)
+        if state.step < self.step:
+            log.warning("rank %d rolls back from step %d", self.rank, self.step)
         self.step = state.step
+        self.states_received += 1
         log.info("rank %d received the training state at step %d", self.rank, state.step)
 
     # ------------------------------------------------------------------ the seed's API
@@ -542,6 +599,9 @@ class DistributedTrainer:
         membership changes meanwhile, the step runs again with the new members. If instead the
         step was completed without this call (applied while leaving an epoch, or received with
         a peer's state), it returns this worker's loss of it, or nan if none was computed.
+        If the worker was rolled back to an earlier step meanwhile (a restarted coordinator
+        resumed from a committed or majority state behind it), the batch is not run and it
+        returns nan: the caller feeds the batch of `step` next.
         """
         step = self.step
         while True:
@@ -550,11 +610,61 @@ class DistributedTrainer:
             except _StepAborted:
                 if self.step > step:  # the step is done: never run this batch on a later one
                     return self._last_loss if self._last_loss_step == step else math.nan
+                if self.step < step:  # rolled back: never run this batch on an earlier one
+                    log.warning(
+                        "rank %d: step %d's batch not run: rolled back to step %d",
+                        self.rank,
+                        step,
+                        self.step,
+                    )
+                    return math.nan
                 continue
 
-    async def _attempt(self, batch: Any, step: int, position: int | None = None) -> float:
+    async def join(self) -> int:
+        """This worker's data has ended (uneven inputs, torch's ``Join``): keep taking part in
+        steps with zero gradients until every worker's data has ended; returns how many steps
+        it took so. Needs ``TrainerOptions(join=True)`` on every worker.
+
+        Each step of a ``join`` run starts with an all-reduce counting the workers that still
+        have data; a joined worker contributes zeros to the step's gradient average, which
+        still divides by the number of members (DDP's default,
+        ``divide_by_initial_world_size=True``), so the others' steps are those of one process
+        whose loss is the sum of the active shards' mean losses over the world size. Every
+        worker takes the same optimizer step and the identical-weights check goes on; once
+        the count is zero all workers stop at the same step (``max_steps`` ends it too)."""
+        if not self.options.join:
+            raise RuntimeError(
+                "join needs TrainerOptions(join=True) on every worker: without it a worker "
+                "cannot step with zero gradients while its peers still train"
+            )
+        taken = 0
+        while not self.reached_max_steps:
+            step = self.step
+            try:
+                await self._attempt(None, step, has_data=False)
+            except _AllJoined:
+                break
+            except _StepAborted:
+                if self.step > step:  # done without this attempt finishing
+                    taken += 1
+                continue
+            taken += 1
+        return taken
+
+    async def _count_with_data(self, epoch: _Epoch, step: int, has_data: bool) -> int:
+        """All-reduce how many members still have data at ``step`` (``join``)."""
+        count = torch.tensor([1.0 if has_data else 0.0])
+        with self.trace.span("join-count", actor="trainer", step=step):
+            await all_reduce(epoch.transport, count, "sum", chunk_bytes=self.options.chunk_bytes)
+        return round(float(count[0]))
+
+    async def _attempt(
+        self, batch: Any, step: int, position: int | None = None, *, has_data: bool = True
+    ) -> float:
         """Run ``step`` once in the live epoch; raises _StepAborted if the epoch ends, or if
-        the worker is no longer at ``step`` (or ring ``position``) when the epoch is live."""
+        the worker is no longer at ``step`` (or ring ``position``) when the epoch is live.
+        Without data (``join``) the step reduces zero gradients, or raises _AllJoined when no
+        member has data left."""
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
         await self._live.wait()
@@ -568,27 +678,19 @@ class DistributedTrainer:
         try:
             with scope:
                 self._step_scope = scope
+                if self.options.join and not await self._count_with_data(epoch, step, has_data):
+                    raise _AllJoined
                 state = epoch.comm.begin_step(step)
-                micro_batches = _split(batch, self.options.accumulation_steps)
-                total = 0.0
-                # Once every bucket is agreed, the compute needs nothing from the coordinator:
-                # its messages (the last step's commit) wait until the compute is done.
-                with self.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
-                    for index, micro in enumerate(micro_batches):
-                        last = index == len(micro_batches) - 1
-                        part = await epoch.compute.ask(Backward(step, micro, last))
-                        if not isinstance(part, float):
-                            raise TypeError(
-                                f"step {step}: the compute actor answered a backward with "
-                                f"{part!r}, not a loss"
-                            )
-                        total += part
-                loss = total / len(micro_batches)
-                self._last_loss, self._last_loss_step = loss, step
+                if has_data:
+                    loss = await self._compute(epoch, batch, step)
+                    self._last_loss, self._last_loss_step = loss, step
+                else:
+                    self._reduce_zeros(epoch, step)
                 with self.trace.span("grad-wait", actor="trainer", step=step):
                     await state.all_reduced.wait()
                 if state.error is not None:
                     raise state.error
+                self.unused_parameters = state.unused_everywhere
                 if epoch.start.apply_barrier:
                     # A cached all-reduce may finish before the previous step is committed;
                     # the coordinator takes this step's report only after that commit.
@@ -597,6 +699,9 @@ class DistributedTrainer:
                     with self.trace.span("apply-wait", actor="trainer", step=step):
                         await self.client.wait_apply(step)
                 await epoch.optimizer.ask(OptimizerStep(step))
+                norm = epoch.optimizer.grad_norm
+                if norm is not None and norm[0] == step:
+                    self._record_norm(step, norm[1])
                 if self.options.verify_overlap:
                     await epoch.optimizer.tell(Verify(step))
                 else:
@@ -615,8 +720,45 @@ class DistributedTrainer:
             self._step_scope = None
         if scope.cancelled_caught or self.step != step + 1:
             raise _StepAborted
-        self._record(step, loss, time.perf_counter() - started)
+        if has_data:
+            self._record(step, loss, time.perf_counter() - started)
+        else:
+            self.joined_steps += 1
         return loss
+
+    async def _compute(self, epoch: _Epoch, batch: Any, step: int) -> float:
+        """Forward and backward of ``batch``'s micro-batches (the buckets go out as backward
+        finishes them); returns the mean loss."""
+        micro_batches = _split(batch, self.options.accumulation_steps)
+        total = 0.0
+        # Once every bucket is agreed, the compute needs nothing from the coordinator:
+        # its messages (the last step's commit) wait until the compute is done.
+        with self.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
+            for index, micro in enumerate(micro_batches):
+                last = index == len(micro_batches) - 1
+                part = await epoch.compute.ask(Backward(step, micro, last))
+                if not isinstance(part, float):
+                    raise TypeError(
+                        f"step {step}: the compute actor answered a backward with "
+                        f"{part!r}, not a loss"
+                    )
+                total += part
+        return total / len(micro_batches)
+
+    def _reduce_zeros(self, epoch: _Epoch, step: int) -> None:
+        """A joined worker's step: every bucket goes out holding zeros, and (with
+        ``find_unused_parameters``) no parameter counts as used by this worker."""
+        epoch.comm.zero_grads(self.optimizer)
+        if self.options.find_unused_parameters:
+            names = frozenset(name for bucket in self.buckets for name in bucket.names)
+            epoch.comm.note_unused(step, names)
+        for bucket in self.buckets:
+            epoch.comm.ready_soon(BucketReady(step, bucket.index))
+
+    def _record_norm(self, step: int, norm: float) -> None:
+        self.grad_norms.append((step, norm))
+        if len(self.grad_norms) > self.options.history_steps:
+            del self.grad_norms[0]
 
     def _record(self, step: int, loss: float, seconds: float) -> None:
         """Append to the bounded histories; keep the whole run's totals for the summary."""
@@ -670,6 +812,8 @@ class DistributedTrainer:
                     )
                 with torch.no_grad():
                     tensor.copy_(host)
+        if rank != order.source:
+            self.states_received += 1
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""
@@ -713,7 +857,10 @@ class DistributedTrainer:
         Step s's batch for the worker at ring position p is a pure function of (s, p), so a
         step dropped by a membership change is rerun on the data its new position owns.
         ``on_step(step, loss)`` is called after each step; ``should_stop()`` returning True
-        ends training after the step in flight. Returns this call's (step, loss) pairs.
+        ends training after the step in flight. With ``TrainerOptions(join=True)`` a worker
+        whose steps are done (``steps`` reached, ``should_stop``) then `join`s its peers until
+        theirs are too, so ``fit`` returns on every worker at the same step. Returns this call's
+        (step, loss) pairs (the steps taken joined are not among them).
         """
         if steps is None and self.options.max_steps is None:
             raise ValueError("fit needs steps= or TrainerOptions(max_steps=...)")
@@ -759,6 +906,8 @@ class DistributedTrainer:
                     on_step(step, loss)
             if loader is not None:
                 await loader.stop()
+        if self.options.join:  # this worker's steps are done: follow its peers' to their end
+            await self.join()
         return history
 
     def summary(self) -> dict[str, Any]:
@@ -767,7 +916,8 @@ class DistributedTrainer:
         second cover the whole run; the median step time the kept history (the last
         ``options.history_steps`` steps)."""
         seconds = self._seconds_run
-        digest = state_digest(self.model, self.optimizer).digest if self.step_seconds else None
+        stepped = bool(self.step_seconds) or self.joined_steps > 0
+        digest = state_digest(self.model, self.optimizer).digest if stepped else None
         return {
             "rank": self._config.rank,
             "world_size": self._config.world_size,
@@ -782,6 +932,8 @@ class DistributedTrainer:
             "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
             "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
             "digests": self.check_cost.digests,
+            "final_grad_norm": self.grad_norms[-1][1] if self.grad_norms else None,
+            "joined_steps": self.joined_steps,
         }
 
 

@@ -75,6 +75,7 @@ async def join_run(
     join_seconds: float = 120.0,
     tls: TlsConfig | None = None,
     resume_step: int = 0,
+    resume_committed: bool = False,
     reconnect_seconds: float | None = 60.0,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join the run whose coordinator listens at ``config.coordinator_addr``.
@@ -83,6 +84,9 @@ async def join_run(
     difference named), waits until every rank has joined, connects to every other worker, and
     starts from rank 0's weights. ``resume_step``: this worker restored a checkpoint whose
     next step is this; the run resumes there once every worker's state agrees.
+    ``resume_committed``: that checkpoint was written only once its step was committed
+    (`actors.train.checkpointing`), which the coordinator's donor rule trusts over a majority
+    behind it (`runtime.coordinator.membership.resume_plan`).
     ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
     silent past the heartbeat deadline), keep the state and redial it with backoff for this
     long, then rejoin where the workers stand (None: losing the coordinator ends the run).
@@ -127,6 +131,7 @@ async def join_run(
                 (local_host, port),
                 step=resume_step,
                 digest=digest,
+                committed=resume_committed and resume_step > 0,
                 fold=(options or TrainerOptions()).response_cache,
             )
         async with _trainer_session(

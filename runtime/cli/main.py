@@ -193,6 +193,15 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
     launch.add_argument("--digest-interval", type=int, default=1)
     launch.add_argument("--heartbeat-deadline", type=float, default=10.0)
     launch.add_argument("program", nargs=argparse.REMAINDER, help="[--] SCRIPT|-m MODULE [ARGS]")
+
+    sub.add_parser(
+        "secret",
+        help="print a fresh random shared secret",
+        description="Print a fresh random shared secret (32 random bytes, URL-safe base64: 43 "
+        "characters) for PARAMSYNC_SECRET, e.g. export PARAMSYNC_SECRET=$(paramsync secret), "
+        "or for a file PARAMSYNC_SECRET_FILE names (paramsync secret > secret; chmod 600 "
+        "secret). Every process of a run must hold the same one.",
+    )
     return parser
 
 
@@ -274,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "secret":
+        from runtime.protocol.handshake import new_secret
+
+        print(new_secret(), flush=True)
+        return 0
     if args.command in ("allreduce", "coordinator"):
         from runtime.cli.train_config import resolve_tls
 

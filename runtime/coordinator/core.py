@@ -363,7 +363,8 @@ class CoordinatorCore:
         return self._next_epoch(f"rank {rank} joined", self._membership.joiners())
 
     def _first_epoch(self) -> list[Action]:
-        """Everyone is in: the first epoch starts from the most advanced state reported."""
+        """Everyone is in: the first epoch starts afresh, or from the state the donor rule
+        (`resume_plan`) picks among those the joins report."""
         joins = self._membership.joins
         everyone = tuple(sorted(joins))
         # Workers that took part in an epoch (a restarted coordinator) get a later one, even
@@ -373,8 +374,9 @@ class CoordinatorCore:
         if plan is None:
             # A fresh run: position 0's weights go to everyone.
             return self._start_epoch(self._start_step, everyone, "the run starts", broadcast=True)
-        # Resumed workers (a checkpoint, a restarted coordinator): the majority state at the
-        # newest step is the donor's; everyone else receives it.
+        # Resumed workers (a checkpoint, a restarted coordinator): the donor rule
+        # (`resume_plan`) picks the newest committed or majority state; everyone else
+        # receives it, ranks ahead of it rolling back.
         top, donor, receivers = plan.step, plan.donor, plan.receivers
         actions = self._start_epoch(
             top, everyone, f"the run resumes at step {top}", donor, receivers
@@ -385,7 +387,8 @@ class CoordinatorCore:
             f"the run resumes at step {top} in epoch {self._membership.epoch} with ranks "
             f"{list(everyone)}{given}"
         )
-        return [Report(text, "info"), *actions]
+        level = "error" if plan.conflict else "warning" if plan.rolled_back else "info"
+        return [Report(plan.describe(), level), Report(text, "info"), *actions]
 
     def _start_epoch(
         self,

@@ -2,13 +2,13 @@
 
 :class:`Membership` admits joins (checking the rank, its address and its model against the
 reference signature), removes lost ranks, and opens epochs: the first one (a fresh start, or
-a restart that elects the most advanced majority state as donor, :func:`resume_plan`), and
+a restart that elects its donor by the rule of :func:`resume_plan`: the newest committed or
+majority state, never one rank's unverified state over a state others share), and
 every later one after a loss, a join or a hold. Each epoch is kept as an :class:`EpochRecord`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -23,7 +23,16 @@ from runtime.coordinator.group_decl import (
 from runtime.errors import plain_or_quoted
 from runtime.protocol.messages import Joined, Signature
 
-__all__ = ["EpochRecord", "Opening", "ResumePlan", "resume_plan", "Membership"]
+__all__ = [
+    "COMMITTED",
+    "MAJORITY",
+    "PLURALITY",
+    "EpochRecord",
+    "Opening",
+    "ResumePlan",
+    "resume_plan",
+    "Membership",
+]
 
 
 @dataclass(frozen=True)
@@ -46,31 +55,106 @@ class Opening:
     fold: bool
 
 
+State = tuple[int, bytes]
+"""A worker's state as its join reports it: (next step, digest)."""
+
+COMMITTED = "committed"
+MAJORITY = "majority"
+PLURALITY = "plurality"
+
+
 @dataclass(frozen=True)
 class ResumePlan:
     """Restarted workers resume at ``step``: ``donor`` sends its state to ``receivers``;
-    ``epoch`` is the latest epoch any of them took part in."""
+    ``epoch`` is the latest epoch any of them took part in.
+
+    ``rule`` is how the state was chosen (`COMMITTED`, `MAJORITY` or `PLURALITY`),
+    ``holders`` how many of the ``joined`` ranks hold it, ``rolled_back`` the ranks that
+    reported a later step and go back to ``step``, ``conflict`` a committed state that
+    disagrees with the majority's at the same step (None: none), which the rule resolves for
+    the committed one.
+    """
 
     step: int
     donor: int
     receivers: tuple[int, ...]
     epoch: int
+    rule: str = MAJORITY
+    holders: int = 1
+    joined: int = 1
+    rolled_back: tuple[int, ...] = ()
+    conflict: str | None = None
+
+    def describe(self) -> str:
+        """The choice as the coordinator logs it: where, from whom, by which rule, and who
+        goes back."""
+        if self.rule == COMMITTED:
+            why = "committed state"
+        else:
+            why = f"{self.rule} state ({self.holders} of {self.joined} ranks)"
+        text = f"resume at step {self.step} from rank {self.donor}: {why}"
+        if self.rolled_back:
+            text += f"; ranks {list(self.rolled_back)} roll back to step {self.step}"
+        if self.conflict is not None:
+            text += f"; {self.conflict}"
+        return text
+
+
+def _best(states: set[State], holders: Mapping[State, list[int]]) -> State:
+    """Of ``states``, the one most ranks hold; ties to the lower step, then the lowest rank."""
+    return min(states, key=lambda s: (-len(holders[s]), s[0], holders[s][0]))
 
 
 def resume_plan(joins: Mapping[int, Joined]) -> ResumePlan | None:
-    """Where the joined workers resume: None for a fresh run (every worker at step 0); else
-    the newest step any reported, whose majority digest's lowest rank is the donor, and every
-    rank behind it or with another digest receives its state."""
-    top = max(j.step for j in joins.values())
-    if top == 0:
+    """Where the joined workers resume, by the restart's donor rule (docs/protocol.md,
+    "A lost coordinator"): None for a fresh run.
+
+    C is the newest state (step, digest) some rank reports as committed, M the state a strict
+    majority of the joined ranks holds. The run resumes from whichever of the two is at the
+    later step (C when they are at the same one: they agree, or C's commit outranks the
+    majority and the plan names the conflict); with neither, from the state most ranks hold,
+    ties to the lower step (an unverified step is recomputed rather than trusted), then to the
+    lowest rank. So one rank's uncommitted state never overrides a state two ranks share.
+    Fresh workers (step 0) hold no state: they count among the joined ranks but are no
+    candidate and always receive; with no state at all it is a fresh run. The donor is the
+    lowest rank holding the chosen state; every other rank receives it, those at a later step
+    rolling back.
+    """
+    ranks = sorted(joins)
+    holders: dict[State, list[int]] = {}
+    for rank in ranks:
+        if joins[rank].step > 0:  # a fresh worker (step 0) holds no state to vote for
+            holders.setdefault((joins[rank].step, joins[rank].digest), []).append(rank)
+    if not holders:
         return None
-    ahead = [r for r in sorted(joins) if joins[r].step == top]
-    votes = Counter(joins[r].digest for r in ahead)
-    best = max(votes.values())
-    digest = next(joins[r].digest for r in ahead if votes[joins[r].digest] == best)
-    donor = next(r for r in ahead if joins[r].digest == digest)
-    receivers = tuple(r for r in sorted(joins) if joins[r].step != top or joins[r].digest != digest)
-    return ResumePlan(top, donor, receivers, max(j.epoch for j in joins.values()))
+    claimed = {(j.step, j.digest) for j in joins.values() if j.committed and j.step > 0}
+    newest_claim = max((s[0] for s in claimed), default=-1)
+    committed = _best({s for s in claimed if s[0] == newest_claim}, holders) if claimed else None
+    majority = next((s for s, r in holders.items() if 2 * len(r) > len(ranks)), None)
+    conflict = None
+    if committed is not None and (majority is None or committed[0] >= majority[0]):
+        chosen, rule = committed, COMMITTED
+        if majority is not None and majority[0] == committed[0] and majority != committed:
+            conflict = (
+                f"ranks {holders[majority]} hold another state at step {majority[0]} than the "
+                f"committed one of ranks {holders[committed]}: the committed state wins"
+            )
+    elif majority is not None:
+        chosen, rule = majority, MAJORITY
+    else:
+        chosen, rule = _best(set(holders), holders), PLURALITY
+    step = chosen[0]
+    return ResumePlan(
+        step=step,
+        donor=holders[chosen][0],
+        receivers=tuple(r for r in ranks if r not in holders[chosen]),
+        epoch=max(j.epoch for j in joins.values()),
+        rule=rule,
+        holders=len(holders[chosen]),
+        joined=len(ranks),
+        rolled_back=tuple(r for r in ranks if joins[r].step > step),
+        conflict=conflict,
+    )
 
 
 class Membership:

@@ -3,23 +3,30 @@
 Four messages, each one frame::
 
     dialer -> listener  hello      {group, world_size, rank, nonce}
-    listener -> dialer  challenge  {group, world_size, rank, nonce, proof}   (or refuse)
+    listener -> dialer  challenge  {nonce}                               (or refuse: busy, replay)
     dialer -> listener  auth       {proof}
-    listener -> dialer  welcome    {}                                       (or refuse)
+    listener -> dialer  welcome    {group, world_size, rank, proof}      (or refuse)
 
-Each side proves it holds the shared secret with HMAC-SHA256 over both nonces and both
-identities, under a label naming its role, so the secret never crosses the wire, a proof cannot be
-reflected back, and a replayed handshake fails on the fresh nonce. Admission (group, world size,
-rank free) is checked only after the dialer has authenticated, so strangers learn nothing.
-Both sides of a refusal get the same sentence: the listener raises it, the dialer receives it.
+The dialer proves first: its proof covers both nonces and its own identity. The listener says
+nothing about itself (no identity, no proof) until that proof has verified and the dialer is
+admitted, so a stranger who connects learns nothing to test guesses of the secret against.
+The listener's proof, in the welcome, covers both nonces and both identities; the dialer checks
+it before trusting anything the welcome says. Every HMAC is keyed with the secret stretched by
+scrypt (`stretch_secret`), so a rogue listener that collects a dialer's proof pays one scrypt per
+guess. The two proofs and the session key use different labels, so none can stand for another,
+and a replayed handshake fails on the fresh nonces. Both sides of a refusal get the same
+sentence: the listener raises it, the dialer receives it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
 import secrets
+import stat
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +46,21 @@ from runtime.protocol.schema import PROTOCOL_VERSION
 __all__ = [
     "SECRET_ENV",
     "SECRET_FILE_ENV",
+    "SECRET_MIN_BYTES",
+    "KDF_SALT",
+    "KDF_N",
+    "KDF_R",
+    "KDF_P",
+    "KDF_MAXMEM",
+    "KEY_SIZE",
     "NONCE_SIZE",
     "Identity",
+    "new_secret",
     "load_secret",
+    "stretch_secret",
+    "dialer_proof",
+    "listener_proof",
+    "derive_session_key",
     "DialerHandshake",
     "ListenerHandshake",
     "NonceLedger",
@@ -50,11 +69,47 @@ __all__ = [
 
 SECRET_ENV = "PARAMSYNC_SECRET"
 SECRET_FILE_ENV = "PARAMSYNC_SECRET_FILE"
+SECRET_MIN_BYTES = 16
+"""The shortest shared secret `load_secret` accepts."""
+
+KDF_SALT = b"paramsync/secret/v2"
+KDF_N = 2**14
+KDF_R = 8
+KDF_P = 1
+KDF_MAXMEM = 64 * 2**20
+KEY_SIZE = 32
+"""scrypt's parameters: the handshake key is ``scrypt(secret, KDF_SALT, N, r, p)``, 32 bytes
+(16 MiB of memory and about 50 ms of one core per derivation)."""
+
+
+def new_secret() -> str:
+    """A fresh random shared secret: 32 random bytes, URL-safe base64 (43 characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def _how_to_make_one() -> str:
+    return f"make one with `paramsync secret` (e.g. export {SECRET_ENV}=$(paramsync secret))"
+
+
+def _warn_if_readable_by_others(path: str) -> None:
+    """Warn when the secret file may be read by the group or by anyone (issue 18, row 12)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        warnings.warn(
+            f"the secret file {path!r} has mode {mode:04o}: its group or other users may read "
+            f"it; restrict it with `chmod 600 {path}`",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | None = None) -> bytes:
     """The group's shared secret: the argument, else $PARAMSYNC_SECRET, else the file named by
-    $PARAMSYNC_SECRET_FILE. Raises ValueError saying how to set one when none is found."""
+    $PARAMSYNC_SECRET_FILE (warning when the group or others may read it). Raises ValueError
+    saying how to make one when none is found or it is shorter than `SECRET_MIN_BYTES`."""
     env = os.environ if environ is None else environ
     if secret is None and env.get(SECRET_ENV):
         secret = env[SECRET_ENV]
@@ -65,15 +120,34 @@ def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | Non
                 secret = handle.read().strip()
         except OSError as exc:
             raise ValueError(f"cannot read the secret file {path!r}: {exc.strerror}") from None
+        _warn_if_readable_by_others(path)
     if secret is None:
         raise ValueError(
-            f"no shared secret: set {SECRET_ENV}, or {SECRET_FILE_ENV} to a file holding one"
+            f"no shared secret: set {SECRET_ENV}, or {SECRET_FILE_ENV} to a file holding one; "
+            + _how_to_make_one()
         )
     if isinstance(secret, str):
         secret = secret.encode()
-    if len(secret) < 8:
-        raise ValueError("the shared secret must be at least 8 bytes long")
+    if len(secret) < SECRET_MIN_BYTES:
+        raise ValueError(
+            f"the shared secret must be at least {SECRET_MIN_BYTES} bytes long "
+            f"(this one has {len(secret)}); " + _how_to_make_one()
+        )
     return bytes(secret)
+
+
+@functools.lru_cache(maxsize=32)
+def _stretch(secret: bytes) -> bytes:
+    return hashlib.scrypt(
+        secret, salt=KDF_SALT, n=KDF_N, r=KDF_R, p=KDF_P, maxmem=KDF_MAXMEM, dklen=KEY_SIZE
+    )
+
+
+def stretch_secret(secret: bytes) -> bytes:
+    """The handshake's HMAC key: the shared secret stretched by scrypt (`KDF_SALT`, N=2^14,
+    r=8, p=1, 32 bytes). Memory-hard and slow on purpose, so every guess of the secret costs
+    one derivation; cached per process and secret, so a process pays it once."""
+    return _stretch(bytes(secret))
 
 
 @dataclass(frozen=True)
@@ -88,19 +162,43 @@ class Identity:
         return {"group": self.group, "world_size": self.world_size, "rank": self.rank}
 
 
-def _transcript(label: bytes, first: bytes, second: bytes, a: Identity, b: Identity) -> bytes:
+DIALER_LABEL = b"paramsync/dialer"
+LISTENER_LABEL = b"paramsync/listener"
+SESSION_LABEL = b"paramsync/session"
+
+
+def _transcript(label: bytes, first: bytes, second: bytes, *identities: Identity) -> bytes:
+    """``label || u16 version || first || second`` then, per identity, ``u16 len(group) ||
+    group || u32 world_size || u32 rank+1`` (docs/protocol.md §5.1)."""
     parts = [label, PROTOCOL_VERSION.to_bytes(2, "big"), first, second]
-    for ident in (a, b):
+    for ident in identities:
         group = ident.group.encode()
         parts += [len(group).to_bytes(2, "big"), group]
         parts += [ident.world_size.to_bytes(4, "big"), (ident.rank + 1).to_bytes(4, "big")]
     return b"".join(parts)
 
 
-def _proof(
-    secret: bytes, label: bytes, nonces: tuple[bytes, bytes], a: Identity, b: Identity
+def _mac(key: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, transcript, hashlib.sha256).digest()
+
+
+def dialer_proof(key: bytes, dialer_nonce: bytes, listener_nonce: bytes, dialer: Identity) -> bytes:
+    """The dialer's proof (in ``auth``): both nonces, listener's first, and its own identity."""
+    return _mac(key, _transcript(DIALER_LABEL, listener_nonce, dialer_nonce, dialer))
+
+
+def listener_proof(
+    key: bytes, dialer_nonce: bytes, listener_nonce: bytes, dialer: Identity, listener: Identity
 ) -> bytes:
-    return hmac.new(secret, _transcript(label, *nonces, a, b), hashlib.sha256).digest()
+    """The listener's proof (in ``welcome``): both nonces, dialer's first, both identities."""
+    return _mac(key, _transcript(LISTENER_LABEL, dialer_nonce, listener_nonce, dialer, listener))
+
+
+def derive_session_key(
+    key: bytes, dialer_nonce: bytes, listener_nonce: bytes, dialer: Identity, listener: Identity
+) -> bytes:
+    """The 32-byte key both ends of a completed handshake share (never sent)."""
+    return _mac(key, _transcript(SESSION_LABEL, dialer_nonce, listener_nonce, dialer, listener))
 
 
 def _kind(message: dict[str, Any]) -> str:
@@ -108,47 +206,59 @@ def _kind(message: dict[str, Any]) -> str:
     return plain_or_quoted(message["kind"])
 
 
+_NOT_COMPLETED = "the handshake has not completed"
+
+
 class DialerHandshake:
     """The connecting side's handshake state: feed it the listener's replies."""
 
     def __init__(self, secret: bytes, me: Identity, nonce: bytes | None = None) -> None:
-        self._secret = secret
+        self._key = stretch_secret(secret)
         self.me = me
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
+        self._listener_nonce: bytes | None = None
         self.peer: Identity | None = None
+        """The listener's identity, once its proof in the welcome has verified."""
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
         return Hello(**self.me.fields(), nonce=self._nonce).to_wire()
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Check the listener's proof; return the auth message to send."""
+        """Take the listener's nonce; return the auth message (this side's proof) to send."""
         if message["kind"] == "refuse":
             error = ListenerBusy if message.get("busy") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "challenge":
             raise HandshakeError(f"expected a challenge, got a {_kind(message)} message")
-        peer = Identity(message["group"], message["world_size"], message["rank"])
         nonce = message["nonce"]
         if len(nonce) != NONCE_SIZE:
             raise HandshakeError(f"challenge nonce must be {NONCE_SIZE} bytes")
-        expected = _proof(self._secret, b"paramsync/listener", (self._nonce, nonce), self.me, peer)
+        self._listener_nonce = nonce
+        return Auth(dialer_proof(self._key, self._nonce, nonce, self.me)).to_wire()
+
+    def on_verdict(self, message: dict[str, Any]) -> Identity:
+        """The listener's last word: a welcome whose proof verifies (returns the listener's
+        identity), or a refusal (raises)."""
+        if message["kind"] == "refuse":
+            error = AuthenticationError if message.get("auth") else HandshakeError
+            raise error(f"refused: {quoted(message['reason'])}")
+        if message["kind"] != "welcome" or self._listener_nonce is None:
+            raise HandshakeError(f"expected welcome or refuse, got a {_kind(message)} message")
+        peer = Identity(message["group"], message["world_size"], message["rank"])
+        expected = listener_proof(self._key, self._nonce, self._listener_nonce, self.me, peer)
         if not hmac.compare_digest(expected, message["proof"]):
             raise AuthenticationError(
                 "the listener failed to prove the shared secret (secrets differ)"
             )
         self.peer = peer
-        proof = _proof(self._secret, b"paramsync/dialer", (nonce, self._nonce), peer, self.me)
-        return Auth(proof).to_wire()
+        return peer
 
-    def on_verdict(self, message: dict[str, Any]) -> Identity:
-        """The listener's last word: welcome (returns its identity) or refuse (raises)."""
-        if message["kind"] == "refuse":
-            error = AuthenticationError if message.get("auth") else HandshakeError
-            raise error(f"refused: {quoted(message['reason'])}")
-        if message["kind"] != "welcome" or self.peer is None:
-            raise HandshakeError(f"expected welcome or refuse, got a {_kind(message)} message")
-        return self.peer
+    def session_key(self) -> bytes:
+        """The key this connection shares with the listener (after `on_verdict` returned)."""
+        if self.peer is None or self._listener_nonce is None:
+            raise HandshakeError(_NOT_COMPLETED)
+        return derive_session_key(self._key, self._nonce, self._listener_nonce, self.me, self.peer)
 
 
 Admit = Callable[[Identity], str | None]
@@ -189,16 +299,19 @@ class ListenerHandshake:
         nonce: bytes | None = None,
         ledger: NonceLedger | None = None,
     ) -> None:
-        self._secret = secret
+        self._key = stretch_secret(secret)
         self.me = me
         self._admit = admit
         self._ledger = PROCESS_LEDGER if ledger is None else ledger
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
-        self.peer: Identity | None = None
+        self._claimed: Identity | None = None
         self._dialer_nonce = b""
+        self.peer: Identity | None = None
+        """The dialer's identity, once its proof has verified."""
+        self._welcomed = False
 
     def on_hello(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Answer a hello with a challenge carrying this side's proof."""
+        """Answer a hello with a challenge: this side's nonce, and nothing else."""
         if message["kind"] != "hello":
             raise HandshakeError(f"expected hello, got a {_kind(message)} message")
         if len(message["nonce"]) != NONCE_SIZE:
@@ -207,33 +320,35 @@ class ListenerHandshake:
             raise ReplayedHandshake(
                 "replayed handshake: this hello's nonce was sent by an earlier connection"
             )
-        self.peer = Identity(message["group"], message["world_size"], message["rank"])
+        self._claimed = Identity(message["group"], message["world_size"], message["rank"])
         self._dialer_nonce = message["nonce"]
-        proof = _proof(
-            self._secret,
-            b"paramsync/listener",
-            (self._dialer_nonce, self._nonce),
-            self.peer,
-            self.me,
-        )
-        return Challenge(**self.me.fields(), nonce=self._nonce, proof=proof).to_wire()
+        return Challenge(nonce=self._nonce).to_wire()
 
     def on_auth(self, message: dict[str, Any]) -> tuple[str, dict[str, Any], Exception | None]:
-        """Check the dialer's proof and admission: the verdict to send, and the error to raise
-        on this side after sending it (None when welcome)."""
-        if message["kind"] != "auth" or self.peer is None:
+        """Check the dialer's proof and admission: the verdict to send (a welcome carrying
+        this side's identity and proof, or a refusal), and the error to raise on this side
+        after sending it (None when welcome)."""
+        claimed = self._claimed
+        if message["kind"] != "auth" or claimed is None:
             reason = f"expected auth, got a {_kind(message)} message"
             return (*Refusal(reason).to_wire(), HandshakeError(reason))
-        expected = _proof(
-            self._secret, b"paramsync/dialer", (self._nonce, self._dialer_nonce), self.me, self.peer
-        )
+        expected = dialer_proof(self._key, self._dialer_nonce, self._nonce, claimed)
         if not hmac.compare_digest(expected, message["proof"]):
             failed = "authentication failed: wrong shared secret"
             return (*Refusal(failed, auth=True).to_wire(), AuthenticationError(failed))
-        refused = self._admit_reason(self.peer)
+        self.peer = claimed
+        refused = self._admit_reason(claimed)
         if refused is not None:
             return (*Refusal(refused).to_wire(), HandshakeError(refused))
-        return (*Welcome().to_wire(), None)
+        self._welcomed = True
+        proof = listener_proof(self._key, self._dialer_nonce, self._nonce, claimed, self.me)
+        return (*Welcome(**self.me.fields(), proof=proof).to_wire(), None)
+
+    def session_key(self) -> bytes:
+        """The key this connection shares with the dialer (after `on_auth` returned a welcome)."""
+        if not self._welcomed or self.peer is None:
+            raise HandshakeError(_NOT_COMPLETED)
+        return derive_session_key(self._key, self._dialer_nonce, self._nonce, self.peer, self.me)
 
     def _admit_reason(self, peer: Identity) -> str | None:
         if peer.group != self.me.group:

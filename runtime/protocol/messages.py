@@ -210,14 +210,11 @@ class Hello(WireMessage):
 
 @dataclass(frozen=True)
 class Challenge(WireMessage):
-    """Listener -> dialer: who the listener is, its nonce and its proof of the secret."""
+    """Listener -> dialer: the listener's nonce, and nothing about the listener (the dialer
+    has not proven the secret yet)."""
 
     KIND: ClassVar[str] = "challenge"
-    group: str = wire(Str(128))
-    world_size: int = wire(Int(1, _MAX_WORLD))
-    rank: int = wire(Int(-1, _MAX_WORLD))
     nonce: bytes = wire(Bytes(NONCE_SIZE))
-    proof: bytes = wire(Bytes(64))
 
 
 @dataclass(frozen=True)
@@ -230,9 +227,14 @@ class Auth(WireMessage):
 
 @dataclass(frozen=True)
 class Welcome(WireMessage):
-    """Listener -> dialer: authenticated and admitted."""
+    """Listener -> dialer: authenticated and admitted; who the listener is, and its proof of
+    the secret (the dialer checks it before trusting the rest)."""
 
     KIND: ClassVar[str] = "welcome"
+    group: str = wire(Str(128))
+    world_size: int = wire(Int(1, _MAX_WORLD))
+    rank: int = wire(Int(-1, _MAX_WORLD))
+    proof: bytes = wire(Bytes(64))
 
 
 @dataclass(frozen=True)
@@ -570,7 +572,11 @@ class Joined(WireMessage):
     ``now`` is the shell's clock at the join (heartbeat baseline); None: the next Tick's.
     ``step`` is the next step the worker would run (0 when fresh; more when it resumes from a
     checkpoint or rejoins a restarted coordinator), ``digest`` its state's digest there
-    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``fold``: the
+    (empty when fresh) and ``epoch`` the last epoch it took part in (0: none). ``committed``:
+    that state is one the coordinator committed (its digest check of the step before
+    ``step`` passed, and the worker's state still has the digest it reported there; False
+    when absent), which the restart's donor rule trusts over a majority
+    (`runtime.coordinator.membership.resume_plan`). ``fold``: the
     worker folds its response-cache reports into its step reports when every member does.
     ``mesh`` (names, sizes) or ``groups`` ((name, ranks), ...): the process groups the worker
     will use (`runtime.coordinator.group_decl`); every join must declare the same ones.
@@ -584,6 +590,7 @@ class Joined(WireMessage):
         "step",
         "digest",
         "epoch",
+        "committed",
         "fold",
         "mesh",
         "groups",
@@ -598,6 +605,7 @@ class Joined(WireMessage):
     fold: bool = wire(Bool(), default=False, omit=False)
     mesh: MeshLayout | None = wire(MESH, default=None, omit=None)
     groups: tuple[GroupRanks, ...] | None = wire(GROUP_LIST, default=None, omit=None)
+    committed: bool = wire(Bool(), default=False, omit=False)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ __all__ = [
     "check_envelope",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The version every frame carries in ``v``; a peer speaking another is refused."""
 MAX_INT = 2**63 - 1
 """Upper bound of counters (steps, epochs, sequence numbers): a signed 64-bit integer."""

@@ -4,7 +4,7 @@ A frame is an 8-byte prefix followed by exactly one CBOR data item (RFC 8949)::
 
     +----------------+----------------+---------------------------------+
     | item length    | bulk length    | CBOR item (a map)               |
-    | u32 big-endian | u32 big-endian | {"v": 1, "kind": ..., fields}   |
+    | u32 big-endian | u32 big-endian | {"v": 2, "kind": ..., fields}   |
     +----------------+----------------+---------------------------------+
 
 The item is a map holding the protocol version ``v``, the message ``kind`` and that kind's

@@ -654,6 +654,13 @@ def _tune(sock: Any) -> None:
 # -------------------------------------------------------------------------- handshake shells
 
 
+@functools.cache
+def _loopback_secret() -> str:
+    """The secret of the groups `TcpTransport.open_group` forms without one: random, and one
+    per process, so its scrypt stretching is paid once per process, not once per group."""
+    return secrets.token_urlsafe(32)
+
+
 async def dial(
     address: tuple[str, int],
     secret: bytes,
@@ -1024,7 +1031,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"group size must be a positive int, got {n!r}")
-        key = load_secret(secret if secret is not None else secrets.token_hex(16), {})
+        key = load_secret(secret if secret is not None else _loopback_secret(), {})
         listeners = [
             (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0] if n > 1 else None
             for _ in range(n)

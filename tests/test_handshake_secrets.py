@@ -1,0 +1,393 @@
+"""The shared secret under attack (issue 18, rows 2 and 12): an offline guesser against a live
+listener, the scrypt stretching, the session key, `paramsync secret` and the secret file's
+permissions.
+
+Row 2: a stranger that connects and sends one hello must get a reply with nothing to test
+guesses of the secret against (no proof, no identity of the listener); the dialer proves first,
+and every HMAC is keyed with the secret stretched by scrypt, so even a rogue listener holding a
+dialer's proof pays one scrypt per guess. The proofs and the session key are recomputed here
+from docs/protocol.md section 5.1 alone, as an independent implementation would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import stat
+import string
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from runtime.cli.main import main as cli_main
+from runtime.coordinator.service import Coordinator
+from runtime.errors import HandshakeError
+from runtime.protocol.handshake import (
+    NONCE_SIZE,
+    SECRET_FILE_ENV,
+    DialerHandshake,
+    Identity,
+    ListenerHandshake,
+    NonceLedger,
+    dialer_proof,
+    listener_proof,
+    load_secret,
+    stretch_secret,
+)
+from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
+from runtime.transport import tcp
+
+ROOT = Path(__file__).resolve().parent.parent
+WEAK_SECRET = b"password12345678"
+"""A weak secret (16 bytes, the minimum, and in any attacker's dictionary)."""
+DICTIONARY = [
+    f"{word}{digits}".encode()
+    for word in ("letmein", "qwerty", "password", "paramsync", "dragon", "monkey")
+    for digits in ("12345678", "123456789", "87654321", "00000000", "11111111")
+]
+assert WEAK_SECRET in DICTIONARY
+SECRET = b"handshake-secrets-tests-32-bytes"
+GROUP = tcp.DEFAULT_GROUP
+DIALER = Identity(GROUP, 4, 2)
+LISTENER = Identity(GROUP, 4, 0)
+
+
+# --------------------------------------------------------------------------- the spec, again
+
+
+def spec_transcript(
+    label: bytes, version: int, first: bytes, second: bytes, *identities: Identity
+) -> bytes:
+    """docs/protocol.md section 5.1's transcript, written from the document."""
+    out = label + version.to_bytes(2, "big") + first + second
+    for ident in identities:
+        group = ident.group.encode("utf-8")
+        out += len(group).to_bytes(2, "big") + group
+        out += ident.world_size.to_bytes(4, "big") + (ident.rank + 1).to_bytes(4, "big")
+    return out
+
+
+def spec_key(secret: bytes) -> bytes:
+    """docs/protocol.md section 5.1's key: scrypt with the documented parameters."""
+    return hashlib.scrypt(
+        secret, salt=b"paramsync/secret/v2", n=16384, r=8, p=1, maxmem=64 << 20, dklen=32
+    )
+
+
+def spec_mac(key: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, transcript, hashlib.sha256).digest()
+
+
+# --------------------------------------------------------------------------- the guesser
+
+
+def guess_test(hello: dict[str, Any], reply: dict[str, Any]) -> Callable[[bytes], bool] | None:
+    """What one hello's reply lets an offline guesser test candidate secrets against: a
+    function saying whether a candidate is the secret, or None when the reply carries nothing
+    to test against (no proof, or no identity to rebuild the proof's transcript from).
+
+    It knows every handshake this project has spoken: a listener proof in the first reply, over
+    (dialer nonce, listener nonce, dialer, listener), keyed by the raw or the stretched secret."""
+    proof = reply.get("proof")
+    if not isinstance(proof, bytes) or not {"group", "world_size", "rank"} <= set(reply):
+        return None
+    dialer = Identity(hello["group"], hello["world_size"], hello["rank"])
+    listener = Identity(reply["group"], reply["world_size"], reply["rank"])
+    transcript = spec_transcript(
+        b"paramsync/listener", reply["v"], hello["nonce"], reply["nonce"], dialer, listener
+    )
+
+    def is_the_secret(candidate: bytes) -> bool:
+        return any(
+            hmac.compare_digest(spec_mac(key, transcript), proof)
+            for key in (candidate, spec_key(candidate))
+        )
+
+    return is_the_secret
+
+
+def crack(test: Callable[[bytes], bool] | None, candidates: list[bytes]) -> bytes | None:
+    if test is None:
+        return None
+    return next((candidate for candidate in candidates if test(candidate)), None)
+
+
+async def one_hello(address: tuple[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A stranger's one hello (claiming rank 0 of a world of 2) and the listener's reply."""
+    hello_kind, hello = DialerHandshake(
+        b"the stranger holds no secret", Identity(GROUP, 2, 0)
+    ).hello()
+    stream = await trio.open_tcp_stream(*address)
+    conn = tcp.Connection(stream)
+    try:
+        await conn.send(hello_kind, hello)
+        with trio.fail_after(10):
+            reply = await conn.recv(HANDSHAKE_MAX_FRAME)
+    finally:
+        await conn.aclose()
+    return hello, reply
+
+
+async def hello_the_coordinator(secret: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    coordinator = Coordinator(2, secret=secret.decode())
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(coordinator.serve_tcp, "127.0.0.1", 0)
+            exchange = await one_hello(address)
+            nursery.cancel_scope.cancel()
+    return exchange
+
+
+async def hello_a_mesh_listener(secret: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    address = listener.socket.getsockname()[:2]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tcp._serve_until, listener, Identity(GROUP, 2, 0), secret, {}, {1})
+            exchange = await one_hello(address)
+            nursery.cancel_scope.cancel()
+    await listener.aclose()
+    return exchange
+
+
+@pytest.mark.parametrize("daemon", ["coordinator", "mesh-listener"])
+def test_one_hello_gives_an_offline_guesser_nothing_to_test_guesses_against(daemon: str) -> None:
+    """Issue 18 row 2. Before: the reply to one unauthenticated hello held the listener's
+    identity and an HMAC over a transcript the stranger knows, and the dictionary below
+    recovered the weak secret from it. Now the reply is a challenge with a nonce only."""
+    serve = hello_the_coordinator if daemon == "coordinator" else hello_a_mesh_listener
+    hello, reply = trio.run(serve, WEAK_SECRET)
+    recovered = crack(guess_test(hello, reply), DICTIONARY)
+    assert recovered is None, f"recovered the secret {recovered!r} from one hello's reply"
+    assert reply["kind"] == "challenge", reply
+    assert set(reply) == {"v", "kind", "nonce"}, f"the reply discloses {sorted(reply)}"
+    assert len(reply["nonce"]) == NONCE_SIZE
+
+
+def test_a_rogue_listener_gets_a_proof_that_costs_one_scrypt_per_guess() -> None:
+    """The remaining exposure (docs/protocol.md section 5.1): a worker that dials a rogue
+    listener sends it the dialer's proof, an HMAC under the stretched key. A raw-secret guess
+    does not verify against it; each stretched guess costs one scrypt (>= 10 ms)."""
+    dialer = DialerHandshake(WEAK_SECRET, Identity(GROUP, 2, 1))
+    hello = decode_frame(encode_frame_bytes(*dialer.hello()))
+    rogue_nonce = os.urandom(NONCE_SIZE)
+    auth = decode_frame(
+        encode_frame_bytes(*dialer.on_challenge({"kind": "challenge", "nonce": rogue_nonce}))
+    )
+    me = Identity(hello["group"], hello["world_size"], hello["rank"])
+    transcript = spec_transcript(b"paramsync/dialer", 2, rogue_nonce, hello["nonce"], me)
+    assert spec_mac(WEAK_SECRET, transcript) != auth["proof"]  # the raw secret is not the key
+    started = time.perf_counter()
+    assert spec_mac(spec_key(WEAK_SECRET), transcript) == auth["proof"]
+    assert time.perf_counter() - started >= 0.010
+
+
+# --------------------------------------------------------------------------- the KDF
+
+
+def test_the_handshake_key_is_scrypt_of_the_secret_as_documented() -> None:
+    assert stretch_secret(SECRET) == spec_key(SECRET)
+    assert len(stretch_secret(SECRET)) == 32
+    assert stretch_secret(bytearray(SECRET)) == stretch_secret(SECRET)
+    assert stretch_secret(SECRET + b"!") != stretch_secret(SECRET)
+
+
+def test_one_guess_costs_at_least_10_ms_and_a_process_pays_it_once_per_secret() -> None:
+    costs = []
+    for _ in range(3):
+        fresh = os.urandom(32)  # never stretched before: no cache
+        started = time.perf_counter()
+        first = stretch_secret(fresh)
+        costs.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        assert stretch_secret(fresh) == first
+        again = time.perf_counter() - started
+        assert again < min(costs) / 10, (again, costs)  # cached
+    assert min(costs) >= 0.010, costs
+
+
+def test_every_proof_is_keyed_by_the_stretched_secret() -> None:
+    """Proofs and the session key recomputed from the document match the implementation's."""
+    dialer_id, listener_id = Identity(GROUP, 4, 2), Identity(GROUP, 4, 0)
+    dialer = DialerHandshake(SECRET, dialer_id)
+    listener = ListenerHandshake(SECRET, listener_id, lambda _peer: None, ledger=NonceLedger())
+    hello = decode_frame(encode_frame_bytes(*dialer.hello()))
+    challenge = decode_frame(encode_frame_bytes(*listener.on_hello(hello)))
+    auth = decode_frame(encode_frame_bytes(*dialer.on_challenge(challenge)))
+    kind, fields, error = listener.on_auth(auth)
+    assert kind == "welcome" and error is None
+    welcome = decode_frame(encode_frame_bytes(kind, fields))
+    assert dialer.on_verdict(welcome) == listener_id
+    key, n_d, n_l = spec_key(SECRET), hello["nonce"], challenge["nonce"]
+    v = welcome["v"]
+    assert v == 2
+    assert auth["proof"] == spec_mac(
+        key, spec_transcript(b"paramsync/dialer", v, n_l, n_d, dialer_id)
+    )
+    assert welcome["proof"] == spec_mac(
+        key, spec_transcript(b"paramsync/listener", v, n_d, n_l, dialer_id, listener_id)
+    )
+    session = spec_mac(
+        key, spec_transcript(b"paramsync/session", v, n_d, n_l, dialer_id, listener_id)
+    )
+    assert dialer.session_key() == listener.session_key() == session
+
+
+# --------------------------------------------------------------------------- the session key
+
+
+def handshake(
+    dialer_secret: bytes = SECRET,
+    listener_secret: bytes = SECRET,
+    dialer_id: Identity = DIALER,
+    listener_id: Identity = LISTENER,
+    dialer_nonce: bytes = b"\x01" * NONCE_SIZE,
+    listener_nonce: bytes = b"\x02" * NONCE_SIZE,
+) -> tuple[DialerHandshake, ListenerHandshake]:
+    """A completed handshake (no codec: the sans-I/O machines only)."""
+    dialer = DialerHandshake(dialer_secret, dialer_id, nonce=dialer_nonce)
+    listener = ListenerHandshake(
+        listener_secret, listener_id, lambda _peer: None, nonce=listener_nonce, ledger=NonceLedger()
+    )
+    auth = dialer.on_challenge(
+        {"kind": "challenge", **listener.on_hello({"kind": "hello", **dialer.hello()[1]})[1]}
+    )
+    kind, fields, error = listener.on_auth({"kind": "auth", **auth[1]})
+    assert kind == "welcome" and error is None, fields
+    dialer.on_verdict({"kind": kind, **fields})
+    return dialer, listener
+
+
+def test_both_sides_derive_the_same_session_key() -> None:
+    dialer, listener = handshake()
+    assert len(dialer.session_key()) == 32
+    assert dialer.session_key() == listener.session_key()
+
+
+def test_the_session_key_changes_with_either_nonce_either_identity_or_the_secret() -> None:
+    base = handshake()[0].session_key()
+    variants = {
+        "dialer nonce": handshake(dialer_nonce=b"\x03" * NONCE_SIZE),
+        "listener nonce": handshake(listener_nonce=b"\x03" * NONCE_SIZE),
+        "dialer identity": handshake(dialer_id=Identity(GROUP, 4, 3)),
+        "listener identity": handshake(listener_id=Identity(GROUP, 4, -1)),
+        "secret": handshake(SECRET[::-1], SECRET[::-1]),
+    }
+    keys = {base}
+    for name, (dialer, listener) in variants.items():
+        key = dialer.session_key()
+        assert key == listener.session_key(), name
+        assert key not in keys, f"the session key does not depend on the {name}"
+        keys.add(key)
+
+
+def test_no_session_key_before_the_handshake_completed() -> None:
+    dialer = DialerHandshake(SECRET, Identity(GROUP, 4, 2))
+    listener = ListenerHandshake(
+        SECRET, Identity(GROUP, 4, 0), lambda _peer: None, ledger=NonceLedger()
+    )
+    for side in (dialer, listener):
+        with pytest.raises(HandshakeError, match="the handshake has not completed"):
+            side.session_key()
+    challenge = listener.on_hello({"kind": "hello", **dialer.hello()[1]})
+    auth = dialer.on_challenge({"kind": "challenge", **challenge[1]})
+    with pytest.raises(HandshakeError, match="the handshake has not completed"):
+        dialer.session_key()  # the welcome has not come
+    refusing = ListenerHandshake(
+        SECRET,
+        Identity(GROUP, 4, 0),
+        lambda peer: "no",
+        nonce=challenge[1]["nonce"],
+        ledger=NonceLedger(),
+    )
+    refusing.on_hello({"kind": "hello", **dialer.hello()[1]})
+    assert refusing.on_auth({"kind": "auth", **auth[1]})[0] == "refuse"
+    with pytest.raises(HandshakeError, match="the handshake has not completed"):
+        refusing.session_key()  # authenticated, but refused at admission
+
+
+# --------------------------------------------------------------------------- paramsync secret
+
+
+def test_paramsync_secret_prints_a_fresh_random_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    printed = []
+    for _ in range(2):
+        assert cli_main(["secret"]) == 0
+        printed.append(capsys.readouterr().out)
+    first, second = (text.strip() for text in printed)
+    assert all(text.endswith("\n") and text.count("\n") == 1 for text in printed)
+    assert len(first) == 43 and first != second
+    assert set(first) <= set(string.ascii_letters + string.digits + "-_")
+    assert load_secret(first, {}) == first.encode()
+
+
+def test_paramsync_secret_as_a_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime.cli.main", "secret"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.strip()) == 43
+
+
+# --------------------------------------------------------------------------- row 12
+
+
+def load_from_file(path: Path) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_secret(None, {SECRET_FILE_ENV: str(path)}) == SECRET
+    return list(caught)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400], ids=oct)
+def test_a_private_secret_file_loads_without_a_warning(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    path.chmod(mode)
+    assert load_from_file(path) == []
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604], ids=oct)
+def test_a_secret_file_others_may_read_is_warned_about(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    path.chmod(mode)
+    caught = load_from_file(path)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert str(path) in message and f"{mode:04o}" in message and "chmod 600" in message
+    assert stat.S_IMODE(path.stat().st_mode) == mode  # warned, not changed
+
+
+# --------------------------------------------------------------------------- the document
+
+
+def test_the_test_vector_in_the_protocol_document_is_what_the_code_computes() -> None:
+    """docs/protocol.md section 5.1's example: the key, both proofs and the session key."""
+    text = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
+    values = dict(re.findall(r"^(K|proof_d|proof_l|session) +([0-9a-f]{64})$", text, re.M))
+    assert set(values) == {"K", "proof_d", "proof_l", "session"}, values
+    secret = b"example-secret-0123456789abcdef!"
+    dialer_id, listener_id = Identity("paramsync", 2, 1), Identity("paramsync", 2, -1)
+    n_d, n_l = b"\x11" * NONCE_SIZE, b"\x22" * NONCE_SIZE
+    dialer, listener = handshake(secret, secret, dialer_id, listener_id, n_d, n_l)
+    assert stretch_secret(secret).hex() == values["K"]
+    auth = dialer_proof(stretch_secret(secret), n_d, n_l, dialer_id)
+    assert auth.hex() == values["proof_d"]
+    welcome = listener_proof(stretch_secret(secret), n_d, n_l, dialer_id, listener_id)
+    assert welcome.hex() == values["proof_l"]
+    assert dialer.session_key().hex() == listener.session_key().hex() == values["session"]
+    assert "export PARAMSYNC_SECRET=$(paramsync secret)" in text
