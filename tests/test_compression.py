@@ -520,3 +520,44 @@ def test_the_ddp_benchmark_passes_the_hook_to_both_systems() -> None:
     )
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--comm-hook", "fp8"])
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+async def test_hooks_with_unused_parameters_keep_ranks_identical(hook: str) -> None:
+    """``find_unused_parameters`` beside a hook: rank r uses branch r only and branch 3 no rank
+    uses; the unused gradients reduce as zeros through the hook, every rank agrees that branch 3
+    went unused, and the ranks stay bitwise identical (the digest check passes every step)."""
+    from test_unused_params import Branchy, branchy_loss
+
+    world_size, steps, per_rank = 3, 4, 4
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = Branchy(rank, branches=4)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        rank = trainer.dist_config.rank
+        gen = torch.Generator().manual_seed(rank)
+        mask = torch.zeros(per_rank, 4, dtype=torch.bool)
+        mask[:, rank] = True
+        digests = []
+        for _ in range(steps):
+            batch = (
+                torch.randn(per_rank, 4, generator=gen),
+                torch.randn(per_rank, 3, generator=gen),
+            )
+            await trainer.train_batch((*batch, mask))
+            await trainer.verified()
+            digests.append(state_digest(trainer.model, trainer.optimizer).digest)
+        return {"digests": digests, "unused": trainer.unused_parameters}
+
+    options = TrainerOptions(
+        comm_hook=hook, find_unused_parameters=True, bucket_bytes=1, powersgd_start_iter=1
+    )
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(
+            world_size, make_replica, branchy_loss, body, options=options
+        )
+    for rank, result in enumerate(results):
+        assert result["digests"] == results[0]["digests"], f"rank {rank} diverged"
+        assert set(result["unused"]) == {"branches.3.weight", "branches.3.bias"}
