@@ -16,6 +16,13 @@ intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   the first step and after the last only): what the machine allows, so that both systems'
   overhead over the physical limit is printed, paired round by round.
 
+``--comm-hook fp16|bf16|powersgd`` compresses the gradients in both systems alike: DDP
+registers torch's hook (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``, or
+``powerSGD_hook`` with a ``PowerSGDState`` of ``--powersgd-rank`` and
+``--powersgd-start-iter``), paramsync workers get the ``comm_hook`` option with the same
+settings; each system's bytes all-reduced per step (rank 0, timed steps) are counted by wrapping
+the all-reduce its hook calls (DDP with no hook reduces in C++: its gradients' size is shown).
+
 Per system and world size: ``--warmup`` untimed steps, then ``--steps`` timed ones. Rank 0
 takes the time between the ends of consecutive steps; the table shows the median of those step
 times (pooled over rounds), the overall steps/s of the timed steps (median over rounds; for
@@ -45,6 +52,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+"""``--comm-hook`` choices (`runtime.collectives.compression.COMM_HOOKS`; not imported here:
+the driver imports no torch)."""
 SYSTEMS = ("ddp", "paramsync", "limit")
 LIMIT = "limit"
 """The physical limit: the same processes, model, data and steps, each rank training its own
@@ -150,9 +160,12 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
     )
     try:
         ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        counter = _register_ddp_hook(ddp, args)
         ends: list[float] = []
         losses: list[float] = []
         for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                counter[0] = 0
             inputs, targets = batch(step)
             optimizer.zero_grad()
             logits = ddp(inputs)
@@ -170,7 +183,47 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return _result(ends, losses, args.warmup, overall, info, cpu)
+    result = _result(ends, losses, args.warmup, overall, info, cpu)
+    if args.comm_hook == "none":  # the C++ reducer all-reduces every gradient in float32
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        result["allreduce_bytes_per_step"] = grads
+    else:
+        result["allreduce_bytes_per_step"] = counter[0] / args.steps
+    return result
+
+
+def _register_ddp_hook(ddp, args: argparse.Namespace) -> list[int]:
+    """Register torch's hook for ``--comm-hook`` on ``ddp``; returns a counter of the bytes the
+    hook all-reduces (``torch.distributed.all_reduce`` wrapped: the hooks call it)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    counter = [0]
+    if args.comm_hook == "none":
+        return counter
+    original = dist.all_reduce
+
+    def counting_all_reduce(tensor, *rest, **kwargs):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *rest, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    if args.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.comm_hook == "bf16":
+        # torch refuses its bf16 hook by name unless NCCL runs it; gloo sums bfloat16 on CPU.
+        def cpu_bf16_compress_hook(state, bucket):
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        ddp.register_comm_hook(None, cpu_bf16_compress_hook)
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.powersgd_start_iter,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return counter
 
 
 def _worker_limit(args: argparse.Namespace) -> dict:
@@ -228,7 +281,11 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
         overrides = _trainer_options(args.option)
         if args.bucket_bytes is not None:
             overrides["bucket_bytes"] = args.bucket_bytes
+        overrides.setdefault("comm_hook", args.comm_hook)
+        overrides.setdefault("powersgd_rank", args.powersgd_rank)
+        overrides.setdefault("powersgd_start_iter", args.powersgd_start_iter)
         options = TrainerOptions(**overrides)
+        counter = _count_paramsync_all_reduce()
         ends: list[float] = []
         losses: list[float] = []
         numbers: list[int] = []
@@ -245,6 +302,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
                 losses.append(await trainer.train_batch(batch(step)))
                 ends.append(time.perf_counter())
                 if step == args.warmup - 1:
+                    counter[0] = 0
                     cpu_start = time.process_time()
                     check_start = trainer.check_cost.hash_cpu_seconds
                     loop_start = (time.thread_time(), task_steps.count)
@@ -260,6 +318,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
             trace.write(Path(args.trace) / f"paramsync-n{args.world}-rank{args.rank}.json")
         result = _result(ends, losses, args.warmup, overall, info, cpu)
         result["step_numbers"] = numbers[args.warmup :]  # each of step_seconds' steps
+        result["allreduce_bytes_per_step"] = counter[0] / args.steps
         if args.record_phases:
             result["phase_seconds"] = _phase_seconds(trace.events(), result["step_numbers"])
         # The CPU time this worker spent hashing its state for the check (its own accounting).
@@ -279,6 +338,22 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     task_steps = TaskSteps()
     return trio.run(main, instruments=[task_steps])
+
+
+def _count_paramsync_all_reduce() -> list[int]:
+    """A counter of the bytes the gradient-comm actor all-reduces (its module's ``all_reduce``
+    wrapped: every bucket's reducer calls it, compressed or not)."""
+    from actors.graph import gradcomm
+
+    counter = [0]
+    original = gradcomm.all_reduce
+
+    async def counting_all_reduce(transport, tensor, *rest, **kwargs):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return await original(transport, tensor, *rest, **kwargs)
+
+    gradcomm.all_reduce = counting_all_reduce
+    return counter
 
 
 PHASES = ("forward", "backward", "grad-wait", "optimizer")
@@ -349,6 +424,9 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
         "corpus_bytes",
         "bucket_bytes",
         "bucket_cap_mb",
+        "comm_hook",
+        "powersgd_rank",
+        "powersgd_start_iter",
     ):
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -505,7 +583,11 @@ def _round_ratios(ours: list[dict], theirs: list[dict], key: str = "step_seconds
 
 
 def _summarise(
-    runs: dict, worlds: list[int], variant_options: tuple[str, ...] = (), check_split: int = 0
+    runs: dict,
+    worlds: list[int],
+    variant_options: tuple[str, ...] = (),
+    check_split: int = 0,
+    comm_hook: str = "none",
 ) -> list[dict]:
     table = []
     for world in worlds:
@@ -541,7 +623,17 @@ def _summarise(
                 ),
                 "rounds": len(results),
                 "step_samples": len(pooled),
+                **(
+                    {
+                        "allreduce_bytes_per_step": statistics.median(
+                            r["allreduce_bytes_per_step"] for r in results
+                        )
+                    }
+                    if all("allreduce_bytes_per_step" in r for r in results)
+                    else {}
+                ),
             }
+        row["comm_hook"] = comm_hook
         row["parameters"] = runs[("ddp", world)][0]["parameters"]
         row["vocab_size"] = runs[("ddp", world)][0]["vocab_size"]
         row["step_time_ratio"] = (
@@ -761,6 +853,16 @@ def _print_table(table: list[dict]) -> None:
         ]
         if loops:
             print(f"n={row['world_size']}: rank 0's event loop, CPU a step: {'; '.join(loops)}")
+        sent = [
+            f"{LABELS[system]} {row[system]['allreduce_bytes_per_step'] / 1e6:.3f} MB"
+            for system in ("ddp", "paramsync")
+            if "allreduce_bytes_per_step" in row[system]
+        ]
+        if sent:
+            print(
+                f"n={row['world_size']}: bytes all-reduced a step by rank 0 "
+                f"(hook {row['comm_hook']}): {'; '.join(sent)}"
+            )
         if "hash_cpu_share" in row:
             print(
                 f"n={row['world_size']}: rank 0 hashing its state for the check (its own "
@@ -784,6 +886,11 @@ def _interval_text(bounds: list[float] | tuple[float, float] | None, percent: bo
     if percent:
         return f", 95 % interval {bounds[0] * 100:+.1f} to {bounds[1] * 100:+.1f} %"
     return f" (95 % interval {bounds[0]:.3f}-{bounds[1]:.3f})"
+
+
+def _bytes_text(result: dict) -> str:
+    nbytes = result.get("allreduce_bytes_per_step")
+    return f"; all-reduced {nbytes / 1e6:.3f} MB a step" if nbytes is not None else ""
 
 
 def _coordinator_cpu_text(result: dict) -> str:
@@ -812,6 +919,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="paramsync gradient bucket size (default: TrainerOptions' default)",
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    parser.add_argument(
+        "--comm-hook",
+        choices=COMM_HOOKS,
+        default="none",
+        help="gradient compression in both systems: DDP registers torch's hook, paramsync "
+        "workers get the comm_hook option (default none)",
+    )
+    parser.add_argument(
+        "--powersgd-rank", type=int, default=1, help="PowerSGD matrix_approximation_rank"
+    )
+    parser.add_argument(
+        "--powersgd-start-iter",
+        type=int,
+        default=2,
+        help="PowerSGD start_powerSGD_iter (torch needs at least 2)",
+    )
     parser.add_argument(
         "--digest-interval",
         type=int,
@@ -900,10 +1023,11 @@ def main() -> None:
                     f"{result['steps_per_second']:.2f} steps/s, "
                     f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}; "
                     f"CPU per step: rank 0 {result['cpu_seconds_per_step'] * 1e3:.1f} ms"
-                    + _coordinator_cpu_text(result),
+                    + _coordinator_cpu_text(result)
+                    + _bytes_text(result),
                     flush=True,
                 )
-    table = _summarise(runs, args.worlds, tuple(args.variant), args.check_split)
+    table = _summarise(runs, args.worlds, tuple(args.variant), args.check_split, args.comm_hook)
     print(f"model: {table[0]['parameters']} parameters, vocabulary {table[0]['vocab_size']}")
     _print_table(table)
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")

@@ -1,14 +1,19 @@
 """Your own model, your own data, your own training loop; paramsync only syncs the gradients.
 
-Run it with one process per worker, like a torchrun script:
+Run it with one process per worker, under ``paramsync launch`` or torchrun, unchanged:
 
     .venv/bin/paramsync launch --nproc 2 -- examples/own_training_loop.py
     .venv/bin/paramsync launch --nproc 4 -- examples/own_training_loop.py --steps 200
+    PARAMSYNC_SECRET=$(.venv/bin/paramsync secret) .venv/bin/torchrun --nproc-per-node 2 \
+        examples/own_training_loop.py
 
 ``paramsync launch`` starts a coordinator process and N copies of this script with RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT and a shared PARAMSYNC_SECRET set (the same variables
-torchrun sets, so the same script also runs under a coordinator you start by hand).
-`actors.train.run.trainer_from_env` reads them, joins the run and hands back a `DistributedTrainer`.
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT and a shared PARAMSYNC_SECRET set. torchrun sets the same
+variables but no secret (give it PARAMSYNC_SECRET or PARAMSYNC_SECRET_FILE), and rank 0 hosts
+the coordinator in its own process. The same script also runs under a coordinator you start by
+hand. `actors.train.run.trainer_from_env` reads them, joins the run and hands back a
+`DistributedTrainer`; `actors.train.run.run_script` runs ``main`` like ``trio.run`` and turns a
+configuration mistake (no secret, a bad address) into one line and exit code 2.
 From there the loop is ordinary Python: build a batch of *this rank's* data, call
 ``await trainer.train_batch(batch)``, which runs forward and backward through your ``loss_fn``,
 averages the gradients over all workers (bucket by bucket, overlapping backward), steps your
@@ -27,9 +32,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-import trio
 
-from actors.train.run import trainer_from_env
+from actors.train.run import run_script, trainer_from_env
 from actors.train.trainer import TrainerOptions
 
 
@@ -128,4 +132,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    trio.run(main, build_parser().parse_args())
+    run_script(main, build_parser().parse_args())

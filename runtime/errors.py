@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 __all__ = [
     "ParamsyncError",
+    "ConfigError",
     "ProtocolError",
     "FrameTooLarge",
     "HandshakeError",
@@ -24,6 +25,7 @@ __all__ = [
     "ActorFailed",
     "pick_error",
     "first_error",
+    "configuration_error",
     "quoted",
     "plain_or_quoted",
     "one_line",
@@ -73,6 +75,12 @@ def plain_or_quoted(value: object, limit: int = 64) -> str:
 
 class ParamsyncError(Exception):
     """Base class of every error paramsync raises on purpose."""
+
+
+class ConfigError(ParamsyncError, ValueError):
+    """This process was configured so that it cannot run: no secret, a bad address, a rank out
+    of range, a port that cannot be bound. The message is one line naming what to set; entry
+    points print it alone and exit with code 2. A ``ValueError`` too, for older callers."""
 
 
 class ProtocolError(ParamsyncError):
@@ -177,3 +185,26 @@ def first_error() -> Iterator[None]:
         if leaf is group:
             raise
         raise leaf from None
+
+
+def configuration_error(error: BaseException) -> str | None:
+    """The one-line message to print when ``error`` (or the most telling leaf of its exception
+    group, `pick_error`) is a configuration problem, else None.
+
+    Configuration problems: a `ConfigError`, and a join the other end refused or could not
+    authenticate (`HandshakeError` other than `ListenerBusy`: wrong secret, world size, group,
+    protocol version or a rank already taken), each with what to set.
+    """
+    leaf = pick_error(error)
+    if isinstance(leaf, ConfigError):
+        return one_line(leaf)
+    if isinstance(leaf, AuthenticationError) and not isinstance(leaf, ReplayedHandshake):
+        return one_line(
+            f"{leaf}: set the same PARAMSYNC_SECRET (or PARAMSYNC_SECRET_FILE) on every process"
+        )
+    if isinstance(leaf, HandshakeError) and not isinstance(leaf, ListenerBusy | ReplayedHandshake):
+        return one_line(
+            f"{leaf}: every process of a run needs the same WORLD_SIZE (--world-size) and "
+            "protocol version, and each rank its own RANK (--rank)"
+        )
+    return None

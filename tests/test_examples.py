@@ -21,6 +21,9 @@ TIMEOUT = 120  # seconds; each example takes well under 30 s even on a busy 2-co
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    # A script's own directory (examples/) heads sys.path, not the root: without this, the
+    # examples would import an installed paramsync rather than this checkout's.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     env.pop("PARAMSYNC_ROLE", None)

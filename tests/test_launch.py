@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -134,3 +135,136 @@ def test_coordinator_with_a_bad_world_size_exits_2() -> None:
     result = run_cli("coordinator", "--world-size", "0", "--bind", "127.0.0.1:0", env=env)
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "world_size" in result.stderr
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """The lines a user reads: no traceback, no exception group, only log lines."""
+    assert "Traceback" not in stderr and "ExceptionGroup" not in stderr, stderr
+    return [line for line in stderr.splitlines() if " ERROR " in line]
+
+
+def test_launch_with_a_short_secret_exits_2_before_starting_anything() -> None:
+    env = dict(env_without_secret(), PARAMSYNC_SECRET="short")
+    result = run_cli("launch", "--nproc", "2", "--", "examples/own_training_loop.py", env=env)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    [line] = _error_lines(result.stderr)
+    assert "bad configuration: the shared secret must be at least" in line, line
+    assert "PARAMSYNC_SECRET" in line, line  # names what to set
+    assert "launched" not in result.stderr
+
+
+def test_launch_exits_2_when_a_worker_exits_2(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('paramsync: set SOMETHING', file=sys.stderr)\n"
+        "    sys.exit(2)\n"
+        "import time; time.sleep(120)\n"
+    )
+    result = run_cli("launch", "--nproc", "2", "--", str(script), timeout=30)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "paramsync: set SOMETHING" in result.stderr
+    assert "worker rank 1" in result.stderr and "bad configuration" in result.stderr
+
+
+def test_launch_keeps_a_secret_file_as_it_is(tmp_path: Path) -> None:
+    """The user's PARAMSYNC_SECRET_FILE reaches every child as it is: no secret of the
+    launcher's own is put into their environment, and the run trains with the file's."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(os.urandom(16).hex())
+    secret_file.chmod(0o600)
+    script = tmp_path / "check_env.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "assert 'PARAMSYNC_SECRET' not in os.environ, 'the launcher put a secret in the env'\n"
+        f"sys.argv = ['own_training_loop.py', '--steps', '4']\n"
+        f"runpy.run_path({str(ROOT / 'examples/own_training_loop.py')!r}, run_name='__main__')\n"
+    )
+    env = dict(env_without_secret(), PARAMSYNC_SECRET_FILE=str(secret_file))
+    env["PYTHONPATH"] = str(ROOT)
+    result = run_cli("launch", "--nproc", "2", "--", str(script), env=env, timeout=90)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "after 4 steps" in result.stdout, result.stdout
+
+
+def test_worker_without_a_secret_is_one_line_and_exit_2() -> None:
+    result = run_cli(
+        "worker",
+        "--rank",
+        "0",
+        "--world-size",
+        "2",
+        "--coordinator",
+        "127.0.0.1:9",
+        "--steps",
+        "1",
+        "--corpus-bytes",
+        "200000",
+        env=env_without_secret(),
+        timeout=60,
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    [line] = _error_lines(result.stderr)
+    assert "bad configuration: no shared secret: set PARAMSYNC_SECRET" in line, line
+
+
+def test_a_worker_with_another_world_size_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    env = dict(env_without_secret(), PARAMSYNC_SECRET=os.urandom(16).hex())
+    port_file = tmp_path / "port"
+    coordinator = subprocess.Popen(
+        [
+            *CLI,
+            "coordinator",
+            "--world-size",
+            "2",
+            "--bind",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert coordinator.poll() is None, "the coordinator exited"
+            assert time.monotonic() < deadline, "the coordinator never listened"
+            time.sleep(0.1)
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        result = run_cli(
+            "worker",
+            "--rank",
+            "1",
+            "--world-size",
+            "3",
+            "--coordinator",
+            address,
+            "--steps",
+            "1",
+            "--corpus-bytes",
+            "200000",
+            env=env,
+            timeout=60,
+        )
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    [line] = _error_lines(result.stderr)
+    assert "world size 3 does not match this group's 2" in line and "WORLD_SIZE" in line, line
+
+
+def test_coordinator_on_a_taken_port_is_one_line_naming_bind() -> None:
+    env = dict(env_without_secret(), PARAMSYNC_SECRET=os.urandom(16).hex())
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_cli("coordinator", "--world-size", "2", "--bind", f"127.0.0.1:{port}", env=env)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    [line] = _error_lines(result.stderr)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "--bind" in line, line

@@ -24,8 +24,9 @@ from actors.state.buckets import DEFAULT_BUCKET_BYTES
 from actors.state.checkpoint import CheckpointError, CheckpointStore, new_run_id
 from actors.state.training_state import capture_state, restore_state
 from actors.train.checkpointing import CommittedCheckpoints
-from actors.train.run import trainer_from_env, write_summary
+from actors.train.run import run_script, trainer_from_env, write_summary
 from actors.train.trainer import DistributedTrainer, TrainerOptions
+from runtime.cli.torchrun import RUN_ID_ENV, run_id_from_env
 from runtime.collectives.ring import all_gather
 from runtime.coordinator.service import CoordinatorOptions
 from runtime.errors import pick_error
@@ -34,9 +35,6 @@ from runtime.observe.progress import ProgressBar
 from runtime.observe.trace import TraceRecorder
 
 __all__ = ["main", "build_parser", "run", "RUN_ID_ENV"]
-
-RUN_ID_ENV = "PARAMSYNC_RUN_ID"
-"""The run id every rank of a fresh run shares (``paramsync launch`` sets it)."""
 
 log = logging.getLogger("paramsync.lm_job")
 
@@ -82,7 +80,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument(
         "--run-id",
         help="the run id recorded in every checkpoint (default: $PARAMSYNC_RUN_ID, set by "
-        "paramsync launch, else random; with --resume: the one recorded in --checkpoint-dir)",
+        "paramsync launch, else torchrun's $TORCHELASTIC_RUN_ID, else random; with --resume: "
+        "the one recorded in --checkpoint-dir)",
     )
     group.add_argument(
         "--reconnect-seconds",
@@ -238,7 +237,8 @@ async def run(args: argparse.Namespace) -> int:
 
 def _open_store(args: argparse.Namespace, rank: int) -> CheckpointStore:
     """The checkpoint store of this run: on --resume, bound to the run id recorded in the
-    directory (or --run-id); on a fresh run, to --run-id, $PARAMSYNC_RUN_ID or a random one."""
+    directory (or --run-id); on a fresh run, to --run-id, $PARAMSYNC_RUN_ID, torchrun's
+    $TORCHELASTIC_RUN_ID or a random one."""
     found = CheckpointStore(args.checkpoint_dir)
     if args.resume:
         run_id = args.run_id or found.recorded_run_id()
@@ -248,9 +248,9 @@ def _open_store(args: argparse.Namespace, rank: int) -> CheckpointStore:
                     f"{args.checkpoint_dir}: no run id recorded for its checkpoints; pass "
                     "--run-id to say which run to resume"
                 )
-            run_id = os.environ.get(RUN_ID_ENV) or new_run_id()
+            run_id = run_id_from_env() or new_run_id()
     else:
-        run_id = args.run_id or os.environ.get(RUN_ID_ENV) or new_run_id()
+        run_id = args.run_id or run_id_from_env() or new_run_id()
     log.info("rank %d: checkpoints of run %r in %s", rank, run_id, args.checkpoint_dir)
     return CheckpointStore(args.checkpoint_dir, run_id=run_id)
 
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return trio.run(run, args)
+    return run_script(run, args)  # a configuration error: one line, exit code 2
 
 
 if __name__ == "__main__":

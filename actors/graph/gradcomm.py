@@ -4,7 +4,8 @@ It owns each bucket's flat buffer (the gradients are views of it, so backward fi
 place), reports a ready bucket (pre-averaged over accumulation steps) to the coordinator, and
 all-reduces it when the coordinator says go, overlapping the rest of backward; buckets run in the
 coordinator's order on every rank. From an epoch's second step on, buckets are reduced at once
-in the agreed order, without the round trip (the response cache).
+in the agreed order, without the round trip (the response cache). Each bucket is averaged by its
+reducer (`runtime.collectives.compression`: exactly, or compressed by ``comm_hook``).
 
 With ``find_unused_parameters``, once a step's buckets are reduced the ranks all-reduce which
 parameters each used (a flag per parameter, summed): a parameter some rank used keeps the
@@ -27,7 +28,8 @@ from actors.client.client import CoordinatorClient, Go
 from actors.graph.messages import BucketReady
 from actors.state.buckets import Bucket
 from runtime.actor.base import Actor, ActorStopped
-from runtime.collectives.ring import all_reduce
+from runtime.collectives.compression import make_reducer, tag_spec
+from runtime.collectives.ring import ReduceOp, all_reduce
 from runtime.coordinator.events import agreement_hash, spec_hash
 from runtime.observe.trace import TraceRecorder
 from runtime.transport.base import Transport
@@ -52,6 +54,12 @@ class CommOptions(Protocol):
     def response_cache(self) -> bool: ...
     @property
     def find_unused_parameters(self) -> bool: ...
+    @property
+    def comm_hook(self) -> str: ...
+    @property
+    def powersgd_rank(self) -> int: ...
+    @property
+    def powersgd_start_iter(self) -> int: ...
 
 
 @dataclass
@@ -111,7 +119,22 @@ class GradCommActor(Actor):
         self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
         for index in range(len(buckets)):
             self._bind(index)
-        self._specs = [bucket.spec() for bucket in buckets]
+        self._reducers = [
+            make_reducer(
+                options.comm_hook,
+                bucket.index,
+                bucket.shapes,
+                bucket.dtype,
+                powersgd_rank=options.powersgd_rank,
+                powersgd_start_iter=options.powersgd_start_iter,
+            )
+            for bucket in buckets
+        ]
+        """Per bucket: how it is averaged (`runtime.collectives.compression`: a comm hook)."""
+        self._specs = [
+            tag_spec(bucket.spec(), reducer.label)
+            for bucket, reducer in zip(buckets, self._reducers)
+        ]
         self._spec_hashes = [spec_hash(spec) for spec in self._specs]
         """What a cached report carries instead of the whole spec."""
         self._fold = fold
@@ -297,16 +320,11 @@ class GradCommActor(Actor):
         assert state is not None and state.step == step
         bucket = self.buckets[index]
         flat = self._flats[index]
+        reducer = self._reducers[index]
         with self.trace.span(
-            "all-reduce", actor="gradient-comm", bucket=index, bytes=flat.numel() * 4
+            "all-reduce", actor="gradient-comm", bucket=index, bytes=reducer.payload_bytes()
         ):
-            await all_reduce(
-                self.transport,
-                flat,
-                "avg",
-                chunk_bytes=self.options.chunk_bytes,
-                threaded_min_bytes=self.options.threaded_min_bytes,
-            )
+            await reducer.reduce(flat, self.transport.world_size, self._all_reduce_flat)
         if self._packed[index]:
             grads = [param.grad for param in self._params[index]]
             bucket.unpack(flat, [g for g in grads if g is not None])
@@ -316,6 +334,17 @@ class GradCommActor(Actor):
             if self.options.find_unused_parameters:
                 await self._agree_unused(state)
             state.all_reduced.set()
+
+    async def _all_reduce_flat(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """One all-reduce over this epoch's transport with the trainer's settings (what a
+        bucket's reducer calls, once or more per bucket)."""
+        await all_reduce(
+            self.transport,
+            tensor,
+            op,
+            chunk_bytes=self.options.chunk_bytes,
+            threaded_min_bytes=self.options.threaded_min_bytes,
+        )
 
     async def _agree_unused(self, state: StepState) -> None:
         """All-reduce which parameters each rank used in the step; release the gradients of

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Mapping
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import trio
@@ -22,11 +24,17 @@ import trio
 from actors.state.digest import Scheduler
 from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from actors.train.worker import join_run
-from runtime.cli.train_config import DistributedRole, DistributedTrainConfig
+from runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
+from runtime.cli.train_config import DistributedRole, DistributedTrainConfig, shared_secret
+from runtime.config import DistributedConfig
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.errors import ConfigError, configuration_error, one_line, pick_error
 from runtime.observe.trace import TraceRecorder
+from runtime.transport.tls import TlsConfig
 
-__all__ = ["trainer_from_env", "SUMMARY_ENV", "write_summary"]
+__all__ = ["trainer_from_env", "run_script", "SUMMARY_ENV", "write_summary"]
+
+T = TypeVar("T")
 
 SUMMARY_ENV = "PARAMSYNC_SUMMARY_JSON"
 
@@ -56,36 +64,117 @@ async def trainer_from_env(
     resume_step: int = 0,
     resume_committed: bool = False,
     reconnect_seconds: float | None = 60.0,
+    join_seconds: float = 120.0,
     scheduler: Scheduler | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join (and, for the COORDINATOR role, also host) the run this environment describes.
 
+    Everything a first run gets wrong is checked before anything starts: the configuration,
+    the shared secret, the TLS files and the coordinator's port. Each is a `ConfigError` (one
+    line naming what to set), raised as it is, never inside an exception group; `run_script`
+    turns it into that line and exit code 2.
+
+    Under torchrun (TORCHELASTIC_RUN_ID set) the coordinator listens on a free port of
+    MASTER_ADDR, not on MASTER_PORT (torchrun's own store has it), and the ranks find it
+    through torchrun's store (`runtime.cli.torchrun`).
+
     ``resume_step``/``resume_committed``: the checkpoint this worker restored (`join_run`);
-    ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`).
+    ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`);
+    ``join_seconds``: how long joining may take.
     ``scheduler``: an LR scheduler of ``optimizer``, stepped after each optimizer step.
     """
-    config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
-    tls = config.tls_config()
-    async with trio.open_nursery() as nursery:
-        if config.role is DistributedRole.COORDINATOR:
-            coordinator = Coordinator(config.world_size, coordinator_options, secret=secret)
+    try:
+        config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
+        tls = config.tls_config()
+        key = shared_secret(secret)
+        torchrun = TorchrunEnv.from_env()
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(one_line(exc)) from None
+    try:
+        async with trio.open_nursery() as nursery:
             host, port = config.address
-            await nursery.start(partial(coordinator.serve_tcp, host, port, tls=tls))
-        async with join_run(
-            model,
-            optimizer,
-            loss_fn,
-            config.to_distributed_config(),
-            secret=secret,
-            options=options,
-            trace=trace,
-            tls=tls,
-            resume_step=resume_step,
-            resume_committed=resume_committed,
-            reconnect_seconds=reconnect_seconds,
-            scheduler=scheduler,
-        ) as trainer:
-            yield trainer
-            summary_path = os.environ.get(SUMMARY_ENV)
-        if summary_path:
-            write_summary(summary_path, trainer.summary())
+            if torchrun is not None:
+                host = torchrun.store_host
+                port = torchrun.coordinator_port or 0
+            if config.role is DistributedRole.COORDINATOR:
+                coordinator = Coordinator(config.world_size, coordinator_options, secret=key)
+                port = await _serve_coordinator(nursery, coordinator, host, port, tls, torchrun)
+                if torchrun is not None and torchrun.coordinator_port is None:
+                    await trio.to_thread.run_sync(torchrun.publish_coordinator_port, port)
+            elif torchrun is not None and torchrun.coordinator_port is None:
+                port = await trio.to_thread.run_sync(
+                    partial(torchrun.lookup_coordinator_port, seconds=join_seconds),
+                    abandon_on_cancel=True,
+                )
+            dist_config = DistributedConfig(
+                config.world_size,
+                config.rank,
+                f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            )
+            async with join_run(
+                model,
+                optimizer,
+                loss_fn,
+                dist_config,
+                secret=key,
+                options=options,
+                trace=trace,
+                tls=tls,
+                resume_step=resume_step,
+                resume_committed=resume_committed,
+                reconnect_seconds=reconnect_seconds,
+                join_seconds=join_seconds,
+                scheduler=scheduler,
+            ) as trainer:
+                yield trainer
+                summary_path = os.environ.get(SUMMARY_ENV)
+            if summary_path:
+                write_summary(summary_path, trainer.summary())
+    except BaseExceptionGroup as group:
+        leaf = pick_error(group)
+        if isinstance(leaf, ConfigError):
+            raise leaf from None
+        raise
+
+
+async def _serve_coordinator(
+    nursery: trio.Nursery,
+    coordinator: Coordinator,
+    host: str,
+    port: int,
+    tls: TlsConfig | None,
+    torchrun: TorchrunEnv | None,
+) -> int:
+    """Start ``coordinator`` listening at host:port in ``nursery``; return the bound port. A
+    port that cannot be bound is a `ConfigError` naming the variable to change."""
+    try:
+        bound = await nursery.start(partial(coordinator.serve_tcp, host, port, tls=tls))
+    except OSError as exc:
+        if torchrun is not None:
+            what = (
+                f"MASTER_ADDR must be an address of this host (rank 0's), and "
+                f"{COORDINATOR_PORT_ENV}, if set, a free port"
+            )
+        else:
+            what = "set MASTER_ADDR to an address of this host and MASTER_PORT to a free port"
+        raise ConfigError(
+            f"the coordinator cannot listen on {host}:{port} ({exc.strerror or exc}): {what}"
+        ) from None
+    return int(bound[1])
+
+
+def run_script(main: Callable[..., Awaitable[T]], *args: object) -> T:
+    """``trio.run(main, *args)`` for a training script's ``if __name__ == "__main__"``: a
+    configuration error (`ConfigError`, or a join the coordinator refused: wrong secret or
+    world size) prints one line naming what to set, ``paramsync: ...``, on stderr and exits
+    with code 2 instead of a traceback. Everything else propagates as ``trio.run``'s would."""
+    try:
+        return trio.run(main, *args)
+    except BaseException as exc:
+        message = configuration_error(exc)
+        if message is None:
+            raise
+        print(f"paramsync: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -49,6 +49,7 @@ from actors.state.digest import Scheduler, StateDigest, named_state, state_diges
 from actors.train.buffer_sync import BufferSync, check_buffer_sync, sync_buffers
 from actors.train.state_transfer import receive_state, send_state, wire_view
 from runtime.actor.base import ActorStopped, ActorSystem
+from runtime.collectives.compression import check_comm_options
 from runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     TRAINING_THREADED_MIN_BYTES,
@@ -120,6 +121,17 @@ class TrainerOptions:
     data, so a rank whose data ended can keep stepping with zero gradients (`join`) until every
     rank's has; gradients stay averaged over all members (DDP's default
     ``divide_by_initial_world_size=True``). Every rank must set it alike."""
+    # Gradient compression (torch DDP's comm hooks; `runtime.collectives.compression`).
+    comm_hook: str = "none"
+    """How float32/float64 buckets are averaged: "none" (exact), "fp16" / "bf16" (torch's
+    fp16_compress_hook / bf16_compress_hook: half the bytes) or "powersgd" (torch's
+    powerSGD_hook with error feedback). Every member must use the same (the coordinator
+    checks it with the bucket specs)."""
+    powersgd_rank: int = 1
+    """PowerSGD's ``matrix_approximation_rank``."""
+    powersgd_start_iter: int = 2
+    """PowerSGD's ``start_powerSGD_iter``: steps of each epoch averaged exactly before
+    compression starts."""
 
     # -- mixed precision (see `actors.graph.precision`)
     autocast_dtype: str | None = None
@@ -178,6 +190,7 @@ class TrainerOptions:
             self.grad_scaler_growth_interval,
             self.grad_scaler_growth_tracker,
         )
+        check_comm_options(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
 
 
 Connect = Callable[[StartRun], Awaitable[Transport]]

@@ -19,11 +19,13 @@ import trio
 from actors.client.client import CoordinatorClient
 from actors.state.digest import Scheduler, state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
+from runtime.cli.train_config import shared_secret
 from runtime.config import DistributedConfig
 from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.errors import ConfigError
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.handshake import Identity, load_secret
+from runtime.protocol.handshake import Identity
 from runtime.protocol.messages import StartRun
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.link import Link, MemoryLink
@@ -110,11 +112,21 @@ async def join_run(
     long, then rejoin where the workers stand (None: losing the coordinator ends the run).
     ``scheduler``: an LR scheduler of ``optimizer``, stepped after each optimizer step
     (`DistributedTrainer.open`).
+    No secret, no coordinator answering within ``join_seconds``, or a run that does not start
+    within ``join_seconds`` of joining (ranks missing: WORLD_SIZE too large) is a `ConfigError`.
     """
-    key = load_secret(secret)
+    key = shared_secret(secret)
     me = Identity(group, config.world_size, config.rank)
+    try:
+        with trio.fail_after(join_seconds):
+            conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
+    except trio.TooSlowError:
+        raise ConfigError(
+            f"rank {config.rank}: no coordinator answered at {config.coordinator_addr} within "
+            f"{join_seconds:g} s: start it there, or set MASTER_ADDR and MASTER_PORT "
+            "(--coordinator) to where it listens"
+        ) from None
     with trio.fail_after(join_seconds):
-        conn, _ = await dial_with_retry(config.address, key, me, tls=tls)
         local_host = conn.socket.getsockname()[0]
         listeners = await trio.open_tcp_listeners(0, host=local_host)
 
@@ -144,21 +156,29 @@ async def join_run(
 
     try:
         port = listeners[0].socket.getsockname()[1]
-        with trio.fail_after(join_seconds):
-            local = (options or TrainerOptions()).buffer_sync == "local"
-            digest = (
-                state_digest(model, optimizer, scheduler, buffers=not local).digest
-                if resume_step
-                else b""
-            )
-            await client.join(
-                model_signature(model.named_parameters()),
-                (local_host, port),
-                step=resume_step,
-                digest=digest,
-                committed=resume_committed and resume_step > 0,
-                fold=(options or TrainerOptions()).response_cache,
-            )
+        try:
+            with trio.fail_after(join_seconds):
+                local = (options or TrainerOptions()).buffer_sync == "local"
+                digest = (
+                    state_digest(model, optimizer, scheduler, buffers=not local).digest
+                    if resume_step
+                    else b""
+                )
+                await client.join(
+                    model_signature(model.named_parameters()),
+                    (local_host, port),
+                    step=resume_step,
+                    digest=digest,
+                    committed=resume_committed and resume_step > 0,
+                    fold=(options or TrainerOptions()).response_cache,
+                )
+        except trio.TooSlowError:
+            raise ConfigError(
+                f"rank {config.rank}: the run did not start within {join_seconds:g} s of joining "
+                f"the coordinator at {config.coordinator_addr}, which waits for all "
+                f"{config.world_size} ranks: start every rank, or set WORLD_SIZE (--world-size) "
+                "to the number of processes"
+            ) from None
         async with _trainer_session(
             model, optimizer, loss_fn, config, connect, client, options, trace, scheduler
         ) as trainer:

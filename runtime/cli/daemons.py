@@ -9,9 +9,11 @@ import signal
 import trio
 
 from runtime.cli.jobs import WorkerJob
+from runtime.cli.torchrun import TorchrunEnv
+from runtime.cli.train_config import shared_secret
 from runtime.config import parse_address
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
-from runtime.errors import ParamsyncError, pick_error
+from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
 from runtime.transport.admission import AdmissionLimits
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
@@ -38,12 +40,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
             stall_seconds=args.stall_seconds,
             stall_deadline=args.stall_deadline,
         )
-        coordinator = Coordinator(args.world_size, options)
+        coordinator = Coordinator(args.world_size, options, secret=shared_secret())
         coordinator.admission.limits = AdmissionLimits(
             max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
         )
-    except ValueError as exc:
-        log.error("bad configuration: %s", exc)
+    except ValueError as exc:  # no secret, a bad --bind or --world-size, ...
+        log.error("bad configuration: %s", one_line(exc))
         return EXIT_USAGE
     stopped: list[int] = []
 
@@ -79,8 +81,16 @@ def run_coordinator(args: argparse.Namespace) -> int:
         if isinstance(cause, RunFailed):
             log.error("run aborted: %s", cause)
             return EXIT_FAILED
-        if isinstance(cause, ValueError | OSError):  # no secret, port taken, ...
-            log.error("cannot serve: %s", cause)
+        if isinstance(cause, OSError):  # the port is taken, the address is not this host's
+            log.error(
+                "bad configuration: cannot listen on %s (%s): give --bind a free port of this "
+                "host (host:0 picks one)",
+                args.bind,
+                one_line(cause.strerror or cause),
+            )
+            return EXIT_USAGE
+        if isinstance(cause, ValueError):
+            log.error("bad configuration: %s", one_line(cause))
             return EXIT_USAGE
         raise
     if stopped:
@@ -101,6 +111,11 @@ def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
         value = getattr(args, flag)
         if value is not None:
             os.environ[variable] = str(value)
+    try:
+        torchrun_env = TorchrunEnv.from_env()
+    except ValueError as exc:
+        log.error("bad configuration: %s", one_line(exc))
+        return EXIT_USAGE
     if args.coordinator:
         try:
             host, port = parse_address(args.coordinator)
@@ -108,15 +123,22 @@ def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
             log.error("bad configuration: %s", exc)
             return EXIT_USAGE
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    os.environ.setdefault("PARAMSYNC_ROLE", args.role)
+    if args.role is not None:
+        os.environ.setdefault("PARAMSYNC_ROLE", args.role)
+    elif torchrun_env is None:  # by hand or under launch: the coordinator is a daemon
+        os.environ.setdefault("PARAMSYNC_ROLE", "worker")
+    # Under torchrun nobody else starts a coordinator: rank 0 hosts it (trainer_from_env).
     try:
         return trio.run(job.run, args)
     except BaseException as exc:
         cause = pick_error(exc)
         if isinstance(cause, KeyboardInterrupt):
             return _SIGNAL_EXIT[signal.SIGINT]
-        if isinstance(cause, ValueError):
-            log.error("bad configuration: %s", cause)
+        message = configuration_error(exc)  # no secret, wrong secret or world size, ...
+        if message is None and isinstance(cause, ValueError):
+            message = one_line(cause)
+        if message is not None:
+            log.error("bad configuration: %s", message)
             return EXIT_USAGE
         if isinstance(cause, ParamsyncError):  # RunAborted included
             log.error("rank %s stopped: %s", os.environ.get("RANK", "?"), cause)

@@ -21,11 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.cli.train_config import shared_secret
+from runtime.errors import one_line
+from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
+
 __all__ = ["run_launch", "merge_summaries", "free_port"]
 
 log = logging.getLogger("paramsync.launch")
 
 _GRACE_SECONDS = 10.0
+EXIT_USAGE = 2
 
 
 def free_port() -> int:
@@ -66,18 +71,29 @@ def _command(parts: list[str]) -> list[str]:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    """Run the launch; returns its exit code (a failed worker's run exits 1)."""
+    """Run the launch; returns its exit code: 1 when a worker failed, 2 on a bad
+    configuration (the launcher's own, e.g. a secret too short, or a worker's that exited 2).
+
+    The secret: $PARAMSYNC_SECRET or $PARAMSYNC_SECRET_FILE as the user set them (checked
+    first), else a fresh one in every child's environment."""
     try:
         command = _command(list(args.program))
         if args.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+        if not 0 <= args.master_port <= 65535:
+            raise ValueError(f"--master-port must be a TCP port (0-65535), got {args.master_port}")
+        given_secret = bool(os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV))
+        if given_secret:
+            shared_secret()  # the user's secret must work before N processes find out it does not
     except ValueError as exc:
-        log.error("%s", exc)
-        return 2
+        log.error("bad configuration: %s", one_line(exc))
+        return EXIT_USAGE
     port = args.master_port or free_port()
-    base = dict(
-        os.environ,
-        PARAMSYNC_SECRET=os.environ.get("PARAMSYNC_SECRET") or secrets.token_hex(16),
+    # torchrun's variables of an enclosing run would send the children to its store.
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    if not given_secret:  # a fresh one for this run; the user's own (variable or file) as it is
+        base[SECRET_ENV] = secrets.token_hex(16)
+    base.update(
         # One run id for every rank: jobs record it in their checkpoints (a resume refuses
         # another run's).
         PARAMSYNC_RUN_ID=os.environ.get("PARAMSYNC_RUN_ID") or secrets.token_hex(8),
@@ -156,8 +172,14 @@ def run_launch(args: argparse.Namespace) -> int:
             if rank >= 0
             else f"the coordinator (pid {proc.pid})"
         )
-        log.error("%s failed with exit code %s: stopped the run", who, proc.returncode)
-        code = 1
+        if proc.returncode == EXIT_USAGE:
+            log.error(
+                "%s exited with code 2, bad configuration (its line above): stopped the run", who
+            )
+            code = EXIT_USAGE
+        else:
+            log.error("%s failed with exit code %s: stopped the run", who, proc.returncode)
+            code = 1
     elif coordinator.returncode:
         log.error("the coordinator exited with code %d", coordinator.returncode)
         code = 1

@@ -169,7 +169,12 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
     worker.add_argument("--world-size", type=int)
     worker.add_argument("--local-rank", type=int)
     worker.add_argument("--coordinator", help="host:port of the coordinator")
-    worker.add_argument("--role", choices=["worker", "coordinator"], default="worker")
+    worker.add_argument(
+        "--role",
+        choices=["worker", "coordinator"],
+        help="coordinator: also host the coordinator in this process (default: worker, a "
+        "coordinator runs elsewhere; under torchrun rank 0 hosts it, like a script's rank 0)",
+    )
     _add_tls_flags(worker)
     worker.add_argument(
         "--job",

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from runtime.config import DistributedConfig, parse_address
+from runtime.errors import ConfigError, one_line
+from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from runtime.transport.tls import TlsConfig
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "ENV_VARS",
     "TLS_ENV_VARS",
     "resolve_tls",
+    "shared_secret",
 ]
 
 DEFAULT_COORDINATOR_HOST = "127.0.0.1"
@@ -385,3 +388,16 @@ def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _overrides_layer(overrides: Mapping[str, object]) -> dict[str, Any]:
     given: dict[object, object] = {k: v for k, v in overrides.items() if v is not None}
     return _coerce_fields(given, "override")
+
+
+def shared_secret(secret: bytes | str | None = None) -> bytes:
+    """The run's shared secret for an entry point: ``secret``, else $PARAMSYNC_SECRET, else
+    the file $PARAMSYNC_SECRET_FILE names (`load_secret`). None found, or one that cannot be
+    used (too short, an unreadable file), is a `ConfigError` naming the variables to set."""
+    try:
+        return load_secret(secret)
+    except ValueError as exc:
+        text = one_line(exc)
+        if SECRET_ENV not in text:
+            text = f"{text} (set {SECRET_ENV}, or {SECRET_FILE_ENV} to a file holding one)"
+        raise ConfigError(text) from None
