@@ -91,6 +91,48 @@ def _free_port() -> int:
 # ----------------------------------------------------------------------------- workers
 
 
+def _conv_batchnorm_model(vocab_size: int, d_model: int, layers: int, seed: int):
+    """``--model batchnorm``: a character model whose buffers matter (BatchNorm's running
+    statistics, per rank during training): embedding, then per layer a width-3 convolution,
+    BatchNorm1d and ReLU, then a linear head; logits for every position, as CharTransformer's."""
+    import torch
+    from torch import nn
+
+    class CharConvBatchNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            generator_state = torch.random.get_rng_state()
+            torch.manual_seed(seed)
+            self.embed = nn.Embedding(vocab_size, d_model)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(
+                    nn.Conv1d(d_model, d_model, 3, padding=1),
+                    nn.BatchNorm1d(d_model),
+                    nn.ReLU(),
+                )
+                for _ in range(layers)
+            )
+            self.head = nn.Linear(d_model, vocab_size)
+            torch.random.set_rng_state(generator_state)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.embed(idx).transpose(1, 2)  # [batch, channels, positions]
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x.transpose(1, 2))
+
+        def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = self(idx)
+            return nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
+
+        def num_parameters(self) -> int:
+            return sum(p.numel() for p in self.parameters())
+
+    return CharConvBatchNorm()
+
+
 def _setup(args: argparse.Namespace):
     """The model, optimizer, dataset and this rank's shard: identical for both systems."""
     import torch
@@ -102,9 +144,12 @@ def _setup(args: argparse.Namespace):
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     vocab, dataset = load_char_dataset(args.context, max_bytes=args.corpus_bytes)
-    model = CharTransformer(
-        len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
-    )
+    if args.model == "batchnorm":
+        model = _conv_batchnorm_model(len(vocab), args.d_model, args.layers, args.seed)
+    else:
+        model = CharTransformer(
+            len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     indices = shard(len(dataset), args.rank, args.world, args.seed)
     per_epoch = len(indices) // args.batch_size
@@ -412,6 +457,7 @@ def _run_worker(args: argparse.Namespace) -> None:
 def _model_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in (
+        "model",
         "steps",
         "warmup",
         "batch_size",
@@ -905,6 +951,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per worker")
+    parser.add_argument(
+        "--model",
+        choices=("transformer", "batchnorm"),
+        default="transformer",
+        help="the demo's CharTransformer, or a convolutional character model with BatchNorm "
+        "(buffers synchronized as DDP's broadcast_buffers=True in both systems)",
+    )
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -997,8 +1050,13 @@ def main() -> None:
         return
     _trainer_options(args.option + args.variant)  # refuse a misspelt field before any run
     print(
-        f"CharTransformer d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-        f"context {args.context}; batch {args.batch_size} per worker; AdamW lr {args.lr}; "
+        (
+            f"CharConvBatchNorm d_model {args.d_model}, {args.layers} layers, "
+            if args.model == "batchnorm"
+            else f"CharTransformer d_model {args.d_model}, {args.layers} layers, "
+            f"{args.heads} heads, "
+        )
+        + f"context {args.context}; batch {args.batch_size} per worker; AdamW lr {args.lr}; "
         f"{args.warmup} warm-up + {args.steps} timed steps; {args.rounds} rounds; "
         f"{os.cpu_count()} CPUs",
         flush=True,

@@ -152,3 +152,24 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
         "optimizer",
     }
     assert "where it lands" in done.stdout
+
+
+def test_the_batchnorm_model_has_running_statistics_that_training_moves() -> None:
+    import torch
+
+    model = _module()._conv_batchnorm_model(vocab_size=11, d_model=8, layers=2, seed=3)
+    buffers = dict(model.named_buffers())
+    assert {name.rsplit(".", 1)[-1] for name in buffers} == {
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    }
+    again = _module()._conv_batchnorm_model(vocab_size=11, d_model=8, layers=2, seed=3)
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)  # the seed decides the weights: every rank builds the same
+    idx = torch.randint(0, 11, (4, 5))
+    assert model(idx).shape == (4, 5, 11)
+    before = buffers["blocks.0.1.running_mean"].clone()
+    loss = model.loss(idx, torch.randint(0, 11, (4, 5)))
+    assert math.isfinite(float(loss))
+    assert not torch.equal(before, buffers["blocks.0.1.running_mean"])
