@@ -9,7 +9,11 @@ Four messages, each one frame::
 
 Each side proves it holds the shared secret with HMAC-SHA256 over both nonces and both
 identities, under a label naming its role, so the secret never crosses the wire, a proof cannot be
-reflected back, and a replayed handshake fails on the fresh nonce. Admission (group, world size,
+reflected back, and a replayed handshake fails on the fresh nonce. Once it has succeeded, both
+sides hold the same 32-byte session key (`DialerHandshake.session_key`,
+`ListenerHandshake.session_key`): HMAC-SHA256 over both nonces and both identities under the
+label ``paramsync/session``, from which every later frame's MAC key is derived
+(`runtime.protocol.frame_auth`). Admission (group, world size,
 rank free) is checked only after the dialer has authenticated, so strangers learn nothing.
 Both sides of a refusal get the same sentence: the listener raises it, the dialer receives it.
 """
@@ -103,6 +107,18 @@ def _proof(
     return hmac.new(secret, _transcript(label, *nonces, a, b), hashlib.sha256).digest()
 
 
+def _session_key(
+    secret: bytes, dialer_nonce: bytes, listener_nonce: bytes, dialer: Identity, listener: Identity
+) -> bytes:
+    """The key both sides hold after a successful handshake (the shared spec: label
+    ``paramsync/session``, dialer's nonce and identity first)."""
+    transcript = _transcript(b"paramsync/session", dialer_nonce, listener_nonce, dialer, listener)
+    return hmac.new(secret, transcript, hashlib.sha256).digest()
+
+
+_NOT_DONE = "the handshake has not completed"
+
+
 def _kind(message: dict[str, Any]) -> str:
     """A received message's kind as it may enter an error (a peer's string: quoted if odd)."""
     return plain_or_quoted(message["kind"])
@@ -116,6 +132,8 @@ class DialerHandshake:
         self.me = me
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
         self.peer: Identity | None = None
+        self._listener_nonce = b""
+        self._session: bytes | None = None
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
@@ -138,6 +156,7 @@ class DialerHandshake:
                 "the listener failed to prove the shared secret (secrets differ)"
             )
         self.peer = peer
+        self._listener_nonce = nonce
         proof = _proof(self._secret, b"paramsync/dialer", (nonce, self._nonce), peer, self.me)
         return Auth(proof).to_wire()
 
@@ -148,7 +167,16 @@ class DialerHandshake:
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "welcome" or self.peer is None:
             raise HandshakeError(f"expected welcome or refuse, got a {_kind(message)} message")
+        self._session = _session_key(
+            self._secret, self._nonce, self._listener_nonce, self.me, self.peer
+        )
         return self.peer
+
+    def session_key(self) -> bytes:
+        """The 32-byte session key, once `on_verdict` has returned (a welcome)."""
+        if self._session is None:
+            raise HandshakeError(_NOT_DONE)
+        return self._session
 
 
 Admit = Callable[[Identity], str | None]
@@ -196,6 +224,7 @@ class ListenerHandshake:
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
         self.peer: Identity | None = None
         self._dialer_nonce = b""
+        self._session: bytes | None = None
 
     def on_hello(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Answer a hello with a challenge carrying this side's proof."""
@@ -233,7 +262,16 @@ class ListenerHandshake:
         refused = self._admit_reason(self.peer)
         if refused is not None:
             return (*Refusal(refused).to_wire(), HandshakeError(refused))
+        self._session = _session_key(
+            self._secret, self._dialer_nonce, self._nonce, self.peer, self.me
+        )
         return (*Welcome().to_wire(), None)
+
+    def session_key(self) -> bytes:
+        """The 32-byte session key, once `on_auth` has returned a welcome."""
+        if self._session is None:
+            raise HandshakeError(_NOT_DONE)
+        return self._session
 
     def _admit_reason(self, peer: Identity) -> str | None:
         if peer.group != self.me.group:
