@@ -102,7 +102,9 @@ def test_no_session_key_before_the_handshake_completes() -> None:
     with pytest.raises(HandshakeError, match="has not completed"):
         dial.session_key()  # the challenge checked out, but no welcome yet
     refusing = ListenerHandshake(SECRET, LISTENER, lambda _peer: "no", ledger=NonceLedger())
-    kind, fields = refusing.on_hello({"kind": "hello", **DialerHandshake(SECRET, DIALER).hello()[1]})
+    kind, fields = refusing.on_hello(
+        {"kind": "hello", **DialerHandshake(SECRET, DIALER).hello()[1]}
+    )
     refusing.on_auth({"kind": "auth", "proof": b"x" * 32})
     with pytest.raises(HandshakeError, match="has not completed"):
         refusing.session_key()
@@ -235,7 +237,7 @@ def test_a_dropped_duplicated_or_swapped_frame_is_detected(
     elif how == "duplicate":
         tampered = wire[: index + 1] + wire[index:]
     else:
-        tampered = wire[:index] + [wire[index + 1], wire[index]] + wire[index + 2 :]
+        tampered = [*wire[:index], wire[index + 1], wire[index], *wire[index + 2 :]]
     # Everything before the tampering is accepted, nothing from it on.
     assert _receive(tampered, key) == frames[: index + (how == "duplicate")]
     assert _receive(wire, key) == frames
