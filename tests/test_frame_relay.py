@@ -33,8 +33,9 @@ from runtime.testing.relay import (
     Inject,
     Replay,
     Swap,
+    relayed_pair,
 )
-from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, accept, dial
+from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial
 
 SECRET = b"relay-test-secret-0123456789"
 SECONDS = 30
@@ -42,38 +43,11 @@ SECONDS = 30
 
 @asynccontextmanager
 async def relayed_ranks(attack: Attack) -> AsyncIterator[tuple[TcpTransport, TcpTransport]]:
-    """Ranks 0 and 1 of a group of two whose one connection runs through a relay: rank 1
-    dials the relay, the relay dials rank 0 (the listener)."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    host, port = listeners[0].socket.getsockname()[:2]
-    relay = FrameRelay((host, port), attack)
-    accepted: list[Any] = []
-    welcomed = trio.Event()
-    async with trio.open_nursery() as nursery:
-        relay_address = await nursery.start(relay.serve)
-
-        async def listen() -> None:
-            stream = await listeners[0].accept()
-            accepted.append(
-                await accept(stream, SECRET, Identity(DEFAULT_GROUP, 2, 0), lambda _peer: None)
-            )
-            welcomed.set()
-
-        nursery.start_soon(listen)
-        dialed, peer = await dial(relay_address, SECRET, Identity(DEFAULT_GROUP, 2, 1))
-        assert peer.rank == 0
-        await welcomed.wait()
-        conn, peer = accepted[0]
-        assert peer.rank == 1 and conn.frames_authenticated and dialed.frames_authenticated
-        ranks = (TcpTransport(0, 2, {1: conn}), TcpTransport(1, 2, {0: dialed}))
-        try:
-            yield ranks
-        finally:
-            with trio.CancelScope(shield=True):
-                for transport in ranks:
-                    await transport.aclose()
-                await listeners[0].aclose()
-            nursery.cancel_scope.cancel()
+    """Ranks 0 and 1 whose connection runs through the relay (rank 1 dials it)."""
+    async with relayed_pair(SECRET, attack) as (rank0, rank1):
+        assert rank0.connections[1].frames_authenticated
+        assert rank1.connections[0].frames_authenticated
+        yield rank0, rank1
 
 
 def _refused_by_frame_authentication(error: BaseException | None, peer: object) -> None:

@@ -10,6 +10,7 @@ handshake it tells by the first byte after an item whether frames carry a tag tr
 (``0x50``, `runtime.protocol.wire.TRAILER_SIZE` bytes) and forwards trailers as it found them,
 so it works against a peer that authenticates frames and one that does not.
 
+`relayed_pair` gives two ranks of a group of two whose connection runs through such a relay.
 Used by ``tests/test_frame_relay.py`` and ``benchmarks/hostile.py``.
 """
 
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from runtime.protocol.handshake import Identity
 from runtime.protocol.wire import PREFIX_SIZE, TRAILER_SIZE, encode_frame_bytes
+from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
 
 __all__ = [
     "TO_LISTENER",
@@ -37,6 +41,7 @@ __all__ = [
     "Swap",
     "forged_abort",
     "FrameRelay",
+    "relayed_pair",
 ]
 
 TO_LISTENER = "to_listener"
@@ -268,3 +273,39 @@ class FrameRelay:
             self.frames[way] += 1
             for data in self.attack(frame):
                 await sink.send_all(data)
+
+
+@asynccontextmanager
+async def relayed_pair(
+    secret: bytes, attack: Callable[[RelayedFrame], list[bytes]]
+) -> AsyncIterator[tuple[TcpTransport, TcpTransport]]:
+    """Ranks 0 and 1 of a group of two (transports of this process) whose one connection
+    runs through a `FrameRelay` with ``attack``: rank 1 dials the relay, the relay dials
+    rank 0. Both ends ran the real handshake (`dial`, `accept`) with ``secret``."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    host, port = listeners[0].socket.getsockname()[:2]
+    relay = FrameRelay((host, port), attack)
+    accepted: list[Connection] = []
+    welcomed = trio.Event()
+    ranks: tuple[TcpTransport, TcpTransport] | None = None
+    async with trio.open_nursery() as nursery:
+        relay_address = await nursery.start(relay.serve)
+
+        async def listen() -> None:
+            stream = await listeners[0].accept()
+            me = Identity(DEFAULT_GROUP, 2, 0)
+            accepted.append((await accept(stream, secret, me, lambda _peer: None))[0])
+            welcomed.set()
+
+        try:
+            nursery.start_soon(listen)
+            dialed, _ = await dial(relay_address, secret, Identity(DEFAULT_GROUP, 2, 1))
+            await welcomed.wait()
+            ranks = (TcpTransport(0, 2, {1: accepted[0]}), TcpTransport(1, 2, {0: dialed}))
+            yield ranks
+        finally:
+            with trio.CancelScope(shield=True):
+                for transport in ranks or ():
+                    await transport.aclose()
+                await listeners[0].aclose()
+            nursery.cancel_scope.cancel()
