@@ -35,6 +35,22 @@ duplicate_rank ``--duplicate-trials`` trials of two dialers holding the secret a
                free rank, their auths sent back to back: how many trials welcomed both
 ============== ==============================================================================
 
+Relay attacks (issue 18 row 1): an on-path relay on 127.0.0.1 that holds no secret
+(`runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames after
+it. Every attack must be refused by frame authentication, naming the peer:
+
+============== ==============================================================================
+relay_abort    on a live run (a daemon and two workers, worker 0 dialing through the relay):
+               an ``abort`` slipped in toward worker 0 after ``--relay-after`` genuine frames
+               from the coordinator; the forged reason must reach no process
+inject_abort   between two ranks: an ``abort`` after ``--relay-after`` genuine frames
+flip_bulk      one byte flipped in a bulk part of the TCP ring's all-reduce (threads, and trio
+               tasks): refused, and never reduced into the receiver's tensor
+drop           a frame dropped from ten step signals
+replay         a frame sent twice
+reorder        two frames swapped
+============== ==============================================================================
+
 Attempts connect from 127.0.0.1-8 in turn (`ATTACK_SOURCES`), so the cap per source address
 does not refuse them before the global cap would. Each attempt's local address is what the
 coordinator logs as the peer, so every attempt is
@@ -78,13 +94,21 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
+import torch
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runtime.errors import HandshakeError, PeerClosed, ProtocolError  # noqa: E402
+from runtime.collectives.ring import all_reduce  # noqa: E402
+from runtime.errors import (  # noqa: E402
+    FrameAuthenticationError,
+    HandshakeError,
+    PeerClosed,
+    ProtocolError,
+    pick_error,
+)
 from runtime.protocol.handshake import (  # noqa: E402
     DialerHandshake,
     Identity,
@@ -96,9 +120,22 @@ from runtime.protocol.wire import (  # noqa: E402
     decode_frame,
     encode_frame_bytes,
 )
+from runtime.testing.relay import (  # noqa: E402
+    TO_DIALER,
+    TO_LISTENER,
+    Attack,
+    Drop,
+    FlipBulk,
+    FrameRelay,
+    Inject,
+    Replay,
+    Swap,
+    relayed_pair,
+)
 from runtime.transport.tcp import (  # noqa: E402
     DEFAULT_GROUP,
     Connection,
+    TcpTransport,
     dial,
     dial_with_retry,
 )
@@ -117,6 +154,8 @@ __all__ = [
     "guess_costs",
     "account",
     "mark_phase",
+    "relay_attacks",
+    "relay_live_run",
     "main",
 ]
 
@@ -676,6 +715,161 @@ def wire_bombs() -> dict[str, dict[str, Any]]:
     return results
 
 
+# ----------------------------------------------------------------------------- relay attacks
+
+RELAY_SECRET = b"hostile-relay-secret-0123456789"
+FORGED_REASON = "forged by an on-path relay holding no secret"
+RELAY_SECONDS = 60.0
+
+
+def _relay_row(attack: Attack, error: BaseException | None, **seen: Any) -> dict[str, Any]:
+    """One relay attack's row: whether the relay carried it out, whether frame
+    authentication refused it (the error, which names the peer), and what got through."""
+    return {
+        "carried_out": attack.done,
+        "relay": attack.log,
+        "refused": isinstance(error, FrameAuthenticationError),
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        **seen,
+    }
+
+
+async def _inject_between_ranks(after: int) -> dict[str, Any]:
+    attack = Inject(TO_DIALER, after, FORGED_REASON)
+    got: list[dict[str, Any]] = []
+    error: BaseException | None = None
+    with trio.fail_after(RELAY_SECONDS):
+        async with relayed_pair(RELAY_SECRET, attack) as (rank0, rank1):
+            for step in range(after + 1):
+                await rank0.send(1, "commit", {"epoch": 1, "step": step})
+            try:
+                for _ in range(after + 2):  # the genuine frames, and the forged one among them
+                    got.append(await rank1.recv(0))
+            except ProtocolError as exc:
+                error = exc
+    forged = [message for message in got if message["kind"] == "abort"]
+    return _relay_row(
+        attack, error, genuine_received=len(got) - len(forged), forged_received=forged
+    )
+
+
+async def _flip_bulk(threaded: bool) -> dict[str, Any]:
+    attack = FlipBulk(TO_LISTENER, nth=0, offset=1000)
+    tensors = [torch.full((1 << 20,), 1.0), torch.full((1 << 20,), 2.0)]
+    options = {"chunk_bytes": 1 << 20, "threaded_min_bytes": 0 if threaded else 1 << 40}
+    errors: list[BaseException | None] = [None, None]
+    with trio.fail_after(RELAY_SECONDS):
+        async with relayed_pair(RELAY_SECRET, attack) as ranks:
+
+            async def reduce(rank: int, transport: TcpTransport) -> None:
+                try:
+                    await all_reduce(transport, tensors[rank], **options)
+                except Exception as exc:
+                    errors[rank] = pick_error(exc)
+                    transport.abort()
+
+            async with trio.open_nursery() as nursery:
+                for rank, transport in enumerate(ranks):
+                    nursery.start_soon(reduce, rank, transport)
+    altered = sorted(set(torch.unique(tensors[0]).tolist()) - {1.0, 3.0})
+    return _relay_row(attack, errors[0], reduced_altered_values=altered[:4])
+
+
+async def _reorder(attack: Attack, genuine: int) -> dict[str, Any]:
+    got: list[dict[str, Any]] = []
+    error: BaseException | None = None
+    with trio.fail_after(RELAY_SECONDS):
+        async with relayed_pair(RELAY_SECRET, attack) as (rank0, rank1):
+            for step in range(10):
+                await rank0.send(1, "commit", {"epoch": 1, "step": step})
+            try:
+                for _ in range(10):
+                    got.append(await rank1.recv(0))
+            except ProtocolError as exc:
+                error = exc
+    steps = [message["step"] for message in got]
+    return _relay_row(
+        attack, error, steps_received=steps, out_of_place=steps != list(range(genuine))
+    )
+
+
+async def relay_attacks(after: int = 200) -> dict[str, dict[str, Any]]:
+    """The relay attacks between two ranks of this process (see the module docstring)."""
+    return {
+        "inject_abort": await _inject_between_ranks(after),
+        "flip_bulk_threads": await _flip_bulk(True),
+        "flip_bulk_trio": await _flip_bulk(False),
+        "drop": await _reorder(Drop(TO_DIALER, 4), 4),
+        "replay": await _reorder(Replay(TO_DIALER, 4), 5),
+        "reorder": await _reorder(Swap(TO_DIALER, 4), 4),
+    }
+
+
+async def relay_live_run(workdir: Path, after: int = 200, steps: int = 600) -> dict[str, Any]:
+    """A live run whose worker 0 dials the coordinator through a relay that slips an
+    ``abort`` in after ``after`` genuine frames toward the worker. Returns how the run ended,
+    whether the forged reason reached any process, and worker 0's error."""
+    run = LiveRun(workdir, steps=steps)
+    attack = Inject(TO_DIALER, after, FORGED_REASON)
+    try:
+        run.start_coordinator()
+        relay = FrameRelay(("127.0.0.1", run.port), attack)
+        async with trio.open_nursery() as nursery:
+            relay_address = await nursery.start(relay.serve)
+            run.start_worker(0, coordinator=relay_address)
+            run.start_worker(1)
+            outcome = await trio.to_thread.run_sync(run.finish)
+            nursery.cancel_scope.cancel()
+    finally:
+        run.kill()
+    texts = {f"rank {rank}": run.worker_output(rank) for rank in range(run.world_size)}
+    texts["coordinator"] = outcome.coordinator_log
+    named = [line for line in texts["rank 0"].splitlines() if "frame authentication" in line]
+    return {
+        "after_genuine_frames": after,
+        "carried_out": attack.done,
+        "relay": attack.log,
+        "exit_codes": outcome.exit_codes,
+        "finished_ok": outcome.finished_ok,
+        "forged_reason_reached": sorted(
+            name for name, text in texts.items() if FORGED_REASON in text
+        ),
+        "refused": bool(named),
+        "worker0_error": named[-1].strip()[:400] if named else None,
+    }
+
+
+def _print_relay(relay: dict[str, dict[str, Any]], live: dict[str, Any] | None) -> None:
+    for name, row in relay.items():
+        seen = {
+            k: v for k, v in row.items() if k not in ("carried_out", "relay", "refused", "error")
+        }
+        verdict = "refused" if row["refused"] else "NOT REFUSED"
+        print(f"relay {name:<18} {verdict}: {row['error']} {seen}")
+    if live is not None:
+        print(
+            f"relay_abort on a live run (after {live['after_genuine_frames']} frames): carried out "
+            f"{live['carried_out']}, refused {live['refused']}, forged reason reached "
+            f"{live['forged_reason_reached'] or 'no process'}, exit codes {live['exit_codes']}; "
+            f"worker 0: {live['worker0_error']}"
+        )
+
+
+def relay_ok(relay: dict[str, dict[str, Any]], live: dict[str, Any] | None) -> bool:
+    """Whether every relay attack was carried out and refused, with nothing forged acted on."""
+    rows_ok = all(
+        row["carried_out"]
+        and row["refused"]
+        and not row.get("forged_received")
+        and not row.get("reduced_altered_values")
+        for row in relay.values()
+    )
+    live_ok = live is None or (
+        live["carried_out"] and live["refused"] and not live["forged_reason_reached"]
+    )
+    return rows_ok and live_ok
+
+
 AttackFn = Callable[[Target, int], Awaitable[list[Attempt]]]
 
 ATTACKS: dict[str, AttackFn] = {
@@ -910,12 +1104,16 @@ class LiveRun:
             time.sleep(0.05)
         self.port = int(port_file.read_text())
 
-    def start_worker(self, rank: int, steps: int | None = None) -> None:
-        """Start one worker of the LM job (its stdout: the progress lines of rank 0)."""
+    def start_worker(
+        self, rank: int, steps: int | None = None, coordinator: tuple[str, int] | None = None
+    ) -> None:
+        """Start one worker of the LM job (its stdout: the progress lines of rank 0); it dials
+        ``coordinator`` (default: the daemon itself; a relay in `relay_live_run`)."""
+        host, port = coordinator or ("127.0.0.1", self.port)
         command = [
             sys.executable, "-m", "runtime.cli.main", "worker",
             "--rank", str(rank), "--world-size", str(self.world_size),
-            "--coordinator", f"127.0.0.1:{self.port}",
+            "--coordinator", f"{host}:{port}",
             "--steps", str(steps or self.steps), *self.job_args, "--corpus-bytes", CORPUS_BYTES,
             "--summary-json", str(self.workdir / "summary{rank}.json"),
         ]  # fmt: skip
@@ -1084,8 +1282,29 @@ def main(argv: list[str] | None = None) -> int:
         default=10.0,
         help="the handshake deadline of the coordinator the admission attacks target",
     )
+    parser.add_argument(
+        "--relay-after", type=int, default=200, help="genuine frames before the relay injects"
+    )
+    parser.add_argument(
+        "--relay-steps", type=int, default=600, help="training steps of the relay's live run"
+    )
+    parser.add_argument(
+        "--relay-only", action="store_true", help="run the relay attacks (issue 18 row 1) only"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+
+    relay = trio.run(relay_attacks, args.relay_after)
+    with tempfile.TemporaryDirectory(prefix="paramsync-relay-") as tmp:
+        live = trio.run(relay_live_run, Path(tmp), args.relay_after, args.relay_steps)
+    _print_relay(relay, live)
+    if args.relay_only:
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"relay_attacks": relay, "relay_live_run": live}, indent=2))
+            print(f"wrote {path}")
+        return 0 if relay_ok(relay, live) else 1
 
     bombs = wire_bombs()
     for name, row in bombs.items():
@@ -1249,6 +1468,8 @@ def main(argv: list[str] | None = None) -> int:
             "sample_outcome": guessed[0].outcome if guessed else None,
             **costs,
         },
+        "relay_attacks": relay,
+        "relay_live_run": live,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -1267,6 +1488,7 @@ def main(argv: list[str] | None = None) -> int:
         and not recovered
         and all(row["refusal"] != "ACCEPTED" for row in bombs.values())
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
+        and relay_ok(relay, live)
     )
     return 0 if ok else 1
 

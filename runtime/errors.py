@@ -19,6 +19,7 @@ __all__ = [
     "AuthenticationError",
     "ListenerBusy",
     "ReplayedHandshake",
+    "FrameAuthenticationError",
     "PeerClosed",
     "StallError",
     "CollectiveError",
@@ -117,6 +118,11 @@ class AuthenticationError(HandshakeError):
 
 class ReplayedHandshake(AuthenticationError):
     """A hello repeated a nonce seen before: a recorded handshake played back."""
+
+
+class FrameAuthenticationError(ProtocolError):
+    """A frame after the handshake failed its MAC (`runtime.protocol.frame_auth`): it was
+    altered, forged, dropped, replayed or reordered on the way. The connection is closed."""
 
 
 class ListenerBusy(HandshakeError):

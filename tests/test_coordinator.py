@@ -624,7 +624,9 @@ GARBAGE = {
     "bytes": lambda conn: conn.stream.send_all(b"\xff" * 64),
     "wrong-kind": lambda conn: conn.send("go", {"step": 0, "bucket": 0, "seq": 0}),
     "bad-field": lambda conn: conn.send("ready", {"step": -5, "bucket": 0, "spec": []}),
-    "unknown-kind": lambda conn: conn.stream.send_all(
+    # Sent as the authenticated peer sends any frame (with its tag: frame authentication),
+    # so what the coordinator refuses is the message itself.
+    "unknown-kind": lambda conn: conn.send_frame(
         struct.pack(">II", len(UNKNOWN_KIND), 0) + UNKNOWN_KIND
     ),
 }

@@ -215,7 +215,7 @@ def test_garbage_after_a_valid_handshake_is_dropped_naming_the_rank(tmp_path: Pa
             )
             replies = []
             try:
-                await conn.stream.send_all(struct.pack(">II", 5, 0) + b"\xff" * 5)
+                await conn.send_frame(struct.pack(">II", 5, 0) + b"\xff" * 5)  # with its tag
                 with trio.fail_after(10):
                     replies.append(await conn.recv())
                     replies.append(await conn.recv())  # then the coordinator hangs up
@@ -274,7 +274,7 @@ def test_garbage_after_a_join_aborts_a_non_elastic_run_naming_the_rank(tmp_path:
                 await conn.send("join", {"host": "127.0.0.1", "port": 9, "params": params})
                 with trio.fail_after(60):
                     start = await conn.recv()
-                await conn.stream.send_all(struct.pack(">II", 5, 0) + b"\xff" * 5)
+                await conn.send_frame(struct.pack(">II", 5, 0) + b"\xff" * 5)  # with its tag
                 with trio.fail_after(10):
                     while (told := await conn.recv())["kind"] == "heartbeat":
                         pass
@@ -337,7 +337,7 @@ def test_a_16_mib_join_of_empty_arrays_is_refused_fast_and_the_daemon_serves_on(
             replies = []
             try:
                 bomb = hostile.join_bomb(16 * 1024 * 1024)
-                await conn.stream.send_all(bomb)
+                await conn.send_frame(bomb)  # with its tag: the peer holds the session key
                 sent = time.monotonic()
                 with trio.fail_after(30):
                     replies.append(await conn.recv())

@@ -34,7 +34,7 @@ from typing import Any
 import cbor2
 import torch
 
-from runtime.errors import FrameTooLarge, ProtocolError
+from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
 from runtime.protocol.limits import SCAN_THRESHOLD, check_kind_size, count_items
 from runtime.protocol.messages import KINDS, validate_message
 from runtime.protocol.schema import PROTOCOL_VERSION
@@ -56,6 +56,10 @@ __all__ = [
     "tensor_buffer",
     "validate_message",
     "check_bulk_destination",
+    "TAG_SIZE",
+    "TRAILER_SIZE",
+    "encode_tag_trailer",
+    "parse_tag_trailer",
 ]
 
 _PREFIX = struct.Struct(">II")
@@ -64,6 +68,12 @@ DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 """Largest CBOR item, bulk excluded, that a receiver allocates for (control messages)."""
 HANDSHAKE_MAX_FRAME = 4096
 """Frame cap before a peer has authenticated: garbage cannot make us allocate more."""
+TAG_SIZE = 16
+"""Bytes of a frame's authentication tag (`runtime.protocol.frame_auth`)."""
+_TRAILER_HEADER = 0x40 | TAG_SIZE
+"""The CBOR head of a 16-byte byte string (0x50): the trailer is a CBOR item of its own."""
+TRAILER_SIZE = 1 + TAG_SIZE
+"""Bytes after each frame's item on a connection past its handshake: the tag trailer."""
 MAX_DEPTH = 16
 """Deepest nesting any message kind needs; deeper input is refused as a nesting bomb."""
 
@@ -335,6 +345,26 @@ def encode_frame_bytes(
 ) -> bytes:
     """Encode one message as a single bytes object (copies the bulk; for tests and in-process)."""
     return b"".join(bytes(part) for part in encode_frame(kind, fields, bulk))
+
+
+def encode_tag_trailer(tag: bytes) -> bytes:
+    """A frame's authentication tag as the CBOR byte string that follows its item (the frame
+    body is then a CBOR sequence, RFC 8742: the message, then its tag)."""
+    if len(tag) != TAG_SIZE:
+        raise ValueError(f"a frame tag is {TAG_SIZE} bytes, got {len(tag)}")
+    return bytes([_TRAILER_HEADER]) + tag
+
+
+def parse_tag_trailer(trailer: bytes | bytearray | memoryview) -> bytes:
+    """The tag a frame's trailer carries; FrameAuthenticationError if the trailer is not a
+    16-byte CBOR byte string (a frame without one was slipped in, or bytes went missing)."""
+    if len(trailer) != TRAILER_SIZE or trailer[0] != _TRAILER_HEADER:
+        got = bytes(trailer[:TRAILER_SIZE]).hex()
+        raise FrameAuthenticationError(
+            f"frame authentication failed: a frame must end with its {TAG_SIZE}-byte tag as a "
+            f"CBOR byte string (0x{_TRAILER_HEADER:02x}...), got {got}"
+        )
+    return bytes(trailer[1:])
 
 
 # --------------------------------------------------------------------------- decoding

@@ -5,6 +5,11 @@ the tensor's own memory, and bulk bytes land with ``recv_into`` straight in the 
 tensor. Small frames (prefix and head) come through one reusable receive buffer, so a control
 message costs one system call.
 
+After the handshake, every frame in either direction carries a MAC bound to its place in the
+stream (`runtime.protocol.frame_auth`): a frame altered, forged, dropped, replayed or reordered on
+the way fails it, and the connection is closed with a `FrameAuthenticationError` naming the peer
+before the message reaches anyone.
+
 With a `TlsConfig` every connection runs TLS first, then the same handshake inside it
 (`runtime.transport.tls`); such connections go through trio's ``SSLStream`` (one copy per received
 record) and cannot lend their sockets to the blocking thread path.
@@ -31,6 +36,7 @@ import trio
 from runtime.config import DistributedConfig
 from runtime.errors import (
     CollectiveError,
+    FrameAuthenticationError,
     FrameTooLarge,
     HandshakeError,
     ListenerBusy,
@@ -39,6 +45,7 @@ from runtime.errors import (
     StallError,
     one_line,
 )
+from runtime.protocol.frame_auth import FrameOpener, FrameSealer, frame_session
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
 from runtime.protocol.limits import PEEK_SIZE, check_kind_size
 from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
@@ -46,6 +53,7 @@ from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
     PREFIX_SIZE,
+    TRAILER_SIZE,
     check_bulk_destination,
     decode_head,
     encode_frame,
@@ -98,6 +106,8 @@ _TLS_READ = 64 * 1024
 """Under TLS, the most bytes asked of one read (a TLS record holds at most 16 KiB)."""
 
 _Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
+_Unchecked = tuple[bytes, bytes] | None
+"""A frame's prefix and head whose tag is still to be checked once its bulk is read."""
 
 
 class Connection:
@@ -131,7 +141,23 @@ class Connection:
         self._end = 0
         self.closed = False
         self._raw: RawSocket | None = None
+        self._sealer: FrameSealer | None = None
+        """Tags outgoing frames once the handshake is done (None before: handshake frames)."""
+        self._opener: FrameOpener | None = None
+        """Checks incoming frames' tags once the handshake is done."""
         _tune(self._sock)
+
+    def authenticate_frames(self, session_key: bytes, *, dialer: bool) -> None:
+        """From now on, tag every frame sent and check every frame received with the keys of
+        ``session_key`` (`runtime.protocol.frame_auth`); ``dialer`` says which end this is.
+        Called by `dial` and `accept` right after the handshake's welcome."""
+        session = frame_session(session_key, dialer=dialer)
+        self._sealer, self._opener = session.sealer, session.opener
+
+    @property
+    def frames_authenticated(self) -> bool:
+        """Whether frames on this connection carry and are checked against a MAC."""
+        return self._opener is not None
 
     @property
     def socket(self) -> trio.socket.SocketType:
@@ -156,19 +182,50 @@ class Connection:
 
     async def _send_locked(self, parts: Sequence[bytes | memoryview]) -> None:
         async with self._holding(self._send_lock) as direct:
-            if direct:  # try the socket at once; what it does not take goes through trio
-                views = [memoryview(part).cast("B") for part in parts]
-                try:
-                    _consume(views, self._raw_socket().sendmsg(views, (), _DONTWAIT))
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    raise PeerClosed(
-                        f"connection lost while sending: {exc}", peer=self.peer
-                    ) from None
-                parts = views
-            if parts:
-                await self._send_parts(parts)
+            views = [memoryview(part).cast("B") for part in parts]
+            if self._sealer is None:
+                await self._send_views(views, direct)
+                return
+            views.append(memoryview(self._seal(views)))
+            total = sum(len(view) for view in views)
+            try:
+                await self._send_views(views, direct)
+            except BaseException:
+                if views and sum(len(view) for view in views) == total:
+                    self._sealer.rewind()  # no byte left: the next frame takes this number
+                raise
+
+    async def _send_views(self, views: list[memoryview], direct: bool) -> None:
+        """Send ``views`` (consumed in place, so a caller sees what did not leave)."""
+        if direct:  # try the socket at once; what it does not take goes through trio
+            try:
+                _consume(views, self._raw_socket().sendmsg(views, (), _DONTWAIT))
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+        if views:
+            await self._send_parts(views)
+
+    def _seal(self, parts: Sequence[bytes | memoryview]) -> bytes:
+        """The tag trailer of the frame made of ``parts`` (frame authentication on)."""
+        assert self._sealer is not None
+        try:
+            return self._sealer.seal(parts)
+        except FrameAuthenticationError as exc:  # the counter ran out
+            self.abort()
+            raise exc.with_peer(self.peer) from None
+
+    def _open(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Check the buffered tag trailer of the frame made of ``parts`` and consume it; a
+        frame that fails closes the connection and raises FrameAuthenticationError."""
+        assert self._opener is not None
+        trailer = self._take(TRAILER_SIZE)
+        try:
+            self._opener.open(parts, trailer)
+        except FrameAuthenticationError as exc:
+            self.abort()
+            raise exc.with_peer(self.peer) from None
 
     @asynccontextmanager
     async def _holding(self, lock: trio.StrictFIFOLock) -> AsyncIterator[bool]:
@@ -185,8 +242,8 @@ class Connection:
         async with lock:
             yield False
 
-    async def _send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
-        views = [memoryview(part).cast("B") for part in parts]
+    async def _send_parts(self, views: list[memoryview]) -> None:
+        """Send ``views`` (byte views), consuming the list as bytes leave."""
         try:
             while views:
                 _consume(views, await self._sock.sendmsg(views))
@@ -237,13 +294,21 @@ class Connection:
         head = self._view[self._start : self._start + PREFIX_SIZE]
         return len(expected) > PREFIX_SIZE and head == expected[:PREFIX_SIZE]
 
-    def _take_if(self, expected: bytes) -> bool:
-        """Consume the buffered frame if it is byte for byte ``expected``."""
+    @property
+    def _trailer_size(self) -> int:
+        """Bytes that follow each frame's item: its tag trailer once frames are authenticated."""
+        return 0 if self._opener is None else TRAILER_SIZE
+
+    def _take_matching(self, expected: bytes) -> bool:
+        """Consume the buffered frame if it is byte for byte ``expected`` (and, with frame
+        authentication on, its buffered tag checks out: else FrameAuthenticationError)."""
         size = len(expected)
         if self._view[self._start : self._start + size] != expected:
             return False
         self._start += size
-        if self._start == self._end:
+        if self._opener is not None:
+            self._open((expected,))
+        elif self._start == self._end:
             self._start = self._end = 0
         return True
 
@@ -273,16 +338,34 @@ class Connection:
                 return
             got += await self._recv_into(view[got:])
 
-    async def _read_head(self, max_frame: int) -> tuple[dict[str, Any], Any, int]:
+    async def _read_head(self, max_frame: int) -> tuple[dict[str, Any], Any, int, _Unchecked]:
+        """Read a frame's prefix and head: (message, bulk spec, bulk length, the frame's bytes
+        read so far when its tag is still to be checked after the bulk, else None).
+
+        With frame authentication on, a frame without bulk is checked before it is decoded;
+        one with bulk after the bulk has landed (`_check_rest`)."""
         await self._fill(PREFIX_SIZE)
-        item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
+        prefix = self._take(PREFIX_SIZE)
+        item_len, bulk_len = parse_prefix(prefix, max_frame)
         head_len = item_len - bulk_len
         peek = min(head_len, PEEK_SIZE)  # the kind's cap, before the head is read
         await self._fill(peek)
         check_kind_size(self._view[self._start : self._start + peek], head_len)
+        if self._opener is not None and bulk_len == 0:
+            await self._fill(head_len + TRAILER_SIZE)
+            head = self._take(head_len)
+            self._open((prefix, head))
+            return (*decode_head(head, 0), 0, None)
         await self._fill(head_len)
-        message, spec = decode_head(self._take(head_len), bulk_len)
-        return message, spec, bulk_len
+        head = self._take(head_len)
+        message, spec = decode_head(head, bulk_len)
+        return message, spec, bulk_len, (prefix, head) if self._opener is not None else None
+
+    async def _check_rest(self, unchecked: _Unchecked, bulk: memoryview | None) -> None:
+        """Read the tag trailer of a frame whose bulk has landed and check the whole frame."""
+        if unchecked is not None:
+            await self._fill(TRAILER_SIZE)
+            self._open((*unchecked, bulk) if bulk is not None else unchecked)
 
     async def wait_readable(self) -> None:
         """Return once bytes from the peer wait to be read (or the connection has ended), so
@@ -302,7 +385,8 @@ class Connection:
         """
         async with self._holding(self._recv_lock):
             try:
-                message, spec, bulk_len = await self._read_head(max_frame)
+                message, spec, bulk_len, unchecked = await self._read_head(max_frame)
+                bulk = None
                 if spec is not None:
                     if bulk_len > max_frame:
                         raise FrameTooLarge(
@@ -310,8 +394,10 @@ class Connection:
                             f"than this receiver's limit of {max_frame}"
                         )
                     out = torch.empty(spec.shape, dtype=spec.dtype)
-                    await self._read_into(tensor_buffer(out))
+                    bulk = tensor_buffer(out)
+                    await self._read_into(bulk)
                     message["data"] = out
+                await self._check_rest(unchecked, bulk)
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
@@ -327,10 +413,11 @@ class Connection:
             try:
                 await self._fill(PREFIX_SIZE)
                 if self._prefix_is(expected):
-                    await self._fill(len(expected))  # the prefix says the frame is this long
-                    if self._take_if(expected):
+                    # the prefix says the frame is this long (then its tag trailer)
+                    await self._fill(len(expected) + self._trailer_size)
+                    if self._take_matching(expected):
                         return None
-                message, spec, bulk_len = await self._read_head(max_frame)
+                message, spec, bulk_len, _ = await self._read_head(max_frame)
                 if spec is not None:
                     raise ProtocolError(_BULK_NOT_EXPECTED.format(message["kind"], bulk_len))
                 return message
@@ -343,10 +430,13 @@ class Connection:
         """Receive one message whose bulk is written straight into ``out``."""
         async with self._holding(self._recv_lock):
             try:
-                message, spec, _ = await self._read_head(max_frame)
+                message, spec, _, unchecked = await self._read_head(max_frame)
                 check_bulk_destination(spec, out, self.peer, message)
+                bulk = None
                 if spec is not None:
-                    await self._read_into(tensor_buffer(out))
+                    bulk = tensor_buffer(out)
+                    await self._read_into(bulk)
+                await self._check_rest(unchecked, bulk)
                 message["data"] = out
                 return message
             except ProtocolError as exc:
@@ -360,7 +450,8 @@ class Connection:
         fresh one (bounded by ``max_frame`` as in `recv`)."""
         async with self._holding(self._recv_lock):
             try:
-                message, spec, bulk_len = await self._read_head(max_frame)
+                message, spec, bulk_len, unchecked = await self._read_head(max_frame)
+                bulk = None
                 if spec is not None:
                     out = route(message, spec.dtype, spec.shape)
                     if out is None:
@@ -372,8 +463,10 @@ class Connection:
                         out = torch.empty(spec.shape, dtype=spec.dtype)
                     else:
                         check_bulk_destination(spec, out, self.peer, message)
-                    await self._read_into(tensor_buffer(out))
+                    bulk = tensor_buffer(out)
+                    await self._read_into(bulk)
                     message["data"] = out
+                await self._check_rest(unchecked, bulk)
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
@@ -396,6 +489,8 @@ class Connection:
     ) -> None:
         """Send one message from a worker thread (blocking mode only)."""
         views = [memoryview(part).cast("B") for part in encode_frame(kind, fields, bulk)]
+        if self._sealer is not None:
+            views.append(memoryview(self._seal(views)))
         raw = self._raw_socket()
         try:
             while views:
@@ -459,6 +554,8 @@ class Connection:
     def send_frame_polled(self, frame: bytes, deadline: float) -> None:
         """`send_frame` from a worker thread (polled mode only)."""
         views = [memoryview(frame)]
+        if self._sealer is not None:
+            views.append(memoryview(self._seal(views)))
         raw = self._raw_socket()
         while views:
             try:
@@ -491,12 +588,20 @@ class Connection:
         try:
             self._fill_polled(PREFIX_SIZE, deadline)
             if self._prefix_is(expected):
-                self._fill_polled(len(expected), deadline)
-                if self._take_if(expected):
+                self._fill_polled(len(expected) + self._trailer_size, deadline)
+                if self._take_matching(expected):
                     return None
-            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
-            self._fill_polled(item_len - bulk_len, deadline)
-            message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
+            prefix = self._take(PREFIX_SIZE)
+            item_len, bulk_len = parse_prefix(prefix, max_frame)
+            head_len = item_len - bulk_len
+            if self._opener is not None and bulk_len == 0:
+                self._fill_polled(head_len + TRAILER_SIZE, deadline)
+                head = self._take(head_len)
+                self._open((prefix, head))
+            else:  # a bulk is refused below, unread: the connection is not usable after it
+                self._fill_polled(head_len, deadline)
+                head = self._take(head_len)
+            message, spec = decode_head(head, bulk_len)
             if spec is not None:
                 raise ProtocolError(_BULK_NOT_EXPECTED.format(message["kind"], bulk_len))
             return message
@@ -509,12 +614,22 @@ class Connection:
         """Receive one message into ``out`` from a worker thread (blocking mode only)."""
         try:
             self._fill_blocking(PREFIX_SIZE)
-            item_len, bulk_len = parse_prefix(self._take(PREFIX_SIZE), max_frame)
-            self._fill_blocking(item_len - bulk_len)
-            message, spec = decode_head(self._take(item_len - bulk_len), bulk_len)
+            prefix = self._take(PREFIX_SIZE)
+            item_len, bulk_len = parse_prefix(prefix, max_frame)
+            head_len = item_len - bulk_len
+            checked = self._opener is None or bulk_len == 0
+            self._fill_blocking(head_len + (TRAILER_SIZE if self._opener and checked else 0))
+            head = self._take(head_len)
+            if self._opener is not None and checked:  # no bulk: checked before decoding
+                self._open((prefix, head))
+            message, spec = decode_head(head, bulk_len)
             check_bulk_destination(spec, out, self.peer, message)
             if spec is not None:
-                self._read_blocking(tensor_buffer(out))
+                bulk = tensor_buffer(out)
+                self._read_blocking(bulk)
+                if not checked:
+                    self._fill_blocking(TRAILER_SIZE)
+                    self._open((prefix, head, bulk))
             message["data"] = out
             return message
         except ProtocolError as exc:
@@ -552,15 +667,19 @@ class _TlsConnection(Connection):
     supports_blocking = False
     direct = False
 
-    async def _send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
-        views = [memoryview(part).cast("B") for part in parts]
+    async def _send_parts(self, views: list[memoryview]) -> None:
         try:
             if sum(len(view) for view in views) <= _TLS_COALESCE:
                 await self.stream.send_all(b"".join(views))
+                views.clear()
                 return
-            for view in views:
-                for start in range(0, len(view), _TLS_SEND):
-                    await self.stream.send_all(view[start : start + _TLS_SEND])
+            while views:
+                view = views[0]
+                await self.stream.send_all(view[:_TLS_SEND])
+                if len(view) > _TLS_SEND:
+                    views[0] = view[_TLS_SEND:]
+                else:
+                    views.pop(0)
         except trio.BrokenResourceError as exc:
             raise _TlsBroken("connection lost while sending", exc, peer=self.peer) from None
         except trio.ClosedResourceError:
@@ -686,6 +805,7 @@ async def dial(
             reply = await conn.recv(HANDSHAKE_MAX_FRAME)
             await conn.send(*state.on_challenge(reply))
             peer = state.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
+            conn.authenticate_frames(state.session_key(), dialer=True)
     except trio.TooSlowError:
         await _close(conn, stream)
         raise HandshakeError(
@@ -757,6 +877,7 @@ async def accept(
             await conn.send(kind, fields)
             if error is not None:
                 raise error
+            conn.authenticate_frames(state.session_key(), dialer=False)
     except trio.TooSlowError:
         await _close(conn, stream)
         raise HandshakeError(
