@@ -16,8 +16,8 @@ scrypt (`stretch_secret`), so a rogue listener that collects a dialer's proof pa
 guess. The two proofs and the session key use different labels, so none can stand for another,
 and a replayed handshake fails on the fresh nonces. Once it has succeeded, both sides hold the
 same 32-byte session key (`DialerHandshake.session_key`, `ListenerHandshake.session_key`), from
-which every later frame's MAC key is derived (`runtime.protocol.frame_auth`). Both sides of a refusal get the same
-sentence: the listener raises it, the dialer receives it.
+which every later frame's MAC key is derived (`runtime.protocol.frame_auth`). Both sides of a
+refusal get the same sentence: the listener raises it, the dialer receives it.
 """
 
 from __future__ import annotations
