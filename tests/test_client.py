@@ -6,6 +6,8 @@ The test plays the coordinator on the other end of an in-process link, on trio's
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import trio
@@ -17,6 +19,7 @@ from actors.graph.messages import OptimizerStep, Verify
 from actors.graph.optimizer import OptimizerActor
 from actors.train.trainer import TrainerOptions
 from runtime.actor.base import ActorSystem
+from runtime.errors import FrameAuthenticationError
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.messages import Commit, StartRun
 from runtime.transport.link import MemoryLink
@@ -172,6 +175,52 @@ async def test_workers_losing_one_coordinator_spread_their_redials(
     assert all(times[0] == lost_at for times in redials.values())  # at once, then backing off
     assert len({times[1] for times in redials.values()}) == 4  # jitter: no two alike
     assert all(len(times) >= 4 for times in redials.values())
+
+
+class _TamperedLink:
+    """A worker's link whose next frame fails authentication (an on-path relay altered it):
+    the connection reports it as `Connection.recv` does, and is closed under the reader."""
+
+    def __init__(self, inner: MemoryLink) -> None:
+        self.inner = inner
+        self.peer = inner.peer
+
+    async def send(self, kind: str, fields: Any, bulk: Any = None) -> None:
+        await self.inner.send(kind, fields, bulk)
+
+    async def wait_readable(self) -> None:
+        await self.inner.wait_readable()
+
+    async def recv(self, max_frame: int = 0) -> dict[str, Any]:
+        await self.inner.aclose()
+        raise FrameAuthenticationError(
+            "frame authentication failed on frame 3 (40 bytes)", peer=self.peer
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_frame_failing_authentication_makes_the_worker_redial_not_fail(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A tampered frame from the coordinator closes the link unread; with a ``redial`` the
+    worker treats it as a lost link (a new handshake, new keys) rather than failing the run."""
+    redials: list[float] = []
+
+    async def redial() -> MemoryLink:
+        redials.append(trio.current_time())
+        raise ConnectionRefusedError("nobody listens")
+
+    coordinator, mine = MemoryLink.pair("worker", "coordinator")
+    client = CoordinatorClient(_TamperedLink(mine), 0, redial=redial, reconnect_seconds=2.0)
+    client.begin_epoch(_EPOCH_0)
+    await _send(coordinator, Commit(step=0, epoch=0))  # the frame the relay tampers with
+    with pytest.raises(CoordinatorLost) as lost:
+        await client.serve()
+    assert redials[0] == 0.0, "the worker did not redial at once after the tampered frame"
+    assert "did not come back within 2 s" in str(lost.value)
+    await coordinator.aclose()
 
 
 async def test_reports_of_a_step_in_flight_are_dropped_while_the_coordinator_is_lost(

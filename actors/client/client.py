@@ -58,7 +58,7 @@ from actors.client.protocol import (
     WorkerProtocol,
 )
 from runtime.coordinator.events import Message
-from runtime.errors import ParamsyncError, PeerClosed, ProtocolError
+from runtime.errors import FrameAuthenticationError, ParamsyncError, PeerClosed, ProtocolError
 from runtime.protocol.messages import (
     Go,
     Hold,
@@ -418,7 +418,10 @@ class CoordinatorClient:
                     finally:
                         nursery.cancel_scope.cancel()
                 return
-            except* PeerClosed as group:
+            except* (PeerClosed, FrameAuthenticationError) as group:
+                # A frame that failed authentication closed the link (someone on the path
+                # altered or forged it): nothing in it was acted on; like a lost link, the
+                # worker redials (a new handshake, new keys) when it may.
                 lost = group.exceptions[0]
                 held = self.protocol.handle(ConnectionLost(str(lost), self.redial is not None))
                 if self.redial is None or self.done.is_set():
