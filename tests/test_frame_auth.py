@@ -23,7 +23,14 @@ from runtime.protocol.frame_auth import (
     frame_nonce,
     frame_session,
 )
-from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, NonceLedger
+from runtime.protocol.handshake import (
+    DialerHandshake,
+    Identity,
+    ListenerHandshake,
+    NonceLedger,
+    stretch_secret,
+)
+from runtime.protocol.schema import PROTOCOL_VERSION
 from runtime.protocol.wire import TRAILER_SIZE, encode_frame, encode_frame_bytes
 
 SECRET = b"correct horse battery staple"
@@ -60,7 +67,7 @@ def test_both_sides_derive_the_same_session_key_as_the_spec_says() -> None:
     assert key == listen.session_key() and len(key) == 32
     transcript = (
         b"paramsync/session"
-        + (1).to_bytes(2, "big")
+        + PROTOCOL_VERSION.to_bytes(2, "big")
         + b"d" * 32
         + b"l" * 32
         + b"\x00\x01g"
@@ -70,7 +77,8 @@ def test_both_sides_derive_the_same_session_key_as_the_spec_says() -> None:
         + (4).to_bytes(4, "big")
         + (1).to_bytes(4, "big")
     )
-    assert key == hmac.new(SECRET, transcript, hashlib.sha256).digest()
+    # K: the key the proofs are computed with, the secret stretched by scrypt (section 5.1).
+    assert key == hmac.new(stretch_secret(SECRET), transcript, hashlib.sha256).digest()
 
 
 @pytest.mark.parametrize(
