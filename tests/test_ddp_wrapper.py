@@ -92,9 +92,10 @@ Loop = Callable[[DistributedDataParallel, DistributedOptimizer], Any]
 
 
 async def own_loop(trainer: DistributedTrainer, loop: Loop) -> Any:
-    """Wrap ``trainer`` and run the synchronous ``loop(model, optimizer)`` in a thread."""
+    """Wrap ``trainer`` and run the synchronous ``loop(model, optimizer)`` in a thread (given up
+    on when the test's deadline cancels it, so a hang fails instead of hanging the suite)."""
     model, optimizer = DistributedDataParallel.around(trainer)
-    return await trio.to_thread.run_sync(loop, model, optimizer)
+    return await trio.to_thread.run_sync(loop, model, optimizer, abandon_on_cancel=True)
 
 
 # --------------------------------------------------------------------------- parity

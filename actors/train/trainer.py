@@ -959,6 +959,9 @@ class DistributedTrainer:
         return True
 
     def _own_step_dropped(self, step: int) -> bool:
+        """A step of the caller's own loop ended by a membership change: its gradients (some
+        maybe backward wrote after the new epoch bound them) must not reach the next step."""
+        self.optimizer.zero_grad(set_to_none=False)
         if self.step > step:
             return True  # taken while leaving the epoch, or received with a peer's state
         log.warning(
