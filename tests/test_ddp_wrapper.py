@@ -294,6 +294,66 @@ async def test_the_identical_weights_check_catches_a_rank_that_diverges() -> Non
     assert "2.bias" in str(aborted[0]), str(aborted[0])
 
 
+# --------------------------------------------------------------------------- unused parameters
+
+
+class WithSpare(nn.Module):
+    """An MLP and a ``spare`` layer no forward uses."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.net = mlp(seed)
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+async def test_unused_parameters_as_torch_ddp(find_unused: bool) -> None:
+    """With ``find_unused_parameters`` a parameter no rank used gets no gradient and never
+    changes, and the replicas stay identical; without it, ``step()`` fails naming it."""
+    world_size = 2
+    data = batches(world_size, steps=3)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = WithSpare(rank)
+        return model, OPTIMIZERS["sgd-momentum"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> dict[str, bytes]:
+        rank = trainer.rank
+        spare = raw(trainer.model.spare.weight)
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
+            for batch in data:
+                inputs, targets = shard(batch, rank)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(inputs), targets).backward()
+                assert optimizer.step()
+            model.verified()
+            assert sorted(trainer.unused_parameters) == ["spare.bias", "spare.weight"]
+            assert raw(trainer.model.spare.weight) == spare  # as broadcast, never stepped
+            return state_bytes(trainer.model, trainer.optimizer)
+
+        return await own_loop(trainer, loop)
+
+    options = TrainerOptions(find_unused_parameters=find_unused)
+    with trio.fail_after(RUN_SECONDS):
+        if find_unused:
+            results = await train_in_process(
+                world_size, make_replica, dummy_loss, body, options=options
+            )
+            assert results[0] == results[1]
+            return
+        try:
+            await train_in_process(world_size, make_replica, dummy_loss, body, options=options)
+        except BaseException as exc:
+            messages = [str(leaf) for leaf in leaves(exc)]
+        else:
+            pytest.fail("a step with unused parameters went through")
+    assert any("spare.weight" in m and "find_unused_parameters" in m for m in messages), messages
+
+
 # --------------------------------------------------------------------------- misuse
 
 
@@ -341,6 +401,14 @@ def test_options_a_users_loop_owns_are_refused() -> None:
         DistributedDataParallel(model, options=TrainerOptions(accumulation_steps=2))
     with pytest.raises(ValueError, match="join"):
         DistributedDataParallel(model, options=TrainerOptions(join=True))
+    ddp_style = DistributedDataParallel(
+        model, find_unused_parameters=True, broadcast_buffers=False, bucket_cap_mb=0.5
+    )
+    assert ddp_style._options.find_unused_parameters
+    assert ddp_style._options.buffer_sync == "local"
+    assert ddp_style._options.bucket_bytes == 512 * 1024
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        DistributedDataParallel(model, bucket_cap_mb=0)
     wrapped = DistributedDataParallel(model)
     with pytest.raises(RuntimeError, match="wrap the optimizer first"):
         wrapped(torch.randn(2, 5))

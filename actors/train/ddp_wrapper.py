@@ -50,6 +50,7 @@ Design (issue 14, "your own loop"), decided here:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -100,12 +101,14 @@ def check_own_loop_options(options: TrainerOptions) -> None:
 class DistributedDataParallel(torch.nn.Module):
     """A model whose gradients are averaged over every worker by the user's own backward.
 
-    ``module``: the user's model (its parameters and buffers are replaced by rank 0's when the
-    optimizer is wrapped). The keyword arguments are `SyncTrainer`'s: the trainer options (see
-    `check_own_loop_options` for the few refused), the coordinator's options when this rank
-    hosts it, configuration overrides and the shared secret. Call `wrap_optimizer` next. Like
-    torch DDP's, ``state_dict`` keys carry the ``module.`` prefix; `trainer`'s
-    ``state_dict`` is the plain module's.
+    ``module``: the user's model, on its device already (its parameters and buffers are
+    replaced by rank 0's when the optimizer is wrapped). The keyword arguments are
+    `SyncTrainer`'s: the trainer options (see `check_own_loop_options` for the few refused),
+    the coordinator's options when this rank hosts it, configuration overrides and the shared
+    secret; and three of torch DDP's, which set the matching options: ``find_unused_parameters``,
+    ``broadcast_buffers`` (False: ``buffer_sync="local"``) and ``bucket_cap_mb``
+    (``bucket_bytes``). Call `wrap_optimizer` next. Like torch DDP's, ``state_dict`` keys carry
+    the ``module.`` prefix; `trainer`'s ``state_dict`` is the plain module's.
     """
 
     def __init__(
@@ -116,10 +119,15 @@ class DistributedDataParallel(torch.nn.Module):
         coordinator_options: CoordinatorOptions | None = None,
         overrides: Mapping[str, object] | None = None,
         secret: bytes | str | None = None,
+        find_unused_parameters: bool | None = None,
+        broadcast_buffers: bool | None = None,
+        bucket_cap_mb: float | None = None,
     ) -> None:
         super().__init__()
         self.module = module
-        self._options = options or TrainerOptions()
+        self._options = _ddp_options(
+            options or TrainerOptions(), find_unused_parameters, broadcast_buffers, bucket_cap_mb
+        )
         check_own_loop_options(self._options)
         self._settings: dict[str, Any] = {
             "coordinator_options": coordinator_options,
@@ -342,6 +350,25 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict``."""
         return self.optimizer.state_dict()
+
+
+def _ddp_options(
+    options: TrainerOptions,
+    find_unused_parameters: bool | None,
+    broadcast_buffers: bool | None,
+    bucket_cap_mb: float | None,
+) -> TrainerOptions:
+    """``options`` with torch DDP's keyword arguments of the same meaning applied."""
+    changes: dict[str, Any] = {}
+    if find_unused_parameters is not None:
+        changes["find_unused_parameters"] = find_unused_parameters
+    if broadcast_buffers is not None:
+        changes["buffer_sync"] = "broadcast" if broadcast_buffers else "local"
+    if bucket_cap_mb is not None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        changes["bucket_bytes"] = max(1, int(bucket_cap_mb * 1024 * 1024))
+    return dataclasses.replace(options, **changes) if changes else options
 
 
 def _check_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
