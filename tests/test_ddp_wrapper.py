@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import torch
 import trio
+from ddp_reference import bn_batches, bn_model, bn_optimizer, mse
+from ddp_reference import shard as bn_shard
 from torch import nn
 
 from actors import DistributedDataParallel
@@ -199,6 +201,54 @@ async def test_no_sync_accumulation_matches_one_step_on_the_whole_batch() -> Non
     for name, value in reference.named_parameters():
         ours = torch.frombuffer(bytearray(results[0][f"param/{name}"]), dtype=value.dtype)
         torch.testing.assert_close(ours.reshape(value.shape), value.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("buffer_sync", ["broadcast", "average", "local"])
+async def test_the_users_loop_takes_train_batchs_very_steps_buffers_included(
+    buffer_sync: str,
+) -> None:
+    """A BatchNorm model (running statistics updated by the user's own forward): the own loop
+    ends bitwise where `train_batch` (checked against torch DDP in tests/test_buffers.py) ends,
+    parameters, buffers and optimizer state, on every rank."""
+    world_size = 2
+    data = bn_batches(world_size)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = bn_model(100 + rank)
+        return model, bn_optimizer(model)
+
+    def final(trainer: DistributedTrainer) -> dict[str, bytes]:
+        out = state_bytes(trainer.model, trainer.optimizer)
+        out.update({f"buffer/{k}": raw(v) for k, v in trainer.model.named_buffers()})
+        return out
+
+    async def by_train_batch(trainer: DistributedTrainer) -> dict[str, bytes]:
+        for batch in data:
+            await trainer.train_batch(bn_shard(batch, trainer.rank))
+        await trainer.verified()
+        return final(trainer)
+
+    async def by_own_loop(trainer: DistributedTrainer) -> dict[str, bytes]:
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> None:
+            for batch in data:
+                optimizer.zero_grad()
+                mse(model, bn_shard(batch, trainer.rank)).backward()
+                assert optimizer.step()
+            model.verified()
+
+        await own_loop(trainer, loop)
+        return final(trainer)
+
+    options = TrainerOptions(buffer_sync=buffer_sync)  # type: ignore[arg-type]
+    with trio.fail_after(RUN_SECONDS):
+        ours = await train_in_process(world_size, make_replica, mse, by_own_loop, options=options)
+        theirs = await train_in_process(
+            world_size, make_replica, mse, by_train_batch, options=options
+        )
+    for rank in range(world_size):
+        assert ours[rank].keys() == theirs[rank].keys()
+        for name, value in ours[rank].items():
+            assert value == theirs[rank][name], f"{buffer_sync} rank {rank}: {name} differs"
 
 
 # --------------------------------------------------------------------------- overlap
