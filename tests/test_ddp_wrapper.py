@@ -8,7 +8,9 @@ thread of its own, as a DDP script would.
   plain-torch process training rank 0's initial model on the concatenated N*B batch (SGD with
   momentum and Adam, one bucket per parameter and one for all), and the ranks hold
   bitwise-identical parameters and optimizer state after every step (C-DDP-001); `no_sync`
-  accumulation matches one step on the whole batch too.
+  accumulation matches one step on the whole batch too; with a BatchNorm model the own loop
+  ends bitwise where `train_batch` does, in every buffer mode.
+* Unused parameters behave as with torch DDP's ``find_unused_parameters`` (or fail naming them).
 * Overlap: a bucket's all-reduce finishes while the user's backward is still running.
 * C-DDP-001: a rank whose weights drift is caught by the coordinator's check, which stops the
   run naming the tensor.
