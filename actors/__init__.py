@@ -9,12 +9,14 @@ uses is exported here; everything else stays importable from its module.
 
 from actors.client.client import RunAborted
 from actors.state.digest import StateDigest, state_digest
+from actors.train.ddp_wrapper import DistributedDataParallel
 from actors.train.run import trainer_from_env
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import join_run, train_in_process
 
 __all__ = [
+    "DistributedDataParallel",
     "DistributedTrainer",
     "RunAborted",
     "StateDigest",

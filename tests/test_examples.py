@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds; each example takes well under 30 s even on a busy 2-core machine
@@ -79,6 +82,48 @@ def test_own_training_loop_under_launch() -> None:
     assert before and after, out
     assert float(after[1]) < float(before[1]), out
     assert len(re.findall(r"^step +\d+  train loss", out, re.M)) == 5, out  # rank 0 only
+
+
+def _check_ddp_style_loop(out: str, steps: int) -> None:
+    before = re.search(r"rank 0 of 2: .* before training: loss ([\d.]+)", out)
+    after = re.search(rf"rank 0 of 2: after {steps} steps: loss ([\d.]+)", out)
+    assert before and after, out
+    assert float(after[1]) < float(before[1]), out
+    assert len(re.findall(r"^step +\d+  train loss", out, re.M)) == 5, out  # rank 0 only
+
+
+def test_ddp_style_loop_under_launch_with_no_sync_accumulation() -> None:
+    """The DDP-shaped wrapper: the user's own loss.backward(); optimizer.step() loop, the
+    first of two micro-batches per step under no_sync()."""
+    args = ["examples/ddp_style_loop.py", "--steps", "40", "--log-every", "10"]
+    out = _run(
+        ["-m", "runtime.cli.main", "launch", "--nproc", "2", "--", *args, "--accumulate", "2"]
+    ).stdout
+    _check_ddp_style_loop(out, 40)
+
+
+def test_ddp_style_loop_under_torchrun() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    env = _env(PARAMSYNC_SECRET=secrets.token_hex(16))
+    for name in [name for name in env if name.startswith("TORCHELASTIC_")]:
+        del env[name]
+    with socket.socket() as probe:  # a free port for torchrun's store
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    flags = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    args = ["examples/ddp_style_loop.py", "--steps", "40", "--log-every", "10"]
+    proc = subprocess.run(
+        [str(torchrun), *flags, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    _check_ddp_style_loop(proc.stdout, 40)
 
 
 def test_daemons_by_hand(tmp_path: Path) -> None:

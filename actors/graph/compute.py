@@ -103,6 +103,9 @@ class ComputeActor(Actor):
         """Parameters the current step's last backward gave a gradient."""
         self._incomplete: list[int] = []
         """Buckets the last backward left without all their gradients (``find_unused``)."""
+        self._hand_over_last = False
+        """Hand the backward's last bucket over from its thread too: a backward run by the
+        caller's own thread (`expect_backward`), where no actor call returns after it."""
         self._token = trio.lowlevel.current_trio_token()
         self._hooks = [
             self._params[name].register_post_accumulate_grad_hook(self._make_hook(name))
@@ -120,7 +123,7 @@ class ComputeActor(Actor):
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
                 self._left -= 1
-                if self._left:
+                if self._left or self._hand_over_last:
                     self._token.run_sync_soon(self._on_bucket, self._sync_step, bucket)
                 else:
                     self._last = (self._sync_step, bucket)
@@ -135,28 +138,66 @@ class ComputeActor(Actor):
     async def handle(self, message: object) -> float:
         assert isinstance(message, Backward)
         loss = await trio.to_thread.run_sync(self._backward, message)
-        last, self._last = self._last, None
-        incomplete, self._incomplete = self._incomplete, []
-        if message.sync and self.find_unused:
-            if self._on_unused is not None:
-                unused = frozenset(name for name in self._bucket_of if name not in self._used)
-                self._on_unused(message.step, unused)
-            for bucket in incomplete:
-                self._on_bucket(message.step, bucket)
-        if last is not None:
-            self._on_bucket(*last)
+        self._announce_rest(message.step, message.sync)
         return loss
 
-    def _backward(self, message: Backward) -> float:
+    def _announce_rest(self, step: int, sync: bool) -> None:
+        """After a backward returned (in the event loop): the parameters unused in the step
+        and the buckets it left incomplete (``find_unused``), then its last bucket."""
+        last, self._last = self._last, None
+        incomplete, self._incomplete = self._incomplete, []
+        if sync and self.find_unused:
+            if self._on_unused is not None:
+                unused = frozenset(name for name in self._bucket_of if name not in self._used)
+                self._on_unused(step, unused)
+            for bucket in incomplete:
+                self._on_bucket(step, bucket)
+        if last is not None:
+            self._on_bucket(*last)
+
+    def expect_backward(self, step: int, sync: bool, *, hand_over_last: bool = False) -> None:
+        """Get the hooks ready for a backward of ``step``: with ``sync``, the step's last one,
+        whose hooks announce the buckets (else gradients only accumulate). Called by
+        `_backward`, or by a caller whose own thread runs the forward and backward (torch
+        DDP's shape, `actors.train.ddp_wrapper`), which passes ``hand_over_last`` and then
+        calls `backward_returned` in the event loop."""
         self._last = None
         self._incomplete = []
-        if message.step != self._used_step:
-            self._used, self._used_step = set(), message.step
-        if message.sync:
+        self._hand_over_last = hand_over_last
+        if step != self._used_step:
+            self._used, self._used_step = set(), step
+        if sync:
             self._fired = set()
             self._pending = list(self._sizes)
             self._left = len(self._sizes)
-            self._sync_step = message.step
+            self._sync_step = step
+
+    @property
+    def sync_backward_started(self) -> bool:
+        """Whether the armed synchronizing backward has fired a hook already."""
+        return self._sync_step is not None and bool(self._fired)
+
+    def _backward_ended(self, step: int, sync: bool) -> None:
+        """Disarm the hooks; a sync backward that left a bucket incomplete fails naming its
+        parameters, or (``find_unused``) leaves it to `_announce_rest`."""
+        self._sync_step = None
+        if sync and any(self._pending):
+            if not self.find_unused:
+                missing = [name for name in self._bucket_of if name not in self._fired]
+                raise UnusedParametersError(step, missing)
+            self._incomplete = [i for i, left in enumerate(self._pending) if left]
+
+    def backward_returned(self, step: int) -> None:
+        """The caller's own sync backward of ``step`` (see `expect_backward`) has returned: in
+        the event loop, announce what the hooks could not (or fail naming unused parameters)."""
+        try:
+            self._backward_ended(step, True)
+        finally:
+            self._hand_over_last = False
+        self._announce_rest(step, True)
+
+    def _backward(self, message: Backward) -> float:
+        self.expect_backward(message.step, message.sync)
         try:
             with self.trace.span("forward", actor="compute", step=message.step):
                 with autocast_of(self.precision):
@@ -165,9 +206,5 @@ class ComputeActor(Actor):
                 (loss if self.precision is None else self.precision.scaled(loss)).backward()
         finally:
             self._sync_step = None
-        if message.sync and any(self._pending):
-            if not self.find_unused:
-                missing = [name for name in self._bucket_of if name not in self._fired]
-                raise UnusedParametersError(message.step, missing)
-            self._incomplete = [i for i, left in enumerate(self._pending) if left]
+        self._backward_ended(message.step, message.sync)
         return float(loss.detach())

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -29,6 +29,8 @@ from runtime.coordinator.service import CoordinatorOptions
 from runtime.errors import pick_error
 
 __all__ = ["SyncTrainer"]
+
+T = TypeVar("T")
 
 
 class SyncTrainer:
@@ -113,6 +115,13 @@ class SyncTrainer:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
             raise self._error or RuntimeError("the trainer's run has ended") from None
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in the trainer's trio thread and return its result (an
+        async method of `trainer`; what `train_batch` and the DDP-shaped wrapper,
+        `actors.train.ddp_wrapper`, cross into it with). Errors of the run surface here."""
+        result: T = self._call(fn, *args)
+        return result
 
     def train_batch(self, batch: Any) -> float:
         """One optimizer step on this worker's ``batch``; returns its mean loss."""

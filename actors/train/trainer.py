@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from actors.client.client import CoordinatorClient
 from actors.graph.compute import ComputeActor, LossFn
 from actors.graph.factory import ActorFactory
-from actors.graph.gradcomm import GradCommActor
+from actors.graph.gradcomm import GradCommActor, StepState
 from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
 from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
 from actors.graph.optimizer import (
@@ -68,6 +68,7 @@ __all__ = [
     "Connect",
     "TrainerOptions",
     "LossFn",
+    "OwnStep",
     "Scheduler",
 ]
 
@@ -195,6 +196,22 @@ class TrainerOptions:
 
 Connect = Callable[[StartRun], Awaitable[Transport]]
 """Opens an epoch's data plane: a transport whose rank is this worker's ring position."""
+
+
+@dataclass(frozen=True)
+class OwnStep:
+    """A step whose forward and backward the caller's own code runs (`begin_own_step`)."""
+
+    step: int
+    epoch: _Epoch
+    state: StepState
+    started: float
+    """``time.perf_counter()`` when the step began."""
+
+    @property
+    def compute(self) -> ComputeActor:
+        """The epoch's compute actor, whose gradient hooks the caller's backward fires."""
+        return self.epoch.compute
 
 
 class _StepAborted(Exception):
@@ -843,41 +860,9 @@ class DistributedTrainer:
                     self._last_loss, self._last_loss_step = loss, step
                 else:
                     self._reduce_zeros(epoch, step)
-                with self.trace.span("grad-wait", actor="trainer", step=step):
-                    await state.all_reduced.wait()
-                if state.error is not None:
-                    raise state.error
-                self.unused_parameters = state.unused_everywhere
-                if self.options.buffer_sync != "local":
-                    # After every bucket's all-reduce (one collective at a time on the
-                    # transport), before this step is reported reduced: a step applied while
-                    # leaving the epoch (`_apply_pending`) has its buffers synchronized too.
-                    with self.trace.span("buffer-sync", actor="trainer", step=step):
-                        await self._sync_buffers(epoch.transport)
-                if epoch.start.apply_barrier:
-                    # A cached all-reduce may finish before the previous step is committed;
-                    # the coordinator takes this step's report only after that commit.
-                    await self.client.wait_commit(step - 1)
-                    await self.client.reduced(step, epoch.start.epoch)
-                    with self.trace.span("apply-wait", actor="trainer", step=step):
-                        await self.client.wait_apply(step)
-                await epoch.optimizer.ask(OptimizerStep(step))
-                norm = epoch.optimizer.grad_norm
-                if norm is not None and norm[0] == step:
-                    self._record_norm(step, norm[1])
-                if self.options.verify_overlap:
-                    await epoch.optimizer.tell(Verify(step))
-                else:
-                    await epoch.optimizer.ask(Verify(step, wait=True))
+                await self._reduce_and_apply(epoch, state, step)
         except Exception as exc:
-            if scope.cancel_called:  # the epoch ended under the step
-                raise _StepAborted from exc
-            if _broken_by_a_peer(exc):
-                # A peer's failure broke the epoch (its links, then its actors): the
-                # supervisor decides. A new epoch reruns the step; none within its deadline
-                # fails the trainer, cancelling this task.
-                await epoch.ended.wait()
-                raise _StepAborted from exc
+            await self._step_failed(exc, scope, epoch)
             raise
         finally:
             self._step_scope = None
@@ -888,6 +873,104 @@ class DistributedTrainer:
         else:
             self.joined_steps += 1
         return loss
+
+    async def _reduce_and_apply(self, epoch: _Epoch, state: StepState, step: int) -> None:
+        """The rest of ``step`` once its backward has handed its buckets over: wait for their
+        all-reduce, synchronize the buffers, apply the optimizer step, report the digest."""
+        with self.trace.span("grad-wait", actor="trainer", step=step):
+            await state.all_reduced.wait()
+        if state.error is not None:
+            raise state.error
+        self.unused_parameters = state.unused_everywhere
+        if self.options.buffer_sync != "local":
+            # After every bucket's all-reduce (one collective at a time on the
+            # transport), before this step is reported reduced: a step applied while
+            # leaving the epoch (`_apply_pending`) has its buffers synchronized too.
+            with self.trace.span("buffer-sync", actor="trainer", step=step):
+                await self._sync_buffers(epoch.transport)
+        if epoch.start.apply_barrier:
+            # A cached all-reduce may finish before the previous step is committed;
+            # the coordinator takes this step's report only after that commit.
+            await self.client.wait_commit(step - 1)
+            await self.client.reduced(step, epoch.start.epoch)
+            with self.trace.span("apply-wait", actor="trainer", step=step):
+                await self.client.wait_apply(step)
+        await epoch.optimizer.ask(OptimizerStep(step))
+        norm = epoch.optimizer.grad_norm
+        if norm is not None and norm[0] == step:
+            self._record_norm(step, norm[1])
+        if self.options.verify_overlap:
+            await epoch.optimizer.tell(Verify(step))
+        else:
+            await epoch.optimizer.ask(Verify(step, wait=True))
+
+    async def _step_failed(self, exc: Exception, scope: trio.CancelScope, epoch: _Epoch) -> None:
+        """A step raised ``exc``: raise _StepAborted if the epoch ended under it (it runs
+        again, or is dropped); return if the error is the step's own (the caller re-raises)."""
+        if scope.cancel_called:  # the epoch ended under the step
+            raise _StepAborted from exc
+        if _broken_by_a_peer(exc):
+            # A peer's failure broke the epoch (its links, then its actors): the
+            # supervisor decides. A new epoch reruns the step; none within its deadline
+            # fails the trainer, cancelling this task.
+            await epoch.ended.wait()
+            raise _StepAborted from exc
+
+    # ------------------------------------------------------------ the user's own loop
+
+    async def begin_own_step(self) -> OwnStep:
+        """Start a step whose forward and backward the caller's own code runs, in its own
+        thread (torch DDP's shape: `actors.train.ddp_wrapper`): wait for a live epoch and expect
+        its buckets. Arm the epoch's compute hooks (``own.compute.expect_backward``) before
+        the step's last backward, then call `finish_own_step`."""
+        if self.reached_max_steps:
+            raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
+        await self._live.wait()
+        epoch = self._epoch
+        assert epoch is not None
+        return OwnStep(self.step, epoch, epoch.comm.begin_step(self.step), time.perf_counter())
+
+    async def finish_own_step(self, own: OwnStep) -> bool:
+        """The caller's backward of ``own.step`` has returned: announce what its hooks could
+        not, then wait for the all-reduce and apply the optimizer step as `train_batch` does.
+        Returns whether the step was taken (here, or while leaving an epoch); False: the
+        membership changed under it and its gradients were dropped, the weights are the new
+        epoch's (torchft's ``should_commit`` False). Its own errors propagate."""
+        step, epoch = own.step, own.epoch
+        if self._epoch is not epoch or self.step != step:
+            return self._own_step_dropped(step)
+        scope = trio.CancelScope()
+        try:
+            with scope:
+                self._step_scope = scope
+                epoch.compute.backward_returned(step)
+                await self._reduce_and_apply(epoch, own.state, step)
+        except Exception as exc:
+            try:
+                await self._step_failed(exc, scope, epoch)
+            except _StepAborted:
+                return self._own_step_dropped(step)
+            raise
+        finally:
+            self._step_scope = None
+        if scope.cancelled_caught or self.step != step + 1:
+            return self._own_step_dropped(step)
+        self._record(step, None, time.perf_counter() - own.started)
+        return True
+
+    def _own_step_dropped(self, step: int) -> bool:
+        """A step of the caller's own loop ended by a membership change: its gradients (some
+        maybe backward wrote after the new epoch bound them) must not reach the next step."""
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.step > step:
+            return True  # taken while leaving the epoch, or received with a peer's state
+        log.warning(
+            "rank %d: step %d dropped by a membership change: its gradients are lost, the "
+            "next step starts from the new epoch's state",
+            self.rank,
+            step,
+        )
+        return False
 
     async def _compute(self, epoch: _Epoch, batch: Any, step: int) -> float:
         """Forward and backward of ``batch``'s micro-batches (the buckets go out as backward
@@ -923,14 +1006,16 @@ class DistributedTrainer:
         if len(self.grad_norms) > self.options.history_steps:
             del self.grad_norms[0]
 
-    def _record(self, step: int, loss: float, seconds: float) -> None:
-        """Append to the bounded histories; keep the whole run's totals for the summary."""
-        if self._first_loss is None:
-            self._first_loss = loss
+    def _record(self, step: int, loss: float | None, seconds: float) -> None:
+        """Append to the bounded histories; keep the whole run's totals for the summary.
+        ``loss`` None: the step's loss is the caller's own (`finish_own_step`)."""
+        if loss is not None:
+            if self._first_loss is None:
+                self._first_loss = loss
+            self.losses.append((step, loss))
         self._steps_run += 1
         self._seconds_run += seconds
         keep = self.options.history_steps
-        self.losses.append((step, loss))
         self.step_seconds.append(seconds)
         if len(self.losses) > keep:
             del self.losses[: len(self.losses) - keep]

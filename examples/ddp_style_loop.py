@@ -1,0 +1,148 @@
+"""A torch DDP-style script: wrap the model and the optimizer, keep your own training loop.
+
+Run it with one process per worker, under ``paramsync launch`` or torchrun, unchanged:
+
+    .venv/bin/paramsync launch --nproc 2 -- examples/ddp_style_loop.py
+    .venv/bin/paramsync launch --nproc 4 -- examples/ddp_style_loop.py --steps 200 --accumulate 2
+    PARAMSYNC_SECRET=$(.venv/bin/paramsync secret) .venv/bin/torchrun --nproc-per-node 2 \\
+        examples/ddp_style_loop.py
+
+The loop is the one a torch ``DistributedDataParallel`` script has, in plain synchronous
+Python (no trio, no ``loss_fn`` handed over):
+
+    model = DistributedDataParallel(model)
+    optimizer = model.wrap_optimizer(optimizer)      # joins the run: rank 0's weights everywhere
+    for inputs, targets in my_shard:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()        # each gradient bucket's all-reduce starts as backward finishes it
+        optimizer.step()       # waits for the buckets, steps, checks the replicas are identical
+
+``--accumulate K`` splits each step's batch into K micro-batches and runs the first K-1 under
+``model.no_sync()``, as with DDP. The problem is examples/own_training_loop.py's: classify the
+points of three interleaved spirals with a small MLP; rank 0 prints the training loss and the
+loss/accuracy on the whole data set before and after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from actors import DistributedDataParallel, TrainerOptions
+from runtime.errors import configuration_error
+
+
+def spirals(n_per_class: int, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``classes`` noisy spiral arms in the plane: (points (N, 2), labels (N,))."""
+    gen = torch.Generator().manual_seed(seed)
+    radius = torch.linspace(0.05, 1.0, n_per_class)
+    points, labels = [], []
+    for c in range(classes):
+        angle = (
+            radius * 4.0
+            + c * 2 * math.pi / classes
+            + 0.15 * torch.randn(n_per_class, generator=gen)
+        )
+        points.append(torch.stack([radius * angle.sin(), radius * angle.cos()], dim=1))
+        labels.append(torch.full((n_per_class,), c, dtype=torch.int64))
+    return torch.cat(points), torch.cat(labels)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # same initial weights everywhere (rank 0's are broadcast anyway)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 3),
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, points: torch.Tensor, labels: torch.Tensor
+) -> tuple[float, float]:
+    logits = model(points)
+    loss = F.cross_entropy(logits, labels).item()
+    accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
+    return loss, accuracy
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    points, labels = spirals(args.points_per_class)
+    with DistributedDataParallel(make_model(), options=TrainerOptions()) as model:
+        optimizer = model.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=args.lr))
+        rank, world = model.rank, model.world_size
+        if rank == 0:
+            loss, accuracy = evaluate(model, points, labels)
+            print(
+                f"rank 0 of {world}: {len(points)} points, before training: "
+                f"loss {loss:.4f}, accuracy {accuracy:.1%}",
+                flush=True,
+            )
+        step = 0
+        epoch = 0
+        while step < args.steps:
+            # Your own sampler: a seeded permutation per epoch, rank r takes every world-th
+            # index from position r, so the ranks' shares are disjoint and equally long.
+            order = torch.randperm(len(points), generator=torch.Generator().manual_seed(epoch))
+            mine = order[rank::world][: len(points) // world]
+            for start in range(0, len(mine) - args.batch_size + 1, args.batch_size):
+                if step == args.steps:
+                    break
+                index = mine[start : start + args.batch_size]
+                parts = list(
+                    zip(points[index].chunk(args.accumulate), labels[index].chunk(args.accumulate))
+                )
+                optimizer.zero_grad()
+                total = 0.0
+                with model.no_sync():  # accumulate the first micro-batches locally
+                    for x, y in parts[:-1]:
+                        loss = F.cross_entropy(model(x), y) / len(parts)
+                        loss.backward()
+                        total += loss.item()
+                x, y = parts[-1]
+                loss = F.cross_entropy(model(x), y) / len(parts)
+                loss.backward()  # this backward all-reduces the summed gradients
+                total += loss.item()
+                optimizer.step()
+                if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+                    print(f"step {step:4d}  train loss {total:.4f}", flush=True)
+                step += 1
+            epoch += 1
+        model.verified()  # every replica's weights agreed after the last step
+        if rank == 0:
+            loss, accuracy = evaluate(model, points, labels)
+            print(
+                f"rank 0 of {world}: after {step} steps: loss {loss:.4f}, accuracy {accuracy:.1%}",
+                flush=True,
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=32, help="points per worker per step")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--points-per-class", type=int, default=400)
+    parser.add_argument("--log-every", type=int, default=25)
+    return parser
+
+
+if __name__ == "__main__":
+    try:
+        train(build_parser().parse_args())
+    except BaseException as exc:
+        message = configuration_error(exc)
+        if message is None:
+            raise
+        print(f"paramsync: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

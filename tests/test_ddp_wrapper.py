@@ -1,0 +1,469 @@
+"""`DistributedDataParallel`: the user's own ``loss.backward(); optimizer.step()`` loop.
+
+Every run is a coordinator and N workers in one trio run (`train_in_process`); each worker wraps
+its trainer (`DistributedDataParallel.around`) and runs a plain, synchronous torch loop in a
+thread of its own, as a DDP script would.
+
+* Parity: N = 1..4 workers with B samples each reach the weights and optimizer state of ONE
+  plain-torch process training rank 0's initial model on the concatenated N*B batch (SGD with
+  momentum and Adam, one bucket per parameter and one for all), and the ranks hold
+  bitwise-identical parameters and optimizer state after every step (C-DDP-001); `no_sync`
+  accumulation matches one step on the whole batch too; with a BatchNorm model the own loop
+  ends bitwise where `train_batch` does, in every buffer mode.
+* Unused parameters behave as with torch DDP's ``find_unused_parameters`` (or fail naming them).
+* Overlap: a bucket's all-reduce finishes while the user's backward is still running.
+* C-DDP-001: a rank whose weights drift is caught by the coordinator's check, which stops the
+  run naming the tensor.
+* Misuse fails with an error saying what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import trio
+from ddp_reference import bn_batches, bn_model, bn_optimizer, mse
+from ddp_reference import shard as bn_shard
+from torch import nn
+
+from actors import DistributedDataParallel
+from actors.client.client import RunAborted
+from actors.train.ddp_wrapper import DistributedOptimizer
+from actors.train.trainer import DistributedTrainer, TrainerOptions
+from actors.train.worker import train_in_process
+
+RUN_SECONDS = 60.0
+"""Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""
+STEPS = 4
+PER_RANK = 4
+BIG_BUCKET = 1 << 20
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+def mlp(seed: int) -> nn.Module:
+    """A Tanh MLP whose initial weights depend only on ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def raw(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
+    """Every parameter's and optimizer state tensor's bytes, by name."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    out = {f"param/{name}": raw(p) for name, p in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[f"optim/{names[id(param)]}/{key}"] = raw(value)
+    return out
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
+    return [error]
+
+
+def batches(world_size: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(4321 + world_size)
+    n = world_size * PER_RANK
+    return [
+        (torch.randn(n, 5, generator=gen), torch.randn(n, 3, generator=gen)) for _ in range(steps)
+    ]
+
+
+def shard(batch: tuple[torch.Tensor, ...], rank: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t[rank * PER_RANK : (rank + 1) * PER_RANK] for t in batch)
+
+
+def dummy_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    raise AssertionError("the own-loop tests never call train_batch")
+
+
+Loop = Callable[[DistributedDataParallel, DistributedOptimizer], Any]
+
+
+async def own_loop(trainer: DistributedTrainer, loop: Loop) -> Any:
+    """Wrap ``trainer`` and run the synchronous ``loop(model, optimizer)`` in a thread (given up
+    on when the test's deadline cancels it, so a hang fails instead of hanging the suite)."""
+    model, optimizer = DistributedDataParallel.around(trainer)
+    return await trio.to_thread.run_sync(loop, model, optimizer, abandon_on_cancel=True)
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd-momentum", "adam"])
+@pytest.mark.parametrize("bucket_bytes", [1, BIG_BUCKET], ids=["bucket-per-param", "one-bucket"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+async def test_parity_with_one_process_on_the_concatenated_batch(
+    world_size: int, bucket_bytes: int, optimizer_name: str
+) -> None:
+    data = batches(world_size)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank)  # different weights per rank: rank 0's must be broadcast
+        return model, OPTIMIZERS[optimizer_name](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> dict[str, Any]:
+        rank = trainer.rank
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
+            history, taken = [], []
+            for batch in data:
+                inputs, targets = shard(batch, rank)
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                loss.backward()
+                taken.append(optimizer.step())
+                model.verified()  # this step's digests agreed on every rank
+                history.append(state_bytes(trainer.model, trainer.optimizer))
+            return {"history": history, "taken": taken, "step": trainer.step}
+
+        return await own_loop(trainer, loop)
+
+    options = TrainerOptions(bucket_bytes=bucket_bytes)
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(
+            world_size, make_replica, dummy_loss, body, options=options
+        )
+
+    reference = mlp(0)
+    ref_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+    ref_history = []
+    for inputs, targets in data:
+        ref_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(inputs), targets).backward()
+        ref_optimizer.step()
+        ref_history.append({k: v.clone() for k, v in reference.state_dict().items()})
+
+    for rank, result in enumerate(results):
+        assert result["taken"] == [True] * STEPS and result["step"] == STEPS
+        for step, (mine, first) in enumerate(zip(result["history"], results[0]["history"])):
+            assert mine.keys() == first.keys()
+            for name, value in mine.items():  # C-DDP-001: bitwise, after every step
+                assert value == first[name], f"rank {rank} step {step}: {name} differs"
+    # Rank 0's final weights are one process's on the whole batch (closeness: summation order).
+    final = results[0]["history"][-1]
+    for name, value in ref_history[-1].items():
+        ours = torch.frombuffer(bytearray(final[f"param/{name}"]), dtype=value.dtype)
+        torch.testing.assert_close(ours.reshape(value.shape), value, rtol=1e-5, atol=1e-6)
+
+
+async def test_no_sync_accumulation_matches_one_step_on_the_whole_batch() -> None:
+    """Two micro-batches per step, the first under ``no_sync()``: the gradient of their mean
+    loss, averaged over 2 workers, is the 4-way mean: one process's step on all of it."""
+    world_size, micro = 2, 2
+    data = batches(world_size, steps=3)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank)
+        return model, OPTIMIZERS["adam"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> dict[str, bytes]:
+        rank = trainer.rank
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
+            for batch in data:
+                inputs, targets = shard(batch, rank)
+                optimizer.zero_grad()
+                parts = list(zip(inputs.chunk(micro), targets.chunk(micro)))
+                with model.no_sync():
+                    for x, y in parts[:-1]:
+                        (nn.functional.mse_loss(model(x), y) / micro).backward()
+                x, y = parts[-1]
+                (nn.functional.mse_loss(model(x), y) / micro).backward()
+                assert optimizer.step()
+            model.verified()
+            return state_bytes(trainer.model, trainer.optimizer)
+
+        return await own_loop(trainer, loop)
+
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(world_size, make_replica, dummy_loss, body)
+    assert results[0] == results[1]
+    reference = mlp(0)
+    ref_optimizer = OPTIMIZERS["adam"](reference.parameters())
+    for inputs, targets in data:
+        ref_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(inputs), targets).backward()
+        ref_optimizer.step()
+    for name, value in reference.named_parameters():
+        ours = torch.frombuffer(bytearray(results[0][f"param/{name}"]), dtype=value.dtype)
+        torch.testing.assert_close(ours.reshape(value.shape), value.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("buffer_sync", ["broadcast", "average", "local"])
+async def test_the_users_loop_takes_train_batchs_very_steps_buffers_included(
+    buffer_sync: str,
+) -> None:
+    """A BatchNorm model (running statistics updated by the user's own forward): the own loop
+    ends bitwise where `train_batch` (checked against torch DDP in tests/test_buffers.py) ends,
+    parameters, buffers and optimizer state, on every rank."""
+    world_size = 2
+    data = bn_batches(world_size)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = bn_model(100 + rank)
+        return model, bn_optimizer(model)
+
+    def final(trainer: DistributedTrainer) -> dict[str, bytes]:
+        out = state_bytes(trainer.model, trainer.optimizer)
+        out.update({f"buffer/{k}": raw(v) for k, v in trainer.model.named_buffers()})
+        return out
+
+    async def by_train_batch(trainer: DistributedTrainer) -> dict[str, bytes]:
+        for batch in data:
+            await trainer.train_batch(bn_shard(batch, trainer.rank))
+        await trainer.verified()
+        return final(trainer)
+
+    async def by_own_loop(trainer: DistributedTrainer) -> dict[str, bytes]:
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> None:
+            for batch in data:
+                optimizer.zero_grad()
+                mse(model, bn_shard(batch, trainer.rank)).backward()
+                assert optimizer.step()
+            model.verified()
+
+        await own_loop(trainer, loop)
+        return final(trainer)
+
+    options = TrainerOptions(buffer_sync=buffer_sync)  # type: ignore[arg-type]
+    with trio.fail_after(RUN_SECONDS):
+        ours = await train_in_process(world_size, make_replica, mse, by_own_loop, options=options)
+        theirs = await train_in_process(
+            world_size, make_replica, mse, by_train_batch, options=options
+        )
+    for rank in range(world_size):
+        assert ours[rank].keys() == theirs[rank].keys()
+        for name, value in ours[rank].items():
+            assert value == theirs[rank][name], f"{buffer_sync} rank {rank}: {name} differs"
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+async def test_a_bucket_is_all_reduced_while_the_users_backward_still_runs() -> None:
+    """One bucket per parameter. The hook on the input's gradient runs inside backward, after
+    the last layers' gradients were accumulated and before backward returns; it waits there
+    until the step has finished reducing a bucket. Without the overlap (buckets handed over
+    only when backward returned, or in step()) the wait would time out."""
+    world_size = 2
+    data = batches(world_size, steps=3)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank)
+        return model, OPTIMIZERS["sgd-momentum"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> list[int]:
+        rank = trainer.rank
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> list[int]:
+            seen = []
+            for batch in data:
+                inputs, targets = shard(batch, rank)
+                inputs = inputs.clone().requires_grad_(True)
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                own = model._own
+                assert own is not None
+
+                def during_backward(grad: torch.Tensor, own: Any = own) -> None:
+                    deadline = time.monotonic() + 20.0
+                    while own.state.reduced == 0 and time.monotonic() < deadline:
+                        time.sleep(0.002)  # wait for the trio thread's all-reduce
+                    seen.append(own.state.reduced)
+
+                inputs.register_hook(during_backward)
+                loss.backward()
+                assert optimizer.step()
+            return seen
+
+        return await own_loop(trainer, loop)
+
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(
+            world_size, make_replica, dummy_loss, body, options=TrainerOptions(bucket_bytes=1)
+        )
+    buckets = 6  # 3 Linear layers: a weight and a bias each
+    for rank, seen in enumerate(results):
+        assert len(seen) == 3
+        # Reduced during backward, but not all: the first layer's weight was still to come.
+        assert all(0 < count < buckets for count in seen), f"rank {rank}: {seen}"
+
+
+# --------------------------------------------------------------------------- C-DDP-001
+
+
+async def test_the_identical_weights_check_catches_a_rank_that_diverges() -> None:
+    """Rank 1 nudges a weight of its own between steps (a bug in a user's loop: an in-place
+    edit on one rank only): the next digest differs and the coordinator stops the run, which
+    surfaces in the loops as RunAborted naming the tensor."""
+    world_size = 2
+    data = batches(world_size, steps=8)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank)
+        return model, OPTIMIZERS["sgd-momentum"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> None:
+        rank = trainer.rank
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> None:
+            for step, batch in enumerate(data):
+                inputs, targets = shard(batch, rank)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(inputs), targets).backward()
+                optimizer.step()
+                model.verified()
+                if rank == 1 and step == 2:
+                    with torch.no_grad():
+                        model.module[2].bias.add_(1e-3)
+
+        await own_loop(trainer, loop)
+
+    with trio.fail_after(RUN_SECONDS):
+        try:
+            await train_in_process(world_size, make_replica, dummy_loss, body)
+        except BaseException as exc:
+            aborted = [leaf for leaf in leaves(exc) if isinstance(leaf, RunAborted)]
+        else:
+            pytest.fail("the run did not stop")
+    assert aborted, "expected the coordinator to abort the run"
+    assert "2.bias" in str(aborted[0]), str(aborted[0])
+
+
+# --------------------------------------------------------------------------- unused parameters
+
+
+class WithSpare(nn.Module):
+    """An MLP and a ``spare`` layer no forward uses."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.net = mlp(seed)
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+async def test_unused_parameters_as_torch_ddp(find_unused: bool) -> None:
+    """With ``find_unused_parameters`` a parameter no rank used gets no gradient and never
+    changes, and the replicas stay identical; without it, ``step()`` fails naming it."""
+    world_size = 2
+    data = batches(world_size, steps=3)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = WithSpare(rank)
+        return model, OPTIMIZERS["sgd-momentum"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> dict[str, bytes]:
+        rank = trainer.rank
+        spare = raw(trainer.model.spare.weight)
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
+            for batch in data:
+                inputs, targets = shard(batch, rank)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(inputs), targets).backward()
+                assert optimizer.step()
+            model.verified()
+            assert sorted(trainer.unused_parameters) == ["spare.bias", "spare.weight"]
+            assert raw(trainer.model.spare.weight) == spare  # as broadcast, never stepped
+            return state_bytes(trainer.model, trainer.optimizer)
+
+        return await own_loop(trainer, loop)
+
+    options = TrainerOptions(find_unused_parameters=find_unused)
+    with trio.fail_after(RUN_SECONDS):
+        if find_unused:
+            results = await train_in_process(
+                world_size, make_replica, dummy_loss, body, options=options
+            )
+            assert results[0] == results[1]
+            return
+        try:
+            await train_in_process(world_size, make_replica, dummy_loss, body, options=options)
+        except BaseException as exc:
+            messages = [str(leaf) for leaf in leaves(exc)]
+        else:
+            pytest.fail("a step with unused parameters went through")
+    assert any("spare.weight" in m and "find_unused_parameters" in m for m in messages), messages
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+async def test_misuse_fails_saying_what_to_do() -> None:
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank)
+        return model, OPTIMIZERS["sgd-momentum"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> list[str]:
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> list[str]:
+            errors = []
+            x, y = torch.randn(4, 5), torch.randn(4, 3)
+            with pytest.raises(RuntimeError, match="before any forward") as info:
+                optimizer.step()
+            errors.append(str(info.value))
+            with pytest.raises(TypeError, match="closures"):
+                optimizer.step(lambda: 0.0)
+            with model.no_sync():
+                nn.functional.mse_loss(model(x), y).backward()
+            with pytest.raises(RuntimeError, match="all under no_sync"):
+                optimizer.step()
+            # The step is still open: finish it properly.
+            nn.functional.mse_loss(model(x), y).backward()
+            with pytest.raises(RuntimeError, match="after the step's synchronizing one"):
+                model(x)
+            assert optimizer.step()
+            with torch.no_grad():  # evaluation: no step begins
+                model(x)
+            assert model._own is None
+            nn.functional.mse_loss(model(x), y).backward()
+            assert optimizer.step()
+            model.verified()
+            return errors
+
+        return await own_loop(trainer, loop)
+
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(1, make_replica, dummy_loss, body)
+    assert results[0]
+
+
+def test_options_a_users_loop_owns_are_refused() -> None:
+    model = mlp(0)
+    with pytest.raises(ValueError, match="no_sync"):
+        DistributedDataParallel(model, options=TrainerOptions(accumulation_steps=2))
+    with pytest.raises(ValueError, match="join"):
+        DistributedDataParallel(model, options=TrainerOptions(join=True))
+    ddp_style = DistributedDataParallel(
+        model, find_unused_parameters=True, broadcast_buffers=False, bucket_cap_mb=0.5
+    )
+    assert ddp_style._options.find_unused_parameters
+    assert ddp_style._options.buffer_sync == "local"
+    assert ddp_style._options.bucket_bytes == 512 * 1024
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        DistributedDataParallel(model, bucket_cap_mb=0)
+    wrapped = DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match="wrap the optimizer first"):
+        wrapped(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="not a parameter of the wrapped module"):
+        wrapped.wrap_optimizer(torch.optim.SGD(mlp(1).parameters(), lr=0.1))
+    assert not math.isnan(float(model(torch.randn(1, 5)).sum().detach()))
