@@ -26,6 +26,7 @@ the first step.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -251,6 +252,28 @@ class DataParallelCoordinator:
         jobs = [(lambda lo=lo, hi=hi: job(lo, hi)) for lo, hi in self._slices]
         self._threads.run(jobs, phase="gradient averaging", devices=self._labels)
         return out
+
+    def adopt_primary_state(self) -> None:
+        """Load the primary replica's parameters, buffers and optimizer state into every other
+        replica (after the primary took over a peer's state: a run's initial broadcast, a
+        re-sync), then check the digests. Never part of a step."""
+        primary = self._replicas[0]
+        weights = primary.model.state_dict()
+        optimizer_state = primary.optimizer.state_dict()
+        for replica in self._replicas[1:]:
+            replica.model.load_state_dict(weights)
+            # a deep copy: torch's load_state_dict may keep the very tensors it is given
+            replica.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        self.check()
+
+    def load_primary_gradient(self, gradient: torch.Tensor) -> None:
+        """Write ``gradient`` (flat, host) into the primary replica's trainable ``.grad``."""
+        self._replicas[0].load_gradient(gradient)
+
+    def primary_gradient(self) -> torch.Tensor:
+        """The primary replica's trainable gradients now, flat, on the host (what a trainer
+        all-reduced into them)."""
+        return self._replicas[0].gradient_on_host()
 
     def apply_gradients(self, averaged: torch.Tensor) -> bool:
         """Every replica steps its own optimizer with ``averaged`` (a flat host tensor); then the

@@ -133,6 +133,28 @@ class Replica:
             if self.stream is not None:
                 self.stream.synchronize()  # the host may overwrite ``averaged`` next step
 
+    def load_gradient(self, gradient: torch.Tensor) -> None:
+        """Write the flat host ``gradient`` into the trainable parameters' ``.grad`` (views of
+        the flat buffer again)."""
+        with self._on_stream():
+            self._attach()
+            self.grad.copy_(gradient, non_blocking=self.stream is not None)
+            if self.stream is not None:
+                self.stream.synchronize()
+
+    def gradient_on_host(self) -> torch.Tensor:
+        """The trainable parameters' current ``.grad`` (whatever tensors they are now; zeros for
+        a missing one), flat, on the host (the stream synchronized first, C-STREAMSYNC-001)."""
+        with self._on_stream():
+            grads = [
+                param.grad if param.grad is not None else torch.zeros_like(param)
+                for _, param in self.trainable
+            ]
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            if self.stream is not None:
+                self.stream.synchronize()
+            return flat.to("cpu")
+
     def digest(self) -> StateDigest:
         """The C-DDP-001 digest of this replica's parameters (trainable and frozen), buffers
         (unless ``check_buffers`` was False) and optimizer state."""
