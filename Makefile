@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-allreduce bench bench-ddp bench-multidevice bench-groups reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-groups reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -26,6 +26,9 @@ soak: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m actors.demo_job.demo
+
+demo-lora: $(STAMP)
+	$(BIN)/python -m actors.demo_job.lora_demo
 
 demo-allreduce: $(STAMP)
 	$(BIN)/python -m runtime.cli.allreduce_demo
