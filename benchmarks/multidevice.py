@@ -16,8 +16,10 @@ layer, the base frozen; AdamW over the adapters; the same total batch (``--batch
 
 Each round runs every system (``--warmup`` untimed steps, then ``--steps`` timed); a system's
 figure per round is its median step time. Printed: the medians over rounds, throughput in
-samples/s, the ``threads`` speed-up over ``one`` (target >= 1.7 on a 2-core host) and the
-``threads``/``ddp`` step-time ratio (target <= 1), both computed per round and their median shown.
+samples/s, the CPU cores each system actually got (its processes' CPU seconds per wall
+second: on a shared host the second core may not be free), the ``threads`` speed-up over
+``one`` (target >= 1.7 on a 2-core host) and the ``threads``/``ddp`` step-time ratio (target
+<= 1), both computed per round and their median shown.
 """
 
 from __future__ import annotations
@@ -85,14 +87,22 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, targets
 
 
-def _timed(step_fn: Any, args: argparse.Namespace) -> list[float]:
+def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> list[float]:
+    """Step times of the timed steps; ``cpu["cores"]``: this process's CPU seconds per wall
+    second over them (how many cores it got: the machine is shared)."""
     times = []
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            wall, cpu_start = time.perf_counter(), time.process_time()
         data = batch(step, args.batch)
         started = time.perf_counter()
         step_fn(data)
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
+    if cpu is not None:
+        cpu["cores"] = (time.process_time() - cpu_start) / (time.perf_counter() - wall)
+        cpu["cpu_seconds"] = time.process_time() - cpu_start
+        cpu["wall_seconds"] = time.perf_counter() - wall
     return times
 
 
@@ -101,13 +111,15 @@ def run_threads(args: argparse.Namespace) -> dict:
         lambda: lora_model(args.rank), optimizer, loss_fn, ["cpu", "cpu"]
     ) as dp:
         results: list[Any] = []
-        times = _timed(lambda data: results.append(dp.train_batch_parallel(data)), args)
+        cpu: dict = {}
+        times = _timed(lambda data: results.append(dp.train_batch_parallel(data)), args, cpu)
         timed = results[args.warmup :]
         return {
             "step_seconds": statistics.median(times),
             "compute_seconds": statistics.median(r.compute_seconds for r in timed),
             "averaging_seconds": statistics.median(r.averaging_seconds for r in timed),
             "update_seconds": statistics.median(r.update_seconds for r in timed),
+            "cores": cpu["cores"],
         }
 
 
@@ -126,7 +138,9 @@ def run_one(args: argparse.Namespace) -> dict:
                 (loss_fn(model, (idx, targets)) * (idx.shape[0] / args.batch)).backward()
             opt.step()
 
-        return {"step_seconds": statistics.median(_timed(step, args))}
+        cpu: dict = {}
+        times = _timed(step, args, cpu)
+        return {"step_seconds": statistics.median(times), "cores": cpu["cores"]}
     finally:
         torch.set_num_threads(previous)
 
@@ -147,11 +161,11 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
         opt.step()
 
     dist.barrier()
-    times = _timed(step, args)
+    cpu: dict = {}
+    times = _timed(step, args, cpu)
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps({"step_seconds": statistics.median(times)}))
+    print(json.dumps({"step_seconds": statistics.median(times), **cpu}))
 
 
 def run_ddp(args: argparse.Namespace) -> dict:
@@ -185,7 +199,9 @@ def run_ddp(args: argparse.Namespace) -> dict:
     for rank, proc in enumerate(procs):
         if proc.returncode != 0:
             raise RuntimeError(f"DDP rank {rank} exited with {proc.returncode}")
-    return json.loads(outputs[0].strip().splitlines()[-1])
+    ranks = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    cores = sum(r["cpu_seconds"] for r in ranks) / ranks[0]["wall_seconds"]
+    return {"step_seconds": ranks[0]["step_seconds"], "cores": cores}
 
 
 SYSTEMS = {"threads": run_threads, "one": run_one, "ddp": run_ddp}
@@ -196,6 +212,9 @@ def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
     for name in SYSTEMS:
         seconds = statistics.median(r[name]["step_seconds"] for r in rounds)
         table[name] = {"step_seconds": seconds, "samples_per_second": batch_size / seconds}
+    for name in SYSTEMS:
+        if all("cores" in r[name] for r in rounds):
+            table[name]["cores"] = statistics.median(r[name]["cores"] for r in rounds)
     for key in ("compute_seconds", "averaging_seconds", "update_seconds"):
         table["threads"][key] = statistics.median(r["threads"][key] for r in rounds)
     table["speedup_over_one"] = statistics.median(
@@ -220,7 +239,8 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
     for name, label in labels.items():
         row = table[name]
         ms, rate = row["step_seconds"] * 1e3, row["samples_per_second"]
-        print(f"  {label:<24} {ms:8.2f} ms/step {rate:8.1f} samples/s")
+        cores = f"  ({row['cores']:.2f} cores used)" if "cores" in row else ""
+        print(f"  {label:<24} {ms:8.2f} ms/step {rate:8.1f} samples/s{cores}")
     threads = table["threads"]
     print(
         f"  threads split: compute {threads['compute_seconds'] * 1e3:.2f} ms, averaging "

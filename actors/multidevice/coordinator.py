@@ -264,6 +264,7 @@ class DataParallelCoordinator:
             replica.model.load_state_dict(weights)
             # a deep copy: torch's load_state_dict may keep the very tensors it is given
             replica.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+            replica.settle()
         self.check()
 
     def load_primary_gradient(self, gradient: torch.Tensor) -> None:

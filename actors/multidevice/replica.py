@@ -75,6 +75,13 @@ class Replica:
             self.host_grad = self.grad
         self._hasher = StateHasher(buffers=check_buffers)
         self._attach()
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait for work queued on the device's default stream (the model's copy to the device,
+        a state loaded from the main thread) before this replica's own stream uses it."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _attach(self) -> None:
         """Point every trainable parameter's ``.grad`` at its view of the flat buffer (again, if
