@@ -194,6 +194,16 @@ def test_each_replica_runs_on_its_own_persistent_thread_with_one_intra_op_thread
     assert torch.get_num_threads() == main_threads
 
 
+def test_a_factory_sharing_weights_between_replicas_is_refused() -> None:
+    base = build(6, (True,) * 3)
+    with pytest.raises(ValueError, match=r"replica 1's parameter '0.weight' is replica 0's"):
+        DataParallelCoordinator(lambda: base, adam, loss_fn, ["cpu"] * 2)
+    with pytest.raises(ValueError, match="deep-copy a shared base"):
+        DataParallelCoordinator(
+            lambda: torch.nn.Sequential(base, torch.nn.Linear(2, 2)), adam, loss_fn, ["cpu"] * 2
+        )
+
+
 def test_replica_zero_initial_state_reaches_every_replica() -> None:
     with DataParallelCoordinator(
         lambda: build(torch.seed() % 1000, (True,) * 3), adam, loss_fn, ["cpu"] * 2

@@ -120,6 +120,7 @@ class DataParallelCoordinator:
         self.check_interval = check_interval
         self._step = 0
         models = [model_factory() for _ in self.devices]
+        _check_unshared(models)
         reference = models[0].state_dict()
         for model in models[1:]:
             model.load_state_dict(reference)
@@ -145,7 +146,11 @@ class DataParallelCoordinator:
         pinned = any(device.type == "cuda" for device in self.devices)
         self._averaged = torch.zeros(first.numel, dtype=first.dtype, pin_memory=pinned)
         self._slices = _slices(first.numel, len(self.devices))
-        self.check()
+        try:
+            self.check()
+        except BaseException:
+            self._threads.close()
+            raise
 
     # -- the public surface ------------------------------------------------------------------
 
@@ -310,6 +315,20 @@ class DataParallelCoordinator:
                     "the state's layout",
                 )
                 raise ReplicaDivergedError(self._step, index, self._labels[index], entry)
+
+
+def _check_unshared(models: list[torch.nn.Module]) -> None:
+    """ValueError unless every model and every parameter is a distinct object (a factory that
+    returns one module, or wraps one base module, would make the replicas share weights)."""
+    owner: dict[int, tuple[int, str]] = {}
+    for index, model in enumerate(models):
+        for name, param in model.named_parameters():
+            seen = owner.setdefault(id(param), (index, name))
+            if seen[0] != index:
+                raise ValueError(
+                    f"replica {index}'s parameter {name!r} is replica {seen[0]}'s {seen[1]!r}: "
+                    "model_factory must build a new model each call (deep-copy a shared base)"
+                )
 
 
 def _slices(length: int, parts: int) -> list[tuple[int, int]]:
