@@ -17,7 +17,8 @@ layer, the base frozen; AdamW over the adapters; the same total batch (``--batch
 Each round runs every system (``--warmup`` untimed steps, then ``--steps`` timed); a system's
 figure per round is its median step time. Printed: the medians over rounds, throughput in
 samples/s, the CPU cores each system actually got (its processes' CPU seconds per wall
-second: on a shared host the second core may not be free), the ``threads`` speed-up over
+second: on a shared host the second core may not be free) and the CPU time each spends per step
+(all its processes' and threads'), the ``threads`` speed-up over
 ``one`` (target >= 1.7 on a 2-core host) and the ``threads``/``ddp`` step-time ratio (target
 <= 1), both computed per round and their median shown.
 """
@@ -103,6 +104,7 @@ def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> l
         cpu["cores"] = (time.process_time() - cpu_start) / (time.perf_counter() - wall)
         cpu["cpu_seconds"] = time.process_time() - cpu_start
         cpu["wall_seconds"] = time.perf_counter() - wall
+        cpu["cpu_seconds_per_step"] = cpu["cpu_seconds"] / args.steps
     return times
 
 
@@ -120,6 +122,7 @@ def run_threads(args: argparse.Namespace) -> dict:
             "averaging_seconds": statistics.median(r.averaging_seconds for r in timed),
             "update_seconds": statistics.median(r.update_seconds for r in timed),
             "cores": cpu["cores"],
+            "cpu_seconds_per_step": cpu["cpu_seconds_per_step"],
         }
 
 
@@ -140,7 +143,11 @@ def run_one(args: argparse.Namespace) -> dict:
 
         cpu: dict = {}
         times = _timed(step, args, cpu)
-        return {"step_seconds": statistics.median(times), "cores": cpu["cores"]}
+        return {
+            "step_seconds": statistics.median(times),
+            "cores": cpu["cores"],
+            "cpu_seconds_per_step": cpu["cpu_seconds_per_step"],
+        }
     finally:
         torch.set_num_threads(previous)
 
@@ -201,7 +208,11 @@ def run_ddp(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"DDP rank {rank} exited with {proc.returncode}")
     ranks = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
     cores = sum(r["cpu_seconds"] for r in ranks) / ranks[0]["wall_seconds"]
-    return {"step_seconds": ranks[0]["step_seconds"], "cores": cores}
+    return {
+        "step_seconds": ranks[0]["step_seconds"],
+        "cores": cores,
+        "cpu_seconds_per_step": sum(r["cpu_seconds_per_step"] for r in ranks),
+    }
 
 
 SYSTEMS = {"threads": run_threads, "one": run_one, "ddp": run_ddp}
@@ -213,8 +224,9 @@ def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
         seconds = statistics.median(r[name]["step_seconds"] for r in rounds)
         table[name] = {"step_seconds": seconds, "samples_per_second": batch_size / seconds}
     for name in SYSTEMS:
-        if all("cores" in r[name] for r in rounds):
-            table[name]["cores"] = statistics.median(r[name]["cores"] for r in rounds)
+        for key in ("cores", "cpu_seconds_per_step"):
+            if all(key in r[name] for r in rounds):
+                table[name][key] = statistics.median(r[name][key] for r in rounds)
     for key in ("compute_seconds", "averaging_seconds", "update_seconds"):
         table["threads"][key] = statistics.median(r["threads"][key] for r in rounds)
     table["speedup_over_one"] = statistics.median(
@@ -239,7 +251,10 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
     for name, label in labels.items():
         row = table[name]
         ms, rate = row["step_seconds"] * 1e3, row["samples_per_second"]
-        cores = f"  ({row['cores']:.2f} cores used)" if "cores" in row else ""
+        cores = ""
+        if "cores" in row and "cpu_seconds_per_step" in row:
+            cpu_ms = row["cpu_seconds_per_step"] * 1e3
+            cores = f"  ({row['cores']:.2f} cores used, {cpu_ms:.1f} CPU ms/step)"
         print(f"  {label:<24} {ms:8.2f} ms/step {rate:8.1f} samples/s{cores}")
     threads = table["threads"]
     print(
