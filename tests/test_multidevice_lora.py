@@ -94,3 +94,20 @@ def test_lora_replicas_average_only_adapters_and_match_one_replica(
     finally:
         dp.close()
         one.close()
+
+
+def test_the_demos_adapter_state_is_only_the_adapters_and_its_digest_sees_every_bit() -> None:
+    from actors.demo_job.lora_job import adapter_state, digest_of
+
+    model = lora_model(3, 4, ("up", "down"))
+    state = adapter_state(model)
+    assert state and all("lora_" in name for name in state)
+    assert sum(t.numel() for t in state.values()) == sum(
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
+    before = digest_of(state)
+    assert digest_of(adapter_state(model)) == before
+    target = next(p for p in model.parameters() if p.requires_grad)  # a LoRA tensor
+    with torch.no_grad():  # one bit of one element
+        target.view(-1)[0] = torch.nextafter(target.view(-1)[0], torch.tensor(1e9))
+    assert digest_of(adapter_state(model)) != before
