@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-allreduce bench bench-ddp bench-groups reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-groups reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,lora]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -27,6 +27,9 @@ soak: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m actors.demo_job.demo
 
+demo-lora: $(STAMP)
+	$(BIN)/python -m actors.demo_job.lora_demo
+
 demo-allreduce: $(STAMP)
 	$(BIN)/python -m runtime.cli.allreduce_demo
 
@@ -38,6 +41,9 @@ bench-groups: $(STAMP)
 
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
+
+bench-multidevice: $(STAMP)
+	$(BIN)/python benchmarks/multidevice.py --rounds 3 --steps 30 --json out/multidevice.json
 
 reliability-hostile: $(STAMP)
 	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json

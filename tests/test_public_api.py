@@ -28,7 +28,7 @@ SEED_NAMES = {
         "broadcast",
         "barrier",
     },
-    actors: {"DistributedTrainer", "SyncTrainer", "TrainerOptions"},
+    actors: {"DistributedTrainer", "SyncTrainer", "TrainerOptions", "DataParallelCoordinator"},
 }
 
 

@@ -13,6 +13,12 @@ can agree with its peers which ones no rank used.
 
 With mixed precision (`actors.graph.precision`), the loss function runs under autocast and
 backward runs on the scaled loss when there is a loss scaler; the loss it answers is unscaled.
+
+The "replicas" backend (hierarchical data parallelism): a worker process holding several devices
+in a `DataParallelCoordinator` has the compute actor run `primary_backward` instead of the loss
+function: every device's shard runs forward and backward in parallel, and only once their
+weighted in-process average is in the primary replica's gradients are all the buckets announced
+(in order, when it returns), so the all-reduce across processes sends the process's average.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import trio
 
 from actors.graph.messages import Backward
 from actors.graph.precision import MixedPrecision, autocast_of
+from actors.multidevice import DataParallelCoordinator, primary_backward
 from actors.state.buckets import Bucket
 from runtime.actor.base import Actor
 from runtime.observe.trace import TraceRecorder
@@ -77,8 +84,13 @@ class ComputeActor(Actor):
         find_unused: bool = False,
         on_unused: Callable[[int, frozenset[str]], None] | None = None,
         precision: MixedPrecision | None = None,
+        replicas: DataParallelCoordinator | None = None,
     ) -> None:
         super().__init__("compute", mailbox_size=2)
+        if replicas is not None and precision is not None:
+            raise ValueError("mixed precision is not supported with several devices per process")
+        self.replicas = replicas
+        """The process's replicas (None: the model alone): backward runs on all of them."""
         self.find_unused = find_unused
         self._on_unused = on_unused
         self.precision = precision
@@ -143,14 +155,15 @@ class ComputeActor(Actor):
 
     def _announce_rest(self, step: int, sync: bool) -> None:
         """After a backward returned (in the event loop): the parameters unused in the step
-        and the buckets it left incomplete (``find_unused``), then its last bucket."""
+        (``find_unused``) and the buckets it left incomplete (``find_unused``, or every bucket
+        of a replicated backward), then its last bucket."""
         last, self._last = self._last, None
         incomplete, self._incomplete = self._incomplete, []
-        if sync and self.find_unused:
-            if self._on_unused is not None:
+        if sync:
+            if self.find_unused and self._on_unused is not None:
                 unused = frozenset(name for name in self._bucket_of if name not in self._used)
                 self._on_unused(step, unused)
-            for bucket in incomplete:
+            for bucket in incomplete:  # only `find_unused` or replicas leave any
                 self._on_bucket(step, bucket)
         if last is not None:
             self._on_bucket(*last)
@@ -197,6 +210,8 @@ class ComputeActor(Actor):
         self._announce_rest(step, True)
 
     def _backward(self, message: Backward) -> float:
+        if self.replicas is not None:
+            return self._replicated_backward(message)
         self.expect_backward(message.step, message.sync)
         try:
             with self.trace.span("forward", actor="compute", step=message.step):
@@ -208,3 +223,14 @@ class ComputeActor(Actor):
             self._sync_step = None
         self._backward_ended(message.step, message.sync)
         return float(loss.detach())
+
+    def _replicated_backward(self, message: Backward) -> float:
+        """Backward on every replica; the primary holds the process's weighted average, and
+        every bucket is announced when this returns (the hooks announce none meanwhile)."""
+        assert self.replicas is not None
+        self._last, self._incomplete = None, []
+        with self.trace.span("forward-backward", actor="compute", step=message.step):
+            loss = primary_backward(self.replicas, message.micro_batch)
+        if message.sync:
+            self._incomplete = list(range(len(self._sizes)))
+        return loss

@@ -44,6 +44,7 @@ from actors.graph.optimizer import (
     clip_settings,
 )
 from actors.graph.precision import GradScalerDigests, MixedPrecision, check_precision_options
+from actors.multidevice import DataParallelCoordinator, ReplicatedOptimizer
 from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import Scheduler, StateDigest, named_state, state_digest
 from actors.train.buffer_sync import BufferSync, check_buffer_sync, sync_buffers
@@ -276,6 +277,9 @@ class DistributedTrainer:
                 "the client offered to fold cached bucket reports (join fold=True), but "
                 "response_cache is off: join with fold=False"
             )
+        self.replicas = _replicas_of(model, optimizer, loss_fn, options, scheduler)
+        """The process's devices' replicas when ``optimizer`` is a `ReplicatedOptimizer`
+        (hierarchical data parallelism), else None."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -575,6 +579,8 @@ class DistributedTrainer:
             # Buffers a dropped step's forward moved on some ranks only: the epoch's opening
             # check covers them, so every member starts from position 0's.
             await self._sync_buffers(transport, "broadcast")
+        if self.replicas is not None:  # the primary may have taken over a peer's state
+            self.replicas.adopt_primary_state()
         if self.rank not in start.receivers:
             if start.broadcast:
                 self.step = start.step
@@ -622,6 +628,7 @@ class DistributedTrainer:
             find_unused=self.options.find_unused_parameters,
             on_unused=comm.note_unused,
             precision=self.precision,
+            **({"replicas": self.replicas} if self.replicas is not None else {}),
         )
         optimizer = self.actors.optimizer(
             self.model,
@@ -1070,6 +1077,8 @@ class DistributedTrainer:
             self.precision.load_scaler_tensors(scaler)
         if rank != order.source:
             self.states_received += 1
+            if self.replicas is not None:
+                self.replicas.adopt_primary_state()
 
     async def verified(self) -> None:
         """Wait until every step taken so far is committed: all ranks' digests agreed."""
@@ -1223,6 +1232,38 @@ class DistributedTrainer:
         extra.update({"format": "pt", "paramsync_step": str(self.step)})
         save_file(self.state_dict(), str(target), metadata=extra)
         return target
+
+
+def _replicas_of(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    options: TrainerOptions,
+    scheduler: Scheduler | None,
+) -> DataParallelCoordinator | None:
+    """The `DataParallelCoordinator` behind a `ReplicatedOptimizer` (None for any other
+    optimizer), after checking that the trainer was given its primary replica and loss function
+    and no option this seam does not support; ValueError naming the one that does not fit."""
+    if not isinstance(optimizer, ReplicatedOptimizer):
+        return None
+    replicas = optimizer.coordinator
+    if model is not replicas.primary_pipeline:
+        raise ValueError(
+            "with a ReplicatedOptimizer the model must be its coordinator's primary_pipeline"
+        )
+    if loss_fn is not replicas.loss_fn:
+        raise ValueError("with a ReplicatedOptimizer the loss_fn must be its coordinator's")
+    unsupported = {
+        "accumulation_steps": options.accumulation_steps != 1,
+        "find_unused_parameters": options.find_unused_parameters,
+        "autocast_dtype": options.autocast_dtype is not None,
+        "grad_scaler": bool(options.grad_scaler),
+        "scheduler": scheduler is not None,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ValueError(f"{', '.join(named)} not supported with several devices per process")
+    return replicas
 
 
 def _check_scheduler(scheduler: Scheduler | None, optimizer: torch.optim.Optimizer) -> None:

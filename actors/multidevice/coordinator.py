@@ -1,0 +1,340 @@
+"""`DataParallelCoordinator`: one process, one model replica per device, trained in parallel.
+
+Per step (contract C-DP-002):
+
+1. the batch is split along dimension 0 into one shard per device, sizes differing by at most
+   one (`actors.multidevice.sharding`; fewer samples than devices is an error, never a
+   fall-back to fewer devices);
+2. every replica runs forward and backward on its shard on its own OS thread, at the same time
+   (`actors.multidevice.threads`);
+3. the trainable gradients are averaged on the host, each weighted by its shard's share of the
+   batch and summed in device order (so the result does not depend on which thread finished
+   first; each thread sums one slice of the flat buffer); with a ``loss_fn`` that returns its
+   shard's mean loss this is exactly the gradient of the whole batch's mean loss;
+4. every replica loads that same averaged gradient and takes its own optimizer step (no weight
+   is ever copied from one replica to another after the start);
+5. every ``check_interval`` steps each replica's whole state (trainable and frozen parameters,
+   buffers, optimizer state) is hashed with the C-DDP-001 digest (`actors.state.digest`), and a
+   replica whose digest differs from replica 0's raises `ReplicaDivergedError` naming it and the
+   first entry that differs.
+
+Frozen parameters (``requires_grad=False``, a LoRA model's base weights) are never averaged,
+copied or sent. At construction replica 0's initial parameters and buffers are loaded into the
+others (as torch DDP broadcasts rank 0's at the start), and all digests are checked equal before
+the first step.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actors.multidevice.replica import LossFn, Replica
+from actors.multidevice.sharding import batch_size, shard_sizes, split_batch
+from actors.multidevice.threads import ReplicaThreads
+from actors.state.digest import StateDigest
+
+__all__ = ["BatchResult", "DataParallelCoordinator", "ReplicaDivergedError"]
+
+ModelFactory = Callable[[], torch.nn.Module]
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+
+class ReplicaDivergedError(RuntimeError):
+    """After a step, a replica's state digest differs from replica 0's (C-DP-002 broken)."""
+
+    def __init__(self, step: int, replica: int, device: str, entry: str) -> None:
+        when = "before the first step" if step == 0 else f"after step {step}"
+        super().__init__(
+            f"replica {replica} on {device} diverged from replica 0 {when}: "
+            f"its state differs first at {entry!r}"
+        )
+        self.step = step
+        self.replica = replica
+        self.device = device
+        self.entry = entry
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One `DataParallelCoordinator.train_batch_parallel` step."""
+
+    step: int
+    """The step just taken (1 for the first)."""
+    loss: float
+    """The batch's mean loss: the shards' losses weighted by their sizes."""
+    losses: tuple[float, ...]
+    """Each device's shard loss, in device order."""
+    shard_sizes: tuple[int, ...]
+    """Each device's shard size, in device order."""
+    compute_seconds: float
+    """Wall time of the parallel forward and backward (gradients on the host)."""
+    averaging_seconds: float
+    """Wall time of the weighted gradient average."""
+    update_seconds: float
+    """Wall time of the replicas' optimizer steps and, when due, the digest check."""
+    checked: bool
+    """Whether the replicas' digests were checked after this step."""
+
+    @property
+    def seconds(self) -> float:
+        """The step's whole wall time."""
+        return self.compute_seconds + self.averaging_seconds + self.update_seconds
+
+
+class DataParallelCoordinator:
+    """One replica of ``model_factory()`` and one ``optimizer_factory(replica)`` per device in
+    ``devices`` (``"cuda:0"``, ``"cuda:1"``…, or several ``"cpu"`` entries), each driven by its
+    own OS thread; `train_batch_parallel` trains one batch over all of them (C-DP-002).
+
+    ``loss_fn(model, shard)`` returns the shard's mean loss (a scalar tensor), as for
+    `DistributedTrainer`. ``check_interval``: check the replicas' digests every that many steps
+    (1: every step; 0: never). ``check_buffers=False`` leaves buffers out of the check, for
+    models whose buffers legitimately differ per shard (BatchNorm running statistics).
+    ``intra_op_threads``: torch's intra-op threads on each replica's thread.
+    """
+
+    def __init__(
+        self,
+        model_factory: ModelFactory,
+        optimizer_factory: OptimizerFactory,
+        loss_fn: LossFn,
+        devices: Sequence[str | torch.device],
+        *,
+        check_interval: int = 1,
+        check_buffers: bool = True,
+        intra_op_threads: int = 1,
+    ) -> None:
+        if not devices:
+            raise ValueError("DataParallelCoordinator needs at least one device")
+        if check_interval < 0:
+            raise ValueError(f"check_interval must be >= 0, not {check_interval}")
+        self.devices = [torch.device(device) for device in devices]
+        self.loss_fn = loss_fn
+        self.check_interval = check_interval
+        self._step = 0
+        models = [model_factory() for _ in self.devices]
+        _check_unshared(models)
+        reference = models[0].state_dict()
+        for model in models[1:]:
+            model.load_state_dict(reference)
+        self._replicas: list[Replica] = []
+        for index, (device, model) in enumerate(zip(self.devices, models)):
+            model.to(device)
+            optimizer = optimizer_factory(model)
+            self._replicas.append(
+                Replica(index, device, model, optimizer, check_buffers=check_buffers)
+            )
+        first = self._replicas[0]
+        names = [name for name, _ in first.trainable]
+        for replica in self._replicas[1:]:
+            theirs = [name for name, _ in replica.trainable]
+            if theirs != names or replica.dtype != first.dtype:
+                raise ValueError(
+                    f"replica {replica.index}'s trainable parameters differ from replica 0's: "
+                    "model_factory must build the same model every time"
+                )
+        self.trainable_names: tuple[str, ...] = tuple(names)
+        self._threads = ReplicaThreads(len(self.devices), intra_op_threads=intra_op_threads)
+        self._labels = [str(device) for device in self.devices]
+        pinned = any(device.type == "cuda" for device in self.devices)
+        self._averaged = torch.zeros(first.numel, dtype=first.dtype, pin_memory=pinned)
+        self._slices = _slices(first.numel, len(self.devices))
+        try:
+            self.check()
+        except BaseException:
+            self._threads.close()
+            raise
+
+    # -- the public surface ------------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def step(self) -> int:
+        """Steps taken so far."""
+        return self._step
+
+    @property
+    def replicas(self) -> list[torch.nn.Module]:
+        """Every device's model, in device order."""
+        return [replica.model for replica in self._replicas]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [replica.optimizer for replica in self._replicas]
+
+    @property
+    def primary_pipeline(self) -> torch.nn.Module:
+        """The first device's replica (for evaluation and saving)."""
+        return self._replicas[0].model
+
+    def digests(self) -> list[StateDigest]:
+        """Every replica's C-DDP-001 digest now, computed on the replicas' threads."""
+        return self._threads.run(
+            [replica.digest for replica in self._replicas], phase="digest", devices=self._labels
+        )
+
+    def check(self) -> None:
+        """Raise `ReplicaDivergedError` unless every replica's digest equals replica 0's."""
+        self._compare(self.digests())
+
+    def train_batch_parallel(self, samples: Any) -> BatchResult:
+        """Train one step on ``samples`` (a tensor or tuple of tensors, split along dimension 0
+        over the devices): parallel forward and backward, weighted gradient average, every
+        replica's optimizer step, and the digest check when due."""
+        started = time.perf_counter()
+        losses, sizes = self.compute_gradients(samples)
+        computed = time.perf_counter()
+        total = sum(sizes)
+        self.average_gradients([size / total for size in sizes])
+        averaged = time.perf_counter()
+        checked = self.apply_gradients(self._averaged)
+        done = time.perf_counter()
+        loss = sum(value * size for value, size in zip(losses, sizes)) / total
+        return BatchResult(
+            step=self._step,
+            loss=loss,
+            losses=tuple(losses),
+            shard_sizes=tuple(sizes),
+            compute_seconds=computed - started,
+            averaging_seconds=averaged - computed,
+            update_seconds=done - averaged,
+            checked=checked,
+        )
+
+    def close(self) -> None:
+        """Stop the replicas' threads."""
+        self._threads.close()
+
+    def __enter__(self) -> DataParallelCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the step's phases (public for a multi-process trainer) -------------------------------
+
+    def compute_gradients(self, samples: Any) -> tuple[list[float], list[int]]:
+        """Forward and backward of every shard, in parallel: each replica's gradient ends in its
+        host buffer. Returns the shard losses and sizes in device order."""
+        sizes = shard_sizes(batch_size(samples), self.num_devices)
+        shards = split_batch(samples, self.num_devices)
+        loss_fn = self.loss_fn
+        jobs = [
+            (lambda replica=replica, shard=shard: replica.compute(loss_fn, shard))
+            for replica, shard in zip(self._replicas, shards)
+        ]
+        losses = self._threads.run(jobs, phase="forward/backward", devices=self._labels)
+        return losses, sizes
+
+    @property
+    def averaged_gradient(self) -> torch.Tensor:
+        """The host buffer `average_gradients` writes (trainable parameters, flat, in
+        ``trainable_names`` order)."""
+        return self._averaged
+
+    def average_gradients(self, weights: Sequence[float]) -> torch.Tensor:
+        """``sum(weights[i] * gradient[i])`` over the replicas in device order, into
+        `averaged_gradient`; each replica thread sums one slice of it."""
+        sources = [replica.host_grad for replica in self._replicas]
+        out = self._averaged
+
+        def job(lo: int, hi: int) -> None:
+            target = out[lo:hi]
+            torch.mul(sources[0][lo:hi], weights[0], out=target)
+            for source, weight in zip(sources[1:], weights[1:]):
+                target.add_(source[lo:hi], alpha=weight)
+
+        jobs = [(lambda lo=lo, hi=hi: job(lo, hi)) for lo, hi in self._slices]
+        self._threads.run(jobs, phase="gradient averaging", devices=self._labels)
+        return out
+
+    def adopt_primary_state(self) -> None:
+        """Load the primary replica's parameters, buffers and optimizer state into every other
+        replica (after the primary took over a peer's state: a run's initial broadcast, a
+        re-sync), then check the digests. Never part of a step."""
+        primary = self._replicas[0]
+        weights = primary.model.state_dict()
+        optimizer_state = primary.optimizer.state_dict()
+        for replica in self._replicas[1:]:
+            replica.model.load_state_dict(weights)
+            # a deep copy: torch's load_state_dict may keep the very tensors it is given
+            replica.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+            replica.settle()
+        self.check()
+
+    def load_primary_gradient(self, gradient: torch.Tensor) -> None:
+        """Write ``gradient`` (flat, host) into the primary replica's trainable ``.grad``."""
+        self._replicas[0].load_gradient(gradient)
+
+    def primary_gradient(self) -> torch.Tensor:
+        """The primary replica's trainable gradients now, flat, on the host (what a trainer
+        all-reduced into them)."""
+        return self._replicas[0].gradient_on_host()
+
+    def apply_gradients(self, averaged: torch.Tensor) -> bool:
+        """Every replica steps its own optimizer with ``averaged`` (a flat host tensor); then the
+        digest check when due. Returns whether it was checked."""
+        if averaged.shape != (self._replicas[0].numel,):
+            raise ValueError(
+                f"an averaged gradient of shape {tuple(averaged.shape)} for "
+                f"{self._replicas[0].numel} trainable elements"
+            )
+        self._step += 1
+        due = self.check_interval > 0 and self._step % self.check_interval == 0
+
+        def job(replica: Replica) -> StateDigest | None:
+            replica.apply(averaged)
+            return replica.digest() if due else None
+
+        jobs = [(lambda replica=replica: job(replica)) for replica in self._replicas]
+        digests = self._threads.run(jobs, phase="optimizer step", devices=self._labels)
+        if due:
+            self._compare([digest for digest in digests if digest is not None])
+        return due
+
+    def _compare(self, digests: list[StateDigest]) -> None:
+        first = digests[0]
+        for index, digest in enumerate(digests[1:], start=1):
+            if digest != first:
+                entry = next(
+                    (
+                        name
+                        for (name, mine), (_, theirs) in zip(digest.tensors, first.tensors)
+                        if mine != theirs
+                    ),
+                    "the state's layout",
+                )
+                raise ReplicaDivergedError(self._step, index, self._labels[index], entry)
+
+
+def _check_unshared(models: list[torch.nn.Module]) -> None:
+    """ValueError unless every model and every parameter is a distinct object (a factory that
+    returns one module, or wraps one base module, would make the replicas share weights)."""
+    owner: dict[int, tuple[int, str]] = {}
+    for index, model in enumerate(models):
+        for name, param in model.named_parameters():
+            seen = owner.setdefault(id(param), (index, name))
+            if seen[0] != index:
+                raise ValueError(
+                    f"replica {index}'s parameter {name!r} is replica {seen[0]}'s {seen[1]!r}: "
+                    "model_factory must build a new model each call (deep-copy a shared base)"
+                )
+
+
+def _slices(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous slices covering ``range(length)`` (some empty when length < parts)."""
+    base, extra = divmod(length, parts)
+    bounds = [0]
+    for index in range(parts):
+        bounds.append(bounds[-1] + base + (1 if index < extra else 0))
+    return list(itertools.pairwise(bounds))

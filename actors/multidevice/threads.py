@@ -1,0 +1,105 @@
+"""A persistent pool of OS threads, one per model replica.
+
+Each replica's work (forward, backward, its share of the averaging, its optimizer step, its
+digest) runs on its own thread, which lives as long as the pool: no thread is started per step.
+torch releases the GIL inside its kernels, so replicas on several CPU devices (or several GPUs)
+run at once.
+
+Intra-op threads: ``torch.set_num_threads`` is called once on each pool thread when it starts.
+With torch's OpenMP backend this sets the calling thread's own OpenMP thread count (measured:
+the main thread keeps its own count), so each replica runs its kernels with
+``intra_op_threads`` threads (default 1: on an n-core host, n replicas use one core each).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["ReplicaError", "ReplicaThreads"]
+
+T = TypeVar("T")
+
+_STOP = object()
+
+
+class ReplicaError(RuntimeError):
+    """A replica's work failed; names the replica, its device and the phase."""
+
+    def __init__(self, replica: int, device: str, phase: str, error: BaseException) -> None:
+        super().__init__(f"replica {replica} on {device} failed in {phase}: {error!r}")
+        self.replica = replica
+        self.device = device
+        self.phase = phase
+
+
+class ReplicaThreads:
+    """``count`` persistent threads; `run` hands job ``i`` to thread ``i`` and waits for all."""
+
+    def __init__(self, count: int, *, intra_op_threads: int = 1, name: str = "replica") -> None:
+        if count < 1:
+            raise ValueError(f"a replica pool needs at least one thread, not {count}")
+        if intra_op_threads < 1:
+            raise ValueError(f"intra_op_threads must be at least 1, not {intra_op_threads}")
+        self.count = count
+        self.intra_op_threads = intra_op_threads
+        self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
+        self._threads = [
+            threading.Thread(
+                target=self._serve, args=(self._queues[index],), name=f"{name}-{index}", daemon=True
+            )
+            for index in range(count)
+        ]
+        self._closed = False
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
+        torch.set_num_threads(self.intra_op_threads)
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                return
+            function, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function())
+            except BaseException as error:
+                future.set_exception(error)
+
+    def run(
+        self, jobs: Sequence[Callable[[], T]], *, phase: str, devices: Sequence[str]
+    ) -> list[T]:
+        """Run ``jobs[i]`` on thread ``i`` (at most ``count`` jobs), wait for every one, and
+        return their results in order; the first failure in replica order is raised as a
+        `ReplicaError` naming that replica, after all jobs have ended."""
+        if self._closed:
+            raise RuntimeError("the replica threads are closed")
+        if len(jobs) > self.count:
+            raise ValueError(f"{len(jobs)} jobs for {self.count} replica threads")
+        futures: list[Future[T]] = []
+        for index, job in enumerate(jobs):
+            future: Future[T] = Future()
+            self._queues[index].put((job, future))
+            futures.append(future)
+        errors = [future.exception() for future in futures]
+        for index, error in enumerate(errors):
+            if error is not None:
+                raise ReplicaError(index, devices[index], phase, error) from error
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        """Stop and join every thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for jobs in self._queues:
+            jobs.put(_STOP)
+        for thread in self._threads:
+            thread.join()

@@ -1,0 +1,305 @@
+"""Multi-device benchmark: one process with 2 CPU replicas in threads, against one replica and
+against torch DDP, on the same LoRA model in the same run.
+
+The model: the built-in `CharTransformer` (d_model 128, 2 layers, 4 heads, context 64), wrapped
+by peft's ``get_peft_model`` with LoRA (rank ``--rank``) on every attention and MLP linear
+layer, the base frozen; AdamW over the adapters; the same total batch (``--batch`` sequences of
+64 characters from the stdlib corpus) for every system:
+
+- ``threads``: `DataParallelCoordinator` with two ``"cpu"`` devices, each replica on its own OS
+  thread with one intra-op thread, half the batch each, the digest check every step (C-DP-002);
+- ``one``: one replica with one intra-op thread processing both halves in turn (forward and
+  backward of each, gradients accumulated, one optimizer step): the same work without
+  parallelism;
+- ``ddp``: torch ``DistributedDataParallel`` over 2 processes (gloo), one intra-op thread each,
+  half the batch each.
+
+Each round runs every system (``--warmup`` untimed steps, then ``--steps`` timed); a system's
+figure per round is its median step time. Printed: the medians over rounds, throughput in
+samples/s, the CPU cores each system actually got (its processes' CPU seconds per wall
+second: on a shared host the second core may not be free) and the CPU time each spends per step
+(all its processes' and threads'), the ``threads`` speed-up over
+``one`` (target >= 1.7 on a 2-core host) and the ``threads``/``ddp`` step-time ratio (target
+<= 1), both computed per round and their median shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actors.demo_job.corpus import load_corpus  # noqa: E402
+from actors.demo_job.model import CharTransformer  # noqa: E402
+from actors.multidevice import DataParallelCoordinator  # noqa: E402
+
+CONTEXT = 64
+TARGETS = ["qkv", "proj", "fc", "out"]
+
+
+def lora_model(rank: int) -> torch.nn.Module:
+    import peft
+
+    base = CharTransformer(VOCAB, d_model=128, n_heads=4, n_layers=2, context=CONTEXT, seed=0)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=True
+    )
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, config)
+
+
+def loss_fn(model: torch.nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    idx, targets = shard
+    logits = model(idx)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+
+
+def _corpus() -> torch.Tensor:
+    text = load_corpus()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([lookup[c] for c in text], dtype=torch.long), len(chars)
+
+
+DATA, VOCAB = _corpus()
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, len(DATA) - CONTEXT - 1, (size,), generator=generator)
+    idx = torch.stack([DATA[s : s + CONTEXT] for s in starts.tolist()])
+    targets = torch.stack([DATA[s + 1 : s + CONTEXT + 1] for s in starts.tolist()])
+    return idx, targets
+
+
+def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> list[float]:
+    """Step times of the timed steps; ``cpu["cores"]``: this process's CPU seconds per wall
+    second over them (how many cores it got: the machine is shared)."""
+    times = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            wall, cpu_start = time.perf_counter(), time.process_time()
+        data = batch(step, args.batch)
+        started = time.perf_counter()
+        step_fn(data)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    if cpu is not None:
+        cpu["cores"] = (time.process_time() - cpu_start) / (time.perf_counter() - wall)
+        cpu["cpu_seconds"] = time.process_time() - cpu_start
+        cpu["wall_seconds"] = time.perf_counter() - wall
+        cpu["cpu_seconds_per_step"] = cpu["cpu_seconds"] / args.steps
+    return times
+
+
+def run_threads(args: argparse.Namespace) -> dict:
+    with DataParallelCoordinator(
+        lambda: lora_model(args.rank), optimizer, loss_fn, ["cpu", "cpu"]
+    ) as dp:
+        results: list[Any] = []
+        cpu: dict = {}
+        times = _timed(lambda data: results.append(dp.train_batch_parallel(data)), args, cpu)
+        timed = results[args.warmup :]
+        return {
+            "step_seconds": statistics.median(times),
+            "compute_seconds": statistics.median(r.compute_seconds for r in timed),
+            "averaging_seconds": statistics.median(r.averaging_seconds for r in timed),
+            "update_seconds": statistics.median(r.update_seconds for r in timed),
+            "cores": cpu["cores"],
+            "cpu_seconds_per_step": cpu["cpu_seconds_per_step"],
+        }
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = lora_model(args.rank)
+        opt = optimizer(model)
+
+        def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+            opt.zero_grad(set_to_none=False)
+            half = (args.batch + 1) // 2
+            for part in ((d[:half] for d in data), (d[half:] for d in data)):
+                idx, targets = part
+                (loss_fn(model, (idx, targets)) * (idx.shape[0] / args.batch)).backward()
+            opt.step()
+
+        cpu: dict = {}
+        times = _timed(step, args, cpu)
+        return {
+            "step_seconds": statistics.median(times),
+            "cores": cpu["cores"],
+            "cpu_seconds_per_step": cpu["cpu_seconds_per_step"],
+        }
+    finally:
+        torch.set_num_threads(previous)
+
+
+def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(lora_model(args.rank))
+    opt = optimizer(model)
+    half = (args.batch + 1) // 2
+    lo, hi = (0, half) if rank == 0 else (half, args.batch)
+
+    def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model, (data[0][lo:hi], data[1][lo:hi])).backward()
+        opt.step()
+
+    dist.barrier()
+    cpu: dict = {}
+    times = _timed(step, args, cpu)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"step_seconds": statistics.median(times), **cpu}))
+
+
+def run_ddp(args: argparse.Namespace) -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    common = [
+        str(a)
+        for a in (
+            "--rank",
+            args.rank,
+            "--batch",
+            args.batch,
+            "--warmup",
+            args.warmup,
+            "--steps",
+            args.steps,
+        )
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--ddp-worker", str(rank), "--port", str(port), *common],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for rank, proc in enumerate(procs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"DDP rank {rank} exited with {proc.returncode}")
+    ranks = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    cores = sum(r["cpu_seconds"] for r in ranks) / ranks[0]["wall_seconds"]
+    return {
+        "step_seconds": ranks[0]["step_seconds"],
+        "cores": cores,
+        "cpu_seconds_per_step": sum(r["cpu_seconds_per_step"] for r in ranks),
+    }
+
+
+SYSTEMS = {"threads": run_threads, "one": run_one, "ddp": run_ddp}
+
+
+def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
+    table: dict[str, Any] = {}
+    for name in SYSTEMS:
+        seconds = statistics.median(r[name]["step_seconds"] for r in rounds)
+        table[name] = {"step_seconds": seconds, "samples_per_second": batch_size / seconds}
+    for name in SYSTEMS:
+        for key in ("cores", "cpu_seconds_per_step"):
+            if all(key in r[name] for r in rounds):
+                table[name][key] = statistics.median(r[name][key] for r in rounds)
+    for key in ("compute_seconds", "averaging_seconds", "update_seconds"):
+        table["threads"][key] = statistics.median(r["threads"][key] for r in rounds)
+    table["speedup_over_one"] = statistics.median(
+        r["one"]["step_seconds"] / r["threads"]["step_seconds"] for r in rounds
+    )
+    table["step_ratio_to_ddp"] = statistics.median(
+        r["threads"]["step_seconds"] / r["ddp"]["step_seconds"] for r in rounds
+    )
+    return table
+
+
+def print_table(table: dict, args: argparse.Namespace) -> None:
+    print(
+        f"LoRA CharTransformer (rank {args.rank}, targets {TARGETS}), batch {args.batch}, "
+        f"{args.rounds} rounds x {args.steps} timed steps, medians over rounds"
+    )
+    labels = {
+        "threads": "2 replicas in threads",
+        "one": "1 replica, both shards",
+        "ddp": "torch DDP, 2 procs",
+    }
+    for name, label in labels.items():
+        row = table[name]
+        ms, rate = row["step_seconds"] * 1e3, row["samples_per_second"]
+        cores = ""
+        if "cores" in row and "cpu_seconds_per_step" in row:
+            cpu_ms = row["cpu_seconds_per_step"] * 1e3
+            cores = f"  ({row['cores']:.2f} cores used, {cpu_ms:.1f} CPU ms/step)"
+        print(f"  {label:<24} {ms:8.2f} ms/step {rate:8.1f} samples/s{cores}")
+    threads = table["threads"]
+    print(
+        f"  threads split: compute {threads['compute_seconds'] * 1e3:.2f} ms, averaging "
+        f"{threads['averaging_seconds'] * 1e3:.3f} ms, "
+        f"update+check {threads['update_seconds'] * 1e3:.2f} ms"
+    )
+    print(f"  speed-up over one replica: {table['speedup_over_one']:.2f}x (target >= 1.7x)")
+    print(f"  step time / DDP's:         {table['step_ratio_to_ddp']:.2f} (target <= 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument("--batch", type=int, default=16, help="total batch (sequences)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the rounds and the table here")
+    parser.add_argument("--ddp-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.ddp_worker is not None:
+        ddp_worker(args.ddp_worker, args.port, args)
+        return
+    if args.batch < 2:
+        raise SystemExit("--batch must be at least 2 (one sample per replica)")
+    rounds = []
+    for index in range(args.rounds):
+        rounds.append({name: run(args) for name, run in SYSTEMS.items()})
+        print(
+            f"round {index + 1}: "
+            + ", ".join(f"{n} {r['step_seconds'] * 1e3:.2f} ms" for n, r in rounds[-1].items()),
+            flush=True,
+        )
+    table = summarise(rounds, args.batch)
+    print_table(table, args)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rounds": rounds, "table": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""benchmarks/multidevice.py: its per-round ratios and medians."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "multidevice.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("multidevice_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _threads(seconds: float) -> dict:
+    return {
+        "step_seconds": seconds,
+        "compute_seconds": seconds * 0.9,
+        "averaging_seconds": 0.001,
+        "update_seconds": seconds * 0.1,
+    }
+
+
+def test_ratios_are_paired_per_round_and_medians_over_rounds() -> None:
+    bench = _module()
+    rounds = [
+        {"threads": _threads(0.05), "one": {"step_seconds": 0.09}, "ddp": {"step_seconds": 0.06}},
+        {"threads": _threads(0.10), "one": {"step_seconds": 0.20}, "ddp": {"step_seconds": 0.08}},
+        {"threads": _threads(0.06), "one": {"step_seconds": 0.11}, "ddp": {"step_seconds": 0.12}},
+    ]
+    table = bench.summarise(rounds, 16)
+    assert table["threads"]["step_seconds"] == pytest.approx(0.06)
+    assert table["threads"]["samples_per_second"] == pytest.approx(16 / 0.06)
+    assert table["one"]["step_seconds"] == pytest.approx(0.11)
+    # per round: 1.8, 2.0, 1.8333 -> median 1.8333 (not 0.11 / 0.06 of the medians: same here)
+    assert table["speedup_over_one"] == pytest.approx(0.11 / 0.06)
+    # per round: 0.8333, 1.25, 0.5 -> 0.8333 (the medians' ratio would be 0.06 / 0.08 = 0.75)
+    assert table["step_ratio_to_ddp"] == pytest.approx(0.05 / 0.06)
+
+
+def test_a_batch_smaller_than_the_replicas_is_refused() -> None:
+    bench = _module()
+    with pytest.raises(SystemExit, match="at least 2"):
+        bench.main(["--batch", "1"])
