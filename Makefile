@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-allreduce bench bench-ddp bench-groups reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-allreduce bench bench-ddp bench-groups bench-control-plane reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -38,6 +38,9 @@ bench-groups: $(STAMP)
 
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
+
+bench-control-plane: $(STAMP)
+	$(BIN)/python benchmarks/control_plane.py --json out/control_plane.json
 
 reliability-hostile: $(STAMP)
 	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json

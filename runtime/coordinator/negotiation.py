@@ -128,8 +128,8 @@ class Negotiation:
             return Fault(
                 f"step {step}: rank {rank} reported bucket {bucket} ready after finishing the step"
             )
-        reports = state.pending.get(bucket, {})
-        if bucket in state.gone or rank in reports:
+        reports = state.pending.get(bucket)
+        if bucket in state.gone or (reports is not None and rank in reports):
             return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
         agreed = self.cache.spec(bucket)
         if event.cached:
@@ -143,12 +143,21 @@ class Negotiation:
                     f"{sorted(state.ended)} finished the step without it"
                 )
             state.plain.add(bucket)  # negotiated: the go, if all agree, updates the agreement
-        reports = state.pending.setdefault(bucket, {})
+        if reports is None:
+            reports = state.pending[bucket] = {}
         # A cached report matched the agreement (spec or hash): compare peers by the spec.
         # (A cached report without an agreement faulted above.)
-        reports[rank] = agreed if event.cached and agreed is not None else event.spec
-        state.reported.setdefault(rank, set()).add(bucket)
-        if len(set(reports.values())) > 1:
+        reported = agreed if event.cached and agreed is not None else event.spec
+        # Every earlier report of the bucket agrees (a disagreement stops the run), so the
+        # first one stands for all: one comparison per report, not a set of all of them.
+        first = next(iter(reports.values()), reported)
+        reports[rank] = reported
+        buckets = state.reported.get(rank)
+        if buckets is None:
+            state.reported[rank] = {bucket}
+        else:
+            buckets.add(bucket)
+        if reported != first:
             return Disagreement(f"step {step} bucket {bucket}: {spec_groups(reports)}")
         if len(reports) < members:
             return None
@@ -205,6 +214,8 @@ class Negotiation:
                 f"{spec_text(event.spec)} without a go, but the members agreed on "
                 f"{spec_text(agreed)} in epoch {epoch}"
             )
+        if not (state.done or state.reduced):
+            return None  # no rank ended the step yet (the usual case: skip the scan)
         without = sorted(r for r in state.ended if bucket not in state.reported.get(r, ()))
         if without:
             return Fault(
