@@ -23,7 +23,13 @@ from runtime.cli.main import build_parser
 from runtime.config import DistributedConfig
 from runtime.coordinator.events import Disconnected, Tick
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.observe.metrics import Metrics, MetricsTrace, serve_metrics
+from runtime.observe.metrics import (
+    METRICS_PORT_ENV,
+    Metrics,
+    MetricsTrace,
+    metrics_port_from_env,
+    serve_metrics,
+)
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.messages import Joined
 
@@ -227,3 +233,17 @@ def test_the_flag_is_off_by_default_and_checked() -> None:
         TrainerOptions(metrics_port=70000)
     with pytest.raises(ValueError, match="role"):
         Metrics("observer")
+
+
+def test_the_worker_flag_reaches_the_trainer_through_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(METRICS_PORT_ENV, raising=False)
+    assert metrics_port_from_env() is None
+    monkeypatch.setenv(METRICS_PORT_ENV, "9401")
+    assert metrics_port_from_env() == 9401
+    monkeypatch.setenv(METRICS_PORT_ENV, "ninety")
+    with pytest.raises(ValueError, match=f"{METRICS_PORT_ENV}='ninety' is not a port number"):
+        metrics_port_from_env()
+    args = build_parser().parse_args(["worker", "--metrics-port", "9402"])
+    assert args.metrics_port == 9402
