@@ -43,7 +43,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from runtime.coordinator.core import CoordinatorCore  # noqa: E402
-from runtime.coordinator.events import Abort, Action, Broadcast, Event, spec_hash  # noqa: E402
+from runtime.coordinator.events import (  # noqa: E402
+    Abort,
+    Action,
+    Broadcast,
+    Event,
+    agreement_hash,
+    spec_hash,
+)
 from runtime.coordinator.run_state import RunState  # noqa: E402
 from runtime.protocol.messages import (  # noqa: E402
     Apply,
@@ -98,14 +105,17 @@ class SimulatedRun:
         digest_interval: int = 1,
         elastic: bool = False,
         wire: bool = True,
+        fold: bool = False,
     ) -> None:
         self.workers = workers
+        self.fold = fold
         self.buckets = buckets
         self.wire = wire
         self.elastic = elastic
         self.tensors = tuple(name for name, *_ in signature(tensors))
         self.specs = bucket_specs(buckets, tensors)
         self.hashes = [spec_hash(spec) for spec in self.specs]
+        self.agreement = agreement_hash(dict(enumerate(self.hashes)))
         self.core = CoordinatorCore(
             workers,
             signature=signature(tensors),
@@ -116,6 +126,8 @@ class SimulatedRun:
         self.epoch = 0
         self.next_step = 0
         self._named: set[int] = set()
+        self.last_cpu_seconds = 0.0
+        """The CPU time of this thread in the last `step` (its wall time less preemption)."""
         self._join(signature(tensors))
 
     # ------------------------------------------------------------------- the shell's side
@@ -139,7 +151,7 @@ class SimulatedRun:
     def _join(self, sig: Any) -> None:
         actions: list[Action] = []
         for rank in range(self.workers):
-            join = Joined(rank, sig, ("10.0.0.1", 20_000 + rank), now=0.0)
+            join = Joined(rank, sig, ("10.0.0.1", 20_000 + rank), now=0.0, fold=self.fold)
             actions = self.feed(self._encoded(join) if self.wire else join, rank)
         start = [a for a in actions if isinstance(a, Broadcast) and isinstance(a.message, StartRun)]
         if self.core.state is not RunState.RUNNING or not start:
@@ -151,15 +163,17 @@ class SimulatedRun:
         (bucket-major: each bucket reaches every worker at about the same time), then the
         step ends."""
         cached = step > 0
+        folded = self.agreement if cached and self.fold else ""
         out: list[tuple[int, WireMessage | bytes]] = []
-        for bucket in reversed(range(self.buckets)):
+        for bucket in reversed(range(self.buckets) if not folded else ()):
             spec: Any = self.hashes[bucket] if cached else self.specs[bucket]
             for rank in range(self.workers):
                 ready = Ready(rank, step, bucket, spec, self.epoch, cached=cached)
                 out.append((rank, self._encoded(ready)))
         if self.elastic:
             for rank in range(self.workers):
-                out.append((rank, self._encoded(Reduced(rank, step, self.epoch))))
+                out.append((rank, self._encoded(Reduced(rank, step, self.epoch, folded))))
+            folded = ""  # each rank's reduced report carried its folded buckets
         digest_step = self.core.is_digest_step(step)
         for rank in range(self.workers):
             end: WireMessage
@@ -167,9 +181,9 @@ class SimulatedRun:
                 packed = bytes([step % 251]) * (DIGEST_BYTES * len(self.tensors))
                 names = None if rank in self._named else self.tensors
                 self._named.add(rank)
-                end = Digest(rank, step, b"d%015d" % step, (), self.epoch, packed, names)
+                end = Digest(rank, step, b"d%015d" % step, (), self.epoch, packed, names, folded)
             else:
-                end = StepDone(rank, step, self.epoch)
+                end = StepDone(rank, step, self.epoch, folded)
             out.append((rank, self._encoded(end)))
         return out
 
@@ -178,7 +192,7 @@ class SimulatedRun:
         step = self.next_step
         reports = self.reports(step)
         gos = applies = commits = 0
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for rank, report in reports:
             for action in self.feed(report, rank):
                 if isinstance(action, Broadcast):
@@ -194,6 +208,7 @@ class SimulatedRun:
                 else:
                     raise RuntimeError(f"step {step}: unexpected action {action!r}")
         elapsed = time.perf_counter() - start
+        self.last_cpu_seconds = time.thread_time() - start_cpu
         expected_gos = self.buckets if step == 0 else 0
         if commits != 1 or gos != expected_gos or applies != int(self.elastic):
             raise RuntimeError(
@@ -211,17 +226,23 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def time_steps(run: SimulatedRun, steps: int, warmup: int) -> dict[str, float]:
-    """Play ``warmup`` then ``steps`` steps; per-step milliseconds (median, p99, max)."""
+    """Play ``warmup`` then ``steps`` steps; per-step milliseconds (median, p99, max) of wall
+    time, and of this thread's CPU time (the same on an idle core; on a shared machine the
+    wall time also counts the time other processes held the core)."""
     for _ in range(warmup):
         run.step()
     gc.collect()
-    seconds = [run.step() for _ in range(steps)]
-    ms = [s * 1e3 for s in seconds]
+    ms, cpu_ms = [], []
+    for _ in range(steps):
+        ms.append(run.step() * 1e3)
+        cpu_ms.append(run.last_cpu_seconds * 1e3)
     reports = len(run.reports(run.next_step))
     return {
         "median_ms": statistics.median(ms),
         "p99_ms": percentile(ms, 0.99),
         "max_ms": max(ms),
+        "cpu_median_ms": statistics.median(cpu_ms),
+        "cpu_p99_ms": percentile(cpu_ms, 0.99),
         "reports_per_step": reports,
         "us_per_report": statistics.median(ms) * 1e3 / reports,
     }
@@ -274,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digest-interval", type=int, default=1)
     parser.add_argument("--elastic", action="store_true", help="apply barrier (reduced/apply)")
     parser.add_argument(
+        "--fold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers fold their cached bucket reports into their step report (the trainer's "
+        "default with the response cache); --no-fold: one cached ready per bucket",
+    )
+    parser.add_argument(
         "--wire",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -287,7 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         default="rss",
         help="resident set (default) or the traced Python heap (several times slower)",
     )
-    parser.add_argument("--target-ms", type=float, default=5.0, help="p99 of the core, largest N")
+    parser.add_argument(
+        "--target-ms", type=float, default=5.0, help="the core's p99 at the largest N"
+    )
+    parser.add_argument(
+        "--target-clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="check the target against wall time (default) or the thread's CPU time (on a "
+        "machine shared with other work)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -296,13 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         "tensors": args.tensors,
         "digest_interval": args.digest_interval,
         "elastic": args.elastic,
+        "fold": args.fold,
     }
     print(
         f"control plane: {args.buckets} buckets, {args.tensors} tensors, digest every "
-        f"{args.digest_interval} step(s), elastic={args.elastic}, {args.steps} timed steps; "
+        f"{args.digest_interval} step(s), elastic={args.elastic}, fold={args.fold}, "
+        f"{args.steps} timed steps; "
         "per step, from the first report to the commit"
     )
     head = f"{'workers':>8} {'reports':>8} {'core median ms':>15} {'p99 ms':>8} {'us/report':>10}"
+    head += f" {'cpu median ms':>14} {'cpu p99 ms':>11}"
     print(head + (f" {'+CBOR median ms':>16} {'p99 ms':>8}" if args.wire else ""))
     rows = []
     for workers in args.workers:
@@ -310,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"workers": workers, "core": core}
         line = (
             f"{workers:>8} {core['reports_per_step']:>8} {core['median_ms']:>15.3f} "
-            f"{core['p99_ms']:>8.3f} {core['us_per_report']:>10.2f}"
+            f"{core['p99_ms']:>8.3f} {core['us_per_report']:>10.2f} "
+            f"{core['cpu_median_ms']:>14.3f} {core['cpu_p99_ms']:>11.3f}"
         )
         if args.wire:
             wire = time_steps(SimulatedRun(workers, **options, wire=True), args.steps, args.warmup)
@@ -322,10 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     largest = max(args.workers)
     top = next(r for r in rows if r["workers"] == largest)["core"]
-    if top["p99_ms"] >= args.target_ms:
+    p99 = top["p99_ms"] if args.target_clock == "wall" else top["cpu_p99_ms"]
+    verdict = f"core p99 ({args.target_clock}) {p99:.3f} ms at {largest} workers"
+    if p99 >= args.target_ms:
         ok = False
-        missed = f"core p99 {top['p99_ms']:.3f} ms at {largest} workers"
-        print(f"MISSED: {missed} >= {args.target_ms} ms")
+        print(f"MISSED: {verdict} >= {args.target_ms} ms")
+    else:
+        print(f"met: {verdict} < {args.target_ms} ms")
     if args.memory_steps > 0:
         probe = args.memory_probe
         print(f"memory at {largest} workers over {args.memory_steps} steps ({probe}, core only):")

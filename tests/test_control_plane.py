@@ -40,9 +40,12 @@ def _heap_after(run: object, steps: int) -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["cached-ready", "folded"])
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
-def test_the_heap_stays_flat_over_300_steps_of_64_workers(elastic: bool) -> None:
-    run = control_plane.SimulatedRun(64, buckets=6, tensors=24, elastic=elastic, wire=False)
+def test_the_heap_stays_flat_over_300_steps_of_64_workers(elastic: bool, fold: bool) -> None:
+    run = control_plane.SimulatedRun(
+        64, buckets=6, tensors=24, elastic=elastic, wire=False, fold=fold
+    )
     tracemalloc.start()
     try:
         at_100 = _heap_after(run, 100)
@@ -77,8 +80,11 @@ def test_a_run_that_keeps_per_step_history_is_caught() -> None:
     assert at_300 - at_100 >= 8 * 1024
 
 
-def test_the_wire_path_decodes_every_report_and_commits() -> None:
-    run = control_plane.SimulatedRun(16, buckets=4, tensors=8, digest_interval=2, wire=True)
+@pytest.mark.parametrize("fold", [False, True], ids=["cached-ready", "folded"])
+def test_the_wire_path_decodes_every_report_and_commits(fold: bool) -> None:
+    run = control_plane.SimulatedRun(
+        16, buckets=4, tensors=8, digest_interval=2, wire=True, fold=fold
+    )
     for _ in range(4):
         assert run.step() >= 0
     assert run.core.step == 4 and run.core.seq == 4  # one go per bucket, on step 0 only

@@ -566,9 +566,8 @@ class CoordinatorCore:
         refusal = self._negotiation.check_fold(rank, step, cached, self._membership.epoch)
         if refusal is not None:
             return self._fault(rank, refusal)
-        hashes = self._negotiation.cache.hashes()
-        for bucket in sorted(hashes):
-            actions = self._on_ready(Ready(rank, step, bucket, hashes[bucket], epoch, cached=True))
+        for bucket, spec in self._negotiation.cache.sorted_hashes():
+            actions = self._on_ready(Ready(rank, step, bucket, spec, epoch, cached=True))
             if actions:
                 return actions
         return []
@@ -584,7 +583,7 @@ class CoordinatorCore:
         unfinished = self._close_buckets(event, "sent reduced")
         if unfinished is not None:
             return unfinished
-        self._current.reduced.add(rank)
+        self._current.end(rank)
         self._liveness.progressed()
         if len(self._current.reduced) < len(self._membership.members):
             return []

@@ -50,6 +50,10 @@ class ResponseCache:
     def __init__(self, *, fold: bool = False) -> None:
         self.fold = fold
         self._agreed: dict[int, tuple[BucketSpec, str]] = {}
+        self._hashes: dict[int, str] | None = None
+        self._fold_hash: str | None = None
+        """`hashes` and `fold_hash`, kept until the next agreement (every folded report of
+        every rank asks for them)."""
 
     def __len__(self) -> int:
         return len(self._agreed)
@@ -72,15 +76,28 @@ class ResponseCache:
     def agree(self, bucket: int, spec: BucketSpec) -> None:
         """Every member reported ``spec`` for ``bucket`` and got a go."""
         self._agreed[bucket] = (spec, spec_hash(spec))
+        self._hashes = self._fold_hash = None
 
     def hashes(self) -> dict[int, str]:
-        """bucket -> the agreed spec's hash."""
-        return {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
+        """bucket -> the agreed spec's hash (a copy)."""
+        return dict(self._bucket_hashes())
+
+    def _bucket_hashes(self) -> dict[int, str]:
+        if self._hashes is None:
+            self._hashes = {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
+        return self._hashes
+
+    def sorted_hashes(self) -> list[tuple[int, str]]:
+        """(bucket, hash) of every agreement, by bucket."""
+        hashes = self._bucket_hashes()
+        return [(bucket, hashes[bucket]) for bucket in sorted(hashes)]
 
     def fold_hash(self) -> str:
         """The hash of the whole agreement, as a folded step report must carry it."""
-        hashes = self.hashes()
-        return agreement_hash(hashes) if hashes else "none"
+        if self._fold_hash is None:
+            hashes = self._bucket_hashes()
+            self._fold_hash = agreement_hash(hashes) if hashes else "none"
+        return self._fold_hash
 
 
 def spec_groups(reports: Mapping[int, BucketSpec]) -> str:
@@ -214,8 +231,8 @@ class Negotiation:
                 f"{spec_text(event.spec)} without a go, but the members agreed on "
                 f"{spec_text(agreed)} in epoch {epoch}"
             )
-        if not (state.done or state.reduced):
-            return None  # no rank ended the step yet (the usual case: skip the scan)
+        if not state.ended_without(bucket):
+            return None  # every rank that ended the step reported it (O(1): no scan)
         without = sorted(r for r in state.ended if bucket not in state.reported.get(r, ()))
         if without:
             return Fault(
