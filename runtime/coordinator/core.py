@@ -66,7 +66,7 @@ from runtime.coordinator.events import (
 from runtime.coordinator.group_negotiation import GroupGo, GroupNegotiation
 from runtime.coordinator.liveness import Liveness
 from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
-from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation
+from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation, Outcome
 from runtime.coordinator.run_state import DONE, RunState, Trigger, next_state
 from runtime.coordinator.step_state import StepState
 from runtime.protocol.messages import (
@@ -521,11 +521,15 @@ class CoordinatorCore:
             return self._on_group_ready(event)
         members = len(self._membership.members)
         outcome = self._negotiation.report(self._current, event, members, self._membership.epoch)
+        return self._bucket_outcome(event.rank, outcome)
+
+    def _bucket_outcome(self, rank: int, outcome: Outcome) -> list[Action]:
+        """The actions that follow a bucket report's outcome."""
         if outcome is None:  # the usual case: taken, the bucket waits for more reports
             self._liveness.progressed()
             return []
         if isinstance(outcome, Fault):
-            return self._fault(event.rank, outcome.reason)
+            return self._fault(rank, outcome.reason)
         self._liveness.progressed()
         if isinstance(outcome, Disagreement):
             return self._abort(outcome.reason)
@@ -566,8 +570,15 @@ class CoordinatorCore:
         refusal = self._negotiation.check_fold(rank, step, cached, self._membership.epoch)
         if refusal is not None:
             return self._fault(rank, refusal)
-        for bucket, spec in self._negotiation.cache.sorted_hashes():
-            actions = self._on_ready(Ready(rank, step, bucket, spec, epoch, cached=True))
+        # Each bucket as a cached ready of ``rank`` (no Ready built per bucket: the step
+        # report passed the checks of a run message of this rank and epoch, and nothing
+        # changed since unless a bucket's answer ends the loop).
+        negotiation, members = self._negotiation, len(self._membership.members)
+        for bucket, spec in negotiation.cache.sorted_hashes():
+            outcome = negotiation.take(
+                self._current, rank, step, bucket, spec, True, members, self._membership.epoch
+            )
+            actions = self._bucket_outcome(rank, outcome)
             if actions:
                 return actions
         return []

@@ -136,6 +136,21 @@ class Negotiation:
             # until step s commits (no Go for s+1 before that; a cached report, already being
             # reduced, is checked then), keeping the check off the critical path.
             return self._hold_early(state, event)
+        return self.take(state, rank, step, bucket, event.spec, event.cached, members, epoch)
+
+    def take(
+        self,
+        state: StepState,
+        rank: int,
+        step: int,
+        bucket: int,
+        spec: BucketSpec,
+        cached: bool,
+        members: int,
+        epoch: int,
+    ) -> Outcome:
+        """`report` of a report that is not for the next step, by its fields (a folded step
+        report's buckets come here without a `Ready` built for each)."""
         if step != state.step or state.verifying:
             return Fault(
                 f"rank {rank} reported bucket {bucket} ready for step {step}, "
@@ -149,8 +164,8 @@ class Negotiation:
         if bucket in state.gone or (reports is not None and rank in reports):
             return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
         agreed = self.cache.spec(bucket)
-        if event.cached:
-            fault = self._check_cached(state, event, agreed, epoch)
+        if cached:
+            fault = self._check_cached(state, rank, step, bucket, spec, agreed, epoch)
             if fault is not None:
                 return fault
         else:
@@ -164,7 +179,7 @@ class Negotiation:
             reports = state.pending[bucket] = {}
         # A cached report matched the agreement (spec or hash): compare peers by the spec.
         # (A cached report without an agreement faulted above.)
-        reported = agreed if event.cached and agreed is not None else event.spec
+        reported = agreed if cached and agreed is not None else spec
         # Every earlier report of the bucket agrees (a disagreement stops the run), so the
         # first one stands for all: one comparison per report, not a set of all of them.
         first = next(iter(reports.values()), reported)
@@ -183,8 +198,8 @@ class Negotiation:
         if bucket not in state.plain:
             return None  # every member reduced it from the agreement: no go to send
         state.plain.discard(bucket)
-        if not event.cached:  # a cached report matched the agreement: it stands as it is
-            self.cache.agree(bucket, event.spec)
+        if not cached:  # a cached report matched the agreement: it stands as it is
+            self.cache.agree(bucket, spec)
         go = Go(step, bucket, self.seq, epoch)
         self.seq += 1
         return go
@@ -214,21 +229,27 @@ class Negotiation:
         return None
 
     def _check_cached(
-        self, state: StepState, event: Ready, agreed: BucketSpec | None, epoch: int
+        self,
+        state: StepState,
+        rank: int,
+        step: int,
+        bucket: int,
+        spec: BucketSpec,
+        agreed: BucketSpec | None,
+        epoch: int,
     ) -> Fault | None:
         """A cached report: the rank is already reducing, so check it against the epoch's
         agreement. It may trail a peer's step end (links race), but that peer must have
         reported the bucket too: its own reports precede its step end on its link."""
-        rank, step, bucket = event.rank, event.step, event.bucket
         if agreed is None:
             return Fault(
                 f"step {step} bucket {bucket}: rank {rank} reduced it without a go, but the "
                 f"members agreed on no spec for bucket {bucket} in epoch {epoch}"
             )
-        if not self.cache.matches(bucket, event.spec):
+        if not self.cache.matches(bucket, spec):
             return Fault(
                 f"step {step} bucket {bucket}: rank {rank} reduced shapes "
-                f"{spec_text(event.spec)} without a go, but the members agreed on "
+                f"{spec_text(spec)} without a go, but the members agreed on "
                 f"{spec_text(agreed)} in epoch {epoch}"
             )
         if not state.ended_without(bucket):
