@@ -558,13 +558,13 @@ class CoordinatorCore:
         for the rank."""
         rank, step = event.rank, event.step
         if event.cached:
-            folded = self._fold_reports(rank, step, event.epoch, event.cached)
+            folded = self._fold_reports(rank, step, event.cached)
             if folded:
                 return folded
         unfinished = self._negotiation.unfinished(self._current, rank, step, what)
         return None if unfinished is None else self._fault(rank, unfinished)
 
-    def _fold_reports(self, rank: int, step: int, epoch: int, cached: str) -> list[Action]:
+    def _fold_reports(self, rank: int, step: int, cached: str) -> list[Action]:
         """A step report says ``rank`` reduced every bucket from the response cache under the
         agreement ``cached``: check that, then take it as a cached report of each bucket."""
         refusal = self._negotiation.check_fold(rank, step, cached, self._membership.epoch)
