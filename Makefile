@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-groups reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-groups bench-control-plane reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -44,6 +44,9 @@ bench-ddp: $(STAMP)
 
 bench-multidevice: $(STAMP)
 	$(BIN)/python benchmarks/multidevice.py --rounds 3 --steps 30 --json out/multidevice.json
+
+bench-control-plane: $(STAMP)
+	$(BIN)/python benchmarks/control_plane.py --json out/control_plane.json
 
 reliability-hostile: $(STAMP)
 	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json

@@ -260,7 +260,7 @@ def test_a_cached_report_needs_an_agreement_it_matches() -> None:
         "step 2 bucket 0: rank 1 reduced shapes [(2, 4), float32; (3,), float32] without a go, "
         "but the members agreed on [(1, 4), float32; (3,), float32] in epoch 3"
     )
-    state.done[0] = StepDone(0, 2)  # rank 0 ended the step without reporting bucket 0
+    state.end(0, StepDone(0, 2))  # rank 0 ended the step without reporting bucket 0
     assert negotiation.report(state, Ready(1, 2, 0, spec(0), cached=True), 2, 3) == Fault(
         "step 2: rank 1 reported bucket 0 ready after ranks [0] finished the step without it"
     )

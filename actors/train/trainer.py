@@ -59,6 +59,14 @@ from runtime.collectives.ring import (
 )
 from runtime.config import DistributedConfig
 from runtime.errors import ActorFailed, ProtocolError, pick_error
+from runtime.observe.metrics import (
+    Metrics,
+    MetricsTrace,
+    check_port,
+    metrics_host_from_env,
+    metrics_port_from_env,
+    serve_metrics,
+)
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateTensor
 from runtime.transport.base import Transport
@@ -169,8 +177,20 @@ class TrainerOptions:
     digest covers the buffers in the first two modes and leaves them out in ``"local"``, where
     they legitimately differ."""
 
+    # -- metrics (issue 17) ------------------------------------------------------------------
+    metrics_port: int | None = None
+    """Serve this worker's Prometheus metrics at ``http://metrics_host:metrics_port/metrics``
+    while the trainer runs (`runtime.observe.metrics`; 0: a free port, see
+    `DistributedTrainer.metrics_address`). None: off, unless ``paramsync worker
+    --metrics-port`` asked for them (``PARAMSYNC_METRICS_PORT``)."""
+    metrics_host: str | None = None
+    """The address the metrics endpoint listens on (None: ``PARAMSYNC_METRICS_HOST`` or
+    0.0.0.0)."""
+
     def __post_init__(self) -> None:
         check_buffer_sync(self.buffer_sync)
+        if self.metrics_port is not None:
+            check_port(self.metrics_port, "metrics_port")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         if self.bucket_bytes < 1:
@@ -289,6 +309,10 @@ class DistributedTrainer:
         self.client = client
         self.options = options
         self.trace = trace
+        self.metrics: Metrics | None = None
+        """This worker's Prometheus metrics (None: off; `TrainerOptions.metrics_port`)."""
+        self.metrics_address: tuple[str, int] | None = None
+        """Where they are served, once the trainer started (None: off)."""
         self.actors = actors if actors is not None else type(self).default_actors
         """The constructors of this trainer's actors (see `ActorFactory`)."""
         self.step = client.start.step
@@ -373,6 +397,13 @@ class DistributedTrainer:
         """
         options = options or TrainerOptions()
         trace = trace if trace is not None else TraceRecorder.disabled()
+        metrics_port = options.metrics_port
+        if metrics_port is None:
+            metrics_port = metrics_port_from_env()
+        metrics = None
+        if metrics_port is not None:  # spans feed the metrics (timed even if not traced)
+            metrics = Metrics("worker", rank=config.rank)
+            trace = MetricsTrace(trace, metrics)
         if options.digest_interval not in (None, client.digest_interval):
             raise ValueError(
                 f"this worker expects digest_interval={options.digest_interval}, the "
@@ -403,7 +434,19 @@ class DistributedTrainer:
             scheduler=scheduler,
         )
         trainer._owns_transports = transport is None
+        trainer.metrics = metrics
         async with trio.open_nursery() as nursery:
+            if metrics is not None:
+                assert metrics_port is not None
+                host = options.metrics_host or metrics_host_from_env()
+                trainer.metrics_address = await nursery.start(
+                    serve_metrics, metrics, metrics_port, host
+                )
+                log.info(
+                    "rank %d: metrics at http://%s:%d/metrics",
+                    config.rank,
+                    *trainer.metrics_address,
+                )
             await nursery.start(trainer._supervise)
             yield trainer
             nursery.cancel_scope.cancel()
@@ -592,6 +635,8 @@ class DistributedTrainer:
                 )
         self.client.begin_epoch(start)
         self.epochs.append((start.epoch, start.step, start.members))
+        if self.metrics is not None:
+            self.metrics.observe_epoch(start.epoch, len(start.members))
         log.info(
             "rank %d: epoch %d at step %d, ranks %s (position %d of %d)",
             self.rank,
@@ -1022,6 +1067,8 @@ class DistributedTrainer:
             self.losses.append((step, loss))
         self._steps_run += 1
         self._seconds_run += seconds
+        if self.metrics is not None:
+            self.metrics.observe_step(step, seconds)
         keep = self.options.history_steps
         self.step_seconds.append(seconds)
         if len(self.losses) > keep:

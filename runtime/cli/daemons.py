@@ -14,6 +14,13 @@ from runtime.cli.train_config import shared_secret
 from runtime.config import parse_address
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
+from runtime.observe.metrics import (
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
+    Metrics,
+    check_port,
+    serve_metrics,
+)
 from runtime.transport.admission import AdmissionLimits
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
@@ -40,7 +47,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
             stall_seconds=args.stall_seconds,
             stall_deadline=args.stall_deadline,
         )
-        coordinator = Coordinator(args.world_size, options, secret=shared_secret())
+        metrics_port = getattr(args, "metrics_port", None)
+        if metrics_port is not None:
+            check_port(metrics_port, "--metrics-port")
+        metrics = Metrics("coordinator") if metrics_port is not None else None
+        coordinator = Coordinator(args.world_size, options, secret=shared_secret(), metrics=metrics)
         coordinator.admission.limits = AdmissionLimits(
             max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
         )
@@ -67,6 +78,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
                 await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
                 nursery.cancel_scope.cancel()  # served to the end: stop watching signals
 
+            if metrics is not None:
+                assert metrics_port is not None
+                host_port = await nursery.start(
+                    serve_metrics, metrics, metrics_port, args.metrics_host
+                )
+                log.info("metrics at http://%s:%d/metrics", *host_port)
             bound = await nursery.start(serve)
             log.info("coordinator for %d workers listening on %s:%d", args.world_size, *bound)
             if args.port_file:
@@ -123,6 +140,15 @@ def run_worker(args: argparse.Namespace, job: WorkerJob) -> int:
             log.error("bad configuration: %s", exc)
             return EXIT_USAGE
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    metrics_port = getattr(args, "metrics_port", None)
+    if metrics_port is not None:  # the trainer serves them (`TrainerOptions.metrics_port`)
+        try:
+            check_port(metrics_port, "--metrics-port")
+        except ValueError as exc:
+            log.error("bad configuration: %s", exc)
+            return EXIT_USAGE
+        os.environ[METRICS_PORT_ENV] = str(metrics_port)
+        os.environ[METRICS_HOST_ENV] = args.metrics_host
     if args.role is not None:
         os.environ.setdefault("PARAMSYNC_ROLE", args.role)
     elif torchrun_env is None:  # by hand or under launch: the coordinator is a daemon

@@ -56,6 +56,22 @@ def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics (Prometheus; off by default)")
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)",
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        metavar="HOST",
+        help="the address the metrics endpoint listens on (default %(default)s)",
+    )
+
+
 def _tls_flags(args: argparse.Namespace) -> dict[str, str | None]:
     return {key: getattr(args, key) for key in ("tls_cert", "tls_key", "tls_ca")}
 
@@ -149,6 +165,7 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
         default=10.0,
         help="deadline of one connection's handshake, from its accept (default %(default)s)",
     )
+    _add_metrics_flags(coordinator)
     coordinator.add_argument(
         "--max-pending-handshakes",
         type=int,
@@ -176,6 +193,7 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
         "coordinator runs elsewhere; under torchrun rank 0 hosts it, like a script's rank 0)",
     )
     _add_tls_flags(worker)
+    _add_metrics_flags(worker)
     worker.add_argument(
         "--job",
         default=job.name,

@@ -194,7 +194,7 @@ class Commits:
             unnamed = self.names.take(event, epoch)
             if unnamed is not None:
                 return unnamed
-        state.done[event.rank] = event
+        state.end(event.rank, event)
         return None
 
     def verdict(self, state: StepState, members: int) -> Verdict:

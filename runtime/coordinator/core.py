@@ -66,7 +66,7 @@ from runtime.coordinator.events import (
 from runtime.coordinator.group_negotiation import GroupGo, GroupNegotiation
 from runtime.coordinator.liveness import Liveness
 from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
-from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation
+from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation, Outcome
 from runtime.coordinator.run_state import DONE, RunState, Trigger, next_state
 from runtime.coordinator.step_state import StepState
 from runtime.protocol.messages import (
@@ -292,7 +292,7 @@ class CoordinatorCore:
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"not a coordinator event: {type(event).__name__}")
-        if self._state in DONE:
+        if self._state is not RunState.RUNNING and self._state in DONE:
             return []
         return handler(self, event)
 
@@ -317,27 +317,41 @@ class CoordinatorCore:
             return True
         return False
 
-    def _run_message(self, rank: int, epoch: int, what: str) -> list[Action] | None:
-        """The answer to a run message that cannot be taken now (None: go on)."""
+    @staticmethod
+    def _describe(event: Ready | Reduced | Digest | StepDone) -> str:
+        """What a run message says, for a refusal: "bucket 2 ready for step 7", ..."""
+        if isinstance(event, Ready):
+            return f"bucket {event.bucket} ready for step {event.step}"
+        if isinstance(event, Reduced):
+            return f"reduced for step {event.step}"
+        kind = "a digest" if isinstance(event, Digest) else "step_done"
+        return f"{kind} for step {event.step}"
+
+    def _run_message(self, event: Ready | Reduced | Digest | StepDone) -> list[Action] | None:
+        """The answer to a run message that cannot be taken now (None: go on). The text is
+        built only for a refusal: every report of every rank passes here."""
+        rank, epoch = event.rank, event.epoch
         if rank not in self._membership:
-            return [Refuse(rank, f"rank {rank} sent {what} but has not joined")]
+            return [Refuse(rank, f"rank {rank} sent {self._describe(event)} but has not joined")]
         if self._state is RunState.RENDEZVOUS:
+            what = self._describe(event)
             return self._fault(rank, f"rank {rank} sent {what} before the run started")
-        if self._stale(epoch):
-            return []
-        if epoch > self._membership.epoch:
+        if epoch != self._membership.epoch:
+            if self._stale(epoch):
+                return []
             return self._fault(
                 rank,
-                f"rank {rank} sent {what} for epoch {epoch}, but the run is at "
+                f"rank {rank} sent {self._describe(event)} for epoch {epoch}, but the run is at "
                 f"{self._membership.epoch}",
             )
-        if rank not in self._membership.members or self._state is RunState.HOLDING:
+        if not self._membership.is_member(rank) or self._state is RunState.HOLDING:
+            what = self._describe(event)
             return self._fault(rank, f"rank {rank} sent {what} while not in a running epoch")
         if self._current.finished:
             return self._fault(
                 rank,
-                f"rank {rank} sent {what} after ranks {sorted(self._current.finished)} finished "
-                f"the run at step {self._current.step}",
+                f"rank {rank} sent {self._describe(event)} after ranks "
+                f"{sorted(self._current.finished)} finished the run at step {self._current.step}",
             )
         return None
 
@@ -472,7 +486,7 @@ class CoordinatorCore:
         self._liveness.forget(rank)
         if self._state is RunState.RENDEZVOUS:
             return [Report(f"rank {rank} left before the start: {reason}")]
-        if rank not in self._membership.members:
+        if not self._membership.is_member(rank):
             return [Report(f"joining rank {rank} left: {reason}")]
         lost = f"rank {rank} {reason}"
         head = f"step {self._current.resume_step}, epoch {self._membership.epoch}: {lost}"
@@ -500,17 +514,22 @@ class CoordinatorCore:
     # ------------------------------------------------------------------- buckets
 
     def _on_ready(self, event: Ready) -> list[Action]:
-        early = self._run_message(
-            event.rank, event.epoch, f"bucket {event.bucket} ready for step {event.step}"
-        )
+        early = self._run_message(event)
         if early is not None:
             return early
         if event.group:
             return self._on_group_ready(event)
         members = len(self._membership.members)
         outcome = self._negotiation.report(self._current, event, members, self._membership.epoch)
+        return self._bucket_outcome(event.rank, outcome)
+
+    def _bucket_outcome(self, rank: int, outcome: Outcome) -> list[Action]:
+        """The actions that follow a bucket report's outcome."""
+        if outcome is None:  # the usual case: taken, the bucket waits for more reports
+            self._liveness.progressed()
+            return []
         if isinstance(outcome, Fault):
-            return self._fault(event.rank, outcome.reason)
+            return self._fault(rank, outcome.reason)
         self._liveness.progressed()
         if isinstance(outcome, Disagreement):
             return self._abort(outcome.reason)
@@ -539,28 +558,34 @@ class CoordinatorCore:
         for the rank."""
         rank, step = event.rank, event.step
         if event.cached:
-            folded = self._fold_reports(rank, step, event.epoch, event.cached)
+            folded = self._fold_reports(rank, step, event.cached)
             if folded:
                 return folded
         unfinished = self._negotiation.unfinished(self._current, rank, step, what)
         return None if unfinished is None else self._fault(rank, unfinished)
 
-    def _fold_reports(self, rank: int, step: int, epoch: int, cached: str) -> list[Action]:
+    def _fold_reports(self, rank: int, step: int, cached: str) -> list[Action]:
         """A step report says ``rank`` reduced every bucket from the response cache under the
         agreement ``cached``: check that, then take it as a cached report of each bucket."""
         refusal = self._negotiation.check_fold(rank, step, cached, self._membership.epoch)
         if refusal is not None:
             return self._fault(rank, refusal)
-        hashes = self._negotiation.cache.hashes()
-        for bucket in sorted(hashes):
-            actions = self._on_ready(Ready(rank, step, bucket, hashes[bucket], epoch, cached=True))
+        # Each bucket as a cached ready of ``rank`` (no Ready built per bucket: the step
+        # report passed the checks of a run message of this rank and epoch, and nothing
+        # changed since unless a bucket's answer ends the loop).
+        negotiation, members = self._negotiation, len(self._membership.members)
+        for bucket, spec in negotiation.cache.sorted_hashes():
+            outcome = negotiation.take(
+                self._current, rank, step, bucket, spec, True, members, self._membership.epoch
+            )
+            actions = self._bucket_outcome(rank, outcome)
             if actions:
                 return actions
         return []
 
     def _on_reduced(self, event: Reduced) -> list[Action]:
         rank, step = event.rank, event.step
-        early = self._run_message(rank, event.epoch, f"reduced for step {step}")
+        early = self._run_message(event)
         if early is not None:
             return early
         refusal = self._commits.check_reduced(self._current, rank, step)
@@ -569,7 +594,7 @@ class CoordinatorCore:
         unfinished = self._close_buckets(event, "sent reduced")
         if unfinished is not None:
             return unfinished
-        self._current.reduced.add(rank)
+        self._current.end(rank)
         self._liveness.progressed()
         if len(self._current.reduced) < len(self._membership.members):
             return []
@@ -579,9 +604,8 @@ class CoordinatorCore:
     # ------------------------------------------------------------------- steps
 
     def _on_step_end(self, event: Digest | StepDone) -> list[Action]:
-        rank, step = event.rank, event.step
-        what = "a digest" if isinstance(event, Digest) else "step_done"
-        early = self._run_message(rank, event.epoch, f"{what} for step {step}")
+        rank = event.rank
+        early = self._run_message(event)
         if early is not None:
             return early
         refusal = self._commits.check_step_end(self._current, event)
@@ -635,7 +659,7 @@ class CoordinatorCore:
             return self._fault(rank, f"rank {rank} sent finished before the run started")
         if self._stale(event.epoch):
             return []
-        if event.epoch > self._membership.epoch or rank not in self._membership.members:
+        if event.epoch > self._membership.epoch or not self._membership.is_member(rank):
             return self._fault(rank, f"rank {rank} sent finished outside its epoch")
         if self._state is RunState.HOLDING:
             return self._fault(rank, f"rank {rank} sent finished while the run holds")

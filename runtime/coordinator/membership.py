@@ -173,13 +173,27 @@ class Membership:
         self.groups_rank: int | None = None
         self.epoch = 0
         """The membership epoch (0 before the start; grows by one per membership change)."""
-        self.members: tuple[int, ...] = ()
-        """The current epoch's members by ring position."""
+        self._members: tuple[int, ...] = ()
+        self._member_set: frozenset[int] = frozenset()
         self._addresses: dict[int, tuple[str, int]] = {}
         self._joins: dict[int, Joined] = {}
         self._history: list[EpochRecord] = []
 
     # ------------------------------------------------------------------- views
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The current epoch's members by ring position."""
+        return self._members
+
+    @members.setter
+    def members(self, members: tuple[int, ...]) -> None:
+        self._members = members
+        self._member_set = frozenset(members)
+
+    def is_member(self, rank: int) -> bool:
+        """Whether ``rank`` is a member of the current epoch (O(1): every report asks)."""
+        return rank in self._member_set
 
     @property
     def joined(self) -> tuple[int, ...]:
@@ -212,7 +226,7 @@ class Membership:
 
     def joiners(self) -> tuple[int, ...]:
         """Joined ranks that are not members of the current epoch, in join order."""
-        return tuple(r for r in self._addresses if r not in self.members)
+        return tuple(r for r in self._addresses if r not in self._member_set)
 
     # ------------------------------------------------------------------- joins
 

@@ -50,6 +50,10 @@ class ResponseCache:
     def __init__(self, *, fold: bool = False) -> None:
         self.fold = fold
         self._agreed: dict[int, tuple[BucketSpec, str]] = {}
+        self._hashes: dict[int, str] | None = None
+        self._fold_hash: str | None = None
+        """`hashes` and `fold_hash`, kept until the next agreement (every folded report of
+        every rank asks for them)."""
 
     def __len__(self) -> int:
         return len(self._agreed)
@@ -72,15 +76,28 @@ class ResponseCache:
     def agree(self, bucket: int, spec: BucketSpec) -> None:
         """Every member reported ``spec`` for ``bucket`` and got a go."""
         self._agreed[bucket] = (spec, spec_hash(spec))
+        self._hashes = self._fold_hash = None
 
     def hashes(self) -> dict[int, str]:
-        """bucket -> the agreed spec's hash."""
-        return {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
+        """bucket -> the agreed spec's hash (a copy)."""
+        return dict(self._bucket_hashes())
+
+    def _bucket_hashes(self) -> dict[int, str]:
+        if self._hashes is None:
+            self._hashes = {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
+        return self._hashes
+
+    def sorted_hashes(self) -> list[tuple[int, str]]:
+        """(bucket, hash) of every agreement, by bucket."""
+        hashes = self._bucket_hashes()
+        return [(bucket, hashes[bucket]) for bucket in sorted(hashes)]
 
     def fold_hash(self) -> str:
         """The hash of the whole agreement, as a folded step report must carry it."""
-        hashes = self.hashes()
-        return agreement_hash(hashes) if hashes else "none"
+        if self._fold_hash is None:
+            hashes = self._bucket_hashes()
+            self._fold_hash = agreement_hash(hashes) if hashes else "none"
+        return self._fold_hash
 
 
 def spec_groups(reports: Mapping[int, BucketSpec]) -> str:
@@ -119,6 +136,21 @@ class Negotiation:
             # until step s commits (no Go for s+1 before that; a cached report, already being
             # reduced, is checked then), keeping the check off the critical path.
             return self._hold_early(state, event)
+        return self.take(state, rank, step, bucket, event.spec, event.cached, members, epoch)
+
+    def take(
+        self,
+        state: StepState,
+        rank: int,
+        step: int,
+        bucket: int,
+        spec: BucketSpec,
+        cached: bool,
+        members: int,
+        epoch: int,
+    ) -> Outcome:
+        """`report` of a report that is not for the next step, by its fields (a folded step
+        report's buckets come here without a `Ready` built for each)."""
         if step != state.step or state.verifying:
             return Fault(
                 f"rank {rank} reported bucket {bucket} ready for step {step}, "
@@ -128,12 +160,12 @@ class Negotiation:
             return Fault(
                 f"step {step}: rank {rank} reported bucket {bucket} ready after finishing the step"
             )
-        reports = state.pending.get(bucket, {})
-        if bucket in state.gone or rank in reports:
+        reports = state.pending.get(bucket)
+        if bucket in state.gone or (reports is not None and rank in reports):
             return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
         agreed = self.cache.spec(bucket)
-        if event.cached:
-            fault = self._check_cached(state, event, agreed, epoch)
+        if cached:
+            fault = self._check_cached(state, rank, step, bucket, spec, agreed, epoch)
             if fault is not None:
                 return fault
         else:
@@ -143,12 +175,21 @@ class Negotiation:
                     f"{sorted(state.ended)} finished the step without it"
                 )
             state.plain.add(bucket)  # negotiated: the go, if all agree, updates the agreement
-        reports = state.pending.setdefault(bucket, {})
+        if reports is None:
+            reports = state.pending[bucket] = {}
         # A cached report matched the agreement (spec or hash): compare peers by the spec.
         # (A cached report without an agreement faulted above.)
-        reports[rank] = agreed if event.cached and agreed is not None else event.spec
-        state.reported.setdefault(rank, set()).add(bucket)
-        if len(set(reports.values())) > 1:
+        reported = agreed if cached and agreed is not None else spec
+        # Every earlier report of the bucket agrees (a disagreement stops the run), so the
+        # first one stands for all: one comparison per report, not a set of all of them.
+        first = next(iter(reports.values()), reported)
+        reports[rank] = reported
+        buckets = state.reported.get(rank)
+        if buckets is None:
+            state.reported[rank] = {bucket}
+        else:
+            buckets.add(bucket)
+        if reported != first:
             return Disagreement(f"step {step} bucket {bucket}: {spec_groups(reports)}")
         if len(reports) < members:
             return None
@@ -157,8 +198,8 @@ class Negotiation:
         if bucket not in state.plain:
             return None  # every member reduced it from the agreement: no go to send
         state.plain.discard(bucket)
-        if not event.cached:  # a cached report matched the agreement: it stands as it is
-            self.cache.agree(bucket, event.spec)
+        if not cached:  # a cached report matched the agreement: it stands as it is
+            self.cache.agree(bucket, spec)
         go = Go(step, bucket, self.seq, epoch)
         self.seq += 1
         return go
@@ -188,23 +229,31 @@ class Negotiation:
         return None
 
     def _check_cached(
-        self, state: StepState, event: Ready, agreed: BucketSpec | None, epoch: int
+        self,
+        state: StepState,
+        rank: int,
+        step: int,
+        bucket: int,
+        spec: BucketSpec,
+        agreed: BucketSpec | None,
+        epoch: int,
     ) -> Fault | None:
         """A cached report: the rank is already reducing, so check it against the epoch's
         agreement. It may trail a peer's step end (links race), but that peer must have
         reported the bucket too: its own reports precede its step end on its link."""
-        rank, step, bucket = event.rank, event.step, event.bucket
         if agreed is None:
             return Fault(
                 f"step {step} bucket {bucket}: rank {rank} reduced it without a go, but the "
                 f"members agreed on no spec for bucket {bucket} in epoch {epoch}"
             )
-        if not self.cache.matches(bucket, event.spec):
+        if not self.cache.matches(bucket, spec):
             return Fault(
                 f"step {step} bucket {bucket}: rank {rank} reduced shapes "
-                f"{spec_text(event.spec)} without a go, but the members agreed on "
+                f"{spec_text(spec)} without a go, but the members agreed on "
                 f"{spec_text(agreed)} in epoch {epoch}"
             )
+        if not state.ended_without(bucket):
+            return None  # every rank that ended the step reported it (O(1): no scan)
         without = sorted(r for r in state.ended if bucket not in state.reported.get(r, ()))
         if without:
             return Fault(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,8 +35,17 @@ from runtime.coordinator.events import (
 )
 from runtime.coordinator.run_state import RunState
 from runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
+from runtime.observe.metrics import Metrics
 from runtime.protocol.handshake import Identity, load_secret
-from runtime.protocol.messages import Commit, Shutdown, event_from_wire
+from runtime.protocol.messages import (
+    Commit,
+    Digest,
+    Hold,
+    Joined,
+    Shutdown,
+    StartRun,
+    event_from_wire,
+)
 from runtime.transport.admission import AdmissionGate, HandshakeTicket
 from runtime.transport.link import Link
 from runtime.transport.tcp import DEFAULT_GROUP, accept
@@ -48,6 +58,8 @@ log = logging.getLogger("paramsync.coordinator")
 _QUEUE = 1024
 _FLUSH_SECONDS = 5.0
 _HEARTBEAT: tuple[str, dict[str, Any]] = ("heartbeat", {})
+_STALL_PREFIX = "stall:"
+"""How the core's `Report` of a stalled step begins (`CoordinatorCore._check_stall`)."""
 
 
 class RunFailed(ParamsyncError):
@@ -132,8 +144,13 @@ class Coordinator:
         *,
         secret: bytes | str | None = None,
         group: str = DEFAULT_GROUP,
+        metrics: Metrics | None = None,
     ) -> None:
         self.options = options or CoordinatorOptions()
+        self.metrics = metrics
+        """Fed as the run goes (`runtime.observe.metrics`; None: off). Serve its registry
+        with `runtime.observe.metrics.serve_metrics`."""
+        self._last_commit_at: float | None = None
         self.core = self.core_type(
             world_size,
             digest_interval=self.options.digest_interval,
@@ -221,6 +238,8 @@ class Coordinator:
                     )
             except (ProtocolError, OSError, trio.BrokenResourceError):
                 self.hostile_refused += 1
+                if self.metrics is not None:
+                    self.metrics.refused.labels(reason="handshake").inc()
                 return
             finally:
                 claim.release()
@@ -336,7 +355,10 @@ class Coordinator:
                 self._apply(self.core.handle(Malformed(rank, exc.reason)), source=rank)
                 return
             log.debug("event %r", event)
-            refused = self._apply(self.core.handle(event), source=rank)
+            if self.metrics is not None:
+                refused = self._apply(self._handle_measured(event), source=rank)
+            else:
+                refused = self._apply(self.core.handle(event), source=rank)
             if refused or member.evicted:
                 return
 
@@ -363,6 +385,49 @@ class Coordinator:
         finally:
             member.flushed.set()
 
+    # ------------------------------------------------------------------ metrics
+
+    def _handle_measured(self, event: Any) -> list[Action]:
+        """``core.handle(event)``, feeding the metrics: the digest verdict's time (the digest
+        that completes a step) and joins into a run already started (rejoins)."""
+        metrics = self.metrics
+        assert metrics is not None
+        running = self.core.epoch > 0
+        started = time.perf_counter()
+        actions = self.core.handle(event)
+        if isinstance(event, Digest) and any(
+            (isinstance(a, Broadcast) and isinstance(a.message, Commit)) or isinstance(a, Abort)
+            for a in actions
+        ):
+            metrics.digest_check_seconds.observe(time.perf_counter() - started)
+        elif (
+            isinstance(event, Joined)
+            and running
+            and not any(isinstance(a, Refuse) for a in actions)
+        ):
+            metrics.rejoins.inc()
+        return actions
+
+    def _observe(self, action: Action) -> None:
+        """Feed the metrics from one action the core asked for."""
+        metrics = self.metrics
+        assert metrics is not None
+        if isinstance(action, Broadcast | Send):
+            message = action.message
+            if isinstance(message, Commit):
+                now = trio.current_time()
+                last, self._last_commit_at = self._last_commit_at, now
+                metrics.observe_step(message.step, None if last is None else now - last)
+            elif isinstance(message, StartRun):
+                metrics.observe_epoch(message.epoch, len(message.members))
+                self._last_commit_at = None  # the first step of an epoch has no baseline
+            elif isinstance(message, Hold):
+                metrics.observe_epoch(message.epoch, len(self.core.members))
+        elif isinstance(action, Refuse):
+            metrics.refused.labels(reason="join").inc()
+        elif isinstance(action, Report) and action.text.startswith(_STALL_PREFIX):
+            metrics.stalls.inc()
+
     # ------------------------------------------------------------------ actions
 
     def _enqueue(self, rank: int, message: Message | None) -> None:
@@ -380,6 +445,8 @@ class Coordinator:
         """Execute the core's actions; True when the source connection was refused."""
         refused = False
         for action in actions:
+            if self.metrics is not None:
+                self._observe(action)
             if isinstance(action, Send):
                 self._enqueue(action.rank, action.message)
             elif isinstance(action, Broadcast):

@@ -49,6 +49,10 @@ class StepState:
     """How many reports of ``early`` each rank holds."""
     finished: set[int] = field(default_factory=set)
     """Ranks that finished the run at this step."""
+    ended_with: dict[int, int] = field(default_factory=dict)
+    """bucket -> how many ranks of `ended` reported it (kept by `end`, so a report can tell
+    in O(1) whether some rank ended the step without its bucket)."""
+    _ended: set[int] = field(default_factory=set)
 
     @classmethod
     def opening(cls, step: int, *, broadcast: bool) -> StepState:
@@ -75,6 +79,21 @@ class StepState:
     def ended(self) -> set[int]:
         """Ranks that ended the step (reduced, or sent their digest or step_done)."""
         return set(self.done) | self.reduced
+
+    def end(self, rank: int, report: Digest | StepDone | None = None) -> None:
+        """``rank`` ended the step: its step end ``report``, or (None) its ``reduced``."""
+        if report is None:
+            self.reduced.add(rank)
+        else:
+            self.done[rank] = report
+        if rank not in self._ended:
+            self._ended.add(rank)
+            for bucket in self.reported.get(rank, ()):
+                self.ended_with[bucket] = self.ended_with.get(bucket, 0) + 1
+
+    def ended_without(self, bucket: int) -> bool:
+        """Whether some rank ended the step without reporting ``bucket`` (O(1))."""
+        return len(self._ended) > self.ended_with.get(bucket, 0)
 
     @property
     def started(self) -> bool:
