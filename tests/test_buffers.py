@@ -444,6 +444,8 @@ def entering_trainer(
     trainer.model = model
     trainer.optimizer = bn_optimizer(model)
     trainer.scheduler = torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2, gamma=0.5)
+    trainer.replicas = None  # one device in this process
+    trainer.metrics = None  # no Prometheus endpoint
     trainer.options = TrainerOptions(buffer_sync=mode)  # type: ignore[arg-type]
     trainer._config = DistributedConfig(world_size, rank)
     trainer.step = step
