@@ -38,6 +38,7 @@ load hits both alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -191,7 +192,10 @@ def _result(
     }
 
 
-def _worker_ddp(args: argparse.Namespace) -> dict:
+def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
+    """One rank of torch DDP; with ``communicate=False``, of the limit: the same process and
+    loop training its own replica, nothing crossing between ranks but a barrier before the
+    first step and one after the last (so the ranks compete for the cores as DDP's do)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -204,8 +208,12 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
         world_size=args.world,
     )
     try:
-        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-        counter = _register_ddp_hook(ddp, args)
+        if communicate:
+            forward = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+            counter = _register_ddp_hook(forward, args)
+        else:
+            forward, counter = model, [0]
+            dist.barrier()  # start together; nothing crosses between ranks until the end
         ends: list[float] = []
         losses: list[float] = []
         for step in range(args.warmup + args.steps):
@@ -213,7 +221,7 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
                 counter[0] = 0
             inputs, targets = batch(step)
             optimizer.zero_grad()
-            logits = ddp(inputs)
+            logits = forward(inputs)
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
             )
@@ -229,7 +237,9 @@ def _worker_ddp(args: argparse.Namespace) -> dict:
     finally:
         dist.destroy_process_group()
     result = _result(ends, losses, args.warmup, overall, info, cpu)
-    if args.comm_hook == "none":  # the C++ reducer all-reduces every gradient in float32
+    if not communicate:
+        result["allreduce_bytes_per_step"] = 0
+    elif args.comm_hook == "none":  # the C++ reducer all-reduces every gradient in float32
         grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         result["allreduce_bytes_per_step"] = grads
     else:
@@ -269,42 +279,6 @@ def _register_ddp_hook(ddp, args: argparse.Namespace) -> list[int]:
         )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return counter
-
-
-def _worker_limit(args: argparse.Namespace) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    model, optimizer, batch, info = _setup(args)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
-        rank=args.rank,
-        world_size=args.world,
-    )
-    try:
-        dist.barrier()  # start together; nothing crosses between ranks from here to the end
-        ends: list[float] = []
-        losses: list[float] = []
-        for step in range(args.warmup + args.steps):
-            inputs, targets = batch(step)
-            optimizer.zero_grad()
-            logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-            )
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            ends.append(time.perf_counter())
-            if step == args.warmup - 1:
-                cpu_start = time.process_time()
-        overall = ends[-1] - ends[args.warmup - 1]
-        cpu = (cpu_start, time.process_time())
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return _result(ends, losses, args.warmup, overall, info, cpu)
 
 
 def _worker_paramsync(args: argparse.Namespace) -> dict:
@@ -445,7 +419,10 @@ def _trainer_options(items: list[str]) -> dict:
 
 
 def _run_worker(args: argparse.Namespace) -> None:
-    worker = {"ddp": _worker_ddp, LIMIT: _worker_limit}.get(args.worker, _worker_paramsync)
+    worker = {
+        "ddp": _worker_ddp,
+        LIMIT: functools.partial(_worker_ddp, communicate=False),
+    }.get(args.worker, _worker_paramsync)
     result = worker(args)
     if args.rank == 0:
         print(json.dumps(result), flush=True)
