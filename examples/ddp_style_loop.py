@@ -27,7 +27,6 @@ loss/accuracy on the whole data set before and after training.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from own_training_loop import evaluate, make_model, spirals
 
 from actors import DistributedDataParallel, TrainerOptions
-from runtime.errors import configuration_error
+from actors.train.run import exit_on_configuration_error
 
 
 def train(args: argparse.Namespace) -> None:
@@ -104,11 +103,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_on_configuration_error():  # no secret, a bad address...: one line, exit 2
         train(build_parser().parse_args())
-    except BaseException as exc:
-        message = configuration_error(exc)
-        if message is None:
-            raise
-        print(f"paramsync: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None

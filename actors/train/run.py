@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -170,8 +170,17 @@ def run_script(main: Callable[..., Awaitable[T]], *args: object) -> T:
     configuration error (`ConfigError`, or a join the coordinator refused: wrong secret or
     world size) prints one line naming what to set, ``paramsync: ...``, on stderr and exits
     with code 2 instead of a traceback. Everything else propagates as ``trio.run``'s would."""
-    try:
+    with exit_on_configuration_error():
         return trio.run(main, *args)
+
+
+@contextmanager
+def exit_on_configuration_error() -> Iterator[None]:
+    """Around a synchronous script's main (what `run_script` does for a trio one): a
+    configuration error raised inside prints its one line, ``paramsync: ...``, on stderr and
+    exits with code 2; anything else propagates unchanged."""
+    try:
+        yield
     except BaseException as exc:
         message = configuration_error(exc)
         if message is None:
