@@ -270,8 +270,8 @@ def test_zero_bubble_h1_idles_a_third_of_1f1b(params: tuple) -> None:
 @given(schedule_parameters())
 def test_activations_in_flight_stay_within_the_bound(params: tuple) -> None:
     kind, p, m, v = params
-    peaks = simulate(build_schedule(kind, p, m, v)).peak_in_flight
-    for rank, peak in enumerate(peaks):
+    result = simulate(build_schedule(kind, p, m, v))
+    for rank, peak in enumerate(result.peak_in_flight):
         if kind == "gpipe":
             bound = m
         elif kind == "interleaved_1f1b":  # the warm-up forwards plus the first steady one
@@ -280,6 +280,14 @@ def test_activations_in_flight_stay_within_the_bound(params: tuple) -> None:
             bound = p - rank
         assert peak <= bound
         assert peak == min(bound, m * v)  # and the schedules use all of it
+        if kind != "zero_bubble":
+            assert result.peak_held[rank] == peak
+    if kind == "zero_bubble":
+        # ZB-H1 keeps a micro-batch's activations from F until W. Rank r defers r W's, so it
+        # holds up to (p - r) + r = p: 1F1B's peak (rank 0's p), on every rank.
+        one_f_one_b = simulate(build_schedule("1f1b", p, m))
+        assert max(result.peak_held) == max(one_f_one_b.peak_held) == p
+        assert all(held <= p for held in result.peak_held)
 
 
 @SETTINGS
@@ -367,7 +375,18 @@ def test_validate_checks_weight_after_input_and_unmatched_transfers() -> None:
     with pytest.raises(InvalidSchedule, match=r"rank 1, index \d+, action 1W0: BACKWARD_WEIGHT"):
         validate(replace(schedule, 1, rank1))
     rank1 = [a for a in schedule.actions[1] if a != Action(K.SEND_GRADIENT, 1, 2, peer=0)]
-    with pytest.raises(InvalidSchedule, match="RECV_GRADIENT of stage 1 micro-batch 2 from rank 1"):
+    with pytest.raises(
+        InvalidSchedule, match=r"rank 0, index \d+, action 1RECV_B2@1: no matching send on rank 1"
+    ):
+        validate(replace(schedule, 1, rank1))
+    send = Action(K.SEND_GRADIENT, 1, 2, peer=0)
+    rank1 = [*schedule.actions[1], send]
+    first = schedule.actions[1].index(send)
+    with pytest.raises(
+        InvalidSchedule,
+        match=rf"rank 1, index {len(rank1) - 1}, action 1SEND_B2@0: its tag repeats in the step "
+        rf"\(first at rank 1, index {first}\)",
+    ):
         validate(replace(schedule, 1, rank1))
 
 

@@ -3,16 +3,24 @@ the full list with every send and receive in place, in an order that cannot dead
 a send completes only together with its receive (rendezvous channels, no buffering).
 
 What the pass does (the role of torch.distributed.pipelining's ``_add_send_recv``, but for
-channels that hold nothing):
+channels that hold nothing). A transfer can only happen while both of its ranks stand between
+two computes (in a *gap*), at or after the end of the compute that produces the tensor, and at
+the latest in the gap right before the compute that consumes it. The pass runs all ranks once
+in the unit-cost model (F=1, B=2, I=1, W=1; communication free) and lets every transfer happen
+at the first moment both ends stand in a gap; a rank starts its next compute as soon as that
+compute's inputs are in. Then:
 
-- a compute action whose input comes from another rank gets its receive just before it; a
-  compute action whose output goes to another rank gets its send just after it. The sends of
-  compute ``k`` and the receives of compute ``k + 1`` share the *gap* between the two computes;
-- the order inside each gap comes from one run of all ranks in the unit-cost model (F=1, B=2,
-  I=1, W=1) in which a rank standing in a gap may complete that gap's transfers in any order:
-  every transfer happens once both ends stand in the gaps that hold it, the earliest first. The
-  pass writes the transfers down in the one global order in which they happened, and every
+- a send lands right after the compute that produces it, unless its receiver is busy then: it
+  lands in the first later gap of the sender in which the receiver also stands in a gap (the
+  sender keeps the tensor meanwhile and does not wait);
+- a receive lands right before the compute that needs it, unless the sender handed the tensor
+  over earlier, in a gap both stood in (the receiver keeps it until the compute);
+- the pass writes the transfers down in the one global order in which they happened, and every
   rank's list takes its own transfers in that order.
+
+Transfers at the first common gap are what make rendezvous cost nothing here: in the unit-cost
+model the lowered GPipe, 1F1B, interleaved 1F1B and ZB-H1 lists run exactly as fast as their
+compute lists would over buffered channels (their bubble formulas hold exactly).
 
 Why that cannot deadlock, whatever the real compute times: take the first transfer, in the
 global order, that has not completed. Each of its two ranks has completed every transfer before
@@ -35,8 +43,8 @@ LOWERING_COSTS: dict[ActionKind, int] = {
     ActionKind.BACKWARD_INPUT: 1,
     ActionKind.BACKWARD_WEIGHT: 1,
 }
-"""The unit-cost model that orders the transfers inside a gap (v chunks scale every cost by the
-same 1/v, which changes no order, so the pass uses these integers for every kind)."""
+"""The unit-cost model that places and orders the transfers (v chunks scale every cost by the
+same 1/v, which changes no placement, so the pass uses these integers for every v)."""
 
 
 def transfers_of(

@@ -18,7 +18,6 @@ rank waits on when no rank can move. Times are exact (`fractions.Fraction`).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -87,8 +86,9 @@ def validate(schedule: Schedule) -> None:
     backwards: dict[int, set[int]] = {s: set() for s in range(stages)}
     inputs: dict[int, set[int]] = {s: set() for s in range(stages)}
     weights: dict[int, set[int]] = {s: set() for s in range(stages)}
-    sends: Counter[tuple[ActionKind, int, int, int, int | None]] = Counter()
-    recvs: Counter[tuple[ActionKind, int, int, int, int | None]] = Counter()
+    # A transfer's tag (`Action.tag`, at step 0) -> where its send, or its receive, stands.
+    sends: dict[int, tuple[int, int, Action]] = {}
+    recvs: dict[int, tuple[int, int, Action]] = {}
     for rank, actions in enumerate(schedule.actions):
         received: set[tuple[ActionKind, int, int]] = set()
         for index, action in enumerate(actions):
@@ -111,15 +111,19 @@ def validate(schedule: Schedule) -> None:
                 )
                 continue
             _check_transfer(schedule, rank, index, action, forwards, backwards, inputs)
-            key = (kind, stage, mb, rank, action.peer)
-            if kind.is_send:
-                if sends[key]:
-                    raise _fail(rank, index, action, "sent twice (its tag repeats in the step)")
-                sends[key] += 1
-            else:
-                if recvs[key]:
-                    raise _fail(rank, index, action, "received twice (its tag repeats)")
-                recvs[key] += 1
+            seen = sends if kind.is_send else recvs
+            tag = action.tag(0)
+            if tag in seen:
+                first_rank, first_index, _ = seen[tag]
+                raise _fail(
+                    rank,
+                    index,
+                    action,
+                    f"its tag repeats in the step (first at rank {first_rank}, index "
+                    f"{first_index})",
+                )
+            seen[tag] = (rank, index, action)
+            if kind.is_recv:
                 received.add((kind, stage, mb))
     for stage in range(stages):
         rank = schedule.stage_to_rank(stage)
@@ -141,26 +145,15 @@ def validate(schedule: Schedule) -> None:
                 f"rank {rank}: stage {stage} runs BACKWARD_INPUT without BACKWARD_WEIGHT for "
                 f"micro-batches {sorted(unweighted)}"
             )
-    partner = {
-        ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,
-        ActionKind.SEND_GRADIENT: ActionKind.RECV_GRADIENT,
-    }
-    matched_recvs = {
-        (partner[kind], stage, mb, peer, rank) for kind, stage, mb, rank, peer in sends
-    }
-    for kind, stage, mb, rank, peer in sends:
-        if (partner[kind], stage, mb, peer, rank) not in recvs:
-            raise InvalidSchedule(
-                f"rank {rank}: {kind.name} of stage {stage} micro-batch {mb} to rank {peer} has "
-                f"no matching receive on rank {peer}"
-            )
-    for key in recvs:
-        if key not in matched_recvs:
-            kind, stage, mb, rank, peer = key
-            raise InvalidSchedule(
-                f"rank {rank}: {kind.name} of stage {stage} micro-batch {mb} from rank {peer} "
-                f"has no matching send on rank {peer}"
-            )
+    for tag, (rank, index, action) in sends.items():
+        if tag not in recvs:
+            raise _fail(rank, index, action, f"no matching receive on rank {action.peer}")
+        peer, _, recv = recvs[tag]
+        if (peer, recv.peer) != (action.peer, rank):
+            raise _fail(rank, index, action, f"its receive is on rank {peer}, from {recv.peer}")
+    for tag, (rank, index, action) in recvs.items():
+        if tag not in sends:
+            raise _fail(rank, index, action, f"no matching send on rank {action.peer}")
 
 
 def _check_compute(
@@ -263,14 +256,18 @@ class TimedAction:
 @dataclass(frozen=True)
 class SimulationResult:
     """A simulated step: ``timelines[rank]`` every action with its times, ``makespan`` when the
-    last rank finished, ``bubble_fraction`` = idle / (p * makespan), ``peak_in_flight[rank]``
-    the most forwards whose backward (B or I) had not started, at any moment."""
+    last rank finished, ``busy[rank]`` its compute time, ``bubble_fraction`` = idle /
+    (p * makespan), ``peak_in_flight[rank]`` the most forwards whose backward (B or I) had not
+    started, at any moment, and ``peak_held[rank]`` the most forwards whose activations were
+    still needed: their B, or with a split backward their W, had not finished (ZB-H1 keeps
+    activations past I until W)."""
 
     timelines: tuple[tuple[TimedAction, ...], ...]
     makespan: Fraction
     busy: tuple[Fraction, ...]
     bubble_fraction: Fraction
     peak_in_flight: tuple[int, ...]
+    peak_held: tuple[int, ...]
 
 
 def _counterpart(action: Action, rank: int) -> tuple[int, Action]:
@@ -308,6 +305,8 @@ def simulate(
     timelines: list[list[TimedAction]] = [[] for _ in range(p)]
     in_flight = [0] * p
     peak = [0] * p
+    held = [0] * p
+    peak_held = [0] * p
     busy = [Fraction(0)] * p
     while True:
         progressed = False
@@ -322,8 +321,12 @@ def simulate(
                     if action.kind is FWD:
                         in_flight[rank] += 1
                         peak[rank] = max(peak[rank], in_flight[rank])
-                    elif action.kind in (BWD, INPUT):
+                        held[rank] += 1
+                        peak_held[rank] = max(peak_held[rank], held[rank])
+                    if action.kind in (BWD, INPUT):
                         in_flight[rank] -= 1
+                    if action.kind in (BWD, WEIGHT):
+                        held[rank] -= 1
                     position[rank] += 1
                     progressed = True
                     continue
@@ -358,4 +361,5 @@ def simulate(
         busy=tuple(busy),
         bubble_fraction=bubble,
         peak_in_flight=tuple(peak),
+        peak_held=tuple(peak_held),
     )
