@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from runtime.parallel.actions import Action, ActionKind
 
-__all__ = ["lower_to_send_recv", "transfers_of", "LOWERING_COSTS"]
+__all__ = ["lower_to_send_recv", "transfers_of", "counterpart", "LOWERING_COSTS"]
 
 LOWERING_COSTS: dict[ActionKind, int] = {
     ActionKind.FORWARD: 1,
@@ -76,8 +76,8 @@ def transfers_of(
     return recvs, sends
 
 
-def _counterpart(action: Action, rank: int) -> tuple[int, Action]:
-    """The rank and action at the other end of a send or receive on ``rank``."""
+def counterpart(action: Action, rank: int) -> tuple[int, Action]:
+    """The rank and action at the other end of the send or receive ``action`` on ``rank``."""
     assert action.peer is not None
     partner_kind = {
         ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,
@@ -111,7 +111,7 @@ def lower_to_send_recv(
         [[] for _ in range(len(actions) + 1)] for actions in compute
     ]
     for send, (sender, ready) in produced.items():
-        receiver, recv = _counterpart(send, sender)
+        receiver, recv = counterpart(send, sender)
         _, needed = consumed[recv]
         time = _latest_common_gap(
             starts[sender], ends[sender], starts[receiver], ends[receiver], ready, needed
@@ -226,7 +226,7 @@ def _earliest_run(
             arrive(rank, time)
         elif order == 1:
             assert send is not None
-            receiver, recv = _counterpart(send, rank)
+            receiver, recv = counterpart(send, rank)
             if send not in sends[rank] or not in_gap[rank] or not in_gap[receiver]:
                 continue  # offered twice, the first one did it
             sends[rank].discard(send)
