@@ -11,8 +11,9 @@ schedule. The coordinator holds the run to one layout:
   none does, all declare the same mesh and the same schedule digest, no two claim the same
   coordinates, and each rank's coordinates are its rank's under the mesh's one ordering rule
   (row-major, the last named dimension fastest: `runtime.collectives.mesh.mesh_coordinates`).
-  Any of these stops the run, naming the ranks on each side and the field that differs;
-- `AgreedLayout.mismatch`, at a join after the start (a restarted worker): the run's layout.
+  Any of these stops the run, naming the ranks on each side and the field that differs. (No
+  join comes after the start: a run with layouts is static, `CoordinatorCore` refuses an
+  elastic one, and a restarted coordinator checks its joins as a first epoch again.)
 
 A restarted coordinator resumes a 3D-parallel run (`sharded_resume_step`) only where every
 shard's replicas hold one state at one step: states differ between shards by design, so the
@@ -196,32 +197,6 @@ class AgreedLayout:
             return None
         first = layouts[0]
         return cls(first.names, first.sizes, first.schedule_digest, tuple(sorted(joins)))
-
-    def mismatch(self, event: Joined) -> str | None:
-        """Why a join after the start does not fit the run's layout (None: it does)."""
-        rank, layout = event.rank, event.layout
-        run = f"the run's {_ranks(self.ranks)}"
-        mesh = describe_mesh(self.names, self.sizes)
-        if layout is None:
-            return f"rank {rank} declares no parallel layout, but {run} declare the mesh {mesh}"
-        if (layout.names, layout.sizes) != (self.names, self.sizes):
-            return (
-                f"rank {rank} declares the mesh {describe_mesh(layout.names, layout.sizes)}, "
-                f"but {run} declare the mesh {mesh}"
-            )
-        if layout.schedule_digest != self.schedule_digest:
-            return (
-                f"rank {rank} declares schedule digest {describe_schedule(layout.schedule_digest)}"
-                f", but {run} declare schedule digest {describe_schedule(self.schedule_digest)}"
-            )
-        actual = mesh_coordinates(rank, self.sizes)
-        if layout.coordinates != actual:
-            return (
-                f"rank {rank} declares {_coordinates_text(self.names, layout.coordinates)} but "
-                f"its rank is at {_coordinates_text(self.names, actual)} on the mesh {mesh} "
-                f"({ORDERING_RULE})"
-            )
-        return None
 
 
 class Shards:

@@ -174,8 +174,8 @@ class Membership:
         """The process groups every join declared (the first join's; None: no join yet)."""
         self.groups_rank: int | None = None
         self.layout: AgreedLayout | None = None
-        """The parallel layout the first epoch's ranks agreed on (None: none, or not started);
-        a later join must declare it (`AgreedLayout.mismatch`)."""
+        """The parallel layout the first epoch's ranks agreed on (None: none, or not
+        started)."""
         self.epoch = 0
         """The membership epoch (0 before the start; grows by one per membership change)."""
         self._members: tuple[int, ...] = ()
@@ -261,18 +261,11 @@ class Membership:
         return self._check_layout(event)
 
     def _check_layout(self, event: Joined) -> str | None:
-        """Why ``event``'s parallel layout cannot be taken (None: it can). Before the start
-        each join is checked alone (the ranks' agreement is checked once all are in, by
-        `runtime.coordinator.layouts.layout_disagreement`); after it, against the run's."""
-        problem = join_layout_problem(event, self.world_size)
-        if problem is not None or self.epoch == 0:
-            return problem
-        if self.layout is None:
-            if event.layout is None:
-                return None
-            rank = event.rank
-            return f"rank {rank} declares a parallel layout, but the run's ranks declared none"
-        return self.layout.mismatch(event)
+        """Why ``event``'s parallel layout cannot be taken on its own (None: it can); the
+        ranks' agreement is checked once all are in (`layouts.layout_disagreement`). Joins
+        after the start never meet a layout: a run with one is static (`CoordinatorCore`
+        refuses it elastic), and a static run takes no join once started."""
+        return join_layout_problem(event, self.world_size)
 
     def _check_groups(self, event: Joined) -> str | None:
         """Why ``event``'s process-group declaration cannot be taken (None: it can)."""
