@@ -181,13 +181,11 @@ def _placement_problems(layouts: Mapping[int, ParallelLayout]) -> list[str]:
 
 @dataclass(frozen=True)
 class AgreedLayout:
-    """The layout every rank of the run declared: its mesh and schedule digest, and the ranks
-    that declared it at the start (``ranks``, for errors)."""
+    """The layout every rank of the run declared: its mesh and schedule digest."""
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     schedule_digest: bytes
-    ranks: tuple[int, ...]
 
     @classmethod
     def of(cls, joins: Mapping[int, Joined]) -> AgreedLayout | None:
@@ -196,7 +194,7 @@ class AgreedLayout:
         if not layouts or layouts[0] is None:
             return None
         first = layouts[0]
-        return cls(first.names, first.sizes, first.schedule_digest, tuple(sorted(joins)))
+        return cls(first.names, first.sizes, first.schedule_digest)
 
 
 class Shards:
@@ -236,10 +234,6 @@ class Shards:
         """``(tp=1, pp=0)``: a shard as errors name it ("(the whole model)" for a mesh of "dp"
         alone)."""
         return self._labels[shard]
-
-    def replicas(self, shard: int) -> tuple[int, ...]:
-        """Every rank holding ``shard``, ascending (O(world): for tests and tools)."""
-        return tuple(rank for rank, of in enumerate(self._shard) if of == shard)
 
 
 def _state_text(state: tuple[int, bytes]) -> str:
