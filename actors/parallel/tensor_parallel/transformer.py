@@ -22,6 +22,9 @@ A pipeline cuts ``stages`` between any two entries (`TensorParallelTransformer.s
 
 from __future__ import annotations
 
+import copy
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +48,8 @@ from actors.parallel.tensor_parallel.mappings import copy_to_tp_region
 from actors.parallel.tensor_parallel.random import TensorParallelRNG
 from runtime.collectives.from_thread import SyncCollectives
 
+M = TypeVar("M", bound=nn.Module)
+
 __all__ = [
     "ParallelAttention",
     "ParallelMLP",
@@ -55,16 +60,10 @@ __all__ = [
 ]
 
 
-def _replica(module: nn.Module) -> nn.Module:
-    """A copy of a replicated module (its own parameters, equal to the dense ones)."""
-    if isinstance(module, nn.LayerNorm):
-        copy = nn.LayerNorm(module.normalized_shape, eps=module.eps, dtype=module.weight.dtype)
-    elif isinstance(module, nn.Embedding):
-        copy = nn.Embedding(module.num_embeddings, module.embedding_dim, dtype=module.weight.dtype)
-    else:  # pragma: no cover - only the two kinds above are replicated
-        raise TypeError(f"no replica rule for {type(module).__name__}")
-    copy.load_state_dict(module.state_dict())
-    return copy
+def _replica(module: M) -> M:
+    """A copy of a module replicated across the tp group (its own parameters, equal to the
+    dense ones)."""
+    return copy.deepcopy(module)
 
 
 class ParallelAttention(nn.Module):
@@ -182,7 +181,7 @@ class ParallelEmbedding(nn.Module):
     def __init__(
         self,
         tok_emb: VocabParallelEmbedding,
-        pos_emb: nn.Module,
+        pos_emb: nn.Embedding,
         rng: TensorParallelRNG | None,
         dropout: float,
     ) -> None:
@@ -202,7 +201,7 @@ class ParallelEmbedding(nn.Module):
         )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        context = self.pos_emb.num_embeddings  # type: ignore[union-attr]
+        context = self.pos_emb.num_embeddings
         if idx.dim() != 2 or idx.shape[1] > context:
             raise ValueError(f"idx must be (batch, time <= {context}), got {tuple(idx.shape)}")
         pos = torch.arange(idx.shape[1], device=idx.device)
