@@ -192,6 +192,21 @@ def test_a_group_of_one_needs_no_trio_run() -> None:
     assert torch.equal(column(x), layer(x))
 
 
+def test_a_rank_that_fails_mid_layer_does_not_hang_its_peers() -> None:
+    """Rank 1 fails before its forward all-reduce; rank 0, blocked in it, is cancelled (the
+    bridge runs the collective in its thread's host task) and the run ends with rank 1's error."""
+
+    def compute(comm: ThreadCollectives) -> None:
+        row = RowParallelLinear(8, 4, comm)
+        if comm.rank == 1:
+            raise RuntimeError("rank 1 lost its input")
+        row(seeded((2, 4), 0))
+
+    with pytest.raises(BaseExceptionGroup) as caught:
+        run_tp(2, compute)
+    assert caught.group_contains(RuntimeError, match="rank 1 lost its input")
+
+
 # ----------------------------------------------------------------------------- slicing
 
 
