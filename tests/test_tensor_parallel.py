@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 import trio
 from conftest import open_group, run_ranks
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from actors.parallel.dense_transformer import DenseAttention, DenseMLP, DenseTransformer
@@ -409,6 +411,61 @@ def test_each_layer_matches_the_dense_layer_and_counts_its_collectives(tp: int) 
             zip(("forward", "backward"), expected_calls["cross_entropy"])
         )
     close(torch.cat([r["logits_grad"] for r in ce], dim=-1), logits.grad, "cross-entropy gradient")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    per_rank_vocab=st.integers(1, 5),
+    tokens_shape=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+    scale=st.sampled_from([0.1, 1.0, 30.0, 200.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_vocab_parallel_cross_entropy_matches_torch(
+    tp: int, per_rank_vocab: int, tokens_shape: list[int], scale: float, seed: int
+) -> None:
+    """Any split of any vocabulary, logits large enough that an unshifted exponent overflows."""
+    vocab = tp * per_rank_vocab
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((*tokens_shape, vocab), generator=gen, dtype=torch.float64) * scale
+    targets = torch.randint(0, vocab, tuple(tokens_shape), generator=gen)
+
+    def compute(comm: ThreadCollectives) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = split_last(logits, comm).clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(mine, targets, comm, vocab)
+        loss.sum().backward()
+        assert mine.grad is not None
+        return loss.detach(), mine.grad
+
+    ranks = run_tp(tp, compute)
+    dense = logits.clone().requires_grad_(True)
+    expected = F.cross_entropy(dense.reshape(-1, vocab), targets.reshape(-1), reduction="none")
+    expected.sum().backward()
+    for loss, _ in ranks:
+        close(loss, expected.detach().reshape(tuple(tokens_shape)), "per-token loss")
+    close(torch.cat([grad for _, grad in ranks], dim=-1), dense.grad, "logits gradient")
+
+
+def test_thread_collectives_from_a_thread_trio_did_not_start() -> None:
+    """A plain OS thread enters through the trio token captured at construction."""
+    import threading
+
+    async def rank_fn(world: Transport) -> torch.Tensor:
+        comm = ThreadCollectives(world)
+        out: list[torch.Tensor] = []
+        thread = threading.Thread(
+            target=lambda: out.append(comm.all_reduce(torch.full((3,), world.rank + 1.0)))
+        )
+        thread.start()
+        await trio.to_thread.run_sync(thread.join)
+        return out[0]
+
+    async def main() -> list[torch.Tensor]:
+        async with open_group("inproc", 2) as world:
+            return await run_ranks(world, rank_fn)
+
+    for result in trio.run(main):
+        assert torch.equal(result, torch.full((3,), 3.0))
 
 
 # ----------------------------------------------------------------------------- the transformer
