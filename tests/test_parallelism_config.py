@@ -271,3 +271,45 @@ def test_every_field_has_an_environment_variable() -> None:
     config.check_layers(8)
     with pytest.raises(ConfigError):
         config.check_layers(6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]),
+    pp=st.integers(1, 8),
+    m=st.integers(1, 24),
+    v=st.integers(1, 4),
+    layers=st.integers(1, 48),
+)
+def test_the_config_accepts_exactly_the_layouts_the_schedule_generator_builds(
+    kind: str, pp: int, m: int, v: int, layers: int
+) -> None:
+    """One rule set: ParallelismConfig refuses a schedule layout exactly when
+    check_schedule_parameters does, and check_layers agrees with the generator's."""
+    from runtime.parallel import schedules
+
+    try:
+        schedules.check_schedule_parameters(kind, pp, m, v)
+        generator_ok = True
+    except ValueError:
+        generator_ok = False
+    try:
+        config = ParallelismConfig(
+            pp_size=pp, num_micro_batches=m, virtual_chunks=v, pipeline_schedule=kind
+        )
+        config_ok = True
+    except ValueError:
+        config_ok = False
+    assert config_ok == generator_ok
+    if config_ok:
+        try:
+            schedules.check_layers(layers, pp, v)
+            layers_ok = True
+        except ValueError:
+            layers_ok = False
+        try:
+            config.check_layers(layers)
+            config_layers_ok = True
+        except ValueError:
+            config_layers_ok = False
+        assert config_layers_ok == layers_ok

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from runtime.errors import ConfigError
+from runtime.parallel.schedules import check_schedule_parameters
 
 __all__ = [
     "CommBackend",
@@ -264,7 +265,15 @@ class ParallelismConfig:
 
 
 def _check_schedule(schedule: PipelineSchedule, pp: int, m: int, v: int) -> None:
-    """The micro-batch and chunk rules of each schedule (torch.distributed.pipelining's)."""
+    """The micro-batch and chunk rules of each schedule (torch.distributed.pipelining's), in
+    this config's field names; the schedule generator's own check
+    (`runtime.parallel.schedules.check_schedule_parameters`) runs last, so a layout the config
+    accepts is one `build_schedule` builds (tests/test_parallelism_config.py checks they agree)."""
+    _check_schedule_fields(schedule, pp, m, v)
+    check_schedule_parameters(schedule.value, pp, m, v)
+
+
+def _check_schedule_fields(schedule: PipelineSchedule, pp: int, m: int, v: int) -> None:
     if schedule is PipelineSchedule.INTERLEAVED_1F1B:
         if v < 2:
             raise ConfigError(
