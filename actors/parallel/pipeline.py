@@ -414,13 +414,6 @@ class _StepRun:
 
     def _check_complete(self) -> None:
         where = f"pipeline rank {self.stage.rank}, step {self.step}"
-        for stage_index, grads in self.stage._grads.items():
-            missing = grads.missing()
-            if missing:
-                raise RuntimeError(
-                    f"{where}: stage {stage_index}'s list ended without the weight gradients "
-                    f"of micro-batches {missing}"
-                )
         if self.forwards:
             raise RuntimeError(
                 f"{where}: forwards never backed: {sorted(self.forwards)} (stage, micro-batch)"
@@ -428,6 +421,13 @@ class _StepRun:
         unsent = sorted((kind.value, s, i) for kind, s, i in self.to_send)
         if unsent:
             raise RuntimeError(f"{where}: outputs computed but never sent: {unsent}")
+        for stage_index, grads in self.stage._grads.items():
+            missing = grads.missing()
+            if missing:
+                raise RuntimeError(
+                    f"{where}: stage {stage_index}'s list ended without the weight gradients "
+                    f"of micro-batches {missing}"
+                )
         last = self.stage.num_stages - 1
         if last in self.stage.chunks and len(self.losses) != self.m:
             raise RuntimeError(

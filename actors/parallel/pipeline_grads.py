@@ -15,6 +15,7 @@ Two, as Megatron's ``finalize_model_grads`` does them:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ __all__ = ["new_embedding_group", "average_over_dp", "sum_tied", "broadcast_tied
 
 
 async def new_embedding_group(
-    world: Transport, pp_groups: Sequence[Sequence[int]], **group_options: object
+    world: Transport, pp_groups: Sequence[Sequence[int]], **group_options: Any
 ) -> ProcessGroup | None:
     """Create, for every pipeline group (world ranks in pipeline order, as
     ``mesh.groups("pp")`` lists them), the group of its first and last rank; return this rank's,
@@ -37,7 +38,7 @@ async def new_embedding_group(
     for ranks in pp_groups:
         if len(ranks) < 2:
             continue
-        group = await new_group(world, [ranks[0], ranks[-1]], **group_options)  # type: ignore[arg-type]
+        group = await new_group(world, [ranks[0], ranks[-1]], **group_options)
         if group is not None:
             mine = group
     return mine
