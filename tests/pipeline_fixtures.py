@@ -1,11 +1,13 @@
 """Helpers for the pipeline tests: a small transformer as blocks, its single-process reference,
-and hand-written action lists (GPipe, 1F1B, a split-backward 1F1B, looped breadth-first) with the
-sends and receives lowered in, for the tests that do not need the schedule generator."""
+and hand-written action lists with the sends and receives lowered in (GPipe with backwards in
+either order, 1F1B with the weight gradients split off and deferred, torch's looped
+breadth-first): orders `runtime.parallel.schedules.build_schedule` does not generate, which the
+executor must run to the same bits."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -182,9 +184,3 @@ def looped_bfs(pp: int, m: int, v: int) -> list[list[Action]]:
         compute += [Action(B, s, i) for s in reversed(mine) for i in range(m)]
         lists.append(lower(compute, pp, stages))
     return lists
-
-
-HAND_WRITTEN: dict[str, Callable[..., list[list[Action]]]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-}

@@ -42,6 +42,7 @@ from actors.parallel.stages import rank_stages, split_blocks
 from runtime.collectives.mesh import init_device_mesh
 from runtime.errors import PeerClosed, ProtocolError, StallError
 from runtime.parallel.actions import Action, ActionKind
+from runtime.parallel.schedules import SCHEDULE_KINDS, build_schedule
 from runtime.transport.base import Transport
 
 STEPS = 5
@@ -59,10 +60,12 @@ async def _train_rank(
     dp: int,
     v: int,
     tied: bool,
+    mesh_names: tuple[str, ...],
     steps: int = STEPS,
 ) -> tuple[PipelineStage, list[float | None]]:
-    """One world rank: its mesh (pp, dp), its stage, ``steps`` training steps."""
-    mesh = await init_device_mesh(world, ("pp", "dp"), (pp, dp))
+    """One world rank: its mesh (pp, dp[, tp of 1]), its stage, ``steps`` training steps."""
+    sizes = {"pp": pp, "dp": dp, "tp": 1}
+    mesh = await init_device_mesh(world, mesh_names, tuple(sizes[name] for name in mesh_names))
     embedding = await new_embedding_group(world, mesh.groups("pp")) if tied else None
     blocks = copy.deepcopy(model)
     stage = PipelineStage.from_blocks(
@@ -98,6 +101,7 @@ def _train(
     layers: int = 2,
     tied: bool = False,
     kind: str = "inproc",
+    mesh_names: tuple[str, ...] = ("pp", "dp"),
 ) -> tuple[torch.nn.Sequential, list[float], list[tuple[PipelineStage, list[float | None]]]]:
     model = transformer_blocks(layers, tied=tied)
     data = batches(STEPS, m, replicas=dp)
@@ -110,7 +114,7 @@ def _train(
 
                 async def one(t: Transport) -> None:
                     results[t.rank] = await _train_rank(
-                        t, model, lists, data, pp=pp, dp=dp, v=v, tied=tied
+                        t, model, lists, data, pp=pp, dp=dp, v=v, tied=tied, mesh_names=mesh_names
                     )
 
                 async with trio.open_nursery() as nursery:
@@ -152,22 +156,45 @@ def _compare(
         assert results[world_rank][1] == pytest.approx(reference_losses, rel=1e-6)
 
 
-SCHEDULES = {
-    "gpipe": lambda pp, m: gpipe(pp, m),
+HAND_WRITTEN = {
     "gpipe-reverse-backward": lambda pp, m: gpipe(pp, m, reverse_backward=True),
-    "1f1b": lambda pp, m: one_f_one_b(pp, m),
-    "1f1b-split-backward": lambda pp, m: one_f_one_b(pp, m, split=True),
+    "1f1b-split-backward-weights-last": lambda pp, m: one_f_one_b(pp, m, split=True),
 }
+GENERATED = [
+    # kind, pp, v (chunks per rank), m, encoder layers (p * v stages divide layers + 2 blocks)
+    ("gpipe", 2, 1, 4, 2),
+    ("gpipe", 4, 1, 8, 2),
+    ("1f1b", 2, 1, 4, 2),
+    ("1f1b", 4, 1, 8, 2),
+    ("interleaved_1f1b", 2, 2, 4, 2),
+    ("interleaved_1f1b", 4, 2, 8, 6),
+    ("zero_bubble", 2, 1, 4, 2),
+    ("zero_bubble", 4, 1, 8, 2),
+]
+assert {case[0] for case in GENERATED} == set(SCHEDULE_KINDS)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_every_schedule_on_two_stages_is_bitwise_the_single_process_run(name: str) -> None:
-    reference, losses, results = _train(SCHEDULES[name](2, 4), pp=2)
+@pytest.mark.parametrize(("kind", "pp", "v", "m", "layers"), GENERATED)
+def test_every_generated_schedule_is_bitwise_the_single_process_run(
+    kind: str, pp: int, v: int, m: int, layers: int
+) -> None:
+    """build_schedule's lists for every kind on p = 2 and p = 4 (interleaved with v = 2: 4 and
+    8 stages): every weight equal to the reference's, bit for bit, after 5 steps."""
+    lists = build_schedule(kind, pp, m, v).actions
+    reference, losses, results = _train(lists, pp=pp, v=v, m=m, layers=layers)
     _compare(reference, losses, results, exact=True)
 
 
-def test_four_stages_one_f_one_b_more_micro_batches_than_stages() -> None:
-    reference, losses, results = _train(one_f_one_b(4, 6), pp=4, m=6)
+@pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
+def test_hand_written_orders_give_the_same_bits(name: str) -> None:
+    """Backwards in reverse micro-batch order, or every weight gradient deferred to the end:
+    gradients still fold in micro-batch order, so the weights are the reference's bit for bit."""
+    reference, losses, results = _train(HAND_WRITTEN[name](2, 4), pp=2)
+    _compare(reference, losses, results, exact=True)
+
+
+def test_one_stage_is_the_single_process_run() -> None:
+    reference, losses, results = _train(build_schedule("1f1b", 1, 3).actions, pp=1, m=3)
     _compare(reference, losses, results, exact=True)
 
 
@@ -177,7 +204,10 @@ def test_two_chunks_per_rank_looped_breadth_first() -> None:
 
 
 def test_data_parallel_two_by_pipeline_two_averages_the_replicas() -> None:
-    reference, losses, results = _train(one_f_one_b(2, 4), pp=2, dp=2)
+    """A ("pp", "dp", "tp") mesh of 2 x 2 x 1: each stage's replicas average their gradients
+    over their dp group, bitwise the reference's average of the replicas."""
+    lists = build_schedule("1f1b", 2, 4).actions
+    reference, losses, results = _train(lists, pp=2, dp=2, mesh_names=("pp", "dp", "tp"))
     _compare(reference, losses, results, exact=True)
     # world ranks 0 and 1 are stage 0 of replicas 0 and 1: identical weights
     for a, b in zip(results[0][0].parameters(), results[1][0].parameters(), strict=True):
@@ -186,7 +216,8 @@ def test_data_parallel_two_by_pipeline_two_averages_the_replicas() -> None:
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_tied_embeddings_stay_tied_and_match_within_tolerance(dp: int) -> None:
-    reference, losses, results = _train(one_f_one_b(2, 4), pp=2, dp=dp, tied=True)
+    lists = build_schedule("1f1b", 2, 4).actions
+    reference, losses, results = _train(lists, pp=2, dp=dp, tied=True)
     _compare(reference, losses, results, exact=False)
     first, last = results[0][0], results[-1][0]
     assert len(first.tied_params) == len(last.tied_params) == 1
@@ -194,7 +225,9 @@ def test_tied_embeddings_stay_tied_and_match_within_tolerance(dp: int) -> None:
 
 
 def test_over_tcp_in_one_process() -> None:
-    reference, losses, results = _train(one_f_one_b(2, 4), pp=2, kind="tcp")
+    """Interleaved 1F1B over TcpTransport: activations and gradients share each link."""
+    lists = build_schedule("interleaved_1f1b", 2, 4, 2).actions
+    reference, losses, results = _train(lists, pp=2, v=2, kind="tcp")
     _compare(reference, losses, results, exact=True)
 
 
@@ -223,7 +256,7 @@ def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs() -> None:
         return loss_fn(out, target)
 
     data = batches(2, 4)
-    lists = one_f_one_b(4, 4)
+    lists = build_schedule("1f1b", 4, 4).actions
 
     async def rank(t: Transport) -> BaseException | None:
         blocks = copy.deepcopy(transformer_blocks(2))
