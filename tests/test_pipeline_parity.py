@@ -339,6 +339,40 @@ def test_a_shape_the_receiver_does_not_expect_is_a_protocol_error() -> None:
     assert isinstance(results[0], PeerClosed)
 
 
+def test_receiving_in_another_order_than_the_peer_sends_is_refused_never_swapped() -> None:
+    """Rank 1 receives micro-batch 1's activation first while rank 0 sends micro-batch 0's
+    first: a ProtocolError naming both tags on rank 1, and rank 0 fails too."""
+    f, r, s = ActionKind.FORWARD, ActionKind.RECV_ACTIVATION, ActionKind.SEND_GRADIENT
+    swapped = [Action(r, 0, 1, 0), Action(ActionKind.FORWARD, 1, 1), Action(r, 0, 0, 0)]
+    swapped += [Action(f, 1, 0), Action(ActionKind.BACKWARD, 1, 0), Action(s, 1, 0, 0)]
+    swapped += [Action(ActionKind.BACKWARD, 1, 1), Action(s, 1, 1, 0)]
+    lists = [gpipe(2, 2)[0], swapped]
+    inputs, targets = batches(1, 2)[0][0]
+
+    async def main() -> list:
+        async with open_group("inproc", 2) as world:
+            results: list = [None, None]
+
+            async def one(t: Transport) -> None:
+                try:
+                    await _stage(t).run_schedule(lists[t.rank], inputs, targets)
+                except Exception as exc:
+                    results[t.rank] = exc
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+            return results
+
+    results = trio.run(main)
+    expected = Action(r, 0, 1, 0).tag(0)
+    sent = Action(r, 0, 0, 0).tag(0)
+    assert isinstance(results[1], ProtocolError)
+    assert f"sent tag {sent}" in str(results[1]) and f"expected tag {expected}" in str(results[1])
+    assert isinstance(results[0], PeerClosed)
+
+
 def test_bad_lists_and_layouts_are_refused_with_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="do not split evenly into 3 stages"):
         split_blocks(transformer_blocks(2), 3)

@@ -11,12 +11,19 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   the backward, so the step's gradient is the mean over the micro-batches.
 - BACKWARD runs autograd from the received output gradient (the last stage: from ``loss / m``)
   to the stage's input and weights at once; BACKWARD_INPUT (zero-bubble) computes the input
-  gradient only, keeping the graph, and BACKWARD_WEIGHT the weight gradients later.
+  gradient only (``torch.autograd.grad`` over the stage input, keeping the graph), and
+  BACKWARD_WEIGHT the weight gradients later, from the same output gradient over the kept graph.
+  That second pass walks the activation-gradient chain again (torch's ``stage_backward_weight``
+  saves the intermediate gradients instead), so I + W cost more compute than one B here.
 - SEND_ACTIVATION / SEND_GRADIENT start a tagged `isend` in the step's nursery and go on: a send
-  never blocks the list. RECV_ACTIVATION / RECV_GRADIENT post a tagged `recv` into a tensor of
-  the declared activation shape and dtype and wait for it (p2p refuses another tag, dtype or
-  shape, naming the peer). The tag is ``action.tag(step)``: step, the sending stage, the
-  micro-batch and the direction, the same at both ends.
+  never blocks the list (sends to one peer leave in list order). RECV_ACTIVATION /
+  RECV_GRADIENT post a tagged `recv` into a tensor of the declared activation shape and dtype
+  and wait for it (p2p refuses another tag, dtype or shape, naming the peer). The tag is
+  ``action.tag(step)``: step, the sending stage, the micro-batch and the direction, the same at
+  both ends. A receive takes the next message its peer sent, so a rank must receive from each
+  peer in the order that peer sends to it: every list that runs on rendezvous channels does
+  (`runtime.parallel.schedules.build_schedule`'s are simulated so); with a list that does not,
+  the receive meets a message of another tag: a ProtocolError naming both tags, never a swap.
 - Compute runs in a worker thread (`trio.to_thread.run_sync`), so sends and receives progress
   meanwhile and several ranks of an in-process world share one trio loop.
 - Weight gradients fold into ``param.grad`` in ascending micro-batch order
