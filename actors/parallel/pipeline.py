@@ -283,7 +283,8 @@ class PipelineStage:
         """The dp average of every gradient, then the tied weights' sum over the embedding
         group (`actors.parallel.pipeline_grads`)."""
         try:
-            await average_over_dp(self.dp_group, self.parameters())
+            trained = [p for p in self.parameters() if p.requires_grad]
+            await average_over_dp(self.dp_group, trained)
             await sum_tied(self.embedding_group, self.tied_params)
         except BaseException as exc:
             await self._fail(exc)
