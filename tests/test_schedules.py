@@ -134,9 +134,8 @@ def test_1f1b_golden_p4_m8() -> None:
     lists = compute_lists("1f1b", 4, 8)
     assert lists[0] == parse(rank0)
     assert lists[3] == parse(rank3)
-    # The lowered lists: rank 0 sends each activation right after its forward and receives
-    # each gradient right before its backward; rank 3 takes the next activation as soon as
-    # rank 2 has it (while rank 3 would otherwise wait) and returns each gradient after B.
+    # The lowered lists: each receive right before the compute that needs it, each send right
+    # after the compute that makes it; where both fall in one gap, the lower sender's first.
     schedule = build_schedule("1f1b", 4, 8)
     assert schedule.actions[0] == parse(
         "0F0 0SEND_F0@1 0F1 0SEND_F1@1 0F2 0SEND_F2@1 0F3 0SEND_F3@1 1RECV_B0@1 0B0 "
@@ -145,7 +144,7 @@ def test_1f1b_golden_p4_m8() -> None:
         "1RECV_B7@1 0B7"
     )
     assert schedule.actions[3] == parse(
-        "2RECV_F0@2 3F0 2RECV_F1@2 3B0 3SEND_B0@2 3F1 3B1 2RECV_F2@2 3SEND_B1@2 3F2 3B2 "
+        "2RECV_F0@2 3F0 3B0 2RECV_F1@2 3SEND_B0@2 3F1 3B1 2RECV_F2@2 3SEND_B1@2 3F2 3B2 "
         "2RECV_F3@2 3SEND_B2@2 3F3 3B3 2RECV_F4@2 3SEND_B3@2 3F4 3B4 2RECV_F5@2 3SEND_B4@2 "
         "3F5 3B5 2RECV_F6@2 3SEND_B5@2 3F6 3B6 2RECV_F7@2 3SEND_B6@2 3F7 3B7 3SEND_B7@2"
     )
@@ -214,6 +213,43 @@ def test_every_schedule_is_valid_and_runs(params: tuple) -> None:
             else:
                 assert computes[(K.BACKWARD, stage)] == m
         assert len(result.timelines[rank]) == len(schedule.actions[rank])
+
+
+def placement(schedule: Schedule) -> Counter[str]:
+    """Counts receives right before (only transfers between) the compute that needs them, and
+    sends right after the compute that makes them, against the others."""
+    counts: Counter[str] = Counter()
+    for actions in schedule.actions:
+        computes = [i for i, a in enumerate(actions) if a.kind.is_compute]
+        for i, a in enumerate(actions):
+            if a.kind.is_recv:
+                after = actions[min(c for c in computes if c > i)]
+                wants = (
+                    (K.FORWARD,) if a.kind is K.RECV_ACTIVATION else (K.BACKWARD, K.BACKWARD_INPUT)
+                )
+                hit = after.kind in wants and after.microbatch == a.microbatch
+                counts["recv right before" if hit else "recv earlier"] += 1
+            elif a.kind.is_send:
+                before = actions[max(c for c in computes if c < i)]
+                hit = (before.stage, before.microbatch) == (a.stage, a.microbatch)
+                counts["send right after" if hit else "send later"] += 1
+    return counts
+
+
+@SETTINGS
+@given(schedule_parameters())
+def test_transfers_sit_next_to_their_computes(params: tuple) -> None:
+    # GPipe and 1F1B: every receive right before its compute, every send right after its own.
+    # ZB-H1: every receive right before; a send may wait past a W until its receiver is free.
+    # Interleaved: a receive comes earlier, or a send later, only where the receiver's compute
+    # starts while the sender computes (rendezvous needs both between computes).
+    kind, p, m, v = params
+    counts = placement(build_schedule(kind, p, m, v))
+    if kind in ("gpipe", "1f1b"):
+        assert counts["recv earlier"] == counts["send later"] == 0
+    if kind == "zero_bubble":
+        assert counts["recv earlier"] == 0
+    assert counts["recv earlier"] <= counts["recv right before"]
 
 
 def idle_time(result) -> Fraction:
@@ -458,7 +494,7 @@ def test_digest_is_stable() -> None:
     assert schedule_digest(build_schedule("1f1b", 4, 8)).hex() == GOLDEN_1F1B_DIGEST
 
 
-GOLDEN_1F1B_DIGEST = "93d1b38b18399fbf846dee855365c15f0cdca9d97248a9e0130928851fc2ac13"
+GOLDEN_1F1B_DIGEST = "589b2e1eedec195227a50485448cc4e8a6224a710b73d64e4c79042b9cc14da5"
 
 
 @SETTINGS

@@ -12,8 +12,8 @@ needs it, and a chunk's input taken from the chunk before it when both live on o
 `simulate` runs the lists with compute taking ``costs[kind]`` time units (divided by v, the
 chunks per rank) and communication taking none, where a send completes only together with its
 receive (rendezvous). It returns every action's start and end, the makespan, the bubble fraction
-and the peak of activations in flight per rank, or raises `ScheduleDeadlock` naming what each
-rank waits on when no rank can move. Times are exact (`fractions.Fraction`).
+and per rank the peaks of activations in flight and held, or raises `ScheduleDeadlock` naming
+what each rank waits on when no rank can move. Times are exact (`fractions.Fraction`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fractions import Fraction
 
 from runtime.errors import ParamsyncError
 from runtime.parallel.actions import Action, ActionKind
+from runtime.parallel.lowering import counterpart
 from runtime.parallel.schedules import Schedule
 
 __all__ = [
@@ -270,17 +271,6 @@ class SimulationResult:
     peak_held: tuple[int, ...]
 
 
-def _counterpart(action: Action, rank: int) -> tuple[int, Action]:
-    assert action.peer is not None
-    partner_kind = {
-        ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,
-        ActionKind.RECV_ACTIVATION: ActionKind.SEND_ACTIVATION,
-        ActionKind.SEND_GRADIENT: ActionKind.RECV_GRADIENT,
-        ActionKind.RECV_GRADIENT: ActionKind.SEND_GRADIENT,
-    }[action.kind]
-    return action.peer, Action(partner_kind, action.stage, action.microbatch, peer=rank)
-
-
 def simulate(
     schedule: Schedule, costs: Mapping[ActionKind | str, int | float | Fraction] | None = None
 ) -> SimulationResult:
@@ -330,7 +320,7 @@ def simulate(
                     position[rank] += 1
                     progressed = True
                     continue
-                peer, partner = _counterpart(action, rank)
+                peer, partner = counterpart(action, rank)
                 if not 0 <= peer < p or position[peer] >= len(lists[peer]):
                     break
                 if lists[peer][position[peer]] != partner:
