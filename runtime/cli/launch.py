@@ -43,7 +43,11 @@ from runtime.config import ADVERTISE_ENV, advertised_host, parse_address
 from runtime.errors import one_line
 from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
 
-__all__ = ["LaunchPlan", "run_launch", "merge_summaries", "free_port"]
+__all__ = ["LaunchPlan", "RESTART_COUNT_ENV", "run_launch", "merge_summaries", "free_port"]
+
+RESTART_COUNT_ENV = "PARAMSYNC_RESTART_COUNT"
+"""How many times ``paramsync launch --max-restarts`` restarted this worker (0: first start),
+like torchrun's TORCHELASTIC_RESTART_COUNT."""
 
 log = logging.getLogger("paramsync.launch")
 
@@ -262,7 +266,7 @@ def run_launch(args: argparse.Namespace) -> int:
     envs: dict[int, dict[str, str]] = {}
     workers: dict[int, subprocess.Popen[bytes]] = {}
     for local, rank in enumerate(plan.ranks):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(local), **{RESTART_COUNT_ENV: "0"})
         if args.summary_json:
             env["PARAMSYNC_SUMMARY_JSON"] = str(summary_dir / f"rank{rank}.json")
         envs[rank] = env
@@ -288,7 +292,9 @@ def run_launch(args: argparse.Namespace) -> int:
                 proc.send_signal(signum)
 
     def restart(rank: int) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(command, env=envs[rank])
+        env = envs[rank]
+        env[RESTART_COUNT_ENV] = str(int(env[RESTART_COUNT_ENV]) + 1)
+        proc = subprocess.Popen(command, env=env)
         workers[rank] = proc
         return proc
 
