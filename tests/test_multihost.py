@@ -25,7 +25,7 @@ import multihost_job as job
 import pytest
 import torch
 
-from runtime.testing.netns import VirtualHost, unavailable_reason, virtual_hosts
+from runtime.testing.netns import Shaping, VirtualHost, unavailable_reason, virtual_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(job.__file__).resolve()
@@ -204,3 +204,63 @@ def test_the_coordinator_on_its_own_host_restarted_the_run_finishes(tmp_path: Pa
     check_parity(results, steps)
     epochs = results[0]["summary"]["epochs"]
     assert len(epochs) == 2 and all(e["members"] == [0, 1, 2, 3] for e in epochs), epochs
+
+
+def test_virtual_hosts_reach_each_other_only_and_are_removed_even_on_failure() -> None:
+    shaping = Shaping(1_000_000_000)
+    with pytest.raises(RuntimeError, match="inside"), virtual_hosts(2, shaping=shaping) as hosts:
+        a, b = hosts
+        assert a.address != b.address and a.namespace != b.namespace
+        listen = (
+            "import socket; s = socket.create_server(('0.0.0.0', 5555)); "
+            "c, peer = s.accept(); print(peer[0], c.recv(5).decode())"
+        )
+        server = b.popen([sys.executable, "-c", listen], stdout=subprocess.PIPE)
+        dial = (
+            "import socket, time\n"
+            "for _ in range(200):\n"
+            "    try:\n"
+            f"        socket.create_connection(('{b.address}', 5555)).sendall(b'hello'); break\n"
+            "    except OSError: time.sleep(0.05)\n"
+        )
+        subprocess.run(a.command([sys.executable, "-c", dial]), check=True, timeout=60)
+        out, _ = server.communicate(timeout=60)
+        assert out.decode().split() == [a.address, "hello"]  # from a's own address
+        qdiscs = subprocess.run(
+            ["tc", "qdisc", "show", "dev", a.outer_veth], capture_output=True, text=True
+        ).stdout
+        assert "tbf" in qdiscs and "rate 1Gbit" in qdiscs, qdiscs
+        inside = subprocess.run(
+            a.command(["tc", "qdisc", "show", "dev", a.inner_veth]), capture_output=True, text=True
+        ).stdout
+        assert "tbf" in inside, inside
+        # The bridge has no address here: the caller's namespace has no route through it.
+        route = subprocess.run(["ip", "route", "get", b.address], capture_output=True, text=True)
+        assert "psb" not in route.stdout, route.stdout
+        raise RuntimeError("inside")  # the context must still remove everything
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert a.namespace not in names and b.namespace not in names
+    assert a.outer_veth not in links and b.outer_veth not in links
+
+
+def test_torchrun_on_two_hosts_runs_a_paramsync_script(tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --node-rank R --master-addr ...`` on each host, unchanged
+    example: rank 0 (host a) hosts the coordinator on MASTER_ADDR, rank 1 finds its port in
+    torchrun's store, and both train together."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    with virtual_hosts(2) as (a, b), run_in(tmp_path) as run:
+        for node, host in enumerate((a, b)):
+            argv = [
+                str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                "1", "--master-addr", a.address, "--master-port", str(PORT),
+                str(ROOT / "examples" / "own_training_loop.py"), "--steps", "20",
+                "--log-every", "10",
+            ]  # fmt: skip
+            run.start(f"node{node}", host, argv)
+        codes = run.wait("node0", "node1")
+        assert codes == {"node0": 0, "node1": 0}, run.logs()
+        out = (tmp_path / "node0.log").read_text()
+    assert "rank 0 of 2: after 20 steps" in out, out

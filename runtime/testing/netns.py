@@ -85,7 +85,7 @@ class VirtualHost:
 
     def popen(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
         """Start ``argv`` inside this namespace; ``kwargs`` go to `subprocess.Popen`."""
-        return subprocess.Popen(self.command(argv), **kwargs)  # type: ignore[call-overload,no-any-return]
+        return subprocess.Popen(self.command(argv), **kwargs)  # type: ignore[call-overload]
 
     def pids(self) -> list[int]:
         """The processes running inside this namespace now."""
