@@ -264,3 +264,24 @@ def test_torchrun_on_two_hosts_runs_a_paramsync_script(tmp_path: Path) -> None:
         assert codes == {"node0": 0, "node1": 0}, run.logs()
         out = (tmp_path / "node0.log").read_text()
     assert "rank 0 of 2: after 20 steps" in out, out
+
+
+@pytest.mark.soak
+def test_the_multihost_benchmark_runs_both_systems_on_a_shaped_link(tmp_path: Path) -> None:
+    """A tiny run of benchmarks/multihost.py: both systems, one shaped rate, a JSON table
+    (~30 s under load: make soak)."""
+    out = tmp_path / "multihost.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "multihost.py"), "--rates", "1gbit",
+        "--layouts", "2x1", "--sizes", "1MiB", "--rounds", "1", "--repeats", "1",
+        "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["rate_bits"] == 10**9 and row["layout"] == "2x1" and row["bytes"] == 1 << 20
+    for system in ("paramsync", "gloo"):
+        # Shaped: never above the link's rate (tbf's burst lets a little through at once).
+        assert 0 < row[system]["fraction_of_rate"] < 1.5, row
