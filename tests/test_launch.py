@@ -19,6 +19,7 @@ import pytest
 
 from runtime.cli.launch import LaunchPlan
 from runtime.cli.main import build_parser
+from runtime.config import ADVERTISE_ENV, advertised_host
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "runtime.cli.main"]
@@ -341,3 +342,12 @@ def test_a_multi_node_launch_without_a_shared_secret_exits_2() -> None:
     assert result.returncode == 2, (result.returncode, result.stderr)
     [line] = _error_lines(result.stderr)
     assert "same value on each" in line and "PARAMSYNC_SECRET" in line, line
+
+
+def test_the_advertised_address_is_a_host_without_a_port() -> None:
+    assert advertised_host({}) is None and advertised_host({ADVERTISE_ENV: " "}) is None
+    assert advertised_host({ADVERTISE_ENV: "10.0.0.7"}) == "10.0.0.7"
+    assert advertised_host({ADVERTISE_ENV: "[fe80::1]"}) == "fe80::1"
+    assert advertised_host({ADVERTISE_ENV: "node-7.cluster"}) == "node-7.cluster"
+    with pytest.raises(ValueError, match=re.escape("PARAMSYNC_ADVERTISE_ADDR='10.0.0.7:80'")):
+        advertised_host({ADVERTISE_ENV: "10.0.0.7:80"})

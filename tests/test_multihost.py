@@ -137,8 +137,10 @@ def test_four_ranks_on_two_hosts_equal_one_process(tmp_path: Path) -> None:
     steps = 6
     with virtual_hosts(2) as (a, b), run_in(tmp_path) as run:
         coordinator = f"{a.address}:{PORT}"
-        for node, host in enumerate((a, b)):
-            run.launch(f"node{node}", host, launch_flags(node, coordinator), [str(steps)])
+        run.launch("node0", a, launch_flags(0, coordinator), [str(steps)])
+        # Node 1 names its address (--advertise-addr); node 0's workers take their route's.
+        flags = launch_flags(1, coordinator, "--advertise-addr", b.address)
+        run.launch("node1", b, flags, [str(steps)])
         codes = run.wait("node0", "node1")
         assert codes == {"node0": 0, "node1": 0}, run.logs()
         results = run.results(4)
