@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-groups bench-control-plane reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-multihost bench-groups bench-control-plane reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ demo-allreduce: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py --json out/allreduce.json
+
+bench-multihost: $(STAMP)
+	$(BIN)/python benchmarks/multihost.py --json out/multihost.json
 
 bench-groups: $(STAMP)
 	$(BIN)/python benchmarks/groups.py --json out/groups.json

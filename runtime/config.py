@@ -3,9 +3,37 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DistributedConfig", "parse_address"]
+__all__ = ["ADVERTISE_ENV", "DistributedConfig", "advertised_host", "parse_address"]
+
+ADVERTISE_ENV = "PARAMSYNC_ADVERTISE_ADDR"
+"""The address a worker listens on for its peers and tells them to dial (``paramsync launch
+--advertise-addr``). Unset: the address of the interface its connection to the coordinator
+leaves through, which other hosts reach when the coordinator is given by a routable address."""
+
+
+def advertised_host(environ: Mapping[str, str] | None = None) -> str | None:
+    """The host ``$PARAMSYNC_ADVERTISE_ADDR`` names (None: unset or blank). A value with a
+    port, or one that is no host name or address, is a ``ValueError`` naming the variable."""
+    env = os.environ if environ is None else environ
+    text = env.get(ADVERTISE_ENV, "").strip()
+    if not text:
+        return None
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if len(host) > 253 or not all(c.isalnum() or c in "-." for c in host):
+        raise ValueError(
+            f"{ADVERTISE_ENV}={text!r} is not a host name or IP address (no port: the worker "
+            "picks its own)"
+        )
+    return host
 
 
 def parse_address(text: str, *, default_port: int | None = None) -> tuple[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,6 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from runtime.cli.launch import LaunchPlan
+from runtime.cli.main import build_parser
+from runtime.config import ADVERTISE_ENV, advertised_host
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "runtime.cli.main"]
@@ -268,3 +273,81 @@ def test_coordinator_on_a_taken_port_is_one_line_naming_bind() -> None:
     assert result.returncode == 2, (result.returncode, result.stderr)
     [line] = _error_lines(result.stderr)
     assert f"cannot listen on 127.0.0.1:{port}" in line and "--bind" in line, line
+
+
+def _plan(*flags: str) -> LaunchPlan:
+    args = build_parser().parse_args(["launch", *flags, "--", "job.py"])
+    return LaunchPlan.from_args(args)
+
+
+def test_a_node_of_a_multi_node_launch_runs_its_own_ranks() -> None:
+    plan = _plan("--nnodes", "3", "--node-rank", "1", "--nproc-per-node", "4", "--coordinator",
+                 "10.0.0.5:29600")  # fmt: skip
+    assert plan.world_size == 12 and list(plan.ranks) == [4, 5, 6, 7]
+    assert (plan.host, plan.port) == ("10.0.0.5", 29600)
+    assert not plan.hosts_coordinator  # node 1: node 0 runs it
+    assert plan.min_workers is None  # static unless restarts are asked for
+    node0 = _plan("--nnodes", "3", "--node-rank", "0", "--nproc", "4", "--coordinator", "n0")
+    assert node0.hosts_coordinator and node0.port == 29500  # torchrun's default port
+    elsewhere = _plan("--nnodes", "2", "--nproc", "1", "--coordinator", "n0:1", "--no-coordinator")
+    assert not elsewhere.hosts_coordinator
+
+
+def test_torchruns_names_for_the_coordinators_address_are_accepted() -> None:
+    by_master = _plan("--nnodes", "2", "--nproc", "1", "--master-addr", "10.1.2.3",
+                      "--master-port", "29999")  # fmt: skip
+    by_rdzv = _plan("--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "10.1.2.3:29999")
+    assert (by_master.host, by_master.port) == (by_rdzv.host, by_rdzv.port) == ("10.1.2.3", 29999)
+
+
+def test_max_restarts_makes_the_run_elastic_down_to_one_node_less() -> None:
+    multi = _plan("--nnodes", "2", "--nproc", "2", "--coordinator", "h:1", "--max-restarts", "3")
+    assert multi.max_restarts == 3 and multi.min_workers == 2
+    single = _plan("--nproc", "3", "--max-restarts", "1")
+    assert single.min_workers == 2
+    given = _plan("--nproc", "3", "--max-restarts", "1", "--min-workers", "3")
+    assert given.min_workers == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--nnodes", "2", "--nproc", "1"), "needs the coordinator's address"),
+        (("--nnodes", "2", "--nproc", "1", "--coordinator", "127.0.0.1:5"), "loopback"),
+        (("--nnodes", "2", "--node-rank", "2", "--nproc", "1"), "--node-rank must be in 0..1"),
+        (
+            (
+                "--nproc",
+                "0",
+            ),
+            "--nproc-per-node",
+        ),
+        (("--nproc", "1", "--max-restarts", "-1"), "--max-restarts"),
+        (("--nproc", "1", "--coordinator", "h:1", "--master-addr", "g"), "give one"),
+        (("--nproc", "2", "--min-workers", "3"), "--min-workers must be in 1..2"),
+        (("--nproc", "1", "--advertise-addr", "a b"), "PARAMSYNC_ADVERTISE_ADDR"),
+        (("--nproc", "1", "--coordinator", "h:x"), "--coordinator"),
+    ],
+)
+def test_bad_launch_flags_are_named(flags: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _plan(*flags)
+
+
+def test_a_multi_node_launch_without_a_shared_secret_exits_2() -> None:
+    result = run_cli(
+        "launch", "--nnodes", "2", "--node-rank", "1", "--nproc", "1", "--coordinator",
+        "10.9.9.9:29500", "--", "job.py", env=env_without_secret(),
+    )  # fmt: skip
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    [line] = _error_lines(result.stderr)
+    assert "same value on each" in line and "PARAMSYNC_SECRET" in line, line
+
+
+def test_the_advertised_address_is_a_host_without_a_port() -> None:
+    assert advertised_host({}) is None and advertised_host({ADVERTISE_ENV: " "}) is None
+    assert advertised_host({ADVERTISE_ENV: "10.0.0.7"}) == "10.0.0.7"
+    assert advertised_host({ADVERTISE_ENV: "[fe80::1]"}) == "fe80::1"
+    assert advertised_host({ADVERTISE_ENV: "node-7.cluster"}) == "node-7.cluster"
+    with pytest.raises(ValueError, match=re.escape("PARAMSYNC_ADVERTISE_ADDR='10.0.0.7:80'")):
+        advertised_host({ADVERTISE_ENV: "10.0.0.7:80"})

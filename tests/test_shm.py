@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallErro
 from runtime.protocol.wire import decode_frame
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.capabilities import SharedMemoryHolder
-from runtime.transport.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory
+from runtime.transport.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory, host_identity
 from runtime.transport.tcp import TcpTransport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -467,3 +468,35 @@ def test_killed_peer_fails_the_others_with_a_clear_error(
     assert time.monotonic() - started < 15
     assert all(e["error"] in ("PeerClosed", "StallError") for e in errors), errors
     assert any(e["peer"] == 2 and "peer 2" in e["message"] for e in errors), errors
+
+
+def test_host_identity_is_the_users_word_when_given() -> None:
+    assert host_identity({"PARAMSYNC_HOST_ID": "rack4-node7"}) == "id:rack4-node7"
+    assert host_identity({"PARAMSYNC_HOST_ID": "a"}) != host_identity({"PARAMSYNC_HOST_ID": "b"})
+    long = host_identity({"PARAMSYNC_HOST_ID": "x" * 1000})
+    assert len(long) < 512 and long != host_identity({"PARAMSYNC_HOST_ID": "x" * 999})
+    assert host_identity({"PARAMSYNC_HOST_ID": "  "}) == host_identity({})  # blank: not given
+
+
+def test_host_identity_names_the_network_namespace() -> None:
+    """Ranks in two network namespaces of one kernel share /dev/shm but are two hosts."""
+    mine = host_identity({})
+    assert os.readlink("/proc/self/ns/net") in mine
+    script = "from runtime.transport.shm import host_identity; print(host_identity({}))"
+    same = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert same.stdout.strip() == mine  # another process of this namespace: the same host
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to start a process in a new network namespace")
+    other = subprocess.run(
+        [unshare, "--net", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if other.returncode != 0:
+        pytest.skip(f"unshare --net failed here: {other.stderr.strip()[-200:]}")
+    assert other.stdout.strip() != mine
+    assert other.stdout.split("/")[0] == mine.split("/")[0]  # one kernel: one boot id

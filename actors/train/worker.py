@@ -21,7 +21,7 @@ from actors.client.client import CoordinatorClient
 from actors.state.digest import Scheduler, state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
 from runtime.cli.train_config import shared_secret
-from runtime.config import DistributedConfig
+from runtime.config import ADVERTISE_ENV, DistributedConfig, advertised_host
 from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
 from runtime.errors import ConfigError
@@ -127,9 +127,20 @@ async def join_run(
             f"{join_seconds:g} s: start it there, or set MASTER_ADDR and MASTER_PORT "
             "(--coordinator) to where it listens"
         ) from None
-    with trio.fail_after(join_seconds):
-        local_host = conn.socket.getsockname()[0]
-        listeners = await trio.open_tcp_listeners(0, host=local_host)
+    # Where the other workers dial this one: $PARAMSYNC_ADVERTISE_ADDR, else the interface
+    # that reaches the coordinator (runtime.config.advertised_host).
+    try:
+        local_host = advertised_host() or conn.socket.getsockname()[0]
+        with trio.fail_after(join_seconds):
+            listeners = await trio.open_tcp_listeners(0, host=local_host)
+    except (ValueError, OSError) as exc:
+        await conn.aclose()
+        if isinstance(exc, ValueError):
+            raise ConfigError(f"rank {config.rank}: {exc}") from None
+        raise ConfigError(
+            f"rank {config.rank}: cannot listen for peers on {local_host} ({exc.strerror or exc})"
+            f": set {ADVERTISE_ENV} (--advertise-addr) to an address of this host"
+        ) from None
 
     async def redial() -> Link:
         link, _ = await dial(config.address, key, me, tls=tls)

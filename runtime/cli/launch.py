@@ -1,13 +1,29 @@
-"""``paramsync launch``: a coordinator and N workers on this machine, like torchrun.
+"""``paramsync launch``: a coordinator and N workers on this machine, or one node of many.
 
 The launcher owns its children: it forwards SIGINT and SIGTERM to all of them, and when one
 worker fails it stops the others and exits non-zero naming the failed rank, so a run never
 half-survives. Each worker gets torchrun's variables and a fresh shared secret.
+
+Multi-node (`LaunchPlan`): ``--nnodes N --node-rank R --coordinator HOST:PORT
+--nproc-per-node K`` starts ranks R*K .. R*K+K-1 on this node; node 0 also runs the coordinator
+daemon, bound to HOST:PORT (HOST must be an address of node 0 that the other nodes reach),
+unless ``--no-coordinator`` says it runs elsewhere (``paramsync coordinator --bind`` on a
+machine of its own). Every node must hold the same secret ($PARAMSYNC_SECRET or
+$PARAMSYNC_SECRET_FILE). Workers dial the coordinator at HOST, so they listen for their peers on
+the interface that reaches it, or on ``--advertise-addr`` ($PARAMSYNC_ADVERTISE_ADDR).
+
+``--max-restarts M``: a worker that fails is started again, with its rank, up to M times on
+this node, and rejoins the running run live (the coordinator is then elastic: the survivors
+go on in a new epoch, and the restarted worker receives their whole state). Only the failed
+process is restarted, not the node's whole group as torchrun does: paramsync's epochs survive
+a lost member, and the node's healthy workers keep the state a restart needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -18,14 +34,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.train_config import shared_secret
+from runtime.cli.train_config import DEFAULT_COORDINATOR_PORT, shared_secret
+from runtime.config import ADVERTISE_ENV, advertised_host, parse_address
 from runtime.errors import one_line
 from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
 
-__all__ = ["run_launch", "merge_summaries", "free_port"]
+__all__ = ["LaunchPlan", "RESTART_COUNT_ENV", "run_launch", "merge_summaries", "free_port"]
+
+RESTART_COUNT_ENV = "PARAMSYNC_RESTART_COUNT"
+"""How many times ``paramsync launch --max-restarts`` restarted this worker (0: first start),
+like torchrun's TORCHELASTIC_RESTART_COUNT."""
 
 log = logging.getLogger("paramsync.launch")
 
@@ -70,25 +92,151 @@ def _command(parts: list[str]) -> list[str]:
     return [sys.executable, *parts]
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What this node of a launch runs: its ranks, the coordinator's address, and whether it
+    hosts the coordinator. Built from the flags by `LaunchPlan.from_args`, which checks them."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    host: str
+    """Where the coordinator listens (node 0's address; 127.0.0.1 for a one-node run)."""
+    port: int
+    """Its port; 0 on one node: pick a free one."""
+    hosts_coordinator: bool
+    advertise: str | None
+    max_restarts: int
+    min_workers: int | None
+    """The coordinator's ``--min-workers`` (None: all, a static run)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this node starts."""
+        first = self.node_rank * self.nproc_per_node
+        return range(first, first + self.nproc_per_node)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LaunchPlan:
+        """Check the flags; a bad one is a ``ValueError`` naming it."""
+        nproc, nnodes, node_rank = args.nproc, args.nnodes, args.node_rank
+        if nproc is None or nproc < 1:
+            raise ValueError(f"--nproc-per-node (--nproc) must be at least 1, got {nproc}")
+        if nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(
+                f"--node-rank must be in 0..{nnodes - 1} (--nnodes {nnodes}), got {node_rank}"
+            )
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+        if not 0 <= args.master_port <= 65535:
+            raise ValueError(f"--master-port must be a TCP port (0-65535), got {args.master_port}")
+        given = [
+            flag
+            for flag, value in (
+                ("--coordinator", args.coordinator),
+                ("--rdzv-endpoint", args.rdzv_endpoint),
+            )
+            if value
+        ]
+        if len(given) > 1 and args.coordinator != args.rdzv_endpoint:
+            raise ValueError("--coordinator and --rdzv-endpoint name two addresses: give one")
+        endpoint = args.coordinator or args.rdzv_endpoint
+        if endpoint and (args.master_addr or args.master_port):
+            raise ValueError(f"{given[0]} and --master-addr/--master-port both given: give one")
+        if endpoint:
+            try:
+                host, port = parse_address(endpoint, default_port=DEFAULT_COORDINATOR_PORT)
+            except ValueError as exc:
+                raise ValueError(f"{given[0]}: {exc}") from None
+        else:
+            host = args.master_addr or "127.0.0.1"
+            port = args.master_port
+        if nnodes > 1:
+            if not (endpoint or args.master_addr):
+                raise ValueError(
+                    "--nnodes > 1 needs the coordinator's address: --coordinator HOST:PORT "
+                    "(HOST: an address of node 0 that every node reaches)"
+                )
+            if _is_loopback(host):
+                raise ValueError(
+                    f"--nnodes {nnodes}: the coordinator address {host} is loopback, which the "
+                    "other nodes cannot reach: give node 0's network address"
+                )
+            port = port or DEFAULT_COORDINATOR_PORT
+        world = nnodes * nproc
+        min_workers = args.min_workers
+        if min_workers is not None and not 1 <= min_workers <= world:
+            raise ValueError(f"--min-workers must be in 1..{world}, got {min_workers}")
+        if min_workers is None and args.max_restarts > 0 and world > 1:
+            # Elastic, so a failed worker's loss ends its epoch, not the run: it rejoins.
+            min_workers = max(1, world - nproc) if nnodes > 1 else world - 1
+        if args.advertise_addr:
+            advertised_host({ADVERTISE_ENV: args.advertise_addr})  # a ValueError naming it
+        return cls(
+            nnodes=nnodes,
+            node_rank=node_rank,
+            nproc_per_node=nproc,
+            host=host,
+            port=port,
+            hosts_coordinator=node_rank == 0 and not args.no_coordinator,
+            advertise=args.advertise_addr,
+            max_restarts=args.max_restarts,
+            min_workers=min_workers,
+        )
+
+
+def _run_id(plan: LaunchPlan, given_secret: bool) -> str:
+    """One run id for every rank of every node: $PARAMSYNC_RUN_ID (or --run-id); one node: a
+    random one; several: derived from the shared secret and the coordinator's address, which
+    every node holds alike (nothing to agree on, and another secret is another run)."""
+    given = os.environ.get("PARAMSYNC_RUN_ID")
+    if given:
+        return given
+    if plan.nnodes == 1 or not given_secret:
+        return secrets.token_hex(8)
+    digest = hashlib.sha256(b"paramsync-run-id\0" + shared_secret())
+    digest.update(f"{plan.host}:{plan.port}".encode())
+    return digest.hexdigest()[:16]
+
+
 def run_launch(args: argparse.Namespace) -> int:
     """Run the launch; returns its exit code: 1 when a worker failed, 2 on a bad
     configuration (the launcher's own, e.g. a secret too short, or a worker's that exited 2).
 
     The secret: $PARAMSYNC_SECRET or $PARAMSYNC_SECRET_FILE as the user set them (checked
-    first), else a fresh one in every child's environment."""
+    first), else (one node only) a fresh one in every child's environment."""
     try:
         command = _command(list(args.program))
-        if args.nproc < 1:
-            raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
-        if not 0 <= args.master_port <= 65535:
-            raise ValueError(f"--master-port must be a TCP port (0-65535), got {args.master_port}")
+        plan = LaunchPlan.from_args(args)
         given_secret = bool(os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV))
         if given_secret:
             shared_secret()  # the user's secret must work before N processes find out it does not
+        elif plan.nnodes > 1:
+            raise ValueError(
+                f"a multi-node run needs one shared secret on every node: set {SECRET_ENV} "
+                f"(or {SECRET_FILE_ENV}) to the same value on each (paramsync secret makes one)"
+            )
     except ValueError as exc:
         log.error("bad configuration: %s", one_line(exc))
         return EXIT_USAGE
-    port = args.master_port or free_port()
+    if args.run_id:
+        os.environ["PARAMSYNC_RUN_ID"] = args.run_id
+    port = plan.port or free_port()
     # torchrun's variables of an enclosing run would send the children to its store.
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     if not given_secret:  # a fresh one for this run; the user's own (variable or file) as it is
@@ -96,12 +244,17 @@ def run_launch(args: argparse.Namespace) -> int:
     base.update(
         # One run id for every rank: jobs record it in their checkpoints (a resume refuses
         # another run's).
-        PARAMSYNC_RUN_ID=os.environ.get("PARAMSYNC_RUN_ID") or secrets.token_hex(8),
-        MASTER_ADDR="127.0.0.1",
+        PARAMSYNC_RUN_ID=_run_id(plan, given_secret),
+        MASTER_ADDR=plan.host,
         MASTER_PORT=str(port),
-        WORLD_SIZE=str(args.nproc),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_WORLD_SIZE=str(plan.nproc_per_node),
+        GROUP_RANK=str(plan.node_rank),
+        NODE_RANK=str(plan.node_rank),
         PARAMSYNC_ROLE="worker",
     )
+    if plan.advertise:
+        base[ADVERTISE_ENV] = plan.advertise
     # Like torchrun: one intra-op thread per worker unless the user says otherwise, so N
     # workers do not oversubscribe the machine's cores.
     base.setdefault("OMP_NUM_THREADS", "1")
@@ -109,35 +262,25 @@ def run_launch(args: argparse.Namespace) -> int:
         "PARAMSYNC_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel())
     )
     summary_dir = Path(tempfile.mkdtemp(prefix="paramsync-launch-"))
-    coordinator = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "runtime.cli.main",
-            "--log-level",
-            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-            "coordinator",
-            "--world-size",
-            str(args.nproc),
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--digest-interval",
-            str(args.digest_interval),
-            "--heartbeat-deadline",
-            str(args.heartbeat_deadline),
-        ],
-        env=base,
-    )
+    coordinator = _start_coordinator(args, plan, port, base) if plan.hosts_coordinator else None
+    envs: dict[int, dict[str, str]] = {}
     workers: dict[int, subprocess.Popen[bytes]] = {}
-    for rank in range(args.nproc):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+    for local, rank in enumerate(plan.ranks):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(local), **{RESTART_COUNT_ENV: "0"})
         if args.summary_json:
             env["PARAMSYNC_SUMMARY_JSON"] = str(summary_dir / f"rank{rank}.json")
+        envs[rank] = env
         workers[rank] = subprocess.Popen(command, env=env)
     log.info(
-        "launched a coordinator (pid %d) and %d workers on 127.0.0.1:%d",
-        coordinator.pid,
-        args.nproc,
+        "node %d of %d: launched %s%d workers (ranks %d-%d of %d), coordinator at %s:%d",
+        plan.node_rank,
+        plan.nnodes,
+        f"a coordinator (pid {coordinator.pid}) and " if coordinator is not None else "",
+        plan.nproc_per_node,
+        plan.ranks[0],
+        plan.ranks[-1],
+        plan.world_size,
+        plan.host,
         port,
     )
     received: list[int] = []
@@ -145,23 +288,31 @@ def run_launch(args: argparse.Namespace) -> int:
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
         for proc in [coordinator, *workers.values()]:
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 proc.send_signal(signum)
+
+    def restart(rank: int) -> subprocess.Popen[bytes]:
+        env = envs[rank]
+        env[RESTART_COUNT_ENV] = str(int(env[RESTART_COUNT_ENV]) + 1)
+        proc = subprocess.Popen(command, env=env)
+        workers[rank] = proc
+        return proc
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failed = _supervise(workers, coordinator)
+        failed = _supervise(workers, coordinator, restart, plan.max_restarts, received)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failed is None:
-        try:
-            coordinator.wait(timeout=_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            coordinator.terminate()
-            coordinator.wait()
+        if coordinator is not None:
+            try:
+                coordinator.wait(timeout=_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                coordinator.terminate()
+                coordinator.wait()
     else:
-        _stop_all([coordinator, *workers.values()])
+        _stop_all([p for p in (coordinator, *workers.values()) if p is not None])
     code = 0
     if received:
         code = 128 + received[0]
@@ -178,9 +329,12 @@ def run_launch(args: argparse.Namespace) -> int:
             )
             code = EXIT_USAGE
         else:
-            log.error("%s failed with exit code %s: stopped the run", who, proc.returncode)
+            restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
+            log.error(
+                "%s failed with exit code %s%s: stopped the run", who, proc.returncode, restarts
+            )
             code = 1
-    elif coordinator.returncode:
+    elif coordinator is not None and coordinator.returncode:
         log.error("the coordinator exited with code %d", coordinator.returncode)
         code = 1
     if args.summary_json and code == 0:
@@ -192,22 +346,67 @@ def run_launch(args: argparse.Namespace) -> int:
     return code
 
 
+def _start_coordinator(
+    args: argparse.Namespace, plan: LaunchPlan, port: int, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """The coordinator daemon of the run, listening at the plan's host and ``port``."""
+    bind = f"[{plan.host}]:{port}" if ":" in plan.host else f"{plan.host}:{port}"
+    command = [
+        sys.executable, "-m", "runtime.cli.main",
+        "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        "coordinator", "--world-size", str(plan.world_size), "--bind", bind,
+        "--digest-interval", str(args.digest_interval),
+        "--heartbeat-deadline", str(args.heartbeat_deadline),
+    ]  # fmt: skip
+    if plan.min_workers is not None and plan.min_workers < plan.world_size:
+        command += [
+            "--min-workers", str(plan.min_workers),
+            "--rejoin-seconds", str(args.rejoin_seconds),
+            # Start only when every rank has joined, unless nobody joins for this long: a
+            # node that starts late is not left out of the first epoch.
+            "--rendezvous-seconds", str(args.rendezvous_seconds),
+        ]  # fmt: skip
+    return subprocess.Popen(command, env=env)
+
+
 def _supervise(
-    workers: dict[int, subprocess.Popen[bytes]], coordinator: subprocess.Popen[bytes]
+    workers: dict[int, subprocess.Popen[bytes]],
+    coordinator: subprocess.Popen[bytes] | None,
+    restart: Any = None,
+    max_restarts: int = 0,
+    stopping: list[int] | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]] | None:
-    """Wait for every worker; return the first that failed (rank -1: the coordinator)."""
+    """Wait for every worker; return the first that failed for good (rank -1: the
+    coordinator). A failed worker is started again by ``restart(rank)`` while fewer than
+    ``max_restarts`` restarts were made (none once a signal is in ``stopping``)."""
     pending = dict(workers)
+    restarts = 0
     while pending:
         for rank, proc in list(pending.items()):
             code = proc.poll()
             if code is None:
                 continue
             del pending[rank]
-            if code != 0:
-                return rank, proc
-        code = coordinator.poll()
-        if code not in (None, 0) and pending:
-            return -1, coordinator
+            if code == 0:
+                continue
+            if code != EXIT_USAGE and restarts < max_restarts and not stopping:
+                restarts += 1
+                log.warning(
+                    "worker rank %d (pid %d) failed with exit code %s: restarting it "
+                    "(restart %d of %d); it rejoins the run",
+                    rank,
+                    proc.pid,
+                    code,
+                    restarts,
+                    max_restarts,
+                )
+                pending[rank] = restart(rank)
+                continue
+            return rank, proc
+        if coordinator is not None:
+            code = coordinator.poll()
+            if code not in (None, 0) and pending:
+                return -1, coordinator
         time.sleep(0.05)
     return None
 

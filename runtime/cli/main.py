@@ -204,14 +204,87 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
 
     launch = sub.add_parser(
         "launch",
-        help="start a coordinator and N workers on this machine (like torchrun)",
+        help="start a coordinator and N workers on this machine, or one node of several",
         description="Start a coordinator process and N worker processes running SCRIPT (or "
         "-m MODULE) with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and a fresh "
         "PARAMSYNC_SECRET set. Signals are forwarded; when a worker fails the whole run is "
-        "stopped and the failed rank named.",
+        "stopped and the failed rank named (or, with --max-restarts, the worker is started "
+        "again and rejoins). Several nodes: run it on each with --nnodes N --node-rank R "
+        "--coordinator HOST:PORT (node 0's address) and the same PARAMSYNC_SECRET; node R runs "
+        "ranks R*K..R*K+K-1, node 0 also the coordinator.",
     )
-    launch.add_argument("--nproc", type=int, required=True, help="number of workers")
-    launch.add_argument("--master-port", type=int, default=0, help="0: pick a free port")
+    launch.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        required=True,
+        help="number of workers on this node",
+    )
+    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    launch.add_argument(
+        "--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)"
+    )
+    launch.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="where the coordinator listens: an address of node 0 that every node reaches "
+        "(port default 29500); node 0 binds it. One node: default 127.0.0.1 and a free port",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="torchrun's name for --coordinator"
+    )
+    launch.add_argument(
+        "--master-addr", metavar="HOST", help="torchrun's name for --coordinator's HOST"
+    )
+    launch.add_argument(
+        "--master-port", type=int, default=0, help="the coordinator's port (0: pick a free port)"
+    )
+    launch.add_argument(
+        "--no-coordinator",
+        action="store_true",
+        help="the coordinator runs elsewhere (paramsync coordinator --bind HOST:PORT): node 0 "
+        "starts workers only",
+    )
+    launch.add_argument(
+        "--advertise-addr",
+        "--host",
+        dest="advertise_addr",
+        metavar="HOST",
+        help="the address this node's workers listen on and give their peers (default: the "
+        "address of the interface that reaches the coordinator)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start a failed worker again, up to this many times on this node; it rejoins "
+        "the run live (makes the run elastic, see --min-workers; default %(default)s)",
+    )
+    launch.add_argument(
+        "--min-workers",
+        type=int,
+        help="the coordinator's --min-workers (default: all; with --max-restarts all but "
+        "one node's workers, or all but one on a single node)",
+    )
+    launch.add_argument(
+        "--rejoin-seconds",
+        type=float,
+        default=120.0,
+        help="elastic runs: below --min-workers, wait this long for joiners (default %(default)s)",
+    )
+    launch.add_argument(
+        "--rendezvous-seconds",
+        type=float,
+        default=120.0,
+        help="elastic runs: start without the ranks still missing once nobody joined for "
+        "this long (default %(default)s)",
+    )
+    launch.add_argument(
+        "--run-id",
+        help="the run id every rank records (default: $PARAMSYNC_RUN_ID; one node: random; "
+        "several: derived from the secret and the coordinator's address)",
+    )
     launch.add_argument("--summary-json", help="write every rank's summary here")
     launch.add_argument("--digest-interval", type=int, default=1)
     launch.add_argument("--heartbeat-deadline", type=float, default=10.0)

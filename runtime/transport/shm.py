@@ -25,6 +25,7 @@ place. The signals travel on the group's TCP connections, so a peer that dies is
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -54,6 +55,7 @@ from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segmen
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_STEP_BYTES",
+    "HOST_ID_ENV",
     "SHM_MIN_BYTES",
     "SharedMemoryPlane",
     "attach_shared_memory",
@@ -80,14 +82,36 @@ _NAME = re.compile(r"paramsync-([1-9][0-9]{0,9})-[0-9a-f]{32}")
 whose creator died between creating and unlinking it (`_reap_orphans`)."""
 
 
-def host_identity() -> str:
-    """This host as the kernel sees it: boot id and hostname (same for all ranks of a host)."""
+HOST_ID_ENV = "PARAMSYNC_HOST_ID"
+"""Names this rank's host for the shared-memory plane, overriding `host_identity`'s own."""
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def host_identity(environ: Mapping[str, str] | None = None) -> str:
+    """Which host this rank runs on, as the shared-memory plane counts hosts.
+
+    ``$PARAMSYNC_HOST_ID`` when set (ranks that give the same one are one host: the user's
+    word); else the kernel's boot id, this process's network namespace and the hostname. The
+    network namespace is part of it because ranks in different namespaces of one kernel share
+    ``/dev/shm`` but are different hosts to whoever set them up (containers, the multi-host
+    tests' namespaces): their data goes over the network between them, as between machines."""
+    env = os.environ if environ is None else environ
+    given = env.get(HOST_ID_ENV, "").strip()
+    if given:  # a long one by its hash: the hello's host field holds 512 characters
+        return f"id:{given}" if len(given) <= 128 else f"id-sha256:{_sha256(given)}"
     try:
         with open("/proc/sys/kernel/random/boot_id") as file:
             boot = file.read().strip()
     except OSError:
         boot = "no-boot-id"
-    return f"{boot}/{socket.gethostname()}"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = "no-netns"
+    return f"{boot}/{netns}/{socket.gethostname()}"
 
 
 def shared_memory_wanted(transport: SharedMemoryHolder) -> bool:

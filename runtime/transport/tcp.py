@@ -33,7 +33,7 @@ import stamina
 import torch
 import trio
 
-from runtime.config import DistributedConfig
+from runtime.config import DistributedConfig, advertised_host
 from runtime.errors import (
     CollectiveError,
     FrameAuthenticationError,
@@ -1436,7 +1436,7 @@ async def _rendezvous_member(
         await conn.aclose()
         raise HandshakeError(f"{address[0]}:{address[1]} is rank {peer.rank}, not rank 0")
     mesh[0] = conn
-    local_host = conn.socket.getsockname()[0]
+    local_host = advertised_host() or conn.socket.getsockname()[0]
     listeners = await trio.open_tcp_listeners(0, host=local_host)
     try:
         port = listeners[0].socket.getsockname()[1]

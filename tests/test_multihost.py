@@ -1,0 +1,289 @@
+"""Real multi-host runs on one machine: ranks in Linux network namespaces on a bridge.
+
+Each namespace is a host (`runtime.testing.netns`): its own network stack and address, the
+kernel and ``/dev/shm`` shared with the others. The runs use ``paramsync launch --nnodes``,
+one launcher per namespace, on `multihost_job` (a small MLP whose gradient buckets take the
+ring), and compare with one process training on the whole batch. Skipped, with the reason,
+where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import multihost_job as job
+import pytest
+import torch
+
+from runtime.testing.netns import Shaping, VirtualHost, unavailable_reason, virtual_hosts
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = Path(job.__file__).resolve()
+PORT = 29517
+TIMEOUT = 240.0
+
+_REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no network namespaces: {_REASON}")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC_", "PARAMSYNC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(PARAMSYNC_SECRET=secrets.token_hex(16), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+class Run:
+    """Processes started in namespaces, each logging to a file of ``out``; all killed at the
+    end (the namespaces' teardown kills any left too)."""
+
+    def __init__(self, out: Path, env: dict[str, str]) -> None:
+        self.out, self.env = out, env
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, host: VirtualHost, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.out / f"{name}.log", "wb")
+        proc = host.popen(argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def launch(self, name: str, host: VirtualHost, flags: list[str], job_args: list[str]) -> None:
+        argv = [sys.executable, "-m", "runtime.cli.main", "launch", *flags]
+        self.start(name, host, [*argv, "--", str(JOB), str(self.out), *job_args])
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}:\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.out.glob("*.log"))
+        )
+
+    def wait(self, *names: str, timeout: float = TIMEOUT) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            try:
+                codes[name] = self.procs[name].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} did not finish within {timeout} s\n{self.logs()}")
+        return codes
+
+    def wait_for(self, what: str, condition: Any, timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                pytest.fail(f"waited {timeout} s for {what}\n{self.logs()}")
+            time.sleep(0.05)
+
+    def step_of(self, rank: int) -> int:
+        path = self.out / f"step{rank}"
+        text = path.read_text().strip() if path.exists() else ""
+        return int(text) if text else -1
+
+    def results(self, world: int) -> list[dict[str, Any]]:
+        return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(world)]
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def run_in(tmp_path: Path) -> Iterator[Run]:
+    run = Run(tmp_path, _env())
+    try:
+        yield run
+    finally:
+        run.kill_all()
+
+
+def check_parity(results: list[dict[str, Any]], steps: int) -> None:
+    """Every rank holds the same bytes, and they equal one process's training."""
+    expected = job.reference(steps)
+    first = results[0]["params"]
+    for result in results:
+        assert result["params"] == first, f"rank {result['rank']} differs from rank 0"
+        for name, value in job.decode_params(result["params"]).items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def launch_flags(node: int, coordinator: str, *extra: str) -> list[str]:
+    return [
+        "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+        "--coordinator", coordinator, *extra,
+    ]  # fmt: skip
+
+
+def test_four_ranks_on_two_hosts_equal_one_process(tmp_path: Path) -> None:
+    """2 namespaces x 2 ranks, node 0 hosting the coordinator: every rank ends with the
+    weights of one process, and the shared-memory plane never spans the two hosts."""
+    steps = 6
+    with virtual_hosts(2) as (a, b), run_in(tmp_path) as run:
+        coordinator = f"{a.address}:{PORT}"
+        run.launch("node0", a, launch_flags(0, coordinator), [str(steps)])
+        # Node 1 names its address (--advertise-addr); node 0's workers take their route's.
+        flags = launch_flags(1, coordinator, "--advertise-addr", b.address)
+        run.launch("node1", b, flags, [str(steps)])
+        codes = run.wait("node0", "node1")
+        assert codes == {"node0": 0, "node1": 0}, run.logs()
+        results = run.results(4)
+    check_parity(results, steps)
+    hosts = {r["rank"]: r["host"] for r in results}
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts  # the namespaces are the hosts
+    for result in results:  # ranks on two hosts: the TCP ring for all (no plane)
+        assert result["planes"] == ["None"], result["planes"]
+        assert result["summary"]["final_step"] == steps
+
+
+def test_a_remote_worker_killed_is_restarted_and_rejoins_live(tmp_path: Path) -> None:
+    """SIGKILL of rank 3 (on node 1, not the coordinator's): node 1's launcher starts it
+    again (--max-restarts 1), the others train on without it, and it rejoins live with their
+    state; every rank ends with the same weights."""
+    steps = 4
+    with virtual_hosts(2) as (a, b), run_in(tmp_path) as run:
+        coordinator = f"{a.address}:{PORT}"
+        flags = ["--max-restarts", "1", "--heartbeat-deadline", "5"]
+        job_args = [str(steps), "--until-rejoined", "--step-sleep", "0.05"]
+        for node, host in enumerate((a, b)):
+            run.launch(f"node{node}", host, launch_flags(node, coordinator, *flags), job_args)
+        run.wait_for("rank 3's second step", lambda: run.step_of(3) >= 2)
+        victim = int((tmp_path / "pid3").read_text())
+        os.kill(victim, signal.SIGKILL)
+        codes = run.wait("node0", "node1")
+        assert codes == {"node0": 0, "node1": 0}, run.logs()
+        results = run.results(4)
+        node1_log = (tmp_path / "node1.log").read_text()
+    assert "worker rank 3" in node1_log and "restarting it" in node1_log, node1_log
+    assert results[3]["restarted"] and not any(r["restarted"] for r in results[:3])
+    assert len({json.dumps(r["params"]) for r in results}) == 1, "the ranks' weights differ"
+    assert len({r["summary"]["digest"] for r in results}) == 1
+    epochs = [tuple(e["members"]) for e in results[0]["summary"]["epochs"]]
+    assert epochs[0] == (0, 1, 2, 3) and (0, 1, 2) in epochs and epochs[-1] == (0, 1, 2, 3)
+
+
+@pytest.mark.soak
+def test_the_coordinator_on_its_own_host_restarted_the_run_finishes(tmp_path: Path) -> None:
+    """The coordinator daemon in a third namespace is SIGKILLed mid-run and started again
+    at the same address: the workers on the other two hosts redial, rejoin, and finish with the
+    weights of one process. ~70 s under load (make soak; the one-host form of this trial runs
+    in make test: tests/test_fault_trials.py)."""
+    steps = 12
+    with virtual_hosts(3) as (a, b, c), run_in(tmp_path) as run:
+        bind = f"{c.address}:{PORT}"
+        daemon = [
+            sys.executable, "-m", "runtime.cli.main", "coordinator", "--world-size", "4",
+            "--bind", bind, "--heartbeat-deadline", "5",
+        ]  # fmt: skip
+        run.start("coordinator", c, daemon)
+        job_args = [str(steps), "--step-sleep", "0.1"]
+        for node, host in enumerate((a, b)):
+            flags = launch_flags(node, bind, "--no-coordinator")
+            run.launch(f"node{node}", host, flags, job_args)
+        run.wait_for("step 3 on every rank", lambda: min(map(run.step_of, range(4))) >= 3)
+        run.procs["coordinator"].send_signal(signal.SIGKILL)
+        assert run.wait("coordinator") == {"coordinator": -9}
+        run.start("restarted", c, daemon)
+        codes = run.wait("node0", "node1", "restarted")
+        assert codes == {"node0": 0, "node1": 0, "restarted": 0}, run.logs()
+        results = run.results(4)
+    check_parity(results, steps)
+    epochs = results[0]["summary"]["epochs"]
+    assert len(epochs) == 2 and all(e["members"] == [0, 1, 2, 3] for e in epochs), epochs
+
+
+def test_virtual_hosts_reach_each_other_only_and_are_removed_even_on_failure() -> None:
+    shaping = Shaping(1_000_000_000)
+    with pytest.raises(RuntimeError, match="inside"), virtual_hosts(2, shaping=shaping) as hosts:
+        a, b = hosts
+        assert a.address != b.address and a.namespace != b.namespace
+        listen = (
+            "import socket; s = socket.create_server(('0.0.0.0', 5555)); "
+            "c, peer = s.accept(); print(peer[0], c.recv(5).decode())"
+        )
+        server = b.popen([sys.executable, "-c", listen], stdout=subprocess.PIPE)
+        dial = (
+            "import socket, time\n"
+            "for _ in range(200):\n"
+            "    try:\n"
+            f"        socket.create_connection(('{b.address}', 5555)).sendall(b'hello'); break\n"
+            "    except OSError: time.sleep(0.05)\n"
+        )
+        subprocess.run(a.command([sys.executable, "-c", dial]), check=True, timeout=60)
+        out, _ = server.communicate(timeout=60)
+        assert out.decode().split() == [a.address, "hello"]  # from a's own address
+        qdiscs = subprocess.run(
+            ["tc", "qdisc", "show", "dev", a.outer_veth], capture_output=True, text=True
+        ).stdout
+        assert "tbf" in qdiscs and "rate 1Gbit" in qdiscs, qdiscs
+        inside = subprocess.run(
+            a.command(["tc", "qdisc", "show", "dev", a.inner_veth]), capture_output=True, text=True
+        ).stdout
+        assert "tbf" in inside, inside
+        # The bridge has no address here: the caller's namespace has no route through it.
+        route = subprocess.run(["ip", "route", "get", b.address], capture_output=True, text=True)
+        assert "psb" not in route.stdout, route.stdout
+        raise RuntimeError("inside")  # the context must still remove everything
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert a.namespace not in names and b.namespace not in names
+    assert a.outer_veth not in links and b.outer_veth not in links
+
+
+def test_torchrun_on_two_hosts_runs_a_paramsync_script(tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 --node-rank R --master-addr ...`` on each host, unchanged
+    example: rank 0 (host a) hosts the coordinator on MASTER_ADDR, rank 1 finds its port in
+    torchrun's store, and both train together."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    with virtual_hosts(2) as (a, b), run_in(tmp_path) as run:
+        for node, host in enumerate((a, b)):
+            argv = [
+                str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                "1", "--master-addr", a.address, "--master-port", str(PORT),
+                str(ROOT / "examples" / "own_training_loop.py"), "--steps", "20",
+                "--log-every", "10",
+            ]  # fmt: skip
+            run.start(f"node{node}", host, argv)
+        codes = run.wait("node0", "node1")
+        assert codes == {"node0": 0, "node1": 0}, run.logs()
+        out = (tmp_path / "node0.log").read_text()
+    assert "rank 0 of 2: after 20 steps" in out, out
+
+
+@pytest.mark.soak
+def test_the_multihost_benchmark_runs_both_systems_on_a_shaped_link(tmp_path: Path) -> None:
+    """A tiny run of benchmarks/multihost.py: both systems, one shaped rate, a JSON table
+    (~30 s under load: make soak)."""
+    out = tmp_path / "multihost.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "multihost.py"), "--rates", "1gbit",
+        "--layouts", "2x1", "--sizes", "1MiB", "--rounds", "1", "--repeats", "1",
+        "--json", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["rate_bits"] == 10**9 and row["layout"] == "2x1" and row["bytes"] == 1 << 20
+    for system in ("paramsync", "gloo"):
+        # Shaped: never above the link's rate (tbf's burst lets a little through at once).
+        assert 0 < row[system]["fraction_of_rate"] < 1.5, row
