@@ -31,6 +31,7 @@ from runtime.errors import (
     ProtocolError,
     StallError,
 )
+from runtime.parallel.config import ParallelismConfig
 from runtime.protocol.wire import PROTOCOL_VERSION
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.tcp import TcpTransport
@@ -42,6 +43,7 @@ __all__ = [
     "DistributedTrainConfig",
     "DistributedBackend",
     "DistributedRole",
+    "ParallelismConfig",
     # transports
     "Transport",
     "InProcessTransport",

@@ -16,6 +16,7 @@ import runtime
 SEED_NAMES = {
     runtime: {
         "DistributedTrainConfig",
+        "ParallelismConfig",
         "DistributedConfig",
         "GradientAggregator",
         "AllReduceAggregator",

@@ -1,0 +1,611 @@
+"""A pipeline rank executing its schedule: `PipelineStage`.
+
+One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r, r + p, ...;
+`actors.parallel.stages`) and, per training step, executes the rank's list of actions
+(`runtime.parallel.actions`, as a schedule generator gives them) in order over the pipeline
+`ProcessGroup`:
+
+- FORWARD runs a chunk on one micro-batch: stage 0 takes micro-batch i of the inputs, another
+  stage the activation received (or handed over by the previous stage when it lives on this
+  rank too); the last stage computes ``loss_fn(output, target_i)`` and keeps ``loss / m`` for
+  the backward, so the step's gradient is the mean over the micro-batches.
+- BACKWARD runs autograd from the received output gradient (the last stage: from ``loss / m``)
+  to the stage's input and weights at once; BACKWARD_INPUT (zero-bubble) computes the input
+  gradient only (``torch.autograd.grad`` over the stage input, keeping the graph), and
+  BACKWARD_WEIGHT the weight gradients later, from the same output gradient over the kept graph.
+  That second pass walks the activation-gradient chain again (torch's ``stage_backward_weight``
+  saves the intermediate gradients instead), so I + W cost more compute than one B here.
+- SEND_ACTIVATION / SEND_GRADIENT start a tagged `isend` in the step's nursery and go on: a send
+  never blocks the list (sends to one peer leave in list order). RECV_ACTIVATION /
+  RECV_GRADIENT post a tagged `recv` into a tensor of the declared activation shape and dtype
+  and wait for it (p2p refuses another tag, dtype or shape, naming the peer). The tag is
+  ``action.tag(step)``: step, the sending stage, the micro-batch and the direction, the same at
+  both ends. A receive takes the next message its peer sent, so a rank must receive from each
+  peer in the order that peer sends to it: every list that runs on rendezvous channels does
+  (`runtime.parallel.schedules.build_schedule`'s are simulated so); with a list that does not,
+  the receive meets a message of another tag: a ProtocolError naming both tags, never a swap.
+- Compute runs in a worker thread (`trio.to_thread.run_sync`), so sends and receives progress
+  meanwhile and several ranks of an in-process world share one trio loop.
+- Weight gradients fold into ``param.grad`` in ascending micro-batch order
+  (`actors.parallel.microbatch_grads`): every schedule gives bitwise the same gradients.
+
+`train_step` adds what follows a pipeline step: the dp average and the tied-embedding sum
+(`actors.parallel.pipeline_grads`), the optimizer step, and the step's mean loss, broadcast from
+the last stage to every rank of the pipeline group (each dp replica gets the mean over its own
+micro-batches).
+
+A failed step (a compute error, a peer gone, a receive waiting longer than ``recv_seconds``)
+closes every group the stage uses, so that its peers' sends and receives fail too instead of
+waiting for it (as a crashed process's connections close), and raises; the stage is then
+broken and refuses further steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+from torch import nn
+
+from actors.parallel.microbatch_grads import OrderedGradients
+from actors.parallel.pipeline_grads import (
+    average_over_dp,
+    broadcast_tied,
+    sum_tied,
+)
+from actors.parallel.stages import StageChunk, check_stage_layout, split_blocks, stage_rank
+from runtime.collectives.p2p import isend, recv
+from runtime.collectives.ring import broadcast
+from runtime.errors import StallError, first_error
+from runtime.parallel.actions import Action, ActionKind
+from runtime.transport.base import Transport
+
+__all__ = ["PipelineStage", "PipelineStepResult", "ActivationShape", "split_microbatches"]
+
+ActivationShape = tuple[int, ...] | Callable[[int, int], Sequence[int]]
+"""The shape of what stage s sends for micro-batch i (its output, and the gradient coming back):
+one shape for every boundary, or ``shape(stage, microbatch)``. Receivers post buffers of this
+shape, as Megatron's ``tensor_shape``; a stage whose output has another shape is an error."""
+
+
+def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    """``batch`` cut along dim 0 into ``microbatches`` equal micro-batches (an error if the
+    batch does not divide)."""
+    if microbatches < 1 or batch.shape[0] % microbatches:
+        raise ValueError(
+            f"a batch of {batch.shape[0]} does not split into {microbatches} equal micro-batches"
+        )
+    return list(batch.chunk(microbatches))
+
+
+@dataclass
+class PipelineStepResult:
+    """What one executed list leaves: the last stage's per-micro-batch losses (unscaled), in
+    micro-batch order; empty on a rank without the last stage."""
+
+    step: int
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def loss(self) -> float | None:
+        """The mean loss over the micro-batches (None on a rank without the last stage)."""
+        return math.fsum(self.losses) / len(self.losses) if self.losses else None
+
+
+@dataclass
+class _Forward:
+    """One micro-batch's forward on one stage, kept for its backward."""
+
+    input: torch.Tensor  # the stage input (a leaf requiring grad, except for stage 0)
+    output: torch.Tensor  # the chunk's output with its graph, or loss / m on the last stage
+    input_grad_done: bool = False
+
+
+class PipelineStage:
+    """Pipeline rank ``pp_group.rank``'s chunks, executing its action list each step.
+
+    ``chunks``: stage -> module for every stage this rank holds (stage s lives on rank s % p;
+    build them with `from_blocks`). ``num_stages``: p * v. ``loss_fn(output, target)`` on the
+    last stage. ``activation_shape``/``activation_dtype``: what travels between stages.
+    ``dp_group``: this stage's data-parallel group (gradients averaged over it in
+    `train_step`). ``tied``: pairs of parameter names ("<block>.<name>", first stage's then
+    last stage's) that are one weight in the model; ``embedding_group`` is the 2-rank group of
+    the first and the last pipeline rank (`actors.parallel.pipeline_grads.new_embedding_group`).
+    ``recv_seconds``: how long one receive may wait before the step fails (None: no limit).
+    """
+
+    def __init__(
+        self,
+        chunks: dict[int, nn.Module],
+        *,
+        pp_group: Transport,
+        num_stages: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        activation_shape: ActivationShape,
+        activation_dtype: torch.dtype = torch.float32,
+        dp_group: Transport | None = None,
+        embedding_group: Transport | None = None,
+        tied: Sequence[tuple[str, str]] = (),
+        recv_seconds: float | None = None,
+    ) -> None:
+        self.pp_group = pp_group
+        self.pp_size = pp_group.world_size
+        self.rank = pp_group.rank
+        if num_stages % self.pp_size:
+            raise ValueError(
+                f"{num_stages} stages do not spread evenly over {self.pp_size} pipeline ranks"
+            )
+        self.num_stages = num_stages
+        self.chunks_per_rank = num_stages // self.pp_size
+        check_stage_layout(self.pp_size, self.chunks_per_rank)
+        expected = [s for s in range(num_stages) if stage_rank(s, self.pp_size) == self.rank]
+        if sorted(chunks) != expected:
+            raise ValueError(
+                f"pipeline rank {self.rank} of {self.pp_size} holds stages {expected} of "
+                f"{num_stages}, got chunks for stages {sorted(chunks)}"
+            )
+        self.chunks = dict(sorted(chunks.items()))
+        self.loss_fn = loss_fn
+        self.activation_shape = activation_shape
+        self.activation_dtype = activation_dtype
+        self.dp_group = dp_group
+        self.embedding_group = embedding_group
+        self.recv_seconds = recv_seconds
+        self.tied_params = self._find_tied(tied)
+        self._grads = {
+            stage: OrderedGradients(stage, [p for p in chunk.parameters() if p.requires_grad])
+            for stage, chunk in self.chunks.items()
+        }
+        self.step_count = 0
+        self.broken: BaseException | None = None
+
+    @classmethod
+    def from_blocks(
+        cls,
+        blocks: nn.Sequential | Sequence[nn.Module],
+        *,
+        pp_group: Transport,
+        chunks_per_rank: int = 1,
+        **options: Any,
+    ) -> PipelineStage:
+        """Split ``blocks`` into p * v chunks (`split_blocks`) and keep this rank's."""
+        num_stages = check_stage_layout(pp_group.world_size, chunks_per_rank)
+        chunks = split_blocks(blocks, num_stages)
+        mine: dict[int, nn.Module] = {
+            chunk.stage: chunk
+            for chunk in chunks
+            if stage_rank(chunk.stage, pp_group.world_size) == pp_group.rank
+        }
+        return cls(mine, pp_group=pp_group, num_stages=num_stages, **options)
+
+    # ------------------------------------------------------------------ parameters
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once, stage by stage (what its optimizer steps)."""
+        seen: set[int] = set()
+        params = []
+        for chunk in self.chunks.values():
+            for p in chunk.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def _find_tied(self, tied: Sequence[tuple[str, str]]) -> list[nn.Parameter]:
+        """This rank's copies of the tied weights (first stage's name, else last stage's)."""
+        first, last = 0, self.num_stages - 1
+        found: list[nn.Parameter] = []
+        for pair in tied:
+            if len(pair) != 2:
+                raise ValueError(f"a tied pair names two parameters, got {pair!r}")
+            head = self._chunk_parameter(first, pair[0])
+            tail = self._chunk_parameter(last, pair[1])
+            if self.pp_size == 1:
+                if head is not None and tail is not None and head is not tail:
+                    raise ValueError(
+                        f"tied parameters {pair[0]!r} and {pair[1]!r} are two tensors on one "
+                        "pipeline rank: tie them in the model (one nn.Parameter)"
+                    )
+                continue
+            copy = head if head is not None else tail
+            if (first in self.chunks or last in self.chunks) and copy is None:
+                raise ValueError(
+                    f"tied pair {pair!r}: stage {first} holds no {pair[0]!r} or stage {last} "
+                    f"no {pair[1]!r}"
+                )
+            if copy is not None:
+                found.append(copy)
+        if found and self.embedding_group is None:
+            raise ValueError(
+                f"pipeline rank {self.rank} holds tied weights but no embedding group "
+                "(new_embedding_group)"
+            )
+        return found
+
+    def _chunk_parameter(self, stage: int, name: str) -> nn.Parameter | None:
+        chunk = self.chunks.get(stage)
+        if chunk is None:
+            return None
+        if not isinstance(chunk, StageChunk):
+            raise ValueError(
+                f"stage {stage}'s chunk is a {type(chunk).__name__}: tied weights need chunks "
+                "made by split_blocks (PipelineStage.from_blocks)"
+            )
+        param = chunk.block_parameter(name)
+        if param is None:
+            raise ValueError(f"stage {stage} holds no parameter {name!r}")
+        return param
+
+    # ------------------------------------------------------------------ one step
+
+    def _shape(self, stage: int, microbatch: int) -> tuple[int, ...]:
+        shape = self.activation_shape
+        if callable(shape):
+            return tuple(int(d) for d in shape(stage, microbatch))
+        return tuple(shape)
+
+    async def run_schedule(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[torch.Tensor] | None = None,
+        targets: Sequence[torch.Tensor] | None = None,
+        *,
+        microbatches: int | None = None,
+        step: int | None = None,
+    ) -> PipelineStepResult:
+        """Execute this rank's ``actions`` for one step; gradients accumulate into ``.grad``.
+
+        ``inputs``: the m micro-batches of stage 0 (on the rank holding it), ``targets``: the
+        m targets of the last stage (on its rank); ``microbatches`` says m on the other ranks
+        (default: from inputs or targets, else from the actions). ``step`` (default: the
+        stage's own count) goes into every tag. Raises on any failure, after closing the
+        stage's groups (see the module's docstring).
+        """
+        if self.broken is not None:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: a previous step failed ({self.broken!r}); the "
+                "stage's groups are closed"
+            )
+        step = self.step_count if step is None else step
+        try:
+            result = await _StepRun(self, list(actions), inputs, targets, microbatches, step).run()
+        except BaseException as exc:
+            await self._fail(exc)
+            raise
+        self.step_count = step + 1
+        return result
+
+    async def finalize_grads(self) -> None:
+        """The dp average of every gradient, then the tied weights' sum over the embedding
+        group (`actors.parallel.pipeline_grads`)."""
+        try:
+            await average_over_dp(self.dp_group, self.parameters())
+            await sum_tied(self.embedding_group, self.tied_params)
+        except BaseException as exc:
+            await self._fail(exc)
+            raise
+
+    async def sync_tied_weights(self) -> None:
+        """Copy the first stage's tied weights to the last stage's (once, before training)."""
+        await broadcast_tied(self.embedding_group, self.tied_params)
+
+    async def train_step(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        optimizer: torch.optim.Optimizer,
+        *,
+        microbatches: int | None = None,
+        broadcast_loss: bool = True,
+    ) -> float | None:
+        """One training step: zero the gradients, run the list, finalize the gradients (dp
+        average, tied sum), step ``optimizer``; return the mean loss over this replica's
+        micro-batches: on every pipeline rank with ``broadcast_loss`` (one small broadcast
+        from the last stage's rank), else only on the last stage's (None elsewhere)."""
+        optimizer.zero_grad(set_to_none=True)
+        result = await self.run_schedule(actions, inputs, targets, microbatches=microbatches)
+        await self.finalize_grads()
+        optimizer.step()
+        if not broadcast_loss or self.pp_size == 1:
+            return result.loss
+        value = torch.tensor([result.loss if result.loss is not None else 0.0], dtype=torch.float64)
+        last_rank = stage_rank(self.num_stages - 1, self.pp_size)
+        try:
+            await broadcast(self.pp_group, value, root=last_rank)
+        except BaseException as exc:
+            await self._fail(exc)
+            raise
+        return float(value[0])
+
+    async def _fail(self, exc: BaseException) -> None:
+        if self.broken is None:
+            self.broken = exc
+        with trio.CancelScope(shield=True):
+            for group in (self.pp_group, self.dp_group, self.embedding_group):
+                if group is not None:
+                    await group.aclose()
+
+
+class _StepRun:
+    """One step's execution of one rank's list (state lives here, not on the stage)."""
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        actions: list[Action],
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        microbatches: int | None,
+        step: int,
+    ) -> None:
+        self.stage = stage
+        self.actions = actions
+        self.step = step
+        self.m = self._count(inputs, targets, microbatches)
+        self.inputs = inputs
+        self.targets = targets
+        first, last = 0, stage.num_stages - 1
+        if first in stage.chunks and (inputs is None or len(inputs) != self.m):
+            raise ValueError(
+                f"pipeline rank {stage.rank} holds stage 0: it needs the {self.m} input "
+                "micro-batches"
+            )
+        if last in stage.chunks and (targets is None or len(targets) != self.m):
+            raise ValueError(
+                f"pipeline rank {stage.rank} holds the last stage ({last}): it needs the "
+                f"{self.m} target micro-batches"
+            )
+        self.received: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its input
+        self.grad_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output's grad
+        self.to_send: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
+        self.forwards: dict[tuple[int, int], _Forward] = {}
+        self.losses: dict[int, float] = {}
+
+    def _count(
+        self,
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        microbatches: int | None,
+    ) -> int:
+        for given in (microbatches, None if inputs is None else len(inputs)):
+            if given is not None:
+                return given
+        if targets is not None:
+            return len(targets)
+        return 1 + max((a.microbatch for a in self.actions), default=-1)
+
+    def where(self, action: Action) -> str:
+        return f"pipeline rank {self.stage.rank}, step {self.step}, action {action}"
+
+    async def run(self) -> PipelineStepResult:
+        for grads in self.stage._grads.values():
+            grads.start(self.m)
+        self._check_actions()
+        with first_error():
+            async with trio.open_nursery() as nursery:
+                for action in self.actions:
+                    try:
+                        await self._execute(nursery, action)
+                    except Exception as exc:
+                        exc.add_note(f"while executing {self.where(action)}")
+                        raise
+        self._check_complete()
+        return PipelineStepResult(self.step, [self.losses[i] for i in range(len(self.losses))])
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_actions(self) -> None:
+        stage = self.stage
+        for action in self.actions:
+            if not isinstance(action, Action):
+                raise TypeError(f"pipeline rank {stage.rank}: {action!r} is not an Action")
+            own = action.stage
+            if action.kind is ActionKind.RECV_ACTIVATION:
+                own = action.stage + 1
+            elif action.kind is ActionKind.RECV_GRADIENT:
+                own = action.stage - 1
+            if own not in stage.chunks:
+                raise ValueError(
+                    f"{self.where(action)}: this rank holds stages {sorted(stage.chunks)}, "
+                    f"not stage {own}"
+                )
+            if action.microbatch >= self.m:
+                raise ValueError(f"{self.where(action)}: the step has {self.m} micro-batches")
+            if action.peer is not None and not 0 <= action.peer < stage.pp_size:
+                raise ValueError(f"{self.where(action)}: peer {action.peer} is not a pp rank")
+
+    def _check_complete(self) -> None:
+        where = f"pipeline rank {self.stage.rank}, step {self.step}"
+        if self.forwards:
+            raise RuntimeError(
+                f"{where}: forwards never backed: {sorted(self.forwards)} (stage, micro-batch)"
+            )
+        unsent = sorted((kind.value, s, i) for kind, s, i in self.to_send)
+        if unsent:
+            raise RuntimeError(f"{where}: outputs computed but never sent: {unsent}")
+        for stage_index, grads in self.stage._grads.items():
+            missing = grads.missing()
+            if missing:
+                raise RuntimeError(
+                    f"{where}: stage {stage_index}'s list ended without the weight gradients "
+                    f"of micro-batches {missing}"
+                )
+        last = self.stage.num_stages - 1
+        if last in self.stage.chunks and len(self.losses) != self.m:
+            raise RuntimeError(
+                f"{where}: the last stage computed {len(self.losses)} losses of {self.m}"
+            )
+
+    # ------------------------------------------------------------------ actions
+
+    async def _execute(self, nursery: trio.Nursery, action: Action) -> None:
+        kind = action.kind
+        if kind is ActionKind.FORWARD:
+            await self._forward(action.stage, action.microbatch)
+        elif kind is ActionKind.BACKWARD:
+            await self._backward(action.stage, action.microbatch, inputs=True, weights=True)
+        elif kind is ActionKind.BACKWARD_INPUT:
+            await self._backward(action.stage, action.microbatch, inputs=True, weights=False)
+        elif kind is ActionKind.BACKWARD_WEIGHT:
+            await self._backward(action.stage, action.microbatch, inputs=False, weights=True)
+        elif kind.is_send:
+            key = (kind, action.stage, action.microbatch)
+            tensor = self.to_send.pop(key, None)
+            if tensor is None:
+                raise RuntimeError(f"{self.where(action)}: nothing computed to send yet")
+            assert action.peer is not None
+            isend(nursery, self.stage.pp_group, tensor, action.peer, action.tag(self.step))
+        else:
+            await self._receive(action)
+
+    async def _receive(self, action: Action) -> None:
+        assert action.peer is not None
+        boundary = action.stage if action.kind is ActionKind.RECV_ACTIVATION else action.stage - 1
+        buffer = torch.empty(
+            self.stage._shape(boundary, action.microbatch), dtype=self.stage.activation_dtype
+        )
+        seconds = self.stage.recv_seconds
+        with trio.move_on_after(math.inf if seconds is None else seconds) as scope:
+            await recv(self.stage.pp_group, buffer, action.peer, action.tag(self.step))
+        if scope.cancelled_caught:
+            describe = getattr(self.stage.pp_group, "describe_peer", None)
+            raise StallError(
+                f"{self.where(action)}: nothing came within {seconds} s",
+                peer=describe(action.peer) if describe is not None else f"rank {action.peer}",
+            )
+        if action.kind is ActionKind.RECV_ACTIVATION:
+            self.received[(action.stage + 1, action.microbatch)] = buffer
+        else:
+            self.grad_in[(action.stage - 1, action.microbatch)] = buffer
+
+    def _stage_input(self, stage: int, microbatch: int) -> torch.Tensor:
+        if stage == 0:
+            assert self.inputs is not None
+            return self.inputs[microbatch]
+        received = self.received.pop((stage, microbatch), None)
+        if received is None:
+            local = self.to_send.pop((ActionKind.SEND_ACTIVATION, stage - 1, microbatch), None)
+            if local is None or (stage - 1) not in self.stage.chunks:
+                raise RuntimeError(
+                    f"stage {stage}'s input for micro-batch {microbatch} was neither received "
+                    f"nor computed here (a RECV_ACTIVATION missing before this FORWARD?)"
+                )
+            received = local
+        if received.is_floating_point():
+            received.requires_grad_(True)
+        return received
+
+    async def _forward(self, stage: int, microbatch: int) -> None:
+        key = (stage, microbatch)
+        if key in self.forwards:
+            raise RuntimeError(f"stage {stage} forwards micro-batch {microbatch} twice")
+        chunk = self.stage.chunks[stage]
+        x = self._stage_input(stage, microbatch)
+        last = stage == self.stage.num_stages - 1
+        target = self.targets[microbatch] if last and self.targets is not None else None
+        m = self.m
+        loss_fn = self.stage.loss_fn
+
+        def compute() -> tuple[torch.Tensor, float | None]:
+            with torch.enable_grad():
+                out = chunk(x)
+                if target is None:
+                    return out, None
+                loss = loss_fn(out, target)
+                return loss / m, float(loss.detach())
+
+        output, loss = await trio.to_thread.run_sync(compute)
+        self.forwards[key] = _Forward(x, output)
+        if last:
+            assert loss is not None
+            self.losses[microbatch] = loss
+            return
+        self._check_output(stage, microbatch, output)
+        self.to_send[(ActionKind.SEND_ACTIVATION, stage, microbatch)] = output.detach().contiguous()
+
+    def _check_output(self, stage: int, microbatch: int, output: torch.Tensor) -> None:
+        expected = self.stage._shape(stage, microbatch)
+        if tuple(output.shape) != expected or output.dtype != self.stage.activation_dtype:
+            raise ValueError(
+                f"stage {stage}'s output for micro-batch {microbatch} is {output.dtype} of shape "
+                f"{list(output.shape)}; the pipeline declares {self.stage.activation_dtype} of "
+                f"shape {list(expected)} (activation_shape / activation_dtype)"
+            )
+
+    def _output_grad(self, stage: int, microbatch: int) -> torch.Tensor | None:
+        if stage == self.stage.num_stages - 1:
+            return None  # the loss: autograd starts from 1
+        grad = self.grad_in.get((stage, microbatch))
+        if grad is None:
+            local = self.to_send.get((ActionKind.SEND_GRADIENT, stage + 1, microbatch))
+            if local is None or (stage + 1) not in self.stage.chunks:
+                raise RuntimeError(
+                    f"stage {stage}'s output gradient for micro-batch {microbatch} was neither "
+                    "received nor computed here (a RECV_GRADIENT missing before this backward?)"
+                )
+            grad = local
+        return grad
+
+    async def _backward(self, stage: int, microbatch: int, *, inputs: bool, weights: bool) -> None:
+        key = (stage, microbatch)
+        forward = self.forwards.get(key)
+        if forward is None:
+            raise RuntimeError(
+                f"stage {stage} has no forward of micro-batch {microbatch} to back (a backward "
+                "before its forward, or twice)"
+            )
+        if weights and not inputs and not forward.input_grad_done:
+            raise RuntimeError(
+                f"stage {stage}: BACKWARD_WEIGHT of micro-batch {microbatch} before its "
+                "BACKWARD_INPUT"
+            )
+        if inputs and forward.input_grad_done:
+            raise RuntimeError(
+                f"stage {stage}: the input gradient of micro-batch {microbatch} twice"
+            )
+        grad_out = self._output_grad(stage, microbatch)
+        wants_input = inputs and stage > 0 and forward.input.requires_grad
+        params = self.stage._grads[stage].params if weights else []
+        keep_graph = inputs and not weights
+
+        def compute() -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+            targets = ([forward.input] if wants_input else []) + list(params)
+            if not targets:
+                return None, []
+            grads = torch.autograd.grad(
+                [forward.output],
+                targets,
+                None if grad_out is None else [grad_out],
+                retain_graph=keep_graph,
+                allow_unused=True,
+            )
+            if wants_input:
+                return grads[0], list(grads[1:])
+            return None, list(grads)
+
+        input_grad, weight_grads = await trio.to_thread.run_sync(compute)
+        if inputs:
+            forward.input_grad_done = True
+            if wants_input:
+                if input_grad is None:
+                    input_grad = torch.zeros_like(forward.input)
+                self.to_send[(ActionKind.SEND_GRADIENT, stage, microbatch)] = (
+                    input_grad.contiguous()
+                )
+            self._drop_output_grad(stage, microbatch)
+        if weights:
+            self.stage._grads[stage].add(microbatch, weight_grads)
+            del self.forwards[key]
+            self._drop_output_grad(stage, microbatch)
+
+    def _drop_output_grad(self, stage: int, microbatch: int) -> None:
+        """Forget the output gradient once the weights are done too (a BACKWARD_WEIGHT after
+        its BACKWARD_INPUT needs it again)."""
+        if (stage, microbatch) not in self.forwards:
+            self.grad_in.pop((stage, microbatch), None)
+            self.to_send.pop((ActionKind.SEND_GRADIENT, stage + 1, microbatch), None)

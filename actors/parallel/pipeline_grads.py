@@ -1,0 +1,108 @@
+"""After a pipeline step: the reductions that make a stage's gradients the model's.
+
+Two, as Megatron's ``finalize_model_grads`` does them:
+
+- data parallelism: every replica of a stage (its dp group, one per (pp, tp) coordinate of the
+  device mesh) averages its gradients (`average_over_dp`), one flat all-reduce per stage;
+- tied embeddings: when the first and the last stage hold copies of one weight (the input
+  embedding and the LM head), the two ranks sum that weight's gradient over their 2-rank
+  embedding group (`sum_tied`), so both copies take the same update and stay equal. Megatron's
+  ``_allreduce_embedding_grads`` and DeepSpeed's ``ReduceTiedGrads`` do the same.
+
+`new_embedding_group` creates the embedding groups (collective: every world rank calls it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.collectives.groups import ProcessGroup, new_group
+from runtime.collectives.ring import all_reduce, broadcast
+from runtime.transport.base import Transport
+
+__all__ = ["new_embedding_group", "average_over_dp", "sum_tied", "broadcast_tied"]
+
+
+async def new_embedding_group(
+    world: Transport, pp_groups: Sequence[Sequence[int]], **group_options: Any
+) -> ProcessGroup | None:
+    """Create, for every pipeline group (world ranks in pipeline order, as
+    ``mesh.groups("pp")`` lists them), the group of its first and last rank; return this rank's,
+    or None (not a first or last pipeline rank, or pp_size 1). Every world rank calls this alike,
+    with the same ``pp_groups``, in the same order of group creations (`new_group`)."""
+    mine = None
+    for ranks in pp_groups:
+        if len(ranks) < 2:
+            continue
+        group = await new_group(world, [ranks[0], ranks[-1]], **group_options)
+        if group is not None:
+            mine = group
+    return mine
+
+
+def _flat_grads(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients in one flat float tensor (zeros where a gradient is None)."""
+    parts = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _unflatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            value = flat[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            offset += n
+
+
+def _by_dtype(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    groups: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.dtype, []).append(p)
+    return list(groups.values())
+
+
+async def average_over_dp(dp_group: Transport | None, params: Sequence[nn.Parameter]) -> None:
+    """Average ``params``' gradients over ``dp_group`` in place (a None gradient counts as
+    zeros and ends as the average). Every replica passes the same parameters in the same order;
+    nothing happens for a group of one or None."""
+    if dp_group is None or dp_group.world_size == 1 or not params:
+        return
+    for same_dtype in _by_dtype(params):
+        flat = _flat_grads(same_dtype)
+        await all_reduce(dp_group, flat, "avg")
+        _unflatten_into(same_dtype, flat)
+
+
+async def sum_tied(embedding_group: Transport | None, params: Sequence[nn.Parameter]) -> None:
+    """Sum the tied weights' gradients over the embedding group (first and last stage), so both
+    copies get the whole gradient. ``params``: this rank's copies, in the order both ranks
+    agree on."""
+    if embedding_group is None or embedding_group.world_size == 1 or not params:
+        return
+    for same_dtype in _by_dtype(params):
+        flat = _flat_grads(same_dtype)
+        await all_reduce(embedding_group, flat, "sum")
+        _unflatten_into(same_dtype, flat)
+
+
+async def broadcast_tied(embedding_group: Transport | None, params: Sequence[nn.Parameter]) -> None:
+    """Make the last stage's copies of the tied weights equal the first stage's (group rank 0):
+    once, before training, as Megatron's initial embedding broadcast."""
+    if embedding_group is None or embedding_group.world_size == 1 or not params:
+        return
+    for p in params:
+        value = p.detach().clone().contiguous()
+        await broadcast(embedding_group, value, root=0)
+        with torch.no_grad():
+            p.copy_(value)

@@ -1,0 +1,406 @@
+"""Pipeline benchmark: paramsync's pipeline stages against torch.distributed.pipelining (gloo),
+and one process alone, same run.
+
+The model is an MLP of ``--blocks`` blocks (Linear(width, width) + ReLU; 8 x 1024 by default),
+trained with MSE and SGD on the same data from the same initial weights, a batch of
+``--microbatches`` micro-batches (m = 8) of ``--microbatch-size`` rows each, every step:
+
+- ``single``: one process, the whole model, the m micro-batches in order (loss / m, gradients
+  accumulated), then the optimizer: the baseline a 2-stage pipeline divides;
+- ``paramsync-<schedule>``: two processes joined by `TcpTransport`, each a `PipelineStage`
+  (`actors.parallel.pipeline`) holding half of the blocks, executing its list of
+  `runtime.parallel.schedules.build_schedule` (``gpipe`` or ``1f1b``) with tagged p2p;
+- ``torch-<schedule>``: two processes in a gloo process group, each a
+  ``torch.distributed.pipelining.PipelineStage`` holding the same half, run by ``ScheduleGPipe``
+  or ``Schedule1F1B`` on the same micro-batches.
+
+One intra-op thread per process (OMP_NUM_THREADS=1, torch.set_num_threads(1)), CPU only. Per
+system, ``--warmup`` untimed steps, then ``--steps`` timed ones; rank 0 takes the time between
+the ends of consecutive steps; the table shows the median (pooled over rounds), the ratio of
+paramsync's step time to torch's for the same schedule (below 1: paramsync is faster), the
+speedup over one process and the fraction of the bubble-limited ideal speedup reached: with p
+stages and m micro-batches a pipeline can at best go p * m / (m + p - 1) times faster than one
+process (1.78x for p = 2, m = 8), the bubble being (p - 1) / (m + p - 1) of its time. The
+systems alternate round by round, the order reversed every other round, so drift in the
+machine's load hits all alike. Each system prints its final loss: paramsync's equals the single
+process's (same arithmetic), torch's agrees to rounding.
+
+    python benchmarks/pipeline.py --json out/pipeline.json
+    python benchmarks/pipeline.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from allreduce import _free_port  # the sibling benchmark's helper (same folder)
+
+ROOT = Path(__file__).resolve().parent.parent
+PP = 2
+SCHEDULES = ("gpipe", "1f1b")
+LAUNCH_SECONDS = 900.0
+
+
+def ideal_speedup(p: int, m: int) -> float:
+    """The bubble-limited best speedup of p stages over one process: p * m / (m + p - 1)."""
+    return p * m / (m + p - 1)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _setup(args: argparse.Namespace):
+    """The blocks, the batch (micro-batches of inputs and targets), the loss: the same in every
+    system (seeded)."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    blocks = nn.Sequential(
+        *(nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU()) for _ in range(args.blocks))
+    )
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    rows = args.microbatches * args.microbatch_size
+    inputs = torch.randn(rows, args.width, generator=generator)
+    targets = torch.randn(rows, args.width, generator=generator)
+    return blocks, inputs, targets, nn.MSELoss()
+
+
+def _optimizer(params, args: argparse.Namespace):
+    import torch
+
+    return torch.optim.SGD(params, lr=args.lr)
+
+
+def _timed(steps: int, warmup: int, step_fn) -> tuple[list[float], float | None]:
+    """Run ``warmup + steps`` steps; the times between consecutive step ends (timed steps)."""
+    loss = None
+    for _ in range(warmup):
+        loss = step_fn()
+    ends = [time.perf_counter()]
+    for _ in range(steps):
+        loss = step_fn()
+        ends.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(ends)], loss
+
+
+def _worker_single(args: argparse.Namespace) -> dict:
+    blocks, inputs, targets, loss_fn = _setup(args)
+    optimizer = _optimizer(blocks.parameters(), args)
+    xs, ys = inputs.chunk(args.microbatches), targets.chunk(args.microbatches)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for x, y in zip(xs, ys, strict=True):
+            loss = loss_fn(blocks(x), y)
+            (loss / args.microbatches).backward()
+            losses.append(float(loss.detach()))
+        optimizer.step()
+        return math.fsum(losses) / args.microbatches
+
+    seconds, loss = _timed(args.steps, args.warmup, step)
+    return {"step_seconds": seconds, "loss": loss}
+
+
+def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
+    import trio
+
+    from actors.parallel.pipeline import PipelineStage
+    from runtime.collectives.ring import barrier
+    from runtime.config import DistributedConfig
+    from runtime.parallel.schedules import build_schedule
+    from runtime.transport.tcp import TcpTransport
+
+    blocks, inputs, targets, loss_fn = _setup(args)
+    actions = build_schedule(schedule, PP, args.microbatches).actions[args.rank]
+    xs, ys = list(inputs.chunk(args.microbatches)), list(targets.chunk(args.microbatches))
+    out: dict = {}
+
+    async def main() -> None:
+        config = DistributedConfig(PP, args.rank, f"127.0.0.1:{args.port}")
+        async with TcpTransport.connect(config, secret=args.secret) as world:
+            stage = PipelineStage.from_blocks(
+                blocks,
+                pp_group=world,
+                loss_fn=loss_fn,
+                activation_shape=(args.microbatch_size, args.width),
+            )
+            optimizer = _optimizer(stage.parameters(), args)
+            first, last = stage.rank == 0, stage.rank == PP - 1
+
+            async def step() -> float | None:
+                return await stage.train_step(
+                    actions,
+                    xs if first else None,
+                    ys if last else None,
+                    optimizer,
+                    microbatches=args.microbatches,
+                    broadcast_loss=False,
+                )
+
+            loss = None
+            for _ in range(args.warmup):
+                loss = await step()
+            await barrier(world)
+            ends = [time.perf_counter()]
+            for _ in range(args.steps):
+                loss = await step()
+                ends.append(time.perf_counter())
+            await barrier(world)
+            out["step_seconds"] = [b - a for a, b in itertools.pairwise(ends)]
+            out["loss"] = loss
+
+    trio.run(main)
+    return out
+
+
+def _worker_torch(args: argparse.Namespace, schedule: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    blocks, inputs, targets, loss_fn = _setup(args)
+    per = args.blocks // PP
+    submodule = blocks[args.rank * per : (args.rank + 1) * per]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(args.port)
+    dist.init_process_group("gloo", rank=args.rank, world_size=PP)
+    try:
+        stage = PipelineStage(submodule, args.rank, PP, torch.device("cpu"))
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        runner = kind(stage, args.microbatches, loss_fn=loss_fn)
+        optimizer = _optimizer(submodule.parameters(), args)
+        first, last = args.rank == 0, args.rank == PP - 1
+
+        def step() -> float | None:
+            optimizer.zero_grad(set_to_none=True)
+            losses: list = []
+            if first:
+                runner.step(inputs)
+            elif last:
+                runner.step(target=targets, losses=losses)
+            optimizer.step()
+            return float(torch.stack(losses).detach().mean()) if losses else None
+
+        for _ in range(args.warmup):
+            loss = step()
+        dist.barrier()
+        ends = [time.perf_counter()]
+        for _ in range(args.steps):
+            loss = step()
+            ends.append(time.perf_counter())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"step_seconds": [b - a for a, b in itertools.pairwise(ends)], "loss": loss}
+
+
+def _run_worker(args: argparse.Namespace) -> None:
+    system = args.worker
+    if system == "single":
+        result = _worker_single(args)
+    elif system.startswith("paramsync-"):
+        result = _worker_paramsync(args, system.removeprefix("paramsync-"))
+    else:
+        result = _worker_torch(args, system.removeprefix("torch-"))
+    print(json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _model_args(args: argparse.Namespace) -> list[str]:
+    return [
+        "--width",
+        str(args.width),
+        "--blocks",
+        str(args.blocks),
+        "--microbatches",
+        str(args.microbatches),
+        "--microbatch-size",
+        str(args.microbatch_size),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--lr",
+        str(args.lr),
+        "--seed",
+        str(args.seed),
+    ]
+
+
+def _launch(system: str, args: argparse.Namespace) -> dict:
+    """Run one system's processes; return rank 0's step times and the last stage's loss."""
+    ranks = 1 if system == "single" else PP
+    port = _free_port()
+    secret = secrets.token_hex(16)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = []
+    for rank in range(ranks):
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", system]
+        command += ["--rank", str(rank), "--port", str(port), "--secret", secret]
+        command += _model_args(args)
+        procs.append(
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outputs = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=LAUNCH_SECONDS)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{system} rank {rank} failed:\n{err[-4000:]}")
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {"step_seconds": outputs[0]["step_seconds"], "loss": outputs[-1]["loss"]}
+
+
+def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.Namespace) -> dict:
+    ideal = ideal_speedup(PP, args.microbatches)
+    rows: dict = {}
+    for system in systems:
+        pooled = [s for run in runs[system] for s in run["step_seconds"]]
+        rows[system] = {
+            "median_step_seconds": statistics.median(pooled),
+            "samples": len(pooled),
+            "loss": runs[system][-1]["loss"],
+        }
+    single = rows["single"]["median_step_seconds"]
+    for system in systems:
+        if system == "single":
+            continue
+        row = rows[system]
+        row["speedup"] = single / row["median_step_seconds"]
+        row["fraction_of_ideal"] = row["speedup"] / ideal
+        if system.startswith("paramsync-"):
+            torch_row = rows.get("torch-" + system.removeprefix("paramsync-"))
+            if torch_row is not None:
+                row["ratio_to_torch"] = (
+                    row["median_step_seconds"] / torch_row["median_step_seconds"]
+                )
+    return {"ideal_speedup": ideal, "systems": rows}
+
+
+def _print_table(table: dict, systems: list[str]) -> None:
+    header = (
+        f"{'system':<16} | {'step':>9} | {'loss':>10} | {'speedup':>7} | {'of ideal':>8} | "
+        f"{'vs torch':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for system in systems:
+        row = table["systems"][system]
+        speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "1.00x"
+        ideal = f"{row['fraction_of_ideal'] * 100:.0f} %" if "fraction_of_ideal" in row else "-"
+        versus = f"{row['ratio_to_torch']:.2f}x" if "ratio_to_torch" in row else "-"
+        print(
+            f"{system:<16} | {row['median_step_seconds'] * 1e3:>6.1f} ms | {row['loss']:>10.6f} | "
+            f"{speedup:>7} | {ideal:>8} | {versus:>8}"
+        )
+    print(
+        f"(step: median time between consecutive step ends on rank 0, pooled over rounds; "
+        f"speedup: single / system; of ideal: speedup / {table['ideal_speedup']:.2f}, the "
+        f"bubble-limited p*m/(m+p-1); vs torch: paramsync's step time / torch's for the same "
+        f"schedule, below 1 is faster)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024, help="features of every Linear")
+    parser.add_argument("--blocks", type=int, default=8, help="Linear + ReLU blocks (even)")
+    parser.add_argument("--microbatches", type=int, default=8, help="m")
+    parser.add_argument("--microbatch-size", type=int, default=32, help="rows per micro-batch")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per system")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="to time"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a seconds-long run: width 128, micro-batches of 4, 1 round of 3 + 1 steps",
+    )
+    parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--secret", default="", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.worker:
+        _run_worker(args)
+        return
+    if args.quick:
+        args.width, args.microbatch_size, args.rounds, args.steps, args.warmup = 128, 4, 1, 3, 1
+    if args.blocks % PP or args.microbatches < PP or args.steps < 1 or args.warmup < 1:
+        raise SystemExit(
+            f"--blocks must be a multiple of {PP}, --microbatches at least {PP}, --steps and "
+            "--warmup at least 1"
+        )
+    systems = ["single"]
+    for schedule in args.schedules:
+        systems += [f"paramsync-{schedule}", f"torch-{schedule}"]
+    load = os.getloadavg()
+    print(
+        f"MLP {args.blocks} x Linear({args.width}, {args.width}) + ReLU on {PP} stages; "
+        f"m = {args.microbatches} micro-batches of {args.microbatch_size}; SGD lr {args.lr}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps; {args.rounds} rounds; "
+        f"{os.cpu_count()} CPUs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        flush=True,
+    )
+    runs: dict[str, list[dict]] = {system: [] for system in systems}
+    started = time.perf_counter()
+    for round_index in range(args.rounds):
+        order = systems if round_index % 2 == 0 else systems[::-1]
+        for system in order:
+            result = _launch(system, args)
+            runs[system].append(result)
+            print(
+                f"round {round_index + 1}/{args.rounds}, {system}: median step "
+                f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms, final loss "
+                f"{result['loss']:.6f}",
+                flush=True,
+            )
+    table = _summarise(runs, systems, args)
+    _print_table(table, systems)
+    print(f"total benchmark time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {
+            k: v for k, v in vars(args).items() if k not in ("json", "worker", "rank", "port")
+        }
+        settings.pop("secret", None)
+        table["settings"] = settings
+        table["cpu_count"] = os.cpu_count()
+        table["load_average"] = list(load)
+        args.json.write_text(json.dumps(table, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

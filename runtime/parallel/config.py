@@ -1,0 +1,455 @@
+"""How a 3D-parallel run is laid out (seed 004's `ParallelismConfig`): data x tensor x pipeline
+parallel degrees, micro-batches, the pipeline schedule, gradient accumulation, ZeRO-1 and
+activation checkpointing.
+
+`ParallelismConfig` is frozen and validated on construction: every bad value is a `ConfigError`
+(a ``ValueError``) naming the field, and, when it came from a file, variable or flag, that source.
+It comes from a ``[parallelism]`` table in a TOML file, from ``PARAMSYNC_*`` environment variables
+(`ENV_VARS`) or from command-line flags (`add_arguments`), and `ParallelismConfig.resolve` layers
+them like `runtime.cli.train_config.DistributedTrainConfig.resolve`: flags > environment > TOML >
+defaults. ``tp_size`` is an alias of ``mp_size`` (the seed's name for tensor parallelism) in the
+constructor, the TOML table, the flags (``--tp-size``/``--mp-size``) and the environment
+(``PARAMSYNC_TP_SIZE``/``PARAMSYNC_MP_SIZE``).
+
+The world size is not a field: it is checked where it is known, with `check_world` (or
+``resolve(world_size=...)``), because it already has a source of truth (torchrun's WORLD_SIZE in
+`DistributedTrainConfig`) and a second copy here could only disagree with it. The layer count is
+checked the same way, by `check_layers`, once the model is known.
+
+The ranks form a device mesh in Megatron's order, tensor parallel fastest: `mesh_names` is
+``("pp", "dp", "tp")`` and `mesh_shape` the matching sizes, ready for
+``runtime.collectives.mesh.init_device_mesh(world, config.mesh_names(), config.mesh_shape())``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from runtime.errors import ConfigError
+
+__all__ = [
+    "CommBackend",
+    "PipelineSchedule",
+    "MemoryOptimization",
+    "ParallelismConfig",
+    "ENV_VARS",
+    "FIELD_ALIASES",
+    "TOML_TABLE",
+    "MESH_NAMES",
+    "add_arguments",
+    "overrides_from_args",
+]
+
+TOML_TABLE = "parallelism"
+"""The TOML table `ParallelismConfig.from_toml` reads."""
+
+MESH_NAMES = ("pp", "dp", "tp")
+"""The mesh's dimensions, slowest first: tensor-parallel ranks are adjacent (Megatron's order)."""
+
+FIELD_ALIASES = {"tp_size": "mp_size"}
+"""Other names a field answers to, in every source."""
+
+
+class CommBackend(enum.Enum):
+    """Whose data plane moves the tensors: paramsync's own collectives, or torch.distributed's."""
+
+    PARAMSYNC = "paramsync"
+    TORCH = "torch"
+
+
+class PipelineSchedule(enum.Enum):
+    """The order in which pipeline stages run their micro-batches' forwards and backwards."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+
+class MemoryOptimization(enum.Enum):
+    """Memory optimisation of the optimizer state: none, or ZeRO stage 1 over the dp group."""
+
+    NONE = "none"
+    ZERO1 = "zero1"
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _parse_enum(cls: type[_E], value: object, name: str) -> _E:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace("-", "_")
+        for member in cls:
+            if member.value == text:
+                return member
+    choices = ", ".join(repr(member.value) for member in cls)
+    raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ConfigError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    """dp_size x mp_size x pp_size processes, and how they train; validated on construction.
+
+    ``mp_size`` is the tensor-parallel degree; ``tp_size`` is its alias (pass either; both given
+    and different is an error; after construction ``tp_size`` always equals ``mp_size``).
+    ``num_micro_batches`` is m, the micro-batches of one step through the pipeline;
+    ``virtual_chunks`` is v, the model chunks each pipeline rank holds (``interleaved_1f1b``
+    only). ``accumulation_steps`` is how many steps' gradients accumulate before the optimizer
+    steps, and must be 1 unless ``gradient_accumulation`` is on. Enum fields also take their
+    values as strings (``"1f1b"``, ``"zero1"``).
+    """
+
+    dp_size: int = 1
+    mp_size: int = 1
+    pp_size: int = 1
+    num_micro_batches: int = 1
+    gradient_accumulation: bool = False
+    accumulation_steps: int = 1
+    activation_checkpointing: bool = False
+    comm_backend: CommBackend = CommBackend.PARAMSYNC
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.GPIPE
+    virtual_chunks: int = 1
+    memory_optimization: MemoryOptimization = MemoryOptimization.NONE
+    tp_size: int | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_positive("dp_size", self.dp_size)
+        mp = _check_positive("mp_size", self.mp_size)
+        if self.tp_size is not None:
+            tp = _check_positive("tp_size", self.tp_size)
+            if mp != 1 and mp != tp:
+                raise ConfigError(
+                    f"mp_size={mp} and its alias tp_size={tp} disagree: give the tensor-parallel "
+                    "degree once"
+                )
+            mp = tp
+            object.__setattr__(self, "mp_size", mp)
+        object.__setattr__(self, "tp_size", mp)
+        pp = _check_positive("pp_size", self.pp_size)
+        m = _check_positive("num_micro_batches", self.num_micro_batches)
+        v = _check_positive("virtual_chunks", self.virtual_chunks)
+        accumulate = _check_bool("gradient_accumulation", self.gradient_accumulation)
+        steps = _check_positive("accumulation_steps", self.accumulation_steps)
+        if steps != 1 and not accumulate:
+            raise ConfigError(
+                f"accumulation_steps={steps} needs gradient_accumulation on (it is off): "
+                "turn it on, or leave accumulation_steps at 1"
+            )
+        _check_bool("activation_checkpointing", self.activation_checkpointing)
+        object.__setattr__(
+            self, "comm_backend", _parse_enum(CommBackend, self.comm_backend, "comm_backend")
+        )
+        schedule = _parse_enum(PipelineSchedule, self.pipeline_schedule, "pipeline_schedule")
+        object.__setattr__(self, "pipeline_schedule", schedule)
+        object.__setattr__(
+            self,
+            "memory_optimization",
+            _parse_enum(MemoryOptimization, self.memory_optimization, "memory_optimization"),
+        )
+        _check_schedule(schedule, pp, m, v)
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def world_size(self) -> int:
+        """The processes this layout needs: dp_size * mp_size * pp_size."""
+        return self.dp_size * self.mp_size * self.pp_size
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages (chunks) in the pipeline: pp_size * virtual_chunks."""
+        return self.pp_size * self.virtual_chunks
+
+    @property
+    def zero1(self) -> bool:
+        """Whether the optimizer state is partitioned over the dp group (ZeRO-1)."""
+        return self.memory_optimization is MemoryOptimization.ZERO1
+
+    def mesh_names(self) -> tuple[str, str, str]:
+        """The mesh's dimension names, slowest first: ``("pp", "dp", "tp")``."""
+        return MESH_NAMES
+
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """The mesh's sizes in `mesh_names` order: ``(pp_size, dp_size, mp_size)``."""
+        return (self.pp_size, self.dp_size, self.mp_size)
+
+    def check_world(self, world_size: int) -> None:
+        """Raise `ConfigError` unless dp_size * mp_size * pp_size equals ``world_size``."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"dp_size={self.dp_size} x mp_size={self.mp_size} x pp_size={self.pp_size} = "
+                f"{self.world_size} processes, but world_size is {world_size}: the degrees must "
+                "multiply to the world size"
+            )
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise `ConfigError` unless the pipeline's pp_size * virtual_chunks stages split
+        ``num_layers`` layers evenly (every stage the same number of layers, at least one)."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ConfigError(f"num_layers must be a positive int, got {num_layers!r}")
+        if num_layers % self.num_stages:
+            raise ConfigError(
+                f"num_layers={num_layers} does not split into pp_size={self.pp_size} x "
+                f"virtual_chunks={self.virtual_chunks} = {self.num_stages} equal stages"
+            )
+
+    # ------------------------------------------------------------------ sources
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ParallelismConfig:
+        """Build from the ``PARAMSYNC_*`` variables of `ENV_VARS`; unset ones take defaults."""
+        return cls(**_env_layer(os.environ if environ is None else environ))
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> ParallelismConfig:
+        """Build from the ``[parallelism]`` table of a TOML file (missing: all defaults).
+
+        Other tables are left to other readers; unknown keys in ``[parallelism]`` are errors.
+        """
+        return cls(**_toml_layer(path))
+
+    @classmethod
+    def resolve(
+        cls,
+        toml_path: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, object] | None = None,
+        *,
+        world_size: int | None = None,
+    ) -> ParallelismConfig:
+        """Layer the sources: ``overrides`` (flags) > environment > TOML file > defaults.
+
+        ``environ`` defaults to ``os.environ``; pass ``{}`` to ignore it. ``None`` values in
+        ``overrides`` mean "not given" (argparse's default) and do not mask lower layers.
+        A field given by its alias in one layer and its name in another is one field: the
+        higher layer wins. With ``world_size`` the result is checked against it (`check_world`).
+        """
+        merged: dict[str, Any] = {}
+        if toml_path is not None:
+            merged.update(_toml_layer(toml_path))
+        merged.update(_env_layer(os.environ if environ is None else environ))
+        if overrides is not None:
+            given = {key: value for key, value in overrides.items() if value is not None}
+            merged.update(_coerce_layer(given, "flag"))
+        config = cls(**merged)
+        if world_size is not None:
+            config.check_world(world_size)
+        return config
+
+
+def _check_schedule(schedule: PipelineSchedule, pp: int, m: int, v: int) -> None:
+    """The micro-batch and chunk rules of each schedule (torch.distributed.pipelining's)."""
+    if schedule is PipelineSchedule.INTERLEAVED_1F1B:
+        if v < 2:
+            raise ConfigError(
+                f"virtual_chunks={v}: pipeline_schedule 'interleaved_1f1b' needs at least 2 "
+                "model chunks per pipeline rank"
+            )
+        if m % pp:
+            raise ConfigError(
+                f"num_micro_batches={m}: pipeline_schedule 'interleaved_1f1b' needs a multiple "
+                f"of pp_size={pp}"
+            )
+        return
+    if v != 1:
+        raise ConfigError(
+            f"virtual_chunks={v}: only pipeline_schedule 'interleaved_1f1b' holds more than one "
+            f"model chunk per rank, not {schedule.value!r}"
+        )
+    if schedule in (PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.ZERO_BUBBLE) and m < pp:
+        raise ConfigError(
+            f"num_micro_batches={m}: pipeline_schedule {schedule.value!r} needs at least "
+            f"pp_size={pp} micro-batches"
+        )
+
+
+_FIELDS = tuple(f.name for f in fields(ParallelismConfig) if f.name not in FIELD_ALIASES)
+_INT_FIELDS = frozenset(
+    {"dp_size", "mp_size", "pp_size", "num_micro_batches", "accumulation_steps", "virtual_chunks"}
+)
+_BOOL_FIELDS = frozenset({"gradient_accumulation", "activation_checkpointing"})
+_ENUM_FIELDS: dict[str, type[enum.Enum]] = {
+    "comm_backend": CommBackend,
+    "pipeline_schedule": PipelineSchedule,
+    "memory_optimization": MemoryOptimization,
+}
+
+ENV_VARS: dict[str, str] = {
+    **{name: f"PARAMSYNC_{name.upper()}" for name in _FIELDS},
+    "num_micro_batches": "PARAMSYNC_MICRO_BATCHES",
+    "tp_size": "PARAMSYNC_TP_SIZE",
+}
+"""Each field's (and alias's) environment variable: ``PARAMSYNC_DP_SIZE``, ``PARAMSYNC_TP_SIZE``
+(or ``PARAMSYNC_MP_SIZE``), ``PARAMSYNC_PP_SIZE``, ``PARAMSYNC_MICRO_BATCHES``,
+``PARAMSYNC_PIPELINE_SCHEDULE``, ``PARAMSYNC_MEMORY_OPTIMIZATION``, ..."""
+
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _coerce_value(key: str, value: object, label: str) -> object:
+    if key in _INT_FIELDS or key in FIELD_ALIASES:
+        if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
+            return int(value.strip())
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{label} must be an integer, got {value!r}")
+    if key in _BOOL_FIELDS:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(
+            f"{label} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}"
+        )
+    return _parse_enum(_ENUM_FIELDS[key], value, label)
+
+
+def _coerce_layer(values: Mapping[str, object], where: str) -> dict[str, Any]:
+    """One source's values, type-checked, the alias folded into its field. ``where`` names the
+    source ("flag", a file's table, "environment variable") in every error."""
+    out: dict[str, Any] = {}
+    aliased: dict[str, tuple[str, object]] = {}
+    for key, value in values.items():
+        if not isinstance(key, str) or (key not in _FIELDS and key not in FIELD_ALIASES):
+            known = ", ".join((*_FIELDS, *FIELD_ALIASES))
+            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {known})")
+        coerced = _coerce_value(key, value, f"{where} {key}")
+        target = FIELD_ALIASES.get(key, key)
+        if target in aliased and aliased[target][1] != coerced:
+            first, first_value = aliased[target]
+            raise ConfigError(
+                f"{where}: {first}={first_value!r} and {key}={coerced!r} name the same field "
+                f"{target} with different values"
+            )
+        aliased[target] = (key, coerced)
+        out[target] = coerced
+    return out
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, var in ENV_VARS.items():
+        if var not in environ:
+            continue
+        target = FIELD_ALIASES.get(key, key)
+        value = _coerce_layer({key: environ[var]}, f"environment variable {var}")[target]
+        if target in out and out[target] != value:
+            raise ConfigError(
+                f"environment variables {seen[target]}={out[target]!r} and {var}={value!r} "
+                f"name the same field {target} with different values"
+            )
+        out[target] = value
+        seen[target] = var
+    return out
+
+
+def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    table = data.get(TOML_TABLE, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: '{TOML_TABLE}' must be a table, got {table!r}")
+    return _coerce_layer(table, f"{path} [{TOML_TABLE}]")
+
+
+# ---------------------------------------------------------------------- flags
+
+_FLAGS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
+    (("--dp-size",), "dp_size", {"type": int, "help": "data-parallel degree"}),
+    (
+        ("--tp-size", "--mp-size"),
+        "mp_size",
+        {"type": int, "help": "tensor-parallel (model-parallel) degree"},
+    ),
+    (("--pp-size",), "pp_size", {"type": int, "help": "pipeline-parallel degree"}),
+    (
+        ("--micro-batches",),
+        "num_micro_batches",
+        {"type": int, "help": "micro-batches per step (m)"},
+    ),
+    (
+        ("--pipeline-schedule",),
+        "pipeline_schedule",
+        {"choices": [s.value for s in PipelineSchedule], "help": "pipeline schedule"},
+    ),
+    (
+        ("--virtual-chunks",),
+        "virtual_chunks",
+        {"type": int, "help": "model chunks per pipeline rank (interleaved_1f1b)"},
+    ),
+    (
+        ("--gradient-accumulation",),
+        "gradient_accumulation",
+        {"action": argparse.BooleanOptionalAction, "help": "accumulate gradients over steps"},
+    ),
+    (
+        ("--accumulation-steps",),
+        "accumulation_steps",
+        {"type": int, "help": "steps per optimizer step with --gradient-accumulation"},
+    ),
+    (
+        ("--activation-checkpointing",),
+        "activation_checkpointing",
+        {"action": argparse.BooleanOptionalAction, "help": "recompute activations in backward"},
+    ),
+    (
+        ("--comm-backend",),
+        "comm_backend",
+        {"choices": [b.value for b in CommBackend], "help": "collectives' data plane"},
+    ),
+    (
+        ("--memory-optimization",),
+        "memory_optimization",
+        {"choices": [o.value for o in MemoryOptimization], "help": "optimizer-state sharding"},
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the parallelism flags (``--dp-size``, ``--tp-size/--mp-size``, ``--pp-size``,
+    ``--micro-batches``, ``--pipeline-schedule``, ...) to ``parser``. Each defaults to None
+    ("not given"); `overrides_from_args` turns the parsed namespace into ``resolve``'s
+    ``overrides``."""
+    group = parser.add_argument_group("parallelism")
+    for names, dest, options in _FLAGS:
+        group.add_argument(*names, dest=f"parallel_{dest}", default=None, **options)
+
+
+def overrides_from_args(namespace: argparse.Namespace) -> dict[str, object]:
+    """The flags `add_arguments` added, as ``resolve``'s overrides (None: not given)."""
+    return {dest: getattr(namespace, f"parallel_{dest}", None) for _, dest, _ in _FLAGS}

@@ -1,0 +1,435 @@
+"""Pipeline stages executing schedules (`actors.parallel.pipeline`) against one process.
+
+Every case trains a small transformer (embedding, encoder layers with dropout 0, head) for 5
+optimizer steps (SGD with momentum; `pipeline_fixtures.make_optimizer` says why not Adam) on the
+same micro-batches as the single-process reference (`pipeline_fixtures.reference_training`: each
+micro-batch in order with loss / m, gradients accumulated, replicas averaged) and compares every
+weight of every rank with the reference's: bitwise (``torch.equal``) where the arithmetic is the
+same (stage gradients fold in micro-batch order, whatever the schedule), within 1e-5 relative /
+4e-5 absolute where it is not (tied embeddings: the two copies' gradients are summed after the
+step, the reference sums them per micro-batch). Worlds run in one process (InProcessTransport),
+one case over TCP; a rank failing in the middle of a schedule makes every rank fail, never hang.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import pytest
+import torch
+import trio
+from conftest import open_group
+from pipeline_fixtures import (
+    D_MODEL,
+    MICRO_BATCH,
+    SEQ,
+    batches,
+    gpipe,
+    looped_bfs,
+    loss_fn,
+    make_optimizer,
+    one_f_one_b,
+    reference_training,
+    tied_names,
+    transformer_blocks,
+)
+
+from actors.parallel.microbatch_grads import OrderedGradients
+from actors.parallel.pipeline import PipelineStage, split_microbatches
+from actors.parallel.pipeline_grads import new_embedding_group
+from actors.parallel.stages import rank_stages, split_blocks
+from runtime.collectives.mesh import init_device_mesh
+from runtime.errors import PeerClosed, ProtocolError, StallError
+from runtime.parallel.actions import Action, ActionKind
+from runtime.parallel.schedules import SCHEDULE_KINDS, build_schedule
+from runtime.transport.base import Transport
+
+STEPS = 5
+SHAPE = (MICRO_BATCH, SEQ, D_MODEL)
+SECONDS = 120.0
+
+
+async def _train_rank(
+    world: Transport,
+    model: torch.nn.Sequential,
+    lists: Sequence[Sequence[Action]],
+    data: list,
+    *,
+    pp: int,
+    dp: int,
+    v: int,
+    tied: bool,
+    mesh_names: tuple[str, ...],
+    steps: int = STEPS,
+) -> tuple[PipelineStage, list[float | None]]:
+    """One world rank: its mesh (pp, dp[, tp of 1]), its stage, ``steps`` training steps."""
+    sizes = {"pp": pp, "dp": dp, "tp": 1}
+    mesh = await init_device_mesh(world, mesh_names, tuple(sizes[name] for name in mesh_names))
+    embedding = await new_embedding_group(world, mesh.groups("pp")) if tied else None
+    blocks = copy.deepcopy(model)
+    stage = PipelineStage.from_blocks(
+        blocks,
+        pp_group=mesh.group("pp"),
+        chunks_per_rank=v,
+        loss_fn=loss_fn,
+        activation_shape=SHAPE,
+        dp_group=mesh.group("dp"),
+        embedding_group=embedding,
+        tied=tied_names(blocks) if tied else (),
+    )
+    await stage.sync_tied_weights()
+    optimizer = make_optimizer(stage.parameters())
+    replica = mesh.coordinate("dp")
+    losses = []
+    for step in range(steps):
+        inputs, targets = data[step][replica]
+        losses.append(await stage.train_step(lists[stage.rank], inputs, targets, optimizer))
+    await mesh.aclose()
+    if embedding is not None:
+        await embedding.aclose()
+    return stage, losses
+
+
+def _train(
+    lists: Sequence[Sequence[Action]],
+    *,
+    pp: int,
+    dp: int = 1,
+    v: int = 1,
+    m: int = 4,
+    layers: int = 2,
+    tied: bool = False,
+    kind: str = "inproc",
+    mesh_names: tuple[str, ...] = ("pp", "dp"),
+) -> tuple[torch.nn.Sequential, list[float], list[tuple[PipelineStage, list[float | None]]]]:
+    model = transformer_blocks(layers, tied=tied)
+    data = batches(STEPS, m, replicas=dp)
+    reference, reference_losses = reference_training(model, data, STEPS)
+
+    async def main() -> list:
+        with trio.fail_after(SECONDS):
+            async with open_group(kind, pp * dp) as world:
+                results: list = [None] * len(world)
+
+                async def one(t: Transport) -> None:
+                    results[t.rank] = await _train_rank(
+                        t, model, lists, data, pp=pp, dp=dp, v=v, tied=tied, mesh_names=mesh_names
+                    )
+
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+                return results
+
+    return reference, reference_losses, trio.run(main)
+
+
+def _compare(
+    reference: torch.nn.Sequential,
+    reference_losses: list[float],
+    results: list[tuple[PipelineStage, list[float | None]]],
+    *,
+    exact: bool,
+) -> None:
+    """Every rank's weights against the reference's (by the whole model's names), and the loss
+    replica 0's first and last pipeline ranks returned against the reference's (replica 0's)."""
+    expected = dict(reference.named_parameters())
+    for index, block in enumerate(reference):  # a tied weight is named once: add its alias
+        for name, p in block.named_parameters(remove_duplicate=False):
+            expected.setdefault(f"{index}.{name}", p)
+    compared = 0
+    for stage, _ in results:
+        for chunk in stage.chunks.values():
+            for name, p in chunk.named_parameters(remove_duplicate=False):
+                index, rest = name.split(".", 1)
+                full = f"{int(index) + chunk.first_block}.{rest}"
+                want = expected[full]
+                if exact:
+                    assert torch.equal(p, want), f"rank {stage.rank} {full} differs"
+                else:
+                    torch.testing.assert_close(p, want, rtol=1e-5, atol=4e-5, msg=full)
+                compared += 1
+    assert compared >= len(expected)
+    dp = results[0][0].dp_group.world_size if results[0][0].dp_group is not None else 1
+    for world_rank in (0, len(results) - dp):  # mesh ("pp", "dp"): (0, 0) and (pp - 1, 0)
+        assert results[world_rank][1] == pytest.approx(reference_losses, rel=1e-6)
+
+
+HAND_WRITTEN = {
+    "gpipe-reverse-backward": lambda pp, m: gpipe(pp, m, reverse_backward=True),
+    "1f1b-split-backward-weights-last": lambda pp, m: one_f_one_b(pp, m, split=True),
+}
+GENERATED = [
+    # kind, pp, v (chunks per rank), m, encoder layers (p * v stages divide layers + 2 blocks)
+    ("gpipe", 2, 1, 4, 2),
+    ("gpipe", 4, 1, 8, 2),
+    ("1f1b", 2, 1, 4, 2),
+    ("1f1b", 4, 1, 8, 2),
+    ("interleaved_1f1b", 2, 2, 4, 2),
+    ("interleaved_1f1b", 4, 2, 8, 6),
+    ("zero_bubble", 2, 1, 4, 2),
+    ("zero_bubble", 4, 1, 8, 2),
+]
+assert {case[0] for case in GENERATED} == set(SCHEDULE_KINDS)
+
+
+@pytest.mark.parametrize(("kind", "pp", "v", "m", "layers"), GENERATED)
+def test_every_generated_schedule_is_bitwise_the_single_process_run(
+    kind: str, pp: int, v: int, m: int, layers: int
+) -> None:
+    """build_schedule's lists for every kind on p = 2 and p = 4 (interleaved with v = 2: 4 and
+    8 stages): every weight equal to the reference's, bit for bit, after 5 steps."""
+    lists = build_schedule(kind, pp, m, v).actions
+    reference, losses, results = _train(lists, pp=pp, v=v, m=m, layers=layers)
+    _compare(reference, losses, results, exact=True)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
+def test_hand_written_orders_give_the_same_bits(name: str) -> None:
+    """Backwards in reverse micro-batch order, or every weight gradient deferred to the end:
+    gradients still fold in micro-batch order, so the weights are the reference's bit for bit."""
+    reference, losses, results = _train(HAND_WRITTEN[name](2, 4), pp=2)
+    _compare(reference, losses, results, exact=True)
+
+
+def test_one_stage_is_the_single_process_run() -> None:
+    reference, losses, results = _train(build_schedule("1f1b", 1, 3).actions, pp=1, m=3)
+    _compare(reference, losses, results, exact=True)
+
+
+def test_two_chunks_per_rank_looped_breadth_first() -> None:
+    reference, losses, results = _train(looped_bfs(2, 4, 2), pp=2, v=2)
+    _compare(reference, losses, results, exact=True)
+
+
+def test_data_parallel_two_by_pipeline_two_averages_the_replicas() -> None:
+    """A ("pp", "dp", "tp") mesh of 2 x 2 x 1: each stage's replicas average their gradients
+    over their dp group, bitwise the reference's average of the replicas."""
+    lists = build_schedule("1f1b", 2, 4).actions
+    reference, losses, results = _train(lists, pp=2, dp=2, mesh_names=("pp", "dp", "tp"))
+    _compare(reference, losses, results, exact=True)
+    # world ranks 0 and 1 are stage 0 of replicas 0 and 1: identical weights
+    for a, b in zip(results[0][0].parameters(), results[1][0].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tied_embeddings_stay_tied_and_match_within_tolerance(dp: int) -> None:
+    lists = build_schedule("1f1b", 2, 4).actions
+    reference, losses, results = _train(lists, pp=2, dp=dp, tied=True)
+    _compare(reference, losses, results, exact=False)
+    first, last = results[0][0], results[-1][0]
+    assert len(first.tied_params) == len(last.tied_params) == 1
+    assert torch.equal(first.tied_params[0], last.tied_params[0])  # the copies never drift
+
+
+def test_over_tcp_in_one_process() -> None:
+    """Interleaved 1F1B over TcpTransport: activations and gradients share each link."""
+    lists = build_schedule("interleaved_1f1b", 2, 4, 2).actions
+    reference, losses, results = _train(lists, pp=2, v=2, kind="tcp")
+    _compare(reference, losses, results, exact=True)
+
+
+# ------------------------------------------------------------------------ failures
+
+
+def _stage(t: Transport, **options: object) -> PipelineStage:
+    return PipelineStage.from_blocks(
+        copy.deepcopy(transformer_blocks(2)),
+        pp_group=t,
+        loss_fn=options.pop("loss", loss_fn),  # type: ignore[arg-type]
+        activation_shape=options.pop("shape", SHAPE),  # type: ignore[arg-type]
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs() -> None:
+    """Pipeline rank 1's loss raises on micro-batch 2 of step 1: rank 1 raises that error,
+    closes its groups, and ranks 0 and 2 fail with PeerClosed (all within the deadline)."""
+    calls = {"n": 0}
+
+    def failing_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 4 + 3:
+            raise RuntimeError("loss exploded")
+        return loss_fn(out, target)
+
+    data = batches(2, 4)
+    lists = build_schedule("1f1b", 4, 4).actions
+
+    async def rank(t: Transport) -> BaseException | None:
+        blocks = copy.deepcopy(transformer_blocks(2))
+        stage = PipelineStage.from_blocks(
+            blocks, pp_group=t, loss_fn=failing_loss, activation_shape=SHAPE
+        )
+        optimizer = make_optimizer(stage.parameters())
+        try:
+            for step in range(2):
+                inputs, targets = data[step][0]
+                await stage.train_step(lists[t.rank], inputs, targets, optimizer)
+        except Exception as exc:
+            return exc
+        return None
+
+    async def main() -> list:
+        with trio.fail_after(SECONDS):
+            async with open_group("inproc", 4) as world:
+                results: list = [None] * 4
+
+                async def one(t: Transport) -> None:
+                    results[t.rank] = await rank(t)
+
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+                return results
+
+    results = trio.run(main)
+    assert isinstance(results[3], RuntimeError) and "loss exploded" in str(results[3])
+    assert any("step 1" in note for note in results[3].__notes__)
+    for index in (0, 1, 2):
+        assert isinstance(results[index], PeerClosed), results[index]
+
+
+def test_a_silent_peer_is_a_stall_error_naming_step_action_and_peer() -> None:
+    async def main() -> BaseException:
+        async with open_group("inproc", 2) as world:
+            stage = _stage(world[1], recv_seconds=0.5)
+            with pytest.raises(StallError) as caught:
+                await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
+            with pytest.raises(RuntimeError, match="previous step failed"):
+                await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
+            return caught.value
+
+    error = trio.run(main)
+    assert "step 0" in str(error) and "0RECV_F0@0" in str(error) and "rank 0" in str(error)
+
+
+def test_a_shape_the_receiver_does_not_expect_is_a_protocol_error() -> None:
+    """The receiver declares another activation shape: p2p refuses the message."""
+
+    async def main() -> list:
+        async with open_group("inproc", 2) as world:
+            lists = gpipe(2, 2)
+            inputs, targets = batches(1, 2)[0][0]
+
+            async def one(t: Transport) -> BaseException | None:
+                shape = SHAPE if t.rank == 0 else (MICRO_BATCH, SEQ + 1, D_MODEL)
+                stage = _stage(t, shape=shape)
+                try:
+                    await stage.run_schedule(lists[t.rank], inputs, targets)
+                except Exception as exc:
+                    return exc
+                return None
+
+            results: list = [None, None]
+
+            async def run(t: Transport) -> None:
+                results[t.rank] = await one(t)
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(run, t)
+            return results
+
+    results = trio.run(main)
+    assert isinstance(results[1], ProtocolError) and "shape" in str(results[1])
+    assert isinstance(results[0], PeerClosed)
+
+
+def test_receiving_in_another_order_than_the_peer_sends_is_refused_never_swapped() -> None:
+    """Rank 1 receives micro-batch 1's activation first while rank 0 sends micro-batch 0's
+    first: a ProtocolError naming both tags on rank 1, and rank 0 fails too."""
+    f, r, s = ActionKind.FORWARD, ActionKind.RECV_ACTIVATION, ActionKind.SEND_GRADIENT
+    swapped = [Action(r, 0, 1, 0), Action(ActionKind.FORWARD, 1, 1), Action(r, 0, 0, 0)]
+    swapped += [Action(f, 1, 0), Action(ActionKind.BACKWARD, 1, 0), Action(s, 1, 0, 0)]
+    swapped += [Action(ActionKind.BACKWARD, 1, 1), Action(s, 1, 1, 0)]
+    lists = [gpipe(2, 2)[0], swapped]
+    inputs, targets = batches(1, 2)[0][0]
+
+    async def main() -> list:
+        async with open_group("inproc", 2) as world:
+            results: list = [None, None]
+
+            async def one(t: Transport) -> None:
+                try:
+                    await _stage(t).run_schedule(lists[t.rank], inputs, targets)
+                except Exception as exc:
+                    results[t.rank] = exc
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+            return results
+
+    results = trio.run(main)
+    expected = Action(r, 0, 1, 0).tag(0)
+    sent = Action(r, 0, 0, 0).tag(0)
+    assert isinstance(results[1], ProtocolError)
+    assert f"sent tag {sent}" in str(results[1]) and f"expected tag {expected}" in str(results[1])
+    assert isinstance(results[0], PeerClosed)
+
+
+def test_bad_lists_and_layouts_are_refused_with_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="do not split evenly into 3 stages"):
+        split_blocks(transformer_blocks(2), 3)
+    assert rank_stages(1, 2, 3) == [1, 3, 5]
+
+    async def main() -> None:
+        async with open_group("inproc", 2) as world:
+            stage = _stage(world[0])
+            inputs, _ = batches(1, 2)[0][0]
+            with pytest.raises(ValueError, match="holds stages \\[0\\], not stage 1"):
+                await stage.run_schedule([Action(ActionKind.FORWARD, 1, 0)], inputs)
+            stage = _stage(world[0])
+            with pytest.raises(RuntimeError, match="no forward of micro-batch 0"):
+                await stage.run_schedule([Action(ActionKind.BACKWARD, 0, 0)], inputs)
+            stage = _stage(world[0])
+            with pytest.raises(RuntimeError, match="forwards never backed"):
+                await stage.run_schedule(
+                    [Action(ActionKind.FORWARD, 0, 0), Action(ActionKind.FORWARD, 0, 1)], inputs
+                )
+            stage = _stage(world[0], shape=(MICRO_BATCH, SEQ, D_MODEL + 1))
+            with pytest.raises(ValueError, match="the pipeline declares"):
+                await stage.run_schedule([Action(ActionKind.FORWARD, 0, 0)], inputs)
+
+    trio.run(main)
+
+
+def test_ordered_gradients_fold_in_micro_batch_order_whatever_the_arrival() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(1000) * 10 ** (k % 7) for k in range(6)]
+
+    def fold(order: list[int]) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.zeros(1000))
+        folder = OrderedGradients(0, [param])
+        folder.start(6)
+        for k in order:
+            folder.add(k, [grads[k].clone()])
+        assert folder.missing() == []
+        assert param.grad is not None
+        return param.grad
+
+    ascending = fold(list(range(6)))
+    expected = grads[0].clone()
+    for g in grads[1:]:
+        expected.add_(g)
+    assert torch.equal(ascending, expected)
+    assert torch.equal(fold([5, 3, 1, 0, 2, 4]), expected)
+    param = torch.nn.Parameter(torch.zeros(3))
+    folder = OrderedGradients(7, [param])
+    folder.start(2)
+    folder.add(1, [torch.ones(3)])
+    assert param.grad is None and folder.missing() == [0, 1]
+    with pytest.raises(ValueError, match="stage 7: weight gradients of micro-batch 1 computed"):
+        folder.add(1, [torch.ones(3)])
+
+
+def test_split_microbatches() -> None:
+    parts = split_microbatches(torch.arange(12).view(6, 2), 3)
+    assert [p.tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    with pytest.raises(ValueError, match="does not split into 4"):
+        split_microbatches(torch.zeros(6), 4)
