@@ -46,7 +46,7 @@ from actors.parallel.replica_check import check_shard_replicas
 from actors.parallel.shard_model import ModelSpec, ShardModel, build_shard_model
 from actors.parallel.stages import stage_rank
 from actors.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from actors.parallel.traced_stage import TracedPipelineStage
+from actors.parallel.traced_stage import PIPELINE_TRACK, TracedPipelineStage
 from actors.parallel.zero import ZeroRedundancyOptimizer
 from actors.state.digest import StateDigest, StateHasher
 from runtime.collectives.from_thread import ThreadCollectives
@@ -54,7 +54,7 @@ from runtime.collectives.groups import ProcessGroup
 from runtime.collectives.mesh import DeviceMesh, init_device_mesh
 from runtime.collectives.ring import all_reduce, broadcast
 from runtime.observe.trace import TraceRecorder
-from runtime.parallel.config import ParallelismConfig
+from runtime.parallel.config import CommBackend, ParallelismConfig
 from runtime.parallel.schedules import Schedule, build_schedule
 from runtime.transport.base import Transport
 
@@ -142,6 +142,11 @@ class Trainer3D:
         """
         config.check_world(world.world_size)
         config.check_layers(spec.n_layers)
+        if config.comm_backend is not CommBackend.PARAMSYNC:
+            raise ValueError(
+                f"comm_backend={config.comm_backend.value!r}: Trainer3D runs on paramsync's own "
+                "collectives; use comm_backend='paramsync'"
+            )
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be a non-negative int, got {check_every!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -180,6 +185,7 @@ class Trainer3D:
                 recv_seconds=recv_seconds,
                 tracer=tracer,
             )
+            assert isinstance(stage, TracedPipelineStage)  # from_blocks builds a cls
             last = stage.num_stages - 1
             if config.pp_size > 1 and last in stage.chunks:
                 for param in stage.tied_params:  # the first stage's copy counts in the norm
@@ -290,7 +296,8 @@ class Trainer3D:
             self.batches += 1
             loss = await self._mean_loss(result.loss)
             if self.batches % accumulation == 0:
-                await self._optimizer_step()
+                with self.stage.tracer.span("optimizer", PIPELINE_TRACK, step=self.batches - 1):
+                    await self._optimizer_step()
         except BaseException as exc:
             await self._fail(exc)
             raise
@@ -341,15 +348,20 @@ class Trainer3D:
             and self.check_every
             and self.optimizer_steps % self.check_every == 0
         ):
-            await check_shard_replicas(
-                self.mesh.group("dp"),
-                await self.shard_digest(),
-                tp=self.tp,
-                pp=self.pp,
-                step=self.optimizer_steps,
-                describe=lambda name: self._digest_names.get(name, name),
-            )
-            self.checks_passed += 1
+            with self.stage.tracer.span("replica check", PIPELINE_TRACK):
+                await self._check_replicas()
+
+    async def _check_replicas(self) -> None:
+        """C-DDP-001 for this rank's shard over its dp group (`check_shard_replicas`)."""
+        await check_shard_replicas(
+            self.mesh.group("dp"),
+            await self.shard_digest(),
+            tp=self.tp,
+            pp=self.pp,
+            step=self.optimizer_steps,
+            describe=lambda name: self._digest_names.get(name, name),
+        )
+        self.checks_passed += 1
 
     async def _zero_step_clipped(self, zero: ZeroRedundancyOptimizer, max_norm: float) -> None:
         """ZeRO-1's step with global-norm clipping between its reduce-scatter and the shard's
