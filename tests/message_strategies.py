@@ -78,6 +78,8 @@ def wire_value(ftype: WireType) -> st.SearchStrategy[Any]:
         return st.binary(max_size=min(ftype.max_len, 64))
     if isinstance(ftype, Seq):
         return st.lists(wire_value(ftype.item), max_size=min(ftype.max_len, 4))
+    if ftype is messages.LAYOUT:
+        return layouts()
     if isinstance(ftype, Record):  # Spread included: its elements as a list
         return st.tuples(*(wire_value(part) for _, part in ftype.parts)).map(list)
     if isinstance(ftype, Either):
@@ -87,6 +89,16 @@ def wire_value(ftype: WireType) -> st.SearchStrategy[Any]:
     if isinstance(ftype, Map):
         return st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1), max_size=3)
     raise TypeError(f"no strategy for {ftype!r}")
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> list[Any]:
+    """A valid parallel layout as it travels: distinct names, one size and one coordinate
+    (below its size) per name, a schedule digest."""
+    names = draw(st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=4, unique=True))
+    sizes = draw(st.lists(st.integers(1, 8), min_size=len(names), max_size=len(names)))
+    coordinates = [draw(st.integers(0, size - 1)) for size in sizes]
+    return [names, sizes, coordinates, draw(st.binary(max_size=messages.MAX_DIGEST))]
 
 
 def key_types(cls: type) -> dict[str, tuple[tuple[WireType, ...], bool]]:

@@ -62,6 +62,8 @@ from runtime.errors import FrameAuthenticationError, ParamsyncError, PeerClosed,
 from runtime.protocol.messages import (
     Go,
     Hold,
+    MeshLayout,
+    ParallelLayout,
     ResyncOrder,
     Shutdown,
     Signature,
@@ -186,6 +188,11 @@ class CoordinatorClient:
         return self.protocol.digest_interval
 
     @property
+    def layout(self) -> ParallelLayout | None:
+        """This worker's 3D-parallel layout as it declared it at its join (None: a flat run)."""
+        return self.protocol.layout
+
+    @property
     def start_step(self) -> int:
         return self.protocol.start_step
 
@@ -307,6 +314,9 @@ class CoordinatorClient:
         epoch: int = 0,
         fold: bool | None = None,
         committed: bool | None = None,
+        layout: ParallelLayout | None = None,
+        mesh: MeshLayout | None = None,
+        groups: Sequence[tuple[str, Sequence[int]]] | None = None,
     ) -> JoinResult:
         """Send this worker's model signature and data-plane address; wait for the start.
 
@@ -317,8 +327,26 @@ class CoordinatorClient:
         state is a committed one (a checkpoint written once its step was committed); None:
         the protocol says, from the commits this client saw (a rejoin after a lost
         coordinator), which the restart's donor rule trusts over a majority.
+        ``layout``: this worker's place in a 3D-parallel run (its mesh, coordinates and
+        pipeline schedule digest; `runtime.parallel.run_layout.parallel_layout` builds it),
+        which the coordinator checks against every other rank's before the run starts, and by
+        which it compares digests within each (tp, pp) shard only; None keeps the last join's
+        (a flat data-parallel run at the first). ``mesh`` or ``groups``: the process groups
+        this worker will negotiate buckets in (`ready`'s ``group``); None keeps the last's.
         """
-        join = Join(signature, address, step, digest, epoch, fold, committed=committed)
+        declared = None if groups is None else tuple((n, tuple(r)) for n, r in groups)
+        join = Join(
+            signature,
+            address,
+            step,
+            digest,
+            epoch,
+            fold,
+            mesh=None if mesh is None else (tuple(mesh[0]), tuple(mesh[1])),
+            groups=declared,
+            committed=committed,
+            layout=layout,
+        )
         await self._feed(join)
         # Heartbeats flow from the join on: waiting for slow peers is not silence.
         async with trio.open_nursery() as nursery:
@@ -348,11 +376,13 @@ class CoordinatorClient:
         epoch: int = 1,
         *,
         cached: bool = False,
+        group: str = "",
     ) -> None:
         """Report that ``bucket`` of ``step`` is packed and waits for the coordinator's go;
         ``cached``: it does not wait, it is reduced at once under the epoch's agreed spec
-        (``spec`` may then be its `spec_hash`)."""
-        await self._feed(ReportReady(step, bucket, spec, epoch, cached))
+        (``spec`` may then be its `spec_hash`). ``group``: the bucket is reduced within that
+        process group (declared at the join), whose members alone negotiate it."""
+        await self._feed(ReportReady(step, bucket, spec, epoch, cached, group))
 
     def folded(self, step: int, epoch: int, agreement: str) -> None:
         """Note that ``step``'s buckets are reduced from the response cache under

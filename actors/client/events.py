@@ -25,6 +25,7 @@ from runtime.protocol.messages import (
     Hold,
     Joined,
     JoinRefused,
+    ParallelLayout,
     Ready,
     Reduced,
     ResyncOrder,
@@ -118,6 +119,9 @@ class Join:
     committed: bool | None = None
     """Whether (``step``, ``digest``) is a committed state (a checkpoint written only once
     committed); None: the protocol says, from the commits it saw (`WorkerProtocol.verified`)."""
+    layout: ParallelLayout | None = None
+    """This worker's place in a 3D-parallel run (mesh, coordinates, schedule digest); None
+    keeps the last join's (none at the first: a flat data-parallel run)."""
 
 
 @dataclass(frozen=True)

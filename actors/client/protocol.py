@@ -63,6 +63,7 @@ from runtime.protocol.messages import (
     Hold,
     Joined,
     JoinRefused,
+    ParallelLayout,
     Ready,
     Reduced,
     ResyncOrder,
@@ -251,6 +252,8 @@ class WorkerProtocol:
         self.mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
         self.declared_groups: tuple[tuple[str, tuple[int, ...]], ...] | None = None
         """The process groups this worker declared at its join (``mesh`` or a list)."""
+        self.layout: ParallelLayout | None = None
+        """This worker's 3D-parallel layout as its joins declare it (None: a flat run)."""
         self._group_agreed: dict[tuple[str, int], Any] = {}
         """(group, bucket) -> the spec agreed within that group in the cache's epoch."""
         self._group_awaiting: dict[tuple[str, int, int], tuple[Any, bool]] = {}
@@ -490,6 +493,8 @@ class WorkerProtocol:
             self.fold = event.fold
         if event.mesh is not None or event.groups is not None:
             self.mesh, self.declared_groups = event.mesh, event.groups
+        if event.layout is not None:
+            self.layout = event.layout
         committed = event.committed
         if committed is None:
             committed = event.step > 0 and self.verified == (event.step, event.digest)
@@ -505,6 +510,7 @@ class WorkerProtocol:
             self.mesh,
             self.declared_groups,
             committed,
+            self.layout,
         )
 
     def _join(self, event: Join) -> list[WorkerAction]:

@@ -67,9 +67,11 @@ from runtime.transport.base import Transport
 __all__ = ["PipelineStage", "PipelineStepResult", "ActivationShape", "split_microbatches"]
 
 ActivationShape = tuple[int, ...] | Callable[[int, int], Sequence[int]]
-"""The shape of what stage s sends for micro-batch i (its output, and the gradient coming back):
-one shape for every boundary, or ``shape(stage, microbatch)``. Receivers post buffers of this
-shape, as Megatron's ``tensor_shape``; a stage whose output has another shape is an error."""
+"""The shape of what stage s sends for micro-batch i (its output, one tensor, and the gradient
+coming back): one shape for every boundary, or ``shape(stage, microbatch)`` (shapes may vary by
+stage and micro-batch; nothing is inferred once and reused). Receivers post buffers of this
+shape, as Megatron's ``tensor_shape``; a stage whose output has another shape or dtype is an
+error naming the stage and micro-batch."""
 
 
 def split_microbatches(batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
@@ -283,7 +285,8 @@ class PipelineStage:
         """The dp average of every gradient, then the tied weights' sum over the embedding
         group (`actors.parallel.pipeline_grads`)."""
         try:
-            await average_over_dp(self.dp_group, self.parameters())
+            trained = [p for p in self.parameters() if p.requires_grad]
+            await average_over_dp(self.dp_group, trained)
             await sum_tied(self.embedding_group, self.tied_params)
         except BaseException as exc:
             await self._fail(exc)

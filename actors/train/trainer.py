@@ -68,7 +68,7 @@ from runtime.observe.metrics import (
     serve_metrics,
 )
 from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Hold, ResyncOrder, StartRun, StateTensor
+from runtime.protocol.messages import Hold, ParallelLayout, ResyncOrder, StartRun, StateTensor
 from runtime.transport.base import Transport
 
 __all__ = [
@@ -187,6 +187,14 @@ class TrainerOptions:
     """The address the metrics endpoint listens on (None: ``PARAMSYNC_METRICS_HOST`` or
     0.0.0.0)."""
 
+    # -- 3D parallelism (issue 16) -----------------------------------------------------------
+    parallel_layout: ParallelLayout | None = None
+    """This worker's place in a 3D-parallel run (`runtime.parallel.run_layout.parallel_layout`:
+    the mesh, its coordinates, the pipeline schedule's digest), declared at its join
+    (`join_run`, `train_in_process`): the coordinator refuses a run whose ranks disagree on it
+    and compares state digests within each (tp, pp) shard's dp replicas only. None: a flat
+    data-parallel run."""
+
     def __post_init__(self) -> None:
         check_buffer_sync(self.buffer_sync)
         if self.metrics_port is not None:
@@ -291,6 +299,11 @@ class DistributedTrainer:
         _check_scheduler(scheduler, optimizer)
         if client.start is None:
             raise ValueError("the client must have joined the run (client.join) first")
+        if options.parallel_layout not in (None, client.layout):
+            raise ValueError(
+                f"the client joined with the parallel layout {client.layout}, but the options "
+                f"give {options.parallel_layout}: join with the options' layout"
+            )
         if client.fold and not options.response_cache:
             # Its peers would reduce without reports while it waits for a go: a deadlock.
             raise ValueError(
@@ -315,6 +328,8 @@ class DistributedTrainer:
         """Where they are served, once the trainer started (None: off)."""
         self.actors = actors if actors is not None else type(self).default_actors
         """The constructors of this trainer's actors (see `ActorFactory`)."""
+        self.parallel_layout = client.layout
+        """The 3D-parallel layout this worker joined with (None: a flat data-parallel run)."""
         self.step = client.start.step
         self.losses: list[tuple[int, float]] = []
         """(step, loss) of the last ``options.history_steps`` steps this worker ran."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from runtime.coordinator.service import Coordinator, CoordinatorOptions
 from runtime.errors import ConfigError
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity
-from runtime.protocol.messages import StartRun
+from runtime.protocol.messages import ParallelLayout, StartRun
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.link import Link, MemoryLink
 from runtime.transport.shm import attach_shared_memory
@@ -171,6 +172,7 @@ async def join_run(
                     digest=digest,
                     committed=resume_committed and resume_step > 0,
                     fold=(options or TrainerOptions()).response_cache,
+                    layout=(options or TrainerOptions()).parallel_layout,
                 )
         except trio.TooSlowError:
             raise ConfigError(
@@ -200,13 +202,15 @@ async def train_in_process(
     options: TrainerOptions | None = None,
     coordinator_options: CoordinatorOptions | None = None,
     transports: list[Transport] | None = None,
+    parallel_layout: Callable[[int], ParallelLayout | None] | None = None,
 ) -> list[Any]:
     """Run a coordinator and ``world_size`` workers in this trio run; return each body's result.
 
     ``make_replica(rank)`` builds that rank's model and optimizer (and optionally an LR
     scheduler of it, as a third item); ``body(trainer)`` trains.
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
-    data plane; the default is `InProcessTransport`.
+    data plane; the default is `InProcessTransport`. ``parallel_layout(rank)``: that rank's
+    3D-parallel layout (`TrainerOptions.parallel_layout`, which differs per rank).
     """
     fixed = transports
     groups: dict[int, list[Transport]] = {}
@@ -215,6 +219,9 @@ async def train_in_process(
     results: list[Any] = [None] * world_size
 
     async def worker(rank: int) -> None:
+        mine = options or TrainerOptions()
+        if parallel_layout is not None:
+            mine = replace(mine, parallel_layout=parallel_layout(rank))
         replica = make_replica(rank)
         model, optimizer = replica[0], replica[1]
         scheduler = replica[2] if len(replica) > 2 else None
@@ -224,7 +231,8 @@ async def train_in_process(
             await client.join(
                 model_signature(model.named_parameters()),
                 ("in-process", rank + 1),
-                fold=(options or TrainerOptions()).response_cache,
+                fold=mine.response_cache,
+                layout=mine.parallel_layout,
             )
             config = DistributedConfig(world_size, rank)
 
@@ -238,7 +246,7 @@ async def train_in_process(
                 return groups[start.epoch][start.position(rank)]
 
             async with _trainer_session(
-                model, optimizer, loss_fn, config, connect, client, options, None, scheduler
+                model, optimizer, loss_fn, config, connect, client, mine, None, scheduler
             ) as trainer:
                 results[rank] = await body(trainer)
         finally:

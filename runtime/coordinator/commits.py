@@ -5,7 +5,10 @@ barrier: once all reduced, ``apply``), then a digest on digest steps (C-DDP-001:
 member's parameters and optimizer state hash the same) or ``step_done`` on the others.
 :class:`Commits` checks each report against the step's :class:`StepState`, and once all are
 in, :func:`digest_verdict` says whether the step commits, commits after a resync of a
-minority, or stops the run naming the ranks and the first tensor that differs.
+minority, or stops the run naming the ranks and the first tensor that differs. In a run
+whose ranks declared a parallel layout (`runtime.coordinator.layouts`), :func:`sharded_verdict`
+compares each rank only with the data-parallel replicas of its (tp, pp, ...) shard and names
+the shard too: different shards hold different weights by design.
 """
 
 from __future__ import annotations
@@ -15,10 +18,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from runtime.coordinator.events import Resync, first_tensor_difference
+from runtime.coordinator.layouts import Shards
 from runtime.coordinator.step_state import StepState
 from runtime.protocol.messages import Commit, Digest, StepDone, packed_size
 
-__all__ = ["CommitRecord", "TensorNames", "Verdict", "digest_verdict", "Commits"]
+__all__ = [
+    "CommitRecord",
+    "TensorNames",
+    "Verdict",
+    "digest_verdict",
+    "sharded_verdict",
+    "Commits",
+]
 
 
 @dataclass(frozen=True)
@@ -63,11 +74,16 @@ class TensorNames:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a digest step's digests decide: commit (after ``resync``, if one is given), or
-    stop the run (``abort``: the reason)."""
+    """What a digest step's digests decide: commit (after ``resyncs``, if any: one per shard
+    whose minority diverged), or stop the run (``abort``: the reason)."""
 
-    resync: Resync | None = None
+    resyncs: tuple[Resync, ...] = ()
     abort: str | None = None
+
+    @property
+    def resync(self) -> Resync | None:
+        """The first resync (a run without layouts has at most one)."""
+        return self.resyncs[0] if self.resyncs else None
 
 
 def _tensor_report(
@@ -95,26 +111,27 @@ def digest_verdict(
     names: TensorNames,
     *,
     resync: bool,
+    shard: str | None = None,
 ) -> Verdict:
     """The verdict on step ``step``'s digests ``reports`` of all ``members`` members.
 
     All equal: commit. A strict majority agrees: resync the others from the lowest rank of the
     majority (``resync``), or abort naming the diverging ranks. No majority: abort listing
     every group. An abort names, for each diverging rank, the first tensor that differs.
+    ``shard``: the reports are one shard's replicas, named so in an abort (``(tp=1, pp=0)``).
     """
     counts = Counter(d.digest for d in reports.values())
     if len(counts) == 1:
         return Verdict()
+    where = f"step {step}" if shard is None else f"step {step}, shard {shard}"
+    digests = "parameter digests" if shard is None else "the dp replicas' parameter digests"
     top, votes = counts.most_common(1)[0]
     if votes * 2 > members:
         good = sorted(r for r, d in reports.items() if d.digest == top)
         bad = sorted(r for r, d in reports.items() if d.digest != top)
         if resync:
-            return Verdict(resync=Resync(step, good[0], tuple(bad)))
-        head = (
-            f"step {step}: parameter digests diverged: ranks {bad} differ from the majority "
-            f"(ranks {good})"
-        )
+            return Verdict(resyncs=(Resync(step, good[0], tuple(bad)),))
+        head = f"{where}: {digests} diverged: ranks {bad} differ from the majority (ranks {good})"
         return Verdict(abort=f"{head}; {_tensor_report(reports, names, good[0], bad)}")
     groups: dict[bytes, list[int]] = {}
     for rank in sorted(reports):
@@ -123,9 +140,39 @@ def digest_verdict(
     ref = min(reports)
     others = [r for r in sorted(reports) if reports[r].digest != reports[ref].digest]
     return Verdict(
-        abort=f"step {step}: parameter digests diverged with no majority: {listing}; "
+        abort=f"{where}: {digests} diverged with no majority: {listing}; "
         f"{_tensor_report(reports, names, ref, others)}"
     )
+
+
+def sharded_verdict(
+    step: int,
+    reports: Mapping[int, Digest],
+    shards: Shards,
+    names: TensorNames,
+    *,
+    resync: bool,
+) -> Verdict:
+    """C-DDP-001 per shard: each rank's digest is compared with the other replicas of its
+    shard only (`digest_verdict` within each shard, majorities counted there). Any shard that
+    cannot commit stops the run, naming every such shard and its ranks; otherwise the shards
+    whose minority diverged are resynced (``resync``), each from a replica of its own."""
+    by_shard: dict[int, dict[int, Digest]] = {}
+    for rank, report in reports.items():
+        by_shard.setdefault(shards.of(rank), {})[rank] = report
+    resyncs: list[Resync] = []
+    aborts: list[str] = []
+    for shard in sorted(by_shard):
+        replicas = by_shard[shard]
+        verdict = digest_verdict(
+            step, replicas, len(replicas), names, resync=resync, shard=shards.label(shard)
+        )
+        resyncs += verdict.resyncs
+        if verdict.abort is not None:
+            aborts.append(verdict.abort)
+    if aborts:
+        return Verdict(abort="; ".join(aborts))
+    return Verdict(resyncs=tuple(resyncs))
 
 
 class Commits:
@@ -141,6 +188,8 @@ class Commits:
         self.recovering = False
         """Whether the epoch's first commit is to be reported (it recovers from a change)."""
         self.names = TensorNames()
+        self.shards: Shards | None = None
+        """The shards of the run's parallel layout (None: no layout, every rank one shard)."""
 
     def new_epoch(self) -> None:
         """A new epoch (or a hold): the names of packed digests are listed again."""
@@ -200,6 +249,8 @@ class Commits:
     def verdict(self, state: StepState, members: int) -> Verdict:
         """The verdict on ``state``'s digests, every member's in."""
         reports = {r: d for r, d in state.done.items() if isinstance(d, Digest)}
+        if self.shards is not None:
+            return sharded_verdict(state.step, reports, self.shards, self.names, resync=self.resync)
         return digest_verdict(state.step, reports, members, self.names, resync=self.resync)
 
     def commit(self, state: StepState, epoch: int, members: tuple[int, ...]) -> Commit:

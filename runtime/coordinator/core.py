@@ -14,7 +14,11 @@ module only routes each event and composes the answers of the parts, each with o
   ``ready`` naming a ``group``; its ``go`` goes to that group's members only); the groups
   themselves are declared at the join (:mod:`~runtime.coordinator.group_decl`, checked by
   membership) and each member's start lists its own;
-- :mod:`~runtime.coordinator.commits`: step ends, the C-DDP-001 digest verdict, commits;
+- :mod:`~runtime.coordinator.layouts`: the 3D-parallel layouts the joins declare (one mesh,
+  one schedule digest, each rank at its coordinates), checked when the first epoch's ranks
+  are in, and the (tp, pp) shards whose dp replicas the digest verdict compares;
+- :mod:`~runtime.coordinator.commits`: step ends, the C-DDP-001 digest verdict (per shard
+  with a layout), commits;
 - :mod:`~runtime.coordinator.liveness`: heartbeats, hold and rendezvous deadlines, stalls;
 - :mod:`~runtime.coordinator.events`: the events that never travel, the actions, the helpers.
 
@@ -64,6 +68,12 @@ from runtime.coordinator.events import (
     is_int,
 )
 from runtime.coordinator.group_negotiation import GroupGo, GroupNegotiation
+from runtime.coordinator.layouts import (
+    AgreedLayout,
+    Shards,
+    layout_disagreement,
+    sharded_resume_step,
+)
 from runtime.coordinator.liveness import Liveness
 from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
 from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation, Outcome
@@ -260,6 +270,17 @@ class CoordinatorCore:
         return self._current.applied
 
     @property
+    def layout(self) -> AgreedLayout | None:
+        """The 3D-parallel layout every rank declared (None: a flat run, or not started)."""
+        return self._membership.layout
+
+    def shard_of(self, rank: int) -> int:
+        """Rank ``rank``'s shard (the rank of its dp=0 replica); a flat run's ranks are each
+        compared with all: its shard is 0."""
+        shards = self._commits.shards
+        return 0 if shards is None else shards.of(rank)
+
+    @property
     def groups(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """The process groups every join declared, in creation order: (name, ranks)."""
         return self._membership.groups or ()
@@ -378,12 +399,27 @@ class CoordinatorCore:
 
     def _first_epoch(self) -> list[Action]:
         """Everyone is in: the first epoch starts afresh, or from the state the donor rule
-        (`resume_plan`) picks among those the joins report."""
+        (`resume_plan`) picks among those the joins report. Joins declaring 3D-parallel
+        layouts must agree on one (else the run stops, naming the ranks and the field)."""
         joins = self._membership.joins
         everyone = tuple(sorted(joins))
+        disagreement = layout_disagreement(joins)
+        if disagreement is not None:
+            return self._abort(f"the run cannot start: {disagreement}")
+        layout = AgreedLayout.of(joins)
+        if layout is not None and self._elastic:
+            return self._abort(
+                f"the run cannot start: ranks {list(everyone)} declare a parallel layout, which "
+                f"needs every rank of the mesh: min_workers ({self._min}) must equal the world "
+                f"size ({self.world_size})"
+            )
+        self._membership.layout = layout
+        self._commits.shards = Shards.of_layout(layout)
         # Workers that took part in an epoch (a restarted coordinator) get a later one, even
         # when none of them applied a step yet: they refuse an epoch that does not grow.
         self._membership.resume_from(max(j.epoch for j in joins.values()))
+        if self._commits.shards is not None:
+            return self._first_sharded_epoch(everyone, self._commits.shards)
         plan = resume_plan(joins)
         if plan is None:
             # A fresh run: position 0's weights go to everyone.
@@ -403,6 +439,22 @@ class CoordinatorCore:
         )
         level = "error" if plan.conflict else "warning" if plan.rolled_back else "info"
         return [Report(plan.describe(), level), Report(text, "info"), *actions]
+
+    def _first_sharded_epoch(self, everyone: tuple[int, ...], shards: Shards) -> list[Action]:
+        """The first epoch of a 3D-parallel run: afresh, or (a restarted coordinator) at the
+        step where every shard's replicas hold one state, checked per shard before it runs."""
+        resume = sharded_resume_step(self._membership.joins, shards)
+        if isinstance(resume, str):
+            return self._abort(f"the run cannot resume: {resume}")
+        if resume is None:
+            return self._start_epoch(self._start_step, everyone, "the run starts", broadcast=True)
+        actions = self._start_epoch(resume, everyone, f"the run resumes at step {resume}")
+        self._commits.recovering = True  # report the first commit after the restart
+        text = (
+            f"the run resumes at step {resume} in epoch {self._membership.epoch} with ranks "
+            f"{list(everyone)}: every shard's replicas hold one state"
+        )
+        return [Report(text, "info"), *actions]
 
     def _start_epoch(
         self,
@@ -625,8 +677,8 @@ class CoordinatorCore:
         verdict = self._commits.verdict(self._current, len(self._membership.members))
         if verdict.abort is not None:
             return self._abort(verdict.abort)
-        resync: list[Action] = [] if verdict.resync is None else [verdict.resync]
-        return resync + self._commit()
+        resyncs: list[Action] = list(verdict.resyncs)
+        return resyncs + self._commit()
 
     def _commit(self) -> list[Action]:
         """Every member ended the step: commit it, start the next, take its early reports."""

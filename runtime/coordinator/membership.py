@@ -1,10 +1,11 @@
 """Membership: who joined, who trains in the current epoch, and how epochs follow each other.
 
-:class:`Membership` admits joins (checking the rank, its address and its model against the
-reference signature), removes lost ranks, and opens epochs: the first one (a fresh start, or
-a restart that elects its donor by the rule of :func:`resume_plan`: the newest committed or
-majority state, never one rank's unverified state over a state others share), and
-every later one after a loss, a join or a hold. Each epoch is kept as an :class:`EpochRecord`.
+:class:`Membership` admits joins (checking the rank, its address, its model against the
+reference signature, its process groups and its parallel layout), removes lost ranks, and
+opens epochs: the first one (a fresh start, or a restart that elects its donor by the rule of
+:func:`resume_plan`: the newest committed or majority state, never one rank's unverified state
+over a state others share), and every later one after a loss, a join or a hold. Each epoch is
+kept as an :class:`EpochRecord`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from runtime.coordinator.group_decl import (
     declaration_of,
     describe,
 )
+from runtime.coordinator.layouts import AgreedLayout, join_layout_problem
 from runtime.errors import plain_or_quoted
 from runtime.protocol.messages import Joined, Signature
 
@@ -171,6 +173,9 @@ class Membership:
         self.groups: Declaration | None = None
         """The process groups every join declared (the first join's; None: no join yet)."""
         self.groups_rank: int | None = None
+        self.layout: AgreedLayout | None = None
+        """The parallel layout the first epoch's ranks agreed on (None: none, or not
+        started)."""
         self.epoch = 0
         """The membership epoch (0 before the start; grows by one per membership change)."""
         self._members: tuple[int, ...] = ()
@@ -250,7 +255,17 @@ class Membership:
                     else f"rank {self.reference_rank}'s"
                 )
                 return f"rank {rank}'s model differs from {ref} {where}"
-        return self._check_groups(event)
+        groups = self._check_groups(event)
+        if groups is not None:
+            return groups
+        return self._check_layout(event)
+
+    def _check_layout(self, event: Joined) -> str | None:
+        """Why ``event``'s parallel layout cannot be taken on its own (None: it can); the
+        ranks' agreement is checked once all are in (`layouts.layout_disagreement`). Joins
+        after the start never meet a layout: a run with one is static (`CoordinatorCore`
+        refuses it elastic), and a static run takes no join once started."""
+        return join_layout_problem(event, self.world_size)
 
     def _check_groups(self, event: Joined) -> str | None:
         """Why ``event``'s process-group declaration cannot be taken (None: it can)."""

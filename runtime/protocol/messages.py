@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -61,6 +61,9 @@ __all__ = [
     "Signature",
     "BucketSpec",
     "MeshLayout",
+    "ParallelLayout",
+    "LAYOUT",
+    "DATA_PARALLEL_DIM",
     "GroupRanks",
     "GroupPeers",
     "MAX_DIGEST",
@@ -124,6 +127,51 @@ MeshLayout = tuple[tuple[str, ...], tuple[int, ...]]
 """A device mesh: (dimension names, their sizes), row-major (`runtime.collectives.mesh`)."""
 GroupRanks = tuple[str, tuple[int, ...]]
 """A named process group: (name, its world ranks)."""
+
+DATA_PARALLEL_DIM = "dp"
+"""The layout dimension whose replicas hold the same shard (compared by the digest check)."""
+
+
+class ParallelLayout(NamedTuple):
+    """A worker's place in a 3D-parallel run, as its join declares it (field ``layout``).
+
+    ``names`` and ``sizes``: the run's mesh, e.g. ``("pp", "dp", "tp")`` and ``(2, 2, 2)``;
+    ``coordinates``: this worker's coordinate on each dimension, which must be its rank's under
+    the mesh's one ordering rule (row-major, the last named dimension fastest:
+    `runtime.collectives.mesh.mesh_coordinates`); ``schedule_digest``: the hash of the whole
+    pipeline schedule (every pipeline rank's action list; empty: none), compared as bytes.
+
+    The workers of one (tp, pp, ...) shard are those whose coordinates agree on every dimension
+    but `DATA_PARALLEL_DIM` ("dp"): the data-parallel replicas of that shard, whose states the
+    coordinator's digest check compares with each other only. A layout without a "dp"
+    dimension has one replica per shard.
+    """
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    coordinates: tuple[int, ...]
+    schedule_digest: bytes = b""
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Dimension name -> size, in order."""
+        return dict(zip(self.names, self.sizes, strict=True))
+
+    @property
+    def shard(self) -> tuple[tuple[str, int], ...]:
+        """This worker's shard: its (name, coordinate) on every dimension but "dp"."""
+        return tuple(
+            (name, coordinate)
+            for name, coordinate in zip(self.names, self.coordinates, strict=True)
+            if name != DATA_PARALLEL_DIM
+        )
+
+    def describe_coordinates(self) -> str:
+        """``(dp=1, tp=0)``: the coordinates as errors show them."""
+        pairs = zip(self.names, self.coordinates, strict=True)
+        return "(" + ", ".join(f"{name}={value}" for name, value in pairs) + ")"
+
+
 GroupPeers = tuple[str, tuple[int, ...], tuple[tuple[str, int], ...]]
 """A rank's process group at rendezvous: (name, its world ranks, their addresses by rank)."""
 
@@ -175,6 +223,45 @@ GROUP_PEERS = Seq(
 """A rank's process groups at the start: [[name, ranks, addresses], ...]."""
 GROUP_LIST = Seq(Record(("name", GROUP_NAME), ("ranks", RANKS)), _MAX_WORLD)
 """Explicit process groups: [[name, ranks], ...]."""
+MAX_LAYOUT_DIMS = 16
+"""The most dimensions a parallel layout may name."""
+
+
+class _Layout(Record):
+    """A `ParallelLayout` on the wire, ``[names, sizes, coordinates, schedule_digest]``: one
+    size and one coordinate per name, distinct names, each coordinate below its size."""
+
+    def __repr__(self) -> str:
+        return f"_Layout{self.parts!r}"
+
+    def check(self, value: Any) -> ParallelLayout:
+        if isinstance(value, ParallelLayout):  # a tuple subclass, which Record takes as is
+            value = tuple(value)
+        names, sizes, coordinates, schedule = super().check(value)
+        if not names:
+            raise Invalid(" is empty: a layout names at least one dimension", " names")
+        if len(set(names)) != len(names):
+            raise Invalid(f" {list(names)} repeat a name", " names")
+        if len(sizes) != len(names):
+            raise Invalid(f" holds {len(sizes)} for {len(names)} names", " sizes")
+        if len(coordinates) != len(names):
+            raise Invalid(f" holds {len(coordinates)} for {len(names)} names", " coordinates")
+        for name, size, coordinate in zip(names, sizes, coordinates, strict=True):
+            if coordinate >= size:
+                raise Invalid(
+                    f" {list(coordinates)} put {name}={coordinate} outside its size {size}",
+                    " coordinates",
+                )
+        return ParallelLayout(names, sizes, coordinates, schedule)
+
+
+LAYOUT = _Layout(
+    ("names", Seq(Str(256, min_len=1), MAX_LAYOUT_DIMS)),
+    ("sizes", Seq(Int(1, _MAX_WORLD), MAX_LAYOUT_DIMS)),
+    ("coordinates", Seq(Int(0, _MAX_WORLD), MAX_LAYOUT_DIMS)),
+    ("schedule_digest", Bytes(MAX_DIGEST)),
+)
+"""A worker's parallel layout: [names, sizes, coordinates, schedule_digest]."""
 
 
 def packed_size(packed: bytes, count: int) -> int | None:
@@ -580,6 +667,8 @@ class Joined(WireMessage):
     worker folds its response-cache reports into its step reports when every member does.
     ``mesh`` (names, sizes) or ``groups`` ((name, ranks), ...): the process groups the worker
     will use (`runtime.coordinator.group_decl`); every join must declare the same ones.
+    ``layout``: the worker's place in a 3D-parallel run (`ParallelLayout`; None: a flat
+    data-parallel run), checked by `runtime.coordinator.layouts`.
     """
 
     KIND: ClassVar[str] = "join"
@@ -594,6 +683,7 @@ class Joined(WireMessage):
         "fold",
         "mesh",
         "groups",
+        "layout",
     )
     rank: int = local()
     signature: Signature = wire(SIGNATURE, key="params")
@@ -606,6 +696,7 @@ class Joined(WireMessage):
     mesh: MeshLayout | None = wire(MESH, default=None, omit=None)
     groups: tuple[GroupRanks, ...] | None = wire(GROUP_LIST, default=None, omit=None)
     committed: bool = wire(Bool(), default=False, omit=False)
+    layout: ParallelLayout | None = wire(LAYOUT, default=None, omit=None)
 
 
 @dataclass(frozen=True)
