@@ -29,6 +29,7 @@ import trio
 from conftest import open_group
 
 from actors.parallel.dense_transformer import DenseTransformer
+from actors.parallel.layout_check import LayoutDisagreement
 from actors.parallel.replica_check import ShardReplicasDiverged
 from actors.parallel.shard_model import ModelSpec
 from actors.parallel.tensor_parallel.layers import is_tensor_parallel, partition_range
@@ -321,22 +322,51 @@ def test_a_diverged_replica_is_named_with_its_shard_and_ranks() -> None:
         assert not isinstance(results[world_rank], ShardReplicasDiverged)
 
 
-def test_a_bad_layout_is_refused_with_what_is_wrong() -> None:
-    async def main() -> None:
-        async with open_group("inproc", 2) as world:
-            with pytest.raises(ValueError, match="must multiply to the world size"):
-                await Trainer3D.create(world[0], ParallelismConfig(dp_size=4), SPEC, make_optimizer)
-            with pytest.raises(ValueError, match="num_layers=4 does not split"):
-                await Trainer3D.create(
-                    world[0],
-                    ParallelismConfig(
-                        pp_size=2,
-                        virtual_chunks=3,
-                        pipeline_schedule="interleaved_1f1b",
-                        num_micro_batches=2,
-                    ),
-                    SPEC,
-                    make_optimizer,
-                )
+def _create_everywhere(configs: list[ParallelismConfig]) -> list[BaseException | None]:
+    """Every rank of a world of ``len(configs)`` creates its trainer from its own config;
+    what each raised (None: it built one)."""
 
-    trio.run(main)
+    async def main() -> list[BaseException | None]:
+        results: list[BaseException | None] = [None] * len(configs)
+        with trio.fail_after(SECONDS):
+            async with open_group("inproc", len(configs)) as world:
+
+                async def one(t: Transport) -> None:
+                    try:
+                        trainer = await Trainer3D.create(t, configs[t.rank], SPEC, make_optimizer)
+                    except Exception as exc:
+                        results[t.rank] = exc
+                    else:
+                        await trainer.aclose()
+
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+        return results
+
+    return trio.run(main)
+
+
+def test_a_bad_layout_is_refused_on_every_rank_with_what_is_wrong() -> None:
+    results = _create_everywhere([ParallelismConfig(dp_size=4)] * 2)
+    for error in results:
+        assert isinstance(error, ValueError) and "must multiply to the world size" in str(error)
+    interleaved = ParallelismConfig(
+        pp_size=2, virtual_chunks=3, pipeline_schedule="interleaved_1f1b", num_micro_batches=2
+    )
+    for error in _create_everywhere([interleaved] * 2):
+        assert isinstance(error, ValueError) and "num_layers=4 does not split" in str(error)
+
+
+def test_ranks_declaring_different_layouts_are_refused_naming_both_sides() -> None:
+    """Rank 1 runs GPipe where ranks 0, 2 and 3 run 1F1B: every rank raises, naming the sides,
+    before any group forms (no hang)."""
+    one_f_one_b = ParallelismConfig(
+        dp_size=2, pp_size=2, num_micro_batches=2, pipeline_schedule="1f1b"
+    )
+    gpipe = ParallelismConfig(dp_size=2, pp_size=2, num_micro_batches=2, pipeline_schedule="gpipe")
+    results = _create_everywhere([one_f_one_b, gpipe, one_f_one_b, one_f_one_b])
+    for error in results:
+        assert isinstance(error, LayoutDisagreement), error
+        assert error.what == "layout" and error.ranks == [[0, 2, 3], [1]]
+        assert "ranks [0, 2, 3]; ranks [1]" in str(error)

@@ -13,6 +13,11 @@
    (`actors.parallel.zero.ZeroRedundancyOptimizer`) when ``memory_optimization == "zero1"``;
 4. generates the rank's action list of the configured schedule (`runtime.parallel.build_schedule`).
 
+Before any of it, the ranks all-gather digests of their layout (config, model, options) and of
+the whole schedule (`actors.parallel.layout_check`): a rank started differently is refused by
+every rank with an error naming the ranks on each side, instead of hanging in a group that never
+forms.
+
 `Trainer3D.train_step` takes this dp replica's batch (every tp and pp rank of the replica gets
 the same one), cuts it into the micro-batches, runs the schedule (tensor-parallel collectives run
 inside the compute through `runtime.collectives.from_thread.ThreadCollectives`; gradients fold
@@ -31,8 +36,10 @@ rank, so that its peers fail too instead of waiting for it, and the trainer refu
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
+from dataclasses import asdict, fields
 from typing import Any
 
 import torch
@@ -40,6 +47,7 @@ import trio
 from torch import nn
 
 from actors.parallel.grad_clip import clip_coefficient, clip_grad_norm_async, counts_for_norm
+from actors.parallel.layout_check import check_layout_agreement, layout_digest
 from actors.parallel.pipeline import split_microbatches
 from actors.parallel.pipeline_grads import new_embedding_group, sum_tied
 from actors.parallel.replica_check import check_shard_replicas
@@ -55,7 +63,7 @@ from runtime.collectives.mesh import DeviceMesh, init_device_mesh
 from runtime.collectives.ring import all_reduce, broadcast
 from runtime.observe.trace import TraceRecorder
 from runtime.parallel.config import CommBackend, ParallelismConfig
-from runtime.parallel.schedules import Schedule, build_schedule
+from runtime.parallel.schedules import Schedule, build_schedule, schedule_digest
 from runtime.transport.base import Transport
 
 __all__ = ["Trainer3D", "OptimizerFactory"]
@@ -140,6 +148,21 @@ class Trainer3D:
         receive's wait; ``tracer`` records every pipeline action (`TracedPipelineStage`);
         ``group_options`` go to `runtime.collectives.groups.new_group`.
         """
+        schedule = build_schedule(
+            config.pipeline_schedule.value,
+            config.pp_size,
+            config.num_micro_batches,
+            config.virtual_chunks,
+        )
+        declared = {
+            "config": _plain_config(config),
+            "model": asdict(spec),
+            "max_grad_norm": max_grad_norm,
+            "check_every": check_every,
+            "world_size": world.world_size,
+        }
+        await check_layout_agreement(world, layout_digest(declared), schedule_digest(schedule))
+        # Every rank declared the same: the checks below fail alike on all of them.
         config.check_world(world.world_size)
         config.check_layers(spec.n_layers)
         if config.comm_backend is not CommBackend.PARAMSYNC:
@@ -198,12 +221,6 @@ class Trainer3D:
                 zero = ZeroRedundancyOptimizer(params, mesh.group("dp"), optimizer_factory)
             else:
                 optimizer = optimizer_factory(params)
-            schedule = build_schedule(
-                config.pipeline_schedule.value,
-                config.pp_size,
-                config.num_micro_batches,
-                config.virtual_chunks,
-            )
         except BaseException:
             with trio.CancelScope(shield=True):
                 await mesh.aclose()
@@ -426,3 +443,12 @@ class Trainer3D:
             f"Trainer3D(rank {self.mesh.rank}: pp={self.pp}, dp={self.dp}, tp={self.tp}; "
             f"{self.config.pipeline_schedule.value}, m={self.config.num_micro_batches})"
         )
+
+
+def _plain_config(config: ParallelismConfig) -> dict[str, Any]:
+    """The config's fields as plain values (enums by value), for `layout_digest`."""
+    out: dict[str, Any] = {}
+    for item in fields(config):
+        value = getattr(config, item.name)
+        out[item.name] = value.value if isinstance(value, enum.Enum) else value
+    return out
