@@ -37,6 +37,11 @@ def test_demo3d_runs_checks_every_step_and_traces_every_stage(tmp_path: Path) ->
         "schedule": "1f1b",
         "micro_batches": MICRO_BATCHES,
     }
+    shares = summary["time_shares"]
+    assert sorted(shares) == ["0", "1", "2", "3"]
+    for row in shares.values():
+        assert row["compute"] > 0 and row["idle"] > 0 and row["optimizer"] > 0
+        assert row["compute"] + row["idle"] + row["optimizer"] <= 1.0 + 1e-9
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     stage_of = {s["rank"]: s["coordinates"]["pp"] for s in summary["ranks"]}
     spans: dict[int, list[str]] = {}

@@ -32,7 +32,7 @@ from runtime.cli.launch import free_port
 from runtime.observe.trace import merge_traces
 from runtime.protocol.handshake import SECRET_ENV
 
-__all__ = ["main", "summarize"]
+__all__ = ["main", "pipeline_breakdown", "summarize"]
 
 _GRACE_SECONDS = 10.0
 
@@ -74,12 +74,37 @@ def summarize(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "steps": min(s["steps"] for s in summaries),
         "first_loss": first["first_loss"],
         "last_loss": first["last_loss"],
+        "last_10_mean_loss": first["last_10_mean_loss"],
         "losses_agree": len({(s["first_loss"], s["last_loss"]) for s in summaries}) == 1,
         "steps_per_second": min(s["steps_per_second"] for s in summaries),
         "optimizer_steps": min(s["optimizer_steps"] for s in summaries),
         "checks_passed": min(s["checks_passed"] for s in summaries),
         "ranks": summaries,
     }
+
+
+def pipeline_breakdown(events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per process (rank) of a merged trace: the share of its step time spent computing
+    (forwards, backwards), idle in the pipeline (waiting for a peer's activation or gradient:
+    the bubble) and in the optimizer step with its replica check."""
+    totals: dict[int, dict[str, float]] = {}
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        name = str(event["name"])
+        kind = {"F": "compute", "B": "compute", "I": "compute", "W": "compute"}.get(
+            name.split(" ")[0],
+            {"idle": "idle", "optimizer": "optimizer", "step": "step"}.get(name, ""),
+        )
+        if kind:
+            row = totals.setdefault(int(event["pid"]), {})
+            row[kind] = row.get(kind, 0.0) + float(event["dur"])
+    shares: dict[int, dict[str, float]] = {}
+    for pid, row in sorted(totals.items()):
+        step = row.get("step", 0.0)
+        if step > 0:
+            shares[pid] = {k: row.get(k, 0.0) / step for k in ("compute", "idle", "optimizer")}
+    return shares
 
 
 def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
@@ -170,15 +195,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     merged = merge_traces(sorted(out.glob("trace-rank*.json")), out / "trace.json")
+    breakdown = pipeline_breakdown(json.loads(merged.read_text())["traceEvents"])
+    summary["time_shares"] = {str(pid): shares for pid, shares in breakdown.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     expected_checks = summary["optimizer_steps"] if args.dp_size > 1 else 0
     print()
     print(f"steps:                 {summary['steps']}")
-    print(f"loss:                  {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
+    print(
+        f"loss:                  {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} "
+        f"(mean of the last 10 steps {summary['last_10_mean_loss']:.3f})"
+    )
     print(f"throughput:            {summary['steps_per_second']:.2f} steps/s (slowest rank)")
     print(
         f"identical replicas:    {summary['checks_passed']} of {expected_checks} checks passed "
         "on every rank (digests of each (tp, pp) shard compared across its dp group)"
     )
+    for pid, shares in breakdown.items():
+        coords = summary["ranks"][pid]["coordinates"]
+        print(
+            f"rank {pid} (pp={coords['pp']}, dp={coords['dp']}, tp={coords['tp']}):  "
+            f"compute {shares['compute']:.0%}, pipeline idle (bubble) {shares['idle']:.0%}, "
+            f"optimizer + check {shares['optimizer']:.0%} of its step time"
+        )
     print(f"trace (Perfetto):      {merged}")
     print(f"summary:               {out / 'summary.json'}")
     if summary["checks_passed"] != expected_checks or not summary["losses_agree"]:

@@ -136,6 +136,7 @@ async def run(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, ob
         "steps": len(losses),
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
+        "last_10_mean_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         "steps_per_second": len(losses) / elapsed if elapsed > 0 else math.nan,
         "seconds": elapsed,
         "optimizer_steps": trainer.optimizer_steps,
