@@ -206,10 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(mean of the last 10 steps {summary['last_10_mean_loss']:.3f})"
     )
     print(f"throughput:            {summary['steps_per_second']:.2f} steps/s (slowest rank)")
-    print(
-        f"identical replicas:    {summary['checks_passed']} of {expected_checks} checks passed "
-        "on every rank (digests of each (tp, pp) shard compared across its dp group)"
-    )
+    if args.dp_size > 1:
+        print(
+            f"identical replicas:    {summary['checks_passed']} of {expected_checks} checks "
+            "passed on every rank (digests of each (tp, pp) shard compared across its dp group)"
+        )
+    else:
+        print("identical replicas:    none to compare (dp=1: every shard has one replica)")
     for pid, shares in breakdown.items():
         coords = summary["ranks"][pid]["coordinates"]
         print(
