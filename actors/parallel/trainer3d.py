@@ -40,7 +40,7 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import trio
@@ -66,10 +66,25 @@ from runtime.parallel.config import CommBackend, ParallelismConfig
 from runtime.parallel.schedules import Schedule, build_schedule, schedule_digest
 from runtime.transport.base import Transport
 
-__all__ = ["Trainer3D", "OptimizerFactory"]
+__all__ = ["Trainer3D", "OptimizerFactory", "StepHooks"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """Builds the optimizer over a list of tensors: ``lambda ps: torch.optim.SGD(ps, lr=0.1)``."""
+
+
+@runtime_checkable
+class StepHooks(Protocol):
+    """What a run around the trainer does at each optimizer step (a coordinator's protocol:
+    `actors.parallel.coordinated.CoordinatorStepHooks`). ``step`` counts optimizer steps from
+    0. Every rank of a dp group calls them at the same steps."""
+
+    async def before_reduce(self, step: int, dp_group: Transport, flat_numel: int) -> None:
+        """Before the gradients are reduced over ``dp_group`` (``flat_numel`` elements)."""
+        ...
+
+    async def after_step(self, step: int, digest: StateDigest) -> None:
+        """After the optimizer step, with this rank's shard digest (`Trainer3D.shard_digest`)."""
+        ...
 
 
 class Trainer3D:
@@ -91,6 +106,7 @@ class Trainer3D:
         max_grad_norm: float | None,
         check_every: int,
         activation_shape: list[tuple[int, ...]],
+        hooks: StepHooks | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -104,6 +120,7 @@ class Trainer3D:
         self.max_grad_norm = max_grad_norm
         self.check_every = check_every
         self._activation_shape = activation_shape
+        self.hooks = hooks
         self.tp = mesh.coordinate("tp")
         self.pp = mesh.coordinate("pp")
         self.dp = mesh.coordinate("dp")
@@ -138,6 +155,7 @@ class Trainer3D:
         check_every: int = 1,
         recv_seconds: float | None = None,
         tracer: TraceRecorder | None = None,
+        hooks: StepHooks | None = None,
         **group_options: Any,
     ) -> Trainer3D:
         """This world rank's trainer. Collective: every rank of ``world`` calls it alike.
@@ -146,6 +164,7 @@ class Trainer3D:
         ``max_grad_norm`` turns on global-norm clipping; ``check_every`` compares the shard
         replicas every that many optimizer steps (0: never); ``recv_seconds`` bounds a pipeline
         receive's wait; ``tracer`` records every pipeline action (`TracedPipelineStage`);
+        ``hooks`` run before each dp reduction and after each optimizer step (`StepHooks`);
         ``group_options`` go to `runtime.collectives.groups.new_group`.
         """
         schedule = build_schedule(
@@ -240,6 +259,7 @@ class Trainer3D:
             max_grad_norm=max_grad_norm,
             check_every=check_every,
             activation_shape=activation_shape,
+            hooks=hooks,
         )
 
     # ------------------------------------------------------------------ what this rank holds
@@ -342,6 +362,9 @@ class Trainer3D:
                 for param in params:
                     if param.grad is not None:
                         param.grad.div_(accumulation)
+        if self.hooks is not None:
+            numel = sum(p.numel() for p in params if p.requires_grad)
+            await self.hooks.before_reduce(self.optimizer_steps, self.mesh.group("dp"), numel)
         if self.zero is not None:
             await sum_tied(self.embedding_group, self.stage.tied_params)
             if self.max_grad_norm is None:
@@ -359,6 +382,8 @@ class Trainer3D:
                     pp=self.mesh.group("pp"),
                 )
             self.optimizer.step()
+        if self.hooks is not None:
+            await self.hooks.after_step(self.optimizer_steps, await self.shard_digest())
         self.optimizer_steps += 1
         if (
             self.config.dp_size > 1
