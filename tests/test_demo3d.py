@@ -1,4 +1,5 @@
-"""``make demo-3d`` in small: 4 processes (dp=2 x pp=2) for 3 steps of a tiny model, over TCP.
+"""``make demo-3d`` in small: 4 processes (dp=2 x pp=2) for 3 steps of a tiny model, over TCP,
+with the coordinator checking the replicas (and, under ``make soak``, without it: in band).
 
 The demo must exit 0, every rank must have passed the replica check after every step, and the
 merged trace must show, for every process, the forwards and backwards of its own pipeline stage
@@ -9,16 +10,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from actors.demo_job.demo3d import main
 
 STEPS = 3
 MICRO_BATCHES = 4
 
 
-def test_demo3d_runs_checks_every_step_and_traces_every_stage(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "coordinator",
+    [
+        pytest.param("--coordinator", id="coordinator-checks"),
+        pytest.param("--no-coordinator", id="in-band-checks", marks=pytest.mark.soak),
+    ],
+)
+def test_demo3d_runs_checks_every_step_and_traces_every_stage(
+    tmp_path: Path, coordinator: str
+) -> None:
     out = tmp_path / "demo3d"
     code = main(
         [
+            coordinator,
             f"--steps={STEPS}",
             f"--micro-batches={MICRO_BATCHES}",
             f"--out={out}",
@@ -30,6 +43,8 @@ def test_demo3d_runs_checks_every_step_and_traces_every_stage(tmp_path: Path) ->
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["steps"] == STEPS
     assert summary["checks_passed"] == STEPS and summary["losses_agree"]
+    checker = "coordinator" if coordinator == "--coordinator" else "in band (dp all-gather)"
+    assert {rank["checked_by"] for rank in summary["ranks"]} == {checker}
     assert summary["layout"] == {
         "dp": 2,
         "tp": 1,

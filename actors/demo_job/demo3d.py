@@ -3,16 +3,20 @@
 Four OS processes on this machine (`actors.demo_job.demo3d_worker`), each one rank of a
 ``ParallelismConfig`` layout (by default dp=2 x pp=2 with the 1F1B schedule over 4
 micro-batches; ``--tp-size 2 --dp-size 1`` gives tp=2 x pp=2), joined over authenticated TCP on
-loopback. Each pipeline rank runs its list of actions; every forward, backward and the idle
-time waiting for a peer (the pipeline bubble) is a span in its trace, and the traces are merged
-into ``out/demo3d/trace.json`` for Perfetto (ui.perfetto.dev: open the file; each process is a
-rank, its ``pipeline`` track the schedule). After every optimizer step the two replicas of each
-pipeline stage compare their state digests (C-DDP-001 per (tp, pp) shard); a mismatch stops the
-run. At the end the demo prints the summary (loss first and last, steps per second, checks
-passed) and leaves it in ``out/demo3d/summary.json``.
+loopback, with paramsync's coordinator as a fifth process: it refuses ranks that disagree on the
+layout or the schedule, negotiates each dp group's gradient bucket, and after every optimizer
+step compares the state digests of each (tp, pp) shard's replicas (C-DDP-001 per shard), so a
+mismatch stops the run naming the shard and the ranks (``--no-coordinator``: the ranks form
+their world themselves and compare digests in band, over each dp group). Each pipeline rank runs
+its list of actions; every forward, backward and the idle time waiting for a peer (the pipeline
+bubble) is a span in its trace, and the traces are merged into ``out/demo3d/trace.json`` for
+Perfetto (ui.perfetto.dev: open the file; each process is a rank, its ``pipeline`` track the
+schedule). At the end the demo prints the summary (loss first and last, steps per second, checks
+passed, each rank's share of compute, bubble and optimizer) and leaves it in
+``out/demo3d/summary.json``.
 
 The launcher owns its children: a child that fails stops the others (by their process ids),
-and the demo exits non-zero naming the rank.
+and the demo exits non-zero naming the rank or the coordinator.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from runtime.protocol.handshake import SECRET_ENV
 __all__ = ["main", "pipeline_breakdown", "summarize"]
 
 _GRACE_SECONDS = 10.0
+COORDINATOR = -1
+"""The coordinator's key among the launched processes (ranks are 0 .. world - 1)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-chunks", type=int, default=1)
     p.add_argument("--steps", type=int, default=300, help="about a minute on 2 loaded cores")
     p.add_argument("--out", type=Path, default=Path("out/demo3d"))
+    p.add_argument(
+        "--coordinator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run paramsync's coordinator, which checks the ranks' layout and schedule at the "
+        "start and every shard's replicas after every step (--no-coordinator: the ranks "
+        "compare their digests in band, over each dp group)",
+    )
     p.add_argument(
         "--worker-args",
         default="",
@@ -128,8 +142,29 @@ def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
         f"--virtual-chunks={args.virtual_chunks}",
         f"--steps={args.steps}",
         *args.worker_args.split(),
+        *(["--coordinated"] if args.coordinator else []),
     ]
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    if args.coordinator:
+        procs[COORDINATOR] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "runtime.cli.main",
+                "--log-level",
+                "WARNING",
+                "coordinator",
+                "--world-size",
+                str(world),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--digest-interval",
+                "1",
+                "--heartbeat-deadline",
+                "60",
+            ],
+            env=base,
+        )
     for rank in range(world):
         command = [
             sys.executable,
@@ -143,7 +178,7 @@ def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
     failed: tuple[int, int] | None = None
     try:
         pending = dict(procs)
-        while pending and failed is None:
+        while failed is None and any(rank != COORDINATOR for rank in pending):
             for rank, proc in list(pending.items()):
                 code = proc.poll()
                 if code is None:
@@ -153,6 +188,14 @@ def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
                     failed = (rank, code)
                     break
             time.sleep(0.05)
+        coordinator = procs.get(COORDINATOR)
+        if failed is None and coordinator is not None:  # it ends once every rank finished
+            try:
+                code = coordinator.wait(timeout=_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code:
+                failed = (COORDINATOR, code)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -166,7 +209,8 @@ def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
                 proc.wait()
     if failed is not None:
         rank, code = failed
-        print(f"\ndemo-3d failed: rank {rank} (pid {procs[rank].pid}) exited with code {code}")
+        who = "the coordinator" if rank == COORDINATOR else f"rank {rank}"
+        print(f"\ndemo-3d failed: {who} (pid {procs[rank].pid}) exited with code {code}")
         return 1
     return 0
 
@@ -209,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dp_size > 1:
         print(
             f"identical replicas:    {summary['checks_passed']} of {expected_checks} checks "
-            "passed on every rank (digests of each (tp, pp) shard compared across its dp group)"
+            "passed on every rank (digests of each (tp, pp) shard compared across its dp "
+            f"group {'by the coordinator' if args.coordinator else 'in band'})"
         )
     else:
         print("identical replicas:    none to compare (dp=1: every shard has one replica)")

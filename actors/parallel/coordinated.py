@@ -66,6 +66,8 @@ class CoordinatorStepHooks:
         self.epoch = epoch
         self._go_send, self._go_receive = trio.open_memory_channel[Go](16)
         self._sent_names = False
+        self.commits = 0
+        """Steps the coordinator committed (every shard's replicas agreed)."""
         client.on_go = self._on_go
 
     async def _on_go(self, go: Go) -> None:
@@ -89,6 +91,7 @@ class CoordinatorStepHooks:
         self._sent_names = True
         await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
         await self.client.wait_commit(step)
+        self.commits += 1
 
     async def finish(self, steps: int) -> None:
         """Tell the coordinator this rank took its last step; wait for the run's end."""

@@ -383,7 +383,8 @@ class Trainer3D:
                 )
             self.optimizer.step()
         if self.hooks is not None:
-            await self.hooks.after_step(self.optimizer_steps, await self.shard_digest())
+            with self.stage.tracer.span("replica check", PIPELINE_TRACK, by="hooks"):
+                await self.hooks.after_step(self.optimizer_steps, await self.shard_digest())
         self.optimizer_steps += 1
         if (
             self.config.dp_size > 1
