@@ -1,10 +1,10 @@
 """One process of ``make demo-3d``: a rank of the dp x tp x pp character-LM run.
 
 Started by `actors.demo_job.demo3d` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``) and the run's secret; it joins the TCP world, builds its `Trainer3D` from the
-`ParallelismConfig` its flags give, and trains the char transformer on CPython's standard
-library (`actors.demo_job.corpus`). Every dp replica draws its own batches from one seeded
-generator (the tp and pp ranks of a replica draw the same ones). Every pipeline action is a span
+``MASTER_ADDR``, ``MASTER_PORT``) and the run's secret; it joins the TCP world, builds its
+`Trainer3D` from the `ParallelismConfig` its flags give, and trains the char transformer on
+CPython's standard library (`actors.demo_job.corpus`). Every dp replica draws its own batches
+from one seeded generator (the tp and pp ranks of a replica draw the same ones). Every pipeline action is a span
 in ``--trace`` (`actors.parallel.traced_stage`), every step a span. With ``--coordinated`` it
 joins paramsync's coordinator at MASTER_ADDR:MASTER_PORT with its 3D layout
 (`actors.parallel.coordinated`), forms the TCP world from the start's address table, and after
