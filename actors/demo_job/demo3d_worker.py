@@ -4,14 +4,15 @@ Started by `actors.demo_job.demo3d` with torchrun's variables (``RANK``, ``WORLD
 ``MASTER_ADDR``, ``MASTER_PORT``) and the run's secret; it joins the TCP world, builds its
 `Trainer3D` from the `ParallelismConfig` its flags give, and trains the char transformer on
 CPython's standard library (`actors.demo_job.corpus`). Every dp replica draws its own batches
-from one seeded generator (the tp and pp ranks of a replica draw the same ones). Every pipeline action is a span
-in ``--trace`` (`actors.parallel.traced_stage`), every step a span. With ``--coordinated`` it
-joins paramsync's coordinator at MASTER_ADDR:MASTER_PORT with its 3D layout
-(`actors.parallel.coordinated`), forms the TCP world from the start's address table, and after
-every optimizer step reports its shard digest for the coordinator to compare with the shard's
-other replicas; without it the ranks form the world at MASTER_ADDR:MASTER_PORT themselves and
-compare digests in band over each dp group. A mismatch stops the run. At the end it writes its
-summary (losses, steps per second, checks passed) as JSON.
+from one seeded generator (the tp and pp ranks of a replica draw the same ones). Every pipeline
+action is a span in ``--trace`` (`actors.parallel.traced_stage`), every step a span.
+
+With ``--coordinated`` it joins paramsync's coordinator at MASTER_ADDR:MASTER_PORT with its 3D
+layout (`actors.parallel.coordinated`), forms the TCP world from the start's address table, and
+after every optimizer step reports its shard digest for the coordinator to compare with the
+shard's other replicas; without it the ranks form the world at MASTER_ADDR:MASTER_PORT
+themselves and compare digests in band over each dp group. A mismatch stops the run. At the end
+it writes its summary (losses, steps per second, checks passed) as JSON.
 """
 
 from __future__ import annotations
