@@ -15,7 +15,9 @@ from conftest import open_group, run_in_group, run_ranks
 
 from actors.parallel.zero import ZeroRedundancyOptimizer, padded_length
 from actors.state.digest import state_digest
+from runtime.collectives.mesh import init_device_mesh
 from runtime.collectives.ring import all_reduce, reduce_scatter
+from runtime.parallel.config import ParallelismConfig
 from runtime.transport.base import Transport
 
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -115,6 +117,29 @@ def test_bitwise_equal_to_plain_data_parallelism(path: str, dp: int, name: str) 
 def test_bitwise_equal_over_tcp_on_a_large_model() -> None:
     """~20k parameters (80 KB: all-reduce's ring path by default), dp 3 over TCP, AdamW."""
     compare("tcp", 3, "adamw", 2000, 1 << 15, steps=5)
+
+
+def test_on_the_dp_groups_of_a_mesh() -> None:
+    """World of 6 as pp=1 x dp=3 x tp=2 (`ParallelismConfig`'s mesh): each tp column is its own
+    model and ZeRO-1 runs on the rank's dp group, bitwise plain DP on that group."""
+    config = ParallelismConfig(dp_size=3, tp_size=2, memory_optimization="zero1")
+
+    async def rank_fn(world: Transport) -> None:
+        async with await init_device_mesh(world, config.mesh_names(), config.mesh_shape()) as mesh:
+            dp = mesh.group("dp")
+            width = 9 + mesh.coordinate("tp")  # the two columns hold different models
+            factory = FACTORIES["adamw"]
+            reference = make_model(width)
+            reference_opt = factory(list(reference.parameters()))
+            await plain_dp(dp, reference, reference_opt, range(5), 0)
+            model = make_model(width)
+            zero = ZeroRedundancyOptimizer(model.parameters(), dp, factory, small_bytes=0)
+            await zero_dp(dp, model, zero, range(5))
+            for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+                assert torch.equal(mine, theirs)
+            assert_same_state(await zero.state_dict(), reference_opt.state_dict())
+
+    run_in_group("inproc", config.world_size, rank_fn)
 
 
 def test_dp2_equals_per_parameter_all_reduce() -> None:
