@@ -242,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     breakdown = pipeline_breakdown(json.loads(merged.read_text())["traceEvents"])
     summary["time_shares"] = {str(pid): shares for pid, shares in breakdown.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    expected_checks = summary["optimizer_steps"] if args.dp_size > 1 else 0
+    # The coordinator commits every step, whether or not a shard has replicas to compare.
+    expected_checks = summary["optimizer_steps"] if args.dp_size > 1 or args.coordinator else 0
     print()
     print(f"steps:                 {summary['steps']}")
     print(
@@ -257,7 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"group {'by the coordinator' if args.coordinator else 'in band'})"
         )
     else:
-        print("identical replicas:    none to compare (dp=1: every shard has one replica)")
+        committed = (
+            f" ({summary['checks_passed']} of {expected_checks} steps committed by the coordinator)"
+            if args.coordinator
+            else ""
+        )
+        print(
+            "identical replicas:    none to compare (dp=1: every shard has one replica)" + committed
+        )
     for pid, shares in breakdown.items():
         coords = summary["ranks"][pid]["coordinates"]
         print(
