@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-multihost bench-groups bench-control-plane reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-multihost bench-groups bench-control-plane reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -26,6 +26,9 @@ soak: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m actors.demo_job.demo
+
+demo-3d: $(STAMP)
+	$(BIN)/python -m actors.demo_job.demo3d
 
 demo-lora: $(STAMP)
 	$(BIN)/python -m actors.demo_job.lora_demo

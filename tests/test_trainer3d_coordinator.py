@@ -1,0 +1,132 @@
+"""`Trainer3D` under the coordinator (`actors.parallel.coordinated`): dp=2 x pp=2 workers join
+with their 3D layout, negotiate their gradient bucket within their dp group, and report their
+shard digest after every step; the coordinator commits each step comparing each digest only with
+the other replica of its (tp, pp) shard, and names the shard and ranks of a perturbed replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import trio
+
+from actors.client.client import CoordinatorClient, RunAborted
+from actors.parallel.coordinated import CoordinatorStepHooks, join_3d
+from actors.parallel.shard_model import ModelSpec
+from actors.parallel.trainer3d import Trainer3D
+from runtime.coordinator.service import Coordinator, RunFailed
+from runtime.parallel.config import ParallelismConfig
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.link import MemoryLink
+
+WORLD = 4
+STEPS = 3
+SECONDS = 120.0
+CONFIG = ParallelismConfig(dp_size=2, pp_size=2, num_micro_batches=2, pipeline_schedule="1f1b")
+SPEC = ModelSpec(vocab_size=16, d_model=16, n_heads=2, n_layers=2, context=8, seed=5)
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
+    return [error]
+
+
+def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + replica)
+    ids = torch.randint(0, SPEC.vocab_size, (4, 9), generator=generator)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+async def worker(
+    rank: int, link: MemoryLink, world: Transport, perturb: tuple[int, int] | None
+) -> dict[str, Any]:
+    client = CoordinatorClient(link, rank)
+    joined = await join_3d(client, rank, CONFIG, SPEC, ("in-process", rank + 1))
+    start = client.start
+    assert start is not None and joined.start is start
+    hooks = CoordinatorStepHooks(client, start.epoch)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.serve)
+        trainer = await Trainer3D.create(
+            world,
+            CONFIG,
+            SPEC,
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            check_every=0,  # the coordinator checks
+            hooks=hooks,
+        )
+        async with trainer:
+            for step in range(STEPS):
+                if perturb == (rank, step):
+                    with torch.no_grad():
+                        trainer.parameters()[0].view(-1)[0] += 1e-3
+                await trainer.train_step(*batch(step, trainer.dp))
+            await hooks.finish(STEPS)
+        return trainer.coordinates
+
+
+async def run(perturb: tuple[int, int] | None = None) -> tuple[dict[str, Any], Coordinator]:
+    coordinator = Coordinator(WORLD)
+    pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(WORLD)]
+    worlds = InProcessTransport.create_group(WORLD)
+    outcome: dict[str, Any] = {}
+
+    async def one(rank: int) -> None:
+        try:
+            outcome[f"rank {rank}"] = await worker(rank, pairs[rank][1], worlds[rank], perturb)
+        except BaseException as exc:
+            if isinstance(exc, trio.Cancelled):
+                raise
+            outcome[f"rank {rank}"] = exc
+        finally:
+            with trio.CancelScope(shield=True):
+                await pairs[rank][1].aclose()
+                await worlds[rank].aclose()
+
+    async def serve() -> None:
+        try:
+            await coordinator.serve_links({rank: pair[0] for rank, pair in enumerate(pairs)})
+            outcome["coordinator"] = None
+        except RunFailed as exc:
+            outcome["coordinator"] = exc
+
+    with trio.fail_after(SECONDS):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            for rank in range(WORLD):
+                nursery.start_soon(one, rank)
+    return outcome, coordinator
+
+
+async def test_the_coordinator_commits_every_step_comparing_replicas_per_shard() -> None:
+    outcome, coordinator = await run()
+    assert outcome["coordinator"] is None, outcome
+    core = coordinator.core
+    assert core.last_commit is not None and core.last_commit.step == STEPS - 1
+    assert core.layout is not None
+    # mesh ("pp", "dp", "tp") = (2, 2, 1): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
+    assert core.shard_of(0) == core.shard_of(1) != core.shard_of(2) == core.shard_of(3)
+    for rank in range(WORLD):
+        assert outcome[f"rank {rank}"] == {"pp": rank // 2, "dp": rank % 2, "tp": 0}
+
+
+async def test_the_coordinator_names_the_shard_of_a_perturbed_replica() -> None:
+    outcome, _ = await run(perturb=(3, 1))
+    failed = outcome["coordinator"]
+    assert isinstance(failed, RunFailed), outcome
+    reason = str(failed)
+    assert reason.startswith(
+        "step 1, shard (pp=1, tp=0): the dp replicas' parameter digests diverged"
+    ), reason
+    assert "ranks [2] have " in reason and ", ranks [3] have " in reason, reason
+    # stage 1's first parameter (its layer's first LayerNorm), as this rank's module names it
+    assert "rank 3 first differs from rank 2 at tensor 'param/0.0.0.ln1.weight'" in reason
+    assert "pp=0" not in reason, reason
+    for rank in range(WORLD):
+        error = outcome[f"rank {rank}"]
+        assert isinstance(error, BaseException), f"rank {rank} finished: {error!r}"
+        assert any(
+            isinstance(leaf, RunAborted) and "shard (pp=1, tp=0)" in str(leaf)
+            for leaf in leaves(error)
+        ), repr(error)
