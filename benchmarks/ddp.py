@@ -16,6 +16,18 @@ intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   the first step and after the last only): what the machine allows, so that both systems'
   overhead over the physical limit is printed, paired round by round.
 
+- with ``--own-loop``, paramsync's DDP-shaped entry (`actors.DistributedDataParallel`: the
+  user's own ``loss.backward(); optimizer.step()`` loop in the main thread, the trainer's trio
+  loop in a background thread, as a torchrun script runs it), against ``train_batch`` round by
+  round;
+- with ``--baseline PATH``, the paramsync systems again with the code of another checkout at
+  PATH (its ``runtime`` and ``actors`` on PYTHONPATH, this script's workers), in the same
+  rounds: an A/B of two versions, paired round by round.
+
+``--model mlp`` is a tiny model (an embedding and a two-layer MLP per position, ~20 k
+parameters) whose step is a few milliseconds: what a step costs beyond forward and backward
+weighs most there.
+
 ``--comm-hook fp16|bf16|powersgd`` compresses the gradients in both systems alike: DDP
 registers torch's hook (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``, or
 ``powerSGD_hook`` with a ``PowerSGDState`` of ``--powersgd-rank`` and
@@ -58,6 +70,11 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 the driver imports no torch)."""
 SYSTEMS = ("ddp", "paramsync", "limit")
 LIMIT = "limit"
+OWN_LOOP = "own-loop"
+"""paramsync's DDP-shaped entry (``--own-loop``): `actors.DistributedDataParallel` with the
+user's loop in the main thread, the trainer in its background trio thread."""
+BASELINE = "@baseline"
+"""Suffix of a paramsync system run with ``--baseline``'s code (``paramsync@baseline``)."""
 """The physical limit: the same processes, model, data and steps, each rank training its own
 replica with no communication at all during the steps (a gloo barrier before the first step
 and after the last only, so that the ranks compete for the cores as the other systems' do)."""
@@ -77,6 +94,9 @@ LABELS = {
     UNCHECKED: "paramsync, check off",
     VARIANT: "paramsync, variant",
     SPLIT: "paramsync, check every K steps",
+    OWN_LOOP: "paramsync, own loop (DDP-shaped)",
+    "paramsync" + BASELINE: "paramsync, baseline code",
+    OWN_LOOP + BASELINE: "paramsync, own loop, baseline code",
 }
 LAUNCH_SECONDS = 600.0
 POLL_SECONDS = 0.05
@@ -134,6 +154,37 @@ def _conv_batchnorm_model(vocab_size: int, d_model: int, layers: int, seed: int)
     return CharConvBatchNorm()
 
 
+def _mlp_model(vocab_size: int, d_model: int, seed: int):
+    """``--model mlp``: a tiny character model (embedding, then a two-layer MLP per position),
+    whose step is short enough that a step's fixed costs show."""
+    import torch
+    from torch import nn
+
+    class CharMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            generator_state = torch.random.get_rng_state()
+            torch.manual_seed(seed)
+            self.embed = nn.Embedding(vocab_size, d_model)
+            self.hidden = nn.Linear(d_model, 2 * d_model)
+            self.head = nn.Linear(2 * d_model, vocab_size)
+            torch.random.set_rng_state(generator_state)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.hidden(self.embed(idx))))
+
+        def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = self(idx)
+            return nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
+
+        def num_parameters(self) -> int:
+            return sum(p.numel() for p in self.parameters())
+
+    return CharMLP()
+
+
 def _setup(args: argparse.Namespace):
     """The model, optimizer, dataset and this rank's shard: identical for both systems."""
     import torch
@@ -147,6 +198,8 @@ def _setup(args: argparse.Namespace):
     vocab, dataset = load_char_dataset(args.context, max_bytes=args.corpus_bytes)
     if args.model == "batchnorm":
         model = _conv_batchnorm_model(len(vocab), args.d_model, args.layers, args.seed)
+    elif args.model == "mlp":
+        model = _mlp_model(len(vocab), args.d_model, args.seed)
     else:
         model = CharTransformer(
             len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
@@ -284,7 +337,6 @@ def _register_ddp_hook(ddp, args: argparse.Namespace) -> list[int]:
 def _worker_paramsync(args: argparse.Namespace) -> dict:
     import trio
 
-    from actors.train.trainer import TrainerOptions
     from actors.train.worker import join_run
     from runtime.config import DistributedConfig
     from runtime.observe.trace import TraceRecorder
@@ -297,13 +349,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     async def main() -> dict:
         config = DistributedConfig(args.world, args.rank, f"127.0.0.1:{args.port}")
-        overrides = _trainer_options(args.option)
-        if args.bucket_bytes is not None:
-            overrides["bucket_bytes"] = args.bucket_bytes
-        overrides.setdefault("comm_hook", args.comm_hook)
-        overrides.setdefault("powersgd_rank", args.powersgd_rank)
-        overrides.setdefault("powersgd_start_iter", args.powersgd_start_iter)
-        options = TrainerOptions(**overrides)
+        options = _paramsync_options(args)
         counter = _count_paramsync_all_reduce()
         ends: list[float] = []
         losses: list[float] = []
@@ -357,6 +403,62 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     task_steps = TaskSteps()
     return trio.run(main, instruments=[task_steps])
+
+
+def _paramsync_options(args: argparse.Namespace):
+    """The paramsync workers' `TrainerOptions`: ``--option``'s fields and the comm hook's."""
+    from actors.train.trainer import TrainerOptions
+
+    overrides = _trainer_options(args.option)
+    if args.bucket_bytes is not None:
+        overrides["bucket_bytes"] = args.bucket_bytes
+    overrides.setdefault("comm_hook", args.comm_hook)
+    overrides.setdefault("powersgd_rank", args.powersgd_rank)
+    overrides.setdefault("powersgd_start_iter", args.powersgd_start_iter)
+    return TrainerOptions(**overrides)
+
+
+def _worker_own_loop(args: argparse.Namespace) -> dict:
+    """One rank of paramsync's DDP-shaped entry: the loop `_worker_ddp` runs, with
+    `actors.DistributedDataParallel` in place of torch's and the wrapped optimizer; it joins
+    the run from the environment, as a torchrun or ``paramsync launch`` script does."""
+    import torch
+
+    from actors import DistributedDataParallel
+
+    model, optimizer, batch, info = _setup(args)
+    os.environ.update(
+        RANK=str(args.rank),
+        WORLD_SIZE=str(args.world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args.port),
+        PARAMSYNC_ROLE="worker",
+    )
+    counter = _count_paramsync_all_reduce()
+    with DistributedDataParallel(model, options=_paramsync_options(args)) as forward:
+        wrapped = forward.wrap_optimizer(optimizer)
+        ends: list[float] = []
+        losses: list[float] = []
+        for step in range(args.warmup + args.steps):
+            inputs, targets = batch(step)
+            wrapped.zero_grad()
+            logits = forward(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
+            loss.backward()  # each finished bucket's all-reduce starts in the trio thread
+            wrapped.step()
+            losses.append(float(loss.detach()))
+            ends.append(time.perf_counter())
+            if step == args.warmup - 1:
+                counter[0] = 0
+                cpu_start = time.process_time()
+        forward.verified()  # the last step's check, as the paramsync worker waits for it
+        overall = time.perf_counter() - ends[args.warmup - 1]
+        cpu = (cpu_start, time.process_time())
+    result = _result(ends, losses, args.warmup, overall, info, cpu)
+    result["allreduce_bytes_per_step"] = counter[0] / args.steps
+    return result
 
 
 def _count_paramsync_all_reduce() -> list[int]:
@@ -422,6 +524,7 @@ def _run_worker(args: argparse.Namespace) -> None:
     worker = {
         "ddp": _worker_ddp,
         LIMIT: functools.partial(_worker_ddp, communicate=False),
+        OWN_LOOP: _worker_own_loop,
     }.get(args.worker, _worker_paramsync)
     result = worker(args)
     if args.rank == 0:
@@ -510,9 +613,12 @@ def _wait_all(
 
 def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
     port = _free_port()
+    # A baseline system runs the same workers with another checkout's code (and coordinator).
+    code = Path(args.baseline).resolve() if system.endswith(BASELINE) else ROOT
+    system = system.removesuffix(BASELINE)
     env = dict(
         os.environ,
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=str(code),
         OMP_NUM_THREADS="1",
         PARAMSYNC_SECRET=secrets.token_hex(16),
     )
@@ -523,9 +629,9 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
         def start(name: str, cmd: list[str], stdout=subprocess.DEVNULL) -> None:
             logs[name] = Path(tmp) / f"{name.replace(' ', '-')}.err"
             with open(logs[name], "w") as err:
-                procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=ROOT)
+                procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=code)
 
-        if system in ("paramsync", UNCHECKED, VARIANT, SPLIT):
+        if system in ("paramsync", UNCHECKED, VARIANT, SPLIT, OWN_LOOP):
             interval = {UNCHECKED: 1_000_000, SPLIT: args.check_split}.get(
                 system, args.digest_interval
             )
@@ -719,6 +825,74 @@ def _summarise(
         )
         table.append(row)
     return table
+
+
+def _compared(args: argparse.Namespace) -> tuple[str, ...]:
+    """The paramsync systems ``--baseline`` runs again with the baseline's code."""
+    return ("paramsync", OWN_LOOP) if args.own_loop else ("paramsync",)
+
+
+def _summarise_extras(table: list[dict], runs: dict) -> None:
+    """Add the own-loop and baseline systems to ``table``'s rows: each one's median step,
+    its overhead over the limit, and its paired ratio (round by round) to what it is compared
+    with: the own loop to ``train_batch`` (plain paramsync), a baseline system's new code to
+    its baseline's (new / old)."""
+    for row in table:
+        world = row["world_size"]
+        limit_runs = runs[(LIMIT, world)]
+        pairs = {OWN_LOOP: ("paramsync", OWN_LOOP)}
+        pairs.update({name + BASELINE: (name + BASELINE, name) for name in ("paramsync", OWN_LOOP)})
+        for system, (under, over) in pairs.items():
+            if (system, world) not in runs or (under, world) not in runs:
+                continue
+            results = runs[(system, world)]
+            ratios = _round_ratios(runs[(over, world)], runs[(under, world)])
+            over_limit = [ratio - 1 for ratio in _round_ratios(results, limit_runs)]
+            row[system] = {
+                "median_step_seconds": statistics.median(
+                    s for r in results for s in r["step_seconds"]
+                ),
+                "steps_per_second": statistics.median(r["steps_per_second"] for r in results),
+                "cpu_seconds_per_step": statistics.median(
+                    r["cpu_seconds_per_step"] for r in results
+                ),
+                "final_loss": results[-1]["losses"][-1],
+                "over_limit": statistics.median(over_limit),
+                "over_limit_rounds": over_limit,
+                "paired_ratio": statistics.median(ratios),
+                "paired_ratio_rounds": ratios,
+                "paired_ratio_interval": _median_interval(ratios),
+                "cpu_ratio": statistics.median(
+                    _round_ratios(runs[(over, world)], runs[(under, world)], "cpu_seconds_per_step")
+                ),
+            }
+
+
+def _print_extras(table: list[dict], baseline: str | None) -> None:
+    for row in table:
+        n = row["world_size"]
+        own = row.get(OWN_LOOP)
+        if own is not None:
+            rounds = " ".join(f"{ratio:.3f}" for ratio in own["paired_ratio_rounds"])
+            print(
+                f"n={n}: own loop (DDP-shaped) {own['median_step_seconds'] * 1e3:.2f} ms a "
+                f"step, over the limit {own['over_limit'] * 100:+.1f} %; against train_batch "
+                f"round by round: step time x{own['paired_ratio']:.3f}"
+                f"{_interval_text(own['paired_ratio_interval'])}, rank 0's CPU time "
+                f"x{own['cpu_ratio']:.3f} (rounds: {rounds})"
+            )
+        for name in ("paramsync", OWN_LOOP):
+            old = row.get(name + BASELINE)
+            if old is None:
+                continue
+            rounds = " ".join(f"{ratio:.3f}" for ratio in old["paired_ratio_rounds"])
+            print(
+                f"n={n}: {LABELS[name]}: this code / baseline ({baseline}) round by round: "
+                f"step time x{old['paired_ratio']:.3f}"
+                f"{_interval_text(old['paired_ratio_interval'])}, rank 0's CPU time "
+                f"x{old['cpu_ratio']:.3f} (baseline {old['median_step_seconds'] * 1e3:.2f} ms "
+                f"a step, over the limit {old['over_limit'] * 100:+.1f} %; rounds: {rounds})"
+            )
 
 
 def _median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
@@ -930,10 +1104,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per worker")
     parser.add_argument(
         "--model",
-        choices=("transformer", "batchnorm"),
+        choices=("transformer", "batchnorm", "mlp"),
         default="transformer",
-        help="the demo's CharTransformer, or a convolutional character model with BatchNorm "
-        "(buffers synchronized as DDP's broadcast_buffers=True in both systems)",
+        help="the demo's CharTransformer, a convolutional character model with BatchNorm "
+        "(buffers synchronized as DDP's broadcast_buffers=True in both systems), or a tiny "
+        "per-position MLP (a step of a few ms: the fixed costs show)",
     )
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=128)
@@ -1002,13 +1177,26 @@ def build_parser() -> argparse.ArgumentParser:
         "measure the check's cost within those runs: each checked step and the one after it "
         "against the unchecked steps beside them (steadier than --check-cost's A/B of runs)",
     )
+    parser.add_argument(
+        "--own-loop",
+        action="store_true",
+        help="also run paramsync's DDP-shaped entry (actors.DistributedDataParallel, the "
+        "user's own loss.backward(); optimizer.step() loop) in the same rounds, and report it "
+        "against train_batch",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="also run the paramsync systems with the code of the checkout at PATH (its "
+        "runtime and actors packages) in the same rounds, and report this code against it",
+    )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
         "--trace",
         help="directory for the paramsync ranks' Chrome traces (actors' spans; the last round "
         "of each world size is kept)",
     )
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*SYSTEMS, OWN_LOOP), help=argparse.SUPPRESS)
     parser.add_argument("--record-phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -1026,13 +1214,17 @@ def main() -> None:
         _run_worker(args)
         return
     _trainer_options(args.option + args.variant)  # refuse a misspelt field before any run
+    if args.baseline and not (Path(args.baseline) / "actors" / "train").is_dir():
+        raise SystemExit(f"--baseline {args.baseline}: not a paramsync checkout (no actors/train)")
+    model_text = {
+        "batchnorm": f"CharConvBatchNorm d_model {args.d_model}, {args.layers} layers, ",
+        "mlp": f"CharMLP d_model {args.d_model}, ",
+    }.get(
+        args.model,
+        f"CharTransformer d_model {args.d_model}, {args.layers} layers, {args.heads} heads, ",
+    )
     print(
-        (
-            f"CharConvBatchNorm d_model {args.d_model}, {args.layers} layers, "
-            if args.model == "batchnorm"
-            else f"CharTransformer d_model {args.d_model}, {args.layers} layers, "
-            f"{args.heads} heads, "
-        )
+        model_text
         + f"context {args.context}; batch {args.batch_size} per worker; AdamW lr {args.lr}; "
         f"{args.warmup} warm-up + {args.steps} timed steps; {args.rounds} rounds; "
         f"{os.cpu_count()} CPUs",
@@ -1047,6 +1239,10 @@ def main() -> None:
                 systems = (*systems, VARIANT)
             if args.check_split:
                 systems = (*systems, SPLIT)
+            if args.own_loop:
+                systems = (*systems, OWN_LOOP)
+            if args.baseline:
+                systems = (*systems, *(system + BASELINE for system in _compared(args)))
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
                 result = _launch(system, world, args)
@@ -1063,8 +1259,10 @@ def main() -> None:
                     flush=True,
                 )
     table = _summarise(runs, args.worlds, tuple(args.variant), args.check_split, args.comm_hook)
+    _summarise_extras(table, runs)
     print(f"model: {table[0]['parameters']} parameters, vocabulary {table[0]['vocab_size']}")
     _print_table(table)
+    _print_extras(table, args.baseline)
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,8 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
     command = [sys.executable, str(SCRIPT), "--worlds", "2", "--rounds", "1", "--steps", "6"]
     command += ["--warmup", "2", "--layers", "1", "--d-model", "32", "--context", "16"]
     command += ["--check-split", "3", "--corpus-bytes", "200000", "--json", str(out)]
+    # The DDP-shaped entry, and the paramsync systems again with a baseline's code (this one).
+    command += ["--own-loop", "--baseline", str(ROOT)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "paramsync / DDP round by round" in done.stdout
@@ -152,6 +154,29 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
         "optimizer",
     }
     assert "where it lands" in done.stdout
+    # The own loop (actors.DistributedDataParallel, the user's loop) trains the same curve.
+    own = row["own-loop"]
+    assert own["median_step_seconds"] > 0 and len(own["paired_ratio_rounds"]) == 1
+    assert own["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
+    assert "own loop (DDP-shaped)" in done.stdout and "against train_batch" in done.stdout
+    for system in ("paramsync@baseline", "own-loop@baseline"):
+        assert row[system]["median_step_seconds"] > 0
+        assert row[system]["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
+    assert "this code / baseline" in done.stdout
+
+
+def test_the_mlp_model_is_tiny_seeded_and_trains() -> None:
+    import torch
+
+    model = _module()._mlp_model(vocab_size=11, d_model=8, seed=3)
+    again = _module()._mlp_model(vocab_size=11, d_model=8, seed=3)
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert model.num_parameters() == 11 * 8 + (8 * 16 + 16) + (16 * 11 + 11)
+    idx = torch.randint(0, 11, (4, 5))
+    assert model(idx).shape == (4, 5, 11)
+    model.loss(idx, torch.randint(0, 11, (4, 5))).backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_the_batchnorm_model_has_running_statistics_that_training_moves() -> None:

@@ -305,6 +305,59 @@ async def test_a_bucket_is_all_reduced_while_the_users_backward_still_runs() -> 
         assert all(0 < count < buckets for count in seen), f"rank {rank}: {seen}"
 
 
+async def test_a_step_crosses_into_the_trio_thread_once_after_the_first() -> None:
+    """optimizer.step() begins the next step in the event loop while it is there anyway, so
+    the next forward starts it without a crossing of its own: after the first step, one
+    crossing a step (step()). A step the trainer may not run (max_steps reached) is not
+    handed out: the forward crosses and fails as before."""
+    world_size = 2
+    steps = 4
+    data = batches(world_size, steps=steps)
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp(rank)
+        return model, OPTIMIZERS["adam"](model.parameters())
+
+    async def body(trainer: DistributedTrainer) -> list[int]:
+        rank = trainer.rank
+
+        def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> list[int]:
+            cross = model._cross
+            assert cross is not None
+            calls: list[str] = []
+
+            def counted(fn: Callable[..., Any], *args: Any) -> Any:
+                calls.append(fn.__name__)
+                return cross(fn, *args)
+
+            model._cross = counted
+            crossings = []
+            for batch in data:
+                inputs, targets = shard(batch, rank)
+                before = len(calls)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(inputs), targets).backward()
+                assert optimizer.step()
+                crossings.append(len(calls) - before)
+            assert calls[0] == "begin_own_step" and calls.count("begin_own_step") == 1
+            with pytest.raises(RuntimeError, match="max_steps=4 already reached"):
+                model(data[0][0][:PER_RANK])
+            return crossings
+
+        return await own_loop(trainer, loop)
+
+    with trio.fail_after(RUN_SECONDS):
+        results = await train_in_process(
+            world_size,
+            make_replica,
+            dummy_loss,
+            body,
+            options=TrainerOptions(max_steps=steps),
+        )
+    for crossings in results:
+        assert crossings == [2, 1, 1, 1]
+
+
 # --------------------------------------------------------------------------- C-DDP-001
 
 

@@ -5,7 +5,9 @@ Each briefly pre-trains the built-in character transformer (seeded, the same in 
 it, and fine-tunes peft LoRA adapters with two replicas on two CPU devices (one thread each):
 gradients averaged inside the process, then all-reduced across the processes, identical weights
 checked every step in both (C-DP-002 inside, C-DDP-001 across). The demo prints the falling
-loss, the adapters' digests (every replica of every process) and the saved adapter's size.
+loss, the adapters' digests (every replica of every process, moved from their initial value),
+whether every replica's frozen base still equals the pre-trained one, and the saved adapter's
+size; it exits 1 if any of these fails.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per process")
+    parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
     parser.add_argument("--out", type=Path, default=Path("out/demo-lora"))
     args = parser.parse_args(argv)
     out: Path = args.out
@@ -44,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.executable, "-m", "runtime.cli.main", "--log-level", "WARNING", "launch",
         "--nproc", str(args.workers), "--", "-m", "actors.demo_job.lora_job",
         "--devices", str(args.devices), "--pretrain-steps", str(args.pretrain_steps),
-        "--steps", str(args.steps), "--out", str(out),
+        "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+        "--corpus-bytes", str(args.corpus_bytes), "--out", str(out),
     ]  # fmt: skip
     code = subprocess.call(command)
     if code != 0:
@@ -55,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"demo-lora failed: {len(results)} of {args.workers} workers reported")
         return 1
     digests = {d for result in results for d in result["replica_adapter_digests"]}
+    trained = all(r["initial_adapter_digest"] not in digests for r in results)
+    frozen = {d for r in results for d in (r["frozen_digest_before"], *r["replica_frozen_digests"])}
     head = [sum(r["losses"][:10]) / 10 for r in results]
     tail = [sum(r["losses"][-10:]) / 10 for r in results]
     first = results[0]
@@ -71,12 +78,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"identical adapters:    {len(digests) == 1} ({len(results)} processes x "
         f"{first['devices']} replicas, xxh3 {sorted(digests)[0][:16]}...)"
     )
+    print(
+        f"frozen base untouched: {len(frozen) == 1} (every replica's frozen weights equal the "
+        "pre-trained base's)"
+    )
     print(f"adapter (safetensors): {first['adapter_file']}, {first['adapter_bytes']:,} bytes")
-    falling = sum(tail) < sum(head)
-    if len(digests) != 1 or not falling:
-        print(
-            "demo-lora failed: " + ("adapters differ" if len(digests) != 1 else "loss not falling")
+    failures = [
+        text
+        for text, failed in (
+            ("adapters differ", len(digests) != 1),
+            ("adapters never moved from their initial values", not trained),
+            ("frozen weights changed or differ", len(frozen) != 1),
+            ("loss not falling", not sum(tail) < sum(head)),
         )
+        if failed
+    ]
+    if failures:
+        print("demo-lora failed: " + "; ".join(failures))
         return 1
     return 0
 

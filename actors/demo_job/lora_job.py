@@ -5,7 +5,9 @@ The worker pre-trains the built-in `CharTransformer` briefly on the first part o
 attention and MLP linears, and fine-tunes the adapters on the rest of the corpus with a
 `DataParallelCoordinator` over ``--devices`` CPU devices (one thread each) inside a multi-process
 `DistributedTrainer` run (hierarchical data parallelism: in-process average, then all-reduce).
-It writes its losses, its adapter digest and (rank 0) the adapter itself, as safetensors.
+It writes its losses, its adapters' digests (initial, and every replica's after training), the
+frozen base's digests (before fine-tuning, and every replica's after) and (rank 0) the adapter
+itself, as safetensors.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous() for name, tensor in sorted(state.items())}
 
 
+def frozen_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that do not train (the frozen base under the adapters), by their names
+    in the base model (peft's wrapper prefixes stripped), so a bare base and a wrapped replica
+    compare."""
+    state = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            bare = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            state[bare] = param.detach().contiguous()
+    return dict(sorted(state.items()))
+
+
 def digest_of(state: dict[str, torch.Tensor]) -> str:
     hasher = xxhash.xxh3_128()
     for name, tensor in state.items():
@@ -101,6 +115,7 @@ async def run(args: argparse.Namespace) -> int:
     base = CharTransformer(len(vocab), context=args.context, seed=args.seed)
     pretrain_loss = pretrain(base, data, split, args)
     base.requires_grad_(False)
+    frozen_before = digest_of(frozen_state(base))
     config = peft.LoraConfig(
         r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=TARGETS, lora_dropout=0.0
     )
@@ -114,6 +129,7 @@ async def run(args: argparse.Namespace) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     dp = DataParallelCoordinator(model_factory, optimizer_factory, loss_fn, ["cpu"] * args.devices)
+    initial_adapter = digest_of(adapter_state(dp.primary_pipeline))
     losses: list[float] = []
     try:
         async with trainer_from_env(
@@ -130,6 +146,7 @@ async def run(args: argparse.Namespace) -> int:
             await trainer.verified()
         dp.check()  # C-DP-002 one last time: every device's replica identical
         replicas = [digest_of(adapter_state(model)) for model in dp.replicas]
+        frozen_after = [digest_of(frozen_state(model)) for model in dp.replicas]
     finally:
         dp.close()
     adapter = adapter_state(dp.primary_pipeline)
@@ -141,6 +158,9 @@ async def run(args: argparse.Namespace) -> int:
         "losses": losses,
         "adapter_digest": replicas[0],
         "replica_adapter_digests": replicas,
+        "initial_adapter_digest": initial_adapter,
+        "frozen_digest_before": frozen_before,
+        "replica_frozen_digests": frozen_after,
         "adapter_parameters": sum(t.numel() for t in adapter.values()),
         "model_parameters": sum(p.numel() for p in dp.primary_pipeline.parameters()),
     }

@@ -213,7 +213,10 @@ class DistributedDataParallel(torch.nn.Module):
         if torch.is_grad_enabled():
             self._check_thread()
             if self._own is None:
-                self._own = self._run(trainer.begin_own_step)
+                # The step the last optimizer.step() began in the event loop, if it still
+                # stands; else cross into it to begin one.
+                prepared = trainer.prepared_own_step()
+                self._own = prepared if prepared is not None else self._run(trainer.begin_own_step)
             own = self._own
             if self._armed and (self._no_sync or own.compute.sync_backward_started):
                 raise RuntimeError(

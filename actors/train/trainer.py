@@ -235,7 +235,8 @@ class OwnStep:
     epoch: _Epoch
     state: StepState
     started: float
-    """``time.perf_counter()`` when the step began."""
+    """``time.perf_counter()`` when the step began (begun by the previous step's
+    `finish_own_step`: when that one finished)."""
 
     @property
     def compute(self) -> ComputeActor:
@@ -378,6 +379,9 @@ class DistributedTrainer:
         self._last_loss, self._last_loss_step = math.nan, -1
         self._held = trio.Event()
         """Set while the supervisor holds: no epoch live, the state at rest."""
+        self._next_own: OwnStep | None = None
+        """The caller's own loop's next step, begun in the event loop as its previous one
+        finished (`finish_own_step`), for `prepared_own_step` to hand out without a crossing."""
         client.on_epoch = self._announce
         client.on_resync = self._resync
         client.resume_point = self._resume_point
@@ -992,10 +996,34 @@ class DistributedTrainer:
         the step's last backward, then call `finish_own_step`."""
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
+        self._next_own = None
         await self._live.wait()
         epoch = self._epoch
         assert epoch is not None
         return OwnStep(self.step, epoch, epoch.comm.begin_step(self.step), time.perf_counter())
+
+    def prepared_own_step(self) -> OwnStep | None:
+        """The step `finish_own_step` began for the caller's next forward, if it is still the
+        one to run (its epoch live, the trainer at its step); None: call `begin_own_step`.
+
+        Called from the caller's own thread, which saves the crossing into the event loop that
+        `begin_own_step` costs: it only reads what the event loop set before the previous
+        `finish_own_step` returned. An epoch that ends right after this check ends the step
+        as it would end one `begin_own_step` returned (`finish_own_step` drops it)."""
+        own, self._next_own = self._next_own, None
+        if own is None or not self._live.is_set():
+            return None
+        if own.epoch is not self._epoch or own.step != self.step or self.reached_max_steps:
+            return None
+        return own
+
+    def _prepare_own_step(self, epoch: _Epoch) -> None:
+        """Begin the caller's next step now, in the event loop, while it waits here anyway
+        (see `prepared_own_step`); nothing when no step may follow in this epoch."""
+        self._next_own = None
+        if self._live.is_set() and self._epoch is epoch and not self.reached_max_steps:
+            state = epoch.comm.begin_step(self.step)
+            self._next_own = OwnStep(self.step, epoch, state, time.perf_counter())
 
     async def finish_own_step(self, own: OwnStep) -> bool:
         """The caller's backward of ``own.step`` has returned: announce what its hooks could
@@ -1004,6 +1032,7 @@ class DistributedTrainer:
         membership changed under it and its gradients were dropped, the weights are the new
         epoch's (torchft's ``should_commit`` False). Its own errors propagate."""
         step, epoch = own.step, own.epoch
+        self._next_own = None
         if self._epoch is not epoch or self.step != step:
             return self._own_step_dropped(step)
         scope = trio.CancelScope()
@@ -1023,6 +1052,7 @@ class DistributedTrainer:
         if scope.cancelled_caught or self.step != step + 1:
             return self._own_step_dropped(step)
         self._record(step, None, time.perf_counter() - own.started)
+        self._prepare_own_step(epoch)
         return True
 
     def _own_step_dropped(self, step: int) -> bool:
