@@ -1263,6 +1263,7 @@ class DistributedTrainer:
             "skipped_steps": self._skipped_total,
             "final_grad_norm": self.grad_norms[-1][1] if self.grad_norms else None,
             "joined_steps": self.joined_steps,
+            "comm_backend": self.options.comm_backend,
         }
 
     # ------------------------------------------------------------------ export
