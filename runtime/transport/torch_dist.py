@@ -71,6 +71,10 @@ COMM_BACKENDS = ("paramsync", "torch")
 DEFAULT_COLLECTIVE_SECONDS = 300.0
 """A collective's deadline (the TCP transport's stall deadline)."""
 
+Group = Any
+"""A torch.distributed backend: ``ProcessGroupGloo`` (frames, CPU collectives) or
+``ProcessGroupNCCL`` (CUDA collectives); torch's stubs lack their point-to-point methods."""
+
 _IDLE_TIMEOUT = datetime.timedelta(days=7)
 """The group's default timeout, which gloo applies to point-to-point receives: a receive posted
 for the next frame of an idle peer must not expire (an expiry closes the connection); frames
@@ -142,9 +146,9 @@ class TorchDistTransport(NativeCollectives):
         self,
         rank: int,
         world_size: int,
-        group: dist.ProcessGroup,
+        group: Group,
         *,
-        device_group: dist.ProcessGroup | None = None,
+        device_group: Group | None = None,
         device: torch.device | None = None,
         collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
         close_seconds: float = 10.0,
@@ -160,7 +164,7 @@ class TorchDistTransport(NativeCollectives):
             )
         if (device_group is None) != (device is None or device.type != "cuda"):
             raise ValueError("pass device_group (NCCL) exactly when device is a CUDA device")
-        self._group: dist.ProcessGroup | None = group
+        self._group: Group | None = group
         self._device_group = device_group
         self.device = device
         """The CUDA device whose tensors reduce through NCCL (None: CPU only)."""
@@ -196,7 +200,7 @@ class TorchDistTransport(NativeCollectives):
 
     # ------------------------------------------------------------------ frames
 
-    def _live_group(self, peer: int | None) -> dist.ProcessGroup:
+    def _live_group(self, peer: int | None) -> Group:
         group = self._group
         if self._closed or group is None:
             raise PeerClosed(f"rank {self.rank}'s torch transport is closed", peer=peer)
@@ -292,7 +296,7 @@ class TorchDistTransport(NativeCollectives):
             self._ended[peer] = item
             raise item
         try:
-            return decode_frame(memoryview(item.numpy()), self.max_frame)
+            return decode_frame(item.numpy().data, self.max_frame)  # type: ignore[arg-type]
         except ProtocolError as exc:
             raise exc.with_peer(peer) from None
 
@@ -345,7 +349,7 @@ class TorchDistTransport(NativeCollectives):
             return tensor.dtype in GLOO_DTYPES
         return self._device_group is not None and tensor.device == self.device
 
-    def _collective_group(self, tensor: torch.Tensor, what: str) -> dist.ProcessGroup:
+    def _collective_group(self, tensor: torch.Tensor, what: str) -> Group:
         group = self._live_group(None)
         if tensor.device.type != "cpu":
             if self._device_group is None or tensor.device != self.device:
@@ -386,7 +390,7 @@ class TorchDistTransport(NativeCollectives):
 
     async def native_all_reduce(self, flat: torch.Tensor, op: str) -> None:
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         options.timeout = self._timeout()
         await self._collective(flat, "all_reduce", lambda g: g.allreduce([flat], options))
         if op == "avg":
@@ -481,14 +485,30 @@ class _StreamWork:
 # ---------------------------------------------------------------------- building groups
 
 
-def _gloo_group(
-    store: dist.Store, rank: int, world_size: int, host: str | None
-) -> dist.ProcessGroup:
+async def _share_port(bootstrap: Transport, port: torch.Tensor) -> None:
+    """Rank 0's ``port`` (one int64) to every rank of ``bootstrap``, as a collective's data
+    frame (``coll``) to each in turn: the ring's broadcast, which sits above this layer."""
+    op_id = bootstrap.next_op_id()
+    fields = {"op": op_id, "hop": 0, "part": 0}
+    if bootstrap.rank == 0:
+        for peer in range(1, bootstrap.world_size):
+            await bootstrap.send(peer, "coll", fields, port)
+        return
+    message = await bootstrap.recv_into(0, port)
+    if message["kind"] != "coll" or message["op"] != op_id:
+        raise ProtocolError(
+            f"expected the torch store's port (collective {op_id}), got a {message['kind']} "
+            "message",
+            peer=0,
+        )
+
+
+def _gloo_group(store: dist.Store, rank: int, world_size: int, host: str | None) -> Group:
     """A gloo group (blocks until every rank has joined it through ``store``); ``host``: the
     address its connections bind to (None: torch's default, from the host name)."""
     if host is None:
         return dist.ProcessGroupGloo(store, rank, world_size, _IDLE_TIMEOUT)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = _IDLE_TIMEOUT
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, world_size, options)
@@ -496,7 +516,7 @@ def _gloo_group(
 
 def _nccl_group(
     store: dist.Store, rank: int, world_size: int, seconds: float
-) -> dist.ProcessGroup:  # pragma: no cover - needs CUDA and NCCL (untested here)
+) -> Group:  # pragma: no cover - needs CUDA and NCCL (untested here)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = datetime.timedelta(seconds=seconds)
     return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
@@ -515,7 +535,7 @@ async def create_local_group(
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"group size must be a positive int, got {n!r}")
     store = dist.PrefixStore(prefix, dist.HashStore())
-    groups: list[dist.ProcessGroup | None] = [None] * n
+    groups: list[Group | None] = [None] * n
 
     async def build(rank: int) -> None:
         groups[rank] = await trio.to_thread.run_sync(
@@ -569,8 +589,6 @@ async def connect_torch_transport(
     another epoch can meet it), its connections bound to ``local_host``. Not formed within
     ``seconds``: a `CollectiveError`.
     """
-    from runtime.collectives.ring import broadcast
-
     rank, world_size = bootstrap.rank, bootstrap.world_size
     timeout = datetime.timedelta(seconds=seconds)
     server: dist.TCPStore | None = None
@@ -590,7 +608,7 @@ async def connect_torch_transport(
                 abandon_on_cancel=True,
             )
             port[0] = server.port
-        await broadcast(bootstrap, port, root=0)
+        await _share_port(bootstrap, port)
         if server is None:
             store: dist.Store = await trio.to_thread.run_sync(
                 partial(dist.TCPStore, store_host, int(port[0]), world_size, False, timeout),
