@@ -183,14 +183,17 @@ class TorchDistTransport(NativeCollectives):
         """Peers whose last frame this rank has received: each later receive raises this."""
         self._goodbyes: list[Any] = []
         self._waits: set[trio.CancelScope] = set()
+        self._inflight: set[Any] = set()
+        """Operations whose wait was abandoned (cancelled, aborted) and may still run: the
+        group outlives them (see `aclose`)."""
         self._inbox_send: dict[int, trio.MemorySendChannel[torch.Tensor | Exception]] = {}
         self._inbox: dict[int, trio.MemoryReceiveChannel[torch.Tensor | Exception]] = {}
-        self._send_locks = {peer: trio.Lock() for peer in range(world_size) if peer != rank}
+        self._peers = [peer for peer in range(world_size) if peer != rank]
         self._pumps: list[threading.Thread] = []
-        for peer in self._send_locks:
+        for peer in self._peers:
             send, receive = trio.open_memory_channel[torch.Tensor | Exception](inbox_frames)
             self._inbox_send[peer], self._inbox[peer] = send, receive
-        for peer in self._send_locks:
+        for peer in self._peers:
             pump = threading.Thread(
                 target=self._pump, args=(peer,), name=f"paramsync-torch-recv-{rank}<-{peer}"
             )
@@ -268,19 +271,18 @@ class TorchDistTransport(NativeCollectives):
         self.check_peer(peer)
         self._live_group(peer)
         frame = _frame_tensor(kind, fields, bulk)
-        async with self._send_locks[peer]:
-            with self._lock:
-                group = self._live_group(peer)
-                if peer in self._gone:
-                    raise PeerClosed(f"its end is gone: {self._gone[peer].args[0]}", peer=peer)
-                head = torch.tensor([frame.numel()], dtype=torch.int64)
-                try:
-                    works = [
-                        group.send([head], peer, _HEAD_TAG),
-                        group.send([frame], peer, _BODY_TAG),
-                    ]
-                except RuntimeError as exc:
-                    raise _gloo_error(exc, peer, f"sending a {kind} frame") from None
+        head = torch.tensor([frame.numel()], dtype=torch.int64)
+        with self._lock:  # both parts posted at once: frames to a peer leave in posting order
+            group = self._live_group(peer)
+            if peer in self._gone:
+                raise PeerClosed(f"its end is gone: {self._gone[peer].args[0]}", peer=peer)
+            try:
+                works = [
+                    group.send([head], peer, _HEAD_TAG),
+                    group.send([frame], peer, _BODY_TAG),
+                ]
+            except RuntimeError as exc:
+                raise _gloo_error(exc, peer, f"sending a {kind} frame") from None
         await self._wait(works, peer, f"sending a {kind} frame")
 
     async def _receive_frame(self, peer: int) -> dict[str, Any]:
@@ -329,12 +331,16 @@ class TorchDistTransport(NativeCollectives):
             for work in works:
                 work.wait()
 
+        self._inflight.update(works)
         with trio.CancelScope() as scope:
             self._waits.add(scope)
             try:
                 await trio.to_thread.run_sync(run, abandon_on_cancel=True)
             except RuntimeError as exc:
+                self._inflight.difference_update(works)
                 raise _gloo_error(exc, peer, what) from None
+            else:
+                self._inflight.difference_update(works)
             finally:
                 self._waits.discard(scope)
         if scope.cancelled_caught:
@@ -432,7 +438,7 @@ class TorchDistTransport(NativeCollectives):
             return
         with self._lock:
             self._closed = True
-            for peer in self._send_locks:
+            for peer in self._peers:
                 self._post_goodbye(peer)
         for scope in list(self._waits):
             scope.cancel()
@@ -450,22 +456,47 @@ class TorchDistTransport(NativeCollectives):
         self.abort()
         if self._group is None:
             return
-        pumps, goodbyes = list(self._pumps), list(self._goodbyes)
+        pumps = list(self._pumps)
 
         def finish(limit: float) -> None:
+            # A receiving thread ends on its peer's goodbye, which the peer sends once it has
+            # this end's: when every thread has ended, every goodbye was delivered.
             end = time.monotonic() + limit
             for pump in pumps:
                 pump.join(max(0.0, end - time.monotonic()))
-            for work, _ in goodbyes:
-                if not work.is_completed():
-                    return  # the peer never took it (gone, or not listening): leave it
 
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(finish, self.close_seconds, abandon_on_cancel=True)
+        # Released by a thread of its own once every abandoned operation has ended (a
+        # collective abandoned on a dead peer fails at once, on a silent one at its deadline):
+        # a gloo group's destructor waits for its worker threads' collectives while holding
+        # the GIL, which would stall every thread of the process. The connections close once
+        # nothing holds the group. A goodbye a peer never took stays referenced
+        # (``_goodbyes``), not freed under gloo.
+        held = [self._group, self._device_group, *self._keep]
+        pending = list(self._inflight)
         self._group = None
         self._device_group = None
-        self._goodbyes.clear()
         self._keep.clear()
+        self._inflight.clear()
+        threading.Thread(
+            target=_release,
+            args=(held, pending),
+            name=f"paramsync-torch-release-{self.rank}",
+            daemon=True,
+        ).start()
+        del held, pending
+
+
+def _release(held: list[object], pending: list[Any]) -> None:
+    """Wait (without the GIL) for ``pending`` operations to end, then drop ``held``."""
+    for work in pending:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass  # failed as abandoned operations do: it has ended
+    pending.clear()
+    held.clear()
 
 
 class _Goodbye(PeerClosed):
