@@ -17,7 +17,10 @@ import pytest
 import torch
 import trio
 import trio.testing
+from test_state import make_replica, same_bits, train
 
+from actors.state.training_state import capture_state
+from actors.train.state_transfer import receive_state, send_state
 from actors.train.trainer import TrainerOptions
 from runtime.cli.main import build_parser
 from runtime.cli.train_config import COMM_BACKEND_ENV, DistributedTrainConfig
@@ -166,6 +169,25 @@ async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None
             for transport in group:
                 nursery.start_soon(cast_then_wait, transport)
         assert all(torch.equal(v, torch.full((3,), 2.0)) for v in values)
+
+
+async def test_a_live_rejoins_state_transfer_goes_through_the_torch_group() -> None:
+    """A donor's whole training state (parameters, AdamW's moments and steps) reaches a joiner
+    as frames over gloo and restores bitwise (`actors.train.state_transfer`)."""
+    donor_model, donor_optimizer = make_replica(7, "adamw")
+    train(donor_model, donor_optimizer, range(3), torch.float32)
+    joiner_model, joiner_optimizer = make_replica(99, "adamw")
+    async with open_local_group(2) as (donor, joining):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_state, donor, 1, donor_model, donor_optimizer, 3)
+                state = await receive_state(joining, 0, joiner_model, joiner_optimizer)
+    assert state.step == 3
+    sent = capture_state(donor_model, donor_optimizer, 3)
+    got = capture_state(joiner_model, joiner_optimizer, 3)
+    assert [name for name, _ in sent.tensors] == [name for name, _ in got.tensors]
+    for (name, a), (_, b) in zip(sent.tensors, got.tensors):
+        assert same_bits(a, b), name
 
 
 # --------------------------------------------------------------------------- a killed worker
