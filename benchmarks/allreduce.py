@@ -1,9 +1,12 @@
-"""All-reduce benchmark: paramsync (TCP ring, and shared-memory plane) against torch.distributed
-on gloo, same run.
+"""All-reduce benchmark: paramsync (TCP ring, shared-memory plane, torch data plane) against
+torch.distributed on gloo, same run.
 
 One OS process per worker for every system, on this machine's loopback. ``paramsync`` is the
 TCP data path (shared memory switched off), ``paramsync-shm`` the same transport with the
-shared-memory plane attached (`runtime.transport.shm`). For each world size and float32 message
+shared-memory plane attached (`runtime.transport.shm`), ``paramsync-torch`` paramsync's
+``all_reduce`` over its torch.distributed data plane (``comm_backend = "torch"``:
+`runtime.transport.torch_dist`, a gloo group formed through a TCP mesh), ``gloo``
+torch.distributed called directly. For each world size and float32 message
 size it
 times back-to-back all-reduces (after a barrier) and reports the median over repeats of: time per
 all-reduce, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n, as
@@ -29,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
 DEFAULT_CHUNK_BYTES = 4 << 20
-SYSTEMS = ("gloo", "paramsync", "paramsync-shm")
+SYSTEMS = ("gloo", "paramsync", "paramsync-shm", "paramsync-torch")
 
 
 def _free_port() -> int:
@@ -86,12 +89,15 @@ def _worker_paramsync(
     chunk_bytes: int,
     shared_memory: bool,
     shm_step_bytes: int | None,
+    torch_plane: bool = False,
 ) -> list[dict]:
     import torch
     import trio
 
     from runtime import DistributedConfig, TcpTransport, all_reduce, barrier
+    from runtime.transport.base import Transport
     from runtime.transport.shm import attach_shared_memory
+    from runtime.transport.torch_dist import connect_torch_transport
 
     rows: list[dict] = []
 
@@ -99,24 +105,36 @@ def _worker_paramsync(
         config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
         async with TcpTransport.connect(
             config, secret="benchmark-secret", shared_memory=False
-        ) as transport:
+        ) as tcp:
             if shared_memory and world > 1:
                 steps = {"step_bytes": shm_step_bytes} if shm_step_bytes else {}
-                plane = await attach_shared_memory(transport, want=True, **steps)
+                plane = await attach_shared_memory(tcp, want=True, **steps)
                 if plane is None:
                     raise RuntimeError("the shared-memory plane could not be attached")
-            for nbytes in sizes:
-                tensor = torch.ones(nbytes // 4, dtype=torch.float32)
-                iters = _iterations(nbytes)
-                await all_reduce(transport, tensor, chunk_bytes=chunk_bytes)
-                for repeat in range(repeats):
-                    await barrier(transport)
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        await all_reduce(transport, tensor, chunk_bytes=chunk_bytes)
-                    elapsed = (time.perf_counter() - start) / iters
-                    rows.append({"bytes": nbytes, "repeat": repeat, "seconds": elapsed})
-            await barrier(transport)
+            if not torch_plane:
+                await timed(tcp)
+                return
+            plane_transport = await connect_torch_transport(
+                tcp, store_host="127.0.0.1", local_host="127.0.0.1", prefix="benchmark"
+            )
+        try:
+            await timed(plane_transport)
+        finally:
+            await plane_transport.aclose()
+
+    async def timed(transport: Transport) -> None:
+        for nbytes in sizes:
+            tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+            iters = _iterations(nbytes)
+            await all_reduce(transport, tensor, chunk_bytes=chunk_bytes)
+            for repeat in range(repeats):
+                await barrier(transport)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    await all_reduce(transport, tensor, chunk_bytes=chunk_bytes)
+                elapsed = (time.perf_counter() - start) / iters
+                rows.append({"bytes": nbytes, "repeat": repeat, "seconds": elapsed})
+        await barrier(transport)
 
     trio.run(main)
     return rows
@@ -138,6 +156,7 @@ def _run_worker(args: argparse.Namespace) -> None:
             args.chunk_bytes,
             args.worker == "paramsync-shm",
             args.shm_step_bytes,
+            torch_plane=args.worker == "paramsync-torch",
         )
     if args.rank == 0:
         print(json.dumps(rows), flush=True)
@@ -230,14 +249,14 @@ def _human(nbytes: int) -> str:
 def _print_table(table: list[dict], systems: list[str]) -> None:
     header = f"{'n':>2} {'size':>8}"
     for system in systems:
-        header += f" | {system:>13} {'busbw':>7}" + (" ratio" if system != "gloo" else "")
+        header += f" | {system:>15} {'busbw':>7}" + (" ratio" if system != "gloo" else "")
     print(header)
     print("-" * len(header))
     for row in table:
         line = f"{row['world_size']:>2} {_human(row['bytes']):>8}"
         for system in systems:
             cell = row[system]
-            line += f" | {cell['seconds'] * 1e3:>10.3f} ms {cell['busbw_GBps']:>7.3f}"
+            line += f" | {cell['seconds'] * 1e3:>12.3f} ms {cell['busbw_GBps']:>7.3f}"
             if system != "gloo":
                 ratio = cell.get("busbw_ratio")
                 line += f" {ratio:>4.2f}x" if ratio is not None else "     -"

@@ -14,8 +14,11 @@ intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   ``torch.nn.parallel.DistributedDataParallel``;
 - the limit: N processes training their replicas with no communication at all (a barrier before
   the first step and after the last only): what the machine allows, so that both systems'
-  overhead over the physical limit is printed, paired round by round.
-
+  overhead over the physical limit is printed, paired round by round;
+- paramsync over torch.distributed (``comm_backend = "torch"``, `runtime.transport.torch_dist`):
+  the same paramsync workers and coordinator, the buckets reduced by a gloo group instead of
+  paramsync's own TCP ring and shared-memory plane; its step time against DDP's and plain
+  paramsync's, round by round (``--no-torch-backend`` leaves it out);
 - with ``--own-loop``, paramsync's DDP-shaped entry (`actors.DistributedDataParallel`: the
   user's own ``loss.backward(); optimizer.step()`` loop in the main thread, the trainer's trio
   loop in a background thread, as a torchrun script runs it), against ``train_batch`` round by
@@ -84,6 +87,8 @@ checks digests only every 1000000 steps."""
 VARIANT = "paramsync-variant"
 """paramsync with the ``--variant`` trainer options on top of ``--option`` (an A/B of an option
 in the same rounds, paired with the plain paramsync run of each round)."""
+TORCH = "paramsync-torch"
+"""paramsync with ``comm_backend = "torch"``: its data plane a torch.distributed gloo group."""
 SPLIT = "paramsync-split"
 """paramsync checking every ``--check-split`` steps (``K``): the check's cost measured within
 one run, each checked step against its unchecked neighbours (`_split_check_cost`)."""
@@ -97,6 +102,7 @@ LABELS = {
     OWN_LOOP: "paramsync, own loop (DDP-shaped)",
     "paramsync" + BASELINE: "paramsync, baseline code",
     OWN_LOOP + BASELINE: "paramsync, own loop, baseline code",
+    TORCH: "paramsync over torch.distributed",
 }
 LAUNCH_SECONDS = 600.0
 POLL_SECONDS = 0.05
@@ -631,7 +637,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
             with open(logs[name], "w") as err:
                 procs[name] = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=err, cwd=code)
 
-        if system in ("paramsync", UNCHECKED, VARIANT, SPLIT, OWN_LOOP):
+        if system in ("paramsync", UNCHECKED, VARIANT, SPLIT, OWN_LOOP, TORCH):
             interval = {UNCHECKED: 1_000_000, SPLIT: args.check_split}.get(
                 system, args.digest_interval
             )
@@ -656,13 +662,15 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
         variant = [f"--option={item}" for item in args.variant] if system == VARIANT else []
         if system == SPLIT:
             variant.append("--record-phases")
+        if system == TORCH:
+            variant.append("--option=comm_backend=torch")
         with open(out_path, "w") as out:
             for rank in range(world):
                 cmd = [
                     sys.executable,
                     str(Path(__file__).resolve()),
                     "--worker",
-                    "paramsync" if system in (UNCHECKED, VARIANT, SPLIT) else system,
+                    "paramsync" if system in (UNCHECKED, VARIANT, SPLIT, TORCH) else system,
                     "--rank",
                     str(rank),
                     "--world",
@@ -721,7 +729,7 @@ def _summarise(
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in (*SYSTEMS, UNCHECKED, VARIANT, SPLIT):
+        for system in (*SYSTEMS, UNCHECKED, VARIANT, SPLIT, TORCH):
             if (system, world) not in runs:
                 continue
             results = runs[(system, world)]
@@ -800,6 +808,17 @@ def _summarise(
             row["variant_cpu_ratio_paired"] = statistics.median(
                 _round_ratios(variants, checked_runs, "cpu_seconds_per_step")
             )
+        if TORCH in row:
+            torch_runs = runs[(TORCH, world)]
+            row["torch_backend_ddp_ratio_rounds"] = _round_ratios(torch_runs, runs[("ddp", world)])
+            row["torch_backend_ddp_ratio_paired"] = statistics.median(
+                row["torch_backend_ddp_ratio_rounds"]
+            )
+            row["torch_backend_paramsync_ratio_paired"] = statistics.median(
+                _round_ratios(torch_runs, checked_runs)
+            )
+            over = [ratio - 1 for ratio in _round_ratios(torch_runs, runs[(LIMIT, world)])]
+            row["torch_backend_over_limit"] = statistics.median(over)
         # paramsync against DDP round by round: the spread shows the machine's drift.
         row["step_time_ratio_rounds"] = _round_ratios(checked_runs, runs[("ddp", world)])
         row["step_time_ratio_paired"] = statistics.median(row["step_time_ratio_rounds"])
@@ -1032,6 +1051,17 @@ def _print_table(table: list[dict]) -> None:
                     f"{split['phases_seconds'] / split['unchecked_step_seconds'] * 100:+.1f} % "
                     "of the step"
                 )
+        if TORCH in row:
+            over_torch = row[TORCH]
+            rounds = " ".join(f"{ratio:.3f}" for ratio in row["torch_backend_ddp_ratio_rounds"])
+            print(
+                f"n={row['world_size']}: paramsync over torch.distributed (comm_backend torch, "
+                f"gloo): {over_torch['median_step_seconds'] * 1e3:.1f} ms a step, "
+                f"{over_torch['steps_per_second']:.2f} steps/s; round by round "
+                f"{row['torch_backend_ddp_ratio_paired']:.3f}x DDP (rounds: {rounds}), "
+                f"{row['torch_backend_paramsync_ratio_paired']:.3f}x paramsync's own data "
+                f"plane, {row['torch_backend_over_limit'] * 100:+.1f} % over the limit"
+            )
         if VARIANT in row:
             variant = row[VARIANT]
             print(
@@ -1192,6 +1222,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
+        "--no-torch-backend",
+        action="store_true",
+        help="leave out paramsync over torch.distributed (comm_backend torch)",
+    )
+    parser.add_argument(
         "--trace",
         help="directory for the paramsync ranks' Chrome traces (actors' spans; the last round "
         "of each world size is kept)",
@@ -1243,6 +1278,8 @@ def main() -> None:
                 systems = (*systems, OWN_LOOP)
             if args.baseline:
                 systems = (*systems, *(system + BASELINE for system in _compared(args)))
+            if not args.no_torch_backend:
+                systems = (*systems, TORCH)
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
                 result = _launch(system, world, args)

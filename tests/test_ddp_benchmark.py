@@ -135,8 +135,12 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
     table = json.loads(out.read_text())
     row = table["rows"][0]
     assert row["world_size"] == 2
-    for system in ("ddp", "paramsync", "limit"):
+    for system in ("ddp", "paramsync", "limit", "paramsync-torch"):
         assert row[system]["median_step_seconds"] > 0
+    # The torch.distributed data plane's column, paired with DDP and plain paramsync.
+    assert "paramsync over torch.distributed (comm_backend torch, gloo)" in done.stdout
+    assert len(row["torch_backend_ddp_ratio_rounds"]) == 1
+    assert row["torch_backend_paramsync_ratio_paired"] > 0
     # The limit column: the same processes with no communication; each system's overhead over it.
     assert "over the limit (the same processes with no communication" in done.stdout
     for system in ("paramsync", "ddp"):

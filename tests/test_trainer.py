@@ -43,6 +43,7 @@ from runtime.errors import ActorFailed, pick_error
 from runtime.observe.trace import TraceRecorder
 from runtime.transport.shm import SharedMemoryPlane
 from runtime.transport.tcp import TcpTransport
+from runtime.transport.torch_dist import TorchDistTransport
 
 RUN_SECONDS = 30.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""
@@ -1106,3 +1107,42 @@ async def test_unused_trainable_parameter_is_an_error_not_a_hang() -> None:
     picked = pick_error(error)
     assert isinstance(picked, ActorFailed) and picked.actor == "compute"
     assert "no gradient" in str(picked)
+
+
+# --------------------------------------------------------------------------- torch data plane
+
+
+@pytest.mark.parametrize(
+    ("world_size", "bucket_bytes", "optimizer_name"),
+    [(2, 1, "sgd-momentum"), (3, BIG_BUCKET, "adam")],
+    ids=["2-ranks-bucket-per-param", "3-ranks-one-bucket"],
+)
+async def test_parity_with_the_torch_distributed_data_plane(
+    world_size: int, bucket_bytes: int, optimizer_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """comm_backend="torch": the buckets, the initial broadcast and the step's other collectives
+    go through a gloo group, and the run still matches one plain-torch process, bitwise
+    identical across ranks."""
+    native: list[str] = []
+    for name in ("native_all_reduce", "native_broadcast"):
+        original = getattr(TorchDistTransport, name)
+
+        async def counted(self: Any, *args: Any, _name: str = name, _f: Any = original) -> Any:
+            native.append(_name)
+            return await _f(self, *args)
+
+        monkeypatch.setattr(TorchDistTransport, name, counted)
+    options = TrainerOptions(bucket_bytes=bucket_bytes, accumulation_steps=2, comm_backend="torch")
+    await check_parity(
+        world_size,
+        lambda rank: mlp(100 + rank),
+        optimizer_name,
+        mse_loss,
+        regression_batches(world_size),
+        options,
+        rtol=1e-4,
+        atol=2e-5,
+    )
+    buckets = len(plan_buckets(list(mlp(0).named_parameters()), bucket_bytes))
+    assert native.count("native_all_reduce") >= world_size * STEPS * buckets
+    assert native.count("native_broadcast") >= world_size  # rank 0's weights, at the start

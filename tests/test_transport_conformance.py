@@ -1,9 +1,10 @@
 """Every transport passes the conformance suite (runtime.testing.transport_conformance), and
 the suite fails transports that break the contract.
 
-The transports: in-process, TCP on 127.0.0.1, TCP under TLS (a `trustme` CA), and TCP with the
+The transports: in-process, TCP on 127.0.0.1, TCP under TLS (a `trustme` CA), TCP with the
 shared-memory plane attached (every all-reduce from 0 bytes on it, so the plane sees every
-size), each in groups of 2 and 3 ranks.
+size) and torch.distributed (a gloo group in this process: frames as gloo point-to-point sends,
+collectives natively), each in groups of 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from runtime.testing.transport_conformance import (
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.capabilities import (
     BlockingLinkProvider,
+    NativeCollectives,
     PolledLinkProvider,
     PrecodedFrames,
     SharedMemoryHolder,
@@ -35,8 +37,9 @@ from runtime.transport.capabilities import (
 from runtime.transport.shm import SharedMemoryPlane
 from runtime.transport.tcp import TcpTransport
 from runtime.transport.tls import TlsConfig
+from runtime.transport.torch_dist import open_local_group
 
-KINDS = ("inproc", "tcp", "tls", "tcp+shm")
+KINDS = ("inproc", "tcp", "tls", "tcp+shm", "torch")
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +73,8 @@ def in_process(cls: type[InProcessTransport] = InProcessTransport) -> MakeGroup:
 def maker(kind: str, tls: TlsConfig) -> MakeGroup:
     if kind == "inproc":
         return in_process()
+    if kind == "torch":
+        return open_local_group
     options: dict[str, Any] = {
         "tcp": {},
         "tls": {"tls": tls},
@@ -122,6 +127,10 @@ async def test_transports_declare_their_capabilities(tls_config: TlsConfig) -> N
     async with TcpTransport.open_group(2, tls=tls_config) as (secure, _):
         assert all(isinstance(secure, capability) for capability in capabilities)
         assert not secure.supports_blocking and not secure.supports_polled
+        assert not isinstance(secure, NativeCollectives)
+    async with open_local_group(2) as (torch_dist, _):
+        assert isinstance(torch_dist, NativeCollectives)
+        assert not any(isinstance(torch_dist, capability) for capability in capabilities)
 
 
 # --------------------------------------------------------------------------- the suite can fail

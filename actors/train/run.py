@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -113,6 +114,8 @@ async def trainer_from_env(
                 config.rank,
                 f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
             )
+            if config.comm_backend != "paramsync":  # the environment, TOML or a flag chose it
+                options = replace(options or TrainerOptions(), comm_backend=config.comm_backend)
             async with join_run(
                 model,
                 optimizer,

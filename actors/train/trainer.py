@@ -70,6 +70,7 @@ from runtime.observe.metrics import (
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.messages import Hold, ParallelLayout, ResyncOrder, StartRun, StateTensor
 from runtime.transport.base import Transport
+from runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS, check_comm_backend
 
 __all__ = [
     "DistributedTrainer",
@@ -177,6 +178,18 @@ class TrainerOptions:
     digest covers the buffers in the first two modes and leaves them out in ``"local"``, where
     they legitimately differ."""
 
+    # -- data plane (issue 17) ---------------------------------------------------------------
+    comm_backend: str = "paramsync"
+    """Which data plane carries the bulk data (bucket all-reduces, broadcasts, state transfer,
+    point-to-point tensors): ``"paramsync"`` (its own TCP ring and shared-memory plane) or
+    ``"torch"`` (torch.distributed process groups, a new one each epoch:
+    `runtime.transport.torch_dist`; gloo on CPU, NCCL for CUDA tensors). The coordinator's part
+    (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the same with both.
+    Every rank must use the same (``paramsync worker --comm-backend``,
+    ``PARAMSYNC_COMM_BACKEND``, TOML ``comm_backend``: `trainer_from_env` reads them)."""
+    collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS
+    """With ``comm_backend="torch"``: a collective's deadline (a stalled peer fails it)."""
+
     # -- metrics (issue 17) ------------------------------------------------------------------
     metrics_port: int | None = None
     """Serve this worker's Prometheus metrics at ``http://metrics_host:metrics_port/metrics``
@@ -197,6 +210,9 @@ class TrainerOptions:
 
     def __post_init__(self) -> None:
         check_buffer_sync(self.buffer_sync)
+        check_comm_backend(self.comm_backend)
+        if not self.collective_seconds > 0:
+            raise ValueError(f"collective_seconds must be positive, got {self.collective_seconds}")
         if self.metrics_port is not None:
             check_port(self.metrics_port, "metrics_port")
         if self.accumulation_steps < 1:
@@ -1292,6 +1308,7 @@ class DistributedTrainer:
             "skipped_steps": self._skipped_total,
             "final_grad_norm": self.grad_norms[-1][1] if self.grad_norms else None,
             "joined_steps": self.joined_steps,
+            "comm_backend": self.options.comm_backend,
         }
 
     # ------------------------------------------------------------------ export

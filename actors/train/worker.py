@@ -33,6 +33,7 @@ from runtime.transport.link import Link, MemoryLink
 from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial, dial_with_retry, form_mesh
 from runtime.transport.tls import TlsConfig
+from runtime.transport.torch_dist import connect_torch_transport, create_local_group
 
 __all__ = ["join_run", "train_in_process", "WorkerBody", "Replica"]
 
@@ -45,6 +46,14 @@ Replica = (
 )
 """What `train_in_process`'s ``make_replica`` returns: a model and its optimizer, and
 optionally an LR scheduler of that optimizer."""
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    """The CUDA device the model's parameters live on (its collectives then go through NCCL),
+    or None for a CPU model."""
+    for param in model.parameters():
+        return param.device if param.device.type == "cuda" else None
+    return None
 
 
 @asynccontextmanager
@@ -117,6 +126,7 @@ async def join_run(
     within ``join_seconds`` of joining (ranks missing: WORLD_SIZE too large) is a `ConfigError`.
     """
     key = shared_secret(secret)
+    chosen = options or TrainerOptions()
     me = Identity(group, config.world_size, config.rank)
     try:
         with trio.fail_after(join_seconds):
@@ -161,6 +171,21 @@ async def join_run(
         with trio.fail_after(join_seconds):
             mesh = await form_mesh(ident, listeners[0], list(start.addresses), key, tls=tls)
         transport = TcpTransport(position, len(start.members), mesh)
+        if chosen.comm_backend == "torch":
+            # The authenticated mesh carries only the torch store's port; the epoch's data
+            # goes through its own torch.distributed group, named by the run and the epoch.
+            try:
+                return await connect_torch_transport(
+                    transport,
+                    store_host=start.addresses[0][0],
+                    local_host=local_host,
+                    prefix=f"{group}#{start.epoch}",
+                    seconds=join_seconds,
+                    device=_model_device(model),
+                    collective_seconds=chosen.collective_seconds,
+                )
+            finally:
+                await transport.aclose()
         # Members on one host all-reduce through shared memory (bitwise the ring's result);
         # PARAMSYNC_SHM=0, or TLS, keeps them on TCP.
         await attach_shared_memory(transport, seconds=join_seconds)
@@ -220,11 +245,40 @@ async def train_in_process(
     ``make_replica(rank)`` builds that rank's model and optimizer (and optionally an LR
     scheduler of it, as a third item); ``body(trainer)`` trains.
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
-    data plane; the default is `InProcessTransport`. ``parallel_layout(rank)``: that rank's
-    3D-parallel layout (`TrainerOptions.parallel_layout`, which differs per rank).
+    data plane; the default is `InProcessTransport`, or with ``options.comm_backend="torch"``
+    a gloo group per epoch (`runtime.transport.torch_dist.create_local_group`).
+    ``parallel_layout(rank)``: that rank's 3D-parallel layout (`TrainerOptions.parallel_layout`,
+    which differs per rank).
     """
     fixed = transports
     groups: dict[int, list[Transport]] = {}
+    forming: dict[int, trio.Event] = {}
+    chosen = options or TrainerOptions()
+
+    async def epoch_group(start: StartRun) -> list[Transport]:
+        """The epoch's transports, made by the first member to ask (the others wait)."""
+        if start.epoch in forming:
+            await forming[start.epoch].wait()
+        else:
+            forming[start.epoch] = trio.Event()
+            try:
+                size = len(start.members)
+                if chosen.comm_backend == "torch":
+                    groups[start.epoch] = list(
+                        await create_local_group(
+                            size,
+                            prefix=f"in-process#{start.epoch}",
+                            collective_seconds=chosen.collective_seconds,
+                        )
+                    )
+                else:
+                    groups[start.epoch] = list(InProcessTransport.create_group(size))
+            finally:
+                forming[start.epoch].set()
+        if start.epoch not in groups:
+            raise RuntimeError(f"epoch {start.epoch}'s data plane did not form")
+        return groups[start.epoch]
+
     coordinator = Coordinator(world_size, coordinator_options)
     pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(world_size)]
     results: list[Any] = [None] * world_size
@@ -252,9 +306,7 @@ async def train_in_process(
                     if start.epoch != 1 or len(start.members) != world_size:
                         raise RuntimeError("the given transports cannot follow a membership change")
                     return fixed[rank]
-                if start.epoch not in groups:
-                    groups[start.epoch] = list(InProcessTransport.create_group(len(start.members)))
-                return groups[start.epoch][start.position(rank)]
+                return (await epoch_group(start))[start.position(rank)]
 
             async with _trainer_session(
                 model, optimizer, loss_fn, config, connect, client, mine, None, scheduler

@@ -195,6 +195,13 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
     _add_tls_flags(worker)
     _add_metrics_flags(worker)
     worker.add_argument(
+        "--comm-backend",
+        choices=["paramsync", "torch"],
+        help="the data plane: paramsync's own TCP ring and shared memory (default), or "
+        "torch.distributed process groups (gloo; NCCL on CUDA); default "
+        "$PARAMSYNC_COMM_BACKEND or paramsync",
+    )
+    worker.add_argument(
         "--job",
         default=job.name,
         help="module of the job to run: build_parser(parser) and async run(args) "
@@ -405,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, value in _tls_flags(args).items():  # read back by DistributedTrainConfig
             if value is not None:
                 os.environ[TLS_ENV_VARS[key]] = value
+        if args.comm_backend is not None:  # read back the same way
+            from runtime.cli.train_config import COMM_BACKEND_ENV
+
+            os.environ[COMM_BACKEND_ENV] = args.comm_backend
 
         assert job is not None  # "worker" is in argv
         return run_worker(args, job)

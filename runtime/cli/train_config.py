@@ -11,6 +11,10 @@ TLS (`runtime.transport.tls`) is on when ``tls_cert``, ``tls_key`` and ``tls_ca`
 ``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/KEY/CA`` or TOML keys; a
 relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
 checks the files and returns the `TlsConfig`.
+
+``comm_backend`` picks the data plane: ``"paramsync"`` (its own TCP ring and shared memory, the
+default) or ``"torch"`` (torch.distributed process groups, `runtime.transport.torch_dist`);
+flag ``--comm-backend``, variable ``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend``.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from runtime.config import DistributedConfig, parse_address
 from runtime.errors import ConfigError, one_line
 from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from runtime.transport.tls import TlsConfig
+from runtime.transport.torch_dist import check_comm_backend
 
 __all__ = [
     "DEFAULT_COORDINATOR_HOST",
     "DEFAULT_COORDINATOR_PORT",
+    "COMM_BACKEND_ENV",
     "DistributedBackend",
     "DistributedRole",
     "DistributedTrainConfig",
@@ -58,6 +64,7 @@ ENV_VARS = (
     "PARAMSYNC_TLS_CERT",
     "PARAMSYNC_TLS_KEY",
     "PARAMSYNC_TLS_CA",
+    "PARAMSYNC_COMM_BACKEND",
 )
 
 #: The TLS fields, each with its environment variable and command-line flag.
@@ -66,6 +73,9 @@ TLS_ENV_VARS = {
     "tls_key": "PARAMSYNC_TLS_KEY",
     "tls_ca": "PARAMSYNC_TLS_CA",
 }
+
+COMM_BACKEND_ENV = "PARAMSYNC_COMM_BACKEND"
+"""The variable naming the data plane (``paramsync worker --comm-backend`` sets it)."""
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 
@@ -150,7 +160,8 @@ class DistributedTrainConfig:
 
     ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``backend``
     also accept their names as strings. ``coordinator_addr`` is ``host:port``. ``tls_cert``,
-    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none.
+    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none. ``comm_backend``: the
+    data plane, ``"paramsync"`` or ``"torch"``.
     """
 
     world_size: int = 1
@@ -162,8 +173,10 @@ class DistributedTrainConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
+    comm_backend: str = "paramsync"
 
     def __post_init__(self) -> None:
+        check_comm_backend(self.comm_backend)
         world_size = _check_int("world_size", self.world_size)
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -301,6 +314,10 @@ def _coerce_fields(values: Mapping[object, object], where: str) -> dict[str, Any
                 raise ValueError(f"{where}: {exc}") from None
         elif key in TLS_ENV_VARS:
             out[key] = _check_path(label, value)
+        elif key == "comm_backend":
+            out[key] = check_comm_backend(
+                value.strip().lower() if isinstance(value, str) else value, label
+            )
         else:
             if not isinstance(value, str):
                 raise ValueError(f"{label} must be a host:port string, got {value!r}")
@@ -348,6 +365,13 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     for key, var in TLS_ENV_VARS.items():
         if var in environ:
             out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
+    if COMM_BACKEND_ENV in environ:
+        out.update(
+            _coerce_fields(
+                {"comm_backend": environ[COMM_BACKEND_ENV]},
+                f"environment variable {COMM_BACKEND_ENV}",
+            )
+        )
     return out
 
 

@@ -8,6 +8,8 @@ Exactness rules, for every world size:
 - large tensors stream: a segment travels in parts of ``chunk_bytes`` and a part is forwarded as
   soon as it is reduced, so the 2(n-1) hops of the ring overlap.
 Frames carry the collective's id, hop and part; anything else from a peer is a ProtocolError.
+A transport that runs collectives natively (`NativeCollectives`: torch.distributed process
+groups) gets the tensors it accepts handed over after the same checks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from runtime.transport.base import Transport
 from runtime.transport.capabilities import (
     BlockingLinkProvider,
     BlockingLinkSet,
+    NativeCollectives,
     SharedMemoryHolder,
 )
 from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
@@ -56,16 +59,23 @@ SMALL_ALLREDUCE_BYTES = 32 * 1024
 """At or below this size all-reduce exchanges whole tensors in one round instead of 2(n-1) hops."""
 
 
-def _check_tensor(tensor: torch.Tensor, what: str) -> torch.Tensor:
+def _check_tensor(
+    tensor: torch.Tensor, what: str, transport: Transport | None = None
+) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise CollectiveError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise CollectiveError(f"{what} does not support dtype {tensor.dtype}")
-    if tensor.device.type != "cpu":
+    if tensor.device.type != "cpu" and not _native(transport, tensor):
         raise CollectiveError(f"{what} runs on CPU tensors; got one on {tensor.device}")
     if not tensor.is_contiguous():
         raise CollectiveError(f"{what} needs a contiguous tensor (call .contiguous())")
     return tensor.view(-1)
+
+
+def _native(transport: Transport | None, tensor: torch.Tensor) -> bool:
+    """Whether ``transport`` runs this tensor's collectives natively (torch.distributed)."""
+    return isinstance(transport, NativeCollectives) and transport.native_accepts(tensor)
 
 
 def _check_op(op: str) -> None:
@@ -282,7 +292,7 @@ async def all_reduce(
     instead of
     the ring, with bitwise the ring's result.
     """
-    flat = _check_tensor(tensor, "all_reduce")
+    flat = _check_tensor(tensor, "all_reduce", transport)
     _check_op(op)
     chunk = _chunk_elems(flat, chunk_bytes)
     if small_bytes < 0:
@@ -292,6 +302,9 @@ async def all_reduce(
     if n == 1:
         if op == "avg":
             divide_in_place(flat, 1)
+        return tensor
+    if isinstance(transport, NativeCollectives) and transport.native_accepts(flat):
+        await transport.native_all_reduce(flat, op)
         return tensor
     if flat.numel() * flat.element_size() <= small_bytes:
         await _all_reduce_direct(transport, flat, op, op_id)
@@ -374,12 +387,14 @@ async def reduce_scatter(
     Segment r is ``segment_bounds(numel, world_size)[r]`` of the flattened tensor. ``tensor``
     is used as scratch and holds partial sums afterwards.
     """
-    flat = _check_tensor(tensor, "reduce_scatter")
+    flat = _check_tensor(tensor, "reduce_scatter", transport)
     _check_op(op)
     chunk = _chunk_elems(flat, chunk_bytes)
     n, rank = transport.world_size, transport.rank
     op_id = transport.next_op_id()
     bounds = segment_bounds(flat.numel(), n)
+    if n > 1 and isinstance(transport, NativeCollectives) and transport.native_accepts(flat):
+        return await transport.native_reduce_scatter(flat, op, bounds)
     if n > 1:
         # Shift by one so that rank r ends owning segment r.
         hops = [((rank - 1 - k) % n, (rank - k - 2) % n) for k in range(n - 1)]
@@ -403,12 +418,15 @@ async def all_gather(
 
     Returns a new tensor of shape ``(world_size, *tensor.shape)`` whose row r is rank r's.
     """
-    flat = _check_tensor(tensor, "all_gather")
+    flat = _check_tensor(tensor, "all_gather", transport)
     chunk = _chunk_elems(flat, chunk_bytes)
     n, rank = transport.world_size, transport.rank
     op_id = transport.next_op_id()
     numel = flat.numel()
-    out = torch.empty((n * numel,), dtype=flat.dtype)
+    out = torch.empty((n * numel,), dtype=flat.dtype, device=flat.device)
+    if n > 1 and isinstance(transport, NativeCollectives) and transport.native_accepts(flat):
+        await transport.native_all_gather(out, flat)
+        return out.view((n, *tensor.shape))
     out[rank * numel : (rank + 1) * numel].copy_(flat)
     if n > 1 and numel:
         hops = [((rank - k) % n, (rank - k - 1) % n) for k in range(n - 1)]
@@ -428,13 +446,16 @@ async def broadcast(
 
     The data flows along the ring from the root in pipelined parts, so each rank sends it once.
     """
-    flat = _check_tensor(tensor, "broadcast")
+    flat = _check_tensor(tensor, "broadcast", transport)
     chunk = _chunk_elems(flat, chunk_bytes)
     n, rank = transport.world_size, transport.rank
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < n:
         raise CollectiveError(f"broadcast root {root!r} is not a rank of a group of {n}")
     op_id = transport.next_op_id()
     if n == 1 or flat.numel() == 0:
+        return tensor
+    if isinstance(transport, NativeCollectives) and transport.native_accepts(flat):
+        await transport.native_broadcast(flat, root)
         return tensor
     position = (rank - root) % n  # 0 for the root, n-1 for the last rank of the chain
     nxt, prv = (rank + 1) % n, (rank - 1) % n
@@ -468,5 +489,9 @@ async def broadcast(
 
 async def barrier(transport: Transport) -> None:
     """Return once every rank of the group has entered the barrier."""
+    if transport.world_size > 1 and isinstance(transport, NativeCollectives):
+        transport.next_op_id()
+        await transport.native_barrier()
+        return
     token = torch.zeros(1, dtype=torch.int32)
     await all_reduce(transport, token, "sum")

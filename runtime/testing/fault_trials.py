@@ -73,6 +73,8 @@ class TrialResult:
     elapsed_seconds: float
     coordinator_log: str = field(repr=False)
     problems: list[str] = field(default_factory=list)
+    summaries: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    """The summary each worker that finished wrote (`DistributedTrainer.summary`)."""
 
     @property
     def ok(self) -> bool:
@@ -162,10 +164,11 @@ def run_trial(
             codes["rejoined"] = rejoined.returncode
         digests: dict[int, str | None] = {}
         epochs: list[dict[str, Any]] = []
+        summaries: dict[int, dict[str, Any]] = {}
         for rank in procs:
             path = root / f"summary-{rank}.json"
             if (rank != victim or rejoin) and path.exists():
-                summary = json.loads(path.read_text())
+                summary = summaries[rank] = json.loads(path.read_text())
                 digests[rank] = summary["digest"]
                 epochs = summary["epochs"]
         problems = []
@@ -217,6 +220,7 @@ def run_trial(
             time.monotonic() - started,
             log_text,
             problems,
+            summaries,
         )
 
 

@@ -14,6 +14,8 @@ transport declaring one keeps that contract.
   signals without a CBOR encode or decode per signal).
 - `SharedMemoryHolder`: carries an `AllReducePlane` (`runtime.transport.shm`) that all-reduce
   uses instead of the connections for the tensors the plane accepts.
+- `NativeCollectives`: runs the collectives on another engine (torch.distributed process
+  groups, `runtime.transport.torch_dist`); the ring's functions hand it the tensors it accepts.
 
 Nothing here imports a concrete transport: the capabilities sit between `runtime.transport.base`
 and the transports (tcp.py, shm.py) that implement or use them.
@@ -38,6 +40,7 @@ __all__ = [
     "PrecodedFrames",
     "AllReducePlane",
     "SharedMemoryHolder",
+    "NativeCollectives",
 ]
 
 
@@ -191,6 +194,49 @@ class AllReducePlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the plane; safe to call twice."""
+
+
+class NativeCollectives(Transport):
+    """A transport whose collectives run natively on another engine (torch.distributed process
+    groups: `runtime.transport.torch_dist`), not as rings of its frames.
+
+    `runtime.collectives.ring`'s `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` and
+    `barrier` hand a tensor the transport `native_accepts` to these methods, after checking it
+    as they check any. Each method is collective (every rank calls it, in one order), exact
+    (integers reduce exactly; every rank ends bitwise identical, as the ring promises), has a
+    deadline (a peer that stalls fails it with `runtime.errors.StallError` rather than hanging)
+    and fails at once when the transport is aborted.
+    """
+
+    @abc.abstractmethod
+    def native_accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether the collectives of this (contiguous) tensor run natively: its dtype and
+        device are ones the engine reduces. Every rank answers alike for the same tensor."""
+
+    @abc.abstractmethod
+    async def native_all_reduce(self, flat: torch.Tensor, op: str) -> None:
+        """Reduce ``flat`` (1-D, contiguous) in place across the group: ``op`` "sum" or "avg"
+        (true division for floats, floor division for integers, as the ring)."""
+
+    @abc.abstractmethod
+    async def native_broadcast(self, flat: torch.Tensor, root: int) -> None:
+        """Copy rank ``root``'s ``flat`` into every rank's, in place."""
+
+    @abc.abstractmethod
+    async def native_all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        """Write every rank's ``flat`` into ``out`` (``world_size * flat.numel()`` elements), row
+        r rank r's."""
+
+    @abc.abstractmethod
+    async def native_reduce_scatter(
+        self, flat: torch.Tensor, op: str, bounds: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Reduce ``flat`` across the group and return this rank's segment,
+        ``bounds[rank]``, as a new tensor (``flat`` is scratch afterwards)."""
+
+    @abc.abstractmethod
+    async def native_barrier(self) -> None:
+        """Return once every rank of the group has entered the barrier."""
 
 
 class SharedMemoryHolder(PrecodedFrames):

@@ -1,0 +1,670 @@
+"""A data plane on torch.distributed process groups (``comm_backend = "torch"``).
+
+`TorchDistTransport` is a `Transport` whose bulk data goes through a torch.distributed process
+group: gloo for CPU tensors and, when a CUDA device is given, NCCL for that device's tensors
+(the NCCL path is written for torch's API but untested here: this project's machines have no
+GPU). Paramsync's coordinator keeps everything else (sequencing, agreement checks, the
+C-DDP-001 digest, membership, epochs); each epoch gets a group of its own, built by
+`connect_torch_transport` (processes: a fresh ``TCPStore`` hosted by the epoch's position 0,
+keyed by the run and the epoch, as torchft makes a group per quorum) or `create_local_group`
+(ranks in one process: a ``HashStore``), and destroyed by `TorchDistTransport.aclose`.
+
+- Collectives (all-reduce, broadcast, all-gather, reduce-scatter, barrier) run natively on the
+  group (`runtime.transport.capabilities.NativeCollectives`): `runtime.collectives.ring` hands
+  them over. Each has a deadline (gloo's per-operation timeout, ``collective_seconds``: past it
+  gloo closes the group's connections and the call is a `StallError`) and an abort path
+  (`TorchDistTransport.abort` fails every call in flight at once; the blocked thread is left to
+  gloo's deadline).
+- Frames (control messages, state transfer, point-to-point tensors) travel as torch.distributed
+  point-to-point sends of uint8 tensors: an int64 length, then the frame's bytes (one CBOR item
+  and its bulk, exactly the bytes a TCP transport sends: nothing is pickled, torch's object
+  collectives are never used). gloo sends only once the receiver has posted a matching
+  receive, so one thread per peer keeps a receive posted and queues what arrives (up to
+  ``inbox_frames`` frames: the buffering a socket gives).
+- Closing is a handshake: a closing rank sends each peer a goodbye (length -1), which the
+  peer's receiving thread answers with its own; once every thread has its goodbye (or a dead
+  peer's connection error) the group is dropped and its connections close. A peer that dies
+  is a `PeerClosed` naming it (gloo sees the connection close).
+
+torch's gloo and TCPStore do not authenticate their peers; paramsync's handshake protects the
+coordinator link and, in `connect_torch_transport`, the exchange of the store's port, not the
+store or gloo's own connections. Use this data plane on networks you trust, as torch.distributed
+itself requires.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import trio
+from torch._C._distributed_c10d import AllgatherOptions
+
+from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError, one_line
+from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame, tensor_buffer
+from runtime.transport.base import Transport
+from runtime.transport.capabilities import NativeCollectives
+from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
+
+__all__ = [
+    "COMM_BACKENDS",
+    "DEFAULT_COLLECTIVE_SECONDS",
+    "GLOO_DTYPES",
+    "TorchDistTransport",
+    "check_comm_backend",
+    "connect_torch_transport",
+    "create_local_group",
+    "open_local_group",
+]
+
+COMM_BACKENDS = ("paramsync", "torch")
+"""The data planes a run can use: paramsync's own (TCP ring, shared memory) or torch's."""
+
+DEFAULT_COLLECTIVE_SECONDS = 300.0
+"""A collective's deadline (the TCP transport's stall deadline)."""
+
+Group = Any
+"""A torch.distributed backend: ``ProcessGroupGloo`` (frames, CPU collectives) or
+``ProcessGroupNCCL`` (CUDA collectives); torch's stubs lack their point-to-point methods."""
+
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+"""The group's default timeout, which gloo applies to point-to-point receives: a receive posted
+for the next frame of an idle peer must not expire (an expiry closes the connection); frames
+have their callers' deadlines and collectives their own."""
+_HEAD_TAG = 1
+_BODY_TAG = 2
+_GOODBYE = -1
+GLOO_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+    }
+)
+"""The wire's dtypes gloo reduces (not int16: those collectives take the ring over frames)."""
+
+
+def check_comm_backend(value: object, where: str = "comm_backend") -> str:
+    """``value`` if it names a data plane (`COMM_BACKENDS`), else a ValueError naming ``where``."""
+    if value not in COMM_BACKENDS:
+        choices = ", ".join(repr(name) for name in COMM_BACKENDS)
+        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+    assert isinstance(value, str)
+    return value
+
+
+def _gloo_error(exc: BaseException, peer: int | None, what: str) -> Exception:
+    """A torch/gloo failure as paramsync's error: a closed connection is PeerClosed, an expired
+    deadline StallError (both naming ``peer`` when known), anything else CollectiveError."""
+    text = one_line(exc)
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return StallError(f"{what}: {text}", peer=peer)
+    if "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
+        return PeerClosed(f"{what}: {text}", peer=peer)
+    return CollectiveError(
+        f"{what} failed: {text}" + (f" (peer {peer})" if peer is not None else "")
+    )
+
+
+def _frame_tensor(kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None) -> torch.Tensor:
+    """The frame ``encode_frame`` makes (prefix, CBOR item, bulk), as one uint8 tensor."""
+    parts = [memoryview(part).cast("B") for part in encode_frame(kind, fields, bulk)]
+    frame = torch.empty(sum(len(part) for part in parts), dtype=torch.uint8)
+    view = frame.numpy()
+    offset = 0
+    for part in parts:
+        view[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        offset += len(part)
+    return frame
+
+
+class TorchDistTransport(NativeCollectives):
+    """One rank of an epoch's torch.distributed group (see the module docstring).
+
+    Build it inside the trio run that uses it (its receiving threads hand frames to that run);
+    `create_local_group` and `connect_torch_transport` do. ``group``: the gloo process group
+    (frames, CPU collectives); ``device_group`` and ``device``: an NCCL group and the CUDA
+    device whose tensors it reduces (None: CPU only). ``keep``: objects to keep alive as long
+    as the group (the store).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group: Group,
+        *,
+        device_group: Group | None = None,
+        device: torch.device | None = None,
+        collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
+        close_seconds: float = 10.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        inbox_frames: int = 8,
+        keep: Sequence[object] = (),
+    ) -> None:
+        super().__init__(rank, world_size)
+        if not collective_seconds > 0 or not close_seconds > 0:
+            raise ValueError(
+                f"collective_seconds and close_seconds must be positive, got "
+                f"{collective_seconds!r} and {close_seconds!r}"
+            )
+        if (device_group is None) != (device is None or device.type != "cuda"):
+            raise ValueError("pass device_group (NCCL) exactly when device is a CUDA device")
+        self._group: Group | None = group
+        self._device_group = device_group
+        self.device = device
+        """The CUDA device whose tensors reduce through NCCL (None: CPU only)."""
+        self.collective_seconds = collective_seconds
+        self.close_seconds = close_seconds
+        self.max_frame = max_frame
+        self._keep: list[object] = list(keep)
+        self._token = trio.lowlevel.current_trio_token()
+        self._lock = threading.Lock()
+        """Guards posting (sends to one peer leave in the order posted) and the state below."""
+        self._closed = False
+        self._said_goodbye: set[int] = set()
+        self._gone: dict[int, Exception] = {}
+        """Peers whose end is gone (goodbye or a broken connection), with the reason."""
+        self._ended: dict[int, Exception] = {}
+        """Peers whose last frame this rank has received: each later receive raises this."""
+        self._goodbyes: list[Any] = []
+        self._waits: set[trio.CancelScope] = set()
+        self._inflight: set[Any] = set()
+        """Operations whose wait was abandoned (cancelled, aborted) and may still run: the
+        group outlives them (see `aclose`)."""
+        self._inbox_send: dict[int, trio.MemorySendChannel[torch.Tensor | Exception]] = {}
+        self._inbox: dict[int, trio.MemoryReceiveChannel[torch.Tensor | Exception]] = {}
+        self._peers = [peer for peer in range(world_size) if peer != rank]
+        self._pumps: list[threading.Thread] = []
+        for peer in self._peers:
+            send, receive = trio.open_memory_channel[torch.Tensor | Exception](inbox_frames)
+            self._inbox_send[peer], self._inbox[peer] = send, receive
+        for peer in self._peers:
+            pump = threading.Thread(
+                target=self._pump, args=(peer,), name=f"paramsync-torch-recv-{rank}<-{peer}"
+            )
+            pump.daemon = True
+            pump.start()
+            self._pumps.append(pump)
+
+    # ------------------------------------------------------------------ frames
+
+    def _live_group(self, peer: int | None) -> Group:
+        group = self._group
+        if self._closed or group is None:
+            raise PeerClosed(f"rank {self.rank}'s torch transport is closed", peer=peer)
+        return group
+
+    def _post_goodbye(self, peer: int) -> None:
+        """Tell ``peer`` this end is closing (once); never blocks. Call with the lock held."""
+        group = self._group
+        if peer in self._said_goodbye or group is None:
+            return
+        self._said_goodbye.add(peer)
+        if peer in self._gone and not isinstance(self._gone[peer], _Goodbye):
+            return  # its connection is broken: nothing to tell
+        try:
+            head = torch.tensor([_GOODBYE], dtype=torch.int64)
+            self._goodbyes.append((group.send([head], peer, _HEAD_TAG), head))
+        except RuntimeError:
+            pass  # the connection is already gone: the peer's thread sees that instead
+
+    def _pump(self, peer: int) -> None:
+        """Keep a receive posted for ``peer``'s next frame; queue each frame for `recv`."""
+        group = self._group
+        assert group is not None
+        head = torch.empty(1, dtype=torch.int64)
+        delivering = True
+        while True:
+            try:
+                group.recv([head], peer, _HEAD_TAG).wait()
+                length = int(head.item())
+                if length == _GOODBYE:
+                    end: Exception = _Goodbye("closed its end", peer=peer)
+                    break
+                if not 0 < length <= self.max_frame:
+                    end = ProtocolError(
+                        f"announced a frame of {length} bytes (at most {self.max_frame})",
+                        peer=peer,
+                    )
+                    break
+                body = torch.empty(length, dtype=torch.uint8)
+                group.recv([body], peer, _BODY_TAG).wait()
+            except RuntimeError as exc:
+                end = _gloo_error(exc, peer, "receiving a frame")
+                break
+            if delivering:
+                delivering = self._deliver(peer, body)
+        with self._lock:
+            self._gone.setdefault(peer, end)
+            if isinstance(end, _Goodbye):
+                self._post_goodbye(peer)  # the peer's thread waits for this end's goodbye
+        if delivering:
+            self._deliver(peer, end)
+
+    def _deliver(self, peer: int, item: torch.Tensor | Exception) -> bool:
+        """Queue ``item`` for `recv` (waiting while the inbox is full); False once nobody will
+        read it (this end closed, or its trio run ended)."""
+        try:
+            trio.from_thread.run(self._inbox_send[peer].send, item, trio_token=self._token)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError):
+            return False
+        return True
+
+    async def send(
+        self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
+    ) -> None:
+        self.check_peer(peer)
+        self._live_group(peer)
+        frame = _frame_tensor(kind, fields, bulk)
+        head = torch.tensor([frame.numel()], dtype=torch.int64)
+        with self._lock:  # both parts posted at once: frames to a peer leave in posting order
+            group = self._live_group(peer)
+            if peer in self._gone:
+                raise PeerClosed(f"its end is gone: {self._gone[peer].args[0]}", peer=peer)
+            try:
+                works = [
+                    group.send([head], peer, _HEAD_TAG),
+                    group.send([frame], peer, _BODY_TAG),
+                ]
+            except RuntimeError as exc:
+                raise _gloo_error(exc, peer, f"sending a {kind} frame") from None
+        await self._wait(works, peer, f"sending a {kind} frame")
+
+    async def _receive_frame(self, peer: int) -> dict[str, Any]:
+        self.check_peer(peer)
+        if peer in self._ended:
+            raise self._ended[peer]
+        self._live_group(peer)
+        try:
+            item = await self._inbox[peer].receive()
+        except (trio.ClosedResourceError, trio.EndOfChannel):
+            raise PeerClosed(f"rank {self.rank}'s torch transport is closed", peer=peer) from None
+        if isinstance(item, Exception):
+            self._ended[peer] = item
+            raise item
+        try:
+            return decode_frame(item.numpy().data, self.max_frame)  # type: ignore[arg-type]
+        except ProtocolError as exc:
+            raise exc.with_peer(peer) from None
+
+    async def recv(self, peer: int) -> dict[str, Any]:
+        return await self._receive_frame(peer)
+
+    async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
+        self.check_destination(out)
+        message = await self._receive_frame(peer)
+        data = message.get("data")
+        if not isinstance(data, torch.Tensor):
+            raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
+        if data.dtype != out.dtype or data.numel() != out.numel():
+            raise ProtocolError(
+                f"sent a {data.dtype} tensor of {data.numel()} elements, expected {out.dtype} "
+                f"with {out.numel()} elements",
+                peer=peer,
+            )
+        if out.numel():
+            tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
+        message["data"] = out
+        return message
+
+    # ------------------------------------------------------------------ waiting
+
+    async def _wait(self, works: list[Any], peer: int | None, what: str) -> None:
+        """Wait for ``works`` on a thread; `abort` or a failure ends the wait at once."""
+
+        def run() -> None:
+            for work in works:
+                work.wait()
+
+        self._inflight.update(works)
+        with trio.CancelScope() as scope:
+            self._waits.add(scope)
+            try:
+                await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+            except RuntimeError as exc:
+                self._inflight.difference_update(works)
+                raise _gloo_error(exc, peer, what) from None
+            else:
+                self._inflight.difference_update(works)
+            finally:
+                self._waits.discard(scope)
+        if scope.cancelled_caught:
+            raise PeerClosed(f"{what}: rank {self.rank}'s torch transport was aborted", peer=peer)
+
+    # ------------------------------------------------------------------ collectives
+
+    def native_accepts(self, tensor: torch.Tensor) -> bool:
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            return False
+        if tensor.device.type == "cpu":
+            return tensor.dtype in GLOO_DTYPES
+        return self._device_group is not None and tensor.device == self.device
+
+    def _collective_group(self, tensor: torch.Tensor, what: str) -> Group:
+        group = self._live_group(None)
+        if tensor.device.type != "cpu":
+            if self._device_group is None or tensor.device != self.device:
+                raise CollectiveError(
+                    f"{what}: this torch transport has no group for {tensor.device}"
+                )
+            return self._device_group
+        return group
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.collective_seconds)
+
+    async def _collective(
+        self, tensor: torch.Tensor, what: str, issue: Callable[[Any], Any]
+    ) -> None:
+        """Issue one collective (in program order, on the trio thread: every rank issues in
+        the same order) and wait for it within its deadline."""
+        group = self._collective_group(tensor, what)
+        try:
+            work = issue(group)
+        except RuntimeError as exc:
+            raise _gloo_error(exc, None, what) from None
+        if group is self._device_group:
+            await self._wait_device(work, what)
+        else:
+            await self._wait([work], None, what)
+
+    async def _wait_device(self, work: Any, what: str) -> None:
+        """NCCL (untested here): order the current stream after the collective, then wait for
+        that stream on a thread within the deadline; past it, abort the NCCL group."""
+        work.wait()
+        stream = torch.cuda.current_stream(self.device)
+        with trio.move_on_after(self.collective_seconds) as deadline:
+            await self._wait([_StreamWork(stream)], None, what)
+        if deadline.cancelled_caught:
+            self.abort()
+            raise StallError(f"{what}: no result within {self.collective_seconds:g} s")
+
+    async def native_all_reduce(self, flat: torch.Tensor, op: str) -> None:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        options.timeout = self._timeout()
+        await self._collective(flat, "all_reduce", lambda g: g.allreduce([flat], options))
+        if op == "avg":
+            divide_in_place(flat, self.world_size)
+
+    async def native_broadcast(self, flat: torch.Tensor, root: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        options.timeout = self._timeout()
+        await self._collective(flat, "broadcast", lambda g: g.broadcast([flat], options))
+
+    async def native_all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        options = AllgatherOptions()
+        options.timeout = self._timeout()
+        await self._collective(flat, "all_gather", lambda g: g._allgather_base(out, flat, options))
+
+    async def native_reduce_scatter(
+        self, flat: torch.Tensor, op: str, bounds: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        # An all-reduce, then this rank's slice: gloo's reduce-scatter needs every segment
+        # non-empty, and the ring's contract (``flat`` is scratch afterwards) allows it.
+        await self.native_all_reduce(flat, op)
+        lo, hi = bounds[self.rank]
+        return flat[lo:hi].clone()
+
+    async def native_barrier(self) -> None:
+        options = dist.BarrierOptions()
+        options.timeout = self._timeout()
+        token = torch.zeros(1)
+        await self._collective(token, "barrier", lambda g: g.barrier(options))
+
+    # ------------------------------------------------------------------ ending
+
+    def abort(self) -> None:
+        """Fail every call in flight and every later one at once, and tell the peers this end
+        is gone; the group itself is dropped by `aclose`."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            for peer in self._peers:
+                self._post_goodbye(peer)
+        for scope in list(self._waits):
+            scope.cancel()
+        for receive in self._inbox.values():
+            receive.close()
+        if self._device_group is not None:
+            try:
+                self._device_group.abort()
+            except RuntimeError:
+                pass
+
+    async def aclose(self) -> None:
+        """Close the handshake with every peer (within ``close_seconds``), then drop the
+        group: its connections close once no thread waits on it. Safe to call twice."""
+        self.abort()
+        if self._group is None:
+            return
+        pumps = list(self._pumps)
+
+        def finish(limit: float) -> None:
+            # A receiving thread ends on its peer's goodbye, which the peer sends once it has
+            # this end's: when every thread has ended, every goodbye was delivered.
+            end = time.monotonic() + limit
+            for pump in pumps:
+                pump.join(max(0.0, end - time.monotonic()))
+
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(finish, self.close_seconds, abandon_on_cancel=True)
+        # Released by a thread of its own once every abandoned operation has ended (a
+        # collective abandoned on a dead peer fails at once, on a silent one at its deadline):
+        # a gloo group's destructor waits for its worker threads' collectives while holding
+        # the GIL, which would stall every thread of the process. The connections close once
+        # nothing holds the group. A goodbye a peer never took stays referenced
+        # (``_goodbyes``), not freed under gloo.
+        held = [self._group, self._device_group, *self._keep]
+        pending = list(self._inflight)
+        self._group = None
+        self._device_group = None
+        self._keep.clear()
+        self._inflight.clear()
+        threading.Thread(
+            target=_release,
+            args=(held, pending),
+            name=f"paramsync-torch-release-{self.rank}",
+            daemon=True,
+        ).start()
+        del held, pending
+
+
+def _release(held: list[object], pending: list[Any]) -> None:
+    """Wait (without the GIL) for ``pending`` operations to end, then drop ``held``."""
+    for work in pending:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass  # failed as abandoned operations do: it has ended
+    pending.clear()
+    held.clear()
+
+
+class _Goodbye(PeerClosed):
+    """The peer closed its end cleanly (its goodbye arrived after its last frame)."""
+
+
+class _StreamWork:
+    """A CUDA stream as a waitable: ``wait`` blocks the calling thread until it drains."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def wait(self) -> None:
+        self._stream.synchronize()
+
+
+# ---------------------------------------------------------------------- building groups
+
+
+async def _share_port(bootstrap: Transport, port: torch.Tensor) -> None:
+    """Rank 0's ``port`` (one int64) to every rank of ``bootstrap``, as a collective's data
+    frame (``coll``) to each in turn: the ring's broadcast, which sits above this layer."""
+    op_id = bootstrap.next_op_id()
+    fields = {"op": op_id, "hop": 0, "part": 0}
+    if bootstrap.rank == 0:
+        for peer in range(1, bootstrap.world_size):
+            await bootstrap.send(peer, "coll", fields, port)
+        return
+    message = await bootstrap.recv_into(0, port)
+    if message["kind"] != "coll" or message["op"] != op_id:
+        raise ProtocolError(
+            f"expected the torch store's port (collective {op_id}), got a {message['kind']} "
+            "message",
+            peer=0,
+        )
+
+
+def _gloo_group(store: dist.Store, rank: int, world_size: int, host: str | None) -> Group:
+    """A gloo group (blocks until every rank has joined it through ``store``); ``host``: the
+    address its connections bind to (None: torch's default, from the host name)."""
+    if host is None:
+        return dist.ProcessGroupGloo(store, rank, world_size, _IDLE_TIMEOUT)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = _IDLE_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def _nccl_group(
+    store: dist.Store, rank: int, world_size: int, seconds: float
+) -> Group:  # pragma: no cover - needs CUDA and NCCL (untested here)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=seconds)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
+
+
+async def create_local_group(
+    n: int,
+    *,
+    prefix: str = "paramsync",
+    collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
+    seconds: float = 60.0,
+) -> list[TorchDistTransport]:
+    """``n`` transports, rank 0 to n-1, of one gloo group whose ranks all live in this process
+    (a ``HashStore`` rendezvous, gloo on loopback); for tests and in-process runs. The caller
+    closes them. Forming the group takes longer than ``seconds``: a `CollectiveError`."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"group size must be a positive int, got {n!r}")
+    store = dist.PrefixStore(prefix, dist.HashStore())
+    groups: list[Group | None] = [None] * n
+
+    async def build(rank: int) -> None:
+        groups[rank] = await trio.to_thread.run_sync(
+            _gloo_group, store, rank, n, "127.0.0.1", abandon_on_cancel=True
+        )
+
+    with trio.move_on_after(seconds) as scope:
+        async with trio.open_nursery() as nursery:
+            for rank in range(n):
+                nursery.start_soon(build, rank)
+    if scope.cancelled_caught:
+        raise CollectiveError(f"a local torch group of {n} did not form within {seconds:g} s")
+    made = []
+    for rank, group in enumerate(groups):
+        assert group is not None
+        made.append(
+            TorchDistTransport(rank, n, group, collective_seconds=collective_seconds, keep=(store,))
+        )
+    return made
+
+
+@asynccontextmanager
+async def open_local_group(n: int, **kwargs: Any) -> AsyncIterator[list[TorchDistTransport]]:
+    """`create_local_group` as an async context manager that closes every rank on exit."""
+    group = await create_local_group(n, **kwargs)
+    try:
+        yield group
+    finally:
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                for transport in group:
+                    nursery.start_soon(transport.aclose)
+
+
+async def connect_torch_transport(
+    bootstrap: Transport,
+    *,
+    store_host: str,
+    local_host: str,
+    prefix: str,
+    seconds: float = 120.0,
+    device: torch.device | None = None,
+    collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
+) -> TorchDistTransport:
+    """Form this epoch's torch group among the ranks of ``bootstrap`` (an authenticated
+    paramsync transport among the same ranks, in the same order; the caller closes it).
+
+    Rank 0 hosts a fresh ``TCPStore`` on a free port of ``store_host`` (its own address) and
+    broadcasts the port over ``bootstrap``; every rank joins the gloo group (and, for a CUDA
+    ``device``, an NCCL one) under ``prefix`` (name it by the run and the epoch, so no rank of
+    another epoch can meet it), its connections bound to ``local_host``. Not formed within
+    ``seconds``: a `CollectiveError`.
+    """
+    rank, world_size = bootstrap.rank, bootstrap.world_size
+    timeout = datetime.timedelta(seconds=seconds)
+    server: dist.TCPStore | None = None
+    port = torch.zeros(1, dtype=torch.int64)
+    with trio.move_on_after(seconds) as scope:
+        if rank == 0:
+            server = await trio.to_thread.run_sync(
+                partial(
+                    dist.TCPStore,
+                    store_host,
+                    0,
+                    world_size,
+                    True,
+                    timeout,
+                    wait_for_workers=False,
+                ),
+                abandon_on_cancel=True,
+            )
+            port[0] = server.port
+        await _share_port(bootstrap, port)
+        if server is None:
+            store: dist.Store = await trio.to_thread.run_sync(
+                partial(dist.TCPStore, store_host, int(port[0]), world_size, False, timeout),
+                abandon_on_cancel=True,
+            )
+        else:
+            store = server
+        scoped = dist.PrefixStore(prefix, store)
+        group = await trio.to_thread.run_sync(
+            _gloo_group, scoped, rank, world_size, local_host, abandon_on_cancel=True
+        )
+        device_group = None
+        if device is not None and device.type == "cuda":  # pragma: no cover - no GPU here
+            device_group = _nccl_group(scoped, rank, world_size, collective_seconds)
+    if scope.cancelled_caught:
+        raise CollectiveError(
+            f"rank {rank}: the torch group {prefix!r} of {world_size} did not form within "
+            f"{seconds:g} s"
+        )
+    return TorchDistTransport(
+        rank,
+        world_size,
+        group,
+        device_group=device_group,
+        device=device if device_group is not None else None,
+        collective_seconds=collective_seconds,
+        keep=(store,),
+    )

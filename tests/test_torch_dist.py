@@ -1,0 +1,211 @@
+"""The torch.distributed data plane (runtime.transport.torch_dist, ``comm_backend = "torch"``).
+
+The conformance suite runs it in tests/test_transport_conformance.py and the parity with one
+process in tests/test_trainer.py; here: choosing it (options, TOML, environment, flag), its
+deadlines and abort (a collective a peer never joins fails, never hangs), the frames it sends
+(CBOR frames as gloo uint8 tensors, nothing pickled), and a worker SIGKILLed mid-run while its
+peers use it: the survivors form a new torch group in a new epoch and finish.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+import trio.testing
+from test_state import make_replica, same_bits, train
+
+from actors.state.training_state import capture_state
+from actors.train.state_transfer import receive_state, send_state
+from actors.train.trainer import TrainerOptions
+from runtime.cli.main import build_parser
+from runtime.cli.train_config import COMM_BACKEND_ENV, DistributedTrainConfig
+from runtime.collectives.ring import all_reduce, barrier, broadcast
+from runtime.errors import PeerClosed, StallError
+from runtime.protocol.wire import decode_frame
+from runtime.testing.fault_trials import JOB_FLAGS, run_trial
+from runtime.transport import torch_dist
+from runtime.transport.torch_dist import (
+    COMM_BACKENDS,
+    TorchDistTransport,
+    create_local_group,
+    open_local_group,
+)
+
+# --------------------------------------------------------------------------- choosing it
+
+
+def test_trainer_options_take_the_backend_and_refuse_others() -> None:
+    assert TrainerOptions().comm_backend == "paramsync"
+    assert TrainerOptions(comm_backend="torch").comm_backend == "torch"
+    with pytest.raises(ValueError, match="comm_backend must be one of 'paramsync', 'torch'"):
+        TrainerOptions(comm_backend="nccl")
+    with pytest.raises(ValueError, match="collective_seconds"):
+        TrainerOptions(comm_backend="torch", collective_seconds=0)
+
+
+def test_the_config_reads_the_backend_from_toml_environment_and_flags(tmp_path: Path) -> None:
+    toml = tmp_path / "train.toml"
+    toml.write_text('[distributed]\ncomm_backend = "torch"\n')
+    assert DistributedTrainConfig().comm_backend == "paramsync"
+    assert DistributedTrainConfig.resolve(toml, environ={}).comm_backend == "torch"
+    env = {COMM_BACKEND_ENV: "Paramsync"}
+    assert DistributedTrainConfig.resolve(toml, environ=env).comm_backend == "paramsync"
+    overrides = {"comm_backend": "torch"}
+    assert DistributedTrainConfig.resolve(None, env, overrides).comm_backend == "torch"
+    with pytest.raises(ValueError, match=f"environment variable {COMM_BACKEND_ENV}"):
+        DistributedTrainConfig.from_env({COMM_BACKEND_ENV: "mpi"})
+    toml.write_text("[distributed]\ncomm_backend = 3\n")
+    with pytest.raises(ValueError, match="comm_backend must be one of"):
+        DistributedTrainConfig.from_toml(toml)
+    args = build_parser().parse_args(["worker", "--comm-backend", "torch"])
+    assert args.comm_backend == "torch"
+    assert build_parser().parse_args(["worker"]).comm_backend is None
+    assert COMM_BACKENDS == ("paramsync", "torch")
+
+
+# --------------------------------------------------------------------------- frames
+
+
+async def test_frames_travel_as_cbor_bytes_in_uint8_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What gloo carries is the frame paramsync's codec made: a uint8 tensor that decodes
+    (as any frame) to the message sent; its length goes first as one int64."""
+    sent: list[torch.Tensor] = []
+    original = torch_dist._frame_tensor
+
+    def spy(*args: Any) -> torch.Tensor:
+        frame = original(*args)
+        sent.append(frame.clone())
+        return frame
+
+    monkeypatch.setattr(torch_dist, "_frame_tensor", spy)
+    payload = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    async with open_local_group(2) as (a, b):
+        await a.send(1, "probe_data", {"src": 0, "seq": 4}, payload)
+        message = await b.recv(0)
+    assert len(sent) == 1 and sent[0].dtype == torch.uint8
+    decoded = decode_frame(sent[0].numpy().tobytes())
+    assert decoded["kind"] == "probe_data" and (decoded["src"], decoded["seq"]) == (0, 4)
+    assert torch.equal(decoded["data"], payload) and torch.equal(message["data"], payload)
+
+
+# --------------------------------------------------------------------------- deadlines, abort
+
+
+async def test_abort_fails_a_collective_a_peer_never_joins_at_once() -> None:
+    async with open_local_group(2) as (a, b):
+        failed: list[BaseException] = []
+
+        async def alone() -> None:
+            try:
+                await all_reduce(a, torch.ones(1000), "sum")
+            except PeerClosed as exc:
+                failed.append(exc)
+
+        async def receive() -> None:
+            try:
+                await a.recv(1)
+            except PeerClosed as exc:
+                failed.append(exc)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(alone)
+                nursery.start_soon(receive)
+                await trio.testing.wait_all_tasks_blocked()
+                a.abort()
+        assert len(failed) == 2
+        assert any("aborted" in str(exc) for exc in failed)
+        with pytest.raises(PeerClosed, match="closed"):
+            await a.send(1, "welcome", {})
+        # The peer hears of it: its receive ends, its sends are refused.
+        with trio.fail_after(20):
+            with pytest.raises(PeerClosed) as caught:
+                await b.recv(0)
+        assert caught.value.peer == 0
+
+
+async def test_a_collective_past_its_deadline_is_a_stall_not_a_hang() -> None:
+    group = await create_local_group(2, collective_seconds=0.5)
+    try:
+        started = time.monotonic()
+        with trio.fail_after(30), pytest.raises(StallError, match="all_reduce"):
+            await all_reduce(group[0], torch.ones(8), "sum")
+        assert time.monotonic() - started < 15
+    finally:
+        for transport in group:
+            await transport.aclose()
+
+
+async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None:
+    """Every dtype gloo reduces goes to the group; int16, which it does not, takes the ring
+    over the transport's frames; both exact, and a barrier holds every rank."""
+    async with open_local_group(3) as group:
+        assert all(isinstance(t, TorchDistTransport) for t in group)
+        for dtype in (torch.int16, torch.int32, torch.bfloat16):
+            inputs = [torch.full((5000,), rank + 1, dtype=dtype) for rank in range(3)]
+
+            async def reduce(t: TorchDistTransport, ins: list[torch.Tensor] = inputs) -> None:
+                await all_reduce(t, ins[t.rank], "avg")
+
+            async with trio.open_nursery() as nursery:
+                for transport in group:
+                    nursery.start_soon(reduce, transport)
+            assert all(torch.equal(t, torch.full((5000,), 2, dtype=dtype)) for t in inputs)
+        assert [t.native_accepts(torch.zeros(1, dtype=torch.int16)) for t in group] == [False] * 3
+        values = [torch.full((3,), float(rank)) for rank in range(3)]
+
+        async def cast_then_wait(t: TorchDistTransport) -> None:
+            await broadcast(t, values[t.rank], 2)
+            await barrier(t)  # collectives run one at a time, in one order on every rank
+
+        async with trio.open_nursery() as nursery:
+            for transport in group:
+                nursery.start_soon(cast_then_wait, transport)
+        assert all(torch.equal(v, torch.full((3,), 2.0)) for v in values)
+
+
+async def test_a_live_rejoins_state_transfer_goes_through_the_torch_group() -> None:
+    """A donor's whole training state (parameters, AdamW's moments and steps) reaches a joiner
+    as frames over gloo and restores bitwise (`actors.train.state_transfer`)."""
+    donor_model, donor_optimizer = make_replica(7, "adamw")
+    train(donor_model, donor_optimizer, range(3), torch.float32)
+    joiner_model, joiner_optimizer = make_replica(99, "adamw")
+    async with open_local_group(2) as (donor, joining):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_state, donor, 1, donor_model, donor_optimizer, 3)
+                state = await receive_state(joining, 0, joiner_model, joiner_optimizer)
+    assert state.step == 3
+    sent = capture_state(donor_model, donor_optimizer, 3)
+    got = capture_state(joiner_model, joiner_optimizer, 3)
+    assert [name for name, _ in sent.tensors] == [name for name, _ in got.tensors]
+    for (name, a), (_, b) in zip(sent.tensors, got.tensors):
+        assert same_bits(a, b), name
+
+
+# --------------------------------------------------------------------------- a killed worker
+
+
+def test_a_worker_killed_mid_run_is_survived_over_the_torch_data_plane() -> None:
+    """Three worker processes train the LM demo with ``--comm-backend torch``; rank 2 is
+    SIGKILLed in step 2's backward (its peers are in, or about to enter, that step's gloo
+    all-reduce). The survivors must not hang: the coordinator starts epoch 2 with ranks 0 and
+    1, each forms a new torch group, reruns step 2 and finishes, bitwise identical. ~40 s."""
+    result = run_trial(
+        "backward", 2, job_flags=[*JOB_FLAGS, "--comm-backend", "torch"], timeout=180
+    )
+    assert result.ok, result.problems
+    assert {rank: s["comm_backend"] for rank, s in result.summaries.items()} == {
+        0: "torch",
+        1: "torch",
+    }
+    assert [e["members"] for e in result.epochs] == [[0, 1, 2], [0, 1]]
+    assert result.resumed_at == 2
+    assert result.detection_seconds is not None and result.detection_seconds < 5.0
