@@ -477,27 +477,35 @@ async def slow_drip(target: Target, index: int, interval: float = 0.1) -> list[A
     text = ""  # cut at the deadline, or evicted for a newcomer once a cap is reached
     attempt = Attempt("slow_drip", where, ("deadline", "evicted"), text, "")
     sent = 0
+    broken: list[BaseException] = []  # a hang-up by reset (RST) rather than FIN, either side
+    hung_up = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
     try:
         async with trio.open_nursery() as nursery:
 
             async def drip() -> None:
                 nonlocal sent
-                for byte in hello:
-                    await stream.send_all(bytes([byte]))
-                    sent += 1
-                    await trio.sleep(interval)
+                try:
+                    for byte in hello:
+                        await stream.send_all(bytes([byte]))
+                        sent += 1
+                        await trio.sleep(interval)
+                except hung_up as exc:  # the reader below sees the hang-up too
+                    broken.append(exc)
                 await trio.sleep_forever()
 
             nursery.start_soon(drip)
             with trio.move_on_after(target.handshake_seconds + 5):
-                while await stream.receive_some(4096):
-                    pass
+                try:
+                    while await stream.receive_some(4096):
+                        pass
+                except hung_up as exc:
+                    broken.append(exc)
             nursery.cancel_scope.cancel()
-        attempt.outcome = f"closed after {sent} of {len(hello)} bytes"
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        attempt.outcome = f"closed after {sent} of {len(hello)} bytes ({exc})"
     finally:
         await stream.aclose()
+    attempt.outcome = f"closed after {sent} of {len(hello)} bytes" + (
+        f" ({broken[0]})" if broken else ""
+    )
     return [attempt]
 
 

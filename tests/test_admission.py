@@ -11,6 +11,7 @@ timing beyond generous margins.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import math
 import re
@@ -40,6 +41,7 @@ from runtime.transport.admission import (
     AdmissionGate,
     AdmissionLimits,
     HandshakeTicket,
+    SourceLoad,
     classify_failure,
 )
 
@@ -132,7 +134,7 @@ class _FakeSocket:
 class SourcedStream(FakeStream):
     """A fake accepted stream from ``host`` (what the per-source cap counts)."""
 
-    ports = iter(range(40000, 60000))
+    ports = itertools.cycle(range(40000, 60000))
 
     def __init__(self, host: str) -> None:
         super().__init__()
@@ -197,6 +199,135 @@ async def test_a_newcomer_takes_an_old_slot_from_the_busiest_source_only(
     # A fresh source (0 slots) may: 10.0.0.1 and 10.0.0.2 both hold 2 >= 0 + 2.
     assert await gate.admit(SourcedStream("10.0.0.3")) is not None  # type: ignore[arg-type]
     assert gate.stats.evicted == 2 and gate.stats.pending == 4
+
+
+# The slow-holders phase of `make reliability-hostile` (issue 18, row 3), played against the
+# gate alone under the mock clock: 96 holders from eight addresses (127.0.0.2-9) fill the 64
+# slots and come back whenever they lose one; after 2 s ranks 0 and 1 join and rank 0 rejoins
+# from 127.0.0.1, each with 2.5 s, dialing as `tcp.dial_with_retry` does (a busy refusal, then
+# a wait from 10 ms doubling to 0.5 s). Until session 10 the gate let a source take a slot
+# only from a handshake 1 s old, and each address's own holders took theirs back the instant
+# they were: the workers, backing off, arrived between those instants every time.
+
+HOLDER_SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
+WORKER_SOURCE = "127.0.0.1"
+ROW3 = AdmissionLimits(max_pending=64, handshake_seconds=10.0, log_lines_per_second=None)
+
+
+async def holder(
+    gate: AdmissionGate, source: str, pause: float, hang_up_after: float | None
+) -> None:
+    """A slow holder that comes back ``pause`` s after it loses its slot (refused, evicted or
+    at the deadline); with ``hang_up_after`` it also hangs up on its own after holding that
+    long, to keep every connection young."""
+    while True:
+        ticket = await gate.admit(SourcedStream(source))  # type: ignore[arg-type]
+        if ticket is not None:
+            try:
+                with ticket:
+                    if hang_up_after is None:
+                        await trio.sleep_forever()
+                    await trio.sleep(hang_up_after)
+                    raise PeerClosed("the holder hung up")
+            except (HandshakeError, PeerClosed):
+                pass
+        await trio.sleep(pause)
+
+
+async def join_with_backoff(gate: AdmissionGate, within: float) -> tuple[float | None, int]:
+    """Dial from the workers' address like `tcp.dial_with_retry` (without its jitter) until
+    admitted, then finish the handshake in 5 ms: (seconds it took or None, dials)."""
+    started, wait, dials = trio.current_time(), 0.01, 0
+    with trio.move_on_after(within):
+        while True:
+            dials += 1
+            ticket = await gate.admit(SourcedStream(WORKER_SOURCE))  # type: ignore[arg-type]
+            if ticket is not None:
+                with ticket:
+                    await trio.sleep(0.005)
+                return trio.current_time() - started, dials
+            await trio.sleep(wait)
+            wait = min(2 * wait, 0.5)
+    return None, dials
+
+
+@pytest.mark.parametrize(
+    ("pause", "hang_up_after"),
+    [
+        (0.02, None),  # cut, and back 20 ms later: the churn of the failed run (3925 connections)
+        (0.05, None),  # the pause of benchmarks/hostile.py's holders
+        (0.003, 0.9),  # hang up on their own before any connection is 1 s old, back at once
+    ],
+)
+async def test_churning_holders_cannot_keep_known_ranks_out(
+    autojump_clock: trio.testing.MockClock, pause: float, hang_up_after: float | None
+) -> None:
+    gate = AdmissionGate("coordinator", ROW3)
+    took: dict[str, tuple[float | None, int]] = {}
+    async with trio.open_nursery() as nursery:
+        for index in range(96):
+            source = HOLDER_SOURCES[index % len(HOLDER_SOURCES)]
+            nursery.start_soon(holder, gate, source, pause, hang_up_after)
+        await trio.sleep(2.0)
+        assert gate.stats.pending == 64 and gate.stats.refused_by_cap > 32
+        for step in ("join 0", "join 1", "rejoin 0"):
+            took[step] = await join_with_backoff(gate, 2.5)
+        nursery.cancel_scope.cancel()
+    # Each got in at its first dial: the holders' addresses had been sitting on their slots.
+    assert all(dials == 1 and seconds is not None for seconds, dials in took.values()), took
+    assert gate.stats.admitted == 3 and gate.stats.failed["evicted"] >= 1
+    assert all(gate.pending_from(s) == 0 for s in HOLDER_SOURCES)  # every slot freed
+
+
+async def test_a_source_that_just_arrived_is_not_evicted_until_it_has_held(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Eight connections of one address arriving at once (a burst of real handshakes looks
+    the same at first) keep their slots until the address's load reaches 1: 0.13 s for 8."""
+    gate = AdmissionGate("test", AdmissionLimits(max_pending=8, evict_after_seconds=1.0))
+    burst = [await gate.admit(SourcedStream("10.0.0.1")) for _ in range(8)]  # type: ignore[arg-type]
+    assert all(burst)
+    await trio.sleep(0.1)
+    assert gate.load_of("10.0.0.1") == pytest.approx(8 * (1 - math.exp(-0.1)))
+    assert await gate.admit(SourcedStream("10.0.0.2")) is None  # type: ignore[arg-type]
+    await trio.sleep(0.04)  # load 1.07
+    assert await gate.admit(SourcedStream("10.0.0.2")) is not None  # type: ignore[arg-type]
+    assert [t.evicted for t in burst if t is not None] == [True] + [False] * 7
+
+
+async def test_a_source_keeps_its_load_while_it_renews_its_connections(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Hanging up and reconnecting does not lower an address's load; holding fewer does."""
+    gate = AdmissionGate("test", AdmissionLimits(max_pending=4, evict_after_seconds=1.0))
+    tickets = [await gate.admit(SourcedStream("10.0.0.1")) for _ in range(4)]
+    for _ in range(20):  # every 0.1 s one of them hangs up and another connects at once
+        await trio.sleep(0.1)
+        oldest = tickets.pop(0)
+        assert oldest is not None
+        oldest.release()
+        tickets.append(await gate.admit(SourcedStream("10.0.0.1")))  # type: ignore[arg-type]
+    assert gate.load_of("10.0.0.1") > 3.4  # 4 * (1 - e^-2)
+    assert all(t is not None and trio.current_time() - t.started < 0.5 for t in tickets)
+    newcomer = await gate.admit(SourcedStream("10.0.0.2"))  # type: ignore[arg-type]
+    assert newcomer is not None and tickets[0] is not None and tickets[0].evicted
+    before = gate.load_of("10.0.0.1")
+    for ticket in tickets:
+        if ticket is not None:
+            ticket.release()
+    await trio.sleep(1.0)  # holding nothing, its load decays
+    assert gate.load_of("10.0.0.1") == pytest.approx(before * math.exp(-1.0))
+
+
+def test_source_load_is_an_exponential_average_of_the_slots_held() -> None:
+    load = SourceLoad(tau=2.0, now=10.0)
+    assert load.load(10.0) == 0.0 and load.held == 0
+    load.change(+1, 10.0)
+    load.change(+1, 10.0)
+    assert load.load(12.0) == pytest.approx(2 * (1 - math.exp(-1.0)))
+    load.change(-2, 12.0)
+    assert load.load(14.0) == pytest.approx(2 * (1 - math.exp(-1.0)) * math.exp(-1.0))
+    assert load.load(1e6) == pytest.approx(0.0)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,9 @@ import trio
 from runtime.collectives.ring import all_reduce
 from runtime.coordinator.service import Coordinator
 from runtime.errors import FrameAuthenticationError, PeerClosed, ProtocolError, pick_error
+from runtime.protocol.frame_auth import frame_session
 from runtime.protocol.handshake import Identity
+from runtime.protocol.wire import encode_frame
 from runtime.testing.relay import (
     TO_DIALER,
     TO_LISTENER,
@@ -35,7 +37,7 @@ from runtime.testing.relay import (
     Swap,
     relayed_pair,
 )
-from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial
+from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, dial
 
 SECRET = b"relay-test-secret-0123456789"
 SECONDS = 30
@@ -126,13 +128,16 @@ async def _ring_errors(
 
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["blocking-threads", "trio-tasks"])
+@pytest.mark.parametrize("offset", [1000, (1 << 20) - 3], ids=["first-slice", "last-slice"])
 async def test_a_flipped_byte_in_a_gradient_frame_is_refused_never_reduced(
-    threaded: bool,
+    threaded: bool, offset: int
 ) -> None:
     """The relay flips one byte of the first bulk frame toward rank 0 (a part it reduces
     into its own): rank 0 refuses the frame, naming rank 1, and no element of its tensor
-    holds a sum with the altered bytes (1 + 2 = 3 or its own 1, nothing else)."""
-    attack = FlipBulk(TO_LISTENER, nth=0, offset=1000)
+    holds a sum with the altered bytes (1 + 2 = 3 or its own 1, nothing else). The blocking
+    path checks a bulk slice by slice as it lands (`runtime.transport.tcp._MAC_SLICE`): a flip
+    in its first slice or in its last is refused alike."""
+    attack = FlipBulk(TO_LISTENER, nth=0, offset=offset)
     elements = 1 << 20  # 4 MiB: two ring segments of 2 MiB, parts of 1 MiB
     tensors = [torch.full((elements,), 1.0), torch.full((elements,), 2.0)]
     options = {"chunk_bytes": 1 << 20, "threaded_min_bytes": 0 if threaded else 1 << 40}
@@ -201,3 +206,48 @@ async def _polled_matching(transport: TcpTransport, frame: bytes) -> None:
             lambda: links.recv_matching(0, frame, time.monotonic() + SECONDS)
         )
     assert got is None, got
+
+
+async def test_a_thread_still_sending_gets_the_refusal_not_the_hang_up_it_caused() -> None:
+    """On the threaded ring one thread sends while the other receives on the same
+    connection. When the receiving thread refuses a forged frame, its end shuts the
+    connection down; the sending thread, blocked meanwhile, then wakes with the refusal
+    itself, not with the broken pipe (`make reliability-hostile`'s `flip_bulk_threads` once
+    reported "NOT REFUSED: PeerClosed ... Broken pipe": the echo had been recorded first)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    address = listeners[0].socket.getsockname()[:2]
+    near = Connection(await trio.open_tcp_stream(*address), peer=1)
+    far = Connection(await listeners[0].accept(), peer=0)
+    key = bytes(range(32))
+    near.authenticate_frames(key, dialer=True)
+    forger = frame_session(key, dialer=False).sealer  # what `far` would send, then altered
+    parts = encode_frame("coll", {"op": 1, "hop": 0, "part": 0}, torch.ones(1 << 16))
+    frame = bytearray(b"".join(bytes(part) for part in parts) + forger.seal(parts))
+    frame[len(frame) - 1000] ^= 0x01  # in the bulk
+    await far.stream.send_all(bytes(frame))
+    near.set_blocking(True, 30.0)
+    errors: dict[str, BaseException] = {}
+
+    def send() -> None:  # far never reads: this blocks once the socket buffers are full
+        try:
+            near.send_blocking("coll", {"op": 1, "hop": 0, "part": 0}, torch.ones(1 << 24))
+        except ProtocolError as exc:
+            errors["send"] = exc
+
+    def receive() -> None:
+        try:
+            near.recv_into_blocking(torch.empty(1 << 16))
+        except ProtocolError as exc:
+            errors["receive"] = exc
+
+    with trio.fail_after(SECONDS):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, send)
+            nursery.start_soon(trio.to_thread.run_sync, receive)
+    for side in ("receive", "send"):
+        assert isinstance(errors[side], FrameAuthenticationError), (side, repr(errors[side]))
+        assert "peer 1: frame authentication failed on frame 0" in str(errors[side])
+    assert "this end closed the connection" in str(errors["send"])
+    for conn in (near, far):
+        await conn.aclose()
+    await listeners[0].aclose()

@@ -364,3 +364,28 @@ def test_a_16_mib_join_of_empty_arrays_is_refused_fast_and_the_daemon_serves_on(
         outcome.coordinator_log[-4000:],
     )
     assert outcome.digests_identical, outcome.digests
+
+
+async def test_slow_drip_counts_a_reset_as_a_hang_up_not_a_crash() -> None:
+    """A listener that cuts a slow dripper with a reset (RST: it closed with the drip's last
+    bytes unread, as the daemon does at the deadline) is a refusal like any hang-up; the
+    harness used to let the reset escape from its nursery as an exception group and crash
+    `make reliability-hostile` in its slow_drip phase."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    target = hostile.Target("127.0.0.1", port, 2, 1.0, CAP, b"x" * 32)
+
+    async def cut_with_a_reset() -> None:
+        stream = await listener.accept()
+        await stream.receive_some(1)  # the first drip byte
+        linger_zero = struct.pack("ii", 1, 0)  # close with a reset, as with unread bytes
+        stream.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, linger_zero)
+        await stream.aclose()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cut_with_a_reset)
+            (attempt,) = await hostile.slow_drip(target, 0, interval=0.05)
+    await listener.aclose()
+    assert attempt.refused and attempt.outcome.startswith("closed after "), attempt.outcome
+    assert "reset" in attempt.outcome or "broken" in attempt.outcome, attempt.outcome

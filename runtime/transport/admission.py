@@ -20,30 +20,46 @@ serving endpoint (the coordinator's listeners, or a worker's data-plane listener
 
 Fairness (issue 18, row 3). Who a dialer is (its rank) is known only once it has proven the
 secret, at the end of the handshake, so no slot can be set aside for "a rank the run expects"
-before that point without trusting what a stranger claims. Instead the gate makes a slot
-impossible to hold against a newcomer for long:
+before that point without trusting what a stranger claims (under protocol version 2 the
+dialer's proof comes in its second message, after it already holds a slot). Instead the gate
+shares the slots fairly among source addresses, and makes a slot impossible to hold against a
+newcomer from an address that holds fewer:
 
 1. Per-source cap: one IP address holds at most ``max_pending_per_source`` slots (default 8 of
-   64), so a single host cannot take them all.
-2. Eviction of holders that do not progress, by fair shares: a newcomer that finds the cap
-   reached takes the slot of a pending handshake at least ``evict_after_seconds`` old (default
-   1 s; a real handshake takes a round trip and two HMACs, milliseconds) from a source that
-   holds at least two slots more than the newcomer's own: the source holding the most, its
-   oldest handshake. A newcomer whose own source is at its cap can only take the oldest slot
-   of its own source (same age rule). The evicted peer gets a ``refuse`` frame marked
-   ``busy`` (a real dialer waiting for its challenge then retries, as over the cap) and its
-   connection is closed; the log names it with the category ``evicted``.
-3. What that guarantees. A dialer whose handshake finishes within ``evict_after_seconds`` is
-   never evicted. A worker dialing from an address that holds fewer slots than the busiest
-   source minus one gets a slot as soon as that source's oldest handshake is
-   ``evict_after_seconds`` old, however fast the attacker reconnects: the attacker's own
-   newcomers cannot evict each other across sources (their sources are not two behind), so
-   holders cannot take the freed slots back first. To keep such a worker out an attacker
-   needs about ``max_pending`` addresses of its own (one slot each), not a handful of slow
-   connections. Rejoins after a coordinator restart go through the same gate and get the same
-   guarantee. What it cannot do: tell an attacker from a worker *on the same address* before
-   the proof; there the attacker holds at most ``max_pending_per_source`` slots and shares the
-   address's evictions with the worker (a worker's host running hostile code is out of scope).
+   64), so a single host cannot take them all. A newcomer whose own source is at its cap can
+   only take the oldest slot of its own source, once that handshake is ``evict_after_seconds``
+   old (default 1 s; a real handshake takes a round trip and two HMACs, milliseconds).
+2. Fair shares between sources, by what each source has *held*, not by how old its current
+   connections are. The gate keeps, per source, its load: the number of slots it held,
+   averaged over about the last ``evict_after_seconds`` (an exponentially weighted average
+   with that time constant). A newcomer that finds the global cap reached takes a slot from a
+   source that holds at least two slots more than the newcomer's own and whose load is at
+   least 1 (it has been sitting on slots, not finishing handshakes): the source holding the
+   most, its oldest handshake. The evicted peer gets a ``refuse`` frame marked ``busy`` (a
+   real dialer waiting for its challenge then retries, as over the cap) and its connection is
+   closed; the log names it with the category ``evicted``.
+
+   Why load and not the age of a connection (the rule until session 10): holders that come
+   back whenever they are cut, or that hang up and reconnect on their own, renew their
+   connections faster than any age threshold, and under rule 1 each address's own newcomers
+   took its slots back the instant they became old enough. A worker backing off between
+   dials then arrived between those instants, every time: ranks 0 and 1 were refused "busy"
+   for their whole 2.5 s window in one run of ``make reliability-hostile``
+   (tests/test_admission.py reproduces it under a mock clock). An address's load does not
+   fall when its connections are renewed, only when it holds fewer slots.
+3. What that guarantees. A worker dialing from an address that holds at least two slots fewer
+   than some source of load 1 or more gets a slot at its first dial, however the attacker
+   connects, holds, hangs up or reconnects; it then finishes its handshake in milliseconds,
+   and nobody can take that slot back (its address now holds one slot and has a load far
+   below 1). Holders that just arrived have a load under 1 for a moment (a source holding 8
+   slots reaches 1 after 0.13 ``evict_after_seconds``), and a burst of real handshakes from
+   one host never reaches it, so those are not evicted. To keep such a worker out an
+   attacker needs about ``max_pending`` addresses of its own, each holding less than one
+   slot on average, not a handful of slow connections. Rejoins after a coordinator restart go
+   through the same gate and get the same guarantee. What it cannot do: tell an attacker from
+   a worker *on the same address* before the proof; there the attacker holds at most
+   ``max_pending_per_source`` slots and shares the address's evictions with the worker (a
+   worker's host running hostile code is out of scope).
 
 Once the proof is checked, the rank claim is atomic (the listener's ``admit`` callback
 reserves the rank before the welcome is sent; see `runtime.coordinator.service` and
@@ -74,6 +90,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import socket
 from collections import Counter
@@ -100,6 +117,7 @@ __all__ = [
     "AdmissionLimits",
     "AdmissionStats",
     "HandshakeTicket",
+    "SourceLoad",
     "FAILURE_CATEGORIES",
     "classify_failure",
 ]
@@ -127,6 +145,10 @@ _EXHAUSTION_ERRNOS = frozenset(
 _ACCEPT_BACKOFF = 0.1
 _DRAIN_BYTES = 4096
 _LOG_WINDOW = 1.0
+_HOLDING_LOAD = 1.0
+"""A source whose load (`SourceLoad`) is at least this may lose a slot to a poorer source."""
+_FORGOTTEN_LOAD = 0.01
+"""A source holding no slot is forgotten once its load has decayed below this."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +165,8 @@ class AdmissionLimits:
     """Handshakes in progress at once from one IP address (at most ``max_pending``)."""
     evict_after_seconds: float = 1.0
     """A handshake this old (or ``handshake_seconds``, if shorter) may be evicted to make room
-    for a newcomer when a cap is reached."""
+    for a newcomer from its own address at that address's cap; also the time constant of the
+    load (`SourceLoad`) by which sources give slots up to poorer ones at the global cap."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_pending, bool) or not isinstance(self.max_pending, int):
@@ -174,6 +197,35 @@ class AdmissionLimits:
     def evict_after(self) -> float:
         """The age from which a pending handshake may be evicted (at most the deadline)."""
         return min(self.evict_after_seconds, self.handshake_seconds)
+
+
+class SourceLoad:
+    """How many slots one source address has held lately: the number it holds, averaged
+    exponentially over time with time constant ``tau`` (``load`` is 0 for a new source and
+    tends to the number held while that stays the same).
+
+    Renewing connections does not lower it, holding fewer slots does: this is what the gate's
+    fair shares go by (module doc, *Fairness*)."""
+
+    __slots__ = ("_at", "_load", "held", "tau")
+
+    def __init__(self, tau: float, now: float) -> None:
+        self.held = 0
+        """Slots held now."""
+        self.tau = tau
+        self._load = 0.0
+        self._at = now
+
+    def load(self, now: float) -> float:
+        """The average number of slots held, weighted toward the last ``tau`` seconds."""
+        elapsed = max(0.0, now - self._at)
+        return self.held + (self._load - self.held) * math.exp(-elapsed / self.tau)
+
+    def change(self, delta: int, now: float) -> None:
+        """The source took (``+1``) or gave up (``-1``) a slot at ``now``."""
+        self._load = self.load(now)
+        self._at = max(self._at, now)
+        self.held += delta
 
 
 @dataclass
@@ -359,6 +411,8 @@ class AdmissionGate:
         self.stats = AdmissionStats()
         self._pending: dict[str, list[HandshakeTicket]] = {}
         """Pending handshakes by source, oldest first."""
+        self._loads: dict[str, SourceLoad] = {}
+        """Each source's load; kept after its last slot until the load has decayed."""
         self._serving = 0
         self._window_start = -float("inf")
         self._window_lines = 0
@@ -416,6 +470,7 @@ class AdmissionGate:
             self, where, self.limits.handshake_seconds, now, source=source, stream=stream
         )
         self._pending.setdefault(source, []).append(ticket)
+        self._load_of(source, now).change(+1, now)
         self.stats.pending += 1
         self.stats.peak_pending = max(self.stats.peak_pending, self.stats.pending)
         return ticket
@@ -423,6 +478,29 @@ class AdmissionGate:
     def pending_from(self, source: str) -> int:
         """Handshakes in progress from one IP address."""
         return len(self._pending.get(source, ()))
+
+    def load_of(self, source: str) -> float:
+        """How many slots ``source`` held lately (`SourceLoad`); 0 for an unknown source."""
+        tracked = self._loads.get(source)
+        return 0.0 if tracked is None else tracked.load(trio.current_time())
+
+    def _load_of(self, source: str, now: float) -> SourceLoad:
+        tracked = self._loads.get(source)
+        if tracked is None:
+            if len(self._loads) > 2 * len(self._pending) + 64:
+                self._forget_idle_sources(now)
+            tracked = self._loads[source] = SourceLoad(self.limits.evict_after, now)
+        return tracked
+
+    def _forget_idle_sources(self, now: float) -> None:
+        """Drop the loads of sources that hold nothing and have (nearly) decayed: the table
+        stays proportional to the sources seen in the last few ``evict_after`` seconds."""
+        for source in [
+            s
+            for s, tracked in self._loads.items()
+            if not tracked.held and tracked.load(now) < _FORGOTTEN_LOAD
+        ]:
+            del self._loads[source]
 
     def _make_room(self, source: str, now: float) -> str | None:
         """Make room for a newcomer from ``source``: None when there is (evicting a holder if
@@ -448,19 +526,25 @@ class AdmissionGate:
         if self.stats.pending < cap:
             return None
         # Fair shares: only a source holding at least two slots more than the newcomer's
-        # gives one up (so the swap never leaves the newcomer's source ahead of it).
+        # gives one up (so the swap never leaves the newcomer's source ahead of it), and only
+        # if it has been sitting on slots (its load), however young its connections are.
         candidates = [
             held[0]
             for held in self._pending.values()
-            if len(held) >= len(mine) + 2 and held[0].started <= old_enough
+            if len(held) >= len(mine) + 2 and self._loads[held[0].source].load(now) >= _HOLDING_LOAD
         ]
         if not candidates:
             return f"{self.stats.pending} handshakes already in progress (the cap is {cap})"
-        victim = max(candidates, key=lambda t: (self.pending_from(t.source), -t.started))
+        victim = max(
+            candidates,
+            key=lambda t: (self.pending_from(t.source), self._loads[t.source].load(now)),
+        )
         victim.evict(
             f"{self.stats.pending} handshakes in progress (the cap is {cap}), "
-            f"{self.pending_from(victim.source)} of them from {victim.source}; this one made "
-            f"no progress for {now - victim.started:.1f} s and a newcomer needs the slot"
+            f"{self.pending_from(victim.source)} of them from {victim.source}, which held "
+            f"{self._loads[victim.source].load(now):.1f} slots on average lately; this one made "
+            f"no progress for {now - victim.started:.1f} s and a newcomer from an address "
+            f"holding {len(mine)} needs the slot"
         )
         return None
 
@@ -469,6 +553,7 @@ class AdmissionGate:
         held = self._pending.get(ticket.source)
         if held is not None and ticket in held:
             held.remove(ticket)
+            self._loads[ticket.source].change(-1, trio.current_time())
             if not held:
                 del self._pending[ticket.source]
 

@@ -145,6 +145,10 @@ class Connection:
         """Tags outgoing frames once the handshake is done (None before: handshake frames)."""
         self._opener: FrameOpener | None = None
         """Checks incoming frames' tags once the handshake is done."""
+        self._refusal: FrameAuthenticationError | None = None
+        """Why this end shut the connection down itself (a frame failed authentication, or
+        the counter ran out): a worker thread still using it then raises this, not the
+        hang-up it sees (`_hung_up`)."""
         _tune(self._sock)
 
     def authenticate_frames(self, session_key: bytes, *, dialer: bool) -> None:
@@ -213,8 +217,27 @@ class Connection:
         try:
             return self._sealer.seal(parts)
         except FrameAuthenticationError as exc:  # the counter ran out
-            self.abort()
-            raise exc.with_peer(self.peer) from None
+            raise self._refuse(exc) from None
+
+    def _refuse(self, exc: FrameAuthenticationError) -> FrameAuthenticationError:
+        """Shut the connection down for ``exc`` and return it naming the peer; remembered, so
+        that a thread blocked on the connection meanwhile wakes with it (`_hung_up`)."""
+        error = exc.with_peer(self.peer)
+        assert isinstance(error, FrameAuthenticationError)
+        self._refusal = error
+        self.abort()
+        return error
+
+    def _hung_up(self, error: PeerClosed) -> ProtocolError:
+        """What a worker thread raises when the connection fails under it: ``error``, or, if
+        this end shut it down for a refused frame, that refusal. Both threads of a threaded
+        ring then report the forged frame, whichever of them is recorded first."""
+        if self._refusal is None:
+            return error
+        return FrameAuthenticationError(
+            f"{self._refusal.reason} (this end closed the connection: {error.reason})",
+            peer=self.peer,
+        )
 
     def _open(self, parts: Sequence[bytes | memoryview]) -> None:
         """Check the buffered tag trailer of the frame made of ``parts`` and consume it; a
@@ -224,8 +247,7 @@ class Connection:
         try:
             self._opener.open(parts, trailer)
         except FrameAuthenticationError as exc:
-            self.abort()
-            raise exc.with_peer(self.peer) from None
+            raise self._refuse(exc) from None
 
     @asynccontextmanager
     async def _holding(self, lock: trio.StrictFIFOLock) -> AsyncIterator[bool]:
@@ -498,7 +520,8 @@ class Connection:
         except BlockingIOError:
             raise StallError(f"send to peer {self.peer} stalled past its deadline") from None
         except OSError as exc:
-            raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
+            lost = PeerClosed(f"connection lost while sending: {exc}", peer=self.peer)
+            raise self._hung_up(lost) from None
 
     def _read_blocking(self, view: memoryview) -> None:
         got = min(len(view), self._end - self._start)
@@ -520,9 +543,9 @@ class Connection:
         except BlockingIOError:
             raise StallError(f"peer {self.peer} sent nothing before the deadline") from None
         except OSError as exc:
-            raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
+            raise self._hung_up(PeerClosed(f"connection lost: {exc}", peer=self.peer)) from None
         if count == 0:
-            raise PeerClosed("connection closed by the peer", peer=self.peer)
+            raise self._hung_up(PeerClosed("connection closed by the peer", peer=self.peer))
         return count
 
     def _fill_blocking(self, need: int) -> None:
