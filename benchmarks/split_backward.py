@@ -9,6 +9,8 @@ micro-batch (forward untimed before each):
 - ``I+W (rewalk)``: what the executor did before: I as ``autograd.grad`` over the input keeping
   the graph, W as ``autograd.grad`` over the weights from the output again (the
   activation-gradient chain walked twice);
+- ``torch I+W``: torch.distributed.pipelining's own ``stage_backward_input`` and
+  ``stage_backward_weight`` (the reference design), for comparison;
 - ``F``: the forward alone.
 
 Two stages: ``mlp`` (half of the pipeline benchmark's model: 4 x (Linear(1024, 1024) + ReLU),
@@ -77,7 +79,13 @@ def _forward(chunk: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _time_stage(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor, repeats: int) -> dict:
     params = list(chunk.parameters())
-    times: dict[str, list[float]] = {k: [] for k in ("F", "B", "I", "W", "I_rewalk", "W_rewalk")}
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    keys = ("F", "B", "I", "W", "I_rewalk", "W_rewalk", "I_torch", "W_torch")
+    times: dict[str, list[float]] = {k: [] for k in keys}
     reference = None
     for repeat in range(repeats + 1):  # the first repetition warms up, untimed
         # F and B
@@ -107,6 +115,17 @@ def _time_stage(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor, repeats: 
         old_weights = torch.autograd.grad([out], params, [grad])
         w_old = CLOCK() - start
         del out
+        # torch's own split (it accumulates into .grad: cleared before and after)
+        xi, out = _forward(chunk, x)
+        start = CLOCK()
+        _, param_groups = stage_backward_input([out], [grad], [xi], iter(params))
+        i_torch = CLOCK() - start
+        start = CLOCK()
+        stage_backward_weight(iter(params), param_groups)
+        w_torch = CLOCK() - start
+        del out
+        for p in params:
+            p.grad = None
         if reference is None:
             reference = whole
             for name, got in (
@@ -125,14 +144,17 @@ def _time_stage(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor, repeats: 
             ("W", w),
             ("I_rewalk", i_old),
             ("W_rewalk", w_old),
+            ("I_torch", i_torch),
+            ("W_torch", w_torch),
         ):
             times[key].append(value)
     med = {k: statistics.median(v) for k, v in times.items()}
     # per-repetition sums, then their median (I and W of one micro-batch belong together)
     med["I+W"] = statistics.median(a + b for a, b in zip(times["I"], times["W"], strict=True))
-    med["I+W_rewalk"] = statistics.median(
-        a + b for a, b in zip(times["I_rewalk"], times["W_rewalk"], strict=True)
-    )
+    for tail in ("rewalk", "torch"):
+        med[f"I+W_{tail}"] = statistics.median(
+            a + b for a, b in zip(times[f"I_{tail}"], times[f"W_{tail}"], strict=True)
+        )
     return med
 
 
@@ -161,7 +183,8 @@ def main() -> None:
     )
     header = (
         f"{'stage':<12} | {'F':>8} | {'B':>8} | {'I':>8} | {'W':>8} | {'I+W':>8} | "
-        f"{'(I+W)/B':>7} | {'rewalk I+W':>10} | {'rewalk/B':>8}"
+        f"{'(I+W)/B':>7} | {'rewalk I+W':>10} | {'rewalk/B':>8} | {'torch I+W':>9} | "
+        f"{'torch/B':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -176,7 +199,8 @@ def main() -> None:
         print(
             f"{name:<12} | {ms['F']:>5.2f} ms | {ms['B']:>5.2f} ms | {ms['I']:>5.2f} ms | "
             f"{ms['W']:>5.2f} ms | {ms['I+W']:>5.2f} ms | {med['I+W'] / med['B']:>6.2f}x | "
-            f"{ms['I+W_rewalk']:>7.2f} ms | {med['I+W_rewalk'] / med['B']:>7.2f}x"
+            f"{ms['I+W_rewalk']:>7.2f} ms | {med['I+W_rewalk'] / med['B']:>7.2f}x | "
+            f"{ms['I+W_torch']:>6.2f} ms | {med['I+W_torch'] / med['B']:>6.2f}x"
         )
     print("(medians; I+W: of the per-micro-batch sums; rewalk: W from the output again)")
     if args.json:
