@@ -8,22 +8,32 @@ trained with MSE and SGD on the same data from the same initial weights, a batch
 - ``single``: one process, the whole model, the m micro-batches in order (loss / m, gradients
   accumulated), then the optimizer: the baseline a 2-stage pipeline divides;
 - ``paramsync-<schedule>``: two processes joined by `TcpTransport`, each a `PipelineStage`
-  (`actors.parallel.pipeline`) holding half of the blocks, executing its list of
-  `runtime.parallel.schedules.build_schedule` (``gpipe`` or ``1f1b``) with tagged p2p;
-- ``torch-<schedule>``: two processes in a gloo process group, each a
-  ``torch.distributed.pipelining.PipelineStage`` holding the same half, run by ``ScheduleGPipe``
-  or ``Schedule1F1B`` on the same micro-batches.
+  (`actors.parallel.pipeline`) holding its blocks (half of them; with ``interleaved_1f1b`` two
+  chunks of a quarter, stages r and r + 2), executing its list of
+  `runtime.parallel.schedules.build_schedule` with tagged p2p;
+- ``torch-<schedule>``: two processes in a gloo process group, each holding the same blocks as
+  ``torch.distributed.pipelining.PipelineStage``s, on the same micro-batches: ``gpipe`` and
+  ``1f1b`` by ``ScheduleGPipe`` and ``Schedule1F1B``; ``interleaved_1f1b`` by
+  ``ScheduleInterleaved1F1B`` with the same 2 stages per rank; ``zero_bubble`` by torch's
+  runtime for custom schedules (``_PipelineScheduleRuntime``) fed OUR ZB-H1 compute lists
+  (`runtime.parallel.schedules.compute_lists`), lowered by torch's own send/receive pass and
+  run with torch's own split backward: the same schedule, action for action (torch's own
+  zero-bubble schedules, ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble``, are
+  multi-chunk forms, not ZB-H1).
 
 One intra-op thread per process (OMP_NUM_THREADS=1, torch.set_num_threads(1)), CPU only. Per
 system, ``--warmup`` untimed steps, then ``--steps`` timed ones; rank 0 takes the time between
 the ends of consecutive steps; the table shows the median (pooled over rounds), the ratio of
 paramsync's step time to torch's for the same schedule (below 1: paramsync is faster), the
-speedup over one process and the fraction of the bubble-limited ideal speedup reached: with p
-stages and m micro-batches a pipeline can at best go p * m / (m + p - 1) times faster than one
-process (1.78x for p = 2, m = 8), the bubble being (p - 1) / (m + p - 1) of its time. The
-systems alternate round by round, the order reversed every other round, so drift in the
-machine's load hits all alike. Each system prints its final loss: paramsync's equals the single
-process's (same arithmetic), torch's agrees to rounding.
+speedup over one process and the fraction of the schedule's ideal speedup reached: the unit-cost
+bound p * (1 - bubble) of the simulator (`runtime.parallel.simulate`; F = 1, B = 2, I = W = 1),
+p * m / (m + p - 1) for GPipe and 1F1B (1.78x for p = 2, m = 8), p * v * m / (v * m + p - 1)
+for interleaved with v chunks (1.88x), about a third of 1F1B's bubble for ZB-H1 (1.92x). Next
+to it, the simulator's prediction with the costs measured in the single process (F, B, I, W per
+micro-batch, on the CPU clock, a stage taking 1/p of them): its bubble fraction and the speedup
+m * (F + B) / makespan. The systems alternate round by round, the order reversed every other
+round, so drift in the machine's load hits all alike. Each system prints its final loss:
+paramsync's equals the single process's (same arithmetic), torch's agrees to rounding.
 
     python benchmarks/pipeline.py --json out/pipeline.json
     python benchmarks/pipeline.py --quick
@@ -47,13 +57,43 @@ from allreduce import _free_port  # the sibling benchmark's helper (same folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 PP = 2
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
+CHUNKS = {"interleaved_1f1b": 2}
+"""Model chunks per rank (v) of each schedule; 1 when not named."""
 LAUNCH_SECONDS = 900.0
 
 
 def ideal_speedup(p: int, m: int) -> float:
     """The bubble-limited best speedup of p stages over one process: p * m / (m + p - 1)."""
     return p * m / (m + p - 1)
+
+
+def _schedule(schedule: str, m: int):
+    from runtime.parallel.schedules import build_schedule
+
+    return build_schedule(schedule, PP, m, CHUNKS.get(schedule, 1))
+
+
+def schedule_ideal_speedup(schedule: str, m: int) -> float:
+    """The best speedup of ``schedule`` on PP ranks over one process in the unit-cost model
+    (F = 1, B = 2, I = W = 1): PP * (1 - its simulated bubble fraction). GPipe and 1F1B:
+    `ideal_speedup`; interleaved with v chunks: p * v * m / (v * m + p - 1)."""
+    from runtime.parallel.simulate import simulate
+
+    return PP * (1 - float(simulate(_schedule(schedule, m)).bubble_fraction))
+
+
+def predicted(schedule: str, m: int, costs: dict[str, float]) -> tuple[float, float]:
+    """(bubble fraction, speedup over one process) the simulator predicts for ``schedule`` with
+    ``costs``: the single process's measured seconds per micro-batch of the whole model for F,
+    B, I and W, each stage taking 1 / PP of them (1 / (PP * v) per chunk). The speedup is one
+    process's m * (F + B) over the simulated step (the makespan)."""
+    from runtime.parallel.simulate import simulate
+
+    stage_costs = {kind: costs[kind] / PP for kind in ("F", "B", "I", "W")}
+    result = simulate(_schedule(schedule, m), stage_costs)
+    single = m * (costs["F"] + costs["B"])
+    return float(result.bubble_fraction), single / float(result.makespan)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -111,7 +151,42 @@ def _worker_single(args: argparse.Namespace) -> dict:
         return math.fsum(losses) / args.microbatches
 
     seconds, loss = _timed(args.steps, args.warmup, step)
-    return {"step_seconds": seconds, "loss": loss}
+    return {"step_seconds": seconds, "loss": loss, "costs": _measure_costs(blocks, xs, args)}
+
+
+def _measure_costs(blocks, xs, args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds per micro-batch of the whole model's forward F, whole backward B (input
+    gradient and weights), and its split halves I and W (`actors.parallel.split_backward`), the
+    input requiring grad as a middle stage's does: the simulator's costs. Taken on this
+    thread's CPU clock (one intra-op thread), which other processes' load does not inflate."""
+    import torch
+
+    from actors.parallel.split_backward import backward_input
+
+    params = list(blocks.parameters())
+    grad = torch.ones_like(blocks(xs[0])) / xs[0].numel()
+    times: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for repeat in range(args.steps + 1):  # the first one warms up
+        x = xs[repeat % len(xs)].detach().clone().requires_grad_(True)
+        start = time.thread_time()
+        out = blocks(x)
+        forward = time.thread_time() - start
+        start = time.thread_time()
+        torch.autograd.grad([out], [x, *params], [grad])
+        whole = time.thread_time() - start
+        x = x.detach().clone().requires_grad_(True)
+        out = blocks(x)
+        start = time.thread_time()
+        _, weights = backward_input(out, grad, x, params)
+        split_input = time.thread_time() - start
+        del out
+        start = time.thread_time()
+        weights.compute()
+        split_weight = time.thread_time() - start
+        if repeat:
+            for key, value in zip("FBIW", (forward, whole, split_input, split_weight), strict=True):
+                times[key].append(value)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
@@ -124,7 +199,8 @@ def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
     from runtime.transport.tcp import TcpTransport
 
     blocks, inputs, targets, loss_fn = _setup(args)
-    actions = build_schedule(schedule, PP, args.microbatches).actions[args.rank]
+    chunks = CHUNKS.get(schedule, 1)
+    actions = build_schedule(schedule, PP, args.microbatches, chunks).actions[args.rank]
     xs, ys = list(inputs.chunk(args.microbatches)), list(targets.chunk(args.microbatches))
     out: dict = {}
 
@@ -134,6 +210,7 @@ def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
             stage = PipelineStage.from_blocks(
                 blocks,
                 pp_group=world,
+                chunks_per_rank=chunks,
                 loss_fn=loss_fn,
                 activation_shape=(args.microbatch_size, args.width),
             )
@@ -166,22 +243,71 @@ def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
     return out
 
 
+def _torch_runner(schedule: str, blocks, args: argparse.Namespace, loss_fn):
+    """torch's schedule object for ``schedule`` on this rank, and the modules it trains.
+
+    gpipe, 1f1b: ``ScheduleGPipe``, ``Schedule1F1B``; interleaved_1f1b:
+    ``ScheduleInterleaved1F1B`` with the same 2 stages per rank (r and r + PP); zero_bubble:
+    torch's runtime for custom schedules (``_PipelineScheduleRuntime``) given OUR ZB-H1
+    compute lists (`runtime.parallel.schedules.compute_lists`), which torch lowers with its own
+    send/receive pass and runs with its own I/W (``stage_backward_input`` /
+    ``stage_backward_weight``): the same schedule, action for action.
+    """
+    import torch
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _ComputationType,
+        _PipelineScheduleRuntime,
+    )
+
+    from runtime.parallel.schedules import compute_lists
+
+    chunks = CHUNKS.get(schedule, 1)
+    num_stages = PP * chunks
+    per = args.blocks // num_stages
+    mine = [args.rank + chunk * PP for chunk in range(chunks)]
+    modules = [blocks[s * per : (s + 1) * per] for s in mine]
+    stages = [
+        PipelineStage(module, s, num_stages, torch.device("cpu"))
+        for s, module in zip(mine, modules, strict=True)
+    ]
+    m = args.microbatches
+    if schedule == "gpipe":
+        return ScheduleGPipe(stages[0], m, loss_fn=loss_fn), modules
+    if schedule == "1f1b":
+        return Schedule1F1B(stages[0], m, loss_fn=loss_fn), modules
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn), modules
+    runner = _PipelineScheduleRuntime(stages, m, loss_fn=loss_fn)
+    ours = compute_lists(schedule, PP, m, chunks)
+    runner._prepare_schedule_with_comms(
+        {
+            rank: [
+                _Action(a.stage, _ComputationType(a.kind.value), a.microbatch) for a in ours[rank]
+            ]
+            for rank in range(PP)
+        }
+    )
+    return runner, modules
+
+
 def _worker_torch(args: argparse.Namespace, schedule: str) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     blocks, inputs, targets, loss_fn = _setup(args)
-    per = args.blocks // PP
-    submodule = blocks[args.rank * per : (args.rank + 1) * per]
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(args.port)
     dist.init_process_group("gloo", rank=args.rank, world_size=PP)
     try:
-        stage = PipelineStage(submodule, args.rank, PP, torch.device("cpu"))
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        runner = kind(stage, args.microbatches, loss_fn=loss_fn)
-        optimizer = _optimizer(submodule.parameters(), args)
+        runner, modules = _torch_runner(schedule, blocks, args, loss_fn)
+        optimizer = _optimizer([p for module in modules for p in module.parameters()], args)
         first, last = args.rank == 0, args.rank == PP - 1
 
         def step() -> float | None:
@@ -270,11 +396,13 @@ def _launch(system: str, args: argparse.Namespace) -> dict:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return {"step_seconds": outputs[0]["step_seconds"], "loss": outputs[-1]["loss"]}
+    result = {"step_seconds": outputs[0]["step_seconds"], "loss": outputs[-1]["loss"]}
+    if "costs" in outputs[0]:
+        result["costs"] = outputs[0]["costs"]
+    return result
 
 
 def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.Namespace) -> dict:
-    ideal = ideal_speedup(PP, args.microbatches)
     rows: dict = {}
     for system in systems:
         pooled = [s for run in runs[system] for s in run["step_seconds"]]
@@ -283,43 +411,70 @@ def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.N
             "samples": len(pooled),
             "loss": runs[system][-1]["loss"],
         }
+    costs = {
+        kind: statistics.median(run["costs"][kind] for run in runs["single"]) for kind in "FBIW"
+    }
+    rows["single"]["costs_seconds"] = costs
     single = rows["single"]["median_step_seconds"]
     for system in systems:
         if system == "single":
             continue
+        schedule = system.split("-", 1)[1]
         row = rows[system]
+        row["schedule"] = schedule
+        row["chunks_per_rank"] = CHUNKS.get(schedule, 1)
         row["speedup"] = single / row["median_step_seconds"]
-        row["fraction_of_ideal"] = row["speedup"] / ideal
+        row["ideal_speedup"] = schedule_ideal_speedup(schedule, args.microbatches)
+        row["fraction_of_ideal"] = row["speedup"] / row["ideal_speedup"]
+        bubble, speedup = predicted(schedule, args.microbatches, costs)
+        row["predicted_bubble_fraction"] = bubble
+        row["predicted_speedup"] = speedup
         if system.startswith("paramsync-"):
-            torch_row = rows.get("torch-" + system.removeprefix("paramsync-"))
+            torch_row = rows.get("torch-" + schedule)
             if torch_row is not None:
                 row["ratio_to_torch"] = (
                     row["median_step_seconds"] / torch_row["median_step_seconds"]
                 )
-    return {"ideal_speedup": ideal, "systems": rows}
+    return {
+        "ideal_speedup": ideal_speedup(PP, args.microbatches),
+        "costs_seconds": costs,
+        "systems": rows,
+    }
 
 
 def _print_table(table: dict, systems: list[str]) -> None:
     header = (
-        f"{'system':<16} | {'step':>9} | {'loss':>10} | {'speedup':>7} | {'of ideal':>8} | "
-        f"{'vs torch':>8}"
+        f"{'system':<26} | {'step':>9} | {'loss':>10} | {'speedup':>7} | {'ideal':>5} | "
+        f"{'of ideal':>8} | {'sim bubble':>10} | {'sim speedup':>11} | {'vs torch':>8}"
     )
     print(header)
     print("-" * len(header))
     for system in systems:
         row = table["systems"][system]
         speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "1.00x"
-        ideal = f"{row['fraction_of_ideal'] * 100:.0f} %" if "fraction_of_ideal" in row else "-"
+        ideal = f"{row['ideal_speedup']:.2f}x" if "ideal_speedup" in row else "-"
+        of_ideal = f"{row['fraction_of_ideal'] * 100:.0f} %" if "fraction_of_ideal" in row else "-"
+        bubble = (
+            f"{row['predicted_bubble_fraction'] * 100:.1f} %"
+            if "predicted_bubble_fraction" in row
+            else "-"
+        )
+        sim = f"{row['predicted_speedup']:.2f}x" if "predicted_speedup" in row else "-"
         versus = f"{row['ratio_to_torch']:.2f}x" if "ratio_to_torch" in row else "-"
         print(
-            f"{system:<16} | {row['median_step_seconds'] * 1e3:>6.1f} ms | {row['loss']:>10.6f} | "
-            f"{speedup:>7} | {ideal:>8} | {versus:>8}"
+            f"{system:<26} | {row['median_step_seconds'] * 1e3:>6.1f} ms | {row['loss']:>10.6f} | "
+            f"{speedup:>7} | {ideal:>5} | {of_ideal:>8} | {bubble:>10} | {sim:>11} | {versus:>8}"
         )
+    costs = table["costs_seconds"]
     print(
-        f"(step: median time between consecutive step ends on rank 0, pooled over rounds; "
-        f"speedup: single / system; of ideal: speedup / {table['ideal_speedup']:.2f}, the "
-        f"bubble-limited p*m/(m+p-1); vs torch: paramsync's step time / torch's for the same "
-        f"schedule, below 1 is faster)"
+        "(step: median time between consecutive step ends on rank 0, pooled over rounds; "
+        "speedup: single / system; ideal: the schedule's unit-cost bound PP * (1 - bubble) "
+        f"(GPipe and 1F1B p*m/(m+p-1) = {table['ideal_speedup']:.2f}); of ideal: speedup / "
+        "ideal; sim bubble, sim speedup: runtime.parallel.simulate with the single process's "
+        f"measured costs per micro-batch F {costs['F'] * 1e3:.2f} ms, B {costs['B'] * 1e3:.2f} "
+        f"ms, I {costs['I'] * 1e3:.2f} ms, W {costs['W'] * 1e3:.2f} ms over {PP} stages, "
+        "communication free; vs torch: paramsync's step time / torch's for the same schedule, "
+        "below 1 is faster)"
     )
 
 
@@ -357,17 +512,20 @@ def main() -> None:
         return
     if args.quick:
         args.width, args.microbatch_size, args.rounds, args.steps, args.warmup = 128, 4, 1, 3, 1
-    if args.blocks % PP or args.microbatches < PP or args.steps < 1 or args.warmup < 1:
+    stages = PP * max(CHUNKS.get(schedule, 1) for schedule in args.schedules)
+    if args.blocks % stages or args.microbatches < PP or args.microbatches % PP:
         raise SystemExit(
-            f"--blocks must be a multiple of {PP}, --microbatches at least {PP}, --steps and "
-            "--warmup at least 1"
+            f"--blocks must be a multiple of {stages} (the stages), --microbatches a multiple "
+            f"of {PP}"
         )
+    if args.steps < 1 or args.warmup < 1:
+        raise SystemExit("--steps and --warmup must be at least 1")
     systems = ["single"]
     for schedule in args.schedules:
         systems += [f"paramsync-{schedule}", f"torch-{schedule}"]
     load = os.getloadavg()
     print(
-        f"MLP {args.blocks} x Linear({args.width}, {args.width}) + ReLU on {PP} stages; "
+        f"MLP {args.blocks} x Linear({args.width}, {args.width}) + ReLU on {PP} ranks; "
         f"m = {args.microbatches} micro-batches of {args.microbatch_size}; SGD lr {args.lr}; "
         f"{args.warmup} warm-up + {args.steps} timed steps; {args.rounds} rounds; "
         f"{os.cpu_count()} CPUs; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",

@@ -11,10 +11,10 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   the backward, so the step's gradient is the mean over the micro-batches.
 - BACKWARD runs autograd from the received output gradient (the last stage: from ``loss / m``)
   to the stage's input and weights at once; BACKWARD_INPUT (zero-bubble) computes the input
-  gradient only (``torch.autograd.grad`` over the stage input, keeping the graph), and
-  BACKWARD_WEIGHT the weight gradients later, from the same output gradient over the kept graph.
-  That second pass walks the activation-gradient chain again (torch's ``stage_backward_weight``
-  saves the intermediate gradients instead), so I + W cost more compute than one B here.
+  gradient only, keeping the gradients that flowed into every node where a weight's subgraph
+  meets the activation-gradient chain, and BACKWARD_WEIGHT the weight gradients later from
+  those alone, without walking the chain again (`actors.parallel.split_backward`, as torch's
+  ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
 - SEND_ACTIVATION / SEND_GRADIENT start a tagged `isend` in the step's nursery and go on: a send
   never blocks the list (sends to one peer leave in list order). RECV_ACTIVATION /
   RECV_GRADIENT post a tagged `recv` into a tensor of the declared activation shape and dtype
@@ -57,6 +57,7 @@ from actors.parallel.pipeline_grads import (
     broadcast_tied,
     sum_tied,
 )
+from actors.parallel.split_backward import WeightGradients, backward_input
 from actors.parallel.stages import StageChunk, check_stage_layout, split_blocks, stage_rank
 from runtime.collectives.p2p import isend, recv
 from runtime.collectives.ring import broadcast
@@ -103,8 +104,10 @@ class _Forward:
     """One micro-batch's forward on one stage, kept for its backward."""
 
     input: torch.Tensor  # the stage input (a leaf requiring grad, except for stage 0)
-    output: torch.Tensor  # the chunk's output with its graph, or loss / m on the last stage
+    output: torch.Tensor | None  # the chunk's output with its graph, or loss / m on the last
+    # stage; None once a BACKWARD_INPUT has left what the weight pass needs in ``weights``
     input_grad_done: bool = False
+    weights: WeightGradients | None = None
 
 
 class PipelineStage:
@@ -571,20 +574,36 @@ class _StepRun:
             raise RuntimeError(
                 f"stage {stage}: the input gradient of micro-batch {microbatch} twice"
             )
+        if weights and not inputs:
+            await self._backward_weight(stage, microbatch, forward)
+            return
         grad_out = self._output_grad(stage, microbatch)
-        wants_input = inputs and stage > 0 and forward.input.requires_grad
-        params = self.stage._grads[stage].params if weights else []
-        keep_graph = inputs and not weights
+        wants_input = stage > 0 and forward.input.requires_grad
+        output = forward.output
+        assert output is not None
+        if not weights:
+            params = self.stage._grads[stage].params
+            stage_input = forward.input if wants_input else None
+
+            def compute_input() -> tuple[torch.Tensor | None, WeightGradients]:
+                return backward_input(output, grad_out, stage_input, params)
+
+            input_grad, forward.weights = await trio.to_thread.run_sync(compute_input)
+            forward.output = None
+            forward.input_grad_done = True
+            self._send_input_grad(stage, microbatch, forward, wants_input, input_grad)
+            self._drop_output_grad(stage, microbatch)
+            return
+        params = self.stage._grads[stage].params
 
         def compute() -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
             targets = ([forward.input] if wants_input else []) + list(params)
             if not targets:
                 return None, []
             grads = torch.autograd.grad(
-                [forward.output],
+                [output],
                 targets,
                 None if grad_out is None else [grad_out],
-                retain_graph=keep_graph,
                 allow_unused=True,
             )
             if wants_input:
@@ -592,23 +611,37 @@ class _StepRun:
             return None, list(grads)
 
         input_grad, weight_grads = await trio.to_thread.run_sync(compute)
-        if inputs:
-            forward.input_grad_done = True
-            if wants_input:
-                if input_grad is None:
-                    input_grad = torch.zeros_like(forward.input)
-                self.to_send[(ActionKind.SEND_GRADIENT, stage, microbatch)] = (
-                    input_grad.contiguous()
-                )
-            self._drop_output_grad(stage, microbatch)
-        if weights:
-            self.stage._grads[stage].add(microbatch, weight_grads)
-            del self.forwards[key]
-            self._drop_output_grad(stage, microbatch)
+        forward.input_grad_done = True
+        self._send_input_grad(stage, microbatch, forward, wants_input, input_grad)
+        self.stage._grads[stage].add(microbatch, weight_grads)
+        del self.forwards[key]
+        self._drop_output_grad(stage, microbatch)
+
+    async def _backward_weight(self, stage: int, microbatch: int, forward: _Forward) -> None:
+        """BACKWARD_WEIGHT: the weight gradients from what the BACKWARD_INPUT kept."""
+        weights = forward.weights
+        assert weights is not None
+        weight_grads = await trio.to_thread.run_sync(weights.compute)
+        forward.weights = None
+        self.stage._grads[stage].add(microbatch, weight_grads)
+        del self.forwards[(stage, microbatch)]
+
+    def _send_input_grad(
+        self,
+        stage: int,
+        microbatch: int,
+        forward: _Forward,
+        wants_input: bool,
+        input_grad: torch.Tensor | None,
+    ) -> None:
+        if not wants_input:
+            return
+        if input_grad is None:
+            input_grad = torch.zeros_like(forward.input)
+        self.to_send[(ActionKind.SEND_GRADIENT, stage, microbatch)] = input_grad.contiguous()
 
     def _drop_output_grad(self, stage: int, microbatch: int) -> None:
-        """Forget the output gradient once the weights are done too (a BACKWARD_WEIGHT after
-        its BACKWARD_INPUT needs it again)."""
-        if (stage, microbatch) not in self.forwards:
-            self.grad_in.pop((stage, microbatch), None)
-            self.to_send.pop((ActionKind.SEND_GRADIENT, stage + 1, microbatch), None)
+        """Forget the output gradient once the input gradient is computed (a BACKWARD_WEIGHT
+        needs only what its BACKWARD_INPUT kept)."""
+        self.grad_in.pop((stage, microbatch), None)
+        self.to_send.pop((ActionKind.SEND_GRADIENT, stage + 1, microbatch), None)
