@@ -234,3 +234,20 @@ def test_cuda_replicas_match_cpu_within_tolerance() -> None:
             dp.primary_pipeline.parameters(), one.primary_pipeline.parameters()
         ):
             torch.testing.assert_close(mine.cpu(), theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_closed_pool_leaves_the_process_thread_count_as_it_found_it() -> None:
+    """torch's intra-op thread count is process-wide: the replica threads set theirs, and the
+    pool puts the count it found back when it closes (a leak changed later code's arithmetic)."""
+    from actors.multidevice.threads import ReplicaThreads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = ReplicaThreads(2, intra_op_threads=1)
+        jobs = [torch.get_num_threads] * 2
+        assert pool.run(jobs, phase="count", devices=["cpu", "cpu"]) == [1, 1]
+        pool.close()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

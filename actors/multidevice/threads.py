@@ -5,10 +5,13 @@ digest) runs on its own thread, which lives as long as the pool: no thread is st
 torch releases the GIL inside its kernels, so replicas on several CPU devices (or several GPUs)
 run at once.
 
-Intra-op threads: ``torch.set_num_threads`` is called once on each pool thread when it starts.
-With torch's OpenMP backend this sets the calling thread's own OpenMP thread count (measured:
-the main thread keeps its own count), so each replica runs its kernels with
-``intra_op_threads`` threads (default 1: on an n-core host, n replicas use one core each).
+Intra-op threads: ``torch.set_num_threads`` is called once on each pool thread when it starts,
+so each replica runs its kernels with ``intra_op_threads`` threads (default 1: on an n-core
+host, n replicas use one core each). torch's count is process-wide, not per thread (measured:
+after a pool thread sets 1, the main thread and threads started later report 1 too), so the
+pool records the count it found and puts it back when it closes: a pool leaves the process's
+threading as it was (a leaked count once changed the arithmetic of unrelated code run later in
+the same process: tests/test_multidevice.py checks it is restored).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class ReplicaThreads:
             raise ValueError(f"intra_op_threads must be at least 1, not {intra_op_threads}")
         self.count = count
         self.intra_op_threads = intra_op_threads
+        self._threads_before = torch.get_num_threads()
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
         self._threads = [
             threading.Thread(
@@ -103,3 +107,4 @@ class ReplicaThreads:
             jobs.put(_STOP)
         for thread in self._threads:
             thread.join()
+        torch.set_num_threads(self._threads_before)
