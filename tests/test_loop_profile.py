@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.soak  # a 30 s profiling run: make soak
 def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "loop_profile.py"), "--world", "2"]
     command += ["--steps", "400", "--window", "5", "8", "--top", "3"]  # the run outlasts 8 s
@@ -25,6 +28,7 @@ def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
     assert any(line.strip().endswith("handle") for line in lines)  # the coordinator's core
 
 
+@pytest.mark.soak  # a 30 s profiling run: make soak
 def test_loop_profile_says_when_the_run_is_shorter_than_its_window() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "loop_profile.py"), "--world", "2"]
     command += ["--steps", "2", "--window", "60", "61"]

@@ -152,6 +152,7 @@ def test_four_ranks_on_two_hosts_equal_one_process(tmp_path: Path) -> None:
         assert result["summary"]["final_step"] == steps
 
 
+@pytest.mark.soak  # a kill-and-rejoin trial across namespaces: make soak
 def test_a_remote_worker_killed_is_restarted_and_rejoins_live(tmp_path: Path) -> None:
     """SIGKILL of rank 3 (on node 1, not the coordinator's): node 1's launcher starts it
     again (--max-restarts 1), the others train on without it, and it rejoins live with their

@@ -72,6 +72,7 @@ def test_each_schedule_has_its_own_ideal_and_the_simulator_predicts_it_at_unit_c
     assert dear < bench.schedule_ideal_speedup("zero_bubble", 8)
 
 
+@pytest.mark.soak  # 40 s of benchmark processes: make soak
 def test_a_quick_run_of_zero_bubble_and_interleaved_against_torch(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     command = [sys.executable, str(SCRIPT), "--quick", "--json", str(out), "--schedules"]
