@@ -190,14 +190,23 @@ class TorchDistTransport(NativeCollectives):
         self._inbox: dict[int, trio.MemoryReceiveChannel[torch.Tensor | Exception]] = {}
         self._peers = [peer for peer in range(world_size) if peer != rank]
         self._pumps: list[threading.Thread] = []
+        self._release: threading.Thread | None = None
+        """The thread that drops the group once `aclose` has closed it (joined by `aclose` for
+        up to ``close_seconds``, and by the interpreter before it exits)."""
         for peer in self._peers:
             send, receive = trio.open_memory_channel[torch.Tensor | Exception](inbox_frames)
             self._inbox_send[peer], self._inbox[peer] = send, receive
         for peer in self._peers:
+            # Not a daemon: the interpreter joins it before it finalizes. A daemon thread
+            # still inside gloo then (or taking the GIL back from it) is torn down by a forced
+            # unwind through C++, which aborts the process ("terminate called without an
+            # active exception"). It ends on its peer's goodbye or a broken connection.
             pump = threading.Thread(
-                target=self._pump, args=(peer,), name=f"paramsync-torch-recv-{rank}<-{peer}"
+                target=self._pump,
+                args=(peer,),
+                name=f"paramsync-torch-recv-{rank}<-{peer}",
+                daemon=False,
             )
-            pump.daemon = True
             pump.start()
             self._pumps.append(pump)
 
@@ -467,36 +476,49 @@ class TorchDistTransport(NativeCollectives):
 
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(finish, self.close_seconds, abandon_on_cancel=True)
-        # Released by a thread of its own once every abandoned operation has ended (a
-        # collective abandoned on a dead peer fails at once, on a silent one at its deadline):
-        # a gloo group's destructor waits for its worker threads' collectives while holding
-        # the GIL, which would stall every thread of the process. The connections close once
-        # nothing holds the group. A goodbye a peer never took stays referenced
-        # (``_goodbyes``), not freed under gloo.
-        held = [self._group, self._device_group, *self._keep]
+        # Released on a thread of its own (not a daemon, so the interpreter joins it before it
+        # finalizes), in a fixed order: every abandoned operation ends (a collective abandoned
+        # on a dead peer fails at once, on a silent one at its deadline), every receiving
+        # thread ends (they hold the group), then the groups are destroyed, the device group
+        # first, and last the store they met through. Waiting happens without the GIL, and a
+        # gloo group's destructor then has nothing left to wait for while it holds the GIL.
+        # A goodbye a peer never took stays referenced (``_goodbyes``), not freed under gloo.
+        held = [self._device_group, self._group, *self._keep]
         pending = list(self._inflight)
         self._group = None
         self._device_group = None
         self._keep.clear()
         self._inflight.clear()
-        threading.Thread(
+        release = threading.Thread(
             target=_release,
-            args=(held, pending),
+            args=(held, pending, pumps),
             name=f"paramsync-torch-release-{self.rank}",
-            daemon=True,
-        ).start()
+            daemon=False,
+        )
         del held, pending
+        release.start()
+        self._release = release
+
+        def finished(limit: float) -> None:
+            release.join(limit)
+
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(finished, self.close_seconds, abandon_on_cancel=True)
 
 
-def _release(held: list[object], pending: list[Any]) -> None:
-    """Wait (without the GIL) for ``pending`` operations to end, then drop ``held``."""
+def _release(held: list[object], pending: list[Any], pumps: list[threading.Thread]) -> None:
+    """Wait (without the GIL) for ``pending`` operations and the receiving threads ``pumps`` to
+    end, then drop ``held`` one at a time, in its order."""
     for work in pending:
         try:
             work.wait()
         except RuntimeError:
             pass  # failed as abandoned operations do: it has ended
     pending.clear()
-    held.clear()
+    for pump in pumps:
+        pump.join()
+    while held:
+        held.pop(0)
 
 
 class _Goodbye(PeerClosed):
