@@ -122,13 +122,36 @@ def test_phase_seconds_sums_each_steps_spans() -> None:
     assert spent["backward"] == [0.0, 0.0]
 
 
-def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) -> None:
-    out = tmp_path / "ddp.json"
+def _tiny_command(out: Path) -> list[str]:
     command = [sys.executable, str(SCRIPT), "--worlds", "2", "--rounds", "1", "--steps", "6"]
     command += ["--warmup", "2", "--layers", "1", "--d-model", "32", "--context", "16"]
-    command += ["--check-split", "3", "--corpus-bytes", "200000", "--json", str(out)]
-    # The DDP-shaped entry, and the paramsync systems again with a baseline's code (this one).
-    command += ["--own-loop", "--baseline", str(ROOT)]
+    command += ["--corpus-bytes", "200000", "--json", str(out)]
+    return command
+
+
+@pytest.mark.soak  # six systems of processes, about 90 s: make soak
+def test_a_tiny_run_of_the_own_loop_and_a_baseline_checkout(tmp_path: Path) -> None:
+    """The DDP-shaped entry, and the paramsync systems again with a baseline's code (this
+    checkout), in the same rounds as the others."""
+    out = tmp_path / "ddp.json"
+    command = [*_tiny_command(out), "--no-torch-backend", "--own-loop", "--baseline", str(ROOT)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"][0]
+    # The own loop (actors.DistributedDataParallel, the user's loop) trains the same curve.
+    own = row["own-loop"]
+    assert own["median_step_seconds"] > 0 and len(own["paired_ratio_rounds"]) == 1
+    assert own["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
+    assert "own loop (DDP-shaped)" in done.stdout and "against train_batch" in done.stdout
+    for system in ("paramsync@baseline", "own-loop@baseline"):
+        assert row[system]["median_step_seconds"] > 0
+        assert row[system]["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
+    assert "this code / baseline" in done.stdout
+
+
+def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "ddp.json"
+    command = [*_tiny_command(out), "--check-split", "3"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "paramsync / DDP round by round" in done.stdout
@@ -158,15 +181,6 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
         "optimizer",
     }
     assert "where it lands" in done.stdout
-    # The own loop (actors.DistributedDataParallel, the user's loop) trains the same curve.
-    own = row["own-loop"]
-    assert own["median_step_seconds"] > 0 and len(own["paired_ratio_rounds"]) == 1
-    assert own["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
-    assert "own loop (DDP-shaped)" in done.stdout and "against train_batch" in done.stdout
-    for system in ("paramsync@baseline", "own-loop@baseline"):
-        assert row[system]["median_step_seconds"] > 0
-        assert row[system]["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
-    assert "this code / baseline" in done.stdout
 
 
 def test_the_mlp_model_is_tiny_seeded_and_trains() -> None:

@@ -34,6 +34,7 @@ def test_the_ideal_speedup_is_the_bubble_limit() -> None:
     assert bench.ideal_speedup(1, 8) == 1.0
 
 
+@pytest.mark.soak  # two systems of benchmark processes, about 20 s: make soak
 def test_a_quick_run_times_every_system_and_prints_its_columns(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     command = [sys.executable, str(SCRIPT), "--quick", "--schedules", "1f1b", "--json", str(out)]

@@ -57,6 +57,7 @@ def test_an_uneven_split_is_refused() -> None:
         bench.main(["--ffn", "7"])
 
 
+@pytest.mark.soak  # three systems of benchmark processes: make soak
 def test_a_tiny_run_times_paramsync_against_torch(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     command = [

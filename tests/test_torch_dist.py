@@ -217,7 +217,7 @@ def test_a_worker_killed_mid_run_is_survived_over_the_torch_data_plane() -> None
 # --------------------------------------------------------------------------- exiting
 
 
-_EXIT_ATTEMPTS = 12
+_EXIT_ATTEMPTS = 8
 """Exits to try (each about a second; the old code aborted about one exit in five)."""
 
 _OPEN_REDUCE_CLOSE_EXIT = """
