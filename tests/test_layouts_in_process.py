@@ -26,11 +26,12 @@ from actors.train.worker import train_in_process
 from runtime.collectives.mesh import init_device_mesh
 from runtime.collectives.ring import all_reduce, broadcast
 from runtime.coordinator.events import bucket_spec, model_signature
-from runtime.coordinator.service import Coordinator, RunFailed
+from runtime.coordinator.service import RunFailed
 from runtime.parallel.run_layout import parallel_layout
 from runtime.protocol.messages import Go, ParallelLayout
-from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.base import Transport
 from runtime.transport.link import MemoryLink
+from tests.coordinated_run import run_with_coordinator
 
 SHAPE = {"dp": 2, "tp": 2}
 NAMES, SIZES = tuple(SHAPE), tuple(SHAPE.values())
@@ -131,37 +132,11 @@ async def shard_worker(
 
 async def run_shards(perturb: tuple[int, int] | None = None) -> tuple[dict[str, Any], Any]:
     """Run the coordinator and the four workers; each one's result or exception."""
-    coordinator = Coordinator(WORLD)
-    pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(WORLD)]
-    worlds = InProcessTransport.create_group(WORLD)
-    outcome: dict[str, Any] = {}
 
-    async def worker(rank: int) -> None:
-        try:
-            result = await shard_worker(rank, pairs[rank][1], worlds[rank], perturb)
-            outcome[f"rank {rank}"] = result
-        except BaseException as exc:  # an abort arrives as a group (client task and loop)
-            if isinstance(exc, trio.Cancelled):
-                raise
-            outcome[f"rank {rank}"] = exc
-        finally:
-            with trio.CancelScope(shield=True):
-                await pairs[rank][1].aclose()
-                await worlds[rank].aclose()
+    async def worker(rank: int, link: MemoryLink, world: Transport) -> Any:
+        return await shard_worker(rank, link, world, perturb)
 
-    async def serve() -> None:
-        try:
-            await coordinator.serve_links({rank: pair[0] for rank, pair in enumerate(pairs)})
-            outcome["coordinator"] = None
-        except RunFailed as exc:
-            outcome["coordinator"] = exc
-
-    with trio.fail_after(RUN_SECONDS):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
-            for rank in range(WORLD):
-                nursery.start_soon(worker, rank)
-    return outcome, coordinator
+    return await run_with_coordinator(WORLD, worker, RUN_SECONDS)
 
 
 async def test_shards_train_apart_and_dp_replicas_commit_every_step() -> None:

@@ -16,8 +16,9 @@ from actors.parallel.shard_model import ModelSpec
 from actors.parallel.trainer3d import Trainer3D
 from runtime.coordinator.service import Coordinator, RunFailed
 from runtime.parallel.config import ParallelismConfig
-from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.base import Transport
 from runtime.transport.link import MemoryLink
+from tests.coordinated_run import run_with_coordinator
 
 WORLD = 4
 STEPS = 3
@@ -67,36 +68,10 @@ async def worker(
 
 
 async def run(perturb: tuple[int, int] | None = None) -> tuple[dict[str, Any], Coordinator]:
-    coordinator = Coordinator(WORLD)
-    pairs = [MemoryLink.pair("coordinator", f"rank {rank}") for rank in range(WORLD)]
-    worlds = InProcessTransport.create_group(WORLD)
-    outcome: dict[str, Any] = {}
+    async def one(rank: int, link: MemoryLink, world: Transport) -> dict[str, Any]:
+        return await worker(rank, link, world, perturb)
 
-    async def one(rank: int) -> None:
-        try:
-            outcome[f"rank {rank}"] = await worker(rank, pairs[rank][1], worlds[rank], perturb)
-        except BaseException as exc:
-            if isinstance(exc, trio.Cancelled):
-                raise
-            outcome[f"rank {rank}"] = exc
-        finally:
-            with trio.CancelScope(shield=True):
-                await pairs[rank][1].aclose()
-                await worlds[rank].aclose()
-
-    async def serve() -> None:
-        try:
-            await coordinator.serve_links({rank: pair[0] for rank, pair in enumerate(pairs)})
-            outcome["coordinator"] = None
-        except RunFailed as exc:
-            outcome["coordinator"] = exc
-
-    with trio.fail_after(SECONDS):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
-            for rank in range(WORLD):
-                nursery.start_soon(one, rank)
-    return outcome, coordinator
+    return await run_with_coordinator(WORLD, one, SECONDS)
 
 
 async def test_the_coordinator_commits_every_step_comparing_replicas_per_shard() -> None:
