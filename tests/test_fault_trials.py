@@ -57,6 +57,7 @@ def check_trial(phase: str, step: int) -> None:
     assert set(result.digests.values()) == {reference_digest(result.resumed_at)}
 
 
+@pytest.mark.soak  # two 18 s trials; the all-reduce and optimizer kills below stay in make test
 @settings(
     max_examples=2,
     deadline=None,
@@ -89,6 +90,7 @@ def test_a_killed_worker_restarts_rejoins_live_and_matches_everyone() -> None:
     assert members[0] == (0, 1, 2) and (0, 1) in members and members[-1] == (0, 1, 2)
 
 
+@pytest.mark.soak  # a 29 s daemon trial; test_coordinator_restart.py covers restarts
 def test_the_coordinator_killed_and_restarted_the_run_resumes_and_finishes() -> None:
     """SIGKILL of the coordinator daemon as it commits step 3; a new one on the same port.
     Every worker redials, rejoins with its step and digest, and finishes with the model of a
