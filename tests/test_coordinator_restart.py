@@ -197,7 +197,10 @@ async def run_cluster(
 
 
 @pytest.mark.trio
-@pytest.mark.parametrize("restart_at", [1, 4])
+@pytest.mark.parametrize(
+    "restart_at",
+    [1, pytest.param(4, marks=pytest.mark.soak)],  # a restart later on: make soak
+)
 async def test_run_survives_a_coordinator_restart_and_equals_an_uninterrupted_run(
     restart_at: int, caplog: pytest.LogCaptureFixture
 ) -> None:

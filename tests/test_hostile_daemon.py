@@ -103,6 +103,7 @@ EXPECTED_OUTCOMES = {
 }
 
 
+@pytest.mark.soak  # a 27 s live run of every attack; the attacks' own tests stay in make test
 def test_every_attack_is_refused_and_logged_while_training_finishes(tmp_path: Path) -> None:
     run = hostile.LiveRun(
         tmp_path, steps=STEPS, handshake_seconds=HANDSHAKE_SECONDS, max_pending=CAP
