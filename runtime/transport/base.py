@@ -26,7 +26,7 @@ from runtime.protocol.wire import (
     tensor_buffer,
 )
 
-__all__ = ["Transport", "InProcessTransport", "BulkRoute"]
+__all__ = ["Transport", "InProcessTransport", "BulkRoute", "land_tensor"]
 
 BulkRoute = Callable[[dict[str, Any], torch.dtype, tuple[int, ...]], torch.Tensor | None]
 """Where a message's bulk should land, chosen once its head is read (`Transport.recv_routed`):
@@ -208,23 +208,29 @@ class InProcessTransport(Transport):
 
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         self.check_destination(out)
-        message = await self._receive_frame(peer)
-        data = message.get("data")
-        if not isinstance(data, torch.Tensor):
-            raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
-        if data.dtype != out.dtype or data.numel() != out.numel():
-            raise ProtocolError(
-                f"sent a {data.dtype} tensor of {data.numel()} elements, expected {out.dtype} "
-                f"with {out.numel()} elements",
-                peer=peer,
-            )
-        if out.numel():
-            tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
-        message["data"] = out
-        return message
+        return land_tensor(await self._receive_frame(peer), out, peer)
 
     async def aclose(self) -> None:
         for sender in self._senders.values():
             sender.close()
         for receiver in self._receivers.values():
             receiver.close()
+
+
+def land_tensor(message: dict[str, Any], out: torch.Tensor, peer: int) -> dict[str, Any]:
+    """Copy a decoded message's tensor into ``out`` (what `Transport.recv_into` does for a
+    transport that decodes whole frames): its dtype and element count must be ``out``'s, else a
+    `ProtocolError` naming ``peer``; ``message["data"]`` becomes ``out``."""
+    data = message.get("data")
+    if not isinstance(data, torch.Tensor):
+        raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
+    if data.dtype != out.dtype or data.numel() != out.numel():
+        raise ProtocolError(
+            f"sent a {data.dtype} tensor of {data.numel()} elements, expected {out.dtype} "
+            f"with {out.numel()} elements",
+            peer=peer,
+        )
+    if out.numel():
+        tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
+    message["data"] = out
+    return message

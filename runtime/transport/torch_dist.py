@@ -49,8 +49,8 @@ import trio
 from torch._C._distributed_c10d import AllgatherOptions
 
 from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError, one_line
-from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame, tensor_buffer
-from runtime.transport.base import Transport
+from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame
+from runtime.transport.base import Transport, land_tensor
 from runtime.transport.capabilities import NativeCollectives
 from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
 
@@ -316,20 +316,7 @@ class TorchDistTransport(NativeCollectives):
 
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         self.check_destination(out)
-        message = await self._receive_frame(peer)
-        data = message.get("data")
-        if not isinstance(data, torch.Tensor):
-            raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
-        if data.dtype != out.dtype or data.numel() != out.numel():
-            raise ProtocolError(
-                f"sent a {data.dtype} tensor of {data.numel()} elements, expected {out.dtype} "
-                f"with {out.numel()} elements",
-                peer=peer,
-            )
-        if out.numel():
-            tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
-        message["data"] = out
-        return message
+        return land_tensor(await self._receive_frame(peer), out, peer)
 
     # ------------------------------------------------------------------ waiting
 
