@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from actors.multidevice.relay import UpdateRelay
 from actors.multidevice.replica import LossFn, Replica
 from actors.multidevice.sharding import batch_size, shard_sizes, split_batch
 from actors.multidevice.threads import ReplicaThreads
@@ -146,6 +147,10 @@ class DataParallelCoordinator:
         pinned = any(device.type == "cuda" for device in self.devices)
         self._averaged = torch.zeros(first.numel, dtype=first.dtype, pin_memory=pinned)
         self._slices = _slices(first.numel, len(self.devices))
+        self._sources = [replica.host_grad for replica in self._replicas]
+        self._indices = range(len(self.devices))
+        # CPU replicas' optimizer steps and digests are mostly Python: in turn, not at once
+        self._in_turn = all(device.type == "cpu" for device in self.devices)
         try:
             self.check()
         except BaseException:
@@ -195,10 +200,11 @@ class DataParallelCoordinator:
         losses, sizes = self.compute_gradients(samples)
         computed = time.perf_counter()
         total = sum(sizes)
-        self.average_gradients([size / total for size in sizes])
-        averaged = time.perf_counter()
-        checked = self.apply_gradients(self._averaged)
+        averaged_at: list[float] = []
+        weights = [size / total for size in sizes]
+        checked = self._update(self._averaged, weights, averaged_at)
         done = time.perf_counter()
+        averaged = averaged_at[0] if averaged_at else done
         loss = sum(value * size for value, size in zip(losses, sizes)) / total
         return BatchResult(
             step=self._step,
@@ -245,18 +251,18 @@ class DataParallelCoordinator:
     def average_gradients(self, weights: Sequence[float]) -> torch.Tensor:
         """``sum(weights[i] * gradient[i])`` over the replicas in device order, into
         `averaged_gradient`; each replica thread sums one slice of it."""
-        sources = [replica.host_grad for replica in self._replicas]
-        out = self._averaged
-
-        def job(lo: int, hi: int) -> None:
-            target = out[lo:hi]
-            torch.mul(sources[0][lo:hi], weights[0], out=target)
-            for source, weight in zip(sources[1:], weights[1:]):
-                target.add_(source[lo:hi], alpha=weight)
-
-        jobs = [(lambda lo=lo, hi=hi: job(lo, hi)) for lo, hi in self._slices]
+        jobs = [(lambda index=index: self._sum_slice(index, weights)) for index in self._indices]
         self._threads.run(jobs, phase="gradient averaging", devices=self._labels)
-        return out
+        return self._averaged
+
+    def _sum_slice(self, index: int, weights: Sequence[float]) -> None:
+        """Slice ``index`` of the weighted average, summed in device order."""
+        lo, hi = self._slices[index]
+        target = self._averaged[lo:hi]
+        sources = self._sources
+        torch.mul(sources[0][lo:hi], weights[0], out=target)
+        for source, weight in zip(sources[1:], weights[1:]):
+            target.add_(source[lo:hi], alpha=weight)
 
     def adopt_primary_state(self) -> None:
         """Load the primary replica's parameters, buffers and optimizer state into every other
@@ -289,15 +295,49 @@ class DataParallelCoordinator:
                 f"an averaged gradient of shape {tuple(averaged.shape)} for "
                 f"{self._replicas[0].numel} trainable elements"
             )
+        return self._update(averaged, None, [])
+
+    def _update(
+        self,
+        gradient: torch.Tensor,
+        weights: Sequence[float] | None,
+        averaged_at: list[float],
+    ) -> bool:
+        """One step's update, one job per replica thread (a single pool round-trip): with
+        ``weights``, each thread first sums its slice of the weighted average into
+        `averaged_gradient` (which ``gradient`` then is) and waits for the others' (replica 0
+        then appends the time to ``averaged_at``); then every replica steps its optimizer with
+        ``gradient`` and,
+        when the check is due, hashes its state; CPU replicas take that part in turn, in device
+        order (`UpdateRelay`). Then the digest check. Returns whether it was checked."""
         self._step += 1
         due = self.check_interval > 0 and self._step % self.check_interval == 0
+        relay = UpdateRelay(self.num_devices)
+        in_turn = self._in_turn
 
-        def job(replica: Replica) -> StateDigest | None:
-            replica.apply(averaged)
-            return replica.digest() if due else None
+        def job(index: int) -> StateDigest | None:
+            replica = self._replicas[index]
+            try:
+                if weights is not None:
+                    self._sum_slice(index, weights)
+                    if not relay.averaged():
+                        return None
+                    if index == 0:
+                        averaged_at.append(time.perf_counter())
+                if in_turn and not relay.take_turn(index):
+                    return None
+                replica.apply(gradient)
+                digest = replica.digest() if due else None
+                if in_turn:
+                    relay.pass_turn()
+                return digest
+            except BaseException:
+                relay.abort()
+                raise
 
-        jobs = [(lambda replica=replica: job(replica)) for replica in self._replicas]
-        digests = self._threads.run(jobs, phase="optimizer step", devices=self._labels)
+        jobs = [(lambda index=index: job(index)) for index in self._indices]
+        phase = "optimizer step" if weights is None else "gradient averaging and optimizer step"
+        digests = self._threads.run(jobs, phase=phase, devices=self._labels)
         if due:
             self._compare([digest for digest in digests if digest is not None])
         return due

@@ -1,0 +1,132 @@
+"""The fused update of `DataParallelCoordinator.train_batch_parallel` (averaging slice, barrier,
+optimizer step and digest in one job per replica thread) and its `UpdateRelay`: CPU replicas
+update one at a time in device order, each on its own thread; a failure anywhere ends the step
+with the failing replica named, never a hang."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.multidevice import DataParallelCoordinator, ReplicaError
+from actors.multidevice.relay import UpdateRelay
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def loss_fn(net: torch.nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(net(shard[0]), shard[1])
+
+
+def adamw(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+def batch(size: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(size)
+    return torch.randn(size, 4, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+class Recorded(torch.optim.AdamW):
+    """AdamW noting each step's replica, thread and start/end time (and failing on request)."""
+
+    def __init__(self, params, index: int, log: list, fail: bool = False) -> None:
+        super().__init__(params, lr=1e-2)
+        self.index, self.log, self.fail = index, log, fail
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        started = time.perf_counter()
+        if self.fail:
+            raise RuntimeError("optimizer exploded")
+        time.sleep(0.002)  # long enough that replicas taking it at once would overlap
+        result = super().step(closure)
+        self.log.append((self.index, threading.get_ident(), started, time.perf_counter()))
+        return result
+
+
+def recorded_factory(log: list, failing: int | None = None):
+    built = iter(range(100))
+
+    def make(net: torch.nn.Module) -> torch.optim.Optimizer:
+        index = next(built)
+        return Recorded(net.parameters(), index, log, fail=index == failing)
+
+    return make
+
+
+def test_cpu_replicas_update_in_turn_in_device_order_each_on_its_own_thread() -> None:
+    log: list = []
+    with DataParallelCoordinator(model, recorded_factory(log), loss_fn, ["cpu"] * 3) as dp:
+        for _ in range(3):
+            result = dp.train_batch_parallel(batch())
+            assert result.checked and result.averaging_seconds >= 0 and result.update_seconds > 0
+            step = log[-3:]
+            assert [index for index, *_ in step] == [0, 1, 2]
+            for (_, _, _, end), (_, _, start, _) in itertools.pairwise(step):
+                assert end <= start  # one at a time
+        threads = {index: {ident for i, ident, *_ in log if i == index} for index in range(3)}
+        assert all(len(idents) == 1 for idents in threads.values())
+        assert len(set.union(*threads.values())) == 3
+
+
+def test_the_fused_step_equals_the_phases_run_one_by_one() -> None:
+    data = batch(7)
+    with DataParallelCoordinator(model, adamw, loss_fn, ["cpu"] * 2) as fused:
+        for _ in range(3):
+            fused.train_batch_parallel(data)
+        expected = fused.digests()[0]
+    with DataParallelCoordinator(model, adamw, loss_fn, ["cpu"] * 2) as phased:
+        for _ in range(3):
+            _, sizes = phased.compute_gradients(data)
+            phased.average_gradients([size / sum(sizes) for size in sizes])
+            phased.apply_gradients(phased.averaged_gradient)
+        assert phased.digests()[0] == expected
+
+
+def test_a_failing_optimizer_step_names_its_replica_and_the_later_ones_never_step() -> None:
+    log: list = []
+    factory = recorded_factory(log, failing=1)
+    with DataParallelCoordinator(model, factory, loss_fn, ["cpu"] * 3) as dp:
+        with pytest.raises(
+            ReplicaError,
+            match=r"replica 1 on cpu failed in gradient averaging and optimizer step.*exploded",
+        ):
+            dp.train_batch_parallel(batch())
+    assert [index for index, *_ in log] == [0]
+
+
+def test_the_relay_hands_turns_in_order_and_an_abort_releases_every_wait() -> None:
+    relay = UpdateRelay(3)
+    order: list[int] = []
+
+    def replica(index: int) -> None:
+        assert relay.averaged()
+        assert relay.take_turn(index)
+        order.append(index)
+        relay.pass_turn()
+
+    threads = [threading.Thread(target=replica, args=(index,)) for index in (2, 1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert order == [0, 1, 2]
+
+    broken = UpdateRelay(2)
+    waits: list[bool] = []
+    waiter = threading.Thread(target=lambda: waits.append(broken.take_turn(1)))
+    waiter.start()
+    broken.abort()
+    waiter.join(timeout=10)
+    assert waits == [False] and broken.aborted
+    assert broken.averaged() is False  # the barrier is broken too: no wait for a dead replica
+    with pytest.raises(ValueError, match="at least one replica"):
+        UpdateRelay(0)
