@@ -12,7 +12,12 @@ layer, the base frozen; AdamW over the adapters; the same total batch (``--batch
   backward of each, gradients accumulated, one optimizer step): the same work without
   parallelism;
 - ``ddp``: torch ``DistributedDataParallel`` over 2 processes (gloo), one intra-op thread each,
-  half the batch each.
+  half the batch each;
+- ``limit``: the machine's physical ceiling: the same 2 processes, each training its own replica
+  on its half of the batch with no communication at all (a gloo barrier before the first step
+  and after the last only, so that they compete for the cores as DDP's ranks do), as
+  benchmarks/ddp.py's ``limit``; ``one``/``limit`` per round is the best speed-up any 2-way data
+  parallelism could show here.
 
 Each round runs every system (``--warmup`` untimed steps, then ``--steps`` timed); a system's
 figure per round is its median step time. Printed: the medians over rounds, throughput in
@@ -153,11 +158,15 @@ def run_one(args: argparse.Namespace) -> dict:
 
 
 def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
+    """One DDP rank; with ``--no-communication``, one rank of the limit: its own replica, nothing
+    crossing between the ranks but a barrier before the first step and one after the last."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    model = torch.nn.parallel.DistributedDataParallel(lora_model(args.rank))
+    model = lora_model(args.rank)
+    if not args.no_communication:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     opt = optimizer(model)
     half = (args.batch + 1) // 2
     lo, hi = (0, half) if rank == 0 else (half, args.batch)
@@ -175,7 +184,7 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     print(json.dumps({"step_seconds": statistics.median(times), **cpu}))
 
 
-def run_ddp(args: argparse.Namespace) -> dict:
+def run_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -192,7 +201,7 @@ def run_ddp(args: argparse.Namespace) -> dict:
             "--steps",
             args.steps,
         )
-    ]
+    ] + ([] if communicate else ["--no-communication"])
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--ddp-worker", str(rank), "--port", str(port), *common],
@@ -215,15 +224,20 @@ def run_ddp(args: argparse.Namespace) -> dict:
     }
 
 
-SYSTEMS = {"threads": run_threads, "one": run_one, "ddp": run_ddp}
+def run_limit(args: argparse.Namespace) -> dict:
+    return run_ddp(args, communicate=False)
+
+
+SYSTEMS = {"threads": run_threads, "one": run_one, "ddp": run_ddp, "limit": run_limit}
 
 
 def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
     table: dict[str, Any] = {}
-    for name in SYSTEMS:
+    systems = [name for name in SYSTEMS if all(name in r for r in rounds)]
+    for name in systems:
         seconds = statistics.median(r[name]["step_seconds"] for r in rounds)
         table[name] = {"step_seconds": seconds, "samples_per_second": batch_size / seconds}
-    for name in SYSTEMS:
+    for name in systems:
         for key in ("cores", "cpu_seconds_per_step"):
             if all(key in r[name] for r in rounds):
                 table[name][key] = statistics.median(r[name][key] for r in rounds)
@@ -235,6 +249,13 @@ def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
     table["step_ratio_to_ddp"] = statistics.median(
         r["threads"]["step_seconds"] / r["ddp"]["step_seconds"] for r in rounds
     )
+    if all("limit" in r for r in rounds):
+        table["limit_speedup_over_one"] = statistics.median(
+            r["one"]["step_seconds"] / r["limit"]["step_seconds"] for r in rounds
+        )
+        table["step_ratio_to_limit"] = statistics.median(
+            r["threads"]["step_seconds"] / r["limit"]["step_seconds"] for r in rounds
+        )
     return table
 
 
@@ -247,8 +268,11 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
         "threads": "2 replicas in threads",
         "one": "1 replica, both shards",
         "ddp": "torch DDP, 2 procs",
+        "limit": "limit: 2 procs, no comm",
     }
     for name, label in labels.items():
+        if name not in table:
+            continue
         row = table[name]
         ms, rate = row["step_seconds"] * 1e3, row["samples_per_second"]
         cores = ""
@@ -264,6 +288,11 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
     )
     print(f"  speed-up over one replica: {table['speedup_over_one']:.2f}x (target >= 1.7x)")
     print(f"  step time / DDP's:         {table['step_ratio_to_ddp']:.2f} (target <= 1)")
+    if "limit_speedup_over_one" in table:
+        print(
+            f"  physical ceiling (one / limit): {table['limit_speedup_over_one']:.2f}x; "
+            f"threads' step time / the limit's: {table['step_ratio_to_limit']:.2f}"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="write the rounds and the table here")
     parser.add_argument("--ddp-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--no-communication", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 

@@ -50,3 +50,34 @@ def test_a_batch_smaller_than_the_replicas_is_refused() -> None:
     bench = _module()
     with pytest.raises(SystemExit, match="at least 2"):
         bench.main(["--batch", "1"])
+
+
+def test_the_limit_column_is_paired_per_round_like_the_others() -> None:
+    bench = _module()
+    rounds = [
+        {
+            "threads": _threads(0.05),
+            "one": {"step_seconds": 0.09},
+            "ddp": {"step_seconds": 0.06},
+            "limit": {"step_seconds": 0.045},
+        },
+        {
+            "threads": _threads(0.10),
+            "one": {"step_seconds": 0.20},
+            "ddp": {"step_seconds": 0.08},
+            "limit": {"step_seconds": 0.08},
+        },
+        {
+            "threads": _threads(0.06),
+            "one": {"step_seconds": 0.11},
+            "ddp": {"step_seconds": 0.12},
+            "limit": {"step_seconds": 0.05},
+        },
+    ]
+    table = bench.summarise(rounds, 16)
+    assert table["limit"]["step_seconds"] == pytest.approx(0.05)
+    # per round: 2.0, 2.5, 2.2 -> 2.2; threads / limit: 1.111, 1.25, 1.2 -> 1.2
+    assert table["limit_speedup_over_one"] == pytest.approx(2.2)
+    assert table["step_ratio_to_limit"] == pytest.approx(1.2)
+    # the existing keys are unchanged by the new column
+    assert table["speedup_over_one"] == pytest.approx(0.11 / 0.06)
