@@ -97,10 +97,24 @@ def test_a_failing_optimizer_step_names_its_replica_and_the_later_ones_never_ste
     with DataParallelCoordinator(model, factory, loss_fn, ["cpu"] * 3) as dp:
         with pytest.raises(
             ReplicaError,
-            match=r"replica 1 on cpu failed in gradient averaging and optimizer step.*exploded",
+            match=r"replica 1 on cpu failed in optimizer step.*exploded",
         ):
             dp.train_batch_parallel(batch())
+        assert dp.step == 1  # past the gradients: the step was taken (replica 0 stepped)
     assert [index for index, *_ in log] == [0]
+
+
+def test_a_failing_forward_names_its_phase_and_takes_no_step() -> None:
+    def failing(net: torch.nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if shard[0].shape[0] == 4:
+            raise RuntimeError("bad shard")
+        return loss_fn(net, shard)
+
+    log: list = []
+    with DataParallelCoordinator(model, recorded_factory(log), failing, ["cpu"] * 2) as dp:
+        with pytest.raises(ReplicaError, match=r"replica 1 on cpu failed in forward/backward"):
+            dp.train_batch_parallel(batch(9))  # shards 5, 4
+        assert dp.step == 0 and log == []  # replica 0 never stepped alone
 
 
 def test_the_relay_hands_turns_in_order_and_an_abort_releases_every_wait() -> None:
@@ -108,7 +122,7 @@ def test_the_relay_hands_turns_in_order_and_an_abort_releases_every_wait() -> No
     order: list[int] = []
 
     def replica(index: int) -> None:
-        assert relay.averaged()
+        assert relay.wait_all()
         assert relay.take_turn(index)
         order.append(index)
         relay.pass_turn()
@@ -127,6 +141,6 @@ def test_the_relay_hands_turns_in_order_and_an_abort_releases_every_wait() -> No
     broken.abort()
     waiter.join(timeout=10)
     assert waits == [False] and broken.aborted
-    assert broken.averaged() is False  # the barrier is broken too: no wait for a dead replica
+    assert broken.wait_all() is False  # the barrier is broken too: no wait for a dead replica
     with pytest.raises(ValueError, match="at least one replica"):
         UpdateRelay(0)

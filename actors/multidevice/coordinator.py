@@ -38,7 +38,7 @@ import torch
 from actors.multidevice.relay import UpdateRelay
 from actors.multidevice.replica import LossFn, Replica
 from actors.multidevice.sharding import batch_size, shard_sizes, split_batch
-from actors.multidevice.threads import ReplicaThreads
+from actors.multidevice.threads import ReplicaError, ReplicaThreads
 from actors.state.digest import StateDigest
 
 __all__ = ["BatchResult", "DataParallelCoordinator", "ReplicaDivergedError"]
@@ -197,14 +197,14 @@ class DataParallelCoordinator:
         over the devices): parallel forward and backward, weighted gradient average, every
         replica's optimizer step, and the digest check when due."""
         started = time.perf_counter()
-        losses, sizes = self.compute_gradients(samples)
-        computed = time.perf_counter()
+        sizes = shard_sizes(batch_size(samples), self.num_devices)
+        shards = split_batch(samples, self.num_devices)
         total = sum(sizes)
-        averaged_at: list[float] = []
-        weights = [size / total for size in sizes]
-        checked = self._update(self._averaged, weights, averaged_at)
+        marks: dict[str, float] = {}
+        losses, checked = self._run_step(shards, [size / total for size in sizes], marks)
         done = time.perf_counter()
-        averaged = averaged_at[0] if averaged_at else done
+        computed = marks.get("computed", done)
+        averaged = marks.get("averaged", done)
         loss = sum(value * size for value, size in zip(losses, sizes)) / total
         return BatchResult(
             step=self._step,
@@ -295,52 +295,81 @@ class DataParallelCoordinator:
                 f"an averaged gradient of shape {tuple(averaged.shape)} for "
                 f"{self._replicas[0].numel} trainable elements"
             )
-        return self._update(averaged, None, [])
+        return self._run_step(None, None, {}, gradient=averaged)[1]
 
-    def _update(
+    def _run_step(
         self,
-        gradient: torch.Tensor,
+        shards: Sequence[Any] | None,
         weights: Sequence[float] | None,
-        averaged_at: list[float],
-    ) -> bool:
-        """One step's update, one job per replica thread (a single pool round-trip): with
-        ``weights``, each thread first sums its slice of the weighted average into
-        `averaged_gradient` (which ``gradient`` then is) and waits for the others' (replica 0
-        then appends the time to ``averaged_at``); then every replica steps its optimizer with
-        ``gradient`` and,
-        when the check is due, hashes its state; CPU replicas take that part in turn, in device
-        order (`UpdateRelay`). Then the digest check. Returns whether it was checked."""
-        self._step += 1
-        due = self.check_interval > 0 and self._step % self.check_interval == 0
+        marks: dict[str, float],
+        *,
+        gradient: torch.Tensor | None = None,
+    ) -> tuple[list[float], bool]:
+        """One step in a single pool round-trip, one job per replica thread. With ``shards``:
+        forward and backward of shard ``i`` on thread ``i``, then a barrier (every gradient
+        ready; replica 0 notes ``marks["computed"]``); with ``weights``: the thread's slice of
+        the weighted average into `averaged_gradient`, then a barrier (``marks["averaged"]``);
+        then every replica steps its optimizer with ``gradient`` (default `averaged_gradient`)
+        and, when the check is due, hashes its state, CPU replicas in turn in device order
+        (`UpdateRelay`). Then the digest check. A failing replica is named with the phase it
+        failed in; the step counts as taken once its gradients were computed. Returns the
+        shard losses (empty without ``shards``) and whether the digests were checked."""
+        gradient = self._averaged if gradient is None else gradient
+        step = self._step + 1
+        due = self.check_interval > 0 and step % self.check_interval == 0
         relay = UpdateRelay(self.num_devices)
         in_turn = self._in_turn
+        loss_fn = self.loss_fn
+        phases = ["optimizer step"] * self.num_devices
+        computing = "forward/backward"
 
-        def job(index: int) -> StateDigest | None:
+        def job(index: int) -> tuple[float, StateDigest | None] | None:
             replica = self._replicas[index]
+            loss = 0.0
             try:
-                if weights is not None:
-                    self._sum_slice(index, weights)
-                    if not relay.averaged():
+                if shards is not None:
+                    phases[index] = computing
+                    loss = replica.compute(loss_fn, shards[index])
+                    phases[index] = "gradient averaging"
+                    if not relay.wait_all():
                         return None
                     if index == 0:
-                        averaged_at.append(time.perf_counter())
+                        marks["computed"] = time.perf_counter()
+                if weights is not None:
+                    phases[index] = "gradient averaging"
+                    self._sum_slice(index, weights)
+                    if not relay.wait_all():
+                        return None
+                    if index == 0:
+                        marks["averaged"] = time.perf_counter()
+                phases[index] = "optimizer step"
                 if in_turn and not relay.take_turn(index):
                     return None
                 replica.apply(gradient)
                 digest = replica.digest() if due else None
                 if in_turn:
                     relay.pass_turn()
-                return digest
+                return loss, digest
             except BaseException:
                 relay.abort()
                 raise
 
         jobs = [(lambda index=index: job(index)) for index in self._indices]
-        phase = "optimizer step" if weights is None else "gradient averaging and optimizer step"
-        digests = self._threads.run(jobs, phase=phase, devices=self._labels)
+        try:
+            results = self._threads.run(jobs, phase=computing, devices=self._labels)
+        except ReplicaError as error:
+            phase = phases[error.replica]
+            if phase != computing:
+                self._step = step  # the replicas were past their gradients: the step was taken
+            if phase == error.phase:
+                raise
+            cause = error.__cause__ if error.__cause__ is not None else error
+            raise ReplicaError(error.replica, error.device, phase, cause) from cause
+        self._step = step
+        done = [result for result in results if result is not None]
         if due:
-            self._compare([digest for digest in digests if digest is not None])
-        return due
+            self._compare([digest for _, digest in done if digest is not None])
+        return ([loss for loss, _ in done] if shards is not None else []), due
 
     def _compare(self, digests: list[StateDigest]) -> None:
         first = digests[0]
