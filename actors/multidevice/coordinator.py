@@ -18,6 +18,12 @@ Per step (contract C-DP-002):
    replica whose digest differs from replica 0's raises `ReplicaDivergedError` naming it and the
    first entry that differs.
 
+`train_batch_parallel` runs steps 2-5 as one job per replica thread (one pool round-trip a
+step, barriers between the phases, `actors.multidevice.relay`); CPU replicas take step 4 and
+their digest in turn, in device order, since that part is mostly Python and two threads running
+it at once only contend for the GIL (the result is the same: each replica's own optimizer, the
+same averaged gradient).
+
 Frozen parameters (``requires_grad=False``, a LoRA model's base weights) are never averaged,
 copied or sent. At construction replica 0's initial parameters and buffers are loaded into the
 others (as torch DDP broadcasts rank 0's at the start), and all digests are checked equal before
