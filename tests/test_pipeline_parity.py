@@ -437,8 +437,9 @@ def test_split_microbatches() -> None:
 
 
 def test_on_action_sees_every_action_in_list_order_on_the_compute_thread() -> None:
-    """The public per-action hook: once per action, in list order, with its start and end,
-    called on the step's compute thread (not trio's)."""
+    """The public per-action hook: once per action, with its start and end, called on the
+    step's compute thread (not trio's): compute and receives in list order, sends in list
+    order among themselves (a send leaves, and is reported, as soon as its tensor exists)."""
     lists = one_f_one_b(2, 2)
     inputs, targets = batches(1, 2)[0][0]
     seen: dict[int, list[tuple[Action, int, int, int, bool]]] = {0: [], 1: []}
@@ -468,7 +469,12 @@ def test_on_action_sees_every_action_in_list_order_on_the_compute_thread() -> No
 
     trio.run(main)
     for rank in (0, 1):
-        assert [entry[0] for entry in seen[rank]] == list(lists[rank])
+        actions = [entry[0] for entry in seen[rank]]
+        assert sorted(actions, key=lists[rank].index) == list(lists[rank])  # each action once
+        computes = [a for a in actions if not a.kind.is_send]
+        assert computes == [a for a in lists[rank] if not a.kind.is_send]  # in list order
+        sends = [a for a in actions if a.kind.is_send]
+        assert sends == [a for a in lists[rank] if a.kind.is_send]
         assert all(
             step == 7 and start <= end and not on_trio
             for _, step, start, end, on_trio in seen[rank]

@@ -406,6 +406,8 @@ class _StepRun:
         self.forwards: dict[tuple[int, int], _Forward] = {}
         self.losses: dict[int, float] = {}
         self._posted: dict[int, _Posted] = {}  # list index of a receive -> its posted buffer
+        self._sends: list[int] = []  # list indices of the sends (filled once the list is checked)
+        self._sent = 0  # how many of them have left
         self._aborted = False
         self._send_error: BaseException | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -431,6 +433,7 @@ class _StepRun:
         for grads in self.stage._grads.values():
             grads.start(self.m)
         self._check_actions()
+        self._sends = [i for i, action in enumerate(self.actions) if action.kind.is_send]
         inboxes = self._post_receives()
         self._token = trio.lowlevel.current_trio_token()
         with first_error():
@@ -501,12 +504,22 @@ class _StepRun:
     # ------------------------------------------------------------------ the compute thread
 
     def _walk(self) -> None:
-        """The list, action by action, on this step's compute thread."""
+        """The list, action by action, on this step's compute thread. A send leaves as soon as
+        its tensor is computed and every send before it in the list has left (`_send_ready`),
+        which may be before the walk reaches it: the peer receives the same messages in the
+        same order, only earlier (a list written for rendezvous channels often places a send
+        after the next compute, and the peer would wait for that compute)."""
         hook = self.stage.on_action
         clock = time.perf_counter_ns
         for index, action in enumerate(self.actions):
             if self._aborted:
                 return  # the nursery reports why
+            if action.kind.is_send:
+                if index >= self._next_send_at():
+                    raise RuntimeError(
+                        f"{self.where(action)}: nothing computed to send yet"
+                    )  # every send before it has left: its own tensor is missing
+                continue  # left already, its hook called then
             started = clock()
             try:
                 self._execute(index, action)
@@ -516,8 +529,29 @@ class _StepRun:
                 exc.add_note(f"while executing {self.where(action)}")
                 raise
             hook(self.step, action, started, clock())
+            self._send_ready()
         if self._send_error is not None:
             raise self._send_error
+
+    def _next_send_at(self) -> int:
+        """The list index of the first send that has not left (the list's length if none)."""
+        sends = self._sends
+        return sends[self._sent] if self._sent < len(sends) else len(self.actions)
+
+    def _send_ready(self) -> None:
+        """Hand every send whose tensor is computed to the trio side, in list order, stopping
+        at the first whose tensor is not (sends to a peer leave in list order)."""
+        hook = self.stage.on_action
+        while self._sent < len(self._sends):
+            action = self.actions[self._sends[self._sent]]
+            tensor = self.to_send.pop((action.kind, action.stage, action.microbatch), None)
+            if tensor is None:
+                return
+            assert action.peer is not None and self._token is not None
+            started = time.perf_counter_ns()
+            self._token.run_sync_soon(self._start_send, tensor, action.peer, action.tag(self.step))
+            self._sent += 1
+            hook(self.step, action, started, time.perf_counter_ns())
 
     # ------------------------------------------------------------------ checks
 
@@ -575,15 +609,8 @@ class _StepRun:
             self._backward(action.stage, action.microbatch, inputs=True, weights=False)
         elif kind is ActionKind.BACKWARD_WEIGHT:
             self._backward(action.stage, action.microbatch, inputs=False, weights=True)
-        elif kind.is_send:
-            key = (kind, action.stage, action.microbatch)
-            tensor = self.to_send.pop(key, None)
-            if tensor is None:
-                raise RuntimeError(f"{self.where(action)}: nothing computed to send yet")
-            assert action.peer is not None
-            assert self._token is not None
-            self._token.run_sync_soon(self._start_send, tensor, action.peer, action.tag(self.step))
         else:
+            assert kind.is_recv, kind  # sends leave from `_send_ready`
             self._receive(self._posted[index])
 
     def _receive(self, entry: _Posted) -> None:
