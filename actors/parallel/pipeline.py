@@ -16,12 +16,14 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   those alone, without walking the chain again (`actors.parallel.split_backward`, as torch's
   ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
 - SEND_ACTIVATION / SEND_GRADIENT hand the tensor to the trio side, which starts a tagged
-  `isend` in the step's nursery; the list goes on at once (sends to one peer leave in list
-  order). RECV_ACTIVATION / RECV_GRADIENT wait for a receive posted ahead: when the step starts,
-  every receive of the list gets its buffer (the declared activation shape and dtype), and one
-  trio task per peer receives that peer's messages into them in list order, as early as they
-  come (as torch posts its irecvs ahead); p2p refuses another tag, dtype or shape, naming the
-  peer. The tag is ``action.tag(step)``: step, the sending stage, the micro-batch and the
+  `isend` in the step's nursery; the list goes on at once. A send leaves as soon as its tensor
+  is computed and every send before it in the list has left, which may be before the walk
+  reaches it (the peer gets the same messages in the same order, only earlier; the compute order
+  is the list's). RECV_ACTIVATION / RECV_GRADIENT wait for a receive posted ahead: when the step
+  starts, every receive of the list gets its buffer (the declared activation shape and dtype),
+  and one trio task per peer receives that peer's messages into them in list order, as early as
+  they come (as torch posts its irecvs ahead); p2p refuses another tag, dtype or shape, naming
+  the peer. The tag is ``action.tag(step)``: step, the sending stage, the micro-batch and the
   direction, the same at both ends. A receive takes the next message its peer sent, so a rank
   must receive from each peer in the order that peer sends to it: every list that runs on
   rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s are simulated so);
@@ -513,7 +515,7 @@ class _StepRun:
         clock = time.perf_counter_ns
         for index, action in enumerate(self.actions):
             if self._aborted:
-                return  # the nursery reports why
+                break  # the nursery reports why (or a send that could not start, below)
             if action.kind.is_send:
                 if index >= self._next_send_at():
                     raise RuntimeError(
@@ -524,7 +526,7 @@ class _StepRun:
             try:
                 self._execute(index, action)
             except _Aborted:
-                return
+                break
             except Exception as exc:
                 exc.add_note(f"while executing {self.where(action)}")
                 raise
