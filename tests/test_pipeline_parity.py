@@ -498,3 +498,47 @@ def test_a_step_cancelled_while_waiting_for_a_receive_ends_and_breaks_the_stage(
             return scope.cancelled_caught
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_send_leaves_as_soon_as_its_tensor_is_computed_not_when_the_list_reaches_it() -> None:
+    """Rank 0's list places both sends after both forwards (as a list written for rendezvous
+    channels may): the first activation leaves right after its forward, before the second
+    forward runs; the peer gets the same messages in the same order, the weights the same
+    bits as with the sends in place."""
+    F, S = ActionKind.FORWARD, ActionKind.SEND_ACTIVATION
+    plain = gpipe(2, 2)
+    late = [Action(F, 0, 0), Action(F, 0, 1), Action(S, 0, 0, 1), Action(S, 0, 1, 1)]
+    late += plain[0][4:]
+    inputs, targets = batches(1, 2)[0][0]
+    model = transformer_blocks(2)
+
+    async def run(lists: list[list[Action]]) -> tuple[list[Action], list[torch.Tensor]]:
+        order: list[Action] = []
+
+        class Recording(PipelineStage):
+            def on_action(self, step: int, action: Action, started: int, ended: int) -> None:
+                if self.rank == 0:
+                    order.append(action)
+
+        weights: list[torch.Tensor] = []
+        async with open_group("inproc", 2) as world:
+
+            async def one(t: Transport) -> None:
+                stage = Recording.from_blocks(
+                    copy.deepcopy(model), pp_group=t, loss_fn=loss_fn, activation_shape=SHAPE
+                )
+                await stage.run_schedule(lists[t.rank], inputs, targets)
+                if t.rank == 1:
+                    weights.extend(p.grad for p in stage.parameters() if p.grad is not None)
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+        return order, weights
+
+    order, late_grads = trio.run(run, [late, plain[1]])
+    assert [str(a) for a in order[:4]] == ["0F0", "0SEND_F0@1", "0F1", "0SEND_F1@1"]
+    _, plain_grads = trio.run(run, plain)
+    assert len(late_grads) == len(plain_grads) > 0
+    assert all(torch.equal(a, b) for a, b in zip(late_grads, plain_grads, strict=True))
