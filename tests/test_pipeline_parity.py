@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 import trio
+import trio.testing
 from conftest import open_group
 from pipeline_fixtures import (
     D_MODEL,
@@ -433,3 +434,111 @@ def test_split_microbatches() -> None:
     assert [p.tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
     with pytest.raises(ValueError, match="does not split into 4"):
         split_microbatches(torch.zeros(6), 4)
+
+
+def test_on_action_sees_every_action_in_list_order_on_the_compute_thread() -> None:
+    """The public per-action hook: once per action, with its start and end, called on the
+    step's compute thread (not trio's): compute and receives in list order, sends in list
+    order among themselves (a send leaves, and is reported, as soon as its tensor exists)."""
+    lists = one_f_one_b(2, 2)
+    inputs, targets = batches(1, 2)[0][0]
+    seen: dict[int, list[tuple[Action, int, int, int, bool]]] = {0: [], 1: []}
+
+    class Recording(PipelineStage):
+        def on_action(self, step: int, action: Action, started_ns: int, ended_ns: int) -> None:
+            on_trio = trio.lowlevel.in_trio_run()
+            seen[self.rank].append((action, step, started_ns, ended_ns, on_trio))
+
+    async def main() -> None:
+        async with open_group("inproc", 2) as world:
+            model = transformer_blocks(2)
+
+            async def one(t: Transport) -> None:
+                stage = Recording.from_blocks(
+                    copy.deepcopy(model),
+                    pp_group=t,
+                    loss_fn=loss_fn,
+                    activation_shape=SHAPE,
+                )
+                await stage.run_schedule(lists[t.rank], inputs, targets, step=7)
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+
+    trio.run(main)
+    for rank in (0, 1):
+        actions = [entry[0] for entry in seen[rank]]
+        assert sorted(actions, key=lists[rank].index) == list(lists[rank])  # each action once
+        computes = [a for a in actions if not a.kind.is_send]
+        assert computes == [a for a in lists[rank] if not a.kind.is_send]  # in list order
+        sends = [a for a in actions if a.kind.is_send]
+        assert sends == [a for a in lists[rank] if a.kind.is_send]
+        assert all(
+            step == 7 and start <= end and not on_trio
+            for _, step, start, end, on_trio in seen[rank]
+        )
+        ends = [end for *_, end, _ in seen[rank]]
+        assert ends == sorted(ends)
+
+
+def test_a_step_cancelled_while_waiting_for_a_receive_ends_and_breaks_the_stage() -> None:
+    """No ``recv_seconds`` and a peer that never sends: the caller's deadline cancels the step;
+    the compute thread waiting for the receive is woken (nothing hangs), the stage's groups are
+    closed and it refuses further steps."""
+
+    async def main() -> bool:
+        async with open_group("inproc", 2) as world:
+            stage = _stage(world[1])
+            with trio.move_on_after(5.0) as scope:
+                await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
+            with pytest.raises(RuntimeError, match="previous step failed"):
+                await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
+            return scope.cancelled_caught
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_send_leaves_as_soon_as_its_tensor_is_computed_not_when_the_list_reaches_it() -> None:
+    """Rank 0's list places both sends after both forwards (as a list written for rendezvous
+    channels may): the first activation leaves right after its forward, before the second
+    forward runs; the peer gets the same messages in the same order, the weights the same
+    bits as with the sends in place."""
+    F, S = ActionKind.FORWARD, ActionKind.SEND_ACTIVATION
+    plain = gpipe(2, 2)
+    late = [Action(F, 0, 0), Action(F, 0, 1), Action(S, 0, 0, 1), Action(S, 0, 1, 1)]
+    late += plain[0][4:]
+    inputs, targets = batches(1, 2)[0][0]
+    model = transformer_blocks(2)
+
+    async def run(lists: list[list[Action]]) -> tuple[list[Action], list[torch.Tensor]]:
+        order: list[Action] = []
+
+        class Recording(PipelineStage):
+            def on_action(self, step: int, action: Action, started: int, ended: int) -> None:
+                if self.rank == 0:
+                    order.append(action)
+
+        weights: list[torch.Tensor] = []
+        async with open_group("inproc", 2) as world:
+
+            async def one(t: Transport) -> None:
+                stage = Recording.from_blocks(
+                    copy.deepcopy(model), pp_group=t, loss_fn=loss_fn, activation_shape=SHAPE
+                )
+                await stage.run_schedule(lists[t.rank], inputs, targets)
+                if t.rank == 1:
+                    weights.extend(p.grad for p in stage.parameters() if p.grad is not None)
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+        return order, weights
+
+    order, late_grads = trio.run(run, [late, plain[1]])
+    assert [str(a) for a in order[:4]] == ["0F0", "0SEND_F0@1", "0F1", "0SEND_F1@1"]
+    _, plain_grads = trio.run(run, plain)
+    assert len(late_grads) == len(plain_grads) > 0
+    assert all(torch.equal(a, b) for a, b in zip(late_grads, plain_grads, strict=True))

@@ -15,17 +15,28 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   meets the activation-gradient chain, and BACKWARD_WEIGHT the weight gradients later from
   those alone, without walking the chain again (`actors.parallel.split_backward`, as torch's
   ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
-- SEND_ACTIVATION / SEND_GRADIENT start a tagged `isend` in the step's nursery and go on: a send
-  never blocks the list (sends to one peer leave in list order). RECV_ACTIVATION /
-  RECV_GRADIENT post a tagged `recv` into a tensor of the declared activation shape and dtype
-  and wait for it (p2p refuses another tag, dtype or shape, naming the peer). The tag is
-  ``action.tag(step)``: step, the sending stage, the micro-batch and the direction, the same at
-  both ends. A receive takes the next message its peer sent, so a rank must receive from each
-  peer in the order that peer sends to it: every list that runs on rendezvous channels does
-  (`runtime.parallel.schedules.build_schedule`'s are simulated so); with a list that does not,
-  the receive meets a message of another tag: a ProtocolError naming both tags, never a swap.
-- Compute runs in a worker thread (`trio.to_thread.run_sync`), so sends and receives progress
-  meanwhile and several ranks of an in-process world share one trio loop.
+- SEND_ACTIVATION / SEND_GRADIENT hand the tensor to the trio side, which starts a tagged
+  `isend` in the step's nursery; the list goes on at once. A send leaves as soon as its tensor
+  is computed and every send before it in the list has left, which may be before the walk
+  reaches it (the peer gets the same messages in the same order, only earlier; the compute order
+  is the list's). RECV_ACTIVATION / RECV_GRADIENT wait for a receive posted ahead: when the step
+  starts, every receive of the list gets its buffer (the declared activation shape and dtype),
+  and one trio task per peer receives that peer's messages into them in list order, as early as
+  they come (as torch posts its irecvs ahead); p2p refuses another tag, dtype or shape, naming
+  the peer. The tag is ``action.tag(step)``: step, the sending stage, the micro-batch and the
+  direction, the same at both ends. A receive takes the next message its peer sent, so a rank
+  must receive from each peer in the order that peer sends to it: every list that runs on
+  rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s are simulated so);
+  with a list that does not, the receive meets a message of another tag: a ProtocolError naming
+  both tags, never a swap.
+- The list itself is walked on one compute thread per step (one `trio.to_thread.run_sync` for
+  the whole list, not one per action): compute runs there back to back, a receive is a wait on
+  a thread event (``recv_seconds`` counts from when the walk reaches it), a send a
+  `TrioToken.run_sync_soon`; the trio side meanwhile moves the bytes, and several ranks of an
+  in-process world still share one trio loop. A failed receive or send, or a cancelled step,
+  wakes the walk, which stops at its next wait or between two actions (an action's compute is
+  never interrupted half-way). `PipelineStage.on_action` is called there after each action
+  (the tracer's hook, `actors.parallel.traced_stage`).
 - Weight gradients fold into ``param.grad`` in ascending micro-batch order
   (`actors.parallel.microbatch_grads`): every schedule gives bitwise the same gradients.
 
@@ -43,6 +54,8 @@ broken and refuses further steps.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,7 +292,7 @@ class PipelineStage:
         try:
             result = await _StepRun(self, list(actions), inputs, targets, microbatches, step).run()
         except BaseException as exc:
-            await self._fail(exc)
+            await self.fail(exc)
             raise
         self.step_count = step + 1
         return result
@@ -292,7 +305,7 @@ class PipelineStage:
             await average_over_dp(self.dp_group, trained)
             await sum_tied(self.embedding_group, self.tied_params)
         except BaseException as exc:
-            await self._fail(exc)
+            await self.fail(exc)
             raise
 
     async def sync_tied_weights(self) -> None:
@@ -324,17 +337,40 @@ class PipelineStage:
         try:
             await broadcast(self.pp_group, value, root=last_rank)
         except BaseException as exc:
-            await self._fail(exc)
+            await self.fail(exc)
             raise
         return float(value[0])
 
-    async def _fail(self, exc: BaseException) -> None:
+    def on_action(self, step: int, action: Action, started_ns: int, ended_ns: int) -> None:
+        """Called on the stage's compute thread after each action of a step's list with its
+        `time.perf_counter_ns` start and end (a receive: the wait for it; a send: its hand-off
+        to the trio side). Does nothing here; `actors.parallel.traced_stage` records spans.
+        It runs between two actions, so it should be quick; an error it raises fails the step."""
+
+    async def fail(self, exc: BaseException) -> None:
+        """Mark the stage broken by ``exc`` and close every group it uses (shielded), so its
+        peers' sends and receives fail instead of waiting for it; later steps are refused."""
         if self.broken is None:
             self.broken = exc
         with trio.CancelScope(shield=True):
             for group in (self.pp_group, self.dp_group, self.embedding_group):
                 if group is not None:
                     await group.aclose()
+
+
+class _Posted:
+    """A receive posted ahead of the walk: its action, its buffer, and whether it arrived."""
+
+    __slots__ = ("action", "arrived", "buffer")
+
+    def __init__(self, action: Action, buffer: torch.Tensor) -> None:
+        self.action = action
+        self.buffer = buffer
+        self.arrived = threading.Event()
+
+
+class _Aborted(Exception):
+    """The walk was woken because the step is being cancelled (never leaves `_StepRun`)."""
 
 
 class _StepRun:
@@ -371,6 +407,13 @@ class _StepRun:
         self.to_send: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
         self.forwards: dict[tuple[int, int], _Forward] = {}
         self.losses: dict[int, float] = {}
+        self._posted: dict[int, _Posted] = {}  # list index of a receive -> its posted buffer
+        self._sends: list[int] = []  # list indices of the sends (filled once the list is checked)
+        self._sent = 0  # how many of them have left
+        self._aborted = False
+        self._send_error: BaseException | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
 
     def _count(
         self,
@@ -392,16 +435,125 @@ class _StepRun:
         for grads in self.stage._grads.values():
             grads.start(self.m)
         self._check_actions()
+        self._sends = [i for i, action in enumerate(self.actions) if action.kind.is_send]
+        inboxes = self._post_receives()
+        self._token = trio.lowlevel.current_trio_token()
         with first_error():
             async with trio.open_nursery() as nursery:
-                for action in self.actions:
-                    try:
-                        await self._execute(nursery, action)
-                    except Exception as exc:
-                        exc.add_note(f"while executing {self.where(action)}")
-                        raise
+                self._nursery = nursery
+                for peer, posted in inboxes.items():
+                    nursery.start_soon(self._receive_in_order, peer, posted)
+                watch = trio.CancelScope()
+                nursery.start_soon(self._abort_when_cancelled, watch)
+                await trio.to_thread.run_sync(self._walk)
+                watch.cancel()
         self._check_complete()
         return PipelineStepResult(self.step, [self.losses[i] for i in range(len(self.losses))])
+
+    # ------------------------------------------------------------------ the trio side
+
+    def _post_receives(self) -> dict[int, list[_Posted]]:
+        """Every receive of the list, its buffer allocated now, grouped by peer in list order
+        (a peer's messages come in the order it sends them, which the list follows)."""
+        inboxes: dict[int, list[_Posted]] = {}
+        for index, action in enumerate(self.actions):
+            if not action.kind.is_recv:
+                continue
+            assert action.peer is not None
+            boundary = (
+                action.stage if action.kind is ActionKind.RECV_ACTIVATION else action.stage - 1
+            )
+            buffer = torch.empty(
+                self.stage._shape(boundary, action.microbatch), dtype=self.stage.activation_dtype
+            )
+            posted = _Posted(action, buffer)
+            self._posted[index] = posted
+            inboxes.setdefault(action.peer, []).append(posted)
+        return inboxes
+
+    async def _receive_in_order(self, peer: int, posted: list[_Posted]) -> None:
+        """Receive ``peer``'s messages ahead of the walk, each into its posted buffer."""
+        group = self.stage.pp_group
+        for entry in posted:
+            await recv(group, entry.buffer, peer, entry.action.tag(self.step))
+            entry.arrived.set()
+
+    async def _abort_when_cancelled(self, watch: trio.CancelScope) -> None:
+        """Wake the walk when the step is cancelled (a receive or send failed, or a caller's
+        deadline): the thread stops at its next wait or between two actions. Cancelled by
+        `run` itself once the walk is done."""
+        with watch:
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._abort()
+
+    def _abort(self) -> None:
+        self._aborted = True
+        for entry in self._posted.values():
+            entry.arrived.set()
+
+    def _start_send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """On the trio thread (`TrioToken.run_sync_soon`, in the order the walk handed the
+        sends over): start the send in the step's nursery. Never raises into trio's loop."""
+        assert self._nursery is not None
+        try:
+            isend(self._nursery, self.stage.pp_group, tensor, peer, tag)
+        except BaseException as exc:  # the nursery is closing: the step failed already
+            self._send_error = exc
+            self._abort()
+
+    # ------------------------------------------------------------------ the compute thread
+
+    def _walk(self) -> None:
+        """The list, action by action, on this step's compute thread. A send leaves as soon as
+        its tensor is computed and every send before it in the list has left (`_send_ready`),
+        which may be before the walk reaches it: the peer receives the same messages in the
+        same order, only earlier (a list written for rendezvous channels often places a send
+        after the next compute, and the peer would wait for that compute)."""
+        hook = self.stage.on_action
+        clock = time.perf_counter_ns
+        for index, action in enumerate(self.actions):
+            if self._aborted:
+                break  # the nursery reports why (or a send that could not start, below)
+            if action.kind.is_send:
+                if index >= self._next_send_at():
+                    raise RuntimeError(
+                        f"{self.where(action)}: nothing computed to send yet"
+                    )  # every send before it has left: its own tensor is missing
+                continue  # left already, its hook called then
+            started = clock()
+            try:
+                self._execute(index, action)
+            except _Aborted:
+                break
+            except Exception as exc:
+                exc.add_note(f"while executing {self.where(action)}")
+                raise
+            hook(self.step, action, started, clock())
+            self._send_ready()
+        if self._send_error is not None:
+            raise self._send_error
+
+    def _next_send_at(self) -> int:
+        """The list index of the first send that has not left (the list's length if none)."""
+        sends = self._sends
+        return sends[self._sent] if self._sent < len(sends) else len(self.actions)
+
+    def _send_ready(self) -> None:
+        """Hand every send whose tensor is computed to the trio side, in list order, stopping
+        at the first whose tensor is not (sends to a peer leave in list order)."""
+        hook = self.stage.on_action
+        while self._sent < len(self._sends):
+            action = self.actions[self._sends[self._sent]]
+            tensor = self.to_send.pop((action.kind, action.stage, action.microbatch), None)
+            if tensor is None:
+                return
+            assert action.peer is not None and self._token is not None
+            started = time.perf_counter_ns()
+            self._token.run_sync_soon(self._start_send, tensor, action.peer, action.tag(self.step))
+            self._sent += 1
+            hook(self.step, action, started, time.perf_counter_ns())
 
     # ------------------------------------------------------------------ checks
 
@@ -449,45 +601,37 @@ class _StepRun:
 
     # ------------------------------------------------------------------ actions
 
-    async def _execute(self, nursery: trio.Nursery, action: Action) -> None:
+    def _execute(self, index: int, action: Action) -> None:
         kind = action.kind
         if kind is ActionKind.FORWARD:
-            await self._forward(action.stage, action.microbatch)
+            self._forward(action.stage, action.microbatch)
         elif kind is ActionKind.BACKWARD:
-            await self._backward(action.stage, action.microbatch, inputs=True, weights=True)
+            self._backward(action.stage, action.microbatch, inputs=True, weights=True)
         elif kind is ActionKind.BACKWARD_INPUT:
-            await self._backward(action.stage, action.microbatch, inputs=True, weights=False)
+            self._backward(action.stage, action.microbatch, inputs=True, weights=False)
         elif kind is ActionKind.BACKWARD_WEIGHT:
-            await self._backward(action.stage, action.microbatch, inputs=False, weights=True)
-        elif kind.is_send:
-            key = (kind, action.stage, action.microbatch)
-            tensor = self.to_send.pop(key, None)
-            if tensor is None:
-                raise RuntimeError(f"{self.where(action)}: nothing computed to send yet")
-            assert action.peer is not None
-            isend(nursery, self.stage.pp_group, tensor, action.peer, action.tag(self.step))
+            self._backward(action.stage, action.microbatch, inputs=False, weights=True)
         else:
-            await self._receive(action)
+            assert kind.is_recv, kind  # sends leave from `_send_ready`
+            self._receive(self._posted[index])
 
-    async def _receive(self, action: Action) -> None:
-        assert action.peer is not None
-        boundary = action.stage if action.kind is ActionKind.RECV_ACTIVATION else action.stage - 1
-        buffer = torch.empty(
-            self.stage._shape(boundary, action.microbatch), dtype=self.stage.activation_dtype
-        )
+    def _receive(self, entry: _Posted) -> None:
+        """Wait (on the compute thread) for a receive posted ahead; ``recv_seconds`` counts
+        from when the walk reaches it."""
+        action = entry.action
         seconds = self.stage.recv_seconds
-        with trio.move_on_after(math.inf if seconds is None else seconds) as scope:
-            await recv(self.stage.pp_group, buffer, action.peer, action.tag(self.step))
-        if scope.cancelled_caught:
+        if not entry.arrived.wait(seconds) and not self._aborted:
             describe = getattr(self.stage.pp_group, "describe_peer", None)
             raise StallError(
                 f"{self.where(action)}: nothing came within {seconds} s",
                 peer=describe(action.peer) if describe is not None else f"rank {action.peer}",
             )
+        if self._aborted:
+            raise _Aborted
         if action.kind is ActionKind.RECV_ACTIVATION:
-            self.received[(action.stage + 1, action.microbatch)] = buffer
+            self.received[(action.stage + 1, action.microbatch)] = entry.buffer
         else:
-            self.grad_in[(action.stage - 1, action.microbatch)] = buffer
+            self.grad_in[(action.stage - 1, action.microbatch)] = entry.buffer
 
     def _stage_input(self, stage: int, microbatch: int) -> torch.Tensor:
         if stage == 0:
@@ -506,7 +650,7 @@ class _StepRun:
             received.requires_grad_(True)
         return received
 
-    async def _forward(self, stage: int, microbatch: int) -> None:
+    def _forward(self, stage: int, microbatch: int) -> None:
         key = (stage, microbatch)
         if key in self.forwards:
             raise RuntimeError(f"stage {stage} forwards micro-batch {microbatch} twice")
@@ -525,7 +669,7 @@ class _StepRun:
                 loss = loss_fn(out, target)
                 return loss / m, float(loss.detach())
 
-        output, loss = await trio.to_thread.run_sync(compute)
+        output, loss = compute()
         self.forwards[key] = _Forward(x, output)
         if last:
             assert loss is not None
@@ -557,7 +701,7 @@ class _StepRun:
             grad = local
         return grad
 
-    async def _backward(self, stage: int, microbatch: int, *, inputs: bool, weights: bool) -> None:
+    def _backward(self, stage: int, microbatch: int, *, inputs: bool, weights: bool) -> None:
         key = (stage, microbatch)
         forward = self.forwards.get(key)
         if forward is None:
@@ -575,7 +719,7 @@ class _StepRun:
                 f"stage {stage}: the input gradient of micro-batch {microbatch} twice"
             )
         if weights and not inputs:
-            await self._backward_weight(stage, microbatch, forward)
+            self._backward_weight(stage, microbatch, forward)
             return
         grad_out = self._output_grad(stage, microbatch)
         wants_input = stage > 0 and forward.input.requires_grad
@@ -588,7 +732,7 @@ class _StepRun:
             def compute_input() -> tuple[torch.Tensor | None, WeightGradients]:
                 return backward_input(output, grad_out, stage_input, params)
 
-            input_grad, forward.weights = await trio.to_thread.run_sync(compute_input)
+            input_grad, forward.weights = compute_input()
             forward.output = None
             forward.input_grad_done = True
             self._send_input_grad(stage, microbatch, forward, wants_input, input_grad)
@@ -610,18 +754,18 @@ class _StepRun:
                 return grads[0], list(grads[1:])
             return None, list(grads)
 
-        input_grad, weight_grads = await trio.to_thread.run_sync(compute)
+        input_grad, weight_grads = compute()
         forward.input_grad_done = True
         self._send_input_grad(stage, microbatch, forward, wants_input, input_grad)
         self.stage._grads[stage].add(microbatch, weight_grads)
         del self.forwards[key]
         self._drop_output_grad(stage, microbatch)
 
-    async def _backward_weight(self, stage: int, microbatch: int, forward: _Forward) -> None:
+    def _backward_weight(self, stage: int, microbatch: int, forward: _Forward) -> None:
         """BACKWARD_WEIGHT: the weight gradients from what the BACKWARD_INPUT kept."""
         weights = forward.weights
         assert weights is not None
-        weight_grads = await trio.to_thread.run_sync(weights.compute)
+        weight_grads = weights.compute()
         forward.weights = None
         self.stage._grads[stage].add(microbatch, weight_grads)
         del self.forwards[(stage, microbatch)]

@@ -422,7 +422,7 @@ class Trainer3D:
         coefficient = clip_coefficient(total, max_norm)
         if coefficient < 1.0:
             shard_grad.mul_(coefficient)
-        zero._read_shard()  # the parameters as they are now (as ZeroRedundancyOptimizer.step)
+        zero.read_shard()  # the parameters as they are now (as ZeroRedundancyOptimizer.step)
         zero.shard.grad = shard_grad
         zero.optimizer.step()
         zero.shard.grad = None
@@ -445,7 +445,7 @@ class Trainer3D:
         if self.broken is None:
             self.broken = exc
         with trio.CancelScope(shield=True):
-            await self.stage._fail(exc)
+            await self.stage.fail(exc)
             await self._close_groups()
 
     async def _close_groups(self) -> None:

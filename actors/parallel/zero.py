@@ -128,7 +128,7 @@ class ZeroRedundancyOptimizer:
         """This rank's segment of the flat layout (parameters in order, then padding)."""
         self.shard = torch.zeros(self.segment, dtype=dtype)
         """This rank's segment of the parameters: the one tensor the inner optimizer steps."""
-        self._read_shard()
+        self.read_shard()
         self.optimizer = optimizer_factory([self.shard])
         if len(self.optimizer.param_groups) != 1:
             raise ValueError(
@@ -146,7 +146,7 @@ class ZeroRedundancyOptimizer:
             if start < stop:
                 yield index, start - offset, stop - offset, start - lo
 
-    def _read_shard(self) -> None:
+    def read_shard(self) -> None:
         """Copy this rank's segment of the parameters into the shard (padding stays zero)."""
         lo, hi = self.shard_bounds
         with torch.no_grad():
@@ -189,7 +189,7 @@ class ZeroRedundancyOptimizer:
         """One ZeRO-1 step: reduce-scatter the gradients, step this rank's shard, all-gather
         the parameters. Collective: every rank of the group calls it."""
         shard_grad = await self.reduce_gradients()
-        self._read_shard()  # the parameters may have been changed since the last step
+        self.read_shard()  # the parameters may have been changed since the last step
         self.shard.grad = shard_grad
         self.optimizer.step()
         self.shard.grad = None
