@@ -23,10 +23,17 @@ tp group may all-reduce in both at once):
   connections (``group_addr``, which also checks that all members create the same group), and
   the mesh forms with the usual dial/accept handshake whose `Identity` carries the group's name:
   a connection of one group is refused by every other. When the members share a host, the
-  group attaches its own shared-memory plane (`runtime.transport.shm`) on that mesh.
+  group attaches its own shared-memory plane (`runtime.transport.shm`) on that mesh;
+- on torch's data plane (`TorchDistTransport` worlds, ``comm_backend = "torch"``), a gloo
+  communicator of the members' own (and an NCCL one when the world has a CUDA device), formed
+  through the epoch's store under a prefix named by the group
+  (`TorchDistTransport.open_subgroup`): the group is a `NativeProcessGroup`, whose collectives
+  run natively on that communicator.
 
 Groups may be built over groups (ranks are then the parent group's ranks). A group is closed
-with ``await group.aclose()`` (or ``async with``); closing the world does not close its groups.
+with ``await group.aclose()`` (or ``async with``); closing the world does not close its groups,
+except on torch's data plane, where a group belongs to its world's epoch: aborting or closing
+the world aborts or closes its groups.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
     BlockingLinkSet,
+    NativeCollectives,
     PolledLinkProvider,
     PolledLinkSet,
     PrecodedFrames,
@@ -55,8 +63,16 @@ from runtime.transport.capabilities import (
 )
 from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tcp import TcpTransport, form_mesh
+from runtime.transport.torch_dist import TorchDistTransport
 
-__all__ = ["ProcessGroup", "new_group", "group_name", "derive_group_name", "DEFAULT_GROUP_SECONDS"]
+__all__ = [
+    "ProcessGroup",
+    "NativeProcessGroup",
+    "new_group",
+    "group_name",
+    "derive_group_name",
+    "DEFAULT_GROUP_SECONDS",
+]
 
 _STALL_SECONDS = 10.0
 """How long a peer may stay silent in a signalled exchange when the members do not say."""
@@ -209,6 +225,42 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         )
 
 
+class NativeProcessGroup(ProcessGroup, NativeCollectives):
+    """A `ProcessGroup` whose members' transport runs collectives natively (a torch
+    communicator of the group's own): `runtime.collectives.ring` hands them over, as it does to
+    the members' transport itself."""
+
+    def __init__(
+        self, parent: Transport, ranks: tuple[int, ...], name: str, members: Transport
+    ) -> None:
+        if not isinstance(members, NativeCollectives):
+            raise CollectiveError(
+                f"group {name!r}: a {type(members).__name__} runs no native collectives"
+            )
+        super().__init__(parent, ranks, name, members)
+        self.native: NativeCollectives = members
+
+    def native_accepts(self, tensor: torch.Tensor) -> bool:
+        return self.native.native_accepts(tensor)
+
+    async def native_all_reduce(self, flat: torch.Tensor, op: str) -> None:
+        await self.native.native_all_reduce(flat, op)
+
+    async def native_broadcast(self, flat: torch.Tensor, root: int) -> None:
+        await self.native.native_broadcast(flat, root)
+
+    async def native_all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        await self.native.native_all_gather(out, flat)
+
+    async def native_reduce_scatter(
+        self, flat: torch.Tensor, op: str, bounds: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        return await self.native.native_reduce_scatter(flat, op, bounds)
+
+    async def native_barrier(self) -> None:
+        await self.native.native_barrier()
+
+
 def group_name(parent: Transport, index: int, ranks: Iterable[int]) -> str:
     """The name every member derives for the ``index``-th group of ``parent`` over ``ranks``."""
     base = parent.name if isinstance(parent, ProcessGroup) else "world"
@@ -256,8 +308,10 @@ async def new_group(
 
     Over TCP the group gets its own connections, and (when the members share a host) its own
     shared-memory plane: ``shared_memory`` None means on unless ``PARAMSYNC_SHM=0`` or TLS, as
-    for `TcpTransport.connect`; ``shm_options`` go to `attach_shared_memory`. Forming the group
-    must finish within ``seconds`` (a `StallError` otherwise).
+    for `TcpTransport.connect`; ``shm_options`` go to `attach_shared_memory`. On torch's data
+    plane it gets its own torch communicator (a `NativeProcessGroup`; ``shared_memory`` and
+    ``shm_options`` do not apply). Forming the group must finish within ``seconds`` (a
+    `StallError` otherwise).
     """
     members = _check_ranks(world, ranks)
     index = _COUNTERS.get(world, 0)
@@ -273,16 +327,28 @@ async def new_group(
                 )
             elif _is_in_process(world):
                 transport = _in_process_members(world, members, name, index)
+            elif isinstance(base := _base(world), TorchDistTransport):
+                transport = await base.open_subgroup(
+                    members, name, call=_call_key(world, index), seconds=seconds
+                )
             else:
                 raise CollectiveError(
                     f"cannot build process groups over a {type(world).__name__}: only over "
-                    "InProcessTransport, TcpTransport and groups of them"
+                    "InProcessTransport, TcpTransport, TorchDistTransport and groups of them"
                 )
     except trio.TooSlowError:
         raise StallError(
             f"group {name} (ranks {list(members)}) did not form within {seconds} s"
         ) from None
+    if isinstance(transport, NativeCollectives):
+        return NativeProcessGroup(world, members, name, transport)
     return ProcessGroup(world, members, name, transport)
+
+
+def _call_key(world: Transport, index: int) -> str:
+    """The ``index``-th `new_group` call on ``world``, as every rank of it names it."""
+    parent = world.name if isinstance(world, ProcessGroup) else "world"
+    return f"{parent}:{index}"
 
 
 def _base(world: Transport) -> Transport:

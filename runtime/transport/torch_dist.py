@@ -21,6 +21,14 @@ keyed by the run and the epoch, as torchft makes a group per quorum) or `create_
   collectives are never used). gloo sends only once the receiver has posted a matching
   receive, so one thread per peer keeps a receive posted and queues what arrives (up to
   ``inbox_frames`` frames: the buffering a socket gives).
+- Subgroups (`TorchDistTransport.open_subgroup`, which `runtime.collectives.groups.new_group`
+  calls on a torch-plane world): a subset of the ranks gets a gloo communicator of its own (and
+  an NCCL one when the transport has a device), formed through the epoch's store under a prefix
+  named by the group, so it is itself a `TorchDistTransport` with native collectives, frames,
+  deadlines, abort and the close handshake. Before forming, the members check over the store
+  that they all create the same group (same name, same ranks), and a member that creates
+  another is a `ProtocolError` naming it. A subgroup belongs to its parent's epoch: aborting the
+  parent aborts it and closing the parent closes it first.
 - Closing is a handshake: a closing rank sends each peer a goodbye (length -1), which the
   peer's receiving thread answers with its own; once every thread has its goodbye (or a dead
   peer's connection error) the group is dropped and its connections close. A peer that dies
@@ -139,7 +147,8 @@ class TorchDistTransport(NativeCollectives):
     `create_local_group` and `connect_torch_transport` do. ``group``: the gloo process group
     (frames, CPU collectives); ``device_group`` and ``device``: an NCCL group and the CUDA
     device whose tensors it reduces (None: CPU only). ``keep``: objects to keep alive as long
-    as the group (the store).
+    as the group (the store). ``store`` and ``host``: the epoch's store and the address gloo's
+    connections bind to, for `open_subgroup` (None: this transport makes no subgroups).
     """
 
     def __init__(
@@ -155,6 +164,8 @@ class TorchDistTransport(NativeCollectives):
         max_frame: int = DEFAULT_MAX_FRAME,
         inbox_frames: int = 8,
         keep: Sequence[object] = (),
+        store: dist.Store | None = None,
+        host: str | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         if not collective_seconds > 0 or not close_seconds > 0:
@@ -171,7 +182,12 @@ class TorchDistTransport(NativeCollectives):
         self.collective_seconds = collective_seconds
         self.close_seconds = close_seconds
         self.max_frame = max_frame
+        self.inbox_frames = inbox_frames
         self._keep: list[object] = list(keep)
+        self._store = store
+        self._host = host
+        self._subgroups: list[TorchDistTransport] = []
+        """The subgroups made by `open_subgroup`: aborted and closed with this transport."""
         self._token = trio.lowlevel.current_trio_token()
         self._lock = threading.Lock()
         """Guards posting (sends to one peer leave in the order posted) and the state below."""
@@ -425,6 +441,76 @@ class TorchDistTransport(NativeCollectives):
         token = torch.zeros(1)
         await self._collective(token, "barrier", lambda g: g.barrier(options))
 
+    # ------------------------------------------------------------------ subgroups
+
+    async def open_subgroup(
+        self, ranks: Sequence[int], name: str, *, call: str, seconds: float = 60.0
+    ) -> TorchDistTransport:
+        """This rank's transport in a new torch group of ``ranks`` (this transport's ranks,
+        sorted, this rank among them), numbered 0..k-1 in that order. Collective among the
+        members: each calls it with the same ``ranks`` and ``name``; ``call`` names the creating
+        call (the same on every rank of this transport that makes it, whatever group it
+        thinks it makes: `runtime.collectives.groups` uses the parent and its group counter).
+
+        The members first check, through the epoch's store, that they all create ``name``
+        over ``ranks`` (one that creates another group is a `ProtocolError` naming it), then
+        form a gloo group (and an NCCL one for a CUDA device) under a prefix of the store named
+        by ``name``. Not formed within ``seconds``: a `StallError` naming the group. The result
+        belongs to this transport (`abort` and `aclose` reach it)."""
+        members = tuple(ranks)
+        if list(members) != sorted(set(members)) or self.rank not in members:
+            raise CollectiveError(
+                f"a subgroup needs sorted, distinct ranks holding rank {self.rank}, got "
+                f"{list(members)}"
+            )
+        for rank in members:
+            if rank != self.rank:
+                self.check_peer(rank)
+        store, host = self._store, self._host
+        if store is None:
+            raise CollectiveError(
+                f"rank {self.rank}'s torch transport holds no store to form group {name!r} "
+                "through (build it with create_local_group or connect_torch_transport)"
+            )
+        self._live_group(None)
+        position = members.index(self.rank)
+        size = len(members)
+
+        def form() -> tuple[Group, Group | None]:
+            _agree(store, call, self.rank, members, name, seconds)
+            scoped = dist.PrefixStore(f"paramsync-group/{name}", store)
+            group = _gloo_group(scoped, position, size, host)
+            device_group = None
+            if self.device is not None and self._device_group is not None:  # pragma: no cover
+                device_group = _nccl_group(scoped, position, size, self.collective_seconds)
+            return group, device_group
+
+        with trio.move_on_after(seconds) as deadline:
+            group, device_group = await trio.to_thread.run_sync(form, abandon_on_cancel=True)
+        if deadline.cancelled_caught:
+            raise StallError(
+                f"group {name!r} (ranks {list(members)}) did not form within {seconds:g} s"
+            )
+        subgroup = TorchDistTransport(
+            position,
+            size,
+            group,
+            device_group=device_group,
+            device=self.device if device_group is not None else None,
+            collective_seconds=self.collective_seconds,
+            close_seconds=self.close_seconds,
+            max_frame=self.max_frame,
+            inbox_frames=self.inbox_frames,
+            keep=(store,),
+            store=store,
+            host=host,
+        )
+        if self._closed:  # closed while the group formed: it belongs to a closed epoch
+            await subgroup.aclose()
+            raise PeerClosed(f"rank {self.rank}'s torch transport closed while {name!r} formed")
+        self._subgroups.append(subgroup)
+        return subgroup
+
     # ------------------------------------------------------------------ ending
 
     def abort(self) -> None:
@@ -432,6 +518,8 @@ class TorchDistTransport(NativeCollectives):
         is gone; the group itself is dropped by `aclose`."""
         if self._closed:
             return
+        for subgroup in list(self._subgroups):
+            subgroup.abort()
         with self._lock:
             self._closed = True
             for peer in self._peers:
@@ -448,10 +536,17 @@ class TorchDistTransport(NativeCollectives):
 
     async def aclose(self) -> None:
         """Close the handshake with every peer (within ``close_seconds``), then drop the
-        group: its connections close once no thread waits on it. Safe to call twice."""
+        group: its connections close once no thread waits on it. Its subgroups close first,
+        all at once (each is a peer of the same ranks' subgroups). Safe to call twice."""
         self.abort()
         if self._group is None:
             return
+        subgroups, self._subgroups = self._subgroups, []
+        if subgroups:
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as nursery:
+                    for subgroup in subgroups:
+                        nursery.start_soon(subgroup.aclose)
         pumps = list(self._pumps)
 
         def finish(limit: float) -> None:
@@ -543,6 +638,43 @@ async def _share_port(bootstrap: Transport, port: torch.Tensor) -> None:
         )
 
 
+def _agree(
+    store: dist.Store,
+    call: str,
+    rank: int,
+    members: tuple[int, ...],
+    name: str,
+    seconds: float,
+) -> None:
+    """Check (blocking) that every member of ``members`` creates group ``name`` over
+    ``members`` at the creating call ``call``: each writes what it creates under the call's
+    key, then reads every other member's. A member that creates another group is a
+    `ProtocolError` naming it; one that never says within ``seconds`` a `StallError`."""
+    declared = dist.PrefixStore(f"paramsync-group-call/{call}", store)
+    mine = f"{name}|{','.join(map(str, members))}"
+    declared.set(str(rank), mine)
+    for peer in members:
+        if peer == rank:
+            continue
+        try:
+            declared.wait([str(peer)], datetime.timedelta(seconds=seconds))
+        except RuntimeError:
+            raise StallError(
+                f"group {name!r} (ranks {list(members)}): rank {peer} did not create it within "
+                f"{seconds:g} s",
+                peer=peer,
+            ) from None
+        theirs = declared.get(str(peer)).decode(errors="replace")
+        if theirs != mine:
+            other, _, ranks = theirs.partition("|")
+            raise ProtocolError(
+                f"creates group {other!r} with ranks [{ranks.replace(',', ', ')}] where rank "
+                f"{rank} creates {name!r} with ranks {list(members)}: every rank must call "
+                "new_group alike, in the same order",
+                peer=peer,
+            )
+
+
 def _gloo_group(store: dist.Store, rank: int, world_size: int, host: str | None) -> Group:
     """A gloo group (blocks until every rank has joined it through ``store``); ``host``: the
     address its connections bind to (None: torch's default, from the host name)."""
@@ -592,7 +724,15 @@ async def create_local_group(
     for rank, group in enumerate(groups):
         assert group is not None
         made.append(
-            TorchDistTransport(rank, n, group, collective_seconds=collective_seconds, keep=(store,))
+            TorchDistTransport(
+                rank,
+                n,
+                group,
+                collective_seconds=collective_seconds,
+                keep=(store,),
+                store=store,
+                host="127.0.0.1",
+            )
         )
     return made
 
@@ -676,4 +816,6 @@ async def connect_torch_transport(
         device=device if device_group is not None else None,
         collective_seconds=collective_seconds,
         keep=(store,),
+        store=scoped,
+        host=local_host,
     )
