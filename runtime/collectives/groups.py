@@ -329,7 +329,7 @@ async def new_group(
                 transport = _in_process_members(world, members, name, index)
             elif isinstance(base := _base(world), TorchDistTransport):
                 transport = await base.open_subgroup(
-                    members, name, call=_call_key(world, index), seconds=seconds
+                    members, name, parent=_parent_name(world), seconds=seconds
                 )
             else:
                 raise CollectiveError(
@@ -345,10 +345,9 @@ async def new_group(
     return ProcessGroup(world, members, name, transport)
 
 
-def _call_key(world: Transport, index: int) -> str:
-    """The ``index``-th `new_group` call on ``world``, as every rank of it names it."""
-    parent = world.name if isinstance(world, ProcessGroup) else "world"
-    return f"{parent}:{index}"
+def _parent_name(world: Transport) -> str:
+    """``world`` as every rank of it names it: "world", or the group's name."""
+    return world.name if isinstance(world, ProcessGroup) else "world"
 
 
 def _base(world: Transport) -> Transport:

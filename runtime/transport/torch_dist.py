@@ -187,6 +187,8 @@ class TorchDistTransport(NativeCollectives):
         self._store = store
         self._host = host
         self._subgroups: list[TorchDistTransport] = []
+        self._pair_counts: dict[int, int] = {}
+        """Per peer, how many subgroups holding it this rank has opened (`open_subgroup`)."""
         """The subgroups made by `open_subgroup`: aborted and closed with this transport."""
         self._token = trio.lowlevel.current_trio_token()
         self._lock = threading.Lock()
@@ -444,16 +446,18 @@ class TorchDistTransport(NativeCollectives):
     # ------------------------------------------------------------------ subgroups
 
     async def open_subgroup(
-        self, ranks: Sequence[int], name: str, *, call: str, seconds: float = 60.0
+        self, ranks: Sequence[int], name: str, *, parent: str, seconds: float = 60.0
     ) -> TorchDistTransport:
         """This rank's transport in a new torch group of ``ranks`` (this transport's ranks,
         sorted, this rank among them), numbered 0..k-1 in that order. Collective among the
-        members: each calls it with the same ``ranks`` and ``name``; ``call`` names the creating
-        call (the same on every rank of this transport that makes it, whatever group it
-        thinks it makes: `runtime.collectives.groups` uses the parent and its group counter).
+        members: each calls it with the same ``ranks`` and ``name``; ``parent`` names this
+        transport the same on every rank (`runtime.collectives.groups`: "world", or the
+        group's name).
 
         The members first check, through the epoch's store, that they all create ``name``
-        over ``ranks`` (one that creates another group is a `ProtocolError` naming it), then
+        over ``ranks``: every two members compare what they create as the n-th subgroup of
+        ``parent`` holding both (as TCP groups do over the connection between them), so one
+        that creates another group is a `ProtocolError` naming it. Then they
         form a gloo group (and an NCCL one for a CUDA device) under a prefix of the store named
         by ``name``. Not formed within ``seconds``: a `StallError` naming the group. The result
         belongs to this transport (`abort` and `aclose` reach it)."""
@@ -475,9 +479,12 @@ class TorchDistTransport(NativeCollectives):
         self._live_group(None)
         position = members.index(self.rank)
         size = len(members)
+        counts = {peer: self._pair_counts.get(peer, 0) for peer in members if peer != self.rank}
+        for peer, count in counts.items():
+            self._pair_counts[peer] = count + 1
 
         def form() -> tuple[Group, Group | None]:
-            _agree(store, call, self.rank, members, name, seconds)
+            _agree(store, parent, self.rank, members, name, counts, seconds)
             scoped = dist.PrefixStore(f"paramsync-group/{name}", store)
             group = _gloo_group(scoped, position, size, host)
             device_group = None
@@ -640,31 +647,36 @@ async def _share_port(bootstrap: Transport, port: torch.Tensor) -> None:
 
 def _agree(
     store: dist.Store,
-    call: str,
+    parent: str,
     rank: int,
     members: tuple[int, ...],
     name: str,
+    counts: Mapping[int, int],
     seconds: float,
 ) -> None:
     """Check (blocking) that every member of ``members`` creates group ``name`` over
-    ``members`` at the creating call ``call``: each writes what it creates under the call's
-    key, then reads every other member's. A member that creates another group is a
-    `ProtocolError` naming it; one that never says within ``seconds`` a `StallError`."""
-    declared = dist.PrefixStore(f"paramsync-group-call/{call}", store)
+    ``members``: with each other member ``peer``, this is the ``counts[peer]``-th subgroup of
+    ``parent`` holding both, and each of the two writes what it creates under that pair's key,
+    then reads the other's. A member that creates another group is a `ProtocolError` naming
+    it; one that never says within ``seconds`` a `StallError`."""
+    declared = dist.PrefixStore(f"paramsync-group-decl/{parent}", store)
     mine = f"{name}|{','.join(map(str, members))}"
-    declared.set(str(rank), mine)
-    for peer in members:
-        if peer == rank:
-            continue
+
+    def key(peer: int, writer: int) -> str:
+        return f"{min(rank, peer)}-{max(rank, peer)}/{counts[peer]}/{writer}"
+
+    for peer in counts:
+        declared.set(key(peer, rank), mine)
+    for peer in counts:
         try:
-            declared.wait([str(peer)], datetime.timedelta(seconds=seconds))
+            declared.wait([key(peer, peer)], datetime.timedelta(seconds=seconds))
         except RuntimeError:
             raise StallError(
                 f"group {name!r} (ranks {list(members)}): rank {peer} did not create it within "
                 f"{seconds:g} s",
                 peer=peer,
             ) from None
-        theirs = declared.get(str(peer)).decode(errors="replace")
+        theirs = declared.get(key(peer, peer)).decode(errors="replace")
         if theirs != mine:
             other, _, ranks = theirs.partition("|")
             raise ProtocolError(
