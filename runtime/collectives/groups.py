@@ -67,6 +67,7 @@ from runtime.transport.torch_dist import TorchDistTransport
 
 __all__ = [
     "ProcessGroup",
+    "ParamsyncProcessGroup",
     "NativeProcessGroup",
     "new_group",
     "group_name",
@@ -85,15 +86,14 @@ _COUNTERS: weakref.WeakKeyDictionary[Transport, int] = weakref.WeakKeyDictionary
 """How many groups each world transport has created (every rank counts every call)."""
 
 
-class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder):
+class ProcessGroup(Transport):
     """One rank's view of a process group: a `Transport` over the members, numbered 0..k-1.
 
     ``ranks`` are the members' ranks in the parent (sorted); ``rank`` is this rank's group rank.
-    Sends and receives go over ``members``, the group's own transport (its own channels or TCP
-    connections); the parent's connections are never used after creation. A group declares
-    every capability a transport may have (`runtime.transport.capabilities`) and honours each
-    exactly when ``members`` does: ``supports_blocking``/``supports_polled`` say so, and the
-    shared-memory plane is the members' own.
+    Sends and receives go over ``members``, the group's own transport (its own channels, TCP
+    connections or torch communicator); the parent's connections are never used after
+    creation. `new_group` makes one of the two kinds below, which add the capabilities
+    (`runtime.transport.capabilities`) of their members' data plane.
     """
 
     def __init__(
@@ -160,6 +160,27 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
     async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
         return await self.members.recv_routed(peer, route)
 
+    def abort(self) -> None:
+        self.members.abort()
+
+    async def aclose(self) -> None:
+        await self.members.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.name!r}, rank {self.rank} of {self.world_size}, "
+            f"ranks {list(self.ranks)})"
+        )
+
+
+class ParamsyncProcessGroup(
+    ProcessGroup, BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder
+):
+    """A group on paramsync's own data plane (in-process channels or TCP connections). It
+    declares every capability such a transport may have and honours each exactly when
+    ``members`` does: ``supports_blocking``/``supports_polled`` say so, and the shared-memory
+    plane is the members' own."""
+
     # ------------------------------------------------------------------ capabilities
 
     @property
@@ -212,23 +233,12 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         elif plane is not None:
             raise CollectiveError(f"group {self.name!r}: its transport holds no shared memory")
 
-    def abort(self) -> None:
-        self.members.abort()
-
-    async def aclose(self) -> None:
-        await self.members.aclose()
-
-    def __repr__(self) -> str:
-        return (
-            f"ProcessGroup({self.name!r}, rank {self.rank} of {self.world_size}, "
-            f"ranks {list(self.ranks)})"
-        )
-
 
 class NativeProcessGroup(ProcessGroup, NativeCollectives):
-    """A `ProcessGroup` whose members' transport runs collectives natively (a torch
-    communicator of the group's own): `runtime.collectives.ring` hands them over, as it does to
-    the members' transport itself."""
+    """A group on torch's data plane: its members' transport (a `TorchDistTransport` over a
+    communicator of the group's own) runs collectives natively, and
+    `runtime.collectives.ring` hands them over, as it does to the members' transport itself.
+    It lends no links and carries no shared-memory plane (torch's transport has neither)."""
 
     def __init__(
         self, parent: Transport, ranks: tuple[int, ...], name: str, members: Transport
@@ -342,7 +352,7 @@ async def new_group(
         ) from None
     if isinstance(transport, NativeCollectives):
         return NativeProcessGroup(world, members, name, transport)
-    return ProcessGroup(world, members, name, transport)
+    return ParamsyncProcessGroup(world, members, name, transport)
 
 
 def _parent_name(world: Transport) -> str:
