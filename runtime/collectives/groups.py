@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -254,21 +254,44 @@ class NativeProcessGroup(ProcessGroup, NativeCollectives):
         return self.native.native_accepts(tensor)
 
     async def native_all_reduce(self, flat: torch.Tensor, op: str) -> None:
-        await self.native.native_all_reduce(flat, op)
+        with self._naming_peers():
+            await self.native.native_all_reduce(flat, op)
 
     async def native_broadcast(self, flat: torch.Tensor, root: int) -> None:
-        await self.native.native_broadcast(flat, root)
+        with self._naming_peers():
+            await self.native.native_broadcast(flat, root)
 
     async def native_all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
-        await self.native.native_all_gather(out, flat)
+        with self._naming_peers():
+            await self.native.native_all_gather(out, flat)
 
     async def native_reduce_scatter(
         self, flat: torch.Tensor, op: str, bounds: list[tuple[int, int]]
     ) -> torch.Tensor:
-        return await self.native.native_reduce_scatter(flat, op, bounds)
+        with self._naming_peers():
+            return await self.native.native_reduce_scatter(flat, op, bounds)
 
     async def native_barrier(self) -> None:
-        await self.native.native_barrier()
+        with self._naming_peers():
+            await self.native.native_barrier()
+
+    @contextmanager
+    def _naming_peers(self) -> Iterator[None]:
+        """A collective's failure naming its peer by group and world rank (the members'
+        transport knows only the group rank)."""
+        try:
+            yield
+        except ProtocolError as exc:
+            peer = exc.peer
+            if isinstance(peer, bool) or not isinstance(peer, int):
+                raise
+            if not 0 <= peer < self.world_size:
+                raise
+            named = type(exc).__new__(type(exc))
+            ProtocolError.__init__(
+                named, f"group {self.name}: {exc.reason}", peer=self.describe_peer(peer)
+            )
+            raise named from None
 
 
 def group_name(parent: Transport, index: int, ranks: Iterable[int]) -> str:

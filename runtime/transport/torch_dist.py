@@ -87,6 +87,9 @@ _IDLE_TIMEOUT = datetime.timedelta(days=7)
 """The group's default timeout, which gloo applies to point-to-point receives: a receive posted
 for the next frame of an idle peer must not expire (an expiry closes the connection); frames
 have their callers' deadlines and collectives their own."""
+_LOST_GRACE = 2.0
+"""How long a collective may still finish once a peer's end is gone (a peer that closed after
+its part of the collective: the rest arrives in milliseconds) before it fails naming the peer."""
 _HEAD_TAG = 1
 _BODY_TAG = 2
 _GOODBYE = -1
@@ -200,6 +203,8 @@ class TorchDistTransport(NativeCollectives):
         self._ended: dict[int, Exception] = {}
         """Peers whose last frame this rank has received: each later receive raises this."""
         self._goodbyes: list[Any] = []
+        self._lost = trio.Event()
+        """Set once a peer's end is gone (see `_wait`)."""
         self._waits: set[trio.CancelScope] = set()
         self._inflight: set[Any] = set()
         """Operations whose wait was abandoned (cancelled, aborted) and may still run: the
@@ -280,6 +285,10 @@ class TorchDistTransport(NativeCollectives):
             self._gone.setdefault(peer, end)
             if isinstance(end, _Goodbye):
                 self._post_goodbye(peer)  # the peer's thread waits for this end's goodbye
+        try:
+            trio.from_thread.run_sync(self._lost.set, trio_token=self._token)
+        except trio.RunFinishedError:
+            pass
         if delivering:
             self._deliver(peer, end)
 
@@ -339,26 +348,53 @@ class TorchDistTransport(NativeCollectives):
     # ------------------------------------------------------------------ waiting
 
     async def _wait(self, works: list[Any], peer: int | None, what: str) -> None:
-        """Wait for ``works`` on a thread; `abort` or a failure ends the wait at once."""
+        """Wait for ``works`` on a thread; `abort` or a failure ends the wait at once. A
+        collective (``peer`` None) also ends once a peer's end is gone (its goodbye or a broken
+        connection) and the collective has not finished within ``_LOST_GRACE`` seconds of it:
+        a `PeerClosed` naming that peer (a peer that closed after its part finishes in time)."""
 
         def run() -> None:
             for work in works:
                 work.wait()
 
+        failed: list[RuntimeError] = []
+        lost: list[int] = []
+
+        async def wait_works(done: trio.CancelScope) -> None:
+            try:
+                await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+            except RuntimeError as exc:
+                failed.append(exc)
+            done.cancel()
+
+        async def watch_peers(done: trio.CancelScope) -> None:
+            await self._lost.wait()
+            await trio.sleep(min(_LOST_GRACE, self.collective_seconds))
+            lost.extend(sorted(self._gone))
+            done.cancel()
+
         self._inflight.update(works)
         with trio.CancelScope() as scope:
             self._waits.add(scope)
             try:
-                await trio.to_thread.run_sync(run, abandon_on_cancel=True)
-            except RuntimeError as exc:
-                self._inflight.difference_update(works)
-                raise _gloo_error(exc, peer, what) from None
-            else:
-                self._inflight.difference_update(works)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(wait_works, nursery.cancel_scope)
+                    if peer is None:
+                        nursery.start_soon(watch_peers, nursery.cancel_scope)
             finally:
                 self._waits.discard(scope)
         if scope.cancelled_caught:
             raise PeerClosed(f"{what}: rank {self.rank}'s torch transport was aborted", peer=peer)
+        if lost:  # the works are abandoned: they end at gloo's deadline, or with the group
+            also = f" (so are ranks {lost[1:]})" if lost[1:] else ""
+            raise PeerClosed(
+                f"{what}: its end is gone ({_reason(self._gone[lost[0]])}){also}", peer=lost[0]
+            )
+        self._inflight.difference_update(works)
+        if failed:
+            if peer is None and self._gone:
+                peer = min(self._gone)
+            raise _gloo_error(failed[0], peer, what) from None
 
     # ------------------------------------------------------------------ collectives
 
@@ -608,6 +644,11 @@ def _release(held: list[object], pending: list[Any], pumps: list[threading.Threa
         pump.join()
     while held:
         held.pop(0)
+
+
+def _reason(error: Exception) -> str:
+    """Why a peer's end is gone, without the peer's name (the caller names it)."""
+    return error.reason if isinstance(error, ProtocolError) else one_line(error)
 
 
 class _Goodbye(PeerClosed):
