@@ -16,10 +16,11 @@ accumulation (2 batches per step), a tied embedding and global-norm clipping eac
 alone and combined (tp x pp x dp with all of them). Worlds run in one process
 (InProcessTransport) and, for two layouts, over TCP (`TcpTransport`: every group its own
 authenticated sockets) and on torch's data plane (``comm_backend="torch"``: dp=2 x pp=2 on a
-torch world, tp=2 x pp=2 on a torch plane the trainer forms over an in-process world; every
-group its own gloo communicator; both also bitwise equal to the same run on paramsync's
-plane); the plain 8-rank 1F1B case is marked ``soak`` (run by ``make soak``) to keep this file
-near a minute here, the 8-rank case with every option on runs always.
+torch world, tp=2 x pp=2 and dp=2 x tp=2 (ZeRO-1) on a torch plane the trainer forms over an
+in-process or a TCP world; every group its own gloo communicator; each also bitwise equal to
+the same run on paramsync's plane); the plain 8-rank 1F1B case is marked ``soak`` (run by
+``make soak``) to keep this file near a minute here, the 8-rank case with every option on runs
+always.
 
 Beyond parity: with dropout on, checkpointed and plain runs of tp=2 x pp=2 are bitwise equal
 (the recomputation replays each tp rank's masks); the replicas of a shard are bitwise equal and a
@@ -152,6 +153,7 @@ CASES = [
     # or formed by the trainer over a paramsync world; every group its own gloo communicator
     Case(dp=2, pp=2, schedule="1f1b", m=2, tied=True, kind="torch", backend="torch"),
     Case(tp=2, pp=2, schedule="gpipe", m=2, clip=0.05, backend="torch"),
+    Case(dp=2, tp=2, schedule="gpipe", m=2, zero1=True, kind="tcp", backend="torch"),
 ]
 assert {case.schedule for case in CASES} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
 
@@ -284,8 +286,8 @@ def test_3d_layout_matches_one_process(case: Case) -> None:
     "torch_case", [c for c in CASES if c.backend == "torch"], ids=lambda c: c.name
 )
 def test_torch_data_plane_matches_paramsync_plane_bitwise(torch_case: Case) -> None:
-    """dp=2 x pp=2 and tp=2 x pp=2 on torch's data plane and on paramsync's: the same weights
-    and losses, bit for bit (gloo sums two ranks' values as the ring does: a + b, then the
+    """Every torch-plane layout above, on torch's data plane and on paramsync's: the same
+    weights and losses, bit for bit (gloo sums two ranks' values as the ring does: a + b, then the
     division; pipeline sends carry the same bytes)."""
     own_case = Case(**{**torch_case.__dict__, "kind": "inproc", "backend": "paramsync"})
     data = _data(torch_case)
