@@ -14,7 +14,10 @@ keyed by the run and the epoch, as torchft makes a group per quorum) or `create_
   them over. Each has a deadline (gloo's per-operation timeout, ``collective_seconds``: past it
   gloo closes the group's connections and the call is a `StallError`) and an abort path
   (`TorchDistTransport.abort` fails every call in flight at once; the blocked thread is left to
-  gloo's deadline).
+  gloo's deadline). A peer whose end is gone (its goodbye, or a broken connection) fails a
+  collective that has not finished 2 s later as a `PeerClosed` naming it: a peer that closed
+  without joining never hangs the survivors until the deadline (gloo keeps an in-process
+  peer's connections open after its group is dropped, so they would wait for it).
 - Frames (control messages, state transfer, point-to-point tensors) travel as torch.distributed
   point-to-point sends of uint8 tensors: an int64 length, then the frame's bytes (one CBOR item
   and its bulk, exactly the bytes a TCP transport sends: nothing is pickled, torch's object
