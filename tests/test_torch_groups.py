@@ -22,8 +22,12 @@ from runtime.collectives.groups import NativeProcessGroup, ProcessGroup, new_gro
 from runtime.collectives.ring import all_reduce, barrier
 from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
 from runtime.transport import torch_dist
-from runtime.transport.base import Transport
-from runtime.transport.torch_dist import TorchDistTransport, open_local_group
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.torch_dist import (
+    TorchDistTransport,
+    connect_torch_transport,
+    open_local_group,
+)
 
 DEADLINE = 20.0
 """The collectives' deadline in these tests: every failure must come well within it."""
@@ -149,8 +153,8 @@ async def test_a_subgroup_of_a_cuda_world_gets_an_nccl_communicator_of_its_own(
 ) -> None:
     """The device path, without a GPU: a world holding an NCCL group for a CUDA device gives
     each subgroup an NCCL communicator of its own (its rank and size, through the store under
-    the group's prefix) next to its gloo one, on the same device. A real NCCL run needs two
-    CUDA devices (one rank per device), which this project's machines lack."""
+    the group's prefix) next to its gloo one, on the same device (a real NCCL run:
+    `test_an_nccl_subgroup_reduces_a_device_buffer_in_place`, on a GPU)."""
     built: list[tuple[int, int]] = []
 
     class FakeNccl:
@@ -178,3 +182,27 @@ async def test_a_subgroup_of_a_cuda_world_gets_an_nccl_communicator_of_its_own(
         await run_ranks(groups[1:], lambda g: all_reduce(g, values[g.rank]))
         assert all(torch.equal(v, torch.full((3,), 2.0)) for v in values)
     assert sorted(built) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and NCCL")
+async def test_an_nccl_subgroup_reduces_a_device_buffer_in_place() -> None:  # pragma: no cover
+    """On a GPU (one rank: NCCL allows one rank per device in a process): a subgroup of a
+    CUDA world gets an NCCL communicator, and its all-reduce of a device tensor leaves the
+    result in the same device buffer, never copied to the host."""
+    (bootstrap,) = InProcessTransport.create_group(1)
+    device = torch.device("cuda", 0)
+    world = await connect_torch_transport(
+        bootstrap, store_host="127.0.0.1", local_host="127.0.0.1", prefix="nccl", device=device
+    )
+    try:
+        group = await new_group(world, [0])
+        assert isinstance(group, NativeProcessGroup) and group.members.device == device
+        tensor = torch.full((1000,), 3.0, device=device)
+        pointer = tensor.data_ptr()
+        assert group.native_accepts(tensor)
+        await group.native_all_reduce(tensor, "sum")
+        assert tensor.device == device and tensor.data_ptr() == pointer
+        assert torch.equal(tensor.cpu(), torch.full((1000,), 3.0))
+    finally:
+        await world.aclose()
+        await bootstrap.aclose()
