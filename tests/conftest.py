@@ -17,9 +17,14 @@ import trio
 
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.tcp import TcpTransport
+from runtime.transport.torch_dist import open_local_group
 
 TRANSPORT_KINDS = ("inproc", "tcp")
 """Both transports every group test runs over."""
+
+GROUP_KINDS = (*TRANSPORT_KINDS, "torch")
+"""The worlds the process-group tests (groups, mesh, point-to-point) run over: both transports
+and torch's data plane (a gloo group in this process, `runtime.transport.torch_dist`)."""
 
 GROUP_SECONDS = 60.0
 """Deadline for one whole group run: far beyond any healthy run on a 2-core machine."""
@@ -39,6 +44,9 @@ async def open_group(kind: str, n: int) -> AsyncIterator[list[Transport]]:
     elif kind == "tcp":
         async with TcpTransport.open_group(n) as tcp_transports:
             yield list(tcp_transports)
+    elif kind == "torch":
+        async with open_local_group(n) as torch_transports:
+            yield list(torch_transports)
     else:  # pragma: no cover - a typo in a test
         raise ValueError(f"unknown transport kind {kind!r}")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import trio
 import trustme
-from conftest import TRANSPORT_KINDS, bitwise_equal, open_group, run_ranks
+from conftest import GROUP_KINDS, bitwise_equal, open_group, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,8 +33,9 @@ SETTINGS = {
         max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     ),
     "tcp": settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
+    "torch": settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
 }
-MAX_WORLD = {"inproc": 8, "tcp": 4}
+MAX_WORLD = {"inproc": 8, "tcp": 4, "torch": 4}
 NUMELS = (1, 7, 300, 5000, 40000)
 """Direct one-round path (<= 32 KiB), the ring, and (40000 float64 = 320 KB) the threaded ring
 on TCP."""
@@ -118,7 +119,7 @@ def _check_plan(kind: str, plan: tuple[int, list[list[int]], int, int, str]) -> 
             assert index not in results[rank]
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_concurrent_all_reduces_in_partitions_and_overlapping_groups(kind: str) -> None:
     @SETTINGS[kind]
     @given(group_plans(MAX_WORLD[kind]))
@@ -128,7 +129,7 @@ def test_concurrent_all_reduces_in_partitions_and_overlapping_groups(kind: str) 
     check()
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_rank_in_two_groups_runs_all_reduce_broadcast_and_all_gather_at_once(kind: str) -> None:
     """A 2x2 grid: rows and columns overlap in one rank each; every rank runs a large
     all-reduce in its row and a broadcast plus an all-gather in its column, all at once."""
@@ -166,7 +167,7 @@ def test_rank_in_two_groups_runs_all_reduce_broadcast_and_all_gather_at_once(kin
         assert gathered.view(-1).tolist() == col
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_rank_maps_names_and_non_members(kind: str) -> None:
     async def rank_fn(world: Transport) -> tuple:
         first = await new_group(world, [4, 1, 3])
@@ -213,7 +214,7 @@ def test_group_name_is_deterministic() -> None:
     assert group_name(world, 3, [0, 2]) != group_name(world, 3, [0, 3])
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_groups_of_groups(kind: str) -> None:
     """A group over a group: its ranks are the parent's ranks, world ranks map through both."""
 
@@ -274,7 +275,11 @@ def test_ranks_that_disagree_in_process_are_refused() -> None:
     assert errors and "every rank must call new_group alike" in str(errors[0])
 
 
-def test_ranks_that_disagree_over_tcp_are_a_protocol_error() -> None:
+@pytest.mark.parametrize("kind", ["tcp", "torch"])
+def test_ranks_that_disagree_over_tcp_are_a_protocol_error(kind: str) -> None:
+    """Over TCP the members compare over the world's connections; on torch's data plane,
+    through the epoch's store: either way the rank that creates another group is named."""
+
     async def rank_fn(world: Transport) -> object:
         if world.rank == 2:
             await new_group(world, [1])  # a call the other ranks do not make
@@ -284,7 +289,7 @@ def test_ranks_that_disagree_over_tcp_are_a_protocol_error() -> None:
             return exc
 
     async def main() -> list:
-        async with open_group("tcp", 3) as world:
+        async with open_group(kind, 3) as world:
             return await run_ranks(world, rank_fn, seconds=20)
 
     results = trio.run(main)
@@ -345,7 +350,7 @@ def test_tcp_group_refuses_a_world_without_secret() -> None:
     trio.run(main)
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_random_partition_seeded_example_at_eight_ranks(kind: str) -> None:
     """A fixed large case (the property's TCP worlds stop at 4 to keep the suite short): 8
     ranks in a random partition plus two overlapping groups, all all-reducing at once."""

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import trio
-from conftest import TRANSPORT_KINDS, open_group, run_ranks
+from conftest import GROUP_KINDS, open_group, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -104,10 +104,14 @@ def test_mesh_size_must_match_the_world() -> None:
     trio.run(main)
 
 
-CASES = {"inproc": ((2, 2, 2), ("pp", "dp", "tp")), "tcp": ((2, 2), ("dp", "tp"))}
+CASES = {
+    "inproc": ((2, 2, 2), ("pp", "dp", "tp")),
+    "tcp": ((2, 2), ("dp", "tp")),
+    "torch": ((2, 2, 2), ("pp", "dp", "tp")),
+}
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_mesh_groups_all_reduce_along_every_dimension_at_once(kind: str) -> None:
     sizes, names = CASES[kind]
 

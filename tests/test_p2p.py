@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 import trio.testing
-from conftest import TRANSPORT_KINDS, open_group, run_ranks
+from conftest import GROUP_KINDS, TRANSPORT_KINDS, open_group, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,8 +28,9 @@ SETTINGS = {
         max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     ),
     "tcp": settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
+    "torch": settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
 }
-MAX_WORLD = {"inproc": 6, "tcp": 3}
+MAX_WORLD = {"inproc": 6, "tcp": 3, "torch": 3}
 SHAPES = ((), (0,), (3,), (2, 5), (40000,), (7, 3, 2))
 DTYPES = (torch.float32, torch.int64, torch.float16, torch.uint8)
 
@@ -120,7 +121,7 @@ async def _run_program(
     return received
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_random_matched_programs_complete_and_deliver(kind: str) -> None:
     @SETTINGS[kind]
     @given(programs(MAX_WORLD[kind]))
@@ -263,7 +264,7 @@ def test_blocking_receives_in_another_order_than_the_tags_are_refused(kind: str)
     assert trio.run(main)[1] == "refused"
 
 
-@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+@pytest.mark.parametrize("kind", GROUP_KINDS)
 def test_p2p_in_a_group_names_group_and_world_rank_and_runs_beside_another_groups_all_reduce(
     kind: str,
 ) -> None:

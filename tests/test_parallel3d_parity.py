@@ -15,8 +15,12 @@ once, on pp=2 alone and combined with tp or dp; activation checkpointing, ZeRO-1
 accumulation (2 batches per step), a tied embedding and global-norm clipping each on and off,
 alone and combined (tp x pp x dp with all of them). Worlds run in one process
 (InProcessTransport) and, for two layouts, over TCP (`TcpTransport`: every group its own
-authenticated sockets); the plain 8-rank 1F1B case is marked ``soak`` (run by ``make soak``) to
-keep this file near a minute here, the 8-rank case with every option on runs always.
+authenticated sockets) and on torch's data plane (``comm_backend="torch"``: dp=2 x pp=2 on a
+torch world, tp=2 x pp=2 and dp=2 x tp=2 (ZeRO-1) on a torch plane the trainer forms over an
+in-process or a TCP world; every group its own gloo communicator; each also bitwise equal to
+the same run on paramsync's plane); the plain 8-rank 1F1B case is marked ``soak`` (run by
+``make soak``) to keep this file near a minute here, the 8-rank case with every option on runs
+always.
 
 Beyond parity: with dropout on, checkpointed and plain runs of tp=2 x pp=2 are bitwise equal
 (the recomputation replays each tp rank's masks); the replicas of a shard are bitwise equal and a
@@ -39,6 +43,7 @@ from actors.parallel.replica_check import ShardReplicasDiverged
 from actors.parallel.shard_model import ModelSpec
 from actors.parallel.tensor_parallel.layers import is_tensor_parallel, partition_range
 from actors.parallel.trainer3d import Trainer3D
+from runtime.collectives.groups import NativeProcessGroup
 from runtime.parallel.config import ParallelismConfig
 from runtime.transport.base import Transport
 
@@ -67,6 +72,7 @@ class Case:
     tied: bool = False
     clip: float | None = None
     kind: str = "inproc"
+    backend: str = "paramsync"
     dropout: float = 0.0
     marks: tuple[str, ...] = field(default=(), compare=False)
 
@@ -82,6 +88,7 @@ class Case:
             memory_optimization="zero1" if self.zero1 else "none",
             gradient_accumulation=self.accumulation > 1,
             accumulation_steps=self.accumulation,
+            comm_backend=self.backend,
         )
 
     def spec(self) -> ModelSpec:
@@ -103,6 +110,8 @@ class Case:
         ):
             if flag:
                 parts.append(label)
+        if self.backend == "torch":
+            parts.append("torch" if self.kind == "torch" else f"torch-over-{self.kind}")
         return "-".join(parts)
 
 
@@ -140,6 +149,11 @@ CASES = [
     # real sockets
     Case(dp=2, pp=2, schedule="1f1b", m=2, tied=True, kind="tcp"),
     Case(tp=2, pp=2, schedule="gpipe", m=2, clip=0.05, kind="tcp"),
+    # torch's data plane (comm_backend="torch"): a world on it (a gloo group in this process)
+    # or formed by the trainer over a paramsync world; every group its own gloo communicator
+    Case(dp=2, pp=2, schedule="1f1b", m=2, tied=True, kind="torch", backend="torch"),
+    Case(tp=2, pp=2, schedule="gpipe", m=2, clip=0.05, backend="torch"),
+    Case(dp=2, tp=2, schedule="gpipe", m=2, zero1=True, kind="tcp", backend="torch"),
 ]
 assert {case.schedule for case in CASES} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
 
@@ -235,6 +249,10 @@ def _compare(case: Case, reference: DenseTransformer, losses: list[float], resul
     expected = dict(reference.named_parameters(remove_duplicate=False))
     covered: set[str] = set()
     for trainer, rank_losses in results:
+        if case.backend == "torch":  # every group ran on a gloo communicator of its own
+            groups = [trainer.mesh.group(dim) for dim in ("pp", "dp", "tp")]
+            assert all(isinstance(group, NativeProcessGroup) for group in groups), groups
+            assert (trainer.plane is None) == (case.kind == "torch")
         assert trainer.optimizer_steps == STEPS
         assert trainer.checks_passed == (STEPS if case.dp > 1 else 0)
         for name, shard in trainer.shard_parameters().items():
@@ -262,6 +280,24 @@ def test_3d_layout_matches_one_process(case: Case) -> None:
     reference, losses = _reference(case, data)
     results = _run(case, data)
     _compare(case, reference, losses, results)
+
+
+@pytest.mark.parametrize(
+    "torch_case", [c for c in CASES if c.backend == "torch"], ids=lambda c: c.name
+)
+def test_torch_data_plane_matches_paramsync_plane_bitwise(torch_case: Case) -> None:
+    """Every torch-plane layout above, on torch's data plane and on paramsync's: the same
+    weights and losses, bit for bit (gloo sums two ranks' values as the ring does: a + b, then the
+    division; pipeline sends carry the same bytes)."""
+    own_case = Case(**{**torch_case.__dict__, "kind": "inproc", "backend": "paramsync"})
+    data = _data(torch_case)
+    on_torch = _run(torch_case, data)
+    on_own = _run(own_case, data)
+    for (a, a_losses), (b, b_losses) in zip(on_torch, on_own, strict=True):
+        assert a_losses == b_losses
+        theirs = b.shard_parameters()
+        for name, param in a.shard_parameters().items():
+            assert torch.equal(param, theirs[name]), f"{a!r} {name}"
 
 
 def test_replicas_of_a_shard_are_identical_bitwise_after_every_step() -> None:

@@ -5,6 +5,7 @@ the other replica of its (tp, pp) shard, and names the shard and ranks of a pert
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,8 +15,9 @@ from actors.client.client import CoordinatorClient, RunAborted
 from actors.parallel.coordinated import CoordinatorStepHooks, join_3d
 from actors.parallel.shard_model import ModelSpec
 from actors.parallel.trainer3d import Trainer3D
+from runtime.collectives.groups import NativeProcessGroup
 from runtime.coordinator.service import Coordinator, RunFailed
-from runtime.parallel.config import ParallelismConfig
+from runtime.parallel.config import CommBackend, ParallelismConfig
 from runtime.transport.base import Transport
 from runtime.transport.link import MemoryLink
 from tests.coordinated_run import run_with_coordinator
@@ -40,10 +42,14 @@ def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def worker(
-    rank: int, link: MemoryLink, world: Transport, perturb: tuple[int, int] | None
+    rank: int,
+    link: MemoryLink,
+    world: Transport,
+    perturb: tuple[int, int] | None,
+    config: ParallelismConfig = CONFIG,
 ) -> dict[str, Any]:
     client = CoordinatorClient(link, rank)
-    joined = await join_3d(client, rank, CONFIG, SPEC, ("in-process", rank + 1))
+    joined = await join_3d(client, rank, config, SPEC, ("in-process", rank + 1))
     start = client.start
     assert start is not None and joined.start is start
     hooks = CoordinatorStepHooks(client, start.epoch)
@@ -51,7 +57,7 @@ async def worker(
         await nursery.start(client.serve)
         trainer = await Trainer3D.create(
             world,
-            CONFIG,
+            config,
             SPEC,
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
             check_every=0,  # the coordinator checks
@@ -64,12 +70,17 @@ async def worker(
                         trainer.parameters()[0].view(-1)[0] += 1e-3
                 await trainer.train_step(*batch(step, trainer.dp))
             await hooks.finish(STEPS)
+        if config.comm_backend is CommBackend.TORCH:  # its groups were torch communicators
+            assert trainer.plane is not None
+            assert isinstance(trainer.mesh.group("dp"), NativeProcessGroup)
         return trainer.coordinates
 
 
-async def run(perturb: tuple[int, int] | None = None) -> tuple[dict[str, Any], Coordinator]:
+async def run(
+    perturb: tuple[int, int] | None = None, config: ParallelismConfig = CONFIG
+) -> tuple[dict[str, Any], Coordinator]:
     async def one(rank: int, link: MemoryLink, world: Transport) -> dict[str, Any]:
-        return await worker(rank, link, world, perturb)
+        return await worker(rank, link, world, perturb, config)
 
     return await run_with_coordinator(WORLD, one, SECONDS)
 
@@ -82,6 +93,18 @@ async def test_the_coordinator_commits_every_step_comparing_replicas_per_shard()
     assert core.layout is not None
     # mesh ("pp", "dp", "tp") = (2, 2, 1): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
     assert core.shard_of(0) == core.shard_of(1) != core.shard_of(2) == core.shard_of(3)
+    for rank in range(WORLD):
+        assert outcome[f"rank {rank}"] == {"pp": rank // 2, "dp": rank % 2, "tp": 0}
+
+
+async def test_the_coordinator_commits_every_step_on_torchs_data_plane() -> None:
+    """comm_backend="torch": each trainer forms a torch plane over its world and builds its
+    dp and pp groups on it; the coordinator's sequencing, go per dp group and per-shard
+    digests are unchanged, and it commits every step."""
+    outcome, coordinator = await run(config=replace(CONFIG, comm_backend="torch"))
+    assert outcome["coordinator"] is None, outcome
+    core = coordinator.core
+    assert core.last_commit is not None and core.last_commit.step == STEPS - 1
     for rank in range(WORLD):
         assert outcome[f"rank {rank}"] == {"pp": rank // 2, "dp": rank % 2, "tp": 0}
 

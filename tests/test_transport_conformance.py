@@ -4,7 +4,9 @@ the suite fails transports that break the contract.
 The transports: in-process, TCP on 127.0.0.1, TCP under TLS (a `trustme` CA), TCP with the
 shared-memory plane attached (every all-reduce from 0 bytes on it, so the plane sees every
 size) and torch.distributed (a gloo group in this process: frames as gloo point-to-point sends,
-collectives natively), each in groups of 2 and 3 ranks.
+collectives natively), each in groups of 2 and 3 ranks; and a process group on torch's data
+plane (``torch-group``: ranks 1..n of a torch world of n + 1, each group rank a
+`NativeProcessGroup` over a gloo communicator of the members' own).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import trio
 import trustme
 
+from runtime.collectives.groups import NativeProcessGroup, new_group
 from runtime.errors import ProtocolError
 from runtime.testing import transport_conformance as conformance
 from runtime.testing.transport_conformance import (
@@ -39,7 +42,7 @@ from runtime.transport.tcp import TcpTransport
 from runtime.transport.tls import TlsConfig
 from runtime.transport.torch_dist import open_local_group
 
-KINDS = ("inproc", "tcp", "tls", "tcp+shm", "torch")
+KINDS = ("inproc", "tcp", "tls", "tcp+shm", "torch", "torch-group")
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +73,33 @@ def in_process(cls: type[InProcessTransport] = InProcessTransport) -> MakeGroup:
     return make
 
 
+@asynccontextmanager
+async def torch_group(n: int) -> AsyncIterator[list[Transport]]:
+    """Ranks 1..n of a torch world of n + 1 as a process group (rank 0 is no member); closing
+    the world closes the group."""
+    async with open_local_group(n + 1) as world:
+        groups: list[Transport | None] = [None] * (n + 1)
+
+        async def make(rank: int) -> None:
+            groups[rank] = await new_group(world[rank], range(1, n + 1))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for rank in range(n + 1):
+                    nursery.start_soon(make, rank)
+        assert groups[0] is None
+        members = [group for group in groups[1:] if group is not None]
+        assert len(members) == n and all(isinstance(g, NativeProcessGroup) for g in members)
+        yield members
+
+
 def maker(kind: str, tls: TlsConfig) -> MakeGroup:
     if kind == "inproc":
         return in_process()
     if kind == "torch":
         return open_local_group
+    if kind == "torch-group":
+        return torch_group
     options: dict[str, Any] = {
         "tcp": {},
         "tls": {"tls": tls},

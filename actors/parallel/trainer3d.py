@@ -64,7 +64,10 @@ from runtime.collectives.ring import all_reduce, broadcast
 from runtime.observe.trace import TraceRecorder
 from runtime.parallel.config import CommBackend, ParallelismConfig
 from runtime.parallel.schedules import Schedule, build_schedule, schedule_digest
-from runtime.transport.base import Transport
+from runtime.transport.base import InProcessTransport, Transport
+from runtime.transport.capabilities import NativeCollectives
+from runtime.transport.tcp import TcpTransport
+from runtime.transport.torch_dist import TorchDistTransport, connect_torch_transport
 
 __all__ = ["Trainer3D", "OptimizerFactory", "StepHooks"]
 
@@ -107,6 +110,7 @@ class Trainer3D:
         check_every: int,
         activation_shape: list[tuple[int, ...]],
         hooks: StepHooks | None = None,
+        plane: TorchDistTransport | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -121,6 +125,9 @@ class Trainer3D:
         self.check_every = check_every
         self._activation_shape = activation_shape
         self.hooks = hooks
+        self.plane = plane
+        """The torch data plane this trainer formed over its world (``comm_backend="torch"``
+        on a paramsync world; None otherwise): its groups live on it, and it closes with them."""
         self.tp = mesh.coordinate("tp")
         self.pp = mesh.coordinate("pp")
         self.dp = mesh.coordinate("dp")
@@ -184,11 +191,6 @@ class Trainer3D:
         # Every rank declared the same: the checks below fail alike on all of them.
         config.check_world(world.world_size)
         config.check_layers(spec.n_layers)
-        if config.comm_backend is not CommBackend.PARAMSYNC:
-            raise ValueError(
-                f"comm_backend={config.comm_backend.value!r}: Trainer3D runs on paramsync's own "
-                "collectives; use comm_backend='paramsync'"
-            )
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be a non-negative int, got {check_every!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -198,13 +200,20 @@ class Trainer3D:
                 f"tp (mp_size) = {config.mp_size} must divide the model's n_heads "
                 f"({spec.n_heads}) and vocab_size ({spec.vocab_size})"
             )
-        mesh = await init_device_mesh(
-            world, config.mesh_names(), config.mesh_shape(), **group_options
-        )
+        plane, owned = await _data_plane(world, config)
+        try:
+            mesh = await init_device_mesh(
+                plane, config.mesh_names(), config.mesh_shape(), **group_options
+            )
+        except BaseException:
+            if owned is not None:
+                with trio.CancelScope(shield=True):
+                    await owned.aclose()
+            raise
         embedding: ProcessGroup | None = None
         try:
             if spec.tie_weights and config.pp_size > 1:
-                embedding = await new_embedding_group(world, mesh.groups("pp"), **group_options)
+                embedding = await new_embedding_group(plane, mesh.groups("pp"), **group_options)
             tp_comm = ThreadCollectives(mesh.group("tp"))
             shard = build_shard_model(
                 spec, tp_comm, activation_checkpointing=config.activation_checkpointing
@@ -245,6 +254,8 @@ class Trainer3D:
                 await mesh.aclose()
                 if embedding is not None:
                     await embedding.aclose()
+                if owned is not None:
+                    await owned.aclose()
             raise
         return cls(
             config=config,
@@ -260,6 +271,7 @@ class Trainer3D:
             check_every=check_every,
             activation_shape=activation_shape,
             hooks=hooks,
+            plane=owned,
         )
 
     # ------------------------------------------------------------------ what this rank holds
@@ -452,9 +464,12 @@ class Trainer3D:
         await self.mesh.aclose()
         if self.embedding_group is not None:
             await self.embedding_group.aclose()
+        if self.plane is not None:
+            await self.plane.aclose()
 
     async def aclose(self) -> None:
-        """Close every group of this rank (not the world)."""
+        """Close every group of this rank, and the torch data plane it formed (not the
+        world)."""
         with trio.CancelScope(shield=True):
             await self._close_groups()
 
@@ -469,6 +484,43 @@ class Trainer3D:
             f"Trainer3D(rank {self.mesh.rank}: pp={self.pp}, dp={self.dp}, tp={self.tp}; "
             f"{self.config.pipeline_schedule.value}, m={self.config.num_micro_batches})"
         )
+
+
+async def _data_plane(
+    world: Transport, config: ParallelismConfig
+) -> tuple[Transport, TorchDistTransport | None]:
+    """The transport the mesh's groups are built on, and the one this rank formed for it (to
+    close with them), if any. ``comm_backend="paramsync"``: ``world`` itself. ``"torch"``: a
+    world already on torch's data plane (a `TorchDistTransport`, or a group of one), else a
+    torch group formed over ``world`` (`connect_torch_transport`: rank 0 hosts a fresh store),
+    so every group's collectives and pipeline sends go through torch.distributed."""
+    if config.comm_backend is CommBackend.PARAMSYNC or isinstance(world, NativeCollectives):
+        return world, None
+    store_host, local_host = _hosts(world)
+    plane = await connect_torch_transport(
+        world, store_host=store_host, local_host=local_host, prefix="paramsync-3d"
+    )
+    return plane, plane
+
+
+def _hosts(world: Transport) -> tuple[str, str]:
+    """Where rank 0 of ``world`` can host a store every rank reaches, and this rank's own
+    address: the addresses of its TCP connections; loopback for ranks in one process."""
+    base = world
+    while isinstance(base, ProcessGroup):
+        base = base.members
+    if isinstance(base, TcpTransport) and base.world_size > 1:
+        peer = 1 if base.rank == 0 else 0
+        sock = base.connections[peer].socket
+        local = sock.getsockname()[0]
+        return (local if base.rank == 0 else sock.getpeername()[0]), local
+    if isinstance(base, InProcessTransport) or base.world_size == 1:
+        return "127.0.0.1", "127.0.0.1"
+    raise ValueError(
+        f"comm_backend='torch' over a {type(base).__name__}: Trainer3D forms torch's data "
+        "plane over an InProcessTransport or TcpTransport world, or takes one on it "
+        "(runtime.transport.torch_dist)"
+    )
 
 
 def _plain_config(config: ParallelismConfig) -> dict[str, Any]:

@@ -23,18 +23,25 @@ tp group may all-reduce in both at once):
   connections (``group_addr``, which also checks that all members create the same group), and
   the mesh forms with the usual dial/accept handshake whose `Identity` carries the group's name:
   a connection of one group is refused by every other. When the members share a host, the
-  group attaches its own shared-memory plane (`runtime.transport.shm`) on that mesh.
+  group attaches its own shared-memory plane (`runtime.transport.shm`) on that mesh;
+- on torch's data plane (`TorchDistTransport` worlds, ``comm_backend = "torch"``), a gloo
+  communicator of the members' own (and an NCCL one when the world has a CUDA device), formed
+  through the epoch's store under a prefix named by the group
+  (`TorchDistTransport.open_subgroup`): the group is a `NativeProcessGroup`, whose collectives
+  run natively on that communicator.
 
 Groups may be built over groups (ranks are then the parent group's ranks). A group is closed
-with ``await group.aclose()`` (or ``async with``); closing the world does not close its groups.
+with ``await group.aclose()`` (or ``async with``); closing the world does not close its groups,
+except on torch's data plane, where a group belongs to its world's epoch: aborting or closing
+the world aborts or closes its groups.
 """
 
 from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -48,6 +55,7 @@ from runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
     BlockingLinkSet,
+    NativeCollectives,
     PolledLinkProvider,
     PolledLinkSet,
     PrecodedFrames,
@@ -55,8 +63,17 @@ from runtime.transport.capabilities import (
 )
 from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tcp import TcpTransport, form_mesh
+from runtime.transport.torch_dist import TorchDistTransport
 
-__all__ = ["ProcessGroup", "new_group", "group_name", "derive_group_name", "DEFAULT_GROUP_SECONDS"]
+__all__ = [
+    "ProcessGroup",
+    "ParamsyncProcessGroup",
+    "NativeProcessGroup",
+    "new_group",
+    "group_name",
+    "derive_group_name",
+    "DEFAULT_GROUP_SECONDS",
+]
 
 _STALL_SECONDS = 10.0
 """How long a peer may stay silent in a signalled exchange when the members do not say."""
@@ -69,15 +86,14 @@ _COUNTERS: weakref.WeakKeyDictionary[Transport, int] = weakref.WeakKeyDictionary
 """How many groups each world transport has created (every rank counts every call)."""
 
 
-class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder):
+class ProcessGroup(Transport):
     """One rank's view of a process group: a `Transport` over the members, numbered 0..k-1.
 
     ``ranks`` are the members' ranks in the parent (sorted); ``rank`` is this rank's group rank.
-    Sends and receives go over ``members``, the group's own transport (its own channels or TCP
-    connections); the parent's connections are never used after creation. A group declares
-    every capability a transport may have (`runtime.transport.capabilities`) and honours each
-    exactly when ``members`` does: ``supports_blocking``/``supports_polled`` say so, and the
-    shared-memory plane is the members' own.
+    Sends and receives go over ``members``, the group's own transport (its own channels, TCP
+    connections or torch communicator); the parent's connections are never used after
+    creation. `new_group` makes one of the two kinds below, which add the capabilities
+    (`runtime.transport.capabilities`) of their members' data plane.
     """
 
     def __init__(
@@ -144,6 +160,27 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
     async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
         return await self.members.recv_routed(peer, route)
 
+    def abort(self) -> None:
+        self.members.abort()
+
+    async def aclose(self) -> None:
+        await self.members.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.name!r}, rank {self.rank} of {self.world_size}, "
+            f"ranks {list(self.ranks)})"
+        )
+
+
+class ParamsyncProcessGroup(
+    ProcessGroup, BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder
+):
+    """A group on paramsync's own data plane (in-process channels or TCP connections). It
+    declares every capability such a transport may have and honours each exactly when
+    ``members`` does: ``supports_blocking``/``supports_polled`` say so, and the shared-memory
+    plane is the members' own."""
+
     # ------------------------------------------------------------------ capabilities
 
     @property
@@ -196,17 +233,65 @@ class ProcessGroup(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         elif plane is not None:
             raise CollectiveError(f"group {self.name!r}: its transport holds no shared memory")
 
-    def abort(self) -> None:
-        self.members.abort()
 
-    async def aclose(self) -> None:
-        await self.members.aclose()
+class NativeProcessGroup(ProcessGroup, NativeCollectives):
+    """A group on torch's data plane: its members' transport (a `TorchDistTransport` over a
+    communicator of the group's own) runs collectives natively, and
+    `runtime.collectives.ring` hands them over, as it does to the members' transport itself.
+    It lends no links and carries no shared-memory plane (torch's transport has neither)."""
 
-    def __repr__(self) -> str:
-        return (
-            f"ProcessGroup({self.name!r}, rank {self.rank} of {self.world_size}, "
-            f"ranks {list(self.ranks)})"
-        )
+    def __init__(
+        self, parent: Transport, ranks: tuple[int, ...], name: str, members: Transport
+    ) -> None:
+        if not isinstance(members, NativeCollectives):
+            raise CollectiveError(
+                f"group {name!r}: a {type(members).__name__} runs no native collectives"
+            )
+        super().__init__(parent, ranks, name, members)
+        self.native: NativeCollectives = members
+
+    def native_accepts(self, tensor: torch.Tensor) -> bool:
+        return self.native.native_accepts(tensor)
+
+    async def native_all_reduce(self, flat: torch.Tensor, op: str) -> None:
+        with self._naming_peers():
+            await self.native.native_all_reduce(flat, op)
+
+    async def native_broadcast(self, flat: torch.Tensor, root: int) -> None:
+        with self._naming_peers():
+            await self.native.native_broadcast(flat, root)
+
+    async def native_all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        with self._naming_peers():
+            await self.native.native_all_gather(out, flat)
+
+    async def native_reduce_scatter(
+        self, flat: torch.Tensor, op: str, bounds: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        with self._naming_peers():
+            return await self.native.native_reduce_scatter(flat, op, bounds)
+
+    async def native_barrier(self) -> None:
+        with self._naming_peers():
+            await self.native.native_barrier()
+
+    @contextmanager
+    def _naming_peers(self) -> Iterator[None]:
+        """A collective's failure naming its peer by group and world rank (the members'
+        transport knows only the group rank)."""
+        try:
+            yield
+        except ProtocolError as exc:
+            peer = exc.peer
+            if isinstance(peer, bool) or not isinstance(peer, int):
+                raise
+            if not 0 <= peer < self.world_size:
+                raise
+            named = type(exc).__new__(type(exc))
+            ProtocolError.__init__(
+                named, f"group {self.name}: {exc.reason}", peer=self.describe_peer(peer)
+            )
+            raise named from None
 
 
 def group_name(parent: Transport, index: int, ranks: Iterable[int]) -> str:
@@ -256,8 +341,10 @@ async def new_group(
 
     Over TCP the group gets its own connections, and (when the members share a host) its own
     shared-memory plane: ``shared_memory`` None means on unless ``PARAMSYNC_SHM=0`` or TLS, as
-    for `TcpTransport.connect`; ``shm_options`` go to `attach_shared_memory`. Forming the group
-    must finish within ``seconds`` (a `StallError` otherwise).
+    for `TcpTransport.connect`; ``shm_options`` go to `attach_shared_memory`. On torch's data
+    plane it gets its own torch communicator (a `NativeProcessGroup`; ``shared_memory`` and
+    ``shm_options`` do not apply). Forming the group must finish within ``seconds`` (a
+    `StallError` otherwise).
     """
     members = _check_ranks(world, ranks)
     index = _COUNTERS.get(world, 0)
@@ -273,16 +360,27 @@ async def new_group(
                 )
             elif _is_in_process(world):
                 transport = _in_process_members(world, members, name, index)
+            elif isinstance(base := _base(world), TorchDistTransport):
+                transport = await base.open_subgroup(
+                    members, name, parent=_parent_name(world), seconds=seconds
+                )
             else:
                 raise CollectiveError(
                     f"cannot build process groups over a {type(world).__name__}: only over "
-                    "InProcessTransport, TcpTransport and groups of them"
+                    "InProcessTransport, TcpTransport, TorchDistTransport and groups of them"
                 )
     except trio.TooSlowError:
         raise StallError(
             f"group {name} (ranks {list(members)}) did not form within {seconds} s"
         ) from None
-    return ProcessGroup(world, members, name, transport)
+    if isinstance(transport, NativeCollectives):
+        return NativeProcessGroup(world, members, name, transport)
+    return ParamsyncProcessGroup(world, members, name, transport)
+
+
+def _parent_name(world: Transport) -> str:
+    """``world`` as every rank of it names it: "world", or the group's name."""
+    return world.name if isinstance(world, ProcessGroup) else "world"
 
 
 def _base(world: Transport) -> Transport:

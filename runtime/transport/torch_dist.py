@@ -14,13 +14,24 @@ keyed by the run and the epoch, as torchft makes a group per quorum) or `create_
   them over. Each has a deadline (gloo's per-operation timeout, ``collective_seconds``: past it
   gloo closes the group's connections and the call is a `StallError`) and an abort path
   (`TorchDistTransport.abort` fails every call in flight at once; the blocked thread is left to
-  gloo's deadline).
+  gloo's deadline). A peer whose end is gone (its goodbye, or a broken connection) fails a
+  collective that has not finished 2 s later as a `PeerClosed` naming it: a peer that closed
+  without joining never hangs the survivors until the deadline (gloo keeps an in-process
+  peer's connections open after its group is dropped, so they would wait for it).
 - Frames (control messages, state transfer, point-to-point tensors) travel as torch.distributed
   point-to-point sends of uint8 tensors: an int64 length, then the frame's bytes (one CBOR item
   and its bulk, exactly the bytes a TCP transport sends: nothing is pickled, torch's object
   collectives are never used). gloo sends only once the receiver has posted a matching
   receive, so one thread per peer keeps a receive posted and queues what arrives (up to
   ``inbox_frames`` frames: the buffering a socket gives).
+- Subgroups (`TorchDistTransport.open_subgroup`, which `runtime.collectives.groups.new_group`
+  calls on a torch-plane world): a subset of the ranks gets a gloo communicator of its own (and
+  an NCCL one when the transport has a device), formed through the epoch's store under a prefix
+  named by the group, so it is itself a `TorchDistTransport` with native collectives, frames,
+  deadlines, abort and the close handshake. Before forming, the members check over the store
+  that they all create the same group (same name, same ranks), and a member that creates
+  another is a `ProtocolError` naming it. A subgroup belongs to its parent's epoch: aborting the
+  parent aborts it and closing the parent closes it first.
 - Closing is a handshake: a closing rank sends each peer a goodbye (length -1), which the
   peer's receiving thread answers with its own; once every thread has its goodbye (or a dead
   peer's connection error) the group is dropped and its connections close. A peer that dies
@@ -79,6 +90,9 @@ _IDLE_TIMEOUT = datetime.timedelta(days=7)
 """The group's default timeout, which gloo applies to point-to-point receives: a receive posted
 for the next frame of an idle peer must not expire (an expiry closes the connection); frames
 have their callers' deadlines and collectives their own."""
+_LOST_GRACE = 2.0
+"""How long a collective may still finish once a peer's end is gone (a peer that closed after
+its part of the collective: the rest arrives in milliseconds) before it fails naming the peer."""
 _HEAD_TAG = 1
 _BODY_TAG = 2
 _GOODBYE = -1
@@ -139,7 +153,8 @@ class TorchDistTransport(NativeCollectives):
     `create_local_group` and `connect_torch_transport` do. ``group``: the gloo process group
     (frames, CPU collectives); ``device_group`` and ``device``: an NCCL group and the CUDA
     device whose tensors it reduces (None: CPU only). ``keep``: objects to keep alive as long
-    as the group (the store).
+    as the group (the store). ``store`` and ``host``: the epoch's store and the address gloo's
+    connections bind to, for `open_subgroup` (None: this transport makes no subgroups).
     """
 
     def __init__(
@@ -155,6 +170,8 @@ class TorchDistTransport(NativeCollectives):
         max_frame: int = DEFAULT_MAX_FRAME,
         inbox_frames: int = 8,
         keep: Sequence[object] = (),
+        store: dist.Store | None = None,
+        host: str | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         if not collective_seconds > 0 or not close_seconds > 0:
@@ -171,7 +188,14 @@ class TorchDistTransport(NativeCollectives):
         self.collective_seconds = collective_seconds
         self.close_seconds = close_seconds
         self.max_frame = max_frame
+        self.inbox_frames = inbox_frames
         self._keep: list[object] = list(keep)
+        self._store = store
+        self._host = host
+        self._subgroups: list[TorchDistTransport] = []
+        self._pair_counts: dict[int, int] = {}
+        """Per peer, how many subgroups holding it this rank has opened (`open_subgroup`)."""
+        """The subgroups made by `open_subgroup`: aborted and closed with this transport."""
         self._token = trio.lowlevel.current_trio_token()
         self._lock = threading.Lock()
         """Guards posting (sends to one peer leave in the order posted) and the state below."""
@@ -182,6 +206,8 @@ class TorchDistTransport(NativeCollectives):
         self._ended: dict[int, Exception] = {}
         """Peers whose last frame this rank has received: each later receive raises this."""
         self._goodbyes: list[Any] = []
+        self._lost = trio.Event()
+        """Set once a peer's end is gone (see `_wait`)."""
         self._waits: set[trio.CancelScope] = set()
         self._inflight: set[Any] = set()
         """Operations whose wait was abandoned (cancelled, aborted) and may still run: the
@@ -262,6 +288,10 @@ class TorchDistTransport(NativeCollectives):
             self._gone.setdefault(peer, end)
             if isinstance(end, _Goodbye):
                 self._post_goodbye(peer)  # the peer's thread waits for this end's goodbye
+        try:
+            trio.from_thread.run_sync(self._lost.set, trio_token=self._token)
+        except trio.RunFinishedError:
+            pass
         if delivering:
             self._deliver(peer, end)
 
@@ -321,26 +351,53 @@ class TorchDistTransport(NativeCollectives):
     # ------------------------------------------------------------------ waiting
 
     async def _wait(self, works: list[Any], peer: int | None, what: str) -> None:
-        """Wait for ``works`` on a thread; `abort` or a failure ends the wait at once."""
+        """Wait for ``works`` on a thread; `abort` or a failure ends the wait at once. A
+        collective (``peer`` None) also ends once a peer's end is gone (its goodbye or a broken
+        connection) and the collective has not finished within ``_LOST_GRACE`` seconds of it:
+        a `PeerClosed` naming that peer (a peer that closed after its part finishes in time)."""
 
         def run() -> None:
             for work in works:
                 work.wait()
 
+        failed: list[RuntimeError] = []
+        lost: list[int] = []
+
+        async def wait_works(done: trio.CancelScope) -> None:
+            try:
+                await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+            except RuntimeError as exc:
+                failed.append(exc)
+            done.cancel()
+
+        async def watch_peers(done: trio.CancelScope) -> None:
+            await self._lost.wait()
+            await trio.sleep(min(_LOST_GRACE, self.collective_seconds))
+            lost.extend(sorted(self._gone))
+            done.cancel()
+
         self._inflight.update(works)
         with trio.CancelScope() as scope:
             self._waits.add(scope)
             try:
-                await trio.to_thread.run_sync(run, abandon_on_cancel=True)
-            except RuntimeError as exc:
-                self._inflight.difference_update(works)
-                raise _gloo_error(exc, peer, what) from None
-            else:
-                self._inflight.difference_update(works)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(wait_works, nursery.cancel_scope)
+                    if peer is None:
+                        nursery.start_soon(watch_peers, nursery.cancel_scope)
             finally:
                 self._waits.discard(scope)
         if scope.cancelled_caught:
             raise PeerClosed(f"{what}: rank {self.rank}'s torch transport was aborted", peer=peer)
+        if lost:  # the works are abandoned: they end at gloo's deadline, or with the group
+            also = f" (so are ranks {lost[1:]})" if lost[1:] else ""
+            raise PeerClosed(
+                f"{what}: its end is gone ({_reason(self._gone[lost[0]])}){also}", peer=lost[0]
+            )
+        self._inflight.difference_update(works)
+        if failed:
+            if peer is None and self._gone:
+                peer = min(self._gone)
+            raise _gloo_error(failed[0], peer, what) from None
 
     # ------------------------------------------------------------------ collectives
 
@@ -425,6 +482,81 @@ class TorchDistTransport(NativeCollectives):
         token = torch.zeros(1)
         await self._collective(token, "barrier", lambda g: g.barrier(options))
 
+    # ------------------------------------------------------------------ subgroups
+
+    async def open_subgroup(
+        self, ranks: Sequence[int], name: str, *, parent: str, seconds: float = 60.0
+    ) -> TorchDistTransport:
+        """This rank's transport in a new torch group of ``ranks`` (this transport's ranks,
+        sorted, this rank among them), numbered 0..k-1 in that order. Collective among the
+        members: each calls it with the same ``ranks`` and ``name``; ``parent`` names this
+        transport the same on every rank (`runtime.collectives.groups`: "world", or the
+        group's name).
+
+        The members first check, through the epoch's store, that they all create ``name``
+        over ``ranks``: every two members compare what they create as the n-th subgroup of
+        ``parent`` holding both (as TCP groups do over the connection between them), so one
+        that creates another group is a `ProtocolError` naming it. Then they
+        form a gloo group (and an NCCL one for a CUDA device) under a prefix of the store named
+        by ``name``. Not formed within ``seconds``: a `StallError` naming the group. The result
+        belongs to this transport (`abort` and `aclose` reach it)."""
+        members = tuple(ranks)
+        if list(members) != sorted(set(members)) or self.rank not in members:
+            raise CollectiveError(
+                f"a subgroup needs sorted, distinct ranks holding rank {self.rank}, got "
+                f"{list(members)}"
+            )
+        for rank in members:
+            if rank != self.rank:
+                self.check_peer(rank)
+        store, host = self._store, self._host
+        if store is None:
+            raise CollectiveError(
+                f"rank {self.rank}'s torch transport holds no store to form group {name!r} "
+                "through (build it with create_local_group or connect_torch_transport)"
+            )
+        self._live_group(None)
+        position = members.index(self.rank)
+        size = len(members)
+        counts = {peer: self._pair_counts.get(peer, 0) for peer in members if peer != self.rank}
+        for peer, count in counts.items():
+            self._pair_counts[peer] = count + 1
+
+        def form() -> tuple[Group, Group | None]:
+            _agree(store, parent, self.rank, members, name, counts, seconds)
+            scoped = dist.PrefixStore(f"paramsync-group/{name}", store)
+            group = _gloo_group(scoped, position, size, host)
+            device_group = None
+            if self.device is not None and self._device_group is not None:  # pragma: no cover
+                device_group = _nccl_group(scoped, position, size, self.collective_seconds)
+            return group, device_group
+
+        with trio.move_on_after(seconds) as deadline:
+            group, device_group = await trio.to_thread.run_sync(form, abandon_on_cancel=True)
+        if deadline.cancelled_caught:
+            raise StallError(
+                f"group {name!r} (ranks {list(members)}) did not form within {seconds:g} s"
+            )
+        subgroup = TorchDistTransport(
+            position,
+            size,
+            group,
+            device_group=device_group,
+            device=self.device if device_group is not None else None,
+            collective_seconds=self.collective_seconds,
+            close_seconds=self.close_seconds,
+            max_frame=self.max_frame,
+            inbox_frames=self.inbox_frames,
+            keep=(store,),
+            store=store,
+            host=host,
+        )
+        if self._closed:  # closed while the group formed: it belongs to a closed epoch
+            await subgroup.aclose()
+            raise PeerClosed(f"rank {self.rank}'s torch transport closed while {name!r} formed")
+        self._subgroups.append(subgroup)
+        return subgroup
+
     # ------------------------------------------------------------------ ending
 
     def abort(self) -> None:
@@ -432,6 +564,8 @@ class TorchDistTransport(NativeCollectives):
         is gone; the group itself is dropped by `aclose`."""
         if self._closed:
             return
+        for subgroup in list(self._subgroups):
+            subgroup.abort()
         with self._lock:
             self._closed = True
             for peer in self._peers:
@@ -448,10 +582,17 @@ class TorchDistTransport(NativeCollectives):
 
     async def aclose(self) -> None:
         """Close the handshake with every peer (within ``close_seconds``), then drop the
-        group: its connections close once no thread waits on it. Safe to call twice."""
+        group: its connections close once no thread waits on it. Its subgroups close first,
+        all at once (each is a peer of the same ranks' subgroups). Safe to call twice."""
         self.abort()
         if self._group is None:
             return
+        subgroups, self._subgroups = self._subgroups, []
+        if subgroups:
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as nursery:
+                    for subgroup in subgroups:
+                        nursery.start_soon(subgroup.aclose)
         pumps = list(self._pumps)
 
         def finish(limit: float) -> None:
@@ -508,6 +649,11 @@ def _release(held: list[object], pending: list[Any], pumps: list[threading.Threa
         held.pop(0)
 
 
+def _reason(error: Exception) -> str:
+    """Why a peer's end is gone, without the peer's name (the caller names it)."""
+    return error.reason if isinstance(error, ProtocolError) else one_line(error)
+
+
 class _Goodbye(PeerClosed):
     """The peer closed its end cleanly (its goodbye arrived after its last frame)."""
 
@@ -541,6 +687,48 @@ async def _share_port(bootstrap: Transport, port: torch.Tensor) -> None:
             "message",
             peer=0,
         )
+
+
+def _agree(
+    store: dist.Store,
+    parent: str,
+    rank: int,
+    members: tuple[int, ...],
+    name: str,
+    counts: Mapping[int, int],
+    seconds: float,
+) -> None:
+    """Check (blocking) that every member of ``members`` creates group ``name`` over
+    ``members``: with each other member ``peer``, this is the ``counts[peer]``-th subgroup of
+    ``parent`` holding both, and each of the two writes what it creates under that pair's key,
+    then reads the other's. A member that creates another group is a `ProtocolError` naming
+    it; one that never says within ``seconds`` a `StallError`."""
+    declared = dist.PrefixStore(f"paramsync-group-decl/{parent}", store)
+    mine = f"{name}|{','.join(map(str, members))}"
+
+    def key(peer: int, writer: int) -> str:
+        return f"{min(rank, peer)}-{max(rank, peer)}/{counts[peer]}/{writer}"
+
+    for peer in counts:
+        declared.set(key(peer, rank), mine)
+    for peer in counts:
+        try:
+            declared.wait([key(peer, peer)], datetime.timedelta(seconds=seconds))
+        except RuntimeError:
+            raise StallError(
+                f"group {name!r} (ranks {list(members)}): rank {peer} did not create it within "
+                f"{seconds:g} s",
+                peer=peer,
+            ) from None
+        theirs = declared.get(key(peer, peer)).decode(errors="replace")
+        if theirs != mine:
+            other, _, ranks = theirs.partition("|")
+            raise ProtocolError(
+                f"creates group {other!r} with ranks [{ranks.replace(',', ', ')}] where rank "
+                f"{rank} creates {name!r} with ranks {list(members)}: every rank must call "
+                "new_group alike, in the same order",
+                peer=peer,
+            )
 
 
 def _gloo_group(store: dist.Store, rank: int, world_size: int, host: str | None) -> Group:
@@ -592,7 +780,15 @@ async def create_local_group(
     for rank, group in enumerate(groups):
         assert group is not None
         made.append(
-            TorchDistTransport(rank, n, group, collective_seconds=collective_seconds, keep=(store,))
+            TorchDistTransport(
+                rank,
+                n,
+                group,
+                collective_seconds=collective_seconds,
+                keep=(store,),
+                store=store,
+                host="127.0.0.1",
+            )
         )
     return made
 
@@ -676,4 +872,6 @@ async def connect_torch_transport(
         device=device if device_group is not None else None,
         collective_seconds=collective_seconds,
         keep=(store,),
+        store=scoped,
+        host=local_host,
     )
