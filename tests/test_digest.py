@@ -4,8 +4,9 @@
   fresh hash of the same state gives, through optimizer steps, swapped and resized storage,
   optimizer state appearing and disappearing, non-contiguous tensors, scalar optimizer state
   and bfloat16; it skips its per-tensor walk while the layout holds and takes it again after
-  any change to it (new or swapped state, a reload, new, renamed or retyped parameters, other
-  strides over the same storage).
+  any change to it (new or swapped state, a reload, new, renamed, swapped, removed or retyped
+  parameters, new or swapped buffers, a module added deep in the tree, other strides over the
+  same storage).
 * Any single flipped bit changes the whole digest and exactly that tensor's digest
   (hypothesis); names, shapes and dtypes are mixed in, so equal bytes in another layout differ.
 """
@@ -226,7 +227,23 @@ def _layout_changes() -> list[tuple[str, Callable[[nn.Module, torch.optim.Optimi
         model.square.weight = extra
         optimizer.add_param_group({"params": [extra]})
 
+    def swap_parameter(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model[2].weight = nn.Parameter(model[2].weight.detach() + 1)  # same name, a new object
+
+    def new_buffer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model[0].register_buffer("scale", torch.ones(3))
+
+    def nested_child(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model[0].add_module("inner", nn.Linear(2, 2))  # deep in the tree, not at its root
+
+    def parameter_removed(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model[2].bias = None  # still registered, as None: no longer a parameter
+
     return [
+        ("swap_parameter", swap_parameter),
+        ("new_buffer", new_buffer),
+        ("nested_child", nested_child),
+        ("parameter_removed", parameter_removed),
         ("swap_state", swap_state),
         ("reload", reload),
         ("replace_module", replace_module),
@@ -253,6 +270,19 @@ def test_reused_hasher_follows_every_layout_change(
     assert after == fresh and after.tensors == fresh.tensors, label
     assert after.names == fresh.names, label
     assert after != before, label
+
+
+def test_swapped_buffer_is_never_hashed_stale() -> None:
+    """A buffer replaced by another tensor under the same name, after the plan formed."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model(torch.randn(6, 3))  # running statistics away from their initial values
+    hasher = StateHasher()
+    hasher.digest(model)
+    before = hasher.digest(model)  # from the plan
+    model[1].running_mean = torch.zeros(4)
+    after = hasher.digest(model)
+    assert after == state_digest(model) and after.tensors == state_digest(model).tensors
+    assert after != before
 
 
 def test_transposed_in_place_is_never_hashed_stale() -> None:
