@@ -81,3 +81,26 @@ def test_the_limit_column_is_paired_per_round_like_the_others() -> None:
     assert table["step_ratio_to_limit"] == pytest.approx(1.2)
     # the existing keys are unchanged by the new column
     assert table["speedup_over_one"] == pytest.approx(0.11 / 0.06)
+
+
+def test_the_baseline_thread_check_times_both_threads(tmp_path: Path) -> None:
+    """benchmarks/baseline_thread.py runs the one-replica step on the main thread and on another,
+    reports both medians, and leaves torch's thread count as it found it (a tiny run: the
+    figures themselves are for a quiet machine)."""
+    import json
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "baseline_thread", SCRIPT.parent / "baseline_thread.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    out = tmp_path / "baseline.json"
+    result = module.main(["--blocks", "2", "--steps", "2", "--batch", "4", "--json", str(out)])
+    assert torch.get_num_threads() == threads
+    assert json.loads(out.read_text()) == result
+    assert result["steps_each"] == 2
+    assert result["main_thread_ms"] > 0 and result["other_thread_ms"] > 0
