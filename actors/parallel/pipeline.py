@@ -469,6 +469,8 @@ class _StepRun:
                         nursery.start_soon(receive, peer, posted)
                     if links is not None:
                         self._start_senders(nursery)
+                    else:
+                        self._sends_done.set()  # trio's isends: the nursery waits for them
                     await trio.to_thread.run_sync(self._walk)
                     await self._sends_done.wait()
                     self._finished = True
