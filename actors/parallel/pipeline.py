@@ -15,28 +15,42 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   meets the activation-gradient chain, and BACKWARD_WEIGHT the weight gradients later from
   those alone, without walking the chain again (`actors.parallel.split_backward`, as torch's
   ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
-- SEND_ACTIVATION / SEND_GRADIENT hand the tensor to the trio side, which starts a tagged
-  `isend` in the step's nursery; the list goes on at once. A send leaves as soon as its tensor
-  is computed and every send before it in the list has left, which may be before the walk
-  reaches it (the peer gets the same messages in the same order, only earlier; the compute order
-  is the list's). RECV_ACTIVATION / RECV_GRADIENT wait for a receive posted ahead: when the step
-  starts, every receive of the list gets its buffer (the declared activation shape and dtype),
-  and one trio task per peer receives that peer's messages into them in list order, as early as
-  they come (as torch posts its irecvs ahead); p2p refuses another tag, dtype or shape, naming
-  the peer. The tag is ``action.tag(step)``: step, the sending stage, the micro-batch and the
-  direction, the same at both ends. A receive takes the next message its peer sent, so a rank
-  must receive from each peer in the order that peer sends to it: every list that runs on
-  rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s are simulated so);
-  with a list that does not, the receive meets a message of another tag: a ProtocolError naming
-  both tags, never a swap.
+- SEND_ACTIVATION / SEND_GRADIENT hand the tensor over (to the peer's sender thread, or to
+  the trio side, which starts a tagged `isend` in the step's nursery: below); the list goes on
+  at once. A send leaves as soon as its tensor is computed and every send before it in the
+  list has left, which may be before the walk reaches it (the peer gets the same messages in
+  the same order, only earlier; the compute order is the list's). RECV_ACTIVATION /
+  RECV_GRADIENT wait for a receive posted ahead: when the step starts, every receive of the
+  list gets its buffer (the declared activation shape and dtype), and one receiver per peer (a
+  thread, or a trio task) takes that peer's messages into them in list order, as early as they
+  come (as torch posts its irecvs ahead); p2p refuses another tag or dtype, naming the peer,
+  and another shape (through trio) or size (on lent links; the sender checks its output's
+  shape against the declared one). The tag is ``action.tag(step)``: step, the sending stage,
+  the micro-batch and the direction, the same at both ends. A receive takes the next message
+  its peer sent, so a rank must receive from each peer in the order that peer sends to it:
+  every list that runs on rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s
+  are simulated so); with a list that does not, the receive meets a message of another tag: a
+  ProtocolError naming both tags, never a swap.
 - The list itself is walked on one compute thread per step (one `trio.to_thread.run_sync` for
   the whole list, not one per action): compute runs there back to back, a receive is a wait on
-  a thread event (``recv_seconds`` counts from when the walk reaches it), a send a
-  `TrioToken.run_sync_soon`; the trio side meanwhile moves the bytes, and several ranks of an
-  in-process world still share one trio loop. A failed receive or send, or a cancelled step,
-  wakes the walk, which stops at its next wait or between two actions (an action's compute is
-  never interrupted half-way). `PipelineStage.on_action` is called there after each action
-  (the tracer's hook, `actors.parallel.traced_stage`).
+  a thread event (``recv_seconds`` counts from when the walk reaches it), a send a hand-over.
+  Who moves the bytes: when the pp group can lend its connections to threads
+  (`runtime.transport.capabilities.BlockingLinkProvider`, plaintext TCP; ``thread_links``, on
+  by default), the step borrows them (`blocking_links`) and runs one sender thread and one
+  receive thread per peer over them (`runtime.collectives.p2p.send_on_links` /
+  `recv_on_links`, the same frames): a send is a queue put, each thread blocks in the system
+  calls with the GIL released, and trio is not woken per message (handing each send to trio
+  cost the compute thread 0.3-0.6 ms of GIL wait, and the peer's drain; a step of interleaved
+  1F1B on the benchmark spent 10-12 ms so, now under 1 ms). Otherwise (in-process worlds, TLS,
+  torch's plane, ``thread_links=False``) a send is a `TrioToken.run_sync_soon` starting an
+  `isend`, and the receives are trio tasks; several ranks of an in-process world share one trio
+  loop. A failed receive or send, or a cancelled step, wakes the walk, which stops at its next
+  wait or between two actions (an action's compute is never interrupted half-way); on lent
+  links the step shuts them down to wake their threads (the transport is then broken, as after
+  any failed collective, and the stage closes its groups anyway). A receive thread on lent
+  links also fails on a peer silent for the transport's ``stall_seconds`` (300 s on TCP), even
+  without ``recv_seconds``. `PipelineStage.on_action` is called on the compute thread after
+  each action (the tracer's hook, `actors.parallel.traced_stage`).
 - Weight gradients fold into ``param.grad`` in ascending micro-batch order
   (`actors.parallel.microbatch_grads`): every schedule gives bitwise the same gradients.
 
@@ -354,8 +368,9 @@ class PipelineStage:
     def on_action(self, step: int, action: Action, started_ns: int, ended_ns: int) -> None:
         """Called on the stage's compute thread after each action of a step's list with its
         `time.perf_counter_ns` start and end (a receive: the wait for it; a send: its hand-off
-        to the trio side). Does nothing here; `actors.parallel.traced_stage` records spans.
-        It runs between two actions, so it should be quick; an error it raises fails the step."""
+        to its sender thread or the trio side). Does nothing here;
+        `actors.parallel.traced_stage` records spans. It runs between two actions, so it should
+        be quick; an error it raises fails the step."""
 
     async def fail(self, exc: BaseException) -> None:
         """Mark the stage broken by ``exc`` and close every group it uses (shielded), so its
