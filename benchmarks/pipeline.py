@@ -10,7 +10,9 @@ trained with MSE and SGD on the same data from the same initial weights, a batch
 - ``paramsync-<schedule>``: two processes joined by `TcpTransport`, each a `PipelineStage`
   (`actors.parallel.pipeline`) holding its blocks (half of them; with ``interleaved_1f1b`` two
   chunks of a quarter, stages r and r + 2), executing its list of
-  `runtime.parallel.schedules.build_schedule` with tagged p2p;
+  `runtime.parallel.schedules.build_schedule` with tagged p2p, moved on threads over the
+  connections the transport lends (``--p2p threads``, the default: a sender and a receive
+  thread per peer, trio never woken per message) or through trio (``--p2p trio``);
 - ``torch-<schedule>``: two processes in a gloo process group, each holding the same blocks as
   ``torch.distributed.pipelining.PipelineStage``s, on the same micro-batches: ``gpipe`` and
   ``1f1b`` by ``ScheduleGPipe`` and ``Schedule1F1B``; ``interleaved_1f1b`` by
@@ -213,6 +215,7 @@ def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
                 chunks_per_rank=chunks,
                 loss_fn=loss_fn,
                 activation_shape=(args.microbatch_size, args.width),
+                thread_links=args.p2p == "threads",
             )
             optimizer = _optimizer(stage.parameters(), args)
             first, last = stage.rank == 0, stage.rank == PP - 1
@@ -365,6 +368,8 @@ def _model_args(args: argparse.Namespace) -> list[str]:
         str(args.lr),
         "--seed",
         str(args.seed),
+        "--p2p",
+        args.p2p,
     ]
 
 
@@ -489,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per system")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--p2p",
+        choices=("threads", "trio"),
+        default="threads",
+        help="paramsync's pipeline messages: on threads over lent links, or through trio",
+    )
     parser.add_argument(
         "--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="to time"
     )

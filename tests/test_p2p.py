@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.collectives.groups import new_group
-from runtime.collectives.p2p import irecv, isend, recv, send
+from runtime.collectives.p2p import irecv, isend, recv, recv_on_links, send, send_on_links
 from runtime.collectives.ring import all_reduce
 from runtime.errors import CollectiveError, ProtocolError
 from runtime.transport.base import Transport
@@ -386,3 +386,45 @@ def test_recv_routed_lands_the_bulk_where_the_route_says(kind: str) -> None:
                     await b.recv_routed(0, lambda *_: torch.empty(5))
 
     trio.run(main)
+
+
+def test_on_lent_links_threads_exchange_tagged_messages_and_refuse_a_wrong_tag() -> None:
+    """`send_on_links` / `recv_on_links` from OS threads over TCP connections lent by
+    `blocking_links`: the tensors arrive in order under their tags; a message of another tag
+    is a ProtocolError naming the peer and both tags, another size one naming both."""
+    sent = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + i for i in range(3)]
+
+    async def main() -> list[object]:
+        async with open_group("tcp", 2) as (a, b):
+            got = [torch.empty(2, 3) for _ in sent]
+            async with a.blocking_links({1}) as la, b.blocking_links({0}) as lb:
+
+                def receive() -> None:
+                    for i, out in enumerate(got):
+                        recv_on_links(lb, b, out, 0, tag=10 + i)
+
+                def send_all() -> None:
+                    for i, tensor in enumerate(sent):
+                        send_on_links(la, a, tensor, 1, tag=10 + i)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(trio.to_thread.run_sync, receive)
+                    nursery.start_soon(trio.to_thread.run_sync, send_all)
+                assert all(torch.equal(x, y) for x, y in zip(sent, got, strict=True))
+                errors: list[object] = []
+
+                def wrong(tag: int, out: torch.Tensor) -> None:
+                    send_on_links(la, a, sent[0], 1, tag=5)
+                    try:
+                        recv_on_links(lb, b, out, 0, tag=tag)
+                    except ProtocolError as exc:
+                        errors.append(exc)
+
+                await trio.to_thread.run_sync(wrong, 6, torch.empty(2, 3))
+                await trio.to_thread.run_sync(wrong, 5, torch.empty(7))
+                return errors
+
+    errors = trio.run(main)
+    assert len(errors) == 2
+    assert "sent tag 5" in str(errors[0]) and "expected tag 6" in str(errors[0])
+    assert "rank 0" in str(errors[0]) and "elements" in str(errors[1])

@@ -8,7 +8,8 @@ weight of every rank with the reference's: bitwise (``torch.equal``) where the a
 same (stage gradients fold in micro-batch order, whatever the schedule), within 1e-5 relative /
 4e-5 absolute where it is not (tied embeddings: the two copies' gradients are summed after the
 step, the reference sums them per micro-batch). Worlds run in one process (InProcessTransport),
-one case over TCP; a rank failing in the middle of a schedule makes every rank fail, never hang.
+two cases over TCP (messages on threads over the lent connections, and through trio); a rank
+failing in the middle of a schedule makes every rank fail, never hang, on either path.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ async def _train_rank(
     tied: bool,
     mesh_names: tuple[str, ...],
     steps: int = STEPS,
+    thread_links: bool = True,
 ) -> tuple[PipelineStage, list[float | None]]:
     """One world rank: its mesh (pp, dp[, tp of 1]), its stage, ``steps`` training steps."""
     sizes = {"pp": pp, "dp": dp, "tp": 1}
@@ -78,6 +80,7 @@ async def _train_rank(
         dp_group=mesh.group("dp"),
         embedding_group=embedding,
         tied=tied_names(blocks) if tied else (),
+        thread_links=thread_links,
     )
     await stage.sync_tied_weights()
     optimizer = make_optimizer(stage.parameters())
@@ -103,6 +106,7 @@ def _train(
     tied: bool = False,
     kind: str = "inproc",
     mesh_names: tuple[str, ...] = ("pp", "dp"),
+    thread_links: bool = True,
 ) -> tuple[torch.nn.Sequential, list[float], list[tuple[PipelineStage, list[float | None]]]]:
     model = transformer_blocks(layers, tied=tied)
     data = batches(STEPS, m, replicas=dp)
@@ -115,7 +119,16 @@ def _train(
 
                 async def one(t: Transport) -> None:
                     results[t.rank] = await _train_rank(
-                        t, model, lists, data, pp=pp, dp=dp, v=v, tied=tied, mesh_names=mesh_names
+                        t,
+                        model,
+                        lists,
+                        data,
+                        pp=pp,
+                        dp=dp,
+                        v=v,
+                        tied=tied,
+                        mesh_names=mesh_names,
+                        thread_links=thread_links,
                     )
 
                 async with trio.open_nursery() as nursery:
@@ -225,10 +238,24 @@ def test_tied_embeddings_stay_tied_and_match_within_tolerance(dp: int) -> None:
     assert torch.equal(first.tied_params[0], last.tied_params[0])  # the copies never drift
 
 
-def test_over_tcp_in_one_process() -> None:
-    """Interleaved 1F1B over TcpTransport: activations and gradients share each link."""
+def test_over_tcp_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interleaved 1F1B over TcpTransport: activations and gradients share each link, moved
+    on threads over the lent connections (trio's p2p is never called)."""
+
+    def not_through_trio(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a message went through trio, not the lent links")
+
+    monkeypatch.setattr("actors.parallel.pipeline.isend", not_through_trio)
+    monkeypatch.setattr("actors.parallel.pipeline.recv", not_through_trio)
     lists = build_schedule("interleaved_1f1b", 2, 4, 2).actions
     reference, losses, results = _train(lists, pp=2, v=2, kind="tcp")
+    _compare(reference, losses, results, exact=True)
+
+
+def test_over_tcp_through_trio_gives_the_same_bits() -> None:
+    """``thread_links=False``: the same run with the messages through trio's p2p."""
+    lists = build_schedule("1f1b", 2, 4).actions
+    reference, losses, results = _train(lists, pp=2, kind="tcp", thread_links=False)
     _compare(reference, losses, results, exact=True)
 
 
@@ -245,7 +272,8 @@ def _stage(t: Transport, **options: object) -> PipelineStage:
     )
 
 
-def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs() -> None:
+@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs(kind: str) -> None:
     """Pipeline rank 1's loss raises on micro-batch 2 of step 1: rank 1 raises that error,
     closes its groups, and ranks 0 and 2 fail with PeerClosed (all within the deadline)."""
     calls = {"n": 0}
@@ -275,7 +303,7 @@ def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs() -> None:
 
     async def main() -> list:
         with trio.fail_after(SECONDS):
-            async with open_group("inproc", 4) as world:
+            async with open_group(kind, 4) as world:
                 results: list = [None] * 4
 
                 async def one(t: Transport) -> None:
@@ -293,9 +321,10 @@ def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs() -> None:
         assert isinstance(results[index], PeerClosed), results[index]
 
 
-def test_a_silent_peer_is_a_stall_error_naming_step_action_and_peer() -> None:
+@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+def test_a_silent_peer_is_a_stall_error_naming_step_action_and_peer(kind: str) -> None:
     async def main() -> BaseException:
-        async with open_group("inproc", 2) as world:
+        async with open_group(kind, 2) as world:
             stage = _stage(world[1], recv_seconds=0.5)
             with pytest.raises(StallError) as caught:
                 await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
@@ -307,11 +336,12 @@ def test_a_silent_peer_is_a_stall_error_naming_step_action_and_peer() -> None:
     assert "step 0" in str(error) and "0RECV_F0@0" in str(error) and "rank 0" in str(error)
 
 
-def test_a_shape_the_receiver_does_not_expect_is_a_protocol_error() -> None:
+@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+def test_a_shape_the_receiver_does_not_expect_is_a_protocol_error(kind: str) -> None:
     """The receiver declares another activation shape: p2p refuses the message."""
 
     async def main() -> list:
-        async with open_group("inproc", 2) as world:
+        async with open_group(kind, 2) as world:
             lists = gpipe(2, 2)
             inputs, targets = batches(1, 2)[0][0]
 
@@ -340,7 +370,10 @@ def test_a_shape_the_receiver_does_not_expect_is_a_protocol_error() -> None:
     assert isinstance(results[0], PeerClosed)
 
 
-def test_receiving_in_another_order_than_the_peer_sends_is_refused_never_swapped() -> None:
+@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+def test_receiving_in_another_order_than_the_peer_sends_is_refused_never_swapped(
+    kind: str,
+) -> None:
     """Rank 1 receives micro-batch 1's activation first while rank 0 sends micro-batch 0's
     first: a ProtocolError naming both tags on rank 1, and rank 0 fails too."""
     f, r, s = ActionKind.FORWARD, ActionKind.RECV_ACTIVATION, ActionKind.SEND_GRADIENT
@@ -351,7 +384,7 @@ def test_receiving_in_another_order_than_the_peer_sends_is_refused_never_swapped
     inputs, targets = batches(1, 2)[0][0]
 
     async def main() -> list:
-        async with open_group("inproc", 2) as world:
+        async with open_group(kind, 2) as world:
             results: list = [None, None]
 
             async def one(t: Transport) -> None:
@@ -498,6 +531,24 @@ def test_a_step_cancelled_while_waiting_for_a_receive_ends_and_breaks_the_stage(
             return scope.cancelled_caught
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_step_cancelled_on_lent_links_wakes_every_thread_and_breaks_the_stage() -> None:
+    """Over TCP (receive threads blocked on the lent connections, rank 0 never sends): the
+    caller's deadline cancels the step, the links are shut down so the threads wake, and the
+    stage refuses further steps."""
+
+    async def main() -> bool:
+        async with open_group("tcp", 2) as world:
+            stage = _stage(world[1])
+            with trio.fail_after(SECONDS):
+                with trio.move_on_after(0.5) as scope:
+                    await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
+                with pytest.raises(RuntimeError, match="previous step failed"):
+                    await stage.run_schedule(one_f_one_b(2, 2)[1], None, batches(1, 2)[0][0][1])
+            return scope.cancelled_caught
+
+    assert trio.run(main)
 
 
 def test_a_send_leaves_as_soon_as_its_tensor_is_computed_not_when_the_list_reaches_it() -> None:

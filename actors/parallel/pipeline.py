@@ -15,28 +15,42 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   meets the activation-gradient chain, and BACKWARD_WEIGHT the weight gradients later from
   those alone, without walking the chain again (`actors.parallel.split_backward`, as torch's
   ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
-- SEND_ACTIVATION / SEND_GRADIENT hand the tensor to the trio side, which starts a tagged
-  `isend` in the step's nursery; the list goes on at once. A send leaves as soon as its tensor
-  is computed and every send before it in the list has left, which may be before the walk
-  reaches it (the peer gets the same messages in the same order, only earlier; the compute order
-  is the list's). RECV_ACTIVATION / RECV_GRADIENT wait for a receive posted ahead: when the step
-  starts, every receive of the list gets its buffer (the declared activation shape and dtype),
-  and one trio task per peer receives that peer's messages into them in list order, as early as
-  they come (as torch posts its irecvs ahead); p2p refuses another tag, dtype or shape, naming
-  the peer. The tag is ``action.tag(step)``: step, the sending stage, the micro-batch and the
-  direction, the same at both ends. A receive takes the next message its peer sent, so a rank
-  must receive from each peer in the order that peer sends to it: every list that runs on
-  rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s are simulated so);
-  with a list that does not, the receive meets a message of another tag: a ProtocolError naming
-  both tags, never a swap.
+- SEND_ACTIVATION / SEND_GRADIENT hand the tensor over (to the peer's sender thread, or to
+  the trio side, which starts a tagged `isend` in the step's nursery: below); the list goes on
+  at once. A send leaves as soon as its tensor is computed and every send before it in the
+  list has left, which may be before the walk reaches it (the peer gets the same messages in
+  the same order, only earlier; the compute order is the list's). RECV_ACTIVATION /
+  RECV_GRADIENT wait for a receive posted ahead: when the step starts, every receive of the
+  list gets its buffer (the declared activation shape and dtype), and one receiver per peer (a
+  thread, or a trio task) takes that peer's messages into them in list order, as early as they
+  come (as torch posts its irecvs ahead); p2p refuses another tag or dtype, naming the peer,
+  and another shape (through trio) or size (on lent links; the sender checks its output's
+  shape against the declared one). The tag is ``action.tag(step)``: step, the sending stage,
+  the micro-batch and the direction, the same at both ends. A receive takes the next message
+  its peer sent, so a rank must receive from each peer in the order that peer sends to it:
+  every list that runs on rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s
+  are simulated so); with a list that does not, the receive meets a message of another tag: a
+  ProtocolError naming both tags, never a swap.
 - The list itself is walked on one compute thread per step (one `trio.to_thread.run_sync` for
   the whole list, not one per action): compute runs there back to back, a receive is a wait on
-  a thread event (``recv_seconds`` counts from when the walk reaches it), a send a
-  `TrioToken.run_sync_soon`; the trio side meanwhile moves the bytes, and several ranks of an
-  in-process world still share one trio loop. A failed receive or send, or a cancelled step,
-  wakes the walk, which stops at its next wait or between two actions (an action's compute is
-  never interrupted half-way). `PipelineStage.on_action` is called there after each action
-  (the tracer's hook, `actors.parallel.traced_stage`).
+  a thread event (``recv_seconds`` counts from when the walk reaches it), a send a hand-over.
+  Who moves the bytes: when the pp group can lend its connections to threads
+  (`runtime.transport.capabilities.BlockingLinkProvider`, plaintext TCP; ``thread_links``, on
+  by default), the step borrows them (`blocking_links`) and runs one sender thread and one
+  receive thread per peer over them (`runtime.collectives.p2p.send_on_links` /
+  `recv_on_links`, the same frames): a send is a queue put, each thread blocks in the system
+  calls with the GIL released, and trio is not woken per message (handing each send to trio
+  cost the compute thread 0.3-0.6 ms of GIL wait, and the peer's drain; a step of interleaved
+  1F1B on the benchmark spent 10-12 ms so, now under 1 ms). Otherwise (in-process worlds, TLS,
+  torch's plane, ``thread_links=False``) a send is a `TrioToken.run_sync_soon` starting an
+  `isend`, and the receives are trio tasks; several ranks of an in-process world share one trio
+  loop. A failed receive or send, or a cancelled step, wakes the walk, which stops at its next
+  wait or between two actions (an action's compute is never interrupted half-way); on lent
+  links the step shuts them down to wake their threads (the transport is then broken, as after
+  any failed collective, and the stage closes its groups anyway). A receive thread on lent
+  links also fails on a peer silent for the transport's ``stall_seconds`` (300 s on TCP), even
+  without ``recv_seconds``. `PipelineStage.on_action` is called on the compute thread after
+  each action (the tracer's hook, `actors.parallel.traced_stage`).
 - Weight gradients fold into ``param.grad`` in ascending micro-batch order
   (`actors.parallel.microbatch_grads`): every schedule gives bitwise the same gradients.
 
@@ -54,9 +68,11 @@ broken and refuses further steps.
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,11 +88,12 @@ from actors.parallel.pipeline_grads import (
 )
 from actors.parallel.split_backward import WeightGradients, backward_input
 from actors.parallel.stages import StageChunk, check_stage_layout, split_blocks, stage_rank
-from runtime.collectives.p2p import isend, recv
+from runtime.collectives.p2p import isend, recv, recv_on_links, send_on_links
 from runtime.collectives.ring import broadcast
 from runtime.errors import StallError, first_error
 from runtime.parallel.actions import Action, ActionKind
 from runtime.transport.base import Transport
+from runtime.transport.capabilities import BlockingLinkProvider, BlockingLinkSet
 
 __all__ = ["PipelineStage", "PipelineStepResult", "ActivationShape", "split_microbatches"]
 
@@ -134,6 +151,11 @@ class PipelineStage:
     last stage's) that are one weight in the model; ``embedding_group`` is the 2-rank group of
     the first and the last pipeline rank (`actors.parallel.pipeline_grads.new_embedding_group`).
     ``recv_seconds``: how long one receive may wait before the step fails (None: no limit).
+    ``thread_links``: when ``pp_group`` can lend its connections to threads
+    (`runtime.transport.capabilities.BlockingLinkProvider`: plaintext TCP), move the step's
+    messages on threads over them (sends from the compute thread itself, receives on one
+    thread per peer), so that no message wakes the trio loop; False, or a group that cannot
+    lend them (in-process, TLS, torch's plane), moves them through trio.
     """
 
     def __init__(
@@ -149,8 +171,10 @@ class PipelineStage:
         embedding_group: Transport | None = None,
         tied: Sequence[tuple[str, str]] = (),
         recv_seconds: float | None = None,
+        thread_links: bool = True,
     ) -> None:
         self.pp_group = pp_group
+        self.thread_links = thread_links
         self.pp_size = pp_group.world_size
         self.rank = pp_group.rank
         if num_stages % self.pp_size:
@@ -344,8 +368,9 @@ class PipelineStage:
     def on_action(self, step: int, action: Action, started_ns: int, ended_ns: int) -> None:
         """Called on the stage's compute thread after each action of a step's list with its
         `time.perf_counter_ns` start and end (a receive: the wait for it; a send: its hand-off
-        to the trio side). Does nothing here; `actors.parallel.traced_stage` records spans.
-        It runs between two actions, so it should be quick; an error it raises fails the step."""
+        to its sender thread or the trio side). Does nothing here;
+        `actors.parallel.traced_stage` records spans. It runs between two actions, so it should
+        be quick; an error it raises fails the step."""
 
     async def fail(self, exc: BaseException) -> None:
         """Mark the stage broken by ``exc`` and close every group it uses (shielded), so its
@@ -411,7 +436,13 @@ class _StepRun:
         self._sends: list[int] = []  # list indices of the sends (filled once the list is checked)
         self._sent = 0  # how many of them have left
         self._aborted = False
+        self._finished = False  # the walk reached the list's end
         self._send_error: BaseException | None = None
+        self._links: BlockingLinkSet | None = None  # the pp group's connections, lent
+        # per peer, the sends handed to its sender thread (None: no more) over lent links
+        self._outboxes: dict[int, queue.SimpleQueue[tuple[Action, torch.Tensor] | None]] = {}
+        self._senders_left = 0
+        self._sends_done = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -438,15 +469,27 @@ class _StepRun:
         self._sends = [i for i, action in enumerate(self.actions) if action.kind.is_send]
         inboxes = self._post_receives()
         self._token = trio.lowlevel.current_trio_token()
+        peers = {action.peer for action in self.actions if action.peer is not None}
         with first_error():
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                for peer, posted in inboxes.items():
-                    nursery.start_soon(self._receive_in_order, peer, posted)
-                watch = trio.CancelScope()
-                nursery.start_soon(self._abort_when_cancelled, watch)
-                await trio.to_thread.run_sync(self._walk)
-                watch.cancel()
+            async with self._lend_links(peers) as links:
+                self._links = links
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    watch = trio.CancelScope()
+                    nursery.start_soon(self._abort_when_cancelled, watch)
+                    for peer, posted in inboxes.items():
+                        receive = (
+                            self._receive_in_order if links is None else self._receive_threaded
+                        )
+                        nursery.start_soon(receive, peer, posted)
+                    if links is not None:
+                        self._start_senders(nursery)
+                    else:
+                        self._sends_done.set()  # trio's isends: the nursery waits for them
+                    await trio.to_thread.run_sync(self._walk)
+                    await self._sends_done.wait()
+                    self._finished = True
+                    watch.cancel()
         self._check_complete()
         return PipelineStepResult(self.step, [self.losses[i] for i in range(len(self.losses))])
 
@@ -471,6 +514,80 @@ class _StepRun:
             inboxes.setdefault(action.peer, []).append(posted)
         return inboxes
 
+    @asynccontextmanager
+    async def _lend_links(self, peers: set[int]) -> AsyncIterator[BlockingLinkSet | None]:
+        """The pp group's connections to ``peers`` lent to this step's threads, when the stage
+        may use them and the group can lend them (else None: messages go through trio).
+        Leaving by an error breaks them (`BlockingLinkProvider.blocking_links`)."""
+        group = self.stage.pp_group
+        if (
+            self.stage.thread_links
+            and peers
+            and isinstance(group, BlockingLinkProvider)
+            and group.supports_blocking
+        ):
+            async with group.blocking_links(peers) as links:
+                yield links
+        else:
+            yield None
+
+    def _start_senders(self, nursery: trio.Nursery) -> None:
+        """One sender thread per peer this list sends to, fed by the walk in list order."""
+        peers = sorted({peer for i in self._sends if (peer := self.actions[i].peer) is not None})
+        self._outboxes = {peer: queue.SimpleQueue() for peer in peers}
+        self._senders_left = len(peers)
+        if not peers:
+            self._sends_done.set()
+        for peer in peers:
+            nursery.start_soon(self._send_threaded, peer)
+
+    async def _send_threaded(self, peer: int) -> None:
+        await trio.to_thread.run_sync(self._send_on_links, peer)
+        self._senders_left -= 1
+        if self._senders_left == 0:
+            self._sends_done.set()
+
+    def _send_on_links(self, peer: int) -> None:
+        """On ``peer``'s sender thread: each send the walk hands over, in order, over the lent
+        links (blocking, GIL released, while the peer drains it), until the walk's end (None)
+        or the step's abort. The compute thread never waits for a peer to read."""
+        links, group, outbox = self._links, self.stage.pp_group, self._outboxes[peer]
+        assert links is not None
+        while (item := outbox.get()) is not None:
+            if self._aborted:
+                return
+            action, tensor = item
+            try:
+                send_on_links(links, group, tensor, peer, action.tag(self.step))
+            except Exception as exc:
+                if self._aborted:
+                    return
+                exc.add_note(f"while executing {self.where(action)}")
+                raise
+
+    async def _receive_threaded(self, peer: int, posted: list[_Posted]) -> None:
+        """Receive ``peer``'s messages on a thread of their own, over the lent links."""
+        await trio.to_thread.run_sync(self._receive_on_links, peer, posted)
+
+    def _receive_on_links(self, peer: int, posted: list[_Posted]) -> None:
+        """On a receive thread: ``peer``'s messages in list order, each into its posted buffer
+        as soon as it comes (blocking with the GIL released meanwhile). Once the step is
+        aborted (the links are shut down to wake it), it stops quietly: the step's nursery
+        holds the cause."""
+        links, group = self._links, self.stage.pp_group
+        assert links is not None
+        for entry in posted:
+            if self._aborted:
+                return
+            try:
+                recv_on_links(links, group, entry.buffer, peer, entry.action.tag(self.step))
+            except Exception as exc:
+                if self._aborted:
+                    return
+                exc.add_note(f"while receiving for {self.where(entry.action)}")
+                raise
+            entry.arrived.set()
+
     async def _receive_in_order(self, peer: int, posted: list[_Posted]) -> None:
         """Receive ``peer``'s messages ahead of the walk, each into its posted buffer."""
         group = self.stage.pp_group
@@ -486,10 +603,17 @@ class _StepRun:
             try:
                 await trio.sleep_forever()
             finally:
-                self._abort()
+                if not self._finished:
+                    self._abort()
 
     def _abort(self) -> None:
+        """Wake every thread of the step: the walk at its next wait or between two actions,
+        a thread blocked on a lent link by shutting the links down (which breaks them)."""
         self._aborted = True
+        if self._links is not None:
+            self._links.abort()
+        for outbox in self._outboxes.values():
+            outbox.put(None)
         for entry in self._posted.values():
             entry.arrived.set()
 
@@ -534,6 +658,8 @@ class _StepRun:
             self._send_ready()
         if self._send_error is not None:
             raise self._send_error
+        for outbox in self._outboxes.values():
+            outbox.put(None)  # every send handed over: the sender threads finish them
 
     def _next_send_at(self) -> int:
         """The list index of the first send that has not left (the list's length if none)."""
@@ -541,9 +667,11 @@ class _StepRun:
         return sends[self._sent] if self._sent < len(sends) else len(self.actions)
 
     def _send_ready(self) -> None:
-        """Hand every send whose tensor is computed to the trio side, in list order, stopping
-        at the first whose tensor is not (sends to a peer leave in list order)."""
+        """Hand every send whose tensor is computed over, in list order, stopping at the first
+        whose tensor is not (sends to a peer leave in list order): to the peer's sender thread
+        over the lent links, else to the trio side."""
         hook = self.stage.on_action
+        links = self._links
         while self._sent < len(self._sends):
             action = self.actions[self._sends[self._sent]]
             tensor = self.to_send.pop((action.kind, action.stage, action.microbatch), None)
@@ -551,7 +679,12 @@ class _StepRun:
                 return
             assert action.peer is not None and self._token is not None
             started = time.perf_counter_ns()
-            self._token.run_sync_soon(self._start_send, tensor, action.peer, action.tag(self.step))
+            if links is not None:
+                self._outboxes[action.peer].put((action, tensor))
+            else:
+                self._token.run_sync_soon(
+                    self._start_send, tensor, action.peer, action.tag(self.step)
+                )
             self._sent += 1
             hook(self.step, action, started, time.perf_counter_ns())
 

@@ -17,6 +17,14 @@ sent and the tags expected; a message of the expected tag with another dtype or 
 `ProtocolError` naming both. After either error the message has been read whole, so the link
 stays in step.
 
+`send_on_links` / `recv_on_links` are the same messages from an OS thread, over connections a
+`BlockingLinkProvider` lent it (`blocking_links`): the thread blocks in the system calls with the
+GIL released, and no event loop is woken per message (a pipeline stage's compute thread sends
+this way the moment a tensor is computed). There nothing is posted ahead: a receive takes the
+peer's next message, which must carry the expected tag (else a `ProtocolError` naming the peer
+and both tags) and a bulk of the receiving tensor's dtype and size (the transport refuses
+another, naming the peer).
+
 A peer's link carries collectives too: point-to-point traffic on a group must not run at the
 same time as a collective on that group (use another group). A receive cancelled in the middle
 of a message breaks the link, as a cancelled collective does.
@@ -35,9 +43,19 @@ import trio
 from runtime.errors import CollectiveError, ProtocolError
 from runtime.protocol.messages import P2P, P2P_MAX_TAG
 from runtime.transport.base import Transport
+from runtime.transport.capabilities import BlockingLinkSet
 from runtime.transport.segments import SUPPORTED_DTYPES
 
-__all__ = ["MAX_TAG", "P2PHandle", "send", "recv", "isend", "irecv"]
+__all__ = [
+    "MAX_TAG",
+    "P2PHandle",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "send_on_links",
+    "recv_on_links",
+]
 
 MAX_TAG = P2P_MAX_TAG
 
@@ -324,3 +342,40 @@ def irecv(
     """Start `recv` in ``nursery``; the receive is posted now, so irecvs started together
     take their messages in any arrival order. A failure also propagates into the nursery."""
     return _start(nursery, f"recv from {src} tag {tag}", _post_recv(group, tensor, src, tag))
+
+
+# ------------------------------------------------------------------------------ from a thread
+
+
+def send_on_links(
+    links: BlockingLinkSet, group: Transport, tensor: torch.Tensor, dst: int, tag: int = 0
+) -> None:
+    """Send ``tensor`` to rank ``dst`` under ``tag`` from an OS thread, over ``links`` that
+    ``group`` lent (`BlockingLinkProvider.blocking_links`); returns once the kernel took every
+    byte (the tensor may be modified then). The same frame as `send`."""
+    _check(group, tensor, dst, tag, "send")
+    links.send(dst, P2P.KIND, {"tag": tag}, tensor)
+
+
+def recv_on_links(
+    links: BlockingLinkSet, group: Transport, tensor: torch.Tensor, src: int, tag: int = 0
+) -> torch.Tensor:
+    """Receive ``src``'s next message into ``tensor`` from an OS thread, over ``links`` that
+    ``group`` lent, and return ``tensor``. A message of another kind or tag is a
+    `ProtocolError` naming the peer and both tags (it has been read whole: the link stays in
+    step, and ``tensor`` holds its bytes); a bulk of another dtype or size one naming both."""
+    _check(group, tensor, src, tag, "recv")
+    message = links.recv_into(src, tensor)
+    if message["kind"] != P2P.KIND:
+        raise ProtocolError(
+            f"sent a {message['kind']} message where a point-to-point message with tag {tag} "
+            "was expected",
+            peer=_describe(group, src),
+        )
+    if message["tag"] != tag:
+        raise ProtocolError(
+            f"sent tag {message['tag']} ({_what(tensor)}), expected tag {tag}: messages are "
+            "never paired with another tag's receive",
+            peer=_describe(group, src),
+        )
+    return tensor
