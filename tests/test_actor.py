@@ -5,11 +5,13 @@ failure, not a stuck run."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 import trio.testing
 
-from runtime.actor.base import Actor, ActorState, ActorStopped, ActorSystem
+from runtime.actor.base import Actor, ActorState, ActorStopped, ActorSystem, run_in_thread
 from runtime.errors import ActorFailed, ParamsyncError
 
 DEADLINE = 1_000  # mock-clock seconds: far beyond any test, so only a real hang reaches it
@@ -452,3 +454,101 @@ async def test_spawn_needs_an_open_system_and_a_fresh_actor(autojump_clock):
             system.spawn(actor)
     with pytest.raises(RuntimeError, match="open ActorSystem"):
         system.spawn(Echo("late"))
+
+
+# -- the hot path: task switches an ask and a thread crossing cost ---------------------------
+
+
+class _TaskSteps(trio.abc.Instrument):
+    """Counts the steps of one task."""
+
+    def __init__(self) -> None:
+        self.task: trio.lowlevel.Task | None = None
+        self.steps = 0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def test_an_ask_to_a_mailbox_with_room_switches_tasks_only_for_the_reply():
+    async with ActorSystem() as system:
+        actor = await system.start(Echo("echo"))
+        counter = _TaskSteps()
+        counter.task = trio.lowlevel.current_task()
+        trio.lowlevel.add_instrument(counter)
+        try:
+            assert await actor.ask(21) == 42
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        # Posting took no step of its own: the asker paused once, for the reply (a post that
+        # switched tasks would count a second step).
+        assert counter.steps == 1
+        assert actor.seen == [21]
+
+
+async def test_an_ask_to_a_full_mailbox_still_waits_for_room(autojump_clock):
+    with trio.fail_after(DEADLINE):
+        async with ActorSystem() as system:
+            actor = await system.start(Gated("gated", mailbox_size=1))
+            await actor.tell(1)  # handled: waits on the gate
+            await trio.testing.wait_all_tasks_blocked()
+            await actor.tell(2)  # fills the mailbox
+            answers: list[object] = []
+
+            async def asker() -> None:
+                answers.append(await actor.ask(3))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(asker)
+                await trio.testing.wait_all_tasks_blocked()
+                assert actor.queued == 1 and answers == []
+                for _ in range(3):
+                    actor.gate.release()
+            assert answers == [6]
+            assert actor.seen == [1, 2, 3]
+
+
+async def test_a_cancelled_ask_posts_nothing(autojump_clock):
+    async with ActorSystem() as system:
+        actor = await system.start(Echo("echo"))
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await actor.ask(5)
+        assert scope.cancelled_caught
+        await actor.ask(6)
+        assert actor.seen == [6]
+
+
+async def test_run_in_thread_runs_off_the_loop_with_from_thread_and_errors():
+    loop_thread = threading.get_ident()
+
+    def work(value: int) -> tuple[int, bool]:
+        # trio.from_thread works as under trio.to_thread (the crossing is the same)
+        trio.from_thread.run_sync(lambda: None)
+        return value * 2, threading.get_ident() != loop_thread
+
+    assert await run_in_thread(work, 4) == (8, True)
+
+    def boom() -> None:
+        raise ValueError("in the thread")
+
+    with pytest.raises(ValueError, match="in the thread"):
+        await run_in_thread(boom)
+
+
+async def test_run_in_thread_is_one_task_switch_and_honours_a_cancel_before_it_starts():
+    ran: list[int] = []
+    counter = _TaskSteps()
+    counter.task = trio.lowlevel.current_task()
+    trio.lowlevel.add_instrument(counter)
+    try:
+        await run_in_thread(ran.append, 1)
+    finally:
+        trio.lowlevel.remove_instrument(counter)
+    assert ran == [1]
+    assert counter.steps == 1  # trio.to_thread.run_sync's default limiter costs a second
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await run_in_thread(ran.append, 2)
+    assert scope.cancelled_caught and ran == [1]

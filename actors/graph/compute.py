@@ -33,7 +33,7 @@ from actors.graph.messages import Backward
 from actors.graph.precision import MixedPrecision, autocast_of
 from actors.multidevice import DataParallelCoordinator, primary_backward
 from actors.state.buckets import Bucket
-from runtime.actor.base import Actor
+from runtime.actor.base import Actor, run_in_thread
 from runtime.observe.trace import TraceRecorder
 
 __all__ = ["ComputeActor", "LossFn", "UnusedParametersError"]
@@ -149,7 +149,7 @@ class ComputeActor(Actor):
 
     async def handle(self, message: object) -> float:
         assert isinstance(message, Backward)
-        loss = await trio.to_thread.run_sync(self._backward, message)
+        loss = await run_in_thread(self._backward, message)
         self._announce_rest(message.step, message.sync)
         return loss
 

@@ -21,13 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import trio
 
 from actors.client.client import CoordinatorClient
 from actors.graph.messages import OptimizerStep, Verify
 from actors.graph.precision import GradScalerDigests, MixedPrecision
 from actors.state.digest import Scheduler, StateDigest, StateHasher
-from runtime.actor.base import Actor
+from runtime.actor.base import Actor, run_in_thread
 from runtime.observe.trace import TraceRecorder
 
 __all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor", "clip_gradients", "clip_settings"]
@@ -136,7 +135,7 @@ class OptimizerActor(Actor):
             with self.trace.span("commit-wait", actor="optimizer", step=message.step - 1):
                 await self.client.wait_commit(message.step - 1)
             with self.trace.span("optimizer", actor="optimizer", step=message.step) as span:
-                await trio.to_thread.run_sync(self.apply, message.step)
+                await run_in_thread(self.apply, message.step)
                 if self.grad_norm is not None and self.grad_norm[0] == message.step:
                     span.set(grad_norm=self.grad_norm[1])
             return
@@ -149,7 +148,7 @@ class OptimizerActor(Actor):
                 self.trace.complete("digest", started, ended, actor="optimizer", step=step)
             else:  # an epoch's opening check: the state may have just arrived from a donor
                 with self.trace.span("digest", actor="optimizer", step=step):
-                    digest = await trio.to_thread.run_sync(self._timed_digest)
+                    digest = await run_in_thread(self._timed_digest)
             self.last_digest = digest.digest
             # The tensor names travel with the epoch's first digest and when they change.
             names = None if digest.names is self._names_sent else digest.names

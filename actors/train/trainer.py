@@ -928,7 +928,10 @@ class DistributedTrainer:
         member has data left."""
         if self.reached_max_steps:
             raise RuntimeError(f"max_steps={self.options.max_steps} already reached")
-        await self._live.wait()
+        if self._live.is_set():  # the usual case: no task switch here (the compute's is one)
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            await self._live.wait()
         if self.step != step or position not in (None, self.position):
             raise _StepAborted
         epoch = self._epoch
@@ -987,7 +990,12 @@ class DistributedTrainer:
         if norm is not None and norm[0] == step:
             self._record_norm(step, norm[1])
         if self.options.verify_overlap:
-            await epoch.optimizer.tell(Verify(step))
+            # The optimizer has just answered, so its mailbox has room: queue the check
+            # without a task switch (the actor takes it once this task next waits).
+            try:
+                epoch.optimizer.tell_nowait(Verify(step))
+            except trio.WouldBlock:
+                await epoch.optimizer.tell(Verify(step))
         else:
             await epoch.optimizer.ask(Verify(step, wait=True))
 

@@ -25,6 +25,7 @@ Lifecycle::
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import ClassVar, TypeVar
@@ -33,9 +34,35 @@ import trio
 
 from runtime.errors import ActorFailed, ParamsyncError
 
-__all__ = ["Actor", "ActorState", "ActorStopped", "ActorSystem"]
+__all__ = ["Actor", "ActorState", "ActorStopped", "ActorSystem", "run_in_thread"]
 
 A = TypeVar("A", bound="Actor")
+R = TypeVar("R")
+
+
+class _OneThreadEach:
+    """A thread "limiter" for `run_in_thread` that never waits: an actor handles one message at
+    a time, so it never has more than one thread of its own running. Unlike trio's default
+    `trio.CapacityLimiter`, acquiring it is no schedule point (a cancelled caller still raises
+    here): the crossing costs the caller one task step fewer."""
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        pass
+
+
+_ONE_THREAD_EACH = _OneThreadEach()
+
+
+async def run_in_thread(fn: Callable[..., R], *args: object) -> R:
+    """``trio.to_thread.run_sync(fn, *args)`` for an actor's blocking work (forward and
+    backward, an optimizer step, a digest): the same thread cache, context, cancellation
+    (none until ``fn`` returns) and ``trio.from_thread`` support, without the default thread
+    limiter's extra schedule point before the thread starts. Only for work an actor's own
+    task runs (at most one thread at a time per actor)."""
+    return await trio.to_thread.run_sync(fn, *args, limiter=_ONE_THREAD_EACH)  # type: ignore[arg-type]
 
 
 class ActorState(enum.Enum):
@@ -177,7 +204,7 @@ class Actor:
         if self._task is not None and trio.lowlevel.current_task() is self._task:
             raise RuntimeError(f"actor {self.name!r} cannot ask itself: it would deadlock")
         reply = _Reply()
-        await self._post(_Envelope(message, reply))
+        await self._post(_Envelope(message, reply), schedule=False)
         if not reply.done.is_set():  # a reply that is already there wins over a cancel
             try:
                 await reply.done.wait()
@@ -218,8 +245,18 @@ class Actor:
                 f"(accepts: {names})"
             )
 
-    async def _post(self, envelope: _Envelope) -> None:
+    async def _post(self, envelope: _Envelope, *, schedule: bool = True) -> None:
+        """Queue ``envelope``, waiting while the mailbox is full. ``schedule=False`` (an ask,
+        whose wait for the reply is the schedule point): a mailbox with room takes it without
+        a task switch (a cancelled caller still raises here)."""
         try:
+            if not schedule and self._task is not trio.lowlevel.current_task():
+                await trio.lowlevel.checkpoint_if_cancelled()
+                try:
+                    self._send.send_nowait(envelope)
+                    return
+                except trio.WouldBlock:
+                    pass
             if self._task is not None and trio.lowlevel.current_task() is self._task:
                 try:  # an actor telling itself must not wait on its own mailbox
                     self._send.send_nowait(envelope)
