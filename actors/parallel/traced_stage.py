@@ -3,9 +3,10 @@
 For the Perfetto view of a pipeline: each compute action (F, B, I, W) becomes a complete event
 named like ``F s1 mb3`` on the rank's ``pipeline`` track, and each receive the time spent
 waiting for it as an ``idle`` event (the pipeline bubble: the stage has nothing to compute until
-its peer's activation or gradient arrives). Sends are handed over (to the peer's sender thread on
-lent links, else to the trio side) and take no time on the list, so they are instants. The spans come from `runtime.observe.trace.TraceRecorder`;
-with a disabled recorder the stage behaves (and costs) as a plain `PipelineStage`.
+its peer's activation or gradient arrives). Sends are handed over (to the peer's sender thread
+on lent links, else to the trio side) and take no time on the list, so they are instants. The
+spans come from `runtime.observe.trace.TraceRecorder`; with a disabled recorder the stage
+behaves (and costs) as a plain `PipelineStage`.
 
 The execution itself is `actors.parallel.pipeline`'s, unchanged: this subclass only implements
 the stage's public per-action hook, `PipelineStage.on_action` (called on the stage's compute
