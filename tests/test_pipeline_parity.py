@@ -516,6 +516,61 @@ def test_on_action_sees_every_action_in_list_order_on_the_compute_thread() -> No
         assert ends == sorted(ends)
 
 
+@pytest.mark.parametrize("kind", ["inproc", "tcp"])
+def test_receive_buffers_are_held_only_for_messages_that_came(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1F1B, 2 stages, 8 micro-batches: a rank's receive buffers are allocated as its peer's
+    messages come, not all 8 when the step starts, so at every receive the walk makes the
+    buffers allocated but not yet taken stay within 1F1B's in-flight bound (p = 2) plus the
+    one each receiver waits on; the weights stay the reference's bits."""
+    import actors.parallel.pipeline as pipeline_module
+
+    m = 8
+    lists = one_f_one_b(2, m)
+    inputs, targets = batches(1, m)[0][0]
+    allocated = {0: 0, 1: 0}
+    ahead: dict[int, list[int]] = {0: [], 1: []}
+    allocate = pipeline_module._Posted.allocate
+
+    def counted(self: object) -> torch.Tensor:
+        rank = 1 if self.action.kind is ActionKind.RECV_ACTIVATION else 0  # type: ignore[attr-defined]
+        if self.buffer is None:  # type: ignore[attr-defined]
+            allocated[rank] += 1
+        return allocate(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline_module._Posted, "allocate", counted)
+
+    class Watching(PipelineStage):
+        taken = 0
+
+        def on_action(self, step: int, action: Action, started_ns: int, ended_ns: int) -> None:
+            if action.kind.is_recv:
+                self.taken += 1
+                ahead[self.rank].append(allocated[self.rank] - self.taken)
+
+    async def main() -> None:
+        async with open_group(kind, 2) as world:
+            model = transformer_blocks(2)
+
+            async def one(t: Transport) -> None:
+                stage = Watching.from_blocks(
+                    copy.deepcopy(model), pp_group=t, loss_fn=loss_fn, activation_shape=SHAPE
+                )
+                await stage.run_schedule(lists[t.rank], inputs, targets)
+
+            with trio.fail_after(SECONDS):
+                async with trio.open_nursery() as nursery:
+                    for t in world:
+                        nursery.start_soon(one, t)
+
+    trio.run(main)
+    for rank in (0, 1):
+        assert len(ahead[rank]) == m  # every receive of the rank's list seen
+        assert max(ahead[rank]) <= 2, (rank, ahead[rank])  # all 8 posted at once would be 7
+        assert allocated[rank] == m
+
+
 def test_a_step_cancelled_while_waiting_for_a_receive_ends_and_breaks_the_stage() -> None:
     """No ``recv_seconds`` and a peer that never sends: the caller's deadline cancels the step;
     the compute thread waiting for the receive is woken (nothing hangs), the stage's groups are

@@ -21,9 +21,11 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   list has left, which may be before the walk reaches it (the peer gets the same messages in
   the same order, only earlier; the compute order is the list's). RECV_ACTIVATION /
   RECV_GRADIENT wait for a receive posted ahead: when the step starts, every receive of the
-  list gets its buffer (the declared activation shape and dtype), and one receiver per peer (a
-  thread, or a trio task) takes that peer's messages into them in list order, as early as they
-  come (as torch posts its irecvs ahead); p2p refuses another tag or dtype, naming the peer,
+  list is posted with the declared activation shape and dtype, and one receiver per peer (a
+  thread, or a trio task) takes that peer's messages in list order, as early as they come (as
+  torch posts its irecvs ahead), each into a buffer allocated just before (so a step holds
+  buffers only for the messages that came, bounded by how far the peer's schedule runs ahead,
+  not all m from the start); p2p refuses another tag or dtype, naming the peer,
   and another shape (through trio) or size (on lent links; the sender checks its output's
   shape against the declared one). The tag is ``action.tag(step)``: step, the sending stage,
   the micro-batch and the direction, the same at both ends. A receive takes the next message
@@ -384,14 +386,28 @@ class PipelineStage:
 
 
 class _Posted:
-    """A receive posted ahead of the walk: its action, its buffer, and whether it arrived."""
+    """A receive posted ahead of the walk: its action, the shape and dtype its message must
+    have, its buffer once the receiver takes it up, and whether it arrived.
 
-    __slots__ = ("action", "arrived", "buffer")
+    The buffer is allocated by the receiver just before it receives into it (`allocate`), not
+    when the step posts the receive: a step's buffers then hold only the messages that have
+    come or are coming next from each peer (bounded by how far the peer's schedule lets it run
+    ahead), not all m of them from the step's start."""
 
-    def __init__(self, action: Action, buffer: torch.Tensor) -> None:
+    __slots__ = ("action", "arrived", "buffer", "dtype", "shape")
+
+    def __init__(self, action: Action, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.action = action
-        self.buffer = buffer
+        self.shape = shape
+        self.dtype = dtype
+        self.buffer: torch.Tensor | None = None
         self.arrived = threading.Event()
+
+    def allocate(self) -> torch.Tensor:
+        """The buffer to receive into (allocated on the first call)."""
+        if self.buffer is None:
+            self.buffer = torch.empty(self.shape, dtype=self.dtype)
+        return self.buffer
 
 
 class _Aborted(Exception):
@@ -496,8 +512,9 @@ class _StepRun:
     # ------------------------------------------------------------------ the trio side
 
     def _post_receives(self) -> dict[int, list[_Posted]]:
-        """Every receive of the list, its buffer allocated now, grouped by peer in list order
-        (a peer's messages come in the order it sends them, which the list follows)."""
+        """Every receive of the list with its declared shape and dtype (its buffer allocated
+        when the receiver takes it up), grouped by peer in list order (a peer's messages come in
+        the order it sends them, which the list follows)."""
         inboxes: dict[int, list[_Posted]] = {}
         for index, action in enumerate(self.actions):
             if not action.kind.is_recv:
@@ -506,10 +523,8 @@ class _StepRun:
             boundary = (
                 action.stage if action.kind is ActionKind.RECV_ACTIVATION else action.stage - 1
             )
-            buffer = torch.empty(
-                self.stage._shape(boundary, action.microbatch), dtype=self.stage.activation_dtype
-            )
-            posted = _Posted(action, buffer)
+            shape = self.stage._shape(boundary, action.microbatch)
+            posted = _Posted(action, shape, self.stage.activation_dtype)
             self._posted[index] = posted
             inboxes.setdefault(action.peer, []).append(posted)
         return inboxes
@@ -580,7 +595,7 @@ class _StepRun:
             if self._aborted:
                 return
             try:
-                recv_on_links(links, group, entry.buffer, peer, entry.action.tag(self.step))
+                recv_on_links(links, group, entry.allocate(), peer, entry.action.tag(self.step))
             except Exception as exc:
                 if self._aborted:
                     return
@@ -592,7 +607,7 @@ class _StepRun:
         """Receive ``peer``'s messages ahead of the walk, each into its posted buffer."""
         group = self.stage.pp_group
         for entry in posted:
-            await recv(group, entry.buffer, peer, entry.action.tag(self.step))
+            await recv(group, entry.allocate(), peer, entry.action.tag(self.step))
             entry.arrived.set()
 
     async def _abort_when_cancelled(self, watch: trio.CancelScope) -> None:
@@ -761,10 +776,12 @@ class _StepRun:
             )
         if self._aborted:
             raise _Aborted
+        buffer = entry.buffer
+        assert buffer is not None  # arrived: the receiver allocated it before setting the event
         if action.kind is ActionKind.RECV_ACTIVATION:
-            self.received[(action.stage + 1, action.microbatch)] = entry.buffer
+            self.received[(action.stage + 1, action.microbatch)] = buffer
         else:
-            self.grad_in[(action.stage - 1, action.microbatch)] = entry.buffer
+            self.grad_in[(action.stage - 1, action.microbatch)] = buffer
 
     def _stage_input(self, stage: int, microbatch: int) -> torch.Tensor:
         if stage == 0:
