@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from functools import partial
 
 import pytest
 import torch
@@ -272,6 +273,35 @@ def _stage(t: Transport, **options: object) -> PipelineStage:
     )
 
 
+async def _run_stages(
+    kind: str,
+    stage_class: type[PipelineStage],
+    lists: Sequence[Sequence[Action]],
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    *,
+    step: int | None = None,
+) -> list[PipelineStage]:
+    """One ``stage_class`` stage per rank of a 2-rank ``kind`` world, each over its half of the
+    same 2-block transformer, running its list once; the stages, in rank order."""
+    stages: dict[int, PipelineStage] = {}
+    async with open_group(kind, 2) as world:
+        model = transformer_blocks(2)
+
+        async def one(t: Transport) -> None:
+            stage = stage_class.from_blocks(
+                copy.deepcopy(model), pp_group=t, loss_fn=loss_fn, activation_shape=SHAPE
+            )
+            stages[t.rank] = stage
+            await stage.run_schedule(lists[t.rank], inputs, targets, step=step)
+
+        with trio.fail_after(SECONDS):
+            async with trio.open_nursery() as nursery:
+                for t in world:
+                    nursery.start_soon(one, t)
+    return [stages[rank] for rank in sorted(stages)]
+
+
 @pytest.mark.parametrize("kind", ["inproc", "tcp"])
 def test_a_rank_failing_mid_schedule_fails_every_rank_and_never_hangs(kind: str) -> None:
     """Pipeline rank 1's loss raises on micro-batch 2 of step 1: rank 1 raises that error,
@@ -482,25 +512,7 @@ def test_on_action_sees_every_action_in_list_order_on_the_compute_thread() -> No
             on_trio = trio.lowlevel.in_trio_run()
             seen[self.rank].append((action, step, started_ns, ended_ns, on_trio))
 
-    async def main() -> None:
-        async with open_group("inproc", 2) as world:
-            model = transformer_blocks(2)
-
-            async def one(t: Transport) -> None:
-                stage = Recording.from_blocks(
-                    copy.deepcopy(model),
-                    pp_group=t,
-                    loss_fn=loss_fn,
-                    activation_shape=SHAPE,
-                )
-                await stage.run_schedule(lists[t.rank], inputs, targets, step=7)
-
-            with trio.fail_after(SECONDS):
-                async with trio.open_nursery() as nursery:
-                    for t in world:
-                        nursery.start_soon(one, t)
-
-    trio.run(main)
+    trio.run(partial(_run_stages, "inproc", Recording, lists, inputs, targets, step=7))
     for rank in (0, 1):
         actions = [entry[0] for entry in seen[rank]]
         assert sorted(actions, key=lists[rank].index) == list(lists[rank])  # each action once
@@ -549,22 +561,7 @@ def test_receive_buffers_are_held_only_for_messages_that_came(
                 self.taken += 1
                 ahead[self.rank].append(allocated[self.rank] - self.taken)
 
-    async def main() -> None:
-        async with open_group(kind, 2) as world:
-            model = transformer_blocks(2)
-
-            async def one(t: Transport) -> None:
-                stage = Watching.from_blocks(
-                    copy.deepcopy(model), pp_group=t, loss_fn=loss_fn, activation_shape=SHAPE
-                )
-                await stage.run_schedule(lists[t.rank], inputs, targets)
-
-            with trio.fail_after(SECONDS):
-                async with trio.open_nursery() as nursery:
-                    for t in world:
-                        nursery.start_soon(one, t)
-
-    trio.run(main)
+    trio.run(_run_stages, kind, Watching, lists, inputs, targets)
     for rank in (0, 1):
         assert len(ahead[rank]) == m  # every receive of the rank's list seen
         assert max(ahead[rank]) <= 2, (rank, ahead[rank])  # all 8 posted at once would be 7
@@ -616,7 +613,6 @@ def test_a_send_leaves_as_soon_as_its_tensor_is_computed_not_when_the_list_reach
     late = [Action(F, 0, 0), Action(F, 0, 1), Action(S, 0, 0, 1), Action(S, 0, 1, 1)]
     late += plain[0][4:]
     inputs, targets = batches(1, 2)[0][0]
-    model = transformer_blocks(2)
 
     async def run(lists: list[list[Action]]) -> tuple[list[Action], list[torch.Tensor]]:
         order: list[Action] = []
@@ -626,22 +622,8 @@ def test_a_send_leaves_as_soon_as_its_tensor_is_computed_not_when_the_list_reach
                 if self.rank == 0:
                     order.append(action)
 
-        weights: list[torch.Tensor] = []
-        async with open_group("inproc", 2) as world:
-
-            async def one(t: Transport) -> None:
-                stage = Recording.from_blocks(
-                    copy.deepcopy(model), pp_group=t, loss_fn=loss_fn, activation_shape=SHAPE
-                )
-                await stage.run_schedule(lists[t.rank], inputs, targets)
-                if t.rank == 1:
-                    weights.extend(p.grad for p in stage.parameters() if p.grad is not None)
-
-            with trio.fail_after(SECONDS):
-                async with trio.open_nursery() as nursery:
-                    for t in world:
-                        nursery.start_soon(one, t)
-        return order, weights
+        stages = await _run_stages("inproc", Recording, lists, inputs, targets)
+        return order, [p.grad for p in stages[1].parameters() if p.grad is not None]
 
     order, late_grads = trio.run(run, [late, plain[1]])
     assert [str(a) for a in order[:4]] == ["0F0", "0SEND_F0@1", "0F1", "0SEND_F1@1"]

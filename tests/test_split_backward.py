@@ -12,12 +12,19 @@ from actors.parallel.split_backward import backward_input
 from tests.pipeline_fixtures import loss_fn, transformer_blocks
 
 
-def _whole(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor | None, target=None):
+def _forward(chunk: nn.Module, x: torch.Tensor, target=None):
+    """The chunk's parameters, its input (requiring grad when floating) and its output (the
+    loss, for the last stage's ``target``)."""
     params = list(chunk.parameters())
     xi = x.clone().requires_grad_(x.is_floating_point())
     out = chunk(xi)
     if target is not None:
         out = loss_fn(out, target) / 4
+    return params, xi, out
+
+
+def _whole(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor | None, target=None):
+    params, xi, out = _forward(chunk, x, target)
     wanted = ([xi] if xi.requires_grad else []) + params
     grads = torch.autograd.grad([out], wanted, None if grad is None else [grad], allow_unused=True)
     if xi.requires_grad:
@@ -26,11 +33,7 @@ def _whole(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor | None, target=
 
 
 def _split(chunk: nn.Module, x: torch.Tensor, grad: torch.Tensor | None, target=None):
-    params = list(chunk.parameters())
-    xi = x.clone().requires_grad_(x.is_floating_point())
-    out = chunk(xi)
-    if target is not None:
-        out = loss_fn(out, target) / 4
+    params, xi, out = _forward(chunk, x, target)
     input_grad, weights = backward_input(out, grad, xi if xi.requires_grad else None, params)
     del out
     return input_grad, weights.compute(), weights

@@ -101,17 +101,7 @@ class Transport(abc.ABC):
             return message
         head = {key: value for key, value in message.items() if key != "data"}
         out = route(head, data.dtype, tuple(data.shape))
-        if out is not None:
-            if out.dtype != data.dtype or out.numel() != data.numel():
-                raise ProtocolError(
-                    f"sent a {data.dtype} tensor of shape {list(data.shape)}, expected "
-                    f"{out.dtype} with {out.numel()} elements",
-                    peer=peer,
-                )
-            if out.numel():
-                tensor_buffer(out)[:] = tensor_buffer(data.contiguous())
-            message["data"] = out
-        return message
+        return message if out is None else land_tensor(message, out, peer)
 
     def abort(self) -> None:  # noqa: B027 - optional hook, most transports have no threads
         """Break the transport at once, waking any thread blocked on it (default: nothing to
@@ -226,7 +216,7 @@ def land_tensor(message: dict[str, Any], out: torch.Tensor, peer: int) -> dict[s
         raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
     if data.dtype != out.dtype or data.numel() != out.numel():
         raise ProtocolError(
-            f"sent a {data.dtype} tensor of {data.numel()} elements, expected {out.dtype} "
+            f"sent a {data.dtype} tensor of shape {list(data.shape)}, expected {out.dtype} "
             f"with {out.numel()} elements",
             peer=peer,
         )

@@ -626,12 +626,8 @@ class TorchDistTransport(NativeCollectives):
         del held, pending
         release.start()
         self._release = release
-
-        def finished(limit: float) -> None:
-            release.join(limit)
-
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(finished, self.close_seconds, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(release.join, self.close_seconds, abandon_on_cancel=True)
 
 
 def _release(held: list[object], pending: list[Any], pumps: list[threading.Thread]) -> None:
