@@ -391,7 +391,7 @@ def test_recv_routed_lands_the_bulk_where_the_route_says(kind: str) -> None:
 def test_on_lent_links_threads_exchange_tagged_messages_and_refuse_a_wrong_tag() -> None:
     """`send_on_links` / `recv_on_links` from OS threads over TCP connections lent by
     `blocking_links`: the tensors arrive in order under their tags; a message of another tag
-    is a ProtocolError naming the peer and both tags, another size one naming both."""
+    is a ProtocolError naming the peer and both tags, another size or shape one naming both."""
     sent = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + i for i in range(3)]
 
     async def main() -> list[object]:
@@ -421,10 +421,22 @@ def test_on_lent_links_threads_exchange_tagged_messages_and_refuse_a_wrong_tag()
                         errors.append(exc)
 
                 await trio.to_thread.run_sync(wrong, 6, torch.empty(2, 3))
+                # The same size in another shape: refused too, the message read whole.
+                await trio.to_thread.run_sync(wrong, 5, torch.empty(3, 2))
+                after = torch.empty(2, 3)
+
+                def in_step() -> None:
+                    send_on_links(la, a, sent[1], 1, tag=7)
+                    recv_on_links(lb, b, after, 0, tag=7)
+
+                await trio.to_thread.run_sync(in_step)
+                assert torch.equal(after, sent[1])
                 await trio.to_thread.run_sync(wrong, 5, torch.empty(7))
                 return errors
 
     errors = trio.run(main)
-    assert len(errors) == 2
+    assert len(errors) == 3
     assert "sent tag 5" in str(errors[0]) and "expected tag 6" in str(errors[0])
-    assert "rank 0" in str(errors[0]) and "elements" in str(errors[1])
+    assert "shape [2, 3]" in str(errors[1]) and "shape [3, 2]" in str(errors[1])
+    assert "rank 0" in str(errors[1])
+    assert "rank 0" in str(errors[0]) and "elements" in str(errors[2])

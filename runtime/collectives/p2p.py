@@ -23,7 +23,8 @@ GIL released, and no event loop is woken per message (a pipeline stage's compute
 this way the moment a tensor is computed). There nothing is posted ahead: a receive takes the
 peer's next message, which must carry the expected tag (else a `ProtocolError` naming the peer
 and both tags) and a bulk of the receiving tensor's dtype and size (the transport refuses
-another, naming the peer).
+another, naming the peer) and shape (the same size in another shape is refused here, naming the
+peer and both shapes, as on the trio path).
 
 A peer's link carries collectives too: point-to-point traffic on a group must not run at the
 same time as a collective on that group (use another group). A receive cancelled in the middle
@@ -363,7 +364,8 @@ def recv_on_links(
     """Receive ``src``'s next message into ``tensor`` from an OS thread, over ``links`` that
     ``group`` lent, and return ``tensor``. A message of another kind or tag is a
     `ProtocolError` naming the peer and both tags (it has been read whole: the link stays in
-    step, and ``tensor`` holds its bytes); a bulk of another dtype or size one naming both."""
+    step, and ``tensor`` holds its bytes); a bulk of another dtype or size one naming both, and
+    one of the same size in another shape too (read whole as well)."""
     _check(group, tensor, src, tag, "recv")
     message = links.recv_into(src, tensor)
     if message["kind"] != P2P.KIND:
@@ -376,6 +378,12 @@ def recv_on_links(
         raise ProtocolError(
             f"sent tag {message['tag']} ({_what(tensor)}), expected tag {tag}: messages are "
             "never paired with another tag's receive",
+            peer=_describe(group, src),
+        )
+    landed = message["data"]
+    if tuple(landed.shape) != tuple(tensor.shape):
+        raise ProtocolError(
+            f"sent tag {tag} as {_what(landed)}, expected {_what(tensor)}",
             peer=_describe(group, src),
         )
     return tensor

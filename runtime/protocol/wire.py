@@ -56,6 +56,7 @@ __all__ = [
     "tensor_buffer",
     "validate_message",
     "check_bulk_destination",
+    "landed_as_sent",
     "TAG_SIZE",
     "TRAILER_SIZE",
     "encode_tag_trailer",
@@ -484,6 +485,16 @@ def decode_frame(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, 
     if spec is not None:
         message["data"] = _tensor_from_bytes(spec.dtype, spec.shape, item[item_len - bulk_len :])
     return message
+
+
+def landed_as_sent(
+    spec: BulkSpec | None, out: torch.Tensor, message: Mapping[str, Any]
+) -> torch.Tensor:
+    """``out`` once a message's tensor has landed in it (`check_bulk_destination` passed): ``out``
+    itself, or ``out`` viewed in the sender's shape when that differs (same size, same storage),
+    so that a receiver whose messages have shapes can refuse another one."""
+    shape = spec.shape if spec is not None else tuple(message["data"].shape)
+    return out if tuple(out.shape) == tuple(shape) else out.view(shape)
 
 
 def check_bulk_destination(

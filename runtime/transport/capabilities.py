@@ -67,7 +67,9 @@ class BlockingLinkSet(abc.ABC):
     def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         """Receive the next message from ``peer``, its bulk written into ``out`` (contiguous,
         CPU); a bulk of another dtype or size is a `runtime.errors.ProtocolError` naming the
-        peer. The returned message's ``data`` is ``out``."""
+        peer. The returned message's ``data`` is ``out``, or, when the sender's tensor had
+        another shape of the same size, ``out`` viewed in that shape (the same storage), so that
+        a receiver that cares about shapes can tell."""
 
     @abc.abstractmethod
     def abort(self) -> None:

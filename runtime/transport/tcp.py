@@ -58,6 +58,7 @@ from runtime.protocol.wire import (
     decode_head,
     encode_frame,
     encode_frame_bytes,
+    landed_as_sent,
     parse_prefix,
     tensor_buffer,
 )
@@ -653,7 +654,7 @@ class Connection:
                 if not checked:
                     self._fill_blocking(TRAILER_SIZE)
                     self._open((prefix, head, bulk))
-            message["data"] = out
+            message["data"] = landed_as_sent(spec, out, message)
             return message
         except ProtocolError as exc:
             raise exc.with_peer(self.peer) from None
