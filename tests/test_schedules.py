@@ -19,6 +19,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from runtime.errors import ConfigError
 from runtime.parallel import (
+    DEFAULT_COSTS,
     Action,
     ActionKind,
     InvalidSchedule,
@@ -523,3 +524,60 @@ def test_digest_differs_when_any_list_differs(params: tuple, data: st.DataObject
     assert schedule_digest(replace(schedule, rank, actions)) != digest
     for field, value in (("kind", "other"), ("p", p + 1), ("m", m + 1), ("v", v + 1)):
         assert schedule_digest(dataclasses.replace(schedule, **{field: value})) != digest
+
+
+# --- measured costs per stage -------------------------------------------------------------------
+
+
+KINDS = (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)
+
+
+def _stages_of(schedule: Schedule) -> set[int]:
+    return {a.stage for actions in schedule.actions for a in actions if a.kind.is_compute}
+
+
+@SETTINGS
+@given(schedule_parameters())
+def test_stage_costs_equal_to_the_unit_model_give_its_exact_timelines(params: tuple) -> None:
+    """Every stage given the unit model's costs (divided by v, as `costs` are) runs exactly as
+    the unit model: same timelines, makespan and bubble."""
+    kind, p, m, v = params
+    schedule = build_schedule(kind, p, m, v)
+    unit = {k: c / v for k, c in DEFAULT_COSTS.items()}
+    measured = simulate(schedule, stage_costs={s: unit for s in _stages_of(schedule)})
+    assert measured == simulate(schedule)
+
+
+@SETTINGS
+@given(schedule_parameters(), st.data())
+def test_a_slower_stage_never_shortens_the_step(params: tuple, data: st.DataObject) -> None:
+    """Measured per-stage costs: making one stage's action slower never shortens the makespan,
+    and the makespan is at least every rank's busy time."""
+    kind, p, m, v = params
+    schedule = build_schedule(kind, p, m, v)
+    stages = sorted(_stages_of(schedule))
+    cost = st.fractions(min_value=0, max_value=5, max_denominator=8)
+    base = {
+        s: {
+            k: data.draw(cost) for k in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT)
+        }
+        for s in stages
+    }
+    before = simulate(schedule, stage_costs=base)
+    slow_stage = data.draw(st.sampled_from(stages))
+    slow_kind = data.draw(st.sampled_from(sorted(base[slow_stage], key=lambda k: k.value)))
+    slower = {s: dict(c) for s, c in base.items()}
+    slower[slow_stage][slow_kind] += data.draw(st.fractions(min_value=0, max_value=3))
+    after = simulate(schedule, stage_costs=slower)
+    assert after.makespan >= before.makespan
+    assert all(after.makespan >= busy for busy in after.busy)
+
+
+def test_stage_costs_name_a_missing_stage_and_refuse_both_forms() -> None:
+    schedule = build_schedule("1f1b", 2, 4, 1)
+    with pytest.raises(ValueError, match="no FORWARD cost for stage 1"):
+        simulate(schedule, stage_costs={0: {"F": 1, "B": 2}})
+    with pytest.raises(ValueError, match="not both"):
+        simulate(schedule, {"F": 1}, stage_costs={0: {"F": 1, "B": 2}, 1: {"F": 1, "B": 2}})
+    with pytest.raises(ValueError, match=r"stage_costs\[0\]: FORWARD must be >= 0"):
+        simulate(schedule, stage_costs={0: {"F": -1, "B": 2}, 1: {"F": 1, "B": 2}})

@@ -10,10 +10,11 @@ unique in a step), a send after the compute that produces it, a receive before t
 needs it, and a chunk's input taken from the chunk before it when both live on one rank.
 
 `simulate` runs the lists with compute taking ``costs[kind]`` time units (divided by v, the
-chunks per rank) and communication taking none, where a send completes only together with its
-receive (rendezvous). It returns every action's start and end, the makespan, the bubble fraction
-and per rank the peaks of activations in flight and held, or raises `ScheduleDeadlock` naming
-what each rank waits on when no rank can move. Times are exact (`fractions.Fraction`).
+chunks per rank), or each stage's own measured ``stage_costs``, and communication taking none,
+where a send completes only together with its receive (rendezvous). It returns every action's
+start and end, the makespan, the bubble fraction and per rank the peaks of activations in flight
+and held, or raises `ScheduleDeadlock` naming what each rank waits on when no rank can move.
+Times are exact (`fractions.Fraction`).
 """
 
 from __future__ import annotations
@@ -271,23 +272,56 @@ class SimulationResult:
     peak_held: tuple[int, ...]
 
 
+Cost = int | float | Fraction
+"""A compute action's duration: time units or seconds, exact or not."""
+
+
+def _kind_costs(costs: Mapping[ActionKind | str, Cost], what: str) -> dict[ActionKind, Fraction]:
+    checked = {}
+    for key, value in costs.items():
+        kind = key if isinstance(key, ActionKind) else ActionKind(key)
+        if not kind.is_compute:
+            raise ValueError(f"{what}: {kind.name} is communication, which takes no time here")
+        if value < 0:
+            raise ValueError(f"{what}: {kind.name} must be >= 0, got {value}")
+        checked[kind] = Fraction(value)
+    return checked
+
+
 def simulate(
-    schedule: Schedule, costs: Mapping[ActionKind | str, int | float | Fraction] | None = None
+    schedule: Schedule,
+    costs: Mapping[ActionKind | str, Cost] | None = None,
+    *,
+    stage_costs: Mapping[int, Mapping[ActionKind | str, Cost]] | None = None,
 ) -> SimulationResult:
     """Run every rank's list in order (see the module docstring). ``costs`` maps compute kinds
     (or their short names ``F``, ``B``, ``I``, ``W``) to one chunk's cost at v = 1; missing
-    kinds take `DEFAULT_COSTS`. Compute waits for nothing but its own rank's previous action; the
-    data dependencies between ranks are the transfers, so a schedule whose lists `validate`
-    accepts computes nothing before its inputs exist."""
+    kinds take `DEFAULT_COSTS`. ``stage_costs`` instead gives each stage (the global index an
+    action names) its own costs as measured, per action and not divided by v (stages differ:
+    the last one computes the loss, the first no input gradient); every stage the schedule
+    computes must be given, with every kind it computes. Compute waits for nothing but its own
+    rank's previous action; the data dependencies between ranks are the transfers, so a
+    schedule whose lists `validate` accepts computes nothing before its inputs exist."""
+    if stage_costs is not None and costs is not None:
+        raise ValueError("give costs (per kind) or stage_costs (per stage), not both")
     unit = dict(DEFAULT_COSTS)
-    for key, value in (costs or {}).items():
-        kind = key if isinstance(key, ActionKind) else ActionKind(key)
-        if not kind.is_compute:
-            raise ValueError(f"costs: {kind.name} is communication, which takes no time here")
-        if value < 0:
-            raise ValueError(f"costs: {kind.name} must be >= 0, got {value}")
-        unit[kind] = Fraction(value)
+    unit.update(_kind_costs(costs or {}, "costs"))
     cost = {kind: value / schedule.v for kind, value in unit.items()}
+    per_stage = {
+        stage: _kind_costs(given, f"stage_costs[{stage}]")
+        for stage, given in (stage_costs or {}).items()
+    }
+
+    def duration(action: Action) -> Fraction:
+        if stage_costs is None:
+            return cost[action.kind]
+        try:
+            return per_stage[action.stage][action.kind]
+        except KeyError:
+            raise ValueError(
+                f"stage_costs: no {action.kind.name} cost for stage {action.stage}"
+            ) from None
+
     p = schedule.p
     lists = schedule.actions
     position = [0] * p
@@ -305,8 +339,9 @@ def simulate(
                 action = lists[rank][position[rank]]
                 if action.kind.is_compute:
                     start = clock[rank]
-                    clock[rank] = start + cost[action.kind]
-                    busy[rank] += cost[action.kind]
+                    took = duration(action)
+                    clock[rank] = start + took
+                    busy[rank] += took
                     timelines[rank].append(TimedAction(action, start, clock[rank]))
                     if action.kind is FWD:
                         in_flight[rank] += 1
