@@ -33,9 +33,16 @@ p * m / (m + p - 1) for GPipe and 1F1B (1.78x for p = 2, m = 8), p * v * m / (v 
 for interleaved with v chunks (1.88x), about a third of 1F1B's bubble for ZB-H1 (1.92x). Next
 to it, the simulator's prediction with the costs measured in the single process (F, B, I, W per
 micro-batch, on the CPU clock, a stage taking 1/p of them): its bubble fraction and the speedup
-m * (F + B) / makespan. The systems alternate round by round, the order reversed every other
-round, so drift in the machine's load hits all alike. Each system prints its final loss:
-paramsync's equals the single process's (same arithmetic), torch's agrees to rounding.
+m * (F + B) / makespan. And per schedule a ``limit``: both ranks run their lists' compute at once
+with no communication at all (a received tensor replaced by one made before the step), each
+action timed, and the simulator places those measured actions, every stage with its own costs
+(the last stage computes the loss and the input gradient its neighbour needs; stage 0 no input
+gradient), in the schedule, plus the slower rank's optimizer step: the fastest step any executor
+could take with this machine's compute, as benchmarks/ddp.py's ``limit`` is for data
+parallelism. ``of limit`` is the limit's step over a system's. The systems alternate round by
+round, the order reversed every other round, so drift in the machine's load hits all alike. Each
+system prints its final loss: paramsync's equals the single process's (same arithmetic), torch's
+agrees to rounding.
 
     python benchmarks/pipeline.py --json out/pipeline.json
     python benchmarks/pipeline.py --quick
@@ -336,12 +343,128 @@ def _worker_torch(args: argparse.Namespace, schedule: str) -> dict:
     return {"step_seconds": [b - a for a, b in itertools.pairwise(ends)], "loss": loss}
 
 
+def _worker_limit(args: argparse.Namespace, schedule: str) -> dict:
+    """The schedule's compute with no communication at all: this rank runs its list's FORWARD,
+    BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT actions in order on its own stages (the same
+    blocks as the other systems), a received activation or gradient replaced by a tensor made
+    before the step, then its optimizer step; both ranks at once (a gloo barrier before the
+    first timed step and after the last only), so that they compete for the cores as the
+    pipelines' ranks do. Each action is timed (wall clock): per stage and kind the median over
+    the timed steps, and the optimizer step's, are what `runtime.parallel.simulate` turns into
+    the fastest step any executor could take with this compute on this machine (the limit)."""
+    import torch
+    import torch.distributed as dist
+
+    from actors.parallel.split_backward import backward_input
+    from runtime.parallel.actions import ActionKind
+    from runtime.parallel.schedules import build_schedule
+
+    blocks, inputs, targets, loss_fn = _setup(args)
+    chunks = CHUNKS.get(schedule, 1)
+    num_stages = PP * chunks
+    per = args.blocks // num_stages
+    mine = [args.rank + chunk * PP for chunk in range(chunks)]
+    modules = {s: blocks[s * per : (s + 1) * per] for s in mine}
+    params = {s: list(module.parameters()) for s, module in modules.items()}
+    everything = [p for s in mine for p in params[s]]
+    optimizer = _optimizer(everything, args)
+    actions = [
+        a
+        for a in build_schedule(schedule, PP, args.microbatches, chunks).actions[args.rank]
+        if a.kind.is_compute
+    ]
+    xs, ys = inputs.chunk(args.microbatches), targets.chunk(args.microbatches)
+    m = args.microbatches
+    generator = torch.Generator().manual_seed(args.seed + 2 + args.rank)
+    shape = (args.microbatch_size, args.width)
+    received = [torch.randn(shape, generator=generator) for _ in range(m)]
+    grads_in = [torch.randn(shape, generator=generator) / shape[0] for _ in range(m)]
+
+    def accumulate(stage: int, grads) -> None:
+        for param, grad in zip(params[stage], grads, strict=True):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.add_(grad)
+
+    def step(times: dict | None) -> None:
+        forwards: dict = {}
+        for action in actions:
+            stage, mb = action.stage, action.microbatch
+            last = stage == num_stages - 1
+            start = time.perf_counter()
+            if action.kind is ActionKind.FORWARD:
+                x = xs[mb] if stage == 0 else received[mb].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    out = modules[stage](x)
+                    if last:
+                        out = loss_fn(out, ys[mb]) / m
+                forwards[(stage, mb)] = [x, out, None]
+            else:
+                x, out, weights = forwards[(stage, mb)]
+                grad_out = None if last else grads_in[mb]
+                wants_input = stage > 0
+                if action.kind is ActionKind.BACKWARD:
+                    targets_ = ([x] if wants_input else []) + params[stage]
+                    grads = torch.autograd.grad(
+                        [out], targets_, None if grad_out is None else [grad_out]
+                    )
+                    accumulate(stage, grads[1:] if wants_input else grads)
+                    del forwards[(stage, mb)]
+                elif action.kind is ActionKind.BACKWARD_INPUT:
+                    _, weights = backward_input(
+                        out, grad_out, x if wants_input else None, params[stage]
+                    )
+                    forwards[(stage, mb)] = [x, None, weights]
+                else:
+                    accumulate(stage, weights.compute())
+                    del forwards[(stage, mb)]
+            if times is not None:
+                times.setdefault((stage, action.kind.value), []).append(time.perf_counter() - start)
+        start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if times is not None:
+            times.setdefault("optimizer", []).append(time.perf_counter() - start)
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(args.port)
+    dist.init_process_group("gloo", rank=args.rank, world_size=PP)
+    try:
+        for _ in range(args.warmup):
+            step(None)
+        dist.barrier()
+        times: dict = {}
+        ends = [time.perf_counter()]
+        for _ in range(args.steps):
+            step(times)
+            ends.append(time.perf_counter())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    stage_costs: dict = {}
+    for key, values in times.items():
+        if key != "optimizer":
+            stage, kind = key
+            stage_costs.setdefault(str(stage), {})[kind] = statistics.median(values)
+    return {
+        "step_seconds": [b - a for a, b in itertools.pairwise(ends)],
+        "loss": None,
+        "stage_costs": stage_costs,
+        "optimizer_seconds": statistics.median(times["optimizer"]),
+    }
+
+
 def _run_worker(args: argparse.Namespace) -> None:
     system = args.worker
     if system == "single":
         result = _worker_single(args)
     elif system.startswith("paramsync-"):
         result = _worker_paramsync(args, system.removeprefix("paramsync-"))
+    elif system.startswith("limit-"):
+        result = _worker_limit(args, system.removeprefix("limit-"))
     else:
         result = _worker_torch(args, system.removeprefix("torch-"))
     print(json.dumps(result), flush=True)
@@ -404,7 +527,39 @@ def _launch(system: str, args: argparse.Namespace) -> dict:
     result = {"step_seconds": outputs[0]["step_seconds"], "loss": outputs[-1]["loss"]}
     if "costs" in outputs[0]:
         result["costs"] = outputs[0]["costs"]
+    if "stage_costs" in outputs[0]:
+        result["stage_costs"] = {k: v for out in outputs for k, v in out["stage_costs"].items()}
+        result["optimizer_seconds"] = max(out["optimizer_seconds"] for out in outputs)
     return result
+
+
+def limit_step(schedule: str, runs: list[dict], args: argparse.Namespace) -> dict:
+    """The limit's step: `runtime.parallel.simulate` of the schedule with every stage's own
+    measured costs per action (median over the rounds of each round's median), communication
+    free, plus the slower rank's optimizer step; the ranks' own compute-only step is kept as
+    ``compute_step_seconds``."""
+    from runtime.parallel.simulate import simulate
+
+    stages = runs[0]["stage_costs"].keys()
+    stage_costs = {
+        int(stage): {
+            kind: statistics.median(run["stage_costs"][stage][kind] for run in runs)
+            for kind in runs[0]["stage_costs"][stage]
+        }
+        for stage in stages
+    }
+    schedule_ = _schedule(schedule, args.microbatches)
+    result = simulate(schedule_, stage_costs=stage_costs)
+    optimizer = statistics.median(run["optimizer_seconds"] for run in runs)
+    busy = [float(b) for b in result.busy]
+    return {
+        "median_step_seconds": float(result.makespan) + optimizer,
+        "compute_step_seconds": statistics.median(s for run in runs for s in run["step_seconds"]),
+        "stage_costs_seconds": {str(k): v for k, v in stage_costs.items()},
+        "busy_seconds": busy,
+        "optimizer_seconds": optimizer,
+        "simulated_bubble_fraction": float(result.bubble_fraction),
+    }
 
 
 def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.Namespace) -> dict:
@@ -416,6 +571,8 @@ def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.N
             "samples": len(pooled),
             "loss": runs[system][-1]["loss"],
         }
+        if system.startswith("limit-"):
+            rows[system].update(limit_step(system.removeprefix("limit-"), runs[system], args))
     costs = {
         kind: statistics.median(run["costs"][kind] for run in runs["single"]) for kind in "FBIW"
     }
@@ -434,6 +591,9 @@ def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.N
         bubble, speedup = predicted(schedule, args.microbatches, costs)
         row["predicted_bubble_fraction"] = bubble
         row["predicted_speedup"] = speedup
+        limit = rows.get("limit-" + schedule)
+        if limit is not None and not system.startswith("limit-"):
+            row["fraction_of_limit"] = limit["median_step_seconds"] / row["median_step_seconds"]
         if system.startswith("paramsync-"):
             torch_row = rows.get("torch-" + schedule)
             if torch_row is not None:
@@ -450,7 +610,8 @@ def _summarise(runs: dict[str, list[dict]], systems: list[str], args: argparse.N
 def _print_table(table: dict, systems: list[str]) -> None:
     header = (
         f"{'system':<26} | {'step':>9} | {'loss':>10} | {'speedup':>7} | {'ideal':>5} | "
-        f"{'of ideal':>8} | {'sim bubble':>10} | {'sim speedup':>11} | {'vs torch':>8}"
+        f"{'of ideal':>8} | {'sim bubble':>10} | {'sim speedup':>11} | {'vs torch':>8} | "
+        f"{'of limit':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -466,9 +627,12 @@ def _print_table(table: dict, systems: list[str]) -> None:
         )
         sim = f"{row['predicted_speedup']:.2f}x" if "predicted_speedup" in row else "-"
         versus = f"{row['ratio_to_torch']:.2f}x" if "ratio_to_torch" in row else "-"
+        of_limit = f"{row['fraction_of_limit'] * 100:.0f} %" if "fraction_of_limit" in row else "-"
+        loss = f"{row['loss']:>10.6f}" if row["loss"] is not None else f"{'-':>10}"
         print(
-            f"{system:<26} | {row['median_step_seconds'] * 1e3:>6.1f} ms | {row['loss']:>10.6f} | "
-            f"{speedup:>7} | {ideal:>5} | {of_ideal:>8} | {bubble:>10} | {sim:>11} | {versus:>8}"
+            f"{system:<26} | {row['median_step_seconds'] * 1e3:>6.1f} ms | {loss} | "
+            f"{speedup:>7} | {ideal:>5} | {of_ideal:>8} | {bubble:>10} | {sim:>11} | {versus:>8} | "
+            f"{of_limit:>8}"
         )
     costs = table["costs_seconds"]
     print(
@@ -479,8 +643,22 @@ def _print_table(table: dict, systems: list[str]) -> None:
         f"measured costs per micro-batch F {costs['F'] * 1e3:.2f} ms, B {costs['B'] * 1e3:.2f} "
         f"ms, I {costs['I'] * 1e3:.2f} ms, W {costs['W'] * 1e3:.2f} ms over {PP} stages, "
         "communication free; vs torch: paramsync's step time / torch's for the same schedule, "
-        "below 1 is faster)"
+        "below 1 is faster; limit: the fastest step any executor could take with this "
+        "machine's compute: both ranks run their lists' compute at once with no communication, "
+        "each action timed, and runtime.parallel.simulate places the measured actions "
+        "(stage_costs) in the schedule, plus the slower rank's optimizer step; of limit: the "
+        "limit's step / the system's)"
     )
+    for system in systems:
+        row = table["systems"][system]
+        if "busy_seconds" in row:
+            busy = ", ".join(f"{b * 1e3:.1f}" for b in row["busy_seconds"])
+            print(
+                f"{system}: ranks' compute a step {busy} ms (each rank alone, no waiting: "
+                f"{row['compute_step_seconds'] * 1e3:.1f} ms on rank 0), optimizer "
+                f"{row['optimizer_seconds'] * 1e3:.1f} ms, simulated bubble "
+                f"{row['simulated_bubble_fraction'] * 100:.1f} %"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -533,7 +711,7 @@ def main() -> None:
         raise SystemExit("--steps and --warmup must be at least 1")
     systems = ["single"]
     for schedule in args.schedules:
-        systems += [f"paramsync-{schedule}", f"torch-{schedule}"]
+        systems += [f"paramsync-{schedule}", f"torch-{schedule}", f"limit-{schedule}"]
     load = os.getloadavg()
     print(
         f"MLP {args.blocks} x Linear({args.width}, {args.width}) + ReLU on {PP} ranks; "
@@ -551,8 +729,8 @@ def main() -> None:
             runs[system].append(result)
             print(
                 f"round {round_index + 1}/{args.rounds}, {system}: median step "
-                f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms, final loss "
-                f"{result['loss']:.6f}",
+                f"{statistics.median(result['step_seconds']) * 1e3:.1f} ms"
+                + (f", final loss {result['loss']:.6f}" if result["loss"] is not None else ""),
                 flush=True,
             )
     table = _summarise(runs, systems, args)

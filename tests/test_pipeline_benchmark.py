@@ -46,9 +46,15 @@ def test_a_quick_run_times_every_system_and_prints_its_columns(tmp_path: Path) -
     table = json.loads(out.read_text())
     assert table["ideal_speedup"] == pytest.approx(16 / 9)
     rows = table["systems"]
-    assert set(rows) == {"single", "paramsync-1f1b", "torch-1f1b"}
+    assert set(rows) == {"single", "paramsync-1f1b", "torch-1f1b", "limit-1f1b"}
     for row in rows.values():
         assert row["median_step_seconds"] > 0
+    assert "of limit" in header
+    limit = rows["limit-1f1b"]
+    assert len(limit["busy_seconds"]) == 2 and min(limit["busy_seconds"]) > 0
+    assert set(limit["stage_costs_seconds"]) == {"0", "1"}
+    assert 0 < rows["paramsync-1f1b"]["fraction_of_limit"]
+    assert 0 < rows["torch-1f1b"]["fraction_of_limit"]
     assert rows["paramsync-1f1b"]["ratio_to_torch"] > 0
     assert 0 < rows["paramsync-1f1b"]["fraction_of_ideal"]
     # the same model, data and micro-batches: paramsync's arithmetic is the single process's
@@ -73,6 +79,30 @@ def test_each_schedule_has_its_own_ideal_and_the_simulator_predicts_it_at_unit_c
     assert dear < bench.schedule_ideal_speedup("zero_bubble", 8)
 
 
+def test_the_limit_is_the_schedule_simulated_with_each_stage_s_measured_costs() -> None:
+    """`limit_step`: the rounds' stage costs (medians) placed in the schedule by the simulator,
+    plus the optimizer; at unit costs that is the unit model's step, and a slower last stage
+    (the loss, the extra input gradient) makes the limit's step longer by the simulator's
+    account, not by a formula."""
+    bench = _module()
+    args = bench.build_parser().parse_args(["--microbatches", "8"])
+
+    def runs(last_forward: float) -> list[dict]:
+        costs = {"0": {"F": 1.0, "B": 2.0}, "1": {"F": last_forward, "B": 2.0}}
+        return [
+            {"stage_costs": costs, "optimizer_seconds": 0.5, "step_seconds": [30.0]},
+            {"stage_costs": costs, "optimizer_seconds": 1.5, "step_seconds": [31.0]},
+        ]
+
+    unit = bench.limit_step("1f1b", runs(1.0), args)
+    assert unit["median_step_seconds"] == pytest.approx(27 + 1.0)  # (m + p - 1)(F + B) + opt
+    assert unit["busy_seconds"] == [24.0, 24.0]
+    assert unit["simulated_bubble_fraction"] == pytest.approx(1 / 9)
+    slower = bench.limit_step("1f1b", runs(1.5), args)
+    assert slower["median_step_seconds"] > unit["median_step_seconds"]
+    assert slower["busy_seconds"] == [24.0, 28.0]
+
+
 @pytest.mark.soak  # 40 s of benchmark processes: make soak
 def test_a_quick_run_of_zero_bubble_and_interleaved_against_torch(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
@@ -91,7 +121,12 @@ def test_a_quick_run_of_zero_bubble_and_interleaved_against_torch(tmp_path: Path
         "torch-zero_bubble",
         "paramsync-interleaved_1f1b",
         "torch-interleaved_1f1b",
+        "limit-zero_bubble",
+        "limit-interleaved_1f1b",
     }
+    # every stage's measured kinds: I and W for ZB-H1, F and B on each of the 4 interleaved stages
+    assert set(rows["limit-zero_bubble"]["stage_costs_seconds"]["1"]) == {"F", "I", "W"}
+    assert set(rows["limit-interleaved_1f1b"]["stage_costs_seconds"]) == {"0", "1", "2", "3"}
     assert set(table["costs_seconds"]) == {"F", "B", "I", "W"}
     for schedule in ("zero_bubble", "interleaved_1f1b"):
         ours, theirs = rows[f"paramsync-{schedule}"], rows[f"torch-{schedule}"]
