@@ -34,7 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 _SKIP = ("_run.py", "_traps", "_socket.py", "_sync.py", "_timeouts", "_channel", "_threads")
 _SKIP += ("_io_", "_generated", "_abc.py", "contextlib")
 _TIMED = {
-    "runtime.transport.shm": [("_Steps", "copy_in"), ("_Steps", "reduce"), ("_Steps", "copy_out")],
+    "runtime.transport.shm": [
+        ("_Steps", "copy_in"),
+        ("_Steps", "reduce"),
+        ("_Steps", "reduce_whole"),
+        ("_Steps", "copy_out"),
+    ],
     "runtime.transport.tcp": [(None, "encode_frame"), (None, "decode_head")],
     "runtime.coordinator.service": [(None, "event_from_wire")],
     "runtime.coordinator.core": [("CoordinatorCore", "handle")],
@@ -91,7 +96,8 @@ def _wrapped(out: Path, window: tuple[float, float], target: list[str]) -> None:
         module = __import__(module_name, fromlist=["_"])
         for owner_name, name in names:
             owner = getattr(module, owner_name) if owner_name else module
-            setattr(owner, name, _timer(getattr(owner, name), name, parts, inside))
+            if hasattr(owner, name):  # an older checkout may lack one
+                setattr(owner, name, _timer(getattr(owner, name), name, parts, inside))
 
     def sample() -> None:
         ident = threading.main_thread().ident

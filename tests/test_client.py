@@ -135,6 +135,44 @@ async def test_an_optimizer_step_waits_for_the_previous_steps_commit() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_an_optimizer_step_with_verify_reports_its_digest_before_answering() -> None:
+    """``OptimizerStep(verify=True)`` (the trainer's overlapped check): the step's digest is
+    on its way to the coordinator by the time the step is answered, with no `Verify` told;
+    a step off the digest interval reports its end instead."""
+    coordinator, worker = MemoryLink.pair("worker", "coordinator")
+    client = CoordinatorClient(worker, rank=0, heartbeat_seconds=100.0)
+    client.begin_epoch(
+        StartRun(addresses=(("in-process", 1),), ring=(0,), epoch=0, digest_interval=2)
+    )
+    model, optimizer = _model_and_optimizer()
+    actor = OptimizerActor(
+        model, optimizer, client, TrainerOptions(), TraceRecorder.disabled(), epoch=0
+    )
+
+    async def next_report() -> dict[str, Any]:
+        with trio.move_on_after(0.001):  # already sent: no wait
+            while (report := await coordinator.recv())["kind"] == "heartbeat":
+                pass
+            return report
+        raise AssertionError("no report was waiting")
+
+    async with trio.open_nursery() as nursery, ActorSystem() as system:
+        await nursery.start(client.serve)
+        await system.start(actor)
+        await _send(coordinator, Commit(step=1, epoch=0))
+        await actor.ask(OptimizerStep(2, verify=True))
+        report = await next_report()
+        assert (report["kind"], report["step"]) == ("digest", 2)
+        assert client.digest_interval == 2 and actor.last_digest == report["digest"]
+        await _send(coordinator, Commit(step=2, epoch=0))
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        await actor.ask(OptimizerStep(3, verify=True))
+        report = await next_report()
+        assert (report["kind"], report["step"]) == ("step_done", 3)
+        nursery.cancel_scope.cancel()
+
+
 # --------------------------------------------------------------------------- a lost coordinator
 
 

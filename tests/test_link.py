@@ -84,3 +84,37 @@ async def test_wait_readable_returns_when_the_peer_closes_and_recv_says_so(kind:
             await b.wait_readable()
         with pytest.raises(PeerClosed):
             await b.recv()
+
+
+async def test_tcp_bytes_already_waiting_are_found_without_a_trip_through_the_scheduler() -> None:
+    """A reader that waited elsewhere while a message arrived (its reads deferred) finds it in
+    one non-blocking read: no schedule point, so no extra wake-up of its task. With nothing
+    waiting it sleeps in the scheduler as before, and a closed peer is still reported by the
+    recv after it."""
+    async with link_pair("tcp") as (a, b):
+        await a.send("refuse", {"reason": "waiting"})
+        await a.send("refuse", {"reason": "next"})
+        with trio.fail_after(10):
+            await b.wait_readable()  # the bytes may still be on their way: maybe a wait
+        task = trio.lowlevel.current_task()
+        scheduled = task._schedule_points
+        assert (await b.recv())["reason"] == "waiting"
+        scheduled = task._schedule_points
+        await b.wait_readable()  # "next" came with the first read, or waits in the socket
+        assert task._schedule_points == scheduled
+        assert (await b.recv())["reason"] == "next"
+        await trio.testing.wait_all_tasks_blocked(0.05)
+        await a.send("refuse", {"reason": "third"})
+        await trio.sleep(0.05)  # the frame lands in b's socket while nobody waits for it
+        scheduled = task._schedule_points
+        await b.wait_readable()
+        assert task._schedule_points == scheduled
+        assert (await b.recv())["reason"] == "third"
+        with trio.move_on_after(0.05) as scope:
+            await b.wait_readable()  # nothing waits: it sleeps until cancelled
+        assert scope.cancelled_caught
+        await a.aclose()
+        with trio.fail_after(10):
+            await b.wait_readable()
+        with pytest.raises(PeerClosed):
+            await b.recv()

@@ -23,7 +23,10 @@ def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
         line = next(line for line in lines if line.startswith(f"  {name}: process "))
         assert float(line.split("event loop ")[1].split(",")[0]) > 0, line
     parts = lines[lines.index("rank 1, parts (ms a step):") + 1 :]
-    assert {"copy_in", "reduce", "copy_out"} <= {part.split()[-1] for part in parts[:8]}
+    names = {part.split()[-1] for part in parts[:8]}
+    # The plane's copies and sums: split among the ranks, or (a small all-reduce, as here)
+    # summed whole by every rank after one signal.
+    assert "copy_in" in names and names & {"reduce", "reduce_whole"}, names
     assert any("actor:gradient-comm" in line for line in lines)
     assert any(line.strip().endswith("handle") for line in lines)  # the coordinator's core
 

@@ -33,6 +33,7 @@ from test_collectives import REDUCE_DTYPES, check_identical, check_reduced, make
 from runtime.collectives.ring import all_reduce, barrier
 from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
 from runtime.protocol.wire import decode_frame
+from runtime.transport import shm as shm_module
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.capabilities import SharedMemoryHolder
 from runtime.transport.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory, host_identity
@@ -133,6 +134,53 @@ def test_plane_matches_reference_and_is_bitwise_the_ring(case: ShmCase) -> None:
     check_identical(via_shm)
     for rank in range(case.n):
         assert bitwise_equal(via_shm[rank], via_ring[rank]), f"rank {rank}: plane != ring"
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["event-loop", "threaded"])
+async def test_whole_and_split_all_reduces_back_to_back_stay_bitwise_the_ring(
+    threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small all-reduces take one signal (every rank sums the whole tensor), larger ones a
+    signal per step and one more; the areas alternate with the plane's signal count across
+    all-reduces of either kind. Mixed back to back, with ranks racing ahead of each other,
+    every result is bitwise the ring's and the signals are counted as said."""
+    monkeypatch.setattr(shm_module, "WHOLE_REDUCE_MAX_BYTES", 64 * 1024)
+    n, step = 3, 3 * 8192  # an 8 KiB piece per rank: 6144 float32s a segment per step
+    sizes = [5_000, 16_001, 30_000, 7, 60_000, 16_384, 3_000, 100_003, 12_000, 12_000]
+    ops = ["avg", "sum"] * 5
+    gen = torch.Generator().manual_seed(7)
+    inputs = [[torch.randn(size, generator=gen) for _ in range(n)] for size in sizes]
+    expected_signals = 0
+    for size in sizes:
+        longest = (size + n - 1) // n  # segment 0's length
+        steps = max(1, (longest + 2047) // 2048)
+        whole = steps == 1 and size * 4 <= 64 * 1024
+        expected_signals += 1 if whole else steps + 1
+
+    async def run_all(group: list[TcpTransport], on_plane: bool) -> list[list[torch.Tensor]]:
+        async def rank_fn(transport: Transport) -> list[torch.Tensor]:
+            out = []
+            for index, (tensors, op) in enumerate(zip(inputs, ops)):
+                if on_plane and transport.rank == index % n:
+                    await trio.sleep(0.01)  # this rank comes last to this one
+                mine = tensors[transport.rank].clone()
+                out.append(await all_reduce(transport, mine, op, small_bytes=0))  # type: ignore[arg-type]
+            return out
+
+        return await run_ranks(group, rank_fn)
+
+    async with TcpTransport.open_group(
+        n, shared_memory=True, step_bytes=step, min_bytes=0, threaded=threaded
+    ) as group:
+        planes = [t.shared_memory for t in group]
+        via_plane = await run_all(group, True)
+        assert all(plane is not None and plane._signals == expected_signals for plane in planes)
+        for transport in group:
+            transport.shared_memory = None
+        via_ring = await run_all(group, False)
+    for rank in range(n):
+        for index, (got, want) in enumerate(zip(via_plane[rank], via_ring[rank])):
+            assert bitwise_equal(got, want), f"rank {rank}, all-reduce {index}: plane != ring"
 
 
 async def test_segment_file_is_unlinked_once_attached_and_unmapped_on_close() -> None:

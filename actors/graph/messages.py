@@ -2,7 +2,8 @@
 
 The trainer asks the compute actor for a `Backward` per micro-batch; backward's hooks announce
 each finished gradient bucket to the gradient-comm actor as a `BucketReady`; the trainer then
-asks the optimizer actor for an `OptimizerStep` and tells it to `Verify` the step's state.
+asks the optimizer actor for an `OptimizerStep`, which reports the step's state too (or tells it
+to `Verify` the step's state).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class BucketReady:
 
 @dataclass(frozen=True)
 class OptimizerStep:
-    """Apply the averaged gradients of ``step``."""
+    """Apply the averaged gradients of ``step``; ``verify``: then report its state digest (or
+    step end) as a `Verify` of ``step`` would, before answering: the report leaves at once and
+    the actor takes no second message for it."""
 
     step: int
+    verify: bool = False
 
 
 @dataclass(frozen=True)

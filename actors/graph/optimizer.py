@@ -138,12 +138,18 @@ class OptimizerActor(Actor):
                 await run_in_thread(self.apply, message.step)
                 if self.grad_norm is not None and self.grad_norm[0] == message.step:
                     span.set(grad_norm=self.grad_norm[1])
+            if message.verify:
+                await self._verify(message.step, force=False, wait=False)
             return
         assert isinstance(message, Verify)
-        step = message.step
+        await self._verify(message.step, force=message.force, wait=message.wait)
+
+    async def _verify(self, step: int, *, force: bool, wait: bool) -> None:
+        """Report ``step``'s state digest (on digest steps, or ``force``d) or its step end;
+        ``wait``: then wait for the coordinator's commit of it."""
         hashed, self._hashed = self._hashed, None
-        if message.force or step % self.client.digest_interval == 0:
-            if hashed is not None and hashed[0] == step and not message.force:
+        if force or step % self.client.digest_interval == 0:
+            if hashed is not None and hashed[0] == step and not force:
                 _, digest, started, ended = hashed
                 self.trace.complete("digest", started, ended, actor="optimizer", step=step)
             else:  # an epoch's opening check: the state may have just arrived from a donor
@@ -157,7 +163,7 @@ class OptimizerActor(Actor):
             self._names_sent = digest.names
         else:
             await self.client.step_done(step, self.epoch)
-        if message.wait:
+        if wait:
             with self.trace.span("commit-wait", actor="optimizer", step=step):
                 await self.client.wait_commit(step)
 

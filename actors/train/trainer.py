@@ -985,18 +985,14 @@ class DistributedTrainer:
             await self.client.reduced(step, epoch.start.epoch)
             with self.trace.span("apply-wait", actor="trainer", step=step):
                 await self.client.wait_apply(step)
-        await epoch.optimizer.ask(OptimizerStep(step))
+        # Overlapped: the optimizer reports the step's digest as soon as it has applied it,
+        # within the same message (its check finishes during the next step).
+        overlap = self.options.verify_overlap
+        await epoch.optimizer.ask(OptimizerStep(step, verify=overlap))
         norm = epoch.optimizer.grad_norm
         if norm is not None and norm[0] == step:
             self._record_norm(step, norm[1])
-        if self.options.verify_overlap:
-            # The optimizer has just answered, so its mailbox has room: queue the check
-            # without a task switch (the actor takes it once this task next waits).
-            try:
-                epoch.optimizer.tell_nowait(Verify(step))
-            except trio.WouldBlock:
-                await epoch.optimizer.tell(Verify(step))
-        else:
+        if not overlap:
             await epoch.optimizer.ask(Verify(step, wait=True))
 
     async def _step_failed(self, exc: Exception, scope: trio.CancelScope, epoch: _Epoch) -> None:

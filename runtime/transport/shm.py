@@ -15,10 +15,14 @@ result area q, and every rank copies every result piece out. Rank q sums in the 
 (rank q first, then q+1, ..., cyclically) and averages as the ring does, so the result is
 bitwise identical on every rank and to the TCP ring's (NaN payloads aside).
 
-Inputs and results are double-buffered by step parity, which leaves one all-to-all signal per
-step: after reducing step j and copying in step j+1, a rank tells every peer ``shm_step j+1``;
-once it has heard ``j+1`` from everyone, all of step j's results and step j+1's inputs are in
-place. The signals travel on the group's TCP connections, so a peer that dies is an EOF
+Inputs and results are double-buffered by the parity of the plane's signal count (kept across
+all-reduces, the same on every rank), which leaves one all-to-all signal per step: after
+reducing step j and copying in step j+1, a rank tells every peer ``shm_step j+1``; once it has
+heard ``j+1`` from everyone, all of step j's results and step j+1's inputs are in place. A small
+all-reduce (one step, at most `WHOLE_REDUCE_MAX_BYTES`) takes a single signal: every rank copies
+its whole tensor in, signals, and sums every segment itself in that segment's ring order (the
+same sums, bitwise); an area is written again only two signals later, after every rank has
+read it. The signals travel on the group's TCP connections, so a peer that dies is an EOF
 (`PeerClosed` naming it) and a silent one a `StallError` after the transport's
 ``stall_seconds``; nothing spins.
 """
@@ -70,6 +74,10 @@ DEFAULT_MAX_BYTES = 160 << 20
 """Largest segment a group maps (it needs 2(n+1) x the step size, plus a header)."""
 DEFAULT_STEP_BYTES = 8 << 20
 """Bytes of each rank's tensor handled per step (fewer steps, fewer signals)."""
+WHOLE_REDUCE_MAX_BYTES = 4 << 20
+"""All-reduces of at most this many bytes (and one step) take one signal, each rank summing the
+whole tensor (`_Steps.run`); larger ones split the sums among the ranks, one signal per step
+and one more."""
 SHM_MIN_BYTES = 32 * 1024
 """All-reduces of at least this many bytes take the plane: where the one-round path stops
 (`SMALL_ALLREDUCE_BYTES`); at 64 and 256 KiB the plane already took 1.5-2.2x less time than the
@@ -272,6 +280,9 @@ class SharedMemoryPlane(AllReducePlane):
         self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.threaded = threaded
         """Run each all-reduce on a worker thread (see `all_reduce`); False: on the event loop."""
+        self._signals = 0
+        """Signals exchanged on this plane so far, the same count on every rank: the parity of
+        the next one picks the input and result areas its step writes."""
 
     @property
     def closed(self) -> bool:
@@ -326,7 +337,8 @@ class SharedMemoryPlane(AllReducePlane):
         """
         if flat.dtype not in SUPPORTED_DTYPES:
             raise CollectiveError(f"the shared-memory plane does not sum {flat.dtype}")
-        plan = _Steps(self.rank, self.world_size, self._typed(flat.dtype), flat, op)
+        plan = _Steps(self.rank, self.world_size, self._typed(flat.dtype), flat, op, self._signals)
+        self._signals += plan.signals  # every rank counts the same (a failure ends the plane)
         try:
             if self.threaded:
                 if not isinstance(transport, PolledLinkProvider):
@@ -354,7 +366,10 @@ def _run_polled(plan: _Steps, links: PolledLinkSet, op_id: int) -> None:
 
 
 class _Steps:
-    """One all-reduce's copies and sums, step by step (the signals are the caller's)."""
+    """One all-reduce's copies and sums, step by step (the signals are the caller's).
+
+    ``first``: the plane's signal count before this all-reduce; step j's signal is the plane's
+    signal ``first + j``, whose parity picks the areas the step uses (`SharedMemoryPlane`)."""
 
     def __init__(
         self,
@@ -363,18 +378,38 @@ class _Steps:
         views: tuple[torch.Tensor, torch.Tensor],
         flat: torch.Tensor,
         op: str,
+        first: int = 0,
     ) -> None:
-        self.rank, self.n, self.flat, self.op = rank, n, flat, op
+        self.rank, self.n, self.flat, self.op, self.first = rank, n, flat, op, first
         self.inputs, self.results = views
         self.cap = self.inputs.shape[-1]
         self.bounds = segment_bounds(flat.numel(), n)
         longest = self.bounds[0][1] - self.bounds[0][0]  # segment 0 is never shorter
         self.steps = max(1, -(-longest // self.cap))
         self.order = [(rank + i) % n for i in range(n)]  # the ring's order for segment `rank`
+        self.whole = (
+            self.steps == 1 and flat.numel() * flat.element_size() <= WHOLE_REDUCE_MAX_BYTES
+        )
+        """Every rank sums every segment itself, one signal in all (see `run`)."""
+
+    @property
+    def signals(self) -> int:
+        """How many signals the all-reduce exchanges."""
+        return 1 if self.whole else self.steps + 1
 
     def run(self) -> Iterator[int]:
         """Do the copies and sums in order, pausing at each signal: yields the step to signal,
-        and goes on once the caller has exchanged it with every peer."""
+        and goes on once the caller has exchanged it with every peer.
+
+        A one-step all-reduce of at most `WHOLE_REDUCE_MAX_BYTES` takes one signal: each rank
+        copies its whole tensor in, and after the signal sums every segment itself, in that
+        segment's ring order, straight into its tensor. That is n times the additions of the
+        split reduction, but half its signals, which is what a small all-reduce waits for."""
+        if self.whole:
+            self.copy_in(0, own=True)
+            yield 0
+            self.reduce_whole()
+            return
         self.copy_in(0)
         yield 0
         for step in range(self.steps):
@@ -388,11 +423,16 @@ class _Steps:
         lo = self.bounds[segment][0] + step * self.cap
         return lo, max(lo, min(lo + self.cap, self.bounds[segment][1]))
 
-    def copy_in(self, step: int) -> None:
-        """This rank's pieces of ``step`` (but its own segment's) into its input area."""
-        for segment in self.order[1:]:
+    def _parity(self, step: int) -> int:
+        return (self.first + step) % 2
+
+    def copy_in(self, step: int, own: bool = False) -> None:
+        """This rank's pieces of ``step`` into its input area: but its own segment's, which
+        only it reads (``own``: that one too, for `reduce_whole`)."""
+        parity = self._parity(step)
+        for segment in self.order if own else self.order[1:]:
             lo, hi = self._piece(segment, step)
-            self.inputs[step % 2, self.rank, segment, : hi - lo].copy_(self.flat[lo:hi])
+            self.inputs[parity, self.rank, segment, : hi - lo].copy_(self.flat[lo:hi])
 
     def reduce(self, step: int) -> None:
         """Sum this rank's segment's piece over all ranks, in the ring's order, into its
@@ -400,7 +440,7 @@ class _Steps:
         lo, hi = self._piece(self.rank, step)
         if hi == lo:
             return
-        parity, size = step % 2, hi - lo
+        parity, size = self._parity(step), hi - lo
         acc = self.results[parity, self.rank, :size]
         torch.add(self.flat[lo:hi], self.inputs[parity, self.order[1], self.rank, :size], out=acc)
         for peer in self.order[2:]:
@@ -408,11 +448,31 @@ class _Steps:
         if self.op == "avg":
             divide_in_place(acc, self.n)
 
+    def reduce_whole(self) -> None:
+        """Every segment summed over all ranks' inputs in its own ring order (its rank first,
+        then the next ones, cyclically), each into the tensor (and divided, for avg): the sums
+        `reduce` makes on every rank, bitwise."""
+        inputs, n = self.inputs[self._parity(0)], self.n
+        for segment in range(n):
+            lo, hi = self._piece(segment, 0)
+            if hi == lo:
+                continue
+            size = hi - lo
+            acc = self.flat[lo:hi]
+            torch.add(
+                inputs[segment, segment, :size], inputs[(segment + 1) % n, segment, :size], out=acc
+            )
+            for i in range(2, n):
+                acc.add_(inputs[(segment + i) % n, segment, :size])
+            if self.op == "avg":
+                divide_in_place(acc, n)
+
     def copy_out(self, step: int) -> None:
         """Every segment's result piece of ``step`` into the tensor."""
+        parity = self._parity(step)
         for segment in range(self.n):
             lo, hi = self._piece(segment, step)
-            self.flat[lo:hi].copy_(self.results[step % 2, segment, : hi - lo])
+            self.flat[lo:hi].copy_(self.results[parity, segment, : hi - lo])
 
 
 async def _signal_all(transport: SharedMemoryHolder, op_id: int, step: int) -> None:

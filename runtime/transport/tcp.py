@@ -392,13 +392,35 @@ class Connection:
 
     async def wait_readable(self) -> None:
         """Return once bytes from the peer wait to be read (or the connection has ended), so
-        that the `recv` after it starts at once. Cancelling it loses nothing."""
+        that the `recv` after it starts at once. Cancelling it loses nothing.
+
+        Bytes that already wait in the socket are taken into the buffer at once (one
+        non-blocking read, a cancel point but no schedule point): a reader that waited for
+        something else meanwhile (`CoordinatorClient.reads_deferred`) then needs no trip
+        through the scheduler to find them."""
         if self._end > self._start:
+            return
+        if self.direct and not self._recv_lock.locked() and self._took_waiting_bytes():
+            await trio.lowlevel.checkpoint_if_cancelled()
             return
         try:
             await trio.lowlevel.wait_readable(self._sock)
         except (trio.ClosedResourceError, OSError):
             return  # the recv after it says what happened
+
+    def _took_waiting_bytes(self) -> bool:
+        """Read what waits in the socket into the buffer without waiting; whether the next
+        `recv` can start (bytes came, or the connection ended: it says so)."""
+        self._make_room(1)
+        try:
+            raw = self._raw_socket()
+            count = raw.recv_into(self._view[self._end :], 0, _DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # the recv after it says what happened
+        self._end += count
+        return True
 
     async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
         """Receive one message; a bulk tensor is allocated and filled.
