@@ -160,6 +160,10 @@ class Cluster:
                     await self.restarted.wait()
                 await trainer.finish()
                 self.epochs[rank] = list(trainer.epochs)
+        # The run is over for this worker: its end of the link closes, as a worker process's
+        # does when it exits, and the coordinator stops at once instead of waiting out its
+        # flush period (5 s) for members that would never leave.
+        await client.link.aclose()
         self.digests[rank] = state_digest(model, optimizer).digest
         self.masks[rank] = model.mask.clone()
         self.steps[rank] = trainer.step

@@ -102,7 +102,10 @@ async def test_frames_travel_as_cbor_bytes_in_uint8_tensors(
 
 
 async def test_abort_fails_a_collective_a_peer_never_joins_at_once() -> None:
-    async with open_local_group(2) as (a, b):
+    # The abandoned all-reduce (its peer never joins) ends at its deadline, and closing rank 0
+    # waits for it: a short deadline, far past the abort's moment (the test's first milliseconds;
+    # an abort missed would be a StallError here, not PeerClosed), ends the test in seconds.
+    async with open_local_group(2, collective_seconds=3.0) as (a, b):
         failed: list[BaseException] = []
 
         async def alone() -> None:
@@ -218,9 +221,10 @@ def test_a_worker_killed_mid_run_is_survived_over_the_torch_data_plane() -> None
 
 
 _EXIT_ATTEMPTS = 8
-"""Exits to try (each about a second; the old code aborted about one exit in five)."""
+"""Exits to try (the old code aborted about one exit in five)."""
 
 _OPEN_REDUCE_CLOSE_EXIT = """
+import os, sys
 import torch, trio
 from runtime.transport.torch_dist import open_local_group
 
@@ -235,26 +239,40 @@ async def main() -> None:
             nursery.start_soon(group[0].send, 1, "coll", {"op": 1, "hop": 0, "part": 0}, values[0])
             nursery.start_soon(group[1].recv, 0)
 
-trio.run(main)
+attempts, folder = int(sys.argv[1]), sys.argv[2]
+for attempt in range(attempts):
+    pid = os.fork()
+    if pid == 0:  # the attempt: this copy of the interpreter (torch imported, nothing started)
+        os.dup2(os.open(os.path.join(folder, f"{attempt}.err"), os.O_WRONLY | os.O_CREAT), 2)
+        trio.run(main)
+        break  # and it ends as a script does: the interpreter finalizes
+    _, status = os.waitpid(pid, 0)
+    print(attempt, os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
-def test_a_process_that_closed_its_torch_group_exits_cleanly() -> None:
+def test_a_process_that_closed_its_torch_group_exits_cleanly(tmp_path: Path) -> None:
     """A process opens a 2-rank torch group, reduces, sends a frame, closes and exits: exit
     status 0 every time. The threads the transport starts (receivers, the group's release) are
     joined before the interpreter finalizes; a daemon thread still inside gloo then was torn
     down mid-C++ and aborted the process ("terminate called without an active exception",
-    status -6), about one exit in five here."""
+    status -6), about one exit in five here. Each attempt is a process forked from one that
+    imported torch (the import, a second a process, paid once), which runs and exits as a
+    script does."""
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    for attempt in range(_EXIT_ATTEMPTS):
-        done = subprocess.run(
-            [sys.executable, "-c", _OPEN_REDUCE_CLOSE_EXIT],
-            cwd=repo,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, (attempt, done.returncode, done.stderr[-2000:])
-        assert "terminate called" not in done.stderr, (attempt, done.stderr[-2000:])
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_REDUCE_CLOSE_EXIT, str(_EXIT_ATTEMPTS), str(tmp_path)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    statuses = [tuple(map(int, line.split())) for line in done.stdout.splitlines()]
+    assert [attempt for attempt, _ in statuses] == list(range(_EXIT_ATTEMPTS)), done.stdout
+    for attempt, status in statuses:
+        stderr = (tmp_path / f"{attempt}.err").read_text()
+        assert status == 0, (attempt, status, stderr[-2000:])
+        assert "terminate called" not in stderr, (attempt, stderr[-2000:])

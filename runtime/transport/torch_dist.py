@@ -752,10 +752,13 @@ async def create_local_group(
     prefix: str = "paramsync",
     collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
     seconds: float = 60.0,
+    close_seconds: float = 10.0,
 ) -> list[TorchDistTransport]:
     """``n`` transports, rank 0 to n-1, of one gloo group whose ranks all live in this process
     (a ``HashStore`` rendezvous, gloo on loopback); for tests and in-process runs. The caller
-    closes them. Forming the group takes longer than ``seconds``: a `CollectiveError`."""
+    closes them. Forming the group takes longer than ``seconds``: a `CollectiveError`.
+    ``close_seconds``: how long each rank's `~TorchDistTransport.aclose` waits for its threads
+    (an operation abandoned on a silent peer ends at its deadline, on a thread left behind)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"group size must be a positive int, got {n!r}")
     store = dist.PrefixStore(prefix, dist.HashStore())
@@ -781,6 +784,7 @@ async def create_local_group(
                 n,
                 group,
                 collective_seconds=collective_seconds,
+                close_seconds=close_seconds,
                 keep=(store,),
                 store=store,
                 host="127.0.0.1",
