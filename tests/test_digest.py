@@ -354,30 +354,3 @@ def test_param_group_values_are_followed_by_identity_not_equality() -> None:
     assert after == state_digest(model, optimizer) and after != before
     group["extra"] = (1, 2.0)  # a new key
     assert hasher.digest(model, optimizer) == state_digest(model, optimizer) != after
-
-
-def test_a_begun_digest_finished_on_another_thread_is_the_same_digest() -> None:
-    """`StateHasher.begin` leaves the large tensors (> 64 KiB, hashed without the GIL) to
-    `PendingDigest.hash_large`, which may run on another thread; the result is `digest`'s."""
-    import threading
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(200, 100), nn.Linear(100, 3))  # one 80 KB weight
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model(torch.randn(2, 200)).sum().backward()
-    optimizer.step()
-    hasher = StateHasher()
-    for _ in range(3):
-        pending = hasher.begin(model, optimizer)
-        assert hasher._plan is not None or pending.large_bytes == 0
-    assert pending.large_bytes == 3 * 80_000  # the weight and its two Adam moments
-    worker = threading.Thread(target=pending.hash_large)
-    worker.start()
-    worker.join()
-    assert pending.large_bytes == 0
-    assert pending.result() == state_digest(model, optimizer)
-    assert pending.result().tensors == state_digest(model, optimizer).tensors
-    with torch.no_grad():
-        model[0].weight[-1, -1] += 1  # in a large tensor
-    changed = hasher.begin(model, optimizer).result()
-    assert changed == state_digest(model, optimizer) and changed != pending.result()

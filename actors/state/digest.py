@@ -26,12 +26,6 @@ shapes, strides and dtypes, which it checks in a few C-level passes before every
 skips the per-tensor Python altogether; any change sends it through the full walk, so a
 swapped or resized tensor is never hashed stale. The param groups' encoding is kept while they
 hold the very same immutable values.
-
-`StateHasher.begin` splits a planned digest in two: the layout checks and the small tensors
-now, the large tensors (over 64 KiB, which xxhash hashes without the GIL) in
-`PendingDigest.hash_large`, which may run on another thread while this one goes on with Python
-work (`actors.multidevice` hashes one replica's large tensors during the next one's optimizer
-step).
 """
 
 from __future__ import annotations
@@ -47,7 +41,6 @@ import xxhash
 from runtime.protocol.wire import tensor_buffer
 
 __all__ = [
-    "PendingDigest",
     "StateDigest",
     "StateHasher",
     "state_digest",
@@ -300,11 +293,6 @@ def _cacheable(value: Any) -> bool:
     )
 
 
-_GIL_FREE_BYTES = 65536
-"""xxhash releases the GIL while it hashes a buffer larger than this (measured with
-python-xxhash 4.1: a second Python thread runs meanwhile), so such tensors are what
-`PendingDigest.hash_large` may hash on another thread."""
-
 _NO_STATE: dict[str, Any] = {}
 
 
@@ -320,20 +308,17 @@ class _Plan:
     the plan is used only if both orders hold exactly the same tensors (`covers`)."""
 
     __slots__ = (
+        "data",
         "dtypes",
         "group_sizes",
-        "large_data",
-        "large_positions",
-        "large_seeds",
         "model",
         "names",
         "optimizer",
         "optimizer_params",
         "pointers",
         "scheduler",
+        "seeds",
         "shapes",
-        "small_data",
-        "small_seeds",
         "state_keys",
         "state_sizes",
         "state_values",
@@ -377,13 +362,8 @@ class _Plan:
         self.shapes = list(map(_shape, tensors))
         self.strides = list(map(_stride, tensors))
         self.dtypes = list(map(_dtype, tensors))
-        small = [view for view in views if view.data.nbytes <= _GIL_FREE_BYTES]
-        self.small_data = [view.data for view in small]
-        self.small_seeds = [view.seed for view in small]
-        large = [(at, view) for at, view in enumerate(views) if view.data.nbytes > _GIL_FREE_BYTES]
-        self.large_positions = [at for at, _ in large]
-        self.large_data = [view.data for _, view in large]
-        self.large_seeds = [view.seed for _, view in large]
+        self.data = [view.data for view in views]
+        self.seeds = [view.seed for view in views]
 
     def covers(self, views: list[_View]) -> bool:
         """Whether the plan checks exactly the tensors of ``views`` (the full walk's, in name
@@ -431,15 +411,12 @@ class _Plan:
             and list(map(_dtype, tensors)) == self.dtypes
         )
 
-    def begin(self, meta: list[tuple[str, bytes]]) -> PendingDigest:
-        """The planned tensors' digest now, begun: the small tensors hashed, the large ones'
-        hashing left to `PendingDigest.hash_large`; ``meta``: the non-tensor entries' digests
-        (whose names the plan holds too)."""
-        digests = list(map(_digest128, self.small_data, self.small_seeds))
+    def digest(self, meta: list[tuple[str, bytes]]) -> StateDigest:
+        """The digest of the planned tensors now and ``meta`` (the non-tensor entries' names and
+        digests, whose names the plan holds too)."""
+        digests = list(map(_digest128, self.data, self.seeds))
         digests += [digest for _, digest in meta]
-        return PendingDigest(
-            self.names, digests, self.large_positions, self.large_data, self.large_seeds
-        )
+        return StateDigest(None, list(zip(self.names, digests)), self.names)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -448,74 +425,6 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
     return [len(group["params"]) for group in optimizer.param_groups]
-
-
-class PendingDigest:
-    """A digest begun by `StateHasher.begin`: the state's layout checked and every small
-    tensor hashed; the large tensors (more than 64 KiB each), whose hashing releases the GIL,
-    may still be left to hash. `hash_large` hashes them and may run on another thread while
-    this one goes on with Python work (another replica's optimizer step, say); `result` hashes
-    whatever is left and returns the `StateDigest`. The state must not change before `result`
-    has returned; a thread calling `result` after another's `hash_large` must wait for that
-    call to end first (it would hash the same tensors again, with the same result)."""
-
-    __slots__ = (
-        "_digests",
-        "_large",
-        "_large_data",
-        "_large_seeds",
-        "_names",
-        "_positions",
-        "_result",
-    )
-
-    def __init__(
-        self,
-        names: tuple[str, ...],
-        digests: list[bytes],
-        positions: list[int],
-        large_data: list[Any],
-        large_seeds: list[int],
-    ) -> None:
-        self._names = names
-        self._digests = digests
-        self._positions = positions
-        self._large_data = large_data
-        self._large_seeds = large_seeds
-        self._large: list[bytes] | None = None if positions else []
-        self._result: StateDigest | None = None
-
-    @classmethod
-    def done(cls, digest: StateDigest) -> PendingDigest:
-        """A pending digest with nothing left to hash."""
-        pending = cls(digest.names, [], [], [], [])
-        pending._result = digest
-        return pending
-
-    @property
-    def large_bytes(self) -> int:
-        """How many bytes `hash_large` hashes (0 once hashed)."""
-        if self._large is not None:
-            return 0
-        return sum(data.nbytes for data in self._large_data)
-
-    def hash_large(self) -> None:
-        """Hash the large tensors (without the GIL, in C); idempotent."""
-        if self._large is None:
-            self._large = list(map(_digest128, self._large_data, self._large_seeds))
-
-    def result(self) -> StateDigest:
-        """The whole `StateDigest` (hashing the large tensors first if no one has)."""
-        if self._result is not None:
-            return self._result
-        self.hash_large()
-        assert self._large is not None
-        digests = self._digests
-        for position, digest in zip(self._positions, self._large):
-            digests.insert(position, digest)  # ascending positions: each lands at its own
-        names = self._names
-        self._result = StateDigest(None, list(zip(names, digests)), names)
-        return self._result
 
 
 class StateHasher:
@@ -543,22 +452,11 @@ class StateHasher:
         """The digest of the model's parameters and buffers, the optimizer's state and the
         scheduler's state now (CUDA tensors are copied to the host after their stream is
         synchronized, C-STREAMSYNC-001)."""
-        return self.begin(model, optimizer, scheduler).result()
-
-    def begin(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Scheduler | None = None,
-    ) -> PendingDigest:
-        """`digest`, in two parts: everything but the hashing of the large tensors now (the
-        part that holds the GIL), that hashing later, in `PendingDigest.hash_large` or
-        `PendingDigest.result`. The state must not change before the result is taken."""
         meta = self._meta(optimizer, scheduler)
         plan = self._plan
         if plan is not None and plan.holds(model, optimizer, scheduler):
-            return plan.begin(meta)
-        return PendingDigest.done(self._walk(model, optimizer, scheduler, meta))
+            return plan.digest(meta)
+        return self._walk(model, optimizer, scheduler, meta)
 
     def _meta(
         self, optimizer: torch.optim.Optimizer | None, scheduler: Scheduler | None
