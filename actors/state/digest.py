@@ -83,7 +83,7 @@ class _ModuleTree:
         self.getter = _REGISTRIES if buffers else _REGISTRIES_NO_BUFFERS
         dicts = list(_flatten(map(self.getter, self.modules)))
         self.sizes = list(map(len, dicts))
-        self.keys = list(_flatten(map(dict.keys, dicts)))
+        self.keys = list(_flatten(dicts))
         self.values = list(_flatten(map(dict.values, dicts)))
 
     def holds(self, model: torch.nn.Module) -> bool:
@@ -94,7 +94,7 @@ class _ModuleTree:
         # Equal sizes and keys: the same number of values too, dict by dict.
         return (
             list(map(len, dicts)) == self.sizes
-            and list(_flatten(map(dict.keys, dicts))) == self.keys
+            and list(_flatten(dicts)) == self.keys
             and all(map(is_, _flatten(map(dict.values, dicts)), self.values))
         )
 
@@ -231,7 +231,7 @@ class _EncodedGroups:
     def __init__(self, groups: list[dict[str, Any]], entry: tuple[str, bytes]) -> None:
         self.entry = entry
         self.sizes = list(map(len, groups))
-        self.keys = list(_flatten(map(dict.keys, groups)))
+        self.keys = list(_flatten(groups))
         self.values = list(_flatten(map(dict.values, groups)))
 
     @staticmethod
@@ -246,7 +246,7 @@ class _EncodedGroups:
         # Equal sizes: as many keys and values as before, group by group.
         return (
             list(map(len, groups)) == self.sizes
-            and all(map(is_, _flatten(map(dict.keys, groups)), self.keys))
+            and all(map(is_, _flatten(groups), self.keys))
             and all(map(is_, _flatten(map(dict.values, groups)), self.values))
         )
 
@@ -354,7 +354,7 @@ class _Plan:
             state = optimizer.state
             entries = [state.get(param) or _NO_STATE for param in self.optimizer_params]
         self.state_sizes = list(map(len, entries))
-        self.state_keys = list(_flatten(map(dict.keys, entries)))
+        self.state_keys = list(_flatten(entries))
         self.state_values = list(_flatten(map(dict.values, entries)))
         tensors += self.state_values
         self.tensors = tensors
@@ -399,7 +399,7 @@ class _Plan:
             # Equal sizes and keys: as many values as before, parameter by parameter.
             if (
                 list(map(len, entries)) != self.state_sizes
-                or list(_flatten(map(dict.keys, entries))) != self.state_keys
+                or list(_flatten(entries)) != self.state_keys
                 or not all(map(is_, _flatten(map(dict.values, entries)), self.state_values))
             ):
                 return False
