@@ -3,8 +3,9 @@ against torch DDP, on the same LoRA model in the same run.
 
 The model: the built-in `CharTransformer` (d_model 128, 2 layers, 4 heads, context 64), wrapped
 by peft's ``get_peft_model`` with LoRA (rank ``--rank``) on every attention and MLP linear
-layer, the base frozen; AdamW over the adapters; the same total batch (``--batch`` sequences of
-64 characters from the stdlib corpus) for every system:
+layer, the base frozen; AdamW over the adapters (``--optimizer``: torch's default for-loop
+implementation, or its ``foreach`` or ``fused`` one, for every system alike); the same total
+batch (``--batch`` sequences of 64 characters from the stdlib corpus) for every system:
 
 - ``threads``: `DataParallelCoordinator` with two ``"cpu"`` devices, each replica on its own OS
   thread with one intra-op thread, half the batch each, the digest check every step (C-DP-002);
@@ -71,8 +72,14 @@ def loss_fn(model: torch.nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) ->
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+OPTIMIZERS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+"""``--optimizer``: AdamW as a user writes it (``default``: torch's for-loop implementation on
+CPU), or its ``foreach`` or ``fused`` implementation (the same arithmetic in fewer kernels)."""
+
+
+def optimizer(model: torch.nn.Module, kind: str = "default") -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=3e-3, **OPTIMIZERS[kind])
 
 
 def _corpus() -> torch.Tensor:
@@ -115,7 +122,10 @@ def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> l
 
 def run_threads(args: argparse.Namespace) -> dict:
     with DataParallelCoordinator(
-        lambda: lora_model(args.rank), optimizer, loss_fn, ["cpu", "cpu"]
+        lambda: lora_model(args.rank),
+        lambda model: optimizer(model, args.optimizer),
+        loss_fn,
+        ["cpu", "cpu"],
     ) as dp:
         results: list[Any] = []
         cpu: dict = {}
@@ -136,7 +146,7 @@ def run_one(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     try:
         model = lora_model(args.rank)
-        opt = optimizer(model)
+        opt = optimizer(model, args.optimizer)
 
         def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
             opt.zero_grad(set_to_none=False)
@@ -167,7 +177,7 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     model = lora_model(args.rank)
     if not args.no_communication:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = optimizer(model)
+    opt = optimizer(model, args.optimizer)
     half = (args.batch + 1) // 2
     lo, hi = (0, half) if rank == 0 else (half, args.batch)
 
@@ -200,6 +210,8 @@ def run_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
             args.warmup,
             "--steps",
             args.steps,
+            "--optimizer",
+            args.optimizer,
         )
     ] + ([] if communicate else ["--no-communication"])
     procs = [
@@ -262,7 +274,8 @@ def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
 def print_table(table: dict, args: argparse.Namespace) -> None:
     print(
         f"LoRA CharTransformer (rank {args.rank}, targets {TARGETS}), batch {args.batch}, "
-        f"{args.rounds} rounds x {args.steps} timed steps, medians over rounds"
+        f"{args.rounds} rounds x {args.steps} timed steps, AdamW ({args.optimizer}), "
+        "medians over rounds"
     )
     labels = {
         "threads": "2 replicas in threads",
@@ -302,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="default",
+        help="AdamW's implementation for every system (default: as a user writes it)",
+    )
     parser.add_argument("--json", type=Path, help="write the rounds and the table here")
     parser.add_argument("--ddp-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -314,3 +314,43 @@ def test_cuda_state_digests_like_its_host_copy() -> None:
     with torch.no_grad():
         model[0].bias.add_(1)  # queued on the stream: the digest must wait for it
     assert hasher.digest(model, optimizer) != host
+
+
+def test_parameter_moved_to_the_next_module_is_never_named_stale() -> None:
+    """The same parameter object under the same local name, registered one module further on:
+    the registrations flattened over the tree read as before; only each dict's size tells."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    hasher = StateHasher()
+    hasher.digest(model)
+    before = hasher.digest(model)  # from the plan
+    bias = model[0].bias
+    del model[0].bias
+    model[1].bias = bias
+    after = hasher.digest(model)
+    fresh = state_digest(model)
+    assert "param/1.bias" in after.names and after.names == fresh.names
+    assert after == fresh and after != before
+
+
+def test_param_group_values_are_followed_by_identity_not_equality() -> None:
+    """The param groups' kept encoding: a scheduler's new learning rate, an int turned into the
+    equal float, -0.0 for 0.0 and a tensor learning rate changed in place are all seen."""
+    model, optimizer = _replica()
+    _train(model, optimizer)
+    hasher = StateHasher()
+    hasher.digest(model, optimizer)
+    group = optimizer.param_groups[0]
+    seen = [hasher.digest(model, optimizer)]
+    for value in (0.02, 1, 1.0, 0.0, -0.0):
+        group["lr"] = value
+        now = hasher.digest(model, optimizer)
+        assert now == state_digest(model, optimizer), value
+        assert now not in seen, value
+        seen.append(now)
+    group["lr"] = torch.tensor(0.5)
+    before = hasher.digest(model, optimizer)
+    group["lr"].fill_(0.25)  # the same tensor object, another value
+    after = hasher.digest(model, optimizer)
+    assert after == state_digest(model, optimizer) and after != before
+    group["extra"] = (1, 2.0)  # a new key
+    assert hasher.digest(model, optimizer) == state_digest(model, optimizer) != after

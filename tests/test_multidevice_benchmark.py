@@ -104,3 +104,20 @@ def test_the_baseline_thread_check_times_both_threads(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     assert result["steps_each"] == 2
     assert result["main_thread_ms"] > 0 and result["other_thread_ms"] > 0
+
+
+def test_the_optimizer_flag_picks_adamws_implementation_for_every_system() -> None:
+    import torch
+
+    bench = _module()
+    assert bench.build_parser().parse_args([]).optimizer == "default"
+    net = torch.nn.Linear(2, 2)
+    net.bias.requires_grad_(False)
+    for kind, flags in (("default", (None, None)), ("foreach", (True, None))):
+        made = bench.optimizer(net, kind)
+        assert isinstance(made, torch.optim.AdamW)
+        assert (made.defaults["foreach"], made.defaults["fused"]) == flags
+        assert made.param_groups[0]["params"] == [net.weight]  # the trainable ones only
+    assert bench.optimizer(net, "fused").defaults["fused"] is True
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--optimizer", "sgd"])

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from actors.multidevice import DataParallelCoordinator, ReplicaError
+from actors.multidevice import DataParallelCoordinator, ReplicaDivergedError, ReplicaError
 from actors.multidevice.relay import UpdateRelay
 
 
@@ -144,3 +144,28 @@ def test_the_relay_hands_turns_in_order_and_an_abort_releases_every_wait() -> No
     assert broken.wait_all() is False  # the barrier is broken too: no wait for a dead replica
     with pytest.raises(ValueError, match="at least one replica"):
         UpdateRelay(0)
+
+
+def test_a_bit_flipped_in_a_large_frozen_tensor_is_caught_and_named() -> None:
+    """A bit flipped in a large frozen tensor of the middle replica (> 64 KiB: its hashing
+    releases the GIL) is caught and named."""
+
+    def wide() -> torch.nn.Module:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 200), torch.nn.Tanh(), torch.nn.Linear(200, 1))
+        frozen = torch.nn.Linear(200, 100)  # an 80 KB weight, frozen
+        frozen.requires_grad_(False)
+        net.add_module("frozen", frozen)
+        return net
+
+    def forward(net: torch.nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(net[2](net[1](net[0](shard[0]))), shard[1])
+
+    with DataParallelCoordinator(wide, adamw, forward, ["cpu"] * 3) as dp:
+        for _ in range(3):
+            assert dp.train_batch_parallel(batch()).checked
+        with torch.no_grad():
+            raw = dp.replicas[1].frozen.weight.view(-1).view(torch.int32)
+            raw[-1] ^= 1  # the lowest bit of the last element
+        with pytest.raises(ReplicaDivergedError, match=r"replica 1 on cpu .*frozen\.weight"):
+            dp.train_batch_parallel(batch())
