@@ -62,6 +62,27 @@ _REGISTRIES = attrgetter("_modules", "_parameters", "_buffers")
 _REGISTRIES_NO_BUFFERS = attrgetter("_modules", "_parameters")
 
 
+class _Dicts:
+    """A snapshot of a list of dicts: each one's size, its keys and its values, in order.
+    `holds` tells in a few C-level passes that dicts (the same ones or others) hold exactly
+    those keys, dict by dict, and the very same value objects."""
+
+    __slots__ = ("keys", "sizes", "values")
+
+    def __init__(self, dicts: list[dict[Any, Any]]) -> None:
+        self.sizes = list(map(len, dicts))
+        self.keys = list(_flatten(dicts))
+        self.values: list[Any] = list(_flatten(map(dict.values, dicts)))
+
+    def holds(self, dicts: list[dict[Any, Any]]) -> bool:
+        # Equal sizes and keys: as many values as before, dict by dict.
+        return (
+            list(map(len, dicts)) == self.sizes
+            and list(_flatten(dicts)) == self.keys
+            and all(map(is_, _flatten(map(dict.values, dicts)), self.values))
+        )
+
+
 class _ModuleTree:
     """A snapshot of what a module tree has registered: every module's ``_modules``,
     ``_parameters`` and (with ``buffers``) ``_buffers`` dict, each dict's size, keys and values.
@@ -75,28 +96,20 @@ class _ModuleTree:
     peft LoRA model of 104 modules: about 25 times cheaper than walking ``named_parameters()``
     and ``named_buffers()`` (170 µs), which was most of a planned digest's cost."""
 
-    __slots__ = ("getter", "keys", "model", "modules", "sizes", "values")
+    __slots__ = ("getter", "model", "modules", "registries")
 
     def __init__(self, model: torch.nn.Module, buffers: bool) -> None:
         self.model = model
         self.modules = list(model.modules())
         self.getter = _REGISTRIES if buffers else _REGISTRIES_NO_BUFFERS
-        dicts = list(_flatten(map(self.getter, self.modules)))
-        self.sizes = list(map(len, dicts))
-        self.keys = list(_flatten(dicts))
-        self.values = list(_flatten(map(dict.values, dicts)))
+        self.registries = _Dicts(self._dicts())
+
+    def _dicts(self) -> list[dict[str, Any]]:
+        return list(_flatten(map(self.getter, self.modules)))
 
     def holds(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` is the snapshot's model with exactly the snapshot's registrations."""
-        if model is not self.model:
-            return False
-        dicts = list(_flatten(map(self.getter, self.modules)))
-        # Equal sizes and keys: the same number of values too, dict by dict.
-        return (
-            list(map(len, dicts)) == self.sizes
-            and list(_flatten(dicts)) == self.keys
-            and all(map(is_, _flatten(map(dict.values, dicts)), self.values))
-        )
+        return model is self.model and self.registries.holds(self._dicts())
 
 
 class StateDigest:
@@ -220,19 +233,17 @@ def _immutable(value: Any) -> bool:
 
 
 class _EncodedGroups:
-    """The param groups' digest entry, kept while the groups hold the very same keys and
+    """The param groups' digest entry, kept while the groups hold the same keys and the very same
     values: an LR scheduler's step stores a new float object, and any other change replaces a
     value too, since only immutable values are ever kept (a tensor learning rate, changed in
-    place, is encoded afresh every time). Compared by identity, so ``1`` and ``1.0``, or
+    place, is encoded afresh every time). Values are compared by identity, so ``1`` and ``1.0``, or
     ``0.0`` and ``-0.0``, never pass for each other."""
 
-    __slots__ = ("entry", "keys", "sizes", "values")
+    __slots__ = ("entry", "groups")
 
     def __init__(self, groups: list[dict[str, Any]], entry: tuple[str, bytes]) -> None:
         self.entry = entry
-        self.sizes = list(map(len, groups))
-        self.keys = list(_flatten(groups))
-        self.values = list(_flatten(map(dict.values, groups)))
+        self.groups = _Dicts(groups)
 
     @staticmethod
     def cacheable(groups: list[dict[str, Any]]) -> bool:
@@ -243,12 +254,7 @@ class _EncodedGroups:
         )
 
     def holds(self, groups: list[dict[str, Any]]) -> bool:
-        # Equal sizes: as many keys and values as before, group by group.
-        return (
-            list(map(len, groups)) == self.sizes
-            and all(map(is_, _flatten(groups), self.keys))
-            and all(map(is_, _flatten(map(dict.values, groups)), self.values))
-        )
+        return self.groups.holds(groups)
 
 
 class _View:
@@ -319,9 +325,7 @@ class _Plan:
         "scheduler",
         "seeds",
         "shapes",
-        "state_keys",
-        "state_sizes",
-        "state_values",
+        "state",
         "strides",
         "tensors",
         "tree",
@@ -353,10 +357,8 @@ class _Plan:
             self.optimizer_params = _optimizer_params(optimizer)
             state = optimizer.state
             entries = [state.get(param) or _NO_STATE for param in self.optimizer_params]
-        self.state_sizes = list(map(len, entries))
-        self.state_keys = list(_flatten(entries))
-        self.state_values = list(_flatten(map(dict.values, entries)))
-        tensors += self.state_values
+        self.state = _Dicts(entries)
+        tensors += self.state.values
         self.tensors = tensors
         self.pointers = list(map(_data_ptr, tensors))
         self.shapes = list(map(_shape, tensors))
@@ -396,12 +398,7 @@ class _Plan:
                 return False
             state = optimizer.state
             entries = [state.get(param) or _NO_STATE for param in params]
-            # Equal sizes and keys: as many values as before, parameter by parameter.
-            if (
-                list(map(len, entries)) != self.state_sizes
-                or list(_flatten(entries)) != self.state_keys
-                or not all(map(is_, _flatten(map(dict.values, entries)), self.state_values))
-            ):
+            if not self.state.holds(entries):
                 return False
         tensors = self.tensors
         return (
