@@ -441,12 +441,8 @@ class _Steps:
         if hi == lo:
             return
         parity, size = self._parity(step), hi - lo
-        acc = self.results[parity, self.rank, :size]
-        torch.add(self.flat[lo:hi], self.inputs[parity, self.order[1], self.rank, :size], out=acc)
-        for peer in self.order[2:]:
-            acc.add_(self.inputs[parity, peer, self.rank, :size])
-        if self.op == "avg":
-            divide_in_place(acc, self.n)
+        peers = [self.inputs[parity, peer, self.rank, :size] for peer in self.order[1:]]
+        self._ring_sum(self.flat[lo:hi], peers, self.results[parity, self.rank, :size])
 
     def reduce_whole(self) -> None:
         """Every segment summed over all ranks' inputs in its own ring order (its rank first,
@@ -457,15 +453,17 @@ class _Steps:
             lo, hi = self._piece(segment, 0)
             if hi == lo:
                 continue
-            size = hi - lo
-            acc = self.flat[lo:hi]
-            torch.add(
-                inputs[segment, segment, :size], inputs[(segment + 1) % n, segment, :size], out=acc
-            )
-            for i in range(2, n):
-                acc.add_(inputs[(segment + i) % n, segment, :size])
-            if self.op == "avg":
-                divide_in_place(acc, n)
+            pieces = [inputs[(segment + i) % n, segment, : hi - lo] for i in range(n)]
+            self._ring_sum(pieces[0], pieces[1:], self.flat[lo:hi])
+
+    def _ring_sum(self, own: torch.Tensor, peers: list[torch.Tensor], out: torch.Tensor) -> None:
+        """``own + peers[0] + peers[1] + ...`` into ``out``, each addition rounded in the dtype
+        (the ring's order), divided by n for avg."""
+        torch.add(own, peers[0], out=out)
+        for piece in peers[1:]:
+            out.add_(piece)
+        if self.op == "avg":
+            divide_in_place(out, self.n)
 
     def copy_out(self, step: int) -> None:
         """Every segment's result piece of ``step`` into the tensor."""
