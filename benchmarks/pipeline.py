@@ -253,6 +253,15 @@ def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
     return out
 
 
+def _my_stages(schedule: str, blocks, args: argparse.Namespace) -> dict:
+    """This rank's stages of ``schedule``, in chunk order: stage s = rank + chunk * PP, each an
+    equal slice of the blocks (the split every system uses)."""
+    num_stages = PP * CHUNKS.get(schedule, 1)
+    per = args.blocks // num_stages
+    mine = range(args.rank, num_stages, PP)
+    return {s: blocks[s * per : (s + 1) * per] for s in mine}
+
+
 def _torch_runner(schedule: str, blocks, args: argparse.Namespace, loss_fn):
     """torch's schedule object for ``schedule`` on this rank, and the modules it trains.
 
@@ -278,14 +287,12 @@ def _torch_runner(schedule: str, blocks, args: argparse.Namespace, loss_fn):
 
     from runtime.parallel.schedules import compute_lists
 
+    mine = _my_stages(schedule, blocks, args)
     chunks = CHUNKS.get(schedule, 1)
     num_stages = PP * chunks
-    per = args.blocks // num_stages
-    mine = [args.rank + chunk * PP for chunk in range(chunks)]
-    modules = [blocks[s * per : (s + 1) * per] for s in mine]
+    modules = list(mine.values())
     stages = [
-        PipelineStage(module, s, num_stages, torch.device("cpu"))
-        for s, module in zip(mine, modules, strict=True)
+        PipelineStage(module, s, num_stages, torch.device("cpu")) for s, module in mine.items()
     ]
     m = args.microbatches
     if schedule == "gpipe":
@@ -362,11 +369,9 @@ def _worker_limit(args: argparse.Namespace, schedule: str) -> dict:
     blocks, inputs, targets, loss_fn = _setup(args)
     chunks = CHUNKS.get(schedule, 1)
     num_stages = PP * chunks
-    per = args.blocks // num_stages
-    mine = [args.rank + chunk * PP for chunk in range(chunks)]
-    modules = {s: blocks[s * per : (s + 1) * per] for s in mine}
+    modules = _my_stages(schedule, blocks, args)
     params = {s: list(module.parameters()) for s, module in modules.items()}
-    everything = [p for s in mine for p in params[s]]
+    everything = [p for module_params in params.values() for p in module_params]
     optimizer = _optimizer(everything, args)
     actions = [
         a
@@ -548,8 +553,7 @@ def limit_step(schedule: str, runs: list[dict], args: argparse.Namespace) -> dic
         }
         for stage in stages
     }
-    schedule_ = _schedule(schedule, args.microbatches)
-    result = simulate(schedule_, stage_costs=stage_costs)
+    result = simulate(_schedule(schedule, args.microbatches), stage_costs=stage_costs)
     optimizer = statistics.median(run["optimizer_seconds"] for run in runs)
     busy = [float(b) for b in result.busy]
     return {
