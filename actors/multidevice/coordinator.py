@@ -9,7 +9,8 @@ Per step (contract C-DP-002):
    (`actors.multidevice.threads`);
 3. the trainable gradients are averaged on the host, each weighted by its shard's share of the
    batch and summed in device order (so the result does not depend on which thread finished
-   first; each thread sums one slice of the flat buffer); with a ``loss_fn`` that returns its
+   first; the buffer is summed in fixed slices, by one thread each on CUDA devices, by the
+   first replica in turn on CPU ones); with a ``loss_fn`` that returns its
    shard's mean loss this is exactly the gradient of the whole batch's mean loss;
 4. every replica loads that same averaged gradient and takes its own optimizer step (no weight
    is ever copied from one replica to another after the start);
@@ -19,10 +20,11 @@ Per step (contract C-DP-002):
    first entry that differs.
 
 `train_batch_parallel` runs steps 2-5 as one job per replica thread (one pool round-trip a
-step, barriers between the phases, `actors.multidevice.relay`); CPU replicas take step 4 and
+step, barriers between the phases, `actors.multidevice.relay`); CPU replicas take steps 3-4 and
 their digest in turn, in device order, since that part is mostly Python and two threads running
 it at once only contend for the GIL (the result is the same: each replica's own optimizer, the
-same averaged gradient).
+same averaged gradient). Replica 0, first in turn, sums the whole average while the others'
+gradients lie still (they wait for their turn), so no barrier is needed after the averaging.
 
 Frozen parameters (``requires_grad=False``, a LoRA model's base weights) are never averaged,
 copied or sent. At construction replica 0's initial parameters and buffers are loaded into the
@@ -341,7 +343,7 @@ class DataParallelCoordinator:
                         return None
                     if index == 0:
                         marks["computed"] = time.perf_counter()
-                if weights is not None:
+                if weights is not None and not in_turn:
                     phases[index] = "gradient averaging"
                     self._sum_slice(index, weights)
                     if not relay.wait_all():
@@ -351,6 +353,15 @@ class DataParallelCoordinator:
                 phases[index] = "optimizer step"
                 if in_turn and not relay.take_turn(index):
                     return None
+                if weights is not None and in_turn and index == 0:
+                    # In turn, the others wait for replica 0 anyway: it sums every slice (the
+                    # same slices, so the same bits) while their gradients lie still, and no
+                    # barrier is needed before anyone reads the average.
+                    phases[index] = "gradient averaging"
+                    for part in self._indices:
+                        self._sum_slice(part, weights)
+                    marks["averaged"] = time.perf_counter()
+                    phases[index] = "optimizer step"
                 replica.apply(gradient)
                 digest = replica.digest() if due else None
                 if in_turn:
