@@ -43,7 +43,17 @@ _TIMED = {
     "runtime.transport.tcp": [(None, "encode_frame"), (None, "decode_head")],
     "runtime.coordinator.service": [(None, "event_from_wire")],
     "runtime.coordinator.core": [("CoordinatorCore", "handle")],
+    "actors.state.digest": [("StateHasher", "digest")],
 }
+MANDATED = {
+    "rank": ("digest", "copy_in", "reduce", "reduce_whole", "copy_out"),
+    "coordinator": ("decode_head", "event_from_wire", "handle", "encode_frame"),
+}
+"""The parts no implementation of the contracts can skip: on a rank, hashing its state for
+C-DDP-001 (``digest``, on the optimizer's thread) and moving the gradient's bytes through the
+shared-memory plane; on the coordinator, decoding each report, checking it and encoding the
+answer. Their CPU, summed over the processes and spread over the machine's cores, is a floor
+under any executor's overhead over the no-communication limit (`benchmarks/ddp.py`)."""
 
 
 def _where(coro: Any) -> str:
@@ -123,6 +133,9 @@ def _wrapped(out: Path, window: tuple[float, float], target: list[str]) -> None:
         out.write_text(json.dumps(record))
 
 
+_PARTS_LOCK = threading.Lock()  # the hash runs on the optimizer's thread, the rest on the loop
+
+
 def _timer(function: Any, label: str, parts: collections.Counter[str], inside: Any) -> Any:
     def timed(*args: Any, **kwargs: Any) -> Any:
         begun = time.thread_time_ns()
@@ -130,7 +143,9 @@ def _timer(function: Any, label: str, parts: collections.Counter[str], inside: A
             return function(*args, **kwargs)
         finally:
             if inside():
-                parts[label] += time.thread_time_ns() - begun
+                spent = time.thread_time_ns() - begun
+                with _PARTS_LOCK:
+                    parts[label] += spent
 
     return timed
 
@@ -202,6 +217,7 @@ def main() -> None:
             f"{record['event_loop'] * 1e3 * per_step:.2f}, task steps "
             f"{sum(record['task_steps'].values()) * per_step:.1f}"
         )
+    _print_floor(records, names, per_step, 1e3 / result["steps_per_second"])
     for name in ("coordinator", f"rank {args.rank}"):
         record = records[name]
         print(f"{name}, parts (ms a step):")
@@ -212,6 +228,40 @@ def main() -> None:
         for key, ns in tasks:
             count = record["task_steps"][key] * per_step
             print(f"  {ns / 1e6 * per_step:7.3f} {count:5.2f}  {key}")
+
+
+def contract_floor(
+    records: dict[str, Any], names: list[str], per_step: float, cores: int
+) -> tuple[dict[str, dict[str, float]], float, float]:
+    """The mandated parts' CPU a step in ms (`MANDATED`), per process and part; their sum over
+    the processes; and the least wall time (ms) that sum adds a step, spread perfectly over
+    ``cores`` cores. ``per_step``: one recorded window's figures per step."""
+    per_process = {}
+    for name in names:
+        wanted = MANDATED["coordinator" if name == "coordinator" else "rank"]
+        parts = records[name]["parts"]
+        per_process[name] = {label: parts.get(label, 0) / 1e6 * per_step for label in wanted}
+    total = sum(sum(parts.values()) for parts in per_process.values())
+    return per_process, total, total / cores
+
+
+def _print_floor(
+    records: dict[str, Any], names: list[str], per_step: float, step_ms: float
+) -> None:
+    cores = os.cpu_count() or 1
+    per_process, total, floor = contract_floor(records, names, per_step, cores)
+    print(f"the contracts' own work, CPU a step (ms), {cores} cores:")
+    for name, parts in per_process.items():
+        shown = ", ".join(f"{label} {value:.3f}" for label, value in parts.items() if value)
+        print(f"  {name}: {sum(parts.values()):.3f} ({shown})")
+    print(
+        f"  all processes: {total:.3f} ms of CPU; spread over {cores} cores at best "
+        f"{floor:.3f} ms of wall a step"
+    )
+    print(
+        f"  = {floor / step_ms * 100:.2f} % of this run's step (the limit's step is shorter, "
+        "so its share of the limit is larger)"
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import loop_profile  # noqa: E402
 
 
 @pytest.mark.soak  # a 30 s profiling run: make soak
@@ -29,6 +33,32 @@ def test_loop_profile_reports_each_process_and_the_hot_parts() -> None:
     assert "copy_in" in names and names & {"reduce", "reduce_whole"}, names
     assert any("actor:gradient-comm" in line for line in lines)
     assert any(line.strip().endswith("handle") for line in lines)  # the coordinator's core
+    # The contracts' own work: every rank hashes its state (on the optimizer's thread).
+    floor = lines[lines.index("the contracts' own work, CPU a step (ms), " + _cores()) + 1 :]
+    for name in ("rank 0", "rank 1"):
+        line = next(line for line in floor if line.startswith(f"  {name}: "))
+        assert "digest " in line and "copy_in " in line, line
+    assert any("% of this run's step" in line for line in floor)
+
+
+def _cores() -> str:
+    return f"{os.cpu_count() or 1} cores:"
+
+
+def test_the_contracts_floor_sums_the_mandated_parts_over_the_processes_and_cores() -> None:
+    records = {
+        "coordinator": {"parts": {"handle": 2_000_000, "decode_head": 1_000_000, "x": 9}},
+        "rank 0": {"parts": {"digest": 4_000_000, "copy_in": 2_000_000, "decode_head": 7}},
+        "rank 1": {"parts": {"digest": 4_000_000, "reduce_whole": 3_000_000}},
+    }
+    names = ["coordinator", "rank 0", "rank 1"]
+    per_process, total, floor = loop_profile.contract_floor(records, names, 0.5, 2)
+    # ns over the window -> ms a step at 2 steps a window; parts outside the contracts ignored
+    assert per_process["coordinator"]["handle"] == 1.0
+    assert per_process["coordinator"]["decode_head"] == 0.5
+    assert per_process["rank 0"]["digest"] == 2.0 and per_process["rank 0"]["copy_in"] == 1.0
+    assert "decode_head" not in per_process["rank 0"]
+    assert total == 1.5 + 3.0 + 3.5 and floor == total / 2
 
 
 @pytest.mark.soak  # a 30 s profiling run: make soak
