@@ -7,12 +7,32 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ADVERTISE_ENV", "DistributedConfig", "advertised_host", "parse_address"]
+__all__ = [
+    "ADVERTISE_ENV",
+    "COMM_BACKENDS",
+    "DistributedConfig",
+    "advertised_host",
+    "check_comm_backend",
+    "parse_address",
+]
 
 ADVERTISE_ENV = "PARAMSYNC_ADVERTISE_ADDR"
 """The address a worker listens on for its peers and tells them to dial (``paramsync launch
 --advertise-addr``). Unset: the address of the interface its connection to the coordinator
 leaves through, which other hosts reach when the coordinator is given by a routable address."""
+
+COMM_BACKENDS = ("paramsync", "torch")
+"""The data planes a run can use: paramsync's own (TCP ring, shared memory) or torch's
+(`runtime.transport.torch_dist`). Here, not there, so that naming one needs no torch."""
+
+
+def check_comm_backend(value: object, where: str = "comm_backend") -> str:
+    """``value`` if it names a data plane (`COMM_BACKENDS`), else a ValueError naming ``where``."""
+    if value not in COMM_BACKENDS:
+        choices = ", ".join(repr(name) for name in COMM_BACKENDS)
+        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+    assert isinstance(value, str)
+    return value
 
 
 def advertised_host(environ: Mapping[str, str] | None = None) -> str | None:

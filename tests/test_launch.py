@@ -351,3 +351,30 @@ def test_the_advertised_address_is_a_host_without_a_port() -> None:
     assert advertised_host({ADVERTISE_ENV: "node-7.cluster"}) == "node-7.cluster"
     with pytest.raises(ValueError, match=re.escape("PARAMSYNC_ADVERTISE_ADDR='10.0.0.7:80'")):
         advertised_host({ADVERTISE_ENV: "10.0.0.7:80"})
+
+
+def test_the_launcher_and_the_command_line_import_no_torch() -> None:
+    # The launcher starts its processes before anything else; importing torch first (1.2 s
+    # on this machine, and a heavier exit) delayed every run. Only a worker needs torch.
+    code = (
+        "import sys; from runtime.cli.main import build_parser; import runtime.cli.launch; "
+        "import runtime; runtime.ParamsyncError; "
+        "build_parser(job_flags=False).parse_args(['launch', '--nproc', '2', '--', 'x.py']); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_lazy_package_names_resolve_to_their_modules() -> None:
+    import runtime
+    from runtime.coordinator.service import Coordinator
+
+    assert runtime.Coordinator is Coordinator
+    assert sorted(runtime.__all__) == sorted(runtime._WHERE)
+    assert set(runtime.__all__) <= set(dir(runtime))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        runtime.nothing  # noqa: B018

@@ -76,10 +76,15 @@ def _tls_flags(args: argparse.Namespace) -> dict[str, str | None]:
     return {key: getattr(args, key) for key in ("tls_cert", "tls_key", "tls_ca")}
 
 
-def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    job: WorkerJob | None = None, *, job_flags: bool = True
+) -> argparse.ArgumentParser:
     """The argument parser of every ``paramsync`` subcommand; ``worker`` takes ``job``'s flags
-    (default: the job $PARAMSYNC_JOB names, else the built-in demo)."""
-    job = job or load_job(job_name([]))
+    (default: the job $PARAMSYNC_JOB names, else the built-in demo). ``job_flags=False`` (a
+    command line that runs no worker) imports no job: the launcher and the coordinator start
+    without torch, which only a worker needs."""
+    if job is None and job_flags:
+        job = load_job(job_name([]))
     parser = argparse.ArgumentParser(
         prog="paramsync",
         description="Async actor-model parameter synchronization for data-parallel PyTorch.",
@@ -203,11 +208,12 @@ def build_parser(job: WorkerJob | None = None) -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--job",
-        default=job.name,
+        default=job.name if job is not None else job_name([]),
         help="module of the job to run: build_parser(parser) and async run(args) "
         f"(default: ${JOB_ENV} or the built-in demo, {DEMO_JOB})",
     )
-    job.build_parser(worker)
+    if job is not None:
+        job.build_parser(worker)
 
     launch = sub.add_parser(
         "launch",
@@ -375,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"paramsync: {exc}", file=sys.stderr)
         return 2
-    parser = build_parser(job)
+    parser = build_parser(job, job_flags=job is not None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),

@@ -26,15 +26,15 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from runtime.config import DistributedConfig, parse_address
+from runtime.config import DistributedConfig, check_comm_backend, parse_address
 from runtime.errors import ConfigError, one_line
 from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from runtime.transport.tls import TlsConfig
-from runtime.transport.torch_dist import check_comm_backend
+
+if TYPE_CHECKING:  # torch is imported where a device is resolved: the launcher never needs it
+    import torch
 
 __all__ = [
     "DEFAULT_COORDINATOR_HOST",
@@ -110,6 +110,8 @@ class DistributedBackend(enum.Enum):
         Raises ``RuntimeError`` when CUDA is asked for but this torch cannot see a GPU, or
         when there are fewer GPUs than local ranks.
         """
+        import torch
+
         if self is DistributedBackend.CPU:
             return torch.device("cpu")
         if not torch.cuda.is_available():

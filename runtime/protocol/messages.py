@@ -27,9 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from runtime.errors import ProtocolError
 from runtime.protocol.schema import (
@@ -55,6 +53,9 @@ from runtime.protocol.schema import (
     schema,
     wire,
 )
+
+if TYPE_CHECKING:  # only the tensor fields' annotations name it: the coordinator runs without
+    import torch
 
 __all__ = [
     "ParamSpec",

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from runtime.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -61,6 +63,14 @@ __all__ = [
     "check_item",
     "check_envelope",
 ]
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.Tensor``, without importing torch: until something has
+    imported it, nothing can be one (the coordinator and the launcher never import it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
 
 PROTOCOL_VERSION = 2
 """The version every frame carries in ``v``; a peer speaking another is refused."""
@@ -367,12 +377,12 @@ class Tensor(WireType):
     name = "tensor"
 
     def check(self, value: Any) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
+        if not is_tensor(value):
             raise Invalid(f" must be tensor, got {_type_name(value)}")
         return value
 
     def accepts(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor)
+        return is_tensor(value)
 
 
 @dataclass(frozen=True)
@@ -473,7 +483,7 @@ class WireMessage:
         ``field`` travels as the frame's bulk, written from the tensor's memory uncopied."""
         kind, fields = encode(self)
         bulk = fields.pop(field, None)
-        if not isinstance(bulk, torch.Tensor):
+        if not is_tensor(bulk):
             raise TypeError(f"{type(self).__name__}.{field} is not a tensor")
         return kind, fields, bulk
 

@@ -59,6 +59,7 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import AllgatherOptions
 
+from runtime.config import COMM_BACKENDS, check_comm_backend
 from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError, one_line
 from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame
 from runtime.transport.base import Transport, land_tensor
@@ -76,8 +77,6 @@ __all__ = [
     "open_local_group",
 ]
 
-COMM_BACKENDS = ("paramsync", "torch")
-"""The data planes a run can use: paramsync's own (TCP ring, shared memory) or torch's."""
 
 DEFAULT_COLLECTIVE_SECONDS = 300.0
 """A collective's deadline (the TCP transport's stall deadline)."""
@@ -109,15 +108,6 @@ GLOO_DTYPES: frozenset[torch.dtype] = frozenset(
     }
 )
 """The wire's dtypes gloo reduces (not int16: those collectives take the ring over frames)."""
-
-
-def check_comm_backend(value: object, where: str = "comm_backend") -> str:
-    """``value`` if it names a data plane (`COMM_BACKENDS`), else a ValueError naming ``where``."""
-    if value not in COMM_BACKENDS:
-        choices = ", ".join(repr(name) for name in COMM_BACKENDS)
-        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
-    assert isinstance(value, str)
-    return value
 
 
 def _gloo_error(exc: BaseException, peer: int | None, what: str) -> Exception:
