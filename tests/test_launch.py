@@ -378,3 +378,17 @@ def test_the_lazy_package_names_resolve_to_their_modules() -> None:
     assert set(runtime.__all__) <= set(dir(runtime))
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         runtime.nothing  # noqa: B018
+
+
+def test_the_launch_time_benchmark_times_a_run_against_a_baseline() -> None:
+    command = [sys.executable, str(ROOT / "benchmarks" / "launch_time.py"), "--rounds", "1"]
+    command += ["--steps", "3", "--baseline", str(ROOT)]  # this checkout as its own baseline
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    for name in ("this code", "baseline"):
+        line = next(line for line in lines if line.strip().startswith(name + " "))
+        launched = float(line.split("launched after")[1].split("s,")[0])
+        exited = float(line.split("exited after")[1].split("s")[0])
+        assert 0 < launched < exited, line
+    assert "this code / baseline, round by round: x" in done.stdout
