@@ -12,12 +12,10 @@ The names load on first use (PEP 562): ``import runtime.cli.main`` for the launc
 coordinator daemon does not import torch, which only the workers need.
 """
 
-from __future__ import annotations
+import importlib as _importlib
+import typing as _typing
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from runtime.cli.train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
     from runtime.collectives.aggregators import (
         AllReduceAggregator,
@@ -133,11 +131,11 @@ _WHERE = {
 """Each re-exported name's module."""
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
