@@ -353,12 +353,14 @@ def test_the_advertised_address_is_a_host_without_a_port() -> None:
         advertised_host({ADVERTISE_ENV: "10.0.0.7:80"})
 
 
-def test_the_launcher_and_the_command_line_import_no_torch() -> None:
-    # The launcher starts its processes before anything else; importing torch first (1.2 s
-    # on this machine, and a heavier exit) delayed every run. Only a worker needs torch.
+def test_the_launcher_the_command_line_and_the_coordinator_import_no_torch() -> None:
+    # The launcher starts its processes before anything else, and the coordinator must be up
+    # before any worker joins; importing torch first (1.2 s and 220 MB on this machine, and a
+    # heavier exit) delayed every run. Only a worker needs torch.
     code = (
         "import sys; from runtime.cli.main import build_parser; import runtime.cli.launch; "
-        "import runtime; runtime.ParamsyncError; "
+        "import runtime.cli.daemons, runtime.coordinator.service; "
+        "import runtime; runtime.ParamsyncError; runtime.Coordinator; "
         "build_parser(job_flags=False).parse_args(['launch', '--nproc', '2', '--', 'x.py']); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

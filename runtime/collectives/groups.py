@@ -38,7 +38,6 @@ the world aborts or closes its groups.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 import trio
 
+from runtime.collectives.group_names import derive_group_name
 from runtime.errors import CollectiveError, ProtocolError, StallError
 from runtime.protocol.handshake import Identity
 from runtime.protocol.messages import GroupAddr
@@ -298,14 +298,6 @@ def group_name(parent: Transport, index: int, ranks: Iterable[int]) -> str:
     """The name every member derives for the ``index``-th group of ``parent`` over ``ranks``."""
     base = parent.name if isinstance(parent, ProcessGroup) else "world"
     return derive_group_name(base, index, ranks)
-
-
-def derive_group_name(base: str, index: int, ranks: Iterable[int]) -> str:
-    """`group_name` without a transport: ``base`` is the parent's name ("world" for the
-    world), ``index`` the group's number among the parent's groups in creation order."""
-    ranks = sorted(ranks)
-    digest = hashlib.sha256(f"{base}|{index}|{ranks}".encode()).hexdigest()[:16]
-    return f"pg{index}-{len(ranks)}-{digest}"
 
 
 def _check_ranks(world: Transport, ranks: Iterable[int]) -> tuple[int, ...]:

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from runtime.collectives.groups import ProcessGroup, new_group
 from runtime.errors import CollectiveError
 from runtime.transport.base import Transport
+
+if TYPE_CHECKING:  # the pure layout functions (the coordinator's) need no groups, nor torch
+    from runtime.collectives.groups import ProcessGroup
 
 __all__ = [
     "DeviceMesh",
@@ -190,6 +192,8 @@ async def init_device_mesh(
             f"a mesh of {dict(zip(names_t, sizes_t, strict=True))} holds {math.prod(sizes_t)} "
             f"ranks, the world has {world.world_size}"
         )
+    from runtime.collectives.groups import new_group
+
     groups: dict[str, ProcessGroup] = {}
     try:
         for dim in names_t:

@@ -28,7 +28,7 @@ import functools
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeGuard
 
 from runtime.errors import ProtocolError
 
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 
-def is_tensor(value: object) -> bool:
+def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     """Whether ``value`` is a ``torch.Tensor``, without importing torch: until something has
     imported it, nothing can be one (the coordinator and the launcher never import it)."""
     torch = sys.modules.get("torch")

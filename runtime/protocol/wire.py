@@ -23,21 +23,26 @@ throw any bytes at them, and transports stay thin shells around them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import math
 import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cbor2
-import torch
 
 from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
 from runtime.protocol.limits import SCAN_THRESHOLD, check_kind_size, count_items
 from runtime.protocol.messages import KINDS, validate_message
-from runtime.protocol.schema import PROTOCOL_VERSION
+from runtime.protocol.schema import PROTOCOL_VERSION, is_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+    DTYPE_TAGS: dict[torch.dtype, int]
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -81,19 +86,45 @@ MAX_DEPTH = 16
 BFLOAT16_TAG = 0xBF16
 """paramsync's extension tag (48918) for little-endian bfloat16 typed arrays: RFC 8746 has none."""
 
-DTYPE_TAGS: dict[torch.dtype, int] = {
-    torch.uint8: 64,
-    torch.int8: 72,
-    torch.int16: 77,
-    torch.int32: 78,
-    torch.int64: 79,
-    torch.float16: 84,
-    torch.float32: 85,
-    torch.float64: 86,
-    torch.bfloat16: BFLOAT16_TAG,
+_DTYPE_NAME_TAGS = {
+    "uint8": 64,
+    "int8": 72,
+    "int16": 77,
+    "int32": 78,
+    "int64": 79,
+    "float16": 84,
+    "float32": 85,
+    "float64": 86,
+    "bfloat16": BFLOAT16_TAG,
 }
-"""Element type -> RFC 8746 little-endian typed-array tag (bfloat16: the extension tag)."""
-_TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
+"""Element type (torch's name) -> RFC 8746 little-endian typed-array tag (bfloat16: the
+extension tag). By name, so that framing and decoding a message without a tensor needs no
+torch (the coordinator and the launcher never import it)."""
+_TAG_NAMES = {tag: name for name, tag in _DTYPE_NAME_TAGS.items()}
+
+
+@functools.cache
+def dtype_tags() -> dict[torch.dtype, int]:
+    """`DTYPE_TAGS`: element type -> typed-array tag, built (and torch imported) on first use."""
+    import torch
+
+    return {getattr(torch, name): tag for name, tag in _DTYPE_NAME_TAGS.items()}
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def __getattr__(name: str) -> Any:
+    # ``DTYPE_TAGS`` keyed by torch dtypes, made when first asked for (PEP 562).
+    if name == "DTYPE_TAGS":
+        return dtype_tags()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _MULTI_DIM_TAG = 40
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -123,7 +154,7 @@ def tensor_buffer(tensor: torch.Tensor) -> memoryview:
 
 def _tensor_tag(tensor: torch.Tensor) -> int:
     try:
-        return DTYPE_TAGS[tensor.dtype]
+        return dtype_tags()[tensor.dtype]
     except KeyError:
         raise ProtocolError(f"tensors of dtype {tensor.dtype} cannot travel") from None
 
@@ -134,6 +165,8 @@ def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"move tensors to the CPU before sending (got {tensor.device})")
     tensor = tensor.contiguous()
     if not _LITTLE_ENDIAN and tensor.element_size() > 1:  # pragma: no cover - x86/arm are LE
+        import torch
+
         tensor = tensor.view(torch.uint8).view(-1, tensor.element_size()).flip(1).contiguous()
     return tensor
 
@@ -146,7 +179,7 @@ def _encode_tensor_inline(encoder: Any, tensor: torch.Tensor) -> None:
 
 
 def _default(encoder: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         _encode_tensor_inline(encoder, value)
         return
     if isinstance(value, tuple):
@@ -187,7 +220,9 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 def _tensor_from_bytes(
     dtype: torch.dtype, shape: tuple[int, ...], data: bytes | bytearray | memoryview
 ) -> torch.Tensor:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    import torch
+
+    itemsize = dtype.itemsize
     numel = math.prod(shape)
     if numel * itemsize != len(data):
         raise ProtocolError(
@@ -210,10 +245,10 @@ class _TagDecoder:
         self.deferred = 0
 
     def __call__(self, tag: cbor2.CBORTag, _immutable: bool = False) -> Any:
-        if tag.tag in _TAG_DTYPES:
+        if tag.tag in _TAG_NAMES:
             if not isinstance(tag.value, bytes):
                 raise ProtocolError(f"typed array tag {tag.tag} must wrap a byte string")
-            return _TypedArray(_TAG_DTYPES[tag.tag], tag.value)
+            return _TypedArray(_dtype_named(_TAG_NAMES[tag.tag]), tag.value)
         if tag.tag == _MULTI_DIM_TAG:
             value = tag.value
             if not isinstance(value, list | tuple) or len(value) != 2:
@@ -274,7 +309,7 @@ def _check_types(item: Any) -> None:
                 if type(key) not in _PLAIN_TYPES:
                     raise ProtocolError(f"a map key of type {type(key).__name__} is refused")
             push(value.values())
-        elif isinstance(value, torch.Tensor | _Deferred):
+        elif kind is _Deferred or is_tensor(value):
             continue
         else:
             raise ProtocolError(f"a decoded value of type {kind.__name__} is refused")
@@ -456,7 +491,7 @@ def decode_head(
     if last_key != "data" or not isinstance(deferred, _Deferred) or tags.deferred != 1:
         raise ProtocolError("a frame's bulk bytes must be the typed array of its last field 'data'")
     spec = deferred.spec
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    itemsize = spec.dtype.itemsize
     if math.prod(spec.shape) * itemsize != bulk_len:
         raise ProtocolError(
             f"bulk tensor of shape {list(spec.shape)} and dtype {spec.dtype} needs "
@@ -506,11 +541,7 @@ def check_bulk_destination(
     dtype and size (an empty tensor travels inline)."""
     if spec is None:
         data = message.get("data")
-        if (
-            isinstance(data, torch.Tensor)
-            and data.dtype == out.dtype
-            and data.numel() == out.numel()
-        ):
+        if is_tensor(data) and data.dtype == out.dtype and data.numel() == out.numel():
             return
         raise ProtocolError(
             f"{message.get('kind')} message does not carry the expected {out.dtype} tensor "

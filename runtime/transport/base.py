@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import trio
 
 from runtime.errors import CollectiveError, PeerClosed, ProtocolError
+from runtime.protocol.schema import is_tensor
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     decode_frame,
@@ -28,7 +28,12 @@ from runtime.protocol.wire import (
 
 __all__ = ["Transport", "InProcessTransport", "BulkRoute", "land_tensor"]
 
-BulkRoute = Callable[[dict[str, Any], torch.dtype, tuple[int, ...]], torch.Tensor | None]
+if TYPE_CHECKING:  # torch only in annotations: the coordinator imports this module without it
+    import torch
+
+    BulkRoute = Callable[[dict[str, Any], torch.dtype, tuple[int, ...]], torch.Tensor | None]
+else:
+    BulkRoute = Callable[[dict[str, Any], Any, tuple[int, ...]], Any]
 """Where a message's bulk should land, chosen once its head is read (`Transport.recv_routed`):
 given the message (without ``data``), the bulk's dtype and shape, a contiguous CPU tensor of that
 dtype and size to write it into, or None to allocate one."""
@@ -60,7 +65,7 @@ class Transport(abc.ABC):
     def check_destination(self, out: torch.Tensor) -> None:
         """Refuse a `recv_into` destination that is not a contiguous CPU tensor, before any
         byte of the message is read (it stays for the next receive)."""
-        if not isinstance(out, torch.Tensor):
+        if not is_tensor(out):
             raise CollectiveError(f"recv_into needs a torch.Tensor, got {type(out).__name__}")
         if out.device.type != "cpu" or not out.is_contiguous():
             raise CollectiveError(
@@ -97,7 +102,7 @@ class Transport(abc.ABC):
         """
         message = await self.recv(peer)
         data = message.get("data")
-        if not isinstance(data, torch.Tensor):
+        if not is_tensor(data):
             return message
         head = {key: value for key, value in message.items() if key != "data"}
         out = route(head, data.dtype, tuple(data.shape))
@@ -212,7 +217,7 @@ def land_tensor(message: dict[str, Any], out: torch.Tensor, peer: int) -> dict[s
     transport that decodes whole frames): its dtype and element count must be ``out``'s, else a
     `ProtocolError` naming ``peer``; ``message["data"]`` becomes ``out``."""
     data = message.get("data")
-    if not isinstance(data, torch.Tensor):
+    if not is_tensor(data):
         raise ProtocolError(f"{message['kind']} message carries no tensor", peer=peer)
     if data.dtype != out.dtype or data.numel() != out.numel():
         raise ProtocolError(

@@ -26,11 +26,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from runtime.transport.base import Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BlockingLinkSet",

@@ -9,13 +9,15 @@ ends that carry the same encoded frames, so the coordinator and workers can run 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
 import trio
 
 from runtime.errors import PeerClosed, ProtocolError
 from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Link", "MemoryLink"]
 

@@ -30,7 +30,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import stamina
-import torch
 import trio
 
 from runtime.config import DistributedConfig, advertised_host
@@ -72,12 +71,24 @@ from runtime.transport.capabilities import (
     PolledLinkSet,
     SharedMemoryHolder,
 )
-from runtime.transport.shm import attach_shared_memory
 from runtime.transport.tls import TlsConfig, describe_tls_error
 
 if TYPE_CHECKING:
     # Connection's ``socket`` property hides the module in its methods' annotations.
     from socket import socket as RawSocket
+
+    import torch
+
+    from runtime.protocol.wire import BulkSpec
+
+
+def _empty(spec: BulkSpec) -> torch.Tensor:
+    """A tensor for a bulk that has no destination of its own. torch is imported here, not at
+    the top: the coordinator frames and reads messages through this module and never needs it."""
+    import torch
+
+    return torch.empty(spec.shape, dtype=spec.dtype)
+
 
 __all__ = [
     "TcpTransport",
@@ -438,7 +449,7 @@ class Connection:
                             f"{message['kind']} message carries {bulk_len} bulk bytes, more "
                             f"than this receiver's limit of {max_frame}"
                         )
-                    out = torch.empty(spec.shape, dtype=spec.dtype)
+                    out = _empty(spec)
                     bulk = tensor_buffer(out)
                     await self._read_into(bulk)
                     message["data"] = out
@@ -505,7 +516,7 @@ class Connection:
                                 f"{message['kind']} message carries {bulk_len} bulk bytes, "
                                 f"more than this receiver's limit of {max_frame}"
                             )
-                        out = torch.empty(spec.shape, dtype=spec.dtype)
+                        out = _empty(spec)
                     else:
                         check_bulk_destination(spec, out, self.peer, message)
                     bulk = tensor_buffer(out)
@@ -1270,6 +1281,8 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         transport = cls(config.rank, config.world_size, mesh, secret=key, tls=tls)
         try:
             if config.world_size > 1:
+                from runtime.transport.shm import attach_shared_memory
+
                 await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
             yield transport
         finally:
@@ -1279,6 +1292,8 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
 
 async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -> None:
     """Attach a shared-memory plane on every rank of an in-process group, concurrently."""
+    from runtime.transport.shm import attach_shared_memory
+
     async with trio.open_nursery() as nursery:
         for transport in transports:
             nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
