@@ -783,3 +783,43 @@ def test_the_hex_dumps_in_the_protocol_document_are_what_the_encoder_writes() ->
     ):
         assert f"| `{kind}` |" in text, f"message kind {kind} is not documented"
     assert "48918" in text and "0xBF16" in text
+
+
+def test_a_process_without_torch_frames_and_decodes_and_imports_it_for_a_tensor() -> None:
+    # The coordinator and the launcher frame messages without importing torch; a tensor that
+    # arrives all the same (inline or as a bulk) is decoded, torch imported on the spot.
+    inline = encode_frame_bytes("coll", {"op": 1, "hop": 0, "part": 0, "data": torch.arange(3)})
+    bulk = encode_frame_bytes(
+        "coll", {"op": 1, "hop": 0, "part": 0}, bulk=torch.ones(2, 2, dtype=torch.bfloat16)
+    )
+    code = f"""
+import sys
+from runtime.protocol.wire import decode_frame, encode_frame_bytes
+plain = decode_frame(encode_frame_bytes("heartbeat", {{}}))
+assert "torch" not in sys.modules, "framing a message imported torch"
+inline = decode_frame(bytes.fromhex({inline.hex()!r}))
+assert "torch" in sys.modules
+bulk = decode_frame(bytes.fromhex({bulk.hex()!r}))
+import runtime.protocol.wire as wire
+print(plain["kind"], inline["data"].tolist(), bulk["data"].dtype, bulk["data"].shape,
+      sorted(map(str, wire.DTYPE_TAGS))[:2])
+"""
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == [
+        "heartbeat",
+        "[0,",
+        "1,",
+        "2]",
+        "torch.bfloat16",
+        "torch.Size([2,",
+        "2])",
+        "['torch.bfloat16',",
+        "'torch.float16']",
+    ]
