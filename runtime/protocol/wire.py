@@ -111,11 +111,10 @@ def dtype_tags() -> dict[torch.dtype, int]:
     return {getattr(torch, name): tag for name, tag in _DTYPE_NAME_TAGS.items()}
 
 
-def _dtype_named(name: str) -> torch.dtype:
-    import torch
-
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
+@functools.cache
+def _tag_dtypes() -> dict[int, torch.dtype]:
+    """Typed-array tag -> element type (torch imported when the first tensor arrives)."""
+    return {tag: dtype for dtype, tag in dtype_tags().items()}
 
 
 def __getattr__(name: str) -> Any:
@@ -248,7 +247,7 @@ class _TagDecoder:
         if tag.tag in _TAG_NAMES:
             if not isinstance(tag.value, bytes):
                 raise ProtocolError(f"typed array tag {tag.tag} must wrap a byte string")
-            return _TypedArray(_dtype_named(_TAG_NAMES[tag.tag]), tag.value)
+            return _TypedArray(_tag_dtypes()[tag.tag], tag.value)
         if tag.tag == _MULTI_DIM_TAG:
             value = tag.value
             if not isinstance(value, list | tuple) or len(value) != 2:
