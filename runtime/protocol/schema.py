@@ -62,6 +62,7 @@ __all__ = [
     "decode_as",
     "check_item",
     "check_envelope",
+    "is_tensor",
 ]
 
 
