@@ -100,7 +100,7 @@ _DTYPE_NAME_TAGS = {
 """Element type (torch's name) -> RFC 8746 little-endian typed-array tag (bfloat16: the
 extension tag). By name, so that framing and decoding a message without a tensor needs no
 torch (the coordinator and the launcher never import it)."""
-_TAG_NAMES = {tag: name for name, tag in _DTYPE_NAME_TAGS.items()}
+_TYPED_ARRAY_TAGS = frozenset(_DTYPE_NAME_TAGS.values())
 
 
 @functools.cache
@@ -244,7 +244,7 @@ class _TagDecoder:
         self.deferred = 0
 
     def __call__(self, tag: cbor2.CBORTag, _immutable: bool = False) -> Any:
-        if tag.tag in _TAG_NAMES:
+        if tag.tag in _TYPED_ARRAY_TAGS:
             if not isinstance(tag.value, bytes):
                 raise ProtocolError(f"typed array tag {tag.tag} must wrap a byte string")
             return _TypedArray(_tag_dtypes()[tag.tag], tag.value)
