@@ -89,13 +89,27 @@ def test_batch_fields_must_hold_the_same_samples() -> None:
     trainable=st.tuples(*[st.booleans()] * LAYERS).filter(any),
     seed=st.integers(0, 2**16),
     optimizer=st.sampled_from([adam, sgd]),
+    concurrent=st.booleans(),
 )
 def test_replicas_stay_identical_and_match_one_replica_on_the_whole_batch(
-    devices: int, extra: int, trainable: tuple[bool, ...], seed: int, optimizer: object
+    devices: int,
+    extra: int,
+    trainable: tuple[bool, ...],
+    seed: int,
+    optimizer: object,
+    concurrent: bool,
 ) -> None:
+    """C-DP-002 with either update: one replica after another on the last thread to arrive (CPU
+    replicas by default), or every replica at once on its own thread (the CUDA path)."""
     size = devices + extra
     factory = lambda: build(seed, trainable)  # noqa: E731
-    dp = DataParallelCoordinator(factory, optimizer, loss_fn, ["cpu"] * devices)  # type: ignore[arg-type]
+    dp = DataParallelCoordinator(
+        factory,
+        optimizer,  # type: ignore[arg-type]
+        loss_fn,
+        ["cpu"] * devices,
+        concurrent_update=concurrent,
+    )
     one = DataParallelCoordinator(factory, optimizer, loss_fn, ["cpu"])  # type: ignore[arg-type]
     try:
         frozen = frozen_state(dp.primary_pipeline)

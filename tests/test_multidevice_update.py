@@ -1,7 +1,9 @@
-"""The fused update of `DataParallelCoordinator.train_batch_parallel` (averaging slice, barrier,
-optimizer step and digest in one job per replica thread) and its `UpdateRelay`: CPU replicas
-update one at a time in device order, each on its own thread; a failure anywhere ends the step
-with the failing replica named, never a hang."""
+"""The fused step of `DataParallelCoordinator.train_batch_parallel` (forward and backward, the
+average, the optimizer steps and the digests in one job per replica thread) and its
+`UpdateRelay`: CPU replicas update one at a time in device order on the thread that finished its
+backward last; with ``concurrent_update`` each replica updates on its own thread at once, with
+the same bits; a failure anywhere ends the step with the failing replica and phase named, never
+a hang."""
 
 from __future__ import annotations
 
@@ -62,9 +64,11 @@ def recorded_factory(log: list, failing: int | None = None):
     return make
 
 
-def test_cpu_replicas_update_in_turn_in_device_order_each_on_its_own_thread() -> None:
+def test_cpu_replicas_update_one_at_a_time_in_device_order_on_the_last_thread_to_arrive() -> None:
     log: list = []
     with DataParallelCoordinator(model, recorded_factory(log), loss_fn, ["cpu"] * 3) as dp:
+        assert dp.concurrent_update is False
+        pool = {thread.ident for thread in dp._threads._threads}
         for _ in range(3):
             result = dp.train_batch_parallel(batch())
             assert result.checked and result.averaging_seconds >= 0 and result.update_seconds > 0
@@ -72,9 +76,46 @@ def test_cpu_replicas_update_in_turn_in_device_order_each_on_its_own_thread() ->
             assert [index for index, *_ in step] == [0, 1, 2]
             for (_, _, _, end), (_, _, start, _) in itertools.pairwise(step):
                 assert end <= start  # one at a time
+            # one replica thread (whichever finished its backward last) took them all
+            assert len({ident for _, ident, *_ in step}) == 1
+            assert step[0][1] in pool and step[0][1] != threading.get_ident()
+
+
+def test_concurrent_updates_run_each_replica_on_its_own_thread_with_the_same_bits() -> None:
+    log: list = []
+    data = batch(11)
+    with DataParallelCoordinator(
+        model, recorded_factory(log), loss_fn, ["cpu"] * 3, concurrent_update=True
+    ) as dp:
+        for _ in range(3):
+            assert dp.train_batch_parallel(data).checked
         threads = {index: {ident for i, ident, *_ in log if i == index} for index in range(3)}
         assert all(len(idents) == 1 for idents in threads.values())
         assert len(set.union(*threads.values())) == 3
+        # the three 2 ms steps overlapped at least once (they run at once, not in turn)
+        spans = [(start, end) for _, _, start, end in log]
+        assert any(a[0] < b[1] and b[0] < a[1] for a, b in itertools.combinations(spans, 2))
+        at_once = dp.digests()[0]
+    with DataParallelCoordinator(model, recorded_factory([]), loss_fn, ["cpu"] * 3) as dp:
+        for _ in range(3):
+            dp.train_batch_parallel(data)
+        assert dp.digests()[0] == at_once
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_a_failing_digest_names_its_replica_and_phase(concurrent: bool) -> None:
+    with DataParallelCoordinator(
+        model, adamw, loss_fn, ["cpu"] * 3, concurrent_update=concurrent
+    ) as dp:
+        dp.train_batch_parallel(batch())
+
+        def broken() -> None:
+            raise RuntimeError("hasher broke")
+
+        dp._replicas[2].digest = broken  # type: ignore[method-assign]
+        with pytest.raises(ReplicaError, match=r"replica 2 on cpu failed in digest.*hasher broke"):
+            dp.train_batch_parallel(batch())
+        assert dp.step == 2  # every replica had stepped: the step was taken
 
 
 def test_the_fused_step_equals_the_phases_run_one_by_one() -> None:
@@ -104,44 +145,44 @@ def test_a_failing_optimizer_step_names_its_replica_and_the_later_ones_never_ste
     assert [index for index, *_ in log] == [0]
 
 
-def test_a_failing_forward_names_its_phase_and_takes_no_step() -> None:
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_a_failing_forward_names_its_phase_and_takes_no_step(concurrent: bool) -> None:
     def failing(net: torch.nn.Module, shard: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if shard[0].shape[0] == 4:
             raise RuntimeError("bad shard")
         return loss_fn(net, shard)
 
     log: list = []
-    with DataParallelCoordinator(model, recorded_factory(log), failing, ["cpu"] * 2) as dp:
+    factory = recorded_factory(log)
+    with DataParallelCoordinator(
+        model, factory, failing, ["cpu"] * 2, concurrent_update=concurrent
+    ) as dp:
         with pytest.raises(ReplicaError, match=r"replica 1 on cpu failed in forward/backward"):
             dp.train_batch_parallel(batch(9))  # shards 5, 4
         assert dp.step == 0 and log == []  # replica 0 never stepped alone
 
 
-def test_the_relay_hands_turns_in_order_and_an_abort_releases_every_wait() -> None:
+def test_the_relay_names_one_last_arrival_and_an_abort_releases_every_wait() -> None:
     relay = UpdateRelay(3)
-    order: list[int] = []
-
-    def replica(index: int) -> None:
-        assert relay.wait_all()
-        assert relay.take_turn(index)
-        order.append(index)
-        relay.pass_turn()
-
-    threads = [threading.Thread(target=replica, args=(index,)) for index in (2, 1, 0)]
+    lasts: list[bool] = []
+    threads = [threading.Thread(target=lambda: lasts.append(relay.arrive())) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=10)
-    assert order == [0, 1, 2]
+    assert sorted(lasts) == [False, False, True]
 
     broken = UpdateRelay(2)
     waits: list[bool] = []
-    waiter = threading.Thread(target=lambda: waits.append(broken.take_turn(1)))
+    waiter = threading.Thread(target=lambda: waits.append(broken.wait_all()))
     waiter.start()
     broken.abort()
     waiter.join(timeout=10)
     assert waits == [False] and broken.aborted
     assert broken.wait_all() is False  # the barrier is broken too: no wait for a dead replica
+    failed = UpdateRelay(2)
+    failed.abort()  # a replica failed before it arrived: the other is never the last
+    assert failed.arrive() is False and failed.arrive() is False
     with pytest.raises(ValueError, match="at least one replica"):
         UpdateRelay(0)
 

@@ -9,9 +9,9 @@ Per step (contract C-DP-002):
    (`actors.multidevice.threads`);
 3. the trainable gradients are averaged on the host, each weighted by its shard's share of the
    batch and summed in device order (so the result does not depend on which thread finished
-   first; the buffer is summed in fixed slices, by one thread each on CUDA devices, by the
-   first replica in turn on CPU ones); with a ``loss_fn`` that returns its
-   shard's mean loss this is exactly the gradient of the whole batch's mean loss;
+   first; element by element the same sums whether one thread sums the whole buffer or each
+   thread a slice of it); with a ``loss_fn`` that returns its shard's mean loss this is exactly
+   the gradient of the whole batch's mean loss;
 4. every replica loads that same averaged gradient and takes its own optimizer step (no weight
    is ever copied from one replica to another after the start);
 5. every ``check_interval`` steps each replica's whole state (trainable and frozen parameters,
@@ -20,11 +20,12 @@ Per step (contract C-DP-002):
    first entry that differs.
 
 `train_batch_parallel` runs steps 2-5 as one job per replica thread (one pool round-trip a
-step, barriers between the phases, `actors.multidevice.relay`); CPU replicas take steps 3-4 and
-their digest in turn, in device order, since that part is mostly Python and two threads running
-it at once only contend for the GIL (the result is the same: each replica's own optimizer, the
-same averaged gradient). Replica 0, first in turn, sums the whole average while the others'
-gradients lie still (they wait for their turn), so no barrier is needed after the averaging.
+step, `actors.multidevice.relay`). On CPU replicas steps 3-5 are mostly Python and two threads
+running them at once only contend for the GIL, so the thread that finishes its backward last
+takes them for every replica, one after another in device order (the result is the same: each
+replica's own optimizer, the same averaged gradient); replicas that update at once (CUDA
+devices, or CPU ones on an interpreter without a GIL) sum a slice of the average each and step
+their own optimizers on their own threads, with barriers between the phases.
 
 Frozen parameters (``requires_grad=False``, a LoRA model's base weights) are never averaged,
 copied or sent. At construction replica 0's initial parameters and buffers are loaded into the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,6 +109,11 @@ class DataParallelCoordinator:
     (1: every step; 0: never). ``check_buffers=False`` leaves buffers out of the check, for
     models whose buffers legitimately differ per shard (BatchNorm running statistics).
     ``intra_op_threads``: torch's intra-op threads on each replica's thread.
+    ``concurrent_update``: whether the replicas take the averaging, their optimizer steps and
+    their digests at once, each on its own thread (True), or one after another on the thread
+    that finished its backward last (False); by default at once when a device is a GPU or the
+    interpreter runs without a GIL, one after another otherwise (see `actors.multidevice.relay`;
+    both give the same bits).
     """
 
     def __init__(
@@ -119,6 +126,7 @@ class DataParallelCoordinator:
         check_interval: int = 1,
         check_buffers: bool = True,
         intra_op_threads: int = 1,
+        concurrent_update: bool | None = None,
     ) -> None:
         if not devices:
             raise ValueError("DataParallelCoordinator needs at least one device")
@@ -157,8 +165,9 @@ class DataParallelCoordinator:
         self._slices = _slices(first.numel, len(self.devices))
         self._sources = [replica.host_grad for replica in self._replicas]
         self._indices = range(len(self.devices))
-        # CPU replicas' optimizer steps and digests are mostly Python: in turn, not at once
-        self._in_turn = all(device.type == "cpu" for device in self.devices)
+        if concurrent_update is None:
+            concurrent_update = _gil_free() or any(d.type != "cpu" for d in self.devices)
+        self.concurrent_update = concurrent_update
         try:
             self.check()
         except BaseException:
@@ -313,60 +322,81 @@ class DataParallelCoordinator:
         *,
         gradient: torch.Tensor | None = None,
     ) -> tuple[list[float], bool]:
-        """One step in a single pool round-trip, one job per replica thread. With ``shards``:
-        forward and backward of shard ``i`` on thread ``i``, then a barrier (every gradient
-        ready; replica 0 notes ``marks["computed"]``); with ``weights``: the thread's slice of
-        the weighted average into `averaged_gradient`, then a barrier (``marks["averaged"]``);
-        then every replica steps its optimizer with ``gradient`` (default `averaged_gradient`)
-        and, when the check is due, hashes its state, CPU replicas in turn in device order
-        (`UpdateRelay`). Then the digest check. A failing replica is named with the phase it
-        failed in; the step counts as taken once its gradients were computed. Returns the
-        shard losses (empty without ``shards``) and whether the digests were checked."""
+        """One step in a single pool round-trip, one job per replica thread: with ``shards``,
+        forward and backward of shard ``i`` on thread ``i`` (``marks["computed"]`` once every
+        gradient is ready); with ``weights``, the weighted average into `averaged_gradient`
+        (``marks["averaged"]``); then every replica steps its optimizer with ``gradient``
+        (default `averaged_gradient`) and, when the check is due, hashes its state; then the
+        digest check. The update is taken one replica after another by the thread that arrives
+        last, or by every thread at once for its own replica (`concurrent_update`,
+        `UpdateRelay`). A failing replica is named with the phase it failed in; the step counts
+        as taken once its gradients were computed. Returns the shard losses (empty without
+        ``shards``) and whether the digests were checked."""
         gradient = self._averaged if gradient is None else gradient
         step = self._step + 1
         due = self.check_interval > 0 and step % self.check_interval == 0
         relay = UpdateRelay(self.num_devices)
-        in_turn = self._in_turn
+        concurrent = self.concurrent_update
+        replicas = self._replicas
         loss_fn = self.loss_fn
-        phases = ["optimizer step"] * self.num_devices
         computing = "forward/backward"
+        phases = [computing if shards is not None else _STEPPING] * self.num_devices
+        # The replica each thread works for (the last to arrive works for every one in turn).
+        acting = list(self._indices)
 
-        def job(index: int) -> tuple[float, StateDigest | None] | None:
-            replica = self._replicas[index]
+        def update_all(index: int) -> list[StateDigest]:
+            """Thread ``index``, the last to arrive: the whole update, one replica after
+            another in device order (the optimizer steps, then the digests)."""
+            if shards is not None:
+                marks["computed"] = time.perf_counter()
+            if weights is not None:
+                phases[index] = "gradient averaging"
+                self._sum_all(weights)
+                marks["averaged"] = time.perf_counter()
+            for replica in replicas:
+                acting[index] = replica.index
+                phases[replica.index] = _STEPPING
+                replica.apply(gradient)
+            if not due:
+                return []
+            digests = []
+            for replica in replicas:
+                acting[index] = replica.index
+                phases[replica.index] = _HASHING
+                digests.append(replica.digest())
+            return digests
+
+        def update_own(index: int) -> list[StateDigest] | None:
+            """Thread ``index``'s part when every replica updates at once: its slice of the
+            average, a barrier, its own replica's step and digest (None if another failed)."""
+            replica = replicas[index]
+            if shards is not None:
+                if not relay.wait_all():
+                    return None
+                if index == 0:
+                    marks["computed"] = time.perf_counter()
+            if weights is not None:
+                phases[index] = "gradient averaging"
+                self._sum_slice(index, weights)
+                if not relay.wait_all():
+                    return None
+                if index == 0:
+                    marks["averaged"] = time.perf_counter()
+            phases[index] = _STEPPING
+            replica.apply(gradient)
+            if not due:
+                return []
+            phases[index] = _HASHING
+            return [replica.digest()]
+
+        def job(index: int) -> tuple[float, list[StateDigest] | None]:
             loss = 0.0
             try:
                 if shards is not None:
-                    phases[index] = computing
-                    loss = replica.compute(loss_fn, shards[index])
-                    phases[index] = "gradient averaging"
-                    if not relay.wait_all():
-                        return None
-                    if index == 0:
-                        marks["computed"] = time.perf_counter()
-                if weights is not None and not in_turn:
-                    phases[index] = "gradient averaging"
-                    self._sum_slice(index, weights)
-                    if not relay.wait_all():
-                        return None
-                    if index == 0:
-                        marks["averaged"] = time.perf_counter()
-                phases[index] = "optimizer step"
-                if in_turn and not relay.take_turn(index):
-                    return None
-                if weights is not None and in_turn and index == 0:
-                    # In turn, the others wait for replica 0 anyway: it sums every slice (the
-                    # same slices, so the same bits) while their gradients lie still, and no
-                    # barrier is needed before anyone reads the average.
-                    phases[index] = "gradient averaging"
-                    for part in self._indices:
-                        self._sum_slice(part, weights)
-                    marks["averaged"] = time.perf_counter()
-                    phases[index] = "optimizer step"
-                replica.apply(gradient)
-                digest = replica.digest() if due else None
-                if in_turn:
-                    relay.pass_turn()
-                return loss, digest
+                    loss = replicas[index].compute(loss_fn, shards[index])
+                if concurrent:
+                    return loss, update_own(index)
+                return loss, (update_all(index) if relay.arrive() else None)
             except BaseException:
                 relay.abort()
                 raise
@@ -375,18 +405,28 @@ class DataParallelCoordinator:
         try:
             results = self._threads.run(jobs, phase=computing, devices=self._labels)
         except ReplicaError as error:
-            phase = phases[error.replica]
+            failed = acting[error.replica]
+            phase = phases[failed]
             if phase != computing:
                 self._step = step  # the replicas were past their gradients: the step was taken
-            if phase == error.phase:
+            if failed == error.replica and phase == error.phase:
                 raise
             cause = error.__cause__ if error.__cause__ is not None else error
-            raise ReplicaError(error.replica, error.device, phase, cause) from cause
+            raise ReplicaError(failed, self._labels[failed], phase, cause) from cause
         self._step = step
-        done = [result for result in results if result is not None]
         if due:
-            self._compare([digest for _, digest in done if digest is not None])
-        return ([loss for loss, _ in done] if shards is not None else []), due
+            digests = [digest for _, part in results if part for digest in part]
+            self._compare(digests)
+        return ([loss for loss, _ in results] if shards is not None else []), due
+
+    def _sum_all(self, weights: Sequence[float]) -> None:
+        """The whole weighted average at once, summed in device order: element by element the
+        same arithmetic as `_sum_slice` over every slice, in fewer calls."""
+        target = self._averaged
+        sources = self._sources
+        torch.mul(sources[0], weights[0], out=target)
+        for source, weight in zip(sources[1:], weights[1:]):
+            target.add_(source, alpha=weight)
 
     def _compare(self, digests: list[StateDigest]) -> None:
         first = digests[0]
@@ -401,6 +441,16 @@ class DataParallelCoordinator:
                     "the state's layout",
                 )
                 raise ReplicaDivergedError(self._step, index, self._labels[index], entry)
+
+
+_STEPPING = "optimizer step"
+_HASHING = "digest"
+
+
+def _gil_free() -> bool:
+    """Whether this interpreter runs Python threads without a GIL (a free-threaded build)."""
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    return is_gil_enabled is not None and not is_gil_enabled()
 
 
 def _check_unshared(models: list[torch.nn.Module]) -> None:

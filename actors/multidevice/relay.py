@@ -1,23 +1,31 @@
-"""`UpdateRelay`: the replica threads' hand-offs inside one fused update job.
+"""`UpdateRelay`: the replica threads' hand-offs inside one fused step job.
 
 `DataParallelCoordinator.train_batch_parallel` hands each replica thread one job per step:
-forward and backward of its shard, a barrier (every gradient ready), its slice of the weighted
-gradient average, a barrier (the average whole), its own optimizer step and its digest. One pool
-round-trip a step instead of three (each costs the main thread's and the replica threads'
-wake-ups: measured on a 2-core host, 0.3 ms a step less for the two saved). CPU replicas skip
-the second barrier: they take the update in turn anyway, so replica 0 sums every slice at the
-start of its turn while the others wait for theirs.
+forward and backward of its shard, then the update (the weighted gradient average, every
+replica's optimizer step, the digests). One pool round-trip a step instead of three (each costs
+the main thread's and the replica threads' wake-ups: measured on a 2-core host, 0.3 ms a step
+less for the two saved).
 
-On CPU replicas the optimizer step and the digest are mostly Python (torch's for-loop AdamW
-over small tensors, the hasher's walk), so two threads running them at the same moment only
-fight over the GIL: measured on a 2-core host, both replicas' AdamW steps took 3.53 ms on two
-threads at once against 2.26 ms one after the other. The relay therefore lets the replicas take
-that part in turn, in device order (``take_turn``/``pass_turn``); replicas on CUDA devices only
-launch kernels there and take it at the same time (the coordinator does not ask them to wait).
+How the update is shared depends on where its work runs:
 
-A replica whose job fails calls `abort`: every other replica's wait then returns False at once
-(instead of waiting for a slice or a turn that never comes), so the pool's `run` ends and
-reports the failure.
+- **CPU replicas, one after another** (`arrive`). Their optimizer steps and digests are mostly
+  Python (torch's for-loop AdamW over small tensors, the hasher's walk), so two threads running
+  them at the same moment only fight over the GIL: measured on a 2-core host, both replicas'
+  AdamW steps took 3.53 ms on two threads at once against 2.26 ms one after the other. The
+  replica thread that finishes its backward last therefore sums the whole average and takes
+  every replica's update and then every digest, in device order, on its own: no thread waits
+  at a barrier or for a turn (each such hand-off costs a wake-up), and the second replica's
+  optimizer step runs with the first one's code warm in the core's caches (paired A/B on a
+  2-core host: 0.2-0.5 ms a step less than replicas taking turns on their own threads). The
+  others' jobs end as soon as their gradients are in place.
+- **Replicas that update at once** (`wait_all`: CUDA replicas only launch kernels on their own
+  streams; so do CPU replicas on an interpreter without a GIL): a barrier after the backward,
+  each thread sums its slice of the average, a barrier, each thread steps and hashes its own
+  replica.
+
+A replica whose job fails calls `abort`: every barrier wait then returns False at once (instead
+of waiting for a replica that never comes), and no `arrive` is the last, so the pool's `run`
+ends and reports the failure with no replica updated.
 """
 
 from __future__ import annotations
@@ -28,21 +36,28 @@ __all__ = ["UpdateRelay"]
 
 
 class UpdateRelay:
-    """The barrier after the averaging slices and the turn order of the update, for one step of
-    ``count`` replicas."""
+    """The hand-offs of one step of ``count`` replicas: who arrives last (`arrive`), and the
+    barrier of replicas that update at once (`wait_all`)."""
 
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError(f"a relay needs at least one replica, not {count}")
         self.count = count
         self._barrier = threading.Barrier(count)
-        self._changed = threading.Condition()
-        self._turn = 0
+        self._lock = threading.Lock()
+        self._arrived = 0
         self._aborted = False
 
     @property
     def aborted(self) -> bool:
         return self._aborted
+
+    def arrive(self) -> bool:
+        """Count this replica in (its gradient is computed): True for the last of the
+        ``count`` replicas to arrive, when none failed; that one takes the update."""
+        with self._lock:
+            self._arrived += 1
+            return self._arrived == self.count and not self._aborted
 
     def wait_all(self) -> bool:
         """Wait until every replica has reached this point (its gradient computed, its slice of
@@ -53,21 +68,9 @@ class UpdateRelay:
             return False
         return not self._aborted
 
-    def take_turn(self, index: int) -> bool:
-        """Wait until replicas ``0 .. index - 1`` have passed their turn; False if one failed."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._aborted or self._turn >= index)
-            return not self._aborted
-
-    def pass_turn(self) -> None:
-        """The current replica's turn is over: the next one in device order may go."""
-        with self._changed:
-            self._turn += 1
-            self._changed.notify_all()
-
     def abort(self) -> None:
-        """A replica failed: release every wait, now and later, with False."""
-        with self._changed:
+        """A replica failed: release every wait, now and later, with False, and let no
+        arrival be the last."""
+        with self._lock:
             self._aborted = True
-            self._changed.notify_all()
         self._barrier.abort()

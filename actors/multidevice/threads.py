@@ -5,6 +5,10 @@ digest) runs on its own thread, which lives as long as the pool: no thread is st
 torch releases the GIL inside its kernels, so replicas on several CPU devices (or several GPUs)
 run at once.
 
+One wake-up per round: `run` waits on one event, set by whichever job ends last, not on each
+job's result in turn (a caller woken by an early finisher would only take the GIL from the
+replica still working, and wait again).
+
 Intra-op threads: ``torch.set_num_threads`` is called once on each pool thread when it starts,
 so each replica runs its kernels with ``intra_op_threads`` threads (default 1: on an n-core
 host, n replicas use one core each). torch's count is process-wide, not per thread (measured:
@@ -19,7 +23,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -39,6 +42,27 @@ class ReplicaError(RuntimeError):
         self.replica = replica
         self.device = device
         self.phase = phase
+
+
+class _Round:
+    """One `ReplicaThreads.run`: every job's result or error, and an event set when the last
+    job ends."""
+
+    __slots__ = ("done", "errors", "left", "lock", "results")
+
+    def __init__(self, count: int) -> None:
+        self.results: list[Any] = [None] * count
+        self.errors: list[BaseException | None] = [None] * count
+        self.left = count
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def finish(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.done.set()
 
 
 class ReplicaThreads:
@@ -69,13 +93,13 @@ class ReplicaThreads:
             job = jobs.get()
             if job is _STOP:
                 return
-            function, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
+            function, round_, index = job
             try:
-                future.set_result(function())
+                round_.results[index] = function()
             except BaseException as error:
-                future.set_exception(error)
+                round_.errors[index] = error
+            finally:
+                round_.finish()
 
     def run(
         self, jobs: Sequence[Callable[[], T]], *, phase: str, devices: Sequence[str]
@@ -87,16 +111,16 @@ class ReplicaThreads:
             raise RuntimeError("the replica threads are closed")
         if len(jobs) > self.count:
             raise ValueError(f"{len(jobs)} jobs for {self.count} replica threads")
-        futures: list[Future[T]] = []
+        if not jobs:
+            return []
+        round_ = _Round(len(jobs))
         for index, job in enumerate(jobs):
-            future: Future[T] = Future()
-            self._queues[index].put((job, future))
-            futures.append(future)
-        errors = [future.exception() for future in futures]
-        for index, error in enumerate(errors):
+            self._queues[index].put((job, round_, index))
+        round_.done.wait()
+        for index, error in enumerate(round_.errors):
             if error is not None:
                 raise ReplicaError(index, devices[index], phase, error) from error
-        return [future.result() for future in futures]
+        return list(round_.results)
 
     def close(self) -> None:
         """Stop and join every thread (idempotent)."""
