@@ -20,6 +20,11 @@ batch (``--batch`` sequences of 64 characters from the stdlib corpus) for every 
   benchmarks/ddp.py's ``limit``; ``one``/``limit`` per round is the best speed-up any 2-way data
   parallelism could show here.
 
+With ``--baseline PATH`` (another checkout, e.g. ``git worktree add /tmp/base <commit>``), each
+round also runs ``threads@baseline``: the same ``threads`` system with that checkout's code; both
+then run in a fresh process each (``--threads-worker``), and their step-time ratio per round is
+printed (this code / the baseline's, median over rounds).
+
 Each round runs every system (``--warmup`` untimed steps, then ``--steps`` timed); a system's
 figure per round is its median step time. Printed: the medians over rounds, throughput in
 samples/s, the CPU cores each system actually got (its processes' CPU seconds per wall
@@ -45,7 +50,10 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+CODE_ENV = "PARAMSYNC_BENCH_CODE"
+"""The checkout whose code a ``--threads-worker`` imports (``--baseline``'s); this one's by
+default."""
+sys.path.insert(0, os.environ.get(CODE_ENV, str(ROOT)))
 
 from actors.demo_job.corpus import load_corpus  # noqa: E402
 from actors.demo_job.model import CharTransformer  # noqa: E402
@@ -246,12 +254,32 @@ def run_limit(args: argparse.Namespace) -> dict:
     return run_ddp(args, communicate=False)
 
 
+def run_threads_in(code: Path, args: argparse.Namespace) -> dict:
+    """The ``threads`` system in a fresh process importing ``code``'s paramsync."""
+    options = ["--rank", args.rank, "--batch", args.batch, "--warmup", args.warmup]
+    options += ["--steps", args.steps, "--optimizer", args.optimizer]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{CODE_ENV: str(code)})
+    output = subprocess.run(
+        [sys.executable, __file__, "--threads-worker", *map(str, options)],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout
+    result = json.loads(output.strip().splitlines()[-1])
+    if Path(result["code"]).resolve() != code.resolve():
+        raise RuntimeError(f"a threads worker for {code} imported {result['code']}'s paramsync")
+    return result
+
+
 SYSTEMS = {"threads": run_threads, "one": run_one, "ddp": run_ddp, "limit": run_limit}
+BASELINE = "threads@baseline"
 
 
 def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
     table: dict[str, Any] = {}
-    systems = [name for name in SYSTEMS if all(name in r for r in rounds)]
+    systems = [name for name in (*SYSTEMS, BASELINE) if all(name in r for r in rounds)]
     for name in systems:
         seconds = statistics.median(r[name]["step_seconds"] for r in rounds)
         table[name] = {"step_seconds": seconds, "samples_per_second": batch_size / seconds}
@@ -267,6 +295,10 @@ def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
     table["step_ratio_to_ddp"] = statistics.median(
         r["threads"]["step_seconds"] / r["ddp"]["step_seconds"] for r in rounds
     )
+    if all(BASELINE in r for r in rounds):
+        table["step_ratio_to_baseline"] = statistics.median(
+            r["threads"]["step_seconds"] / r[BASELINE]["step_seconds"] for r in rounds
+        )
     if all("limit" in r for r in rounds):
         table["limit_speedup_over_one"] = statistics.median(
             r["one"]["step_seconds"] / r["limit"]["step_seconds"] for r in rounds
@@ -288,6 +320,7 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
         "one": "1 replica, both shards",
         "ddp": "torch DDP, 2 procs",
         "limit": "limit: 2 procs, no comm",
+        BASELINE: "threads, baseline code",
     }
     for name, label in labels.items():
         if name not in table:
@@ -307,6 +340,11 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
     )
     print(f"  speed-up over one replica: {table['speedup_over_one']:.2f}x (target >= 1.7x)")
     print(f"  step time / DDP's:         {table['step_ratio_to_ddp']:.2f} (target <= 1)")
+    if "step_ratio_to_baseline" in table:
+        print(
+            f"  threads: this code / the baseline's ({args.baseline}), round by round: "
+            f"x{table['step_ratio_to_baseline']:.3f}"
+        )
     if "limit_speedup_over_one" in table:
         print(
             f"  physical ceiling (one / limit): {table['limit_speedup_over_one']:.2f}x; "
@@ -328,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="AdamW's implementation for every system (default: as a user writes it)",
     )
     parser.add_argument("--json", type=Path, help="write the rounds and the table here")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout: its threads system runs in every round too (see above)",
+    )
+    parser.add_argument("--threads-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ddp-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-communication", action="store_true", help=argparse.SUPPRESS)
@@ -339,11 +383,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.ddp_worker is not None:
         ddp_worker(args.ddp_worker, args.port, args)
         return
+    if args.threads_worker:
+        code = Path(sys.modules[DataParallelCoordinator.__module__].__file__ or "").parents[2]
+        print(json.dumps({**run_threads(args), "code": str(code)}), flush=True)
+        return
     if args.batch < 2:
         raise SystemExit("--batch must be at least 2 (one sample per replica)")
+    systems = dict(SYSTEMS)
+    if args.baseline is not None:
+        baseline = args.baseline.resolve()
+        if not (baseline / "actors" / "multidevice").is_dir():
+            raise SystemExit(f"--baseline {args.baseline}: no actors/multidevice there")
+        # Both threads systems in fresh processes, this code's and the baseline's alike.
+        systems["threads"] = lambda args: run_threads_in(ROOT, args)
+        systems[BASELINE] = lambda args: run_threads_in(baseline, args)
     rounds = []
     for index in range(args.rounds):
-        rounds.append({name: run(args) for name, run in SYSTEMS.items()})
+        rounds.append({name: run(args) for name, run in systems.items()})
         print(
             f"round {index + 1}: "
             + ", ".join(f"{n} {r['step_seconds'] * 1e3:.2f} ms" for n, r in rounds[-1].items()),

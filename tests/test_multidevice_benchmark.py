@@ -121,3 +121,40 @@ def test_the_optimizer_flag_picks_adamws_implementation_for_every_system() -> No
     assert bench.optimizer(net, "fused").defaults["fused"] is True
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--optimizer", "sgd"])
+
+
+def test_the_baseline_column_is_paired_per_round_and_a_worker_imports_the_code_asked() -> None:
+    bench = _module()
+    rounds = [
+        {
+            "threads": _threads(0.05),
+            "one": {"step_seconds": 0.09},
+            "ddp": {"step_seconds": 0.06},
+            bench.BASELINE: {"step_seconds": 0.04},
+        },
+        {
+            "threads": _threads(0.10),
+            "one": {"step_seconds": 0.20},
+            "ddp": {"step_seconds": 0.08},
+            bench.BASELINE: {"step_seconds": 0.125},
+        },
+        {
+            "threads": _threads(0.06),
+            "one": {"step_seconds": 0.11},
+            "ddp": {"step_seconds": 0.12},
+            bench.BASELINE: {"step_seconds": 0.06},
+        },
+    ]
+    table = bench.summarise(rounds, 16)
+    assert table[bench.BASELINE]["step_seconds"] == pytest.approx(0.06)
+    # per round: 1.25, 0.8, 1.0 -> 1.0
+    assert table["step_ratio_to_baseline"] == pytest.approx(1.0)
+    args = bench.build_parser().parse_args(["--steps", "1", "--warmup", "0", "--batch", "2"])
+    result = bench.run_threads_in(SCRIPT.parent.parent, args)
+    assert result["step_seconds"] > 0 and Path(result["code"]) == SCRIPT.parent.parent
+
+
+def test_a_baseline_without_the_multidevice_package_is_refused(tmp_path: Path) -> None:
+    bench = _module()
+    with pytest.raises(SystemExit, match="no actors/multidevice"):
+        bench.main(["--baseline", str(tmp_path)])
