@@ -49,7 +49,7 @@ bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
 
 bench-multidevice: $(STAMP)
-	$(BIN)/python benchmarks/multidevice.py --rounds 3 --steps 30 --json out/multidevice.json
+	$(BIN)/python benchmarks/multidevice.py --rounds 15 --steps 30 --json out/multidevice.json
 
 bench-control-plane: $(STAMP)
 	$(BIN)/python benchmarks/control_plane.py --json out/control_plane.json
