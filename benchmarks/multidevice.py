@@ -8,7 +8,8 @@ implementation, or its ``foreach`` or ``fused`` one, for every system alike); th
 batch (``--batch`` sequences of 64 characters from the stdlib corpus) for every system:
 
 - ``threads``: `DataParallelCoordinator` with two ``"cpu"`` devices, each replica on its own OS
-  thread with one intra-op thread, half the batch each, the digest check every step (C-DP-002);
+  thread with one intra-op thread, half the batch each, the digest check every step (C-DP-002;
+  ``--check-interval`` changes it, to see what the check costs);
 - ``one``: one replica with one intra-op thread processing both halves in turn (forward and
   backward of each, gradients accumulated, one optimizer step): the same work without
   parallelism;
@@ -134,6 +135,7 @@ def run_threads(args: argparse.Namespace) -> dict:
         lambda model: optimizer(model, args.optimizer),
         loss_fn,
         ["cpu", "cpu"],
+        check_interval=args.check_interval,
     ) as dp:
         results: list[Any] = []
         cpu: dict = {}
@@ -258,6 +260,7 @@ def run_threads_in(code: Path, args: argparse.Namespace) -> dict:
     """The ``threads`` system in a fresh process importing ``code``'s paramsync."""
     options = ["--rank", args.rank, "--batch", args.batch, "--warmup", args.warmup]
     options += ["--steps", args.steps, "--optimizer", args.optimizer]
+    options += ["--check-interval", args.check_interval]
     env = dict(os.environ, OMP_NUM_THREADS="1", **{CODE_ENV: str(code)})
     output = subprocess.run(
         [sys.executable, __file__, "--threads-worker", *map(str, options)],
@@ -309,11 +312,17 @@ def summarise(rounds: list[dict[str, dict]], batch_size: int) -> dict:
     return table
 
 
+def _check_label(interval: int) -> str:
+    if interval == 0:
+        return "no digest check"
+    return "digest check every step" if interval == 1 else f"digest check every {interval} steps"
+
+
 def print_table(table: dict, args: argparse.Namespace) -> None:
     print(
         f"LoRA CharTransformer (rank {args.rank}, targets {TARGETS}), batch {args.batch}, "
         f"{args.rounds} rounds x {args.steps} timed steps, AdamW ({args.optimizer}), "
-        "medians over rounds"
+        f"{_check_label(args.check_interval)}, medians over rounds"
     )
     labels = {
         "threads": "2 replicas in threads",
@@ -366,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(OPTIMIZERS),
         default="default",
         help="AdamW's implementation for every system (default: as a user writes it)",
+    )
+    parser.add_argument(
+        "--check-interval",
+        type=int,
+        default=1,
+        help="the threads system's C-DP-002 digest check every N steps (default 1, the "
+        "library's default; 0: never, to see what the check costs)",
     )
     parser.add_argument("--json", type=Path, help="write the rounds and the table here")
     parser.add_argument(
