@@ -151,6 +151,63 @@ def run_threads(args: argparse.Namespace) -> dict:
         }
 
 
+def run_phases(args: argparse.Namespace) -> dict[str, float]:
+    """``--phases``: the threads system once more, each replica's forward/backward, optimizer
+    step (with the gradient's copy in) and digest timed on its own thread; medians over the
+    timed steps, in ms. ``finish gap``: how far apart the two backwards end."""
+    marks: list[tuple[str, int, float, float]] = []
+
+    def timed(name: str, index: int, method: Any) -> Any:
+        def call(*a: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*a)
+            finally:
+                marks.append((name, index, started, time.perf_counter()))
+
+        return call
+
+    with DataParallelCoordinator(
+        lambda: lora_model(args.rank),
+        lambda model: optimizer(model, args.optimizer),
+        loss_fn,
+        ["cpu", "cpu"],
+        check_interval=args.check_interval,
+    ) as dp:
+        for replica in dp._replicas:  # a benchmark of the internals: wrap each replica's parts
+            for name in ("compute", "apply", "digest"):
+                setattr(replica, name, timed(name, replica.index, getattr(replica, name)))
+        steps: list[dict[tuple[str, int], tuple[float, float]]] = []
+        for step in range(args.warmup + args.steps):
+            data = batch(step, args.batch)
+            marks.clear()
+            dp.train_batch_parallel(data)
+            if step >= args.warmup:
+                steps.append({(name, index): (a, b) for name, index, a, b in marks})
+    parts: dict[str, list[float]] = {}
+
+    def note(label: str, seconds: float) -> None:
+        parts.setdefault(label, []).append(seconds)
+
+    for step_marks in steps:
+        for index in (0, 1):
+            note(f"replica {index} forward/backward", _span(step_marks[("compute", index)]))
+        ends = [step_marks[("compute", index)][1] for index in (0, 1)]
+        note("finish gap", abs(ends[0] - ends[1]))
+        for name, label in (("apply", "optimizer step"), ("digest", "digest")):
+            if (name, 0) in step_marks:
+                first, second = sorted(
+                    (step_marks[(name, 0)], step_marks[(name, 1)]), key=lambda span: span[0]
+                )
+                note(f"first {label}", _span(first))
+                note(f"second {label}", _span(second))
+    return {label: statistics.median(values) * 1e3 for label, values in parts.items()}
+
+
+def _span(span: tuple[float, float]) -> float:
+    return span[1] - span[0]
+
+
 def run_one(args: argparse.Namespace) -> dict:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -383,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the threads system's C-DP-002 digest check every N steps (default 1, the "
         "library's default; 0: never, to see what the check costs)",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="then time each replica's forward/backward, optimizer step and digest",
+    )
     parser.add_argument("--json", type=Path, help="write the rounds and the table here")
     parser.add_argument(
         "--baseline",
@@ -425,6 +487,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     table = summarise(rounds, args.batch)
     print_table(table, args)
+    if args.phases:
+        table["phases_ms"] = run_phases(args)
+        print("  threads' parts, medians over the timed steps (one more run):")
+        for label, ms in table["phases_ms"].items():
+            print(f"    {label:<30} {ms:7.3f} ms")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rounds": rounds, "table": table}, indent=2))

@@ -158,3 +158,22 @@ def test_a_baseline_without_the_multidevice_package_is_refused(tmp_path: Path) -
     bench = _module()
     with pytest.raises(SystemExit, match="no actors/multidevice"):
         bench.main(["--baseline", str(tmp_path)])
+
+
+def test_the_phases_time_each_replica_and_both_updates_in_their_order() -> None:
+    bench = _module()
+    args = bench.build_parser().parse_args(["--steps", "2", "--warmup", "1", "--batch", "4"])
+    phases = bench.run_phases(args)
+    assert set(phases) == {
+        "replica 0 forward/backward",
+        "replica 1 forward/backward",
+        "finish gap",
+        "first optimizer step",
+        "second optimizer step",
+        "first digest",
+        "second digest",
+    }
+    assert all(ms >= 0 for ms in phases.values()) and phases["first optimizer step"] > 0
+    unchecked = bench.build_parser().parse_args(["--steps", "2", "--warmup", "1", "--batch", "4"])
+    unchecked.check_interval = 0
+    assert "first digest" not in bench.run_phases(unchecked)
