@@ -129,14 +129,19 @@ def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> l
     return times
 
 
-def run_threads(args: argparse.Namespace) -> dict:
-    with DataParallelCoordinator(
+def threads_coordinator(args: argparse.Namespace) -> DataParallelCoordinator:
+    """The ``threads`` system: two CPU replicas of the LoRA model, one thread each."""
+    return DataParallelCoordinator(
         lambda: lora_model(args.rank),
         lambda model: optimizer(model, args.optimizer),
         loss_fn,
         ["cpu", "cpu"],
         check_interval=args.check_interval,
-    ) as dp:
+    )
+
+
+def run_threads(args: argparse.Namespace) -> dict:
+    with threads_coordinator(args) as dp:
         results: list[Any] = []
         cpu: dict = {}
         times = _timed(lambda data: results.append(dp.train_batch_parallel(data)), args, cpu)
@@ -153,8 +158,8 @@ def run_threads(args: argparse.Namespace) -> dict:
 
 def run_phases(args: argparse.Namespace) -> dict[str, float]:
     """``--phases``: the threads system once more, each replica's forward/backward, optimizer
-    step (with the gradient's copy in) and digest timed on its own thread; medians over the
-    timed steps, in ms. ``finish gap``: how far apart the two backwards end."""
+    step (with the gradient's copy in) and digest timed on the thread that runs it; medians over
+    the timed steps, in ms. ``finish gap``: how far apart the two backwards end."""
     marks: list[tuple[str, int, float, float]] = []
 
     def timed(name: str, index: int, method: Any) -> Any:
@@ -167,13 +172,7 @@ def run_phases(args: argparse.Namespace) -> dict[str, float]:
 
         return call
 
-    with DataParallelCoordinator(
-        lambda: lora_model(args.rank),
-        lambda model: optimizer(model, args.optimizer),
-        loss_fn,
-        ["cpu", "cpu"],
-        check_interval=args.check_interval,
-    ) as dp:
+    with threads_coordinator(args) as dp:
         for replica in dp._replicas:  # a benchmark of the internals: wrap each replica's parts
             for name in ("compute", "apply", "digest"):
                 setattr(replica, name, timed(name, replica.index, getattr(replica, name)))

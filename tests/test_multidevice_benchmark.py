@@ -29,6 +29,13 @@ def _threads(seconds: float) -> dict:
     }
 
 
+def _round(threads: float, one: float, ddp: float, **others: float) -> dict:
+    """One round's systems: their step times (the threads' with its split)."""
+    systems = {"threads": _threads(threads), "one": {"step_seconds": one}}
+    systems["ddp"] = {"step_seconds": ddp}
+    return systems | {name: {"step_seconds": seconds} for name, seconds in others.items()}
+
+
 def test_ratios_are_paired_per_round_and_medians_over_rounds() -> None:
     bench = _module()
     rounds = [
@@ -55,24 +62,9 @@ def test_a_batch_smaller_than_the_replicas_is_refused() -> None:
 def test_the_limit_column_is_paired_per_round_like_the_others() -> None:
     bench = _module()
     rounds = [
-        {
-            "threads": _threads(0.05),
-            "one": {"step_seconds": 0.09},
-            "ddp": {"step_seconds": 0.06},
-            "limit": {"step_seconds": 0.045},
-        },
-        {
-            "threads": _threads(0.10),
-            "one": {"step_seconds": 0.20},
-            "ddp": {"step_seconds": 0.08},
-            "limit": {"step_seconds": 0.08},
-        },
-        {
-            "threads": _threads(0.06),
-            "one": {"step_seconds": 0.11},
-            "ddp": {"step_seconds": 0.12},
-            "limit": {"step_seconds": 0.05},
-        },
+        _round(0.05, 0.09, 0.06, limit=0.045),
+        _round(0.10, 0.20, 0.08, limit=0.08),
+        _round(0.06, 0.11, 0.12, limit=0.05),
     ]
     table = bench.summarise(rounds, 16)
     assert table["limit"]["step_seconds"] == pytest.approx(0.05)
@@ -125,25 +117,11 @@ def test_the_optimizer_flag_picks_adamws_implementation_for_every_system() -> No
 
 def test_the_baseline_column_is_paired_per_round_and_a_worker_imports_the_code_asked() -> None:
     bench = _module()
+    baseline = bench.BASELINE
     rounds = [
-        {
-            "threads": _threads(0.05),
-            "one": {"step_seconds": 0.09},
-            "ddp": {"step_seconds": 0.06},
-            bench.BASELINE: {"step_seconds": 0.04},
-        },
-        {
-            "threads": _threads(0.10),
-            "one": {"step_seconds": 0.20},
-            "ddp": {"step_seconds": 0.08},
-            bench.BASELINE: {"step_seconds": 0.125},
-        },
-        {
-            "threads": _threads(0.06),
-            "one": {"step_seconds": 0.11},
-            "ddp": {"step_seconds": 0.12},
-            bench.BASELINE: {"step_seconds": 0.06},
-        },
+        _round(0.05, 0.09, 0.06, **{baseline: 0.04}),
+        _round(0.10, 0.20, 0.08, **{baseline: 0.125}),
+        _round(0.06, 0.11, 0.12, **{baseline: 0.06}),
     ]
     table = bench.summarise(rounds, 16)
     assert table[bench.BASELINE]["step_seconds"] == pytest.approx(0.06)
