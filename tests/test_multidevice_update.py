@@ -8,6 +8,7 @@ a hang."""
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 
@@ -210,3 +211,17 @@ def test_a_bit_flipped_in_a_large_frozen_tensor_is_caught_and_named() -> None:
             raw[-1] ^= 1  # the lowest bit of the last element
         with pytest.raises(ReplicaDivergedError, match=r"replica 1 on cpu .*frozen\.weight"):
             dp.train_batch_parallel(batch())
+
+
+def test_the_default_update_is_concurrent_only_without_a_gil_or_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with DataParallelCoordinator(model, adamw, loss_fn, ["cpu"] * 2) as dp:
+        assert dp.concurrent_update is False  # this interpreter has a GIL (or predates the flag)
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    with DataParallelCoordinator(model, adamw, loss_fn, ["cpu"] * 2) as dp:
+        assert dp.concurrent_update is True  # a free-threaded build: each thread its own replica
+        assert dp.train_batch_parallel(batch()).checked
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+    with DataParallelCoordinator(model, adamw, loss_fn, ["cpu"] * 2, concurrent_update=True) as dp:
+        assert dp.concurrent_update is True  # an explicit choice wins
