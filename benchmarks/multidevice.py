@@ -266,26 +266,19 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def _worker_options(args: argparse.Namespace) -> list[str]:
+    """The options a worker process of this script runs the same model and steps with."""
+    options = ("--rank", args.rank, "--batch", args.batch, "--warmup", args.warmup)
+    options += ("--steps", args.steps, "--optimizer", args.optimizer)
+    return [str(option) for option in options]
+
+
 def run_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    common = [
-        str(a)
-        for a in (
-            "--rank",
-            args.rank,
-            "--batch",
-            args.batch,
-            "--warmup",
-            args.warmup,
-            "--steps",
-            args.steps,
-            "--optimizer",
-            args.optimizer,
-        )
-    ] + ([] if communicate else ["--no-communication"])
+    common = _worker_options(args) + ([] if communicate else ["--no-communication"])
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--ddp-worker", str(rank), "--port", str(port), *common],
@@ -314,12 +307,10 @@ def run_limit(args: argparse.Namespace) -> dict:
 
 def run_threads_in(code: Path, args: argparse.Namespace) -> dict:
     """The ``threads`` system in a fresh process importing ``code``'s paramsync."""
-    options = ["--rank", args.rank, "--batch", args.batch, "--warmup", args.warmup]
-    options += ["--steps", args.steps, "--optimizer", args.optimizer]
-    options += ["--check-interval", args.check_interval]
+    options = [*_worker_options(args), "--check-interval", str(args.check_interval)]
     env = dict(os.environ, OMP_NUM_THREADS="1", **{CODE_ENV: str(code)})
     output = subprocess.run(
-        [sys.executable, __file__, "--threads-worker", *map(str, options)],
+        [sys.executable, __file__, "--threads-worker", *options],
         stdout=subprocess.PIPE,
         env=env,
         text=True,

@@ -274,12 +274,7 @@ class DataParallelCoordinator:
 
     def _sum_slice(self, index: int, weights: Sequence[float]) -> None:
         """Slice ``index`` of the weighted average, summed in device order."""
-        lo, hi = self._slices[index]
-        target = self._averaged[lo:hi]
-        sources = self._sources
-        torch.mul(sources[0][lo:hi], weights[0], out=target)
-        for source, weight in zip(sources[1:], weights[1:]):
-            target.add_(source[lo:hi], alpha=weight)
+        _weighted_sum(self._sources, weights, self._averaged, *self._slices[index])
 
     def adopt_primary_state(self) -> None:
         """Load the primary replica's parameters, buffers and optimizer state into every other
@@ -422,11 +417,7 @@ class DataParallelCoordinator:
     def _sum_all(self, weights: Sequence[float]) -> None:
         """The whole weighted average at once, summed in device order: element by element the
         same arithmetic as `_sum_slice` over every slice, in fewer calls."""
-        target = self._averaged
-        sources = self._sources
-        torch.mul(sources[0], weights[0], out=target)
-        for source, weight in zip(sources[1:], weights[1:]):
-            target.add_(source, alpha=weight)
+        _weighted_sum(self._sources, weights, self._averaged, 0, len(self._averaged))
 
     def _compare(self, digests: list[StateDigest]) -> None:
         first = digests[0]
@@ -441,6 +432,20 @@ class DataParallelCoordinator:
                     "the state's layout",
                 )
                 raise ReplicaDivergedError(self._step, index, self._labels[index], entry)
+
+
+def _weighted_sum(
+    sources: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    target: torch.Tensor,
+    lo: int,
+    hi: int,
+) -> None:
+    """``target[lo:hi] = sum(weights[i] * sources[i][lo:hi])``, summed in the sources' order."""
+    out = target[lo:hi]
+    torch.mul(sources[0][lo:hi], weights[0], out=out)
+    for source, weight in zip(sources[1:], weights[1:]):
+        out.add_(source[lo:hi], alpha=weight)
 
 
 _STEPPING = "optimizer step"

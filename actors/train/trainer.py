@@ -57,7 +57,7 @@ from runtime.collectives.ring import (
     all_reduce,
     broadcast,
 )
-from runtime.config import DistributedConfig
+from runtime.config import DistributedConfig, check_comm_backend
 from runtime.errors import ActorFailed, ProtocolError, pick_error
 from runtime.observe.metrics import (
     Metrics,
@@ -70,7 +70,7 @@ from runtime.observe.metrics import (
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.messages import Hold, ParallelLayout, ResyncOrder, StartRun, StateTensor
 from runtime.transport.base import Transport
-from runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS, check_comm_backend
+from runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS
 
 __all__ = [
     "DistributedTrainer",
