@@ -118,6 +118,9 @@ class ComputeActor(Actor):
         self._hand_over_last = False
         """Hand the backward's last bucket over from its thread too: a backward run by the
         caller's own thread (`expect_backward`), where no actor call returns after it."""
+        self._on_started: Callable[[], None] | None = None
+        """Called by the first hook of the armed synchronizing backward, inside the autograd
+        engine (`expect_backward`'s ``on_started``)."""
         self._token = trio.lowlevel.current_trio_token()
         self._hooks = [
             self._params[name].register_post_accumulate_grad_hook(self._make_hook(name))
@@ -131,6 +134,8 @@ class ComputeActor(Actor):
             self._used.add(name)
             if self._sync_step is None:
                 return
+            if not self._fired and self._on_started is not None:
+                self._on_started()
             self._fired.add(name)
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
@@ -168,15 +173,25 @@ class ComputeActor(Actor):
         if last is not None:
             self._on_bucket(*last)
 
-    def expect_backward(self, step: int, sync: bool, *, hand_over_last: bool = False) -> None:
+    def expect_backward(
+        self,
+        step: int,
+        sync: bool,
+        *,
+        hand_over_last: bool = False,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         """Get the hooks ready for a backward of ``step``: with ``sync``, the step's last one,
         whose hooks announce the buckets (else gradients only accumulate). Called by
         `_backward`, or by a caller whose own thread runs the forward and backward (torch
         DDP's shape, `actors.train.ddp_wrapper`), which passes ``hand_over_last`` and then
-        calls `backward_returned` in the event loop."""
+        calls `backward_returned` in the event loop. ``on_started`` runs once, in the
+        autograd engine, when the synchronizing backward gives its first gradient (where the
+        wrapper queues its end-of-backward callback)."""
         self._last = None
         self._incomplete = []
         self._hand_over_last = hand_over_last
+        self._on_started = on_started if sync else None
         if step != self._used_step:
             self._used, self._used_step = set(), step
         if sync:

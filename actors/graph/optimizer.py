@@ -198,6 +198,20 @@ class OptimizerActor(Actor):
                 self.optimizer.zero_grad(set_to_none=False)
             if self._on_applied is not None:
                 self._on_applied(step)
+        self._hash_applied(step)
+
+    def applied_by_caller(self, step: int, *, skipped: bool = False) -> None:
+        """The caller's own thread stepped the optimizer with ``step``'s averaged gradients
+        (torch DDP's shape, `actors.train.ddp_wrapper`; ``skipped``: its loss scaler skipped
+        the step): count it and hash the state in that thread, as `apply` does after its own
+        step. A `Verify` of ``step`` then reports the digest."""
+        if skipped and self._on_skipped is not None:
+            self._on_skipped(step)
+        if self._on_applied is not None:
+            self._on_applied(step)
+        self._hash_applied(step)
+
+    def _hash_applied(self, step: int) -> None:
         if step % self.client.digest_interval == 0:
             started = time.perf_counter_ns()
             digest = self._timed_digest()

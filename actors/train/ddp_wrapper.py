@@ -1,67 +1,78 @@
-"""`DistributedDataParallel`: torch DDP's shape for paramsync: wrap the model and the optimizer,
-keep your own ``loss.backward(); optimizer.step()`` loop.
+"""`DistributedDataParallel`: torch DDP's class for paramsync, with torch's contract, in the
+user's own loop. A torch DDP script runs with its import changed:
 
-    model = DistributedDataParallel(model)        # reads RANK, WORLD_SIZE, ... when wrapping:
-    optimizer = model.wrap_optimizer(optimizer)   # joins the run, rank 0's weights everywhere
+    model = DistributedDataParallel(model, device_ids=None)  # joins the run: rank 0's weights
+    optimizer = torch.optim.AdamW(model.parameters())       # built before or after; unwrapped
     for inputs, targets in my_shard:
         optimizer.zero_grad()
         loss = loss_fn(model(inputs), targets)    # your forward: arms the gradient hooks
-        loss.backward()                           # each finished bucket's all-reduce starts now
-        optimizer.step()                          # waits for the buckets, steps, reports digest
+        loss.backward()                           # returns with every .grad averaged
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees the averaged gradients
+        optimizer.step()                          # digest reported from a step hook (C-DDP-001)
     model.close()                                 # or `with DistributedDataParallel(...)`
 
-Design (issue 14, "your own loop"), decided here:
+Design, decided here:
 
 * **The same machinery as `DistributedTrainer.train_batch`, minus the loss function.** The
   wrapper drives a `DistributedTrainer` whose epoch actors are the usual ones: the gradient-comm
   actor owns the flat bucket buffers (the gradients are views of them, DDP's
-  ``gradient_as_bucket_view``), negotiates and all-reduces each bucket; the optimizer actor
-  applies the step and reports the state digest for the coordinator's identical-weights check
-  (C-DDP-001). Only who runs forward and backward changes: the user's own thread instead of
-  the compute actor's worker thread. The compute actor still owns the gradient hooks; the
-  wrapped forward arms them (`ComputeActor.expect_backward`, as DDP's ``prepare_for_backward``
-  does in its forward) and the user's ``backward`` fires them: each bucket is handed to the
-  trio loop the moment its last gradient is accumulated (``run_sync_soon``, thread-safe), so its
-  all-reduce runs while backward goes on in the user's thread. ``optimizer.step()`` then calls
-  `DistributedTrainer.finish_own_step`, the tail of ``train_batch``: wait for the buckets,
-  synchronize the buffers, apply, digest. A ``loss_fn`` adapter replaying the user's forward
-  inside ``train_batch`` was rejected: it would run the forward twice or take ``backward`` out
-  of the user's hands.
+  ``gradient_as_bucket_view``), negotiates and all-reduces each bucket; the coordinator
+  sequences every bucket and checks the state digest after every optimizer step. Only who runs
+  forward, backward and the optimizer step changes: the user's own thread. The compute actor
+  owns the gradient hooks; the wrapped forward arms them (`ComputeActor.expect_backward`, as
+  DDP's ``prepare_for_backward`` does in its forward) and the user's ``backward`` fires them:
+  each bucket is handed to the trio loop the moment its last gradient is accumulated
+  (``run_sync_soon``, thread-safe), so its all-reduce runs while backward goes on.
+* **Backward returns with the averaged gradients** (torch DDP's reducer finalizes in backward):
+  the first hook of a synchronizing backward queues an autograd engine callback that runs when
+  the whole backward is done and waits, in the event loop, until every bucket's average is in
+  the gradients and the buffers are synchronized (`DistributedTrainer.reduce_own_step`). Only
+  the wait for the buckets still running moves to the end of backward: the overlap stays.
+  Clipping, ``GradScaler.unscale_``, gradient-norm logging and gradient surgery between
+  ``backward()`` and ``step()`` see identical averaged gradients on every rank.
+* **The user's optimizer stays the user's.** Global optimizer step hooks (torch's
+  ``register_optimizer_step_pre_hook``/``post_hook``) recognise the optimizer stepping this
+  module's parameters (named by its first step, or by `wrap_optimizer` or ``optimizer=``):
+  before its step, the previous step's commit and the epoch's apply barrier; after it, the
+  state digest, hashed in the user's thread, is reported. A step the user does not take (a
+  ``GradScaler`` that found inf or nan skips ``optimizer.step()``, every rank alike since the
+  gradients are identical) is finished as skipped by the next forward. `wrap_optimizer` is still
+  there for ``step()`` returning False on a step a membership change dropped (an unwrapped
+  optimizer cannot refuse its step: the dropped step's gradients are zeroed instead, on every
+  rank alike).
 * **A synchronous facade, like torch DDP.** The trainer's trio loop runs in a background thread
-  (`SyncTrainer`, started by `wrap_optimizer` from the torchrun/``paramsync launch``
-  environment); forward and ``step()`` cross into it with ``trio.from_thread``. A trio
+  (`SyncTrainer`, started by the constructor from the torchrun/``paramsync launch``
+  environment); forward and the step hooks cross into it with ``trio.from_thread``. A trio
   application, or a test running several workers in one trio run, attaches a wrapper to a
   trainer it already runs (`DistributedDataParallel.around`) and runs the loop with
-  ``trio.to_thread.run_sync``: the loop is synchronous code either way, as DDP's is.
-* **Where it differs from torch DDP, on purpose.** The optimizer is wrapped (as torchft's
-  ``OptimizerWrapper`` does) because the step must wait for the all-reduce and report the
-  digest; ``zero_grad`` zeroes in place whatever ``set_to_none`` says, keeping the gradients the
-  bucket views (the optimizer actor already zeroes them after each step). A step the membership
-  changes under is dropped, not rerun (the user's forward cannot be replayed): ``step()``
-  returns False, the weights are the new epoch's, as torchft's ``should_commit`` skips a step.
-  Options a user's loop owns itself are refused: ``accumulation_steps`` (use `no_sync`, which
-  is DDP's way), ``grad_scaler`` (the scaler must scale the user's loss) and ``join``.
-  ``autocast_dtype`` is honoured: the wrapped forward runs under autocast.
-* **Gradient accumulation is `no_sync`**, as in DDP: forwards under ``with model.no_sync():``
-  leave the hooks disarmed, the gradients accumulate in the bucket buffers, and the first
-  forward outside it arms them for the backward that synchronizes the sum (divide the loss
-  yourself, as with DDP).
+  ``trio.to_thread.run_sync``.
+* **Gradient accumulation is `no_sync` / ``require_backward_grad_sync = False``**, as in DDP:
+  forwards with it off leave the hooks disarmed, the gradients accumulate in the bucket
+  buffers, and the first forward with it on arms them for the backward that synchronizes the
+  sum (divide the loss yourself, as with DDP).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
 import torch
 import trio
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
 
 from actors.graph.precision import autocast_of
 from actors.state.digest import Scheduler
+from actors.train.ddp_arguments import DeviceArgs, device_args, torch_ddp_options
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, OwnStep, TrainerOptions
 from runtime.coordinator.service import CoordinatorOptions
@@ -87,9 +98,9 @@ def check_own_loop_options(options: TrainerOptions) -> None:
         )
     if options.grad_scaler:
         raise ValueError(
-            "DistributedDataParallel: grad_scaler is not supported: the loss scaler would have "
-            "to scale your loss; train in bfloat16 (autocast_dtype='bfloat16') or with "
-            "train_batch"
+            "DistributedDataParallel: TrainerOptions(grad_scaler=True) is train_batch's: in "
+            "your own loop use your own torch.amp.GradScaler as with torch DDP (backward "
+            "returns with the averaged gradients, so every rank skips the same steps)"
         )
     if options.join:
         raise ValueError(
@@ -98,42 +109,105 @@ def check_own_loop_options(options: TrainerOptions) -> None:
         )
 
 
+class _Placeholder(torch.optim.Optimizer):
+    """Stands for the user's optimizer until it is known (its first step, `wrap_optimizer`):
+    no state, no hyperparameters, every rank alike. Never stepped."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        super().__init__(list(params) or [torch.nn.Parameter(torch.zeros(0))], {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError("the placeholder optimizer is never stepped")
+
+
+_WRAPPED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Every module a live wrapper joined a run with (wrapping one twice is refused)."""
+
+
 class DistributedDataParallel(torch.nn.Module):
     """A model whose gradients are averaged over every worker by the user's own backward.
 
-    ``module``: the user's model, on its device already (its parameters and buffers are
-    replaced by rank 0's when the optimizer is wrapped). The keyword arguments are
-    `SyncTrainer`'s: the trainer options (see `check_own_loop_options` for the few refused),
-    the coordinator's options when this rank hosts it, configuration overrides and the shared
-    secret; and three of torch DDP's, which set the matching options: ``find_unused_parameters``,
-    ``broadcast_buffers`` (False: ``buffer_sync="local"``) and ``bucket_cap_mb``
-    (``bucket_bytes``). Call `wrap_optimizer` next. Like torch DDP's, ``state_dict`` keys carry
-    the ``module.`` prefix; `trainer`'s ``state_dict`` is the plain module's.
+    The arguments are torch DDP's, in torch's order and with torch's meaning
+    (`actors.train.ddp_arguments` says what each does here and which are refused); then
+    paramsync's own, by keyword: ``options`` (`TrainerOptions`; see `check_own_loop_options`
+    for the few refused), ``coordinator_options`` when this rank hosts the coordinator,
+    configuration ``overrides``, the shared ``secret``, and ``optimizer``/``scheduler``: the
+    optimizer (and LR scheduler) to check and transfer from the start, which a worker that may
+    rejoin a run in progress must pass (otherwise the optimizer stepping this module's
+    parameters is found at its first step). Constructing it joins the run this environment
+    describes (torchrun's or ``paramsync launch``'s variables): rank 0's parameters and buffers
+    are everywhere when it returns. Like torch DDP's, ``state_dict`` keys carry the
+    ``module.`` prefix; `trainer`'s ``state_dict`` is the plain module's.
     """
 
     def __init__(
         self,
         module: torch.nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Any = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         options: TrainerOptions | None = None,
         coordinator_options: CoordinatorOptions | None = None,
         overrides: Mapping[str, object] | None = None,
         secret: bytes | str | None = None,
-        find_unused_parameters: bool | None = None,
-        broadcast_buffers: bool | None = None,
-        bucket_cap_mb: float | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Scheduler | None = None,
+        _trainer: DistributedTrainer | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
+            raise ValueError(
+                f"DistributedDataParallel: the module is already wrapped by "
+                f"{type(module).__module__}.{type(module).__name__}: wrap the plain module once"
+            )
+        if module in _WRAPPED_MODULES:
+            raise ValueError(
+                "DistributedDataParallel: this module is already wrapped by a live "
+                "DistributedDataParallel (close that one first, or wrap it once)"
+            )
         self.module = module
-        self._options = _ddp_options(
-            options or TrainerOptions(), find_unused_parameters, broadcast_buffers, bucket_cap_mb
+        self.dim = dim
+        self.require_backward_grad_sync = True
+        """torch DDP's flag: False makes the next forwards' backwards accumulate only."""
+        self._devices: DeviceArgs = device_args(module, device_ids, output_device)
+        device = self._devices.input_device
+        self.device_ids = None if device is None else [device]
+        self.output_device = self._devices.output_device
+        base = _trainer.options if _trainer is not None else (options or TrainerOptions())
+        self._options = torch_ddp_options(
+            base,
+            broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers,
+            process_group=process_group,
+            world_size=None,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list,
         )
         check_own_loop_options(self._options)
-        self._settings: dict[str, Any] = {
-            "coordinator_options": coordinator_options,
-            "overrides": overrides,
-            "secret": secret,
-        }
         self._sync: SyncTrainer | None = None
         self._trainer: DistributedTrainer | None = None
         self._cross: Callable[..., Any] | None = None
@@ -141,35 +215,87 @@ class DistributedDataParallel(torch.nn.Module):
         self._own: OwnStep | None = None
         """The step the user's loop is in (its first forward began it), None between steps."""
         self._armed = False
-        """Whether a forward of the step armed the hooks (outside `no_sync`)."""
-        self._no_sync = False
+        """Whether a forward of the step armed the hooks (its backward synchronizes)."""
+        self._reduced = False
+        """Whether the step's synchronizing backward has finished its all-reduce."""
+        self._applying: OwnStep | None = None
+        """The step whose optimizer step the user's thread is taking (between the hooks)."""
         self._thread: int | None = None
+        self._params = tuple(id(p) for p in module.parameters())
+        self._mine = frozenset(self._params)
+        self._user_optimizer: torch.optim.Optimizer | None = None
+        """The optimizer the user steps itself (its step hooks report the digest)."""
+        self._wrapped: torch.optim.Optimizer | None = None
+        """The optimizer `wrap_optimizer` wrapped (the trainer steps it)."""
+        self._hooks: list[RemovableHandle] = []
+        self._registered = _trainer is None
+        if self._registered:
+            _WRAPPED_MODULES.add(module)
+        try:
+            if _trainer is None:
+                self._join(coordinator_options, overrides, secret, optimizer, scheduler)
+            elif optimizer is not None:
+                self._use_optimizer(optimizer)
+            if process_group is not None:  # now the run's size is known
+                torch_ddp_options(
+                    self._options, process_group=process_group, world_size=self.world_size
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._hooks = [
+            register_optimizer_step_pre_hook(_weak_hook(self._before_step)),
+            register_optimizer_step_post_hook(_weak_hook(self._after_step)),
+        ]
 
     # -- attaching a trainer --------------------------------------------------------------
 
-    def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None
-    ) -> DistributedOptimizer:
-        """Join the run this environment describes (torchrun's or ``paramsync launch``'s
-        variables, as `trainer_from_env` reads them) with this model and ``optimizer``; rank
-        0's weights are broadcast before this returns. ``scheduler``: an LR scheduler of
-        ``optimizer`` that the trainer steps right after each optimizer step (do not step it
-        yourself); its state then travels with the training state. Returns the optimizer to
-        use in the loop."""
-        if self._trainer is not None:
-            raise RuntimeError("DistributedDataParallel: the optimizer is already wrapped")
-        _check_optimizer(self.module, optimizer)
+    def _join(
+        self,
+        coordinator_options: CoordinatorOptions | None,
+        overrides: Mapping[str, object] | None,
+        secret: bytes | str | None,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Scheduler | None,
+    ) -> None:
+        """Join the run this environment describes, with ``optimizer`` or a placeholder."""
+        if optimizer is not None:
+            _check_optimizer(self.module, optimizer)
         sync = SyncTrainer(
             self.module,
-            optimizer,
+            optimizer if optimizer is not None else _Placeholder(list(self.module.parameters())),
             _no_loss_fn,
             options=self._options,
             scheduler=scheduler,
-            **self._settings,
+            coordinator_options=coordinator_options,
+            overrides=overrides,
+            secret=secret,
         )
         sync.__enter__()
         self._sync = sync
         self._attach(sync.trainer, sync.call)
+        if optimizer is not None:
+            self._user_optimizer = optimizer
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None
+    ) -> DistributedOptimizer:
+        """Step ``optimizer`` through the trainer (torchft's ``OptimizerWrapper``): the
+        returned optimizer's ``step()`` returns False for a step a membership change dropped,
+        and skips it. ``scheduler``: an LR scheduler of ``optimizer`` that the trainer steps
+        right after each optimizer step (do not step it yourself); its state then travels with
+        the training state. Call it before the first step."""
+        if self._wrapped is not None:
+            raise RuntimeError("DistributedDataParallel: the optimizer is already wrapped")
+        trainer = self.trainer
+        if trainer.step > 0 or self._own is not None:
+            raise RuntimeError(
+                "DistributedDataParallel: wrap_optimizer after training started: wrap it "
+                "before the first forward"
+            )
+        _check_optimizer(self.module, optimizer)
+        self._bind(optimizer, scheduler)
+        self._wrapped, self._user_optimizer = optimizer, None
         return DistributedOptimizer(self, optimizer)
 
     @classmethod
@@ -177,83 +303,195 @@ class DistributedDataParallel(torch.nn.Module):
         cls, trainer: DistributedTrainer
     ) -> tuple[DistributedDataParallel, DistributedOptimizer]:
         """Wrap a trainer this trio run already runs (`DistributedTrainer.open`,
-        `trainer_from_env`, `train_in_process`): call it in the trio thread, then use the
-        model and optimizer it returns from another thread (``trio.to_thread.run_sync``), never
-        from the trio thread itself, which they block on."""
+        `trainer_from_env`, `train_in_process`), its optimizer stepped through the trainer:
+        call it in the trio thread, then use the model and optimizer it returns from another
+        thread (``trio.to_thread.run_sync``), never from the trio thread itself, which they
+        block on."""
+        wrapper = cls.unwrapped_around(trainer)
+        wrapper._wrapped, wrapper._user_optimizer = trainer.optimizer, None
+        return wrapper, DistributedOptimizer(wrapper, trainer.optimizer)
+
+    @classmethod
+    def unwrapped_around(
+        cls, trainer: DistributedTrainer, *, optimizer_known: bool = True
+    ) -> DistributedDataParallel:
+        """As `around`, but the user's loop steps the trainer's optimizer itself (its step
+        hooks report the digest); ``optimizer_known=False``: it is found at its first step,
+        as a freshly constructed wrapper finds it."""
         check_own_loop_options(trainer.options)
-        wrapper = cls(trainer.model, options=trainer.options)
+        wrapper = cls(trainer.model, _trainer=trainer)
         token = trio.lowlevel.current_trio_token()
 
         def cross(fn: Callable[..., Any], *args: Any) -> Any:
             return trio.from_thread.run(fn, *args, trio_token=token)
 
         wrapper._attach(trainer, cross)
-        return wrapper, DistributedOptimizer(wrapper, trainer.optimizer)
+        if optimizer_known:
+            wrapper._user_optimizer = trainer.optimizer
+        return wrapper
 
     def _attach(self, trainer: DistributedTrainer, cross: Callable[..., Any]) -> None:
         self._trainer = trainer
         self._cross = cross
 
+    def _use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        _check_optimizer(self.module, optimizer)
+        self._bind(optimizer)
+        self._user_optimizer = optimizer
+
+    def _bind(self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None) -> None:
+        trainer = self.trainer
+
+        async def bind() -> None:
+            trainer.bind_optimizer(optimizer, scheduler)
+
+        self._run(bind)
+
     @property
     def trainer(self) -> DistributedTrainer:
         """The underlying trainer (its summary, state_dict, step; touch it only between steps)."""
         if self._trainer is None:
-            raise RuntimeError(
-                "DistributedDataParallel: wrap the optimizer first "
-                "(optimizer = model.wrap_optimizer(optimizer))"
-            )
+            raise RuntimeError("DistributedDataParallel: the wrapper has no run (closed)")
         return self._trainer
 
     # -- the user's loop ------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; with gradients enabled it first begins the step (once per
-        step) and, outside `no_sync`, arms the hooks so the next backward reduces the buckets."""
+        step) and, with ``require_backward_grad_sync``, arms the hooks so the next backward
+        averages the buckets before it returns."""
         trainer = self.trainer
         if torch.is_grad_enabled():
             self._check_thread()
+            self._check_parameters()
+            if self._own is not None and self._reduced and self._wrapped is None:
+                # The last step's backward was synchronized but no optimizer step followed (a
+                # loss scaler skipped it): every rank finishes it unchanged, as skipped.
+                self._finish_skipped(self._own)
             if self._own is None:
-                # The step the last optimizer.step() began in the event loop, if it still
+                # The step the last optimizer step began in the event loop, if it still
                 # stands; else cross into it to begin one.
                 prepared = trainer.prepared_own_step()
                 self._own = prepared if prepared is not None else self._run(trainer.begin_own_step)
+                self._armed = self._reduced = False
             own = self._own
-            if self._armed and (self._no_sync or own.compute.sync_backward_started):
+            sync = self.require_backward_grad_sync
+            if self._armed and (not sync or self._reduced or own.compute.sync_backward_started):
                 raise RuntimeError(
-                    f"step {own.step}: a forward after the step's synchronizing one: call "
-                    "optimizer.step() first (or run the earlier forwards and backwards under "
+                    f"step {own.step}, rank {trainer.rank}: a forward after the step's "
+                    "synchronizing one and before its backward ended: call optimizer.step() "
+                    "first (or run the earlier forwards and backwards under "
                     "`with model.no_sync():`)"
                 )
-            self._armed = not self._no_sync
-            own.compute.expect_backward(own.step, not self._no_sync, hand_over_last=True)
+            self._armed = sync
+            own.compute.expect_backward(
+                own.step,
+                sync,
+                hand_over_last=True,
+                on_started=functools.partial(self._queue_reduce, own) if sync else None,
+            )
+        if self._devices.input_device is not None:
+            args, kwargs = _to_device((args, kwargs), self._devices.input_device)
         with autocast_of(trainer.precision):
             return self.module(*args, **kwargs)
+
+    def _queue_reduce(self, own: OwnStep) -> None:
+        """In the autograd engine, at the synchronizing backward's first gradient: have the
+        engine wait for the step's all-reduce once the whole backward is done."""
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(self._reduce, own)
+        )
+
+    def _reduce(self, own: OwnStep) -> None:
+        """The end of the synchronizing backward: every bucket's average into the gradients."""
+        if self._own is not own or self._reduced:
+            return
+        self._reduced = True
+        self._run(self.trainer.reduce_own_step, own)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forwards (and their backwards) inside accumulate gradients without synchronizing
         them (torch DDP's ``no_sync``): the first forward-backward outside synchronizes the sum."""
-        before, self._no_sync = self._no_sync, True
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self._no_sync = before
+            self.require_backward_grad_sync = before
+
+    def _ensure_reduced(self, own: OwnStep, what: str) -> None:
+        if not self._armed:
+            raise RuntimeError(
+                f"step {own.step}, rank {self.trainer.rank}: {what} after forwards all under "
+                "no_sync() (or require_backward_grad_sync=False): the last forward and "
+                "backward of a step must synchronize"
+            )
+        if not self._reduced:  # no hook fired in the backward (or it has not run yet)
+            self._reduced = True
+            self._run(self.trainer.reduce_own_step, own)
 
     def _step(self) -> bool:
+        """`DistributedOptimizer.step`: the trainer applies the step."""
         own = self._own
         if own is None:
             raise RuntimeError(
                 "optimizer.step() before any forward of the wrapped model in this step: run "
                 "loss = loss_fn(model(inputs), targets); loss.backward() first"
             )
-        if not self._armed:
-            raise RuntimeError(
-                f"step {own.step}: optimizer.step() after forwards all under no_sync(): the "
-                "last forward and backward of a step must be outside it, to synchronize"
-            )
-        self._own, self._armed = None, False
-        taken: bool = self._run(self.trainer.finish_own_step, own)
+        self._ensure_reduced(own, "optimizer.step()")
+        self._own, self._armed, self._reduced = None, False, False
+        taken: bool = self._run(functools.partial(self.trainer.finish_own_step, reduced=True), own)
         return taken
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is the one the user steps for this module (naming it at its
+        first step if none is known yet)."""
+        if optimizer is self._user_optimizer:
+            return True
+        if self._user_optimizer is not None or optimizer is self._wrapped:
+            return False
+        if self._wrapped is not None or self._trainer is None:
+            return False
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not params or id(params[0]) not in self._mine:
+            return False
+        self._use_optimizer(optimizer)  # its first step: it steps this module's parameters
+        return True
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's optimizer step pre-hook (every optimizer's): for this module's, wait until
+        the step may be applied (the previous step's commit, the apply barrier)."""
+        if not self._owns(optimizer):
+            return
+        own = self._own
+        if own is None:
+            raise RuntimeError(
+                f"rank {self.trainer.rank}, step {self.trainer.step}: optimizer.step() with no "
+                "forward and backward of the wrapped model since the last step: every step "
+                "must synchronize its gradients first"
+            )
+        self._ensure_reduced(own, "optimizer.step()")
+        if self._run(self.trainer.begin_caller_apply, own):
+            self._applying = own
+        else:  # dropped: its gradients were zeroed; the step runs on every rank alike
+            self._own, self._armed, self._reduced = None, False, False
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's optimizer step post-hook: report the applied step's digest (C-DDP-001)."""
+        own = self._applying
+        if own is None or optimizer is not self._user_optimizer:
+            return
+        self._applying = None
+        self._own, self._armed, self._reduced = None, False, False
+        self.trainer.caller_applied(own)
+        self._run(self.trainer.end_caller_apply, own)
+
+    def _finish_skipped(self, own: OwnStep) -> None:
+        self._own, self._armed, self._reduced = None, False, False
+        trainer = self.trainer
+        if self._run(trainer.begin_caller_apply, own):
+            trainer.caller_applied(own, skipped=True)
+            self._run(trainer.end_caller_apply, own)
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         assert self._cross is not None
@@ -268,6 +506,18 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError(
                 "DistributedDataParallel: the training loop moved to another thread; run "
                 "forward, backward and step from one thread"
+            )
+
+    def _check_parameters(self) -> None:
+        """The module's parameters are the ones wrapped (torch DDP's buckets are fixed too)."""
+        now = tuple(id(p) for p in self.module.parameters())
+        if now != self._params:
+            added = [n for n, p in self.module.named_parameters() if id(p) not in self._mine]
+            raise RuntimeError(
+                f"rank {self.trainer.rank}, step {self.trainer.step}: the module's parameters "
+                f"changed after it was wrapped (new: {added or 'none'}; "
+                f"{len(self._params)} wrapped, {len(now)} now): add every parameter before "
+                "wrapping the module"
             )
 
     # -- around the loop ------------------------------------------------------------------
@@ -292,12 +542,21 @@ class DistributedDataParallel(torch.nn.Module):
         return self.trainer.rank
 
     def close(self) -> None:
-        """Leave the run (when `wrap_optimizer` joined it): tell the coordinator this worker
+        """Leave the run (when the constructor joined it): tell the coordinator this worker
         is done and stop the trainer's thread. A wrapper from `around` leaves the trainer to
         its owner."""
+        self._release()
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.__exit__(None, None, None)
+
+    def _release(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self._registered:
+            self._registered = False
+            _WRAPPED_MODULES.discard(self.module)
 
     def __enter__(self) -> DistributedDataParallel:
         return self
@@ -308,9 +567,37 @@ class DistributedDataParallel(torch.nn.Module):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._release()
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.__exit__(exc_type, exc, tb)
+
+
+def _weak_hook(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    """A global optimizer step hook that calls ``method`` while its wrapper lives (a wrapper
+    nobody closed does not stay alive through torch's global hook table)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(optimizer, args, kwargs)
+
+    return hook
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Every tensor in ``value`` (nested tuples, lists, dicts) on ``device`` (torch DDP's
+    ``_to_kwargs`` for a single-device module)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_device(v, device) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 class DistributedOptimizer:
@@ -353,25 +640,6 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict``."""
         return self.optimizer.state_dict()
-
-
-def _ddp_options(
-    options: TrainerOptions,
-    find_unused_parameters: bool | None,
-    broadcast_buffers: bool | None,
-    bucket_cap_mb: float | None,
-) -> TrainerOptions:
-    """``options`` with torch DDP's keyword arguments of the same meaning applied."""
-    changes: dict[str, Any] = {}
-    if find_unused_parameters is not None:
-        changes["find_unused_parameters"] = find_unused_parameters
-    if broadcast_buffers is not None:
-        changes["buffer_sync"] = "broadcast" if broadcast_buffers else "local"
-    if bucket_cap_mb is not None:
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        changes["bucket_bytes"] = max(1, int(bucket_cap_mb * 1024 * 1024))
-    return dataclasses.replace(options, **changes) if changes else options
 
 
 def _check_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -719,7 +718,7 @@ class DistributedTrainer:
             start.epoch,
             self._applied,
             self.check_cost,
-            zero_grads=partial(comm.zero_grads, self.optimizer),
+            zero_grads=lambda: comm.zero_grads(self.optimizer),
             precision=self.precision,
             on_skipped=self._skipped,
             scheduler=self.scheduler,
@@ -734,6 +733,22 @@ class DistributedTrainer:
             raise
         self.client.on_go = comm.tell
         return _Epoch(start, transport, compute, comm, optimizer)
+
+    def bind_optimizer(
+        self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None
+    ) -> None:
+        """Step, hash and transfer ``optimizer`` (and ``scheduler``, if given) from now on
+        instead of the ones the trainer was built with (`actors.train.ddp_wrapper`: the
+        caller's own optimizer, named once it is known). Call it between steps, in the event
+        loop."""
+        if scheduler is not None:
+            _check_scheduler(scheduler, optimizer)
+            self.scheduler = scheduler
+        self.optimizer = optimizer
+        if self._epoch is not None:
+            self._epoch.optimizer.optimizer = optimizer
+            if scheduler is not None:
+                self._epoch.optimizer.scheduler = scheduler
 
     def _applied(self, step: int) -> None:
         self.step = step + 1
@@ -967,6 +982,12 @@ class DistributedTrainer:
     async def _reduce_and_apply(self, epoch: _Epoch, state: StepState, step: int) -> None:
         """The rest of ``step`` once its backward has handed its buckets over: wait for their
         all-reduce, synchronize the buffers, apply the optimizer step, report the digest."""
+        await self._await_reduced(epoch, state, step)
+        await self._apply_reduced(epoch, step)
+
+    async def _await_reduced(self, epoch: _Epoch, state: StepState, step: int) -> None:
+        """Wait until every bucket of ``step`` is averaged into the gradients (raising the
+        step's error if one was lost), then synchronize the buffers."""
         with self.trace.span("grad-wait", actor="trainer", step=step):
             await state.all_reduced.wait()
         if state.error is not None:
@@ -978,6 +999,10 @@ class DistributedTrainer:
             # leaving the epoch (`_apply_pending`) has its buffers synchronized too.
             with self.trace.span("buffer-sync", actor="trainer", step=step):
                 await self._sync_buffers(epoch.transport)
+
+    async def _apply_barrier(self, epoch: _Epoch, step: int) -> None:
+        """Before ``step``'s optimizer step: with the epoch's apply barrier, report the step
+        reduced and wait for the coordinator's word to apply it."""
         if epoch.start.apply_barrier:
             # A cached all-reduce may finish before the previous step is committed;
             # the coordinator takes this step's report only after that commit.
@@ -985,6 +1010,11 @@ class DistributedTrainer:
             await self.client.reduced(step, epoch.start.epoch)
             with self.trace.span("apply-wait", actor="trainer", step=step):
                 await self.client.wait_apply(step)
+
+    async def _apply_reduced(self, epoch: _Epoch, step: int) -> None:
+        """Apply ``step``'s averaged gradients through the optimizer actor and report the
+        digest (or wait for the check, without ``verify_overlap``)."""
+        await self._apply_barrier(epoch, step)
         # Overlapped: the optimizer reports the step's digest as soon as it has applied it,
         # within the same message (its check finishes during the next step).
         overlap = self.options.verify_overlap
@@ -1045,35 +1075,94 @@ class DistributedTrainer:
             state = epoch.comm.begin_step(self.step)
             self._next_own = OwnStep(self.step, epoch, state, time.perf_counter())
 
-    async def finish_own_step(self, own: OwnStep) -> bool:
+    async def finish_own_step(self, own: OwnStep, *, reduced: bool = False) -> bool:
         """The caller's backward of ``own.step`` has returned: announce what its hooks could
-        not, then wait for the all-reduce and apply the optimizer step as `train_batch` does.
-        Returns whether the step was taken (here, or while leaving an epoch); False: the
-        membership changed under it and its gradients were dropped, the weights are the new
-        epoch's (torchft's ``should_commit`` False). Its own errors propagate."""
+        not (unless `reduce_own_step` did: ``reduced``), wait for the all-reduce and apply the
+        optimizer step as `train_batch` does. Returns whether the step was taken (here, or
+        while leaving an epoch); False: the membership changed under it and its gradients
+        were dropped, the weights are the new epoch's (torchft's ``should_commit`` False).
+        Its own errors propagate."""
+
+        async def finish(epoch: _Epoch) -> None:
+            if not reduced:
+                epoch.compute.backward_returned(own.step)
+                await self._await_reduced(epoch, own.state, own.step)
+            await self._apply_reduced(epoch, own.step)
+
+        if not await self._own_phase(own, finish) or self.step != own.step + 1:
+            return self._own_step_dropped(own.step)
+        self._record(own.step, None, time.perf_counter() - own.started)
+        self._prepare_own_step(own.epoch)
+        return True
+
+    async def reduce_own_step(self, own: OwnStep) -> bool:
+        """The caller's synchronizing backward of ``own.step`` is ending (autograd's final
+        callback, `actors.train.ddp_wrapper`): announce what its hooks could not and wait until
+        every bucket's average is in the gradients and the buffers are synchronized, as torch
+        DDP's reducer finalizes in backward. Returns False when a membership change dropped
+        the step (its gradients zeroed)."""
+
+        async def reduce(epoch: _Epoch) -> None:
+            epoch.compute.backward_returned(own.step)
+            await self._await_reduced(epoch, own.state, own.step)
+
+        if await self._own_phase(own, reduce):
+            return True
+        self._own_step_dropped(own.step)
+        return False
+
+    async def begin_caller_apply(self, own: OwnStep) -> bool:
+        """The caller is about to step its own optimizer with ``own.step``'s averaged
+        gradients (an optimizer step pre-hook): wait for the previous step's commit and the
+        epoch's apply barrier, as the optimizer actor would. False: the step was dropped."""
+
+        async def barrier(epoch: _Epoch) -> None:
+            with self.trace.span("commit-wait", actor="optimizer", step=own.step - 1):
+                await self.client.wait_commit(own.step - 1)
+            await self._apply_barrier(epoch, own.step)
+
+        return await self._own_phase(own, barrier)
+
+    def caller_applied(self, own: OwnStep, *, skipped: bool = False) -> None:
+        """The caller's thread has stepped its optimizer with ``own.step`` (or skipped the
+        step: a loss scaler found inf or nan): count it and hash the state there, as the
+        optimizer actor does right after its own step. Called outside the event loop."""
+        own.epoch.optimizer.applied_by_caller(own.step, skipped=skipped)
+
+    async def end_caller_apply(self, own: OwnStep) -> bool:
+        """After `caller_applied`: report ``own.step``'s digest (C-DDP-001) and, without
+        ``verify_overlap``, wait for its check. Returns whether the step was taken."""
+
+        async def report(epoch: _Epoch) -> None:
+            await epoch.optimizer.ask(Verify(own.step, wait=not self.options.verify_overlap))
+
+        if not await self._own_phase(own, report) or self.step != own.step + 1:
+            return self._own_step_dropped(own.step)
+        self._record(own.step, None, time.perf_counter() - own.started)
+        self._prepare_own_step(own.epoch)
+        return True
+
+    async def _own_phase(self, own: OwnStep, body: Callable[[_Epoch], Awaitable[None]]) -> bool:
+        """Run one phase of the caller's own step in its epoch; False when the epoch ended
+        under it (or before it), True when it ran. The step's own errors propagate."""
         step, epoch = own.step, own.epoch
         self._next_own = None
         if self._epoch is not epoch or self.step != step:
-            return self._own_step_dropped(step)
+            return False
         scope = trio.CancelScope()
         try:
             with scope:
                 self._step_scope = scope
-                epoch.compute.backward_returned(step)
-                await self._reduce_and_apply(epoch, own.state, step)
+                await body(epoch)
         except Exception as exc:
             try:
                 await self._step_failed(exc, scope, epoch)
             except _StepAborted:
-                return self._own_step_dropped(step)
+                return False
             raise
         finally:
             self._step_scope = None
-        if scope.cancelled_caught or self.step != step + 1:
-            return self._own_step_dropped(step)
-        self._record(step, None, time.perf_counter() - own.started)
-        self._prepare_own_step(epoch)
-        return True
+        return not scope.cancelled_caught
 
     def _own_step_dropped(self, step: int) -> bool:
         """A step of the caller's own loop ended by a membership change: its gradients (some
