@@ -1136,18 +1136,25 @@ class DistributedTrainer:
         async def report(epoch: _Epoch) -> None:
             await epoch.optimizer.ask(Verify(own.step, wait=not self.options.verify_overlap))
 
-        if not await self._own_phase(own, report) or self.step != own.step + 1:
+        if not await self._own_phase(own, report, at=own.step + 1):
             return self._own_step_dropped(own.step)
         self._record(own.step, None, time.perf_counter() - own.started)
         self._prepare_own_step(own.epoch)
         return True
 
-    async def _own_phase(self, own: OwnStep, body: Callable[[_Epoch], Awaitable[None]]) -> bool:
-        """Run one phase of the caller's own step in its epoch; False when the epoch ended
+    async def _own_phase(
+        self,
+        own: OwnStep,
+        body: Callable[[_Epoch], Awaitable[None]],
+        *,
+        at: int | None = None,
+    ) -> bool:
+        """Run one phase of the caller's own step in its epoch, the trainer at step ``at``
+        (default ``own.step``; the step after it once applied); False when the epoch ended
         under it (or before it), True when it ran. The step's own errors propagate."""
-        step, epoch = own.step, own.epoch
+        epoch = own.epoch
         self._next_own = None
-        if self._epoch is not epoch or self.step != step:
+        if self._epoch is not epoch or self.step != (own.step if at is None else at):
             return False
         scope = trio.CancelScope()
         try:
