@@ -54,6 +54,7 @@ Design, decided here:
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 import weakref
@@ -122,6 +123,16 @@ class _Placeholder(torch.optim.Optimizer):
 
 _WRAPPED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Every module a live wrapper joined a run with (wrapping one twice is refused)."""
+
+_JOINED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+"""Wrappers whose run is still open: a script that never closes its wrapper (a torch DDP
+script has nothing to close) leaves the run when the interpreter exits."""
+
+
+@atexit.register
+def _leave_open_runs() -> None:
+    for wrapper in list(_JOINED):
+        wrapper.close()
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -273,6 +284,7 @@ class DistributedDataParallel(torch.nn.Module):
         )
         sync.__enter__()
         self._sync = sync
+        _JOINED.add(self)
         self._attach(sync.trainer, sync.call)
         if optimizer is not None:
             self._user_optimizer = optimizer
@@ -551,6 +563,7 @@ class DistributedDataParallel(torch.nn.Module):
             sync.__exit__(None, None, None)
 
     def _release(self) -> None:
+        _JOINED.discard(self)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -246,7 +246,12 @@ def run_launch(args: argparse.Namespace) -> int:
         # another run's).
         PARAMSYNC_RUN_ID=_run_id(plan, given_secret),
         MASTER_ADDR=plan.host,
-        MASTER_PORT=str(port),
+        # One node: MASTER_PORT is left to torch.distributed (a script that calls
+        # init_process_group binds its store there), the coordinator has its own variable.
+        MASTER_PORT=str(port if plan.nnodes > 1 else free_port()),
+        PARAMSYNC_COORDINATOR_ADDR=f"[{plan.host}]:{port}"
+        if ":" in plan.host
+        else f"{plan.host}:{port}",
         WORLD_SIZE=str(plan.world_size),
         LOCAL_WORLD_SIZE=str(plan.nproc_per_node),
         GROUP_RANK=str(plan.node_rank),

@@ -65,7 +65,13 @@ ENV_VARS = (
     "PARAMSYNC_TLS_KEY",
     "PARAMSYNC_TLS_CA",
     "PARAMSYNC_COMM_BACKEND",
+    "PARAMSYNC_COORDINATOR_ADDR",
 )
+
+COORDINATOR_ADDR_ENV = "PARAMSYNC_COORDINATOR_ADDR"
+"""host:port of paramsync's coordinator. When set it wins over MASTER_ADDR/MASTER_PORT, which
+then stay torch.distributed's: ``paramsync launch`` sets it, so that a script calling
+``init_process_group`` finds MASTER_PORT free for torch's own store."""
 
 #: The TLS fields, each with its environment variable and command-line flag.
 TLS_ENV_VARS = {
@@ -338,7 +344,16 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
             out[key] = _coerce_int(environ[var], f"environment variable {var}")
     host = environ.get("MASTER_ADDR")
     port_text = environ.get("MASTER_PORT")
-    if host is not None or port_text is not None:
+    given = environ.get(COORDINATOR_ADDR_ENV)
+    if given is not None:
+        try:
+            parse_address(given.strip())
+        except ValueError as exc:
+            raise ValueError(
+                f"environment variable {COORDINATOR_ADDR_ENV}={given!r}: {exc}"
+            ) from None
+        out["coordinator_addr"] = given.strip()
+    elif host is not None or port_text is not None:
         if host is not None:
             if not isinstance(host, str):
                 raise ValueError(f"environment variable MASTER_ADDR={host!r} is not a string")
