@@ -643,7 +643,8 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
     system = system.removesuffix(BASELINE)
     env = dict(
         os.environ,
-        PYTHONPATH=str(code),
+        # The code first; what PYTHONPATH already held (packages installed there) after it.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
         PARAMSYNC_SECRET=secrets.token_hex(16),
     )
