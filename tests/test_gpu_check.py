@@ -57,6 +57,9 @@ def test_the_junit_report_gives_one_line_per_test_by_its_node_id() -> None:
         <skipped message="needs a CUDA device"/></testcase>
       <testcase classname="tests.test_digest" name="test_d" time="0.1">
         <error message="fixture broke"/></testcase>
+      <testcase classname="" name="tests.test_digest" time="0.0">
+        <error message="collection failure">E   ModuleNotFoundError: No module named 'x'
+        </error></testcase>
     </testsuite></testsuites>"""
     lines = check.junit_lines(report)
     assert [(line.name, line.result, line.seconds, line.detail) for line in lines] == [
@@ -64,9 +67,15 @@ def test_the_junit_report_gives_one_line_per_test_by_its_node_id() -> None:
         ("tests/test_digest.py::test_b[x]", "fail", 1.25, "assert 1 == 2"),
         ("tests/test_digest.py::Suite::test_c", "skip", 0.0, "needs a CUDA device"),
         ("tests/test_digest.py::test_d", "fail", 0.1, "fixture broke"),
+        (
+            "tests/test_digest.py",
+            "fail",
+            0.0,
+            "collection failure: E   ModuleNotFoundError: No module named 'x'",
+        ),
     ]
     assert check.exit_status(lines) == 1
-    assert check.table(lines).splitlines()[-1] == "1 pass, 2 fail, 1 skip"
+    assert check.table(lines).splitlines()[-1] == "1 pass, 3 fail, 1 skip"
     assert check.node_id("no.such.module", "t") == "no.such.module::t"
 
 
