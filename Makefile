@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-multihost bench-groups bench-control-plane reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -53,6 +53,9 @@ bench-multidevice: $(STAMP)
 
 bench-control-plane: $(STAMP)
 	$(BIN)/python benchmarks/control_plane.py --json out/control_plane.json
+
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --logs out/gpu-check --json out/gpu_check.json
 
 reliability-hostile: $(STAMP)
 	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json

@@ -3,8 +3,9 @@
 Both systems train the same model (the built-in `CharTransformer`: d_model 128, 2 layers,
 4 heads, context 64, tied embeddings) from the same initial weights on the same data (the
 stdlib character corpus, each rank its `shard`), with the same per-worker batch (16), the same
-optimizer (AdamW, lr 3e-3) and the same world size, one OS process per worker, CPU only, one
-intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
+optimizer (AdamW, lr 3e-3) and the same world size, one OS process per worker, on the CPU
+(``--device cuda``: on the GPUs, ``rank % device_count`` each, so that 2 workers share one GPU),
+one intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
 
 - paramsync: a separate coordinator process (``python -m runtime.cli.main coordinator``) and N
   worker processes that join it through `actors.train.worker.join_run` and call
@@ -200,6 +201,7 @@ def _setup(args: argparse.Namespace):
     from actors.graph.sampler import shard
 
     torch.set_num_threads(1)
+    device = _device(args)
     torch.manual_seed(args.seed)
     vocab, dataset = load_char_dataset(args.context, max_bytes=args.corpus_bytes)
     if args.model == "batchnorm":
@@ -210,6 +212,7 @@ def _setup(args: argparse.Namespace):
         model = CharTransformer(
             len(vocab), args.d_model, args.heads, args.layers, args.context, seed=args.seed
         )
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     indices = shard(len(dataset), args.rank, args.world, args.seed)
     per_epoch = len(indices) // args.batch_size
@@ -223,10 +226,25 @@ def _setup(args: argparse.Namespace):
             indices if epoch == 0 else shard(len(dataset), args.rank, args.world, args.seed, epoch)
         )
         start = index * args.batch_size
-        return dataset.batch(order[start : start + args.batch_size])
+        inputs, targets = dataset.batch(order[start : start + args.batch_size])
+        return inputs.to(device), targets.to(device)
 
     info = {"vocab_size": len(vocab), "parameters": model.num_parameters()}
     return model, optimizer, batch, info
+
+
+def _device(args: argparse.Namespace):
+    """This rank's device (``--device``): the CPU, or GPU ``rank % device_count`` (so that
+    several ranks share one GPU when there are fewer GPUs than ranks)."""
+    import torch
+
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    device = torch.device("cuda", args.rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def _result(
@@ -554,6 +572,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
         "lr",
         "seed",
         "corpus_bytes",
+        "device",
         "bucket_bytes",
         "bucket_cap_mb",
         "comm_hook",
@@ -624,7 +643,8 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
     system = system.removesuffix(BASELINE)
     env = dict(
         os.environ,
-        PYTHONPATH=str(code),
+        # The code first; what PYTHONPATH already held (packages installed there) after it.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
         PARAMSYNC_SECRET=secrets.token_hex(16),
     )
@@ -1148,6 +1168,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=1 << 20)
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where every worker's model and batches live: the CPU (default), or GPU "
+        "rank %% device_count (2 workers on one GPU share it); DDP's gradients go through gloo "
+        "either way, paramsync's through its own plane (host-staged) or, with comm_backend "
+        "torch, NCCL",
+    )
+    parser.add_argument(
         "--bucket-bytes",
         type=int,
         default=None,
@@ -1262,7 +1291,8 @@ def main() -> None:
         model_text
         + f"context {args.context}; batch {args.batch_size} per worker; AdamW lr {args.lr}; "
         f"{args.warmup} warm-up + {args.steps} timed steps; {args.rounds} rounds; "
-        f"{os.cpu_count()} CPUs",
+        f"{os.cpu_count()} CPUs"
+        + ("; models and batches on CUDA" if args.device == "cuda" else ""),
         flush=True,
     )
     runs: dict = {}

@@ -21,6 +21,11 @@ batch (``--batch`` sequences of 64 characters from the stdlib corpus) for every 
   benchmarks/ddp.py's ``limit``; ``one``/``limit`` per round is the best speed-up any 2-way data
   parallelism could show here.
 
+``--device cuda`` puts every system's replicas on the GPUs instead (replica or rank ``i`` on
+``cuda:i % device_count``: with one GPU, both replicas of ``threads`` and both DDP processes
+share it; DDP and the limit still go through gloo), each step's time taken after
+``torch.cuda.synchronize()``.
+
 With ``--baseline PATH`` (another checkout, e.g. ``git worktree add /tmp/base <commit>``), each
 round also runs ``threads@baseline``: the same ``threads`` system with that checkout's code; both
 then run in a fresh process each (``--threads-worker``), and their step-time ratio per round is
@@ -119,6 +124,8 @@ def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> l
         data = batch(step, args.batch)
         started = time.perf_counter()
         step_fn(data)
+        if args.device == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are done, not only queued
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
     if cpu is not None:
@@ -129,13 +136,24 @@ def _timed(step_fn: Any, args: argparse.Namespace, cpu: dict | None = None) -> l
     return times
 
 
+def device_of(args: argparse.Namespace, index: int) -> str:
+    """Replica or rank ``index``'s device: ``"cpu"``, or with ``--device cuda``
+    ``"cuda:<index % device_count>"`` (two replicas share one GPU)."""
+    if args.device == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    return f"cuda:{index % torch.cuda.device_count()}"
+
+
 def threads_coordinator(args: argparse.Namespace) -> DataParallelCoordinator:
-    """The ``threads`` system: two CPU replicas of the LoRA model, one thread each."""
+    """The ``threads`` system: two replicas of the LoRA model (``--device``), one thread
+    each."""
     return DataParallelCoordinator(
         lambda: lora_model(args.rank),
         lambda model: optimizer(model, args.optimizer),
         loss_fn,
-        ["cpu", "cpu"],
+        [device_of(args, 0), device_of(args, 1)],
         check_interval=args.check_interval,
     )
 
@@ -211,14 +229,15 @@ def run_one(args: argparse.Namespace) -> dict:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = lora_model(args.rank)
+        device = device_of(args, 0)
+        model = lora_model(args.rank).to(device)
         opt = optimizer(model, args.optimizer)
 
         def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
             opt.zero_grad(set_to_none=False)
             half = (args.batch + 1) // 2
             for part in ((d[:half] for d in data), (d[half:] for d in data)):
-                idx, targets = part
+                idx, targets = (d.to(device) for d in part)
                 (loss_fn(model, (idx, targets)) * (idx.shape[0] / args.batch)).backward()
             opt.step()
 
@@ -239,8 +258,11 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device = device_of(args, rank)
+    if device != "cpu":
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    model = lora_model(args.rank)
+    model = lora_model(args.rank).to(device)
     if not args.no_communication:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = optimizer(model, args.optimizer)
@@ -249,7 +271,7 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
     def step(data: tuple[torch.Tensor, torch.Tensor]) -> None:
         opt.zero_grad(set_to_none=False)
-        loss_fn(model, (data[0][lo:hi], data[1][lo:hi])).backward()
+        loss_fn(model, (data[0][lo:hi].to(device), data[1][lo:hi].to(device))).backward()
         opt.step()
 
     dist.barrier()
@@ -269,7 +291,7 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace) -> None:
 def _worker_options(args: argparse.Namespace) -> list[str]:
     """The options a worker process of this script runs the same model and steps with."""
     options = ("--rank", args.rank, "--batch", args.batch, "--warmup", args.warmup)
-    options += ("--steps", args.steps, "--optimizer", args.optimizer)
+    options += ("--steps", args.steps, "--optimizer", args.optimizer, "--device", args.device)
     return [str(option) for option in options]
 
 
@@ -369,7 +391,7 @@ def print_table(table: dict, args: argparse.Namespace) -> None:
     print(
         f"LoRA CharTransformer (rank {args.rank}, targets {TARGETS}), batch {args.batch}, "
         f"{args.rounds} rounds x {args.steps} timed steps, AdamW ({args.optimizer}), "
-        f"{_check_label(args.check_interval)}, medians over rounds"
+        f"{_check_label(args.check_interval)}, on {args.device}, medians over rounds"
     )
     labels = {
         "threads": "2 replicas in threads",
@@ -434,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--phases",
         action="store_true",
         help="then time each replica's forward/backward, optimizer step and digest",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="every system's replicas on the CPU (default) or the GPUs (replica or rank i on "
+        "cuda:i %% device_count: two share one GPU)",
     )
     parser.add_argument("--json", type=Path, help="write the rounds and the table here")
     parser.add_argument(

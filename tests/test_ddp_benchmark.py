@@ -216,3 +216,29 @@ def test_the_batchnorm_model_has_running_statistics_that_training_moves() -> Non
     loss = model.loss(idx, torch.randint(0, 11, (4, 5)))
     assert math.isfinite(float(loss.detach()))
     assert not torch.equal(before, buffers["blocks.0.1.running_mean"])
+
+
+def test_the_device_option_reaches_every_worker_and_places_the_model_and_its_batches() -> None:
+    import torch
+
+    bench = _module()
+    parser = bench.build_parser()
+    assert parser.parse_args([]).device == "cpu"
+    flags = bench._model_flags(parser.parse_args(["--device", "cuda"]))
+    assert flags[flags.index("--device") + 1] == "cuda"
+    common = ["--model", "mlp", "--d-model", "8", "--corpus-bytes", "4096", "--batch-size", "4"]
+    args = parser.parse_args([*common, "--rank", "1", "--world", "2"])
+    model, optimizer, batch, _ = bench._setup(args)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
+    assert all(t.device.type == "cpu" for t in batch(0))
+    on_gpu = parser.parse_args([*common, "--device", "cuda", "--rank", "1", "--world", "2"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"torch.cuda.is_available\(\) is False"):
+            bench._setup(on_gpu)
+        return
+    model, optimizer, batch, _ = bench._setup(on_gpu)  # pragma: no cover (on a GPU)
+    device = torch.device("cuda", 1 % torch.cuda.device_count())
+    assert {p.device for p in model.parameters()} == {device}
+    assert {p.device for p in optimizer.param_groups[0]["params"]} == {device}
+    assert all(t.device == device for t in batch(0))

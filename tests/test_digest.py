@@ -299,6 +299,7 @@ def test_transposed_in_place_is_never_hashed_stale() -> None:
     assert after != before
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_digests_like_its_host_copy() -> None:
     model, optimizer = _replica()

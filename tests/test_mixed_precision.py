@@ -673,6 +673,7 @@ async def test_a_joiner_without_a_scaler_refuses_a_donor_with_one() -> None:
 # --------------------------------------------------------------------------- CUDA
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_autocast_on_cuda_computes_in_the_dtype(dtype: str) -> None:

@@ -155,3 +155,21 @@ def test_the_phases_time_each_replica_and_both_updates_in_their_order() -> None:
     unchecked = bench.build_parser().parse_args(["--steps", "2", "--warmup", "1", "--batch", "4"])
     unchecked.check_interval = 0
     assert "first digest" not in bench.run_phases(unchecked)
+
+
+def test_the_device_option_places_every_systems_replicas() -> None:
+    import torch
+
+    bench = _module()
+    parser = bench.build_parser()
+    args = parser.parse_args([])
+    assert args.device == "cpu" and bench.device_of(args, 1) == "cpu"
+    options = bench._worker_options(parser.parse_args(["--device", "cuda"]))
+    assert options[options.index("--device") + 1] == "cuda"  # the DDP ranks' processes too
+    on_gpu = parser.parse_args(["--device", "cuda"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"torch.cuda.is_available\(\) is False"):
+            bench.device_of(on_gpu, 0)
+        return
+    count = torch.cuda.device_count()  # pragma: no cover (on a GPU)
+    assert [bench.device_of(on_gpu, i) for i in (0, 1)] == [f"cuda:{i % count}" for i in (0, 1)]

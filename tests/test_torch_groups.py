@@ -195,6 +195,7 @@ async def test_a_subgroup_of_a_cuda_world_gets_an_nccl_communicator_of_its_own(
     assert sorted(built) == [(0, 2), (1, 2)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and NCCL")
 async def test_an_nccl_subgroup_reduces_a_device_buffer_in_place() -> None:  # pragma: no cover
     """On a GPU (one rank: NCCL allows one rank per device in a process): a subgroup of a
