@@ -184,6 +184,33 @@ def compiled(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     return losses
 
 
+def hooked(hook_name: str) -> Case:
+    """torch's own comm hook registered on the wrapped model, SGD with momentum."""
+
+    def case(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        wrapped = _wrap(ddp, model)
+        if hook_name == "powerSGD_hook":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2
+            )
+            wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)  # type: ignore[operator]
+        else:
+            wrapped.register_comm_hook(None, getattr(default_hooks, hook_name))  # type: ignore[operator]
+        losses = []
+        for x, y in batches(world, rank):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+        return losses
+
+    return case
+
+
 CASES: dict[str, Case] = {
     "clip": clip,
     "accumulate": accumulate,
@@ -191,6 +218,8 @@ CASES: dict[str, Case] = {
     "surgery": surgery,
     "scaler": scaler,
     "compiled": compiled,
+    "fp16_hook": hooked("fp16_compress_hook"),
+    "powersgd_hook": hooked("powerSGD_hook"),
 }
 
 

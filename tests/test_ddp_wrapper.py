@@ -33,7 +33,7 @@ from torch import nn
 
 from actors import DistributedDataParallel
 from actors.client.client import RunAborted
-from actors.train.ddp_arguments import torch_ddp_options
+from actors.train.ddp_arguments import torch_comm_hook, torch_ddp_options
 from actors.train.ddp_wrapper import DistributedOptimizer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import train_in_process
@@ -519,3 +519,67 @@ def test_options_a_users_loop_owns_are_refused() -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DistributedDataParallel(model, bucket_cap_mb=0)
     assert not math.isnan(float(model(torch.randn(1, 5)).sum().detach()))
+
+
+def test_torch_comm_hooks_map_to_paramsyncs_reducers_and_others_are_refused() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    assert torch_comm_hook(None, default_hooks.allreduce_hook) == ("none", 1, 2)
+    assert torch_comm_hook(None, default_hooks.fp16_compress_hook) == ("fp16", 1, 2)
+    assert torch_comm_hook(None, default_hooks.bf16_compress_hook) == ("bf16", 1, 2)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=7)
+    assert torch_comm_hook(state, powerSGD_hook.powerSGD_hook) == ("powersgd", 3, 7)
+
+    def my_hook(state: object, bucket: object) -> object:
+        raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="my_hook is not supported"):
+        torch_comm_hook(None, my_hook)
+    with pytest.raises(ValueError, match="batched_powerSGD_hook is not supported"):
+        torch_comm_hook(state, powerSGD_hook.batched_powerSGD_hook)
+    no_feedback = powerSGD_hook.PowerSGDState(None, use_error_feedback=False)
+    with pytest.raises(ValueError, match="use_error_feedback=False is not supported"):
+        torch_comm_hook(no_feedback, powerSGD_hook.powerSGD_hook)
+    with pytest.raises(ValueError, match="needs a PowerSGDState"):
+        torch_comm_hook(None, powerSGD_hook.powerSGD_hook)
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "named"),
+    [
+        ("mixed_precision", object(), "mixed_precision is not supported"),
+        ("device_mesh", object(), "device_mesh is not supported"),
+        ("delay_all_reduce_named_params", [], "delay_all_reduce_named_params is not supported"),
+        ("param_to_hook_all_reduce", object(), "param_to_hook_all_reduce is not supported"),
+        ("bucket_cap_mb_list", [1], "bucket_cap_mb_list is not supported"),
+        ("skip_all_reduce_unused_params", True, "skip_all_reduce_unused_params=True"),
+        ("process_group", object(), "process_group must be None"),
+    ],
+)
+def test_torch_ddp_arguments_that_cannot_apply_are_refused_naming_them(
+    argument: str, value: object, named: str
+) -> None:
+    """Before anything joins: one line naming the argument and why."""
+    with pytest.raises(ValueError, match=named):
+        DistributedDataParallel(mlp(0), **{argument: value})
+
+
+def test_device_ids_follow_torch_ddps_rules() -> None:
+    from actors.train.ddp_arguments import device_args
+
+    cpu_model = mlp(0)
+    assert device_args(cpu_model, None, None).input_device is None
+    with pytest.raises(ValueError, match=r"device_ids=\[0\] only applies to a module on one"):
+        device_args(cpu_model, [0], None)
+    with pytest.raises(ValueError, match="output_device=0 needs a module on one accelerator"):
+        device_args(cpu_model, None, 0)
+    ddp_style = torch_ddp_options(TrainerOptions(), static_graph=True, forward_sync_buffers=True)
+    assert ddp_style.find_unused_parameters and ddp_style.buffer_sync == "broadcast"
+    with pytest.raises(ValueError, match="disagree"):
+        torch_ddp_options(TrainerOptions(), broadcast_buffers=True, forward_sync_buffers=False)
+    with pytest.raises(ValueError, match=r"already wrapped by torch\.nn\.parallel"):
+        DistributedDataParallel(
+            torch.nn.parallel.DistributedDataParallel.__new__(
+                torch.nn.parallel.DistributedDataParallel
+            )
+        )

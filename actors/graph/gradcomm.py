@@ -119,27 +119,9 @@ class GradCommActor(Actor):
         self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
         for index in range(len(buckets)):
             self._bind(index)
-        self._reducers = [
-            make_reducer(
-                options.comm_hook,
-                bucket.index,
-                bucket.shapes,
-                bucket.dtype,
-                powersgd_rank=options.powersgd_rank,
-                powersgd_start_iter=options.powersgd_start_iter,
-            )
-            for bucket in buckets
-        ]
-        """Per bucket: how it is averaged (`runtime.collectives.compression`: a comm hook)."""
-        self._specs = [
-            tag_spec(bucket.spec(), reducer.label)
-            for bucket, reducer in zip(buckets, self._reducers)
-        ]
-        self._spec_hashes = [spec_hash(spec) for spec in self._specs]
-        """What a cached report carries instead of the whole spec."""
         self._fold = fold
         """Every member folds: cached buckets get no report, the step report says so."""
-        self._agreement = agreement_hash(dict(enumerate(self._spec_hashes)))
+        self._use_reducers(options)
         self._packed = [False] * len(buckets)
         """Per bucket: whether this step copied the gradients in (they were not views)."""
         self.current: StepState | None = None
@@ -153,6 +135,39 @@ class GradCommActor(Actor):
         rank (``find_unused_parameters``); bound again when the gradients are zeroed."""
         self._next = 0
         """Position in ``_order`` of the next cached bucket to reduce."""
+
+    def _use_reducers(self, options: CommOptions) -> None:
+        """Each bucket's reducer (how it is averaged: `runtime.collectives.compression`, the
+        comm hook of ``options``) and the specs the coordinator agrees on, tagged with it."""
+        self._reducers = [
+            make_reducer(
+                options.comm_hook,
+                bucket.index,
+                bucket.shapes,
+                bucket.dtype,
+                powersgd_rank=options.powersgd_rank,
+                powersgd_start_iter=options.powersgd_start_iter,
+            )
+            for bucket in self.buckets
+        ]
+        self._specs = [
+            tag_spec(bucket.spec(), reducer.label)
+            for bucket, reducer in zip(self.buckets, self._reducers)
+        ]
+        self._spec_hashes = [spec_hash(spec) for spec in self._specs]
+        """What a cached report carries instead of the whole spec."""
+        self._agreement = agreement_hash(dict(enumerate(self._spec_hashes)))
+
+    def use_comm_hook(self, options: CommOptions) -> None:
+        """Average the buckets with ``options``' comm hook from now on (torch DDP's
+        ``register_comm_hook``, before the epoch's first bucket is reported)."""
+        if self._order or self._ready_ns or (self.current is not None and self.current.reduced):
+            raise RuntimeError(
+                "the comm hook can only change before the first backward: buckets were "
+                "already reported with the old one"
+            )
+        self.options = options
+        self._use_reducers(options)
 
     def _bind(self, index: int) -> None:
         """Make bucket ``index``'s gradients views of its flat buffer (torch DDP's

@@ -46,7 +46,7 @@ import torch
 if TYPE_CHECKING:
     from actors.train.trainer import TrainerOptions
 
-__all__ = ["DeviceArgs", "torch_ddp_options", "device_args"]
+__all__ = ["DeviceArgs", "POWERSGD_DEFAULTS", "device_args", "torch_comm_hook", "torch_ddp_options"]
 
 
 @dataclass(frozen=True)
@@ -202,3 +202,53 @@ def _check_process_group(process_group: Any, world_size: int | None) -> None:
             f"DistributedDataParallel: process_group has {size} ranks but the run has "
             f"{world_size} workers"
         )
+
+
+POWERSGD_DEFAULTS: dict[str, object] = {
+    "min_compression_rate": 2,
+    "use_error_feedback": True,
+    "warm_start": True,
+    "orthogonalization_epsilon": 0,
+    "random_seed": 0,
+    "batch_tensors_with_same_shape": False,
+}
+"""The `PowerSGDState` settings paramsync's PowerSGD reducer runs with (the rank and the start
+iteration are the state's own)."""
+
+
+def torch_comm_hook(state: object, hook: Any) -> tuple[str, int, int]:
+    """(comm_hook, powersgd_rank, powersgd_start_iter) for one of torch's own DDP comm hooks:
+    ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook`` and
+    ``powerSGD_hook.powerSGD_hook`` (with its `PowerSGDState`), which paramsync's bucket
+    reducers compute with torch's arithmetic (`runtime.collectives.compression`). Any other
+    hook is refused naming it: a Python hook calls torch.distributed collectives on a process
+    group, which this wrapper does not hand out."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    name = getattr(hook, "__qualname__", repr(hook))
+    if hook is default_hooks.allreduce_hook:
+        return "none", 1, 2
+    if hook is default_hooks.fp16_compress_hook:
+        return "fp16", 1, 2
+    if hook is default_hooks.bf16_compress_hook:
+        return "bf16", 1, 2
+    if hook is powerSGD_hook.powerSGD_hook:
+        if not isinstance(state, powerSGD_hook.PowerSGDState):
+            raise ValueError(
+                "register_comm_hook: powerSGD_hook needs a PowerSGDState as its state, got "
+                f"{type(state).__name__}"
+            )
+        for field, default in POWERSGD_DEFAULTS.items():
+            value = getattr(state, field, default)
+            if value != default:
+                raise ValueError(
+                    f"register_comm_hook: PowerSGDState.{field}={value!r} is not supported "
+                    f"(paramsync's PowerSGD runs with {field}={default!r})"
+                )
+        return "powersgd", int(state.matrix_approximation_rank), int(state.start_powerSGD_iter)
+    raise ValueError(
+        f"register_comm_hook: {name} is not supported: paramsync runs torch's allreduce_hook, "
+        "fp16_compress_hook, bf16_compress_hook and powerSGD_hook (each bucket reduced with "
+        "torch's arithmetic); a hook of your own would need torch.distributed collectives "
+        "on paramsync's group"
+    )

@@ -73,7 +73,12 @@ from torch.utils.hooks import RemovableHandle
 
 from actors.graph.precision import autocast_of
 from actors.state.digest import Scheduler
-from actors.train.ddp_arguments import DeviceArgs, device_args, torch_ddp_options
+from actors.train.ddp_arguments import (
+    DeviceArgs,
+    device_args,
+    torch_comm_hook,
+    torch_ddp_options,
+)
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, OwnStep, TrainerOptions
 from runtime.coordinator.service import CoordinatorOptions
@@ -239,6 +244,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._wrapped: torch.optim.Optimizer | None = None
         """The optimizer `wrap_optimizer` wrapped (the trainer steps it)."""
         self._hooks: list[RemovableHandle] = []
+        self._hooked = False
+        """Whether `register_comm_hook` was called."""
         self._registered = _trainer is None
         if self._registered:
             _WRAPPED_MODULES.add(module)
@@ -420,6 +427,29 @@ class DistributedDataParallel(torch.nn.Module):
             return
         self._reduced = True
         self._run(self.trainer.reduce_own_step, own)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch DDP's ``register_comm_hook`` for torch's own hooks (``default_hooks``'
+        ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``; ``powerSGD_hook``
+        with its ``PowerSGDState``): each bucket is reduced with the hook's arithmetic, the
+        same bits torch DDP gets; another hook is refused naming it (see
+        `actors.train.ddp_arguments.torch_comm_hook`). Once, before the first forward, on
+        every rank (the hook is part of each bucket's spec: ranks that differ are stopped)."""
+        if self._hooked:
+            raise RuntimeError("register_comm_hook can only be called once (as with torch DDP)")
+        trainer = self.trainer
+        if self._own is not None or trainer.step > 0:
+            raise RuntimeError(
+                f"rank {trainer.rank}, step {trainer.step}: register_comm_hook after training "
+                "started: register it before the first forward"
+            )
+        comm_hook, rank, start = torch_comm_hook(state, hook)
+
+        async def use() -> None:
+            trainer.use_comm_hook(comm_hook, rank, start)
+
+        self._run(use)
+        self._hooked = True
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

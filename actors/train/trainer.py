@@ -15,6 +15,7 @@ digest), and exports the trained model (`DistributedTrainer.state_dict`, `save_s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -749,6 +750,25 @@ class DistributedTrainer:
             self._epoch.optimizer.optimizer = optimizer
             if scheduler is not None:
                 self._epoch.optimizer.scheduler = scheduler
+
+    def use_comm_hook(self, comm_hook: str, powersgd_rank: int, powersgd_start_iter: int) -> None:
+        """Average the buckets with ``comm_hook`` from now on, in this epoch and the next ones
+        (torch DDP's ``register_comm_hook``, `actors.train.ddp_wrapper`): before the first
+        step, in the event loop. Every member must choose the same hook (it is part of each
+        bucket's spec, which the coordinator checks)."""
+        if self.step > 0:
+            raise RuntimeError(
+                f"rank {self.rank}: the comm hook must be registered before the first step "
+                f"(the run is at step {self.step})"
+            )
+        self.options = dataclasses.replace(
+            self.options,
+            comm_hook=comm_hook,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+        )
+        if self._epoch is not None:
+            self._epoch.comm.use_comm_hook(self.options)
 
     def _applied(self, step: int) -> None:
         self.step = step + 1
