@@ -134,7 +134,9 @@ def _state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[by
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                out.append(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                out.append(
+                    value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                )
     return out
 
 
