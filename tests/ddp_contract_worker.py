@@ -184,6 +184,41 @@ def compiled(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     return losses
 
 
+def uneven(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
+    """Uneven inputs under ``with model.join():``: rank r stops after STEPS - 2r batches."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    wrapped = _wrap(ddp, model)
+    losses = []
+    with wrapped.join():  # type: ignore[operator]
+        for x, y in batches(world, rank)[: STEPS - 2 * rank]:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+    return losses
+
+
+def early_termination(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
+    """``join(throw_on_early_termination=True)``: every rank raises at the step where rank 1's
+    inputs ran out; the losses taken before it, then -1, are recorded."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = _wrap(ddp, model)
+    losses = []
+    try:
+        with wrapped.join(throw_on_early_termination=True):  # type: ignore[operator]
+            for x, y in batches(world, rank)[: STEPS - 3 * rank]:
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(wrapped(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss))
+    except RuntimeError as exc:
+        assert "exhausted" in str(exc), exc
+        losses.append(-1.0)
+    return losses
+
+
 def hooked(hook_name: str) -> Case:
     """torch's own comm hook registered on the wrapped model, SGD with momentum."""
 
@@ -218,6 +253,8 @@ CASES: dict[str, Case] = {
     "surgery": surgery,
     "scaler": scaler,
     "compiled": compiled,
+    "uneven": uneven,
+    "early_termination": early_termination,
     "fp16_hook": hooked("fp16_compress_hook"),
     "powersgd_hook": hooked("powerSGD_hook"),
 }
@@ -268,6 +305,11 @@ def main(argv: list[str]) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+        # torch's own teardown of a gloo process now and then aborts after everything is
+        # written ("terminate called without an active exception"; benchmarks/multidevice.py
+        # ends its DDP ranks the same way).
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

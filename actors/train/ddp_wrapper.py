@@ -383,10 +383,9 @@ class DistributedDataParallel(torch.nn.Module):
         if torch.is_grad_enabled():
             self._check_thread()
             self._check_parameters()
-            if self._own is not None and self._reduced and self._wrapped is None:
-                # The last step's backward was synchronized but no optimizer step followed (a
-                # loss scaler skipped it): every rank finishes it unchanged, as skipped.
-                self._finish_skipped(self._own)
+            # The last step's backward was synchronized but no optimizer step followed (a
+            # loss scaler skipped it): every rank finishes it unchanged, as skipped.
+            self._flush_skipped()
             if self._own is None:
                 # The step the last optimizer step began in the event loop, if it still
                 # stands; else cross into it to begin one.
@@ -452,6 +451,52 @@ class DistributedDataParallel(torch.nn.Module):
         self._hooked = True
 
     @contextmanager
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Iterator[None]:
+        """Uneven inputs, torch DDP's ``join()``: every rank runs its loop inside; a rank whose
+        loop ends before the others' keeps taking part in their steps with zero gradients
+        (and steps its optimizer with them, so its replica stays identical every step, where
+        torch only syncs it at the end) until every rank's loop has ended; the average still
+        divides by the whole world, as with ``divide_by_initial_world_size=True``. With
+        ``throw_on_early_termination`` every rank raises `EarlyTermination` at the step where
+        the first one ran out instead."""
+        if not enable:
+            yield
+            return
+        if not divide_by_initial_world_size:
+            raise ValueError(
+                "join(divide_by_initial_world_size=False) is not supported: the average "
+                "divides by the whole world while ranks have joined"
+            )
+        trainer = self.trainer
+        self._flush_skipped()
+
+        async def use(enabled: bool) -> None:
+            trainer.use_join(enabled, throw_on_early_termination=throw_on_early_termination)
+
+        self._run(use, True)
+        try:
+            yield
+            self._flush_skipped()
+            if self._own is not None:
+                raise RuntimeError(
+                    f"rank {trainer.rank}, step {self._own.step}: the join context ended in "
+                    "the middle of a step (a forward without its optimizer step)"
+                )
+            self._run(trainer.join_and_raise if throw_on_early_termination else trainer.join)
+        finally:
+            self._run(use, False)
+
+    def _flush_skipped(self) -> None:
+        """A synchronized step no optimizer step followed is finished as skipped now."""
+        if self._own is not None and self._reduced and self._wrapped is None:
+            self._finish_skipped(self._own)
+
+    @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forwards (and their backwards) inside accumulate gradients without synchronizing
         them (torch DDP's ``no_sync``): the first forward-backward outside synchronizes the sum."""
@@ -469,6 +514,12 @@ class DistributedDataParallel(torch.nn.Module):
                 "backward of a step must synchronize"
             )
         if not self._reduced:  # no hook fired in the backward (or it has not run yet)
+            if not self._options.find_unused_parameters and not own.compute.sync_backward_started:
+                raise RuntimeError(
+                    f"step {own.step}, rank {self.trainer.rank}: {what} after a forward with "
+                    "no backward (no parameter received a gradient since the step's "
+                    "synchronizing forward): call loss.backward() first"
+                )
             self._reduced = True
             self._run(self.trainer.reduce_own_step, own)
 
@@ -503,6 +554,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's optimizer step pre-hook (every optimizer's): for this module's, wait until
         the step may be applied (the previous step's commit, the apply barrier)."""
+        if self._thread is not None and threading.get_ident() != self._thread:
+            return  # the trainer's own optimizer step (a joined rank's, `join`)
         if not self._owns(optimizer):
             return
         own = self._own

@@ -260,6 +260,19 @@ class OwnStep:
         return self.epoch.compute
 
 
+class EarlyTermination(RuntimeError):
+    """A member's data ended inside ``join(throw_on_early_termination=True)``: every member
+    raises it at the same step, as torch's ``Join`` does."""
+
+    def __init__(self, step: int, joined: int) -> None:
+        super().__init__(
+            f"step {step}: {joined} rank(s) exhausted their inputs "
+            "(join(throw_on_early_termination=True))"
+        )
+        self.step = step
+        self.joined = joined
+
+
 class _StepAborted(Exception):
     """The step in flight was dropped by a membership change; it runs again in the new epoch."""
 
@@ -338,6 +351,7 @@ class DistributedTrainer:
         self._config = config
         self.client = client
         self.options = options
+        self._throw_on_early_termination = False
         self.trace = trace
         self.metrics: Metrics | None = None
         """This worker's Prometheus metrics (None: off; `TrainerOptions.metrics_port`)."""
@@ -1070,7 +1084,30 @@ class DistributedTrainer:
         await self._live.wait()
         epoch = self._epoch
         assert epoch is not None
+        if self.options.join:  # uneven inputs (`use_join`): count who still has data first
+            active = await self._count_with_data(epoch, self.step, True)
+            if self._throw_on_early_termination and active < self.world_size:
+                raise EarlyTermination(self.step, self.world_size - active)
         return OwnStep(self.step, epoch, epoch.comm.begin_step(self.step), time.perf_counter())
+
+    def use_join(self, enabled: bool, *, throw_on_early_termination: bool = False) -> None:
+        """The caller's own loop runs inside torch's ``Join`` (`actors.train.ddp_wrapper`'s
+        ``join()``) from its next step on: each step first counts the members that still have
+        data, and a member whose data ended calls `join` (or, with
+        ``throw_on_early_termination``, `join_and_raise`). Every member enables it at the same
+        step. In the event loop, between steps."""
+        self.options = dataclasses.replace(self.options, join=enabled)
+        self._throw_on_early_termination = throw_on_early_termination and enabled
+        self._next_own = None
+
+    async def join_and_raise(self) -> None:
+        """This member's data ended with ``throw_on_early_termination`` (torch's ``Join``):
+        take part in the step's count, so every member learns it, and raise."""
+        await self._live.wait()
+        epoch = self._epoch
+        assert epoch is not None
+        await self._count_with_data(epoch, self.step, False)
+        raise EarlyTermination(self.step, 1)
 
     def prepared_own_step(self) -> OwnStep | None:
         """The step `finish_own_step` began for the caller's next forward, if it is still the
@@ -1091,6 +1128,8 @@ class DistributedTrainer:
         """Begin the caller's next step now, in the event loop, while it waits here anyway
         (see `prepared_own_step`); nothing when no step may follow in this epoch."""
         self._next_own = None
+        if self.options.join:  # each step begins with the count (`begin_own_step`)
+            return
         if self._live.is_set() and self._epoch is epoch and not self.reached_max_steps:
             state = epoch.comm.begin_step(self.step)
             self._next_own = OwnStep(self.step, epoch, state, time.perf_counter())
