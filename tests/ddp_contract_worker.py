@@ -149,8 +149,8 @@ def scaler(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     step 2 input holds a huge value, so its local gradient overflows; the averaged gradient has
     the inf on every rank and every rank skips the same step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    wrapped = _wrap(ddp, model)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    wrapped = _wrap(ddp, model, grad_scaler=amp)  # paramsync: the scaler in the digest too
     losses = []
     for step, (x, y) in enumerate(batches(world, rank)):
         if step == 2 and rank == 0:
@@ -295,7 +295,10 @@ def main(argv: list[str]) -> None:
             opened.append(wrapped)
             return wrapped
 
-        losses = CASES[name](model, tracked if impl == "paramsync" else ddp, rank, world)
+        def torchs(module: nn.Module, grad_scaler: Any = None, **kwargs: Any) -> nn.Module:
+            return _wrap(ddp, module, **kwargs)  # torch's DDP takes no grad_scaler
+
+        losses = CASES[name](model, tracked if impl == "paramsync" else torchs, rank, world)
         state = {f"param/{n}": p.detach().clone() for n, p in model.named_parameters()}
         state["losses"] = torch.tensor(losses, dtype=torch.float64)
         save_file(state, str(out / f"{name}-{impl}-rank{rank}.safetensors"))

@@ -121,3 +121,39 @@ async def test_ranks_that_disagree_on_the_model_are_stopped_naming_both() -> Non
     assert isinstance(error, RunAborted), repr(error)
     assert "model differs from rank" in str(error) and "'0.weight'" in str(error), error
     assert "(7, 5) vs (8, 5)" in str(error), error
+
+
+async def test_a_rank_whose_loss_scaler_differs_is_caught_at_that_step() -> None:
+    """Both ranks register their GradScaler; after step 2 rank 1 changes its scaler's growth
+    tracker by hand (nothing numeric changes that step): the next digest differs only in the
+    scaler's entry, and the coordinator stops the run naming it."""
+
+    def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    async def body(trainer: DistributedTrainer) -> None:
+        wrapped = DistributedDataParallel.unwrapped_around(trainer)
+        optimizer = trainer.optimizer
+        amp = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=100)
+
+        def loop() -> None:
+            wrapped.register_grad_scaler(amp)
+            gen = torch.Generator().manual_seed(trainer.rank)
+            for index in range(6):
+                optimizer.zero_grad()
+                x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+                amp.scale(nn.functional.mse_loss(wrapped(x), y)).backward()
+                amp.step(optimizer)
+                amp.update()
+                wrapped.verified()
+                if trainer.rank == 1 and index == 2:
+                    amp._growth_tracker.fill_(7)  # type: ignore[union-attr]
+
+        await trio.to_thread.run_sync(loop, abandon_on_cancel=True)
+
+    with pytest.raises(BaseException) as info, trio.fail_after(SECONDS):
+        await train_in_process(2, make_replica, dummy_loss, body)
+    error = pick_error(info.value)
+    assert isinstance(error, RunAborted), repr(error)
+    assert "amp/grad_scaler" in str(error) and "step 3" in str(error), str(error)

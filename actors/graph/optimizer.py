@@ -130,6 +130,11 @@ class OptimizerActor(Actor):
         self._hashed: tuple[int, StateDigest, int, int] | None = None
         """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
 
+    def digest_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Cover ``scaler``'s state in every digest from now on (a loss scaler the caller's
+        own loop drives, `actors.train.ddp_wrapper`)."""
+        self._scaler_digests = GradScalerDigests(scaler)
+
     async def handle(self, message: object) -> None:
         if isinstance(message, OptimizerStep):
             with self.trace.span("commit-wait", actor="optimizer", step=message.step - 1):

@@ -147,13 +147,15 @@ class DistributedDataParallel(torch.nn.Module):
     (`actors.train.ddp_arguments` says what each does here and which are refused); then
     paramsync's own, by keyword: ``options`` (`TrainerOptions`; see `check_own_loop_options`
     for the few refused), ``coordinator_options`` when this rank hosts the coordinator,
-    configuration ``overrides``, the shared ``secret``, and ``optimizer``/``scheduler``: the
+    configuration ``overrides``, the shared ``secret``, ``optimizer``/``scheduler``: the
     optimizer (and LR scheduler) to check and transfer from the start, which a worker that may
     rejoin a run in progress must pass (otherwise the optimizer stepping this module's
-    parameters is found at its first step). Constructing it joins the run this environment
-    describes (torchrun's or ``paramsync launch``'s variables): rank 0's parameters and buffers
-    are everywhere when it returns. Like torch DDP's, ``state_dict`` keys carry the
-    ``module.`` prefix; `trainer`'s ``state_dict`` is the plain module's.
+    parameters is found at its first step), and ``grad_scaler``: a ``torch.amp.GradScaler``
+    the loop drives, covered by the state digest (`register_grad_scaler`). Constructing it
+    joins the run this environment describes (torchrun's or ``paramsync launch``'s
+    variables): rank 0's parameters and buffers are everywhere when it returns. Like torch
+    DDP's, ``state_dict`` keys carry the ``module.`` prefix; `trainer`'s ``state_dict`` is the
+    plain module's.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
         secret: bytes | str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Scheduler | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         _trainer: DistributedTrainer | None = None,
     ) -> None:
         super().__init__()
@@ -254,6 +257,8 @@ class DistributedDataParallel(torch.nn.Module):
                 self._join(coordinator_options, overrides, secret, optimizer, scheduler)
             elif optimizer is not None:
                 self._use_optimizer(optimizer)
+            if grad_scaler is not None:
+                self.register_grad_scaler(grad_scaler)
             if process_group is not None:  # now the run's size is known
                 torch_ddp_options(
                     self._options, process_group=process_group, world_size=self.world_size
@@ -449,6 +454,19 @@ class DistributedDataParallel(torch.nn.Module):
 
         self._run(use)
         self._hooked = True
+
+    def register_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Cover ``scaler`` (the loop's ``torch.amp.GradScaler``) in the per-step state digest
+        (C-DDP-001): a rank whose scale or skip decision differs is caught at that step. The
+        decisions agree without it (backward returns identical averaged gradients); this
+        makes the check see the scaler itself. ``grad_scaler=`` in the constructor does the
+        same."""
+        trainer = self.trainer
+
+        async def watch() -> None:
+            trainer.watch_grad_scaler(scaler)
+
+        self._run(watch)
 
     @contextmanager
     def join(

@@ -352,6 +352,8 @@ class DistributedTrainer:
         self.client = client
         self.options = options
         self._throw_on_early_termination = False
+        self._watched_scaler: torch.amp.GradScaler | None = None
+        """A loss scaler of the caller's own loop, covered by the digests (`watch_grad_scaler`)."""
         self.trace = trace
         self.metrics: Metrics | None = None
         """This worker's Prometheus metrics (None: off; `TrainerOptions.metrics_port`)."""
@@ -739,6 +741,8 @@ class DistributedTrainer:
             scheduler=self.scheduler,
             digest_buffers=self.options.buffer_sync != "local",
         )
+        if self._watched_scaler is not None:
+            optimizer.digest_grad_scaler(self._watched_scaler)
         try:
             await system.start(compute)
             await system.start(comm)
@@ -764,6 +768,14 @@ class DistributedTrainer:
             self._epoch.optimizer.optimizer = optimizer
             if scheduler is not None:
                 self._epoch.optimizer.scheduler = scheduler
+
+    def watch_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Cover ``scaler``, a loss scaler the caller's own loop steps, in every state digest
+        from now on (`actors.train.ddp_wrapper`): ranks whose scalers decided differently are
+        caught at that step. In the event loop, between steps."""
+        self._watched_scaler = scaler
+        if self._epoch is not None:
+            self._epoch.optimizer.digest_grad_scaler(scaler)
 
     def use_comm_hook(self, comm_hook: str, powersgd_rank: int, powersgd_start_iter: int) -> None:
         """Average the buckets with ``comm_hook`` from now on, in this epoch and the next ones
