@@ -303,6 +303,8 @@ def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
                 logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
             )
             loss.backward()  # DDP all-reduces the gradient buckets during backward
+            if args.clip_grad_norm is not None:  # the averaged gradients, every rank alike
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
             optimizer.step()
             losses.append(float(loss.detach()))
             ends.append(time.perf_counter())
@@ -429,11 +431,14 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
     return trio.run(main, instruments=[task_steps])
 
 
-def _paramsync_options(args: argparse.Namespace):
-    """The paramsync workers' `TrainerOptions`: ``--option``'s fields and the comm hook's."""
+def _paramsync_options(args: argparse.Namespace, *, clip: bool = True):
+    """The paramsync workers' `TrainerOptions`: ``--option``'s fields, the comm hook's and
+    (``clip``: the trainer clips, as `train_batch` does) ``--clip-grad-norm``."""
     from actors.train.trainer import TrainerOptions
 
     overrides = _trainer_options(args.option)
+    if clip and args.clip_grad_norm is not None:
+        overrides.setdefault("clip_grad_norm", args.clip_grad_norm)
     if args.bucket_bytes is not None:
         overrides["bucket_bytes"] = args.bucket_bytes
     overrides.setdefault("comm_hook", args.comm_hook)
@@ -444,8 +449,9 @@ def _paramsync_options(args: argparse.Namespace):
 
 def _worker_own_loop(args: argparse.Namespace) -> dict:
     """One rank of paramsync's DDP-shaped entry: the loop `_worker_ddp` runs, with
-    `actors.DistributedDataParallel` in place of torch's and the wrapped optimizer; it joins
-    the run from the environment, as a torchrun or ``paramsync launch`` script does."""
+    `actors.DistributedDataParallel` in place of torch's and nothing else changed (the
+    optimizer stepped unwrapped, ``--clip-grad-norm`` clipping between backward and step); it
+    joins the run from the environment, as a torchrun or ``paramsync launch`` script does."""
     import torch
 
     from actors import DistributedDataParallel
@@ -459,19 +465,21 @@ def _worker_own_loop(args: argparse.Namespace) -> dict:
         PARAMSYNC_ROLE="worker",
     )
     counter = _count_paramsync_all_reduce()
-    with DistributedDataParallel(model, options=_paramsync_options(args)) as forward:
-        wrapped = forward.wrap_optimizer(optimizer)
+    options = _paramsync_options(args, clip=False)  # the loop clips, as DDP's does
+    with DistributedDataParallel(model, options=options) as forward:
         ends: list[float] = []
         losses: list[float] = []
         for step in range(args.warmup + args.steps):
             inputs, targets = batch(step)
-            wrapped.zero_grad()
+            optimizer.zero_grad()
             logits = forward(inputs)
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
             )
-            loss.backward()  # each finished bucket's all-reduce starts in the trio thread
-            wrapped.step()
+            loss.backward()  # returns with every bucket averaged, as DDP's does
+            if args.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+            optimizer.step()  # its step hooks report the state digest
             losses.append(float(loss.detach()))
             ends.append(time.perf_counter())
             if step == args.warmup - 1:
@@ -578,6 +586,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
         "comm_hook",
         "powersgd_rank",
         "powersgd_start_iter",
+        "clip_grad_norm",
     ):
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -905,6 +914,10 @@ def _summarise_extras(table: list[dict], runs: dict) -> None:
                     _round_ratios(runs[(over, world)], runs[(under, world)], "cpu_seconds_per_step")
                 ),
             }
+            if system == OWN_LOOP and ("ddp", world) in runs:  # the one-line change's figure
+                against_ddp = _round_ratios(results, runs[("ddp", world)])
+                row[system]["ddp_ratio"] = statistics.median(against_ddp)
+                row[system]["ddp_ratio_rounds"] = against_ddp
 
 
 def _print_extras(table: list[dict], baseline: str | None) -> None:
@@ -920,6 +933,12 @@ def _print_extras(table: list[dict], baseline: str | None) -> None:
                 f"{_interval_text(own['paired_ratio_interval'])}, rank 0's CPU time "
                 f"x{own['cpu_ratio']:.3f} (rounds: {rounds})"
             )
+            if "ddp_ratio" in own:
+                rounds = " ".join(f"{ratio:.3f}" for ratio in own["ddp_ratio_rounds"])
+                print(
+                    f"n={n}: own loop / torch DDP round by round: step time "
+                    f"x{own['ddp_ratio']:.3f} (rounds: {rounds})"
+                )
         for name in ("paramsync", OWN_LOOP):
             old = row.get(name + BASELINE)
             if old is None:
@@ -1235,6 +1254,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run paramsync checking every K steps (K >= 3) in the same rounds, and "
         "measure the check's cost within those runs: each checked step and the one after it "
         "against the unchecked steps beside them (steadier than --check-cost's A/B of runs)",
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        metavar="NORM",
+        help="clip the averaged gradients to this total norm before each optimizer step in "
+        "every system (DDP, the limit and the own loop call clip_grad_norm_ between backward "
+        "and step; train_batch gets the clip_grad_norm option)",
     )
     parser.add_argument(
         "--own-loop",

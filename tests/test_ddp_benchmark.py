@@ -135,6 +135,7 @@ def test_a_tiny_run_of_the_own_loop_and_a_baseline_checkout(tmp_path: Path) -> N
     checkout), in the same rounds as the others."""
     out = tmp_path / "ddp.json"
     command = [*_tiny_command(out), "--no-torch-backend", "--own-loop", "--baseline", str(ROOT)]
+    command += ["--clip-grad-norm", "0.5"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(out.read_text())["rows"][0]
@@ -143,6 +144,9 @@ def test_a_tiny_run_of_the_own_loop_and_a_baseline_checkout(tmp_path: Path) -> N
     assert own["median_step_seconds"] > 0 and len(own["paired_ratio_rounds"]) == 1
     assert own["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
     assert "own loop (DDP-shaped)" in done.stdout and "against train_batch" in done.stdout
+    # With clipping between backward and step in the user's loop, torch DDP's curve too.
+    assert own["final_loss"] == pytest.approx(row["ddp"]["final_loss"], abs=1e-4)
+    assert len(own["ddp_ratio_rounds"]) == 1 and "own loop / torch DDP" in done.stdout
     for system in ("paramsync@baseline", "own-loop@baseline"):
         assert row[system]["median_step_seconds"] > 0
         assert row[system]["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)
@@ -242,3 +246,14 @@ def test_the_device_option_reaches_every_worker_and_places_the_model_and_its_bat
     assert {p.device for p in model.parameters()} == {device}
     assert {p.device for p in optimizer.param_groups[0]["params"]} == {device}
     assert all(t.device == device for t in batch(0))
+
+
+def test_clip_grad_norm_goes_to_train_batch_as_an_option_and_stays_in_the_own_loop() -> None:
+    ddp = _module()
+    args = ddp.build_parser().parse_args(
+        ["--clip-grad-norm", "0.5", "--option", "chunk_bytes=4096"]
+    )
+    assert ddp._paramsync_options(args).clip_grad_norm == 0.5
+    assert ddp._paramsync_options(args, clip=False).clip_grad_norm is None
+    flags = ddp._model_flags(args)
+    assert flags[flags.index("--clip-grad-norm") + 1] == "0.5"
