@@ -27,6 +27,9 @@ from torch import nn
 
 STEPS = 6
 PER_RANK = 8
+DEVICE = torch.device(os.environ.get("CONTRACT_DEVICE", "cpu"))
+"""``cuda``: every rank's model on the GPU (the ranks share it), wrapped with
+``device_ids=[0]``; the inputs stay on the host (DDP moves them), the targets on the GPU."""
 
 
 class Net(nn.Module):
@@ -54,7 +57,7 @@ def batches(world: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x = torch.randn(world * PER_RANK, 6, generator=gen)
         y = torch.randn(world * PER_RANK, 3, generator=gen)
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        out.append((x[rows], y[rows]))
+        out.append((x[rows], y[rows].to(DEVICE)))
     return out
 
 
@@ -63,6 +66,8 @@ Case = Callable[[nn.Module, Any, int, int], list[float]]
 
 
 def _wrap(ddp: Any, model: nn.Module, **kwargs: Any) -> nn.Module:
+    if DEVICE.type == "cuda":
+        kwargs["device_ids"] = [DEVICE.index or 0]
     with warnings.catch_warnings():  # torch 2.13 renames broadcast_buffers (same meaning)
         warnings.simplefilter("ignore", FutureWarning)
         wrapped: nn.Module = ddp(model, **kwargs)
@@ -149,7 +154,7 @@ def scaler(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     step 2 input holds a huge value, so its local gradient overflows; the averaged gradient has
     the inf on every rank and every rank skips the same step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    amp = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8, growth_interval=2)
     wrapped = _wrap(ddp, model, grad_scaler=amp)  # paramsync: the scaler in the digest too
     losses = []
     for step, (x, y) in enumerate(batches(world, rank)):
@@ -157,7 +162,7 @@ def scaler(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
             x = x.clone()
             x[0, 0] = 6.0e4
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
             loss = nn.functional.mse_loss(wrapped(x).float(), y)
         amp.scale(loss).backward()
         amp.unscale_(optimizer)
@@ -287,7 +292,7 @@ def main(argv: list[str]) -> None:
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(ports[index]),
             )
-        model = make_model(rank)
+        model = make_model(rank).to(DEVICE)
         opened: list[Any] = []
 
         def tracked(module: nn.Module, opened: list[Any] = opened, **kwargs: Any) -> nn.Module:
@@ -299,7 +304,7 @@ def main(argv: list[str]) -> None:
             return _wrap(ddp, module, **kwargs)  # torch's DDP takes no grad_scaler
 
         losses = CASES[name](model, tracked if impl == "paramsync" else torchs, rank, world)
-        state = {f"param/{n}": p.detach().clone() for n, p in model.named_parameters()}
+        state = {f"param/{n}": p.detach().cpu().clone() for n, p in model.named_parameters()}
         state["losses"] = torch.tensor(losses, dtype=torch.float64)
         save_file(state, str(out / f"{name}-{impl}-rank{rank}.safetensors"))
         for wrapped in opened:

@@ -37,30 +37,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_cases(out: Path, cases: list[str], device: str = "cpu") -> Path:
     """Every case under both implementations, 2 ranks each (the four processes at once)."""
-    out = tmp_path_factory.mktemp("ddp-contract")
-    cases = ",".join(CASES)
     env = dict(os.environ, PARAMSYNC_SECRET="contract-" + "k" * 40, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
+    env["CONTRACT_DEVICE"] = device
     torch_port = str(free_port())
-    paramsync_ports = ",".join(str(free_port()) for _ in CASES)
+    paramsync_ports = ",".join(str(free_port()) for _ in cases)
     procs = []
     for impl, ports in (("torch", torch_port), ("paramsync", paramsync_ports)):
         for rank in range(WORLD):
+            command = [sys.executable, str(WORKER), impl, str(rank), str(WORLD), ports, str(out)]
             procs.append(
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(WORKER),
-                        impl,
-                        str(rank),
-                        str(WORLD),
-                        ports,
-                        str(out),
-                        cases,
-                    ],
+                    [*command, ",".join(cases)],
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
@@ -82,8 +72,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_paramsync_is_torch_ddp_in_the_users_own_loop(results: Path, case: str) -> None:
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_cases(tmp_path_factory.mktemp("ddp-contract"), list(CASES))
+
+
+def check_case(results: Path, case: str) -> None:
+    """paramsync's ranks bitwise identical; its weights and losses torch DDP's."""
     ours = [load_file(str(results / f"{case}-paramsync-rank{r}.safetensors")) for r in range(WORLD)]
     theirs = [load_file(str(results / f"{case}-torch-rank{r}.safetensors")) for r in range(WORLD)]
     for name, value in ours[0].items():  # C-DDP-001, and the same losses on both sides
@@ -98,3 +93,21 @@ def test_paramsync_is_torch_ddp_in_the_users_own_loop(results: Path, case: str) 
         )
     if case == "scaler":  # the same steps skipped: the scale halved once, grown the same
         assert ours[0]["losses"][-1] == theirs[0]["losses"][-1]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_paramsync_is_torch_ddp_in_the_users_own_loop(results: Path, case: str) -> None:
+    check_case(results, case)
+
+
+CUDA_CASES = ["clip", "accumulate", "surgery", "scaler", "uneven", "fp16_hook"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_with_device_ids(tmp_path: Path) -> None:
+    """The same loops with each rank's model on the GPU (2 ranks sharing it), wrapped with
+    ``device_ids=[0]``: CUDA gradients averaged before backward returns, a CUDA GradScaler."""
+    out = run_cases(tmp_path, CUDA_CASES, device="cuda")
+    for case in CUDA_CASES:
+        check_case(out, case)
