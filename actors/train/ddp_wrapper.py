@@ -249,6 +249,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._hooks: list[RemovableHandle] = []
         self._hooked = False
         """Whether `register_comm_hook` was called."""
+        self._muted: tuple[torch.optim.Optimizer, list[Any]] | None = None
+        """The optimizer whose parameter groups a dropped step emptied, and their parameters."""
         self._registered = _trainer is None
         if self._registered:
             _WRAPPED_MODULES.add(module)
@@ -320,6 +322,7 @@ class DistributedDataParallel(torch.nn.Module):
         _check_optimizer(self.module, optimizer)
         self._bind(optimizer, scheduler)
         self._wrapped, self._user_optimizer = optimizer, None
+        self._attach_caller()
         return DistributedOptimizer(self, optimizer)
 
     @classmethod
@@ -333,6 +336,7 @@ class DistributedDataParallel(torch.nn.Module):
         block on."""
         wrapper = cls.unwrapped_around(trainer)
         wrapper._wrapped, wrapper._user_optimizer = trainer.optimizer, None
+        trainer.attach_caller(applies=False)  # in the trio thread, as `around` is called
         return wrapper, DistributedOptimizer(wrapper, trainer.optimizer)
 
     @classmethod
@@ -349,7 +353,8 @@ class DistributedDataParallel(torch.nn.Module):
         def cross(fn: Callable[..., Any], *args: Any) -> Any:
             return trio.from_thread.run(fn, *args, trio_token=token)
 
-        wrapper._attach(trainer, cross)
+        wrapper._trainer, wrapper._cross = trainer, cross
+        trainer.attach_caller(applies=True)  # in the trio thread, as this is called
         if optimizer_known:
             wrapper._user_optimizer = trainer.optimizer
         return wrapper
@@ -357,6 +362,17 @@ class DistributedDataParallel(torch.nn.Module):
     def _attach(self, trainer: DistributedTrainer, cross: Callable[..., Any]) -> None:
         self._trainer = trainer
         self._cross = cross
+        self._attach_caller()
+
+    def _attach_caller(self) -> None:
+        """Tell the trainer a loop in this thread drives it (its epochs then enter only while
+        the loop is parked in a crossing), and whether that loop steps the optimizer."""
+        trainer, applies = self.trainer, self._wrapped is None
+
+        async def attach() -> None:
+            trainer.attach_caller(applies=applies)
+
+        self._run(attach)
 
     def _use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         _check_optimizer(self.module, optimizer)
@@ -387,6 +403,7 @@ class DistributedDataParallel(torch.nn.Module):
         trainer = self.trainer
         if torch.is_grad_enabled():
             self._check_thread()
+            self._unmute()  # a muted step that raised before its post-hook
             self._check_parameters()
             # The last step's backward was synchronized but no optimizer step followed (a
             # loss scaler skipped it): every rank finishes it unchanged, as skipped.
@@ -586,11 +603,15 @@ class DistributedDataParallel(torch.nn.Module):
         self._ensure_reduced(own, "optimizer.step()")
         if self._run(self.trainer.begin_caller_apply, own):
             self._applying = own
-        else:  # dropped: its gradients were zeroed; the step runs on every rank alike
+        else:  # dropped by a membership change: this optimizer step changes nothing
             self._own, self._armed, self._reduced = None, False, False
+            self._mute(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's optimizer step post-hook: report the applied step's digest (C-DDP-001)."""
+        if self._muted is not None and optimizer is self._user_optimizer:
+            self._unmute()
+            return
         own = self._applying
         if own is None or optimizer is not self._user_optimizer:
             return
@@ -598,6 +619,20 @@ class DistributedDataParallel(torch.nn.Module):
         self._own, self._armed, self._reduced = None, False, False
         self.trainer.caller_applied(own)
         self._run(self.trainer.end_caller_apply, own)
+
+    def _mute(self, optimizer: torch.optim.Optimizer) -> None:
+        """Empty ``optimizer``'s parameter groups for the step about to run (a dropped step's:
+        no parameter and no state may change), until `_unmute`."""
+        self._muted = (optimizer, [group["params"] for group in optimizer.param_groups])
+        for group in optimizer.param_groups:
+            group["params"] = []
+
+    def _unmute(self) -> None:
+        if self._muted is not None:
+            optimizer, params = self._muted
+            self._muted = None
+            for group, kept in zip(optimizer.param_groups, params):
+                group["params"] = kept
 
     def _finish_skipped(self, own: OwnStep) -> None:
         self._own, self._armed, self._reduced = None, False, False
@@ -607,8 +642,10 @@ class DistributedDataParallel(torch.nn.Module):
             self._run(trainer.end_caller_apply, own)
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``await fn(*args)`` in the trainer's event loop, this thread parked meanwhile
+        (`DistributedTrainer.caller_crossing`)."""
         assert self._cross is not None
-        return self._cross(fn, *args)
+        return self._cross(self.trainer.caller_crossing, fn, *args)
 
     def _check_thread(self) -> None:
         """One thread runs the loop: the hooks' bookkeeping is that thread's."""

@@ -260,6 +260,30 @@ class OwnStep:
         return self.epoch.compute
 
 
+@dataclass
+class _CallerGate:
+    """Where the caller's own loop is (`actors.train.ddp_wrapper`): a new epoch's entry (its
+    state transfer, buffer synchronization and opening check) touches the model and optimizer,
+    which the caller's thread also touches between its crossings into the event loop. The
+    entry waits until that thread is parked in a crossing, and a crossing does not hand the
+    state back while an entry runs."""
+
+    outside: bool = True
+    """The caller's thread runs its own code (not inside a crossing)."""
+    changed: trio.Event = field(default_factory=trio.Event)
+    """Set (and replaced) whenever the caller enters or leaves a crossing."""
+    must_apply: int | None = None
+    """A step every member was told to apply when its epoch ended: the caller applies it
+    before the next epoch may enter."""
+    entering: bool = False
+    entered: trio.Event = field(default_factory=trio.Event)
+    gone: bool = False
+    """The caller's loop is over (the trainer is finishing): nothing to wait for."""
+    applies: bool = False
+    """The caller steps its optimizer itself: a step every member was told to apply is
+    applied by the caller when the epoch ends under it, not by the trainer."""
+
+
 class EarlyTermination(RuntimeError):
     """A member's data ended inside ``join(throw_on_early_termination=True)``: every member
     raises it at the same step, as torch's ``Join`` does."""
@@ -352,6 +376,8 @@ class DistributedTrainer:
         self.client = client
         self.options = options
         self._throw_on_early_termination = False
+        self._caller: _CallerGate | None = None
+        """The caller's own loop, when one drives this trainer (`attach_caller`)."""
         self._watched_scaler: torch.amp.GradScaler | None = None
         """A loss scaler of the caller's own loop, covered by the digests (`watch_grad_scaler`)."""
         self.trace = trace
@@ -569,11 +595,17 @@ class DistributedTrainer:
 
                     nursery.start_soon(end_on_announcement)
                     transport = await self._connect(start)
+                    await self._caller_parked()
                     await self._enter(start, transport)
                     async with ActorSystem() as system:
                         epoch = await self._start_actors(system, start, transport)
                         if start.verify:
-                            await epoch.optimizer.tell(Verify(start.step - 1, force=True))
+                            verify = Verify(start.step - 1, force=True)
+                            if self._caller is None:
+                                await epoch.optimizer.tell(verify)
+                            else:  # hashed before the caller's loop may touch the state
+                                await epoch.optimizer.ask(verify)
+                        self._caller_released()
                         self._epoch = epoch
                         if not self._announced:
                             self._live.set()
@@ -606,13 +638,68 @@ class DistributedTrainer:
                     if transport is not None:
                         transport.abort()
                         if start.apply_barrier and self.client.applied(self.step):
-                            await trio.to_thread.run_sync(self._apply_pending)
+                            gate = self._caller
+                            if gate is not None and gate.applies:
+                                gate.must_apply = self.step  # its begin_caller_apply says so
+                            else:
+                                await trio.to_thread.run_sync(self._apply_pending)
                         self.optimizer.zero_grad(set_to_none=False)
                         if self._owns_transports:
                             await transport.aclose()
                 if ending is not None:
                     ending.ended.set()
+                self._caller_released()
         return status, failure
+
+    def caller_left(self) -> None:
+        """The caller's loop is over: epochs enter without waiting for it."""
+        gate = self._caller
+        if gate is not None:
+            gate.gone = True
+            gate.changed.set()
+
+    def attach_caller(self, *, applies: bool) -> None:
+        """A caller's own loop drives this trainer from its own thread from now on
+        (`actors.train.ddp_wrapper`), crossing into the event loop through `caller_crossing`;
+        ``applies``: it steps the optimizer itself. In the event loop."""
+        if self._caller is None:
+            self._caller = _CallerGate()
+        self._caller.applies = applies
+
+    async def caller_crossing(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run ``await fn(*args)`` for the caller's thread, which is parked meanwhile: a new
+        epoch may enter; the result is handed back only once no entry is running."""
+        gate = self._caller
+        if gate is None:
+            return await fn(*args)
+        gate.outside = False
+        gate.changed.set()
+        try:
+            return await fn(*args)
+        finally:
+            with trio.CancelScope(shield=True):
+                while gate.entering:
+                    await gate.entered.wait()
+            gate.outside = True
+            gate.changed.set()
+
+    async def _caller_parked(self) -> None:
+        """Before a new epoch's entry: wait until the caller's thread is parked in a crossing
+        (or its loop is over), and keep it there until `_caller_released`."""
+        gate = self._caller
+        if gate is None:
+            return
+        while not gate.gone and (gate.outside or gate.must_apply is not None):
+            gate.changed = trio.Event()
+            await gate.changed.wait()
+        # No await since the check: the caller is still parked, and stays so until released.
+        gate.entering, gate.entered = True, trio.Event()
+
+    def _caller_released(self) -> None:
+        gate = self._caller
+        if gate is not None and gate.entering:
+            gate.entering = False
+            gate.entered.set()
 
     async def _resume_point(self) -> tuple[int, bytes]:
         """Once the supervisor holds, the next step and the state digest this worker rejoins
@@ -1192,13 +1279,21 @@ class DistributedTrainer:
                 await self.client.wait_commit(own.step - 1)
             await self._apply_barrier(epoch, own.step)
 
-        return await self._own_phase(own, barrier)
+        if await self._own_phase(own, barrier):
+            return True
+        # The epoch ended under it: a step every member was told to apply is still applied,
+        # here by the caller (`_apply_pending` does it for the trainer's own steps).
+        gate = self._caller
+        return gate is not None and gate.must_apply == own.step == self.step
 
     def caller_applied(self, own: OwnStep, *, skipped: bool = False) -> None:
         """The caller's thread has stepped its optimizer with ``own.step`` (or skipped the
         step: a loss scaler found inf or nan): count it and hash the state there, as the
         optimizer actor does right after its own step. Called outside the event loop."""
         own.epoch.optimizer.applied_by_caller(own.step, skipped=skipped)
+        gate = self._caller
+        if gate is not None and gate.must_apply == own.step:
+            gate.must_apply = None  # the next crossing lets the next epoch enter
 
     async def end_caller_apply(self, own: OwnStep) -> bool:
         """After `caller_applied`: report ``own.step``'s digest (C-DDP-001) and, without
@@ -1373,6 +1468,7 @@ class DistributedTrainer:
     async def finish(self) -> None:
         """Tell the coordinator this worker is done, and wait for the run's end; after a
         membership change, take part in the new epoch's check and say it again."""
+        self.caller_left()
         while not self.client.done.is_set():
             await self._live.wait()
             epoch = self._epoch
