@@ -189,6 +189,20 @@ def compiled(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     return losses
 
 
+def inductor(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
+    """torch.compile with its default backend (inductor: C++ kernels) after wrapping."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    wrapped = torch.compile(_wrap(ddp, model))
+    losses = []
+    for x, y in batches(world, rank):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
 def uneven(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     """Uneven inputs under ``with model.join():``: rank r stops after STEPS - 2r batches."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -265,6 +279,10 @@ CASES: dict[str, Case] = {
 }
 
 
+SLOW_CASES: dict[str, Case] = {"inductor": inductor}
+"""Cases of `make soak` (inductor compiles C++ for a minute on 2 cores)."""
+
+
 def main(argv: list[str]) -> None:
     from safetensors.torch import save_file
 
@@ -303,7 +321,8 @@ def main(argv: list[str]) -> None:
         def torchs(module: nn.Module, grad_scaler: Any = None, **kwargs: Any) -> nn.Module:
             return _wrap(ddp, module, **kwargs)  # torch's DDP takes no grad_scaler
 
-        losses = CASES[name](model, tracked if impl == "paramsync" else torchs, rank, world)
+        case = CASES.get(name) or SLOW_CASES[name]
+        losses = case(model, tracked if impl == "paramsync" else torchs, rank, world)
         state = {f"param/{n}": p.detach().cpu().clone() for n, p in model.named_parameters()}
         state["losses"] = torch.tensor(losses, dtype=torch.float64)
         save_file(state, str(out / f"{name}-{impl}-rank{rank}.safetensors"))

@@ -111,3 +111,9 @@ def test_on_a_gpu_with_device_ids(tmp_path: Path) -> None:
     out = run_cases(tmp_path, CUDA_CASES, device="cuda")
     for case in CUDA_CASES:
         check_case(out, case)
+
+
+@pytest.mark.soak
+def test_torch_compile_with_inductor(tmp_path: Path) -> None:
+    """torch.compile's default backend after wrapping (C++ kernels compiled in every rank)."""
+    check_case(run_cases(tmp_path, ["inductor"]), "inductor")
