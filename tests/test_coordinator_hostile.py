@@ -19,7 +19,7 @@ from runtime.coordinator.core import CoordinatorCore
 from runtime.coordinator.events import Abort, Action, Refuse, Report
 from runtime.coordinator.run_state import RunState
 from runtime.coordinator.service import Coordinator
-from runtime.coordinator.step_state import MAX_EARLY_READIES
+from runtime.coordinator.step_state import MAX_EARLY_READIES, MAX_EARLY_READY_BYTES, spec_bytes
 from runtime.errors import HandshakeError, one_line, quoted
 from runtime.protocol.handshake import DialerHandshake, Identity
 from runtime.protocol.messages import Digest, Joined, Ready
@@ -86,6 +86,37 @@ def test_early_ready_flood_is_refused_beyond_the_declared_maximum() -> None:
     _, actions = _burst(MAX_EARLY_READIES + 10)
     assert actions, "a rank held more early reports than any layout allows"
     assert any(str(MAX_EARLY_READIES) in getattr(a, "reason", "") for a in actions), actions
+
+
+def test_early_ready_reports_are_bounded_in_bytes_per_member() -> None:
+    """Second review, row 4: 30 early reports of 65,000-entry specs held 217 MiB; the count cap
+    alone allowed about 116 GiB. Each member's early reports now hold at most
+    MAX_EARLY_READY_BYTES of specs: the report that would pass it stops the run naming the
+    rank, the step and the budget, and nothing of it is held."""
+    core = started(2)
+    huge = tuple(((i % 7 + 1, 3), "float32") for i in range(65_000))
+    actions: list[Action] = []
+    held = 0
+    for bucket in range(30):
+        actions = core.handle(Ready(0, 1, bucket, huge))
+        if actions:
+            break
+        held += 1
+    assert held * spec_bytes(huge) <= MAX_EARLY_READY_BYTES
+    reason = " ".join(getattr(a, "reason", "") for a in actions)
+    assert "step 1: rank 0's bucket reports ahead of the step hold more than" in reason, actions
+    assert str(MAX_EARLY_READY_BYTES) in reason, actions
+
+
+def test_a_legitimate_members_early_reports_fit_the_byte_budget() -> None:
+    """A model of 2,000 gradient tensors of 4 dimensions each, in 100 buckets, reported ahead
+    of the step by both members: held, nothing refused."""
+    core = started(2)
+    per_bucket = tuple(((64, 64, 3, 3), "bfloat16") for _ in range(20))
+    for rank in range(2):
+        for bucket in range(100):
+            assert core.handle(Ready(rank, 1, bucket, per_bucket)) == []
+    assert 100 * spec_bytes(per_bucket) < MAX_EARLY_READY_BYTES
 
 
 def test_early_ready_beyond_the_agreed_layout_is_a_fault_naming_the_rank() -> None:

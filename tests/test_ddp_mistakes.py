@@ -102,6 +102,8 @@ async def test_wrapping_twice_is_refused() -> None:
         with pytest.raises(ValueError) as info:
             DistributedDataParallel(model)
         step(model, optimizer)  # the first wrapper is unharmed
+        # torch DDP's names: the wrapped module is `module`, its keys carry the prefix.
+        assert list(model.state_dict()) == [f"module.{k}" for k in model.module.state_dict()]
         return str(info.value)
 
     [message] = await run_loop(loop)

@@ -17,7 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime.coordinator.events import agreement_hash, spec_hash, spec_text
-from runtime.coordinator.step_state import MAX_EARLY_READIES, StepState
+from runtime.coordinator.step_state import (
+    MAX_EARLY_READIES,
+    MAX_EARLY_READY_BYTES,
+    StepState,
+    spec_bytes,
+)
 from runtime.protocol.messages import BucketSpec, Go, Ready
 
 __all__ = ["ResponseCache", "Negotiation", "Fault", "Disagreement", "Outcome", "spec_groups"]
@@ -224,8 +229,15 @@ class Negotiation:
                 f"step {step}: rank {rank} reported more than {MAX_EARLY_READIES} buckets ready "
                 "ahead of the step"
             )
+        size = state.early_bytes.get(rank, 0) + spec_bytes(event.spec)
+        if size > MAX_EARLY_READY_BYTES:
+            return Fault(
+                f"step {step}: rank {rank}'s bucket reports ahead of the step hold more than "
+                f"{MAX_EARLY_READY_BYTES} bytes of specs (bucket {bucket} would make {size})"
+            )
         state.early[key] = event
         state.early_count[rank] = held + 1
+        state.early_bytes[rank] = size
         return None
 
     def _check_cached(

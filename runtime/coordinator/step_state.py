@@ -11,11 +11,27 @@ from dataclasses import dataclass, field
 
 from runtime.protocol.messages import BucketSpec, Digest, Ready, StepDone
 
-__all__ = ["StepState", "MAX_EARLY_READIES"]
+__all__ = ["StepState", "MAX_EARLY_READIES", "MAX_EARLY_READY_BYTES", "spec_bytes"]
 
 MAX_EARLY_READIES = 16_384
 """The most ``ready`` reports for the next step one rank may hold before its epoch agreed on a
 bucket layout (afterwards a bucket id is bounded by the agreed number of buckets)."""
+
+MAX_EARLY_READY_BYTES = 1 << 20
+"""The most bytes of bucket specs (`spec_bytes`) one member's reports for the next step may
+hold at once. A legitimate member's early reports describe its model once (one entry per
+gradient tensor: about 30 bytes each, so 1 MiB covers some 35,000 tensors, far beyond the
+largest models' parameter counts in tensors), and from an epoch's second step on they carry
+only the spec's hash. Held as decoded Python objects, 1 MiB of specs costs about 8 MiB of
+the coordinator's memory per member, at most."""
+
+
+def spec_bytes(spec: BucketSpec) -> int:
+    """An upper estimate of ``spec``'s size on the wire: each (shape, dtype) entry's array
+    heads, its dtype name and 9 bytes per dimension (a hash string: its length)."""
+    if isinstance(spec, str):
+        return len(spec) + 9
+    return sum(16 + len(dtype) + 9 * len(shape) for shape, dtype in spec)
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +63,8 @@ class StepState:
     arrival order (a dict, so a duplicate is found in O(1))."""
     early_count: dict[int, int] = field(default_factory=dict)
     """How many reports of ``early`` each rank holds."""
+    early_bytes: dict[int, int] = field(default_factory=dict)
+    """How many bytes of specs (`spec_bytes`) the reports of ``early`` hold, per rank."""
     finished: set[int] = field(default_factory=set)
     """Ranks that finished the run at this step."""
     ended_with: dict[int, int] = field(default_factory=dict)
