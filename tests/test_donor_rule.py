@@ -70,12 +70,26 @@ def test_one_rank_a_step_ahead_does_not_overwrite_the_majority() -> None:
     assert reports[0].level == "warning"
 
 
-def test_a_committed_state_ahead_of_the_majority_wins() -> None:
-    """Rank 0 got the commit of step 4 before the coordinator died, the others did not apply
-    it: the committed state was checked identical everywhere, so it is the one to resume."""
-    start, reports = restart(join(0, 5, b"c", committed=True), join(1, 4, b"d"), join(2, 4, b"d"))
-    assert (start.step, start.donor, start.receivers) == (5, 0, (1, 2))
+def test_a_corroborated_committed_state_ahead_of_the_majority_wins() -> None:
+    """Ranks 0 and 1 got the commit of step 4 before the coordinator died, rank 2 restarted
+    from an older checkpoint: the committed state, which two ranks hold, is the one to resume."""
+    start, reports = restart(join(0, 5, b"c", committed=True), join(1, 5, b"c"), join(2, 4, b"d"))
+    assert (start.step, start.donor, start.receivers) == (5, 0, (2,))
     assert reports[0].text == "resume at step 5 from rank 0: committed state"
+
+
+def test_a_lone_committed_claim_ahead_of_the_majority_is_not_trusted() -> None:
+    """Second security review, row 8: rank 0 alone claims a committed state a step ahead of
+    the two ranks that agree. A commit is of a digest every member reported, so a claim no
+    other rank's state corroborates is not trusted: the majority's state wins, rank 0 rolls
+    back and the coordinator names the claim."""
+    start, reports = restart(join(0, 5, b"c", committed=True), join(1, 4, b"d"), join(2, 4, b"d"))
+    assert (start.step, start.donor, start.receivers) == (4, 1, (0,))
+    assert reports[0].text.startswith(
+        "resume at step 4 from rank 1: majority state (2 of 3 ranks); ranks [0] roll back"
+    )
+    assert "ranks [0] claim a committed state no other rank holds: not trusted" in (reports[0].text)
+    assert reports[0].level == "error"
 
 
 def test_a_majority_ahead_of_the_committed_state_wins() -> None:
@@ -84,13 +98,13 @@ def test_a_majority_ahead_of_the_committed_state_wins() -> None:
     assert "majority state (2 of 3 ranks)" in reports[0].text
 
 
-def test_a_committed_state_disagreeing_with_the_majority_at_its_step_wins_and_is_named() -> None:
+def test_a_lone_committed_claim_disagreeing_with_the_majority_at_its_step_is_named() -> None:
+    """Rank 0 claims a committed state at step 5 that the two others, at step 5 too, do not
+    hold (no honest run produces this): the majority's state wins, the claim is named."""
     start, reports = restart(join(0, 5, b"x", committed=True), join(1, 5, b"y"), join(2, 5, b"y"))
-    assert (start.step, start.donor, start.receivers) == (5, 0, (1, 2))
+    assert (start.step, start.donor, start.receivers) == (5, 1, (0,))
     assert reports[0].level == "error"
-    assert "ranks [1, 2] hold another state at step 5 than the committed one of ranks [0]" in (
-        reports[0].text
-    )
+    assert "ranks [0] claim a committed state no other rank holds: not trusted" in (reports[0].text)
 
 
 def test_without_commit_or_majority_the_plurality_wins_ties_to_the_lower_step() -> None:
@@ -122,10 +136,11 @@ def test_property_the_chosen_state_is_committed_shared_or_the_only_one(
     reports: list[tuple[int, bytes, bool]],
 ) -> None:
     """Over random join sets (a committed flag may even be a lie): the coordinator never
-    resumes from a state one rank holds alone unless that rank says it is committed or no
-    state is shared; never behind a committed state; from a strict majority's state unless a
-    committed one is at least as new; the donor is the chosen state's lowest holder and every
-    other rank receives it."""
+    resumes from a state one rank holds alone unless no state is shared (no rank alone makes
+    the others adopt its state, whatever it claims); never behind a corroborated committed
+    state (claimed and held by two ranks or more); from a strict majority's state unless a
+    corroborated committed one is at least as new; the donor is the chosen state's lowest
+    holder and every other rank receives it."""
     joins = [join(r, s, d if s else b"", committed=c) for r, (s, d, c) in enumerate(reports)]
     core = CoordinatorCore(len(joins))
     actions: list[Action] = []
@@ -138,12 +153,13 @@ def test_property_the_chosen_state_is_committed_shared_or_the_only_one(
         assert start.broadcast and start.step == 0
         return
     holders = {s: [j.rank for j in joins if (j.step, j.digest) == s] for s in held}
-    claims = {(j.step, j.digest) for j in joins if j.committed and j.step > 0}
+    claimed = {(j.step, j.digest) for j in joins if j.committed and j.step > 0}
+    claims = {state for state in claimed if len(holders[state]) >= 2}  # corroborated
     chosen = (start.step, joins[start.donor].digest)
     assert chosen in held and start.donor == holders[chosen][0]
     assert start.receivers == tuple(j.rank for j in joins if j.rank not in holders[chosen])
     if len(holders[chosen]) == 1 and len(joins) > 1:
-        assert chosen in claims or all(len(r) == 1 for r in holders.values())
+        assert all(len(r) == 1 for r in holders.values())
     assert start.step >= max((s for s, _ in claims), default=0)
     majority = [s for s, r in holders.items() if 2 * len(r) > len(joins)]
     if majority and not any(s >= majority[0][0] for s, _ in claims):

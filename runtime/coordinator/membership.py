@@ -111,12 +111,15 @@ def resume_plan(joins: Mapping[int, Joined]) -> ResumePlan | None:
     """Where the joined workers resume, by the restart's donor rule (docs/protocol.md,
     "A lost coordinator"): None for a fresh run.
 
-    C is the newest state (step, digest) some rank reports as committed, M the state a strict
-    majority of the joined ranks holds. The run resumes from whichever of the two is at the
+    C is the newest state (step, digest) some rank reports as committed and at least one other
+    rank holds too (a claim is corroborated: a lone rank claiming a commit is not trusted,
+    since a commit means every member reported that digest), M the state a strict majority of
+    the joined ranks holds. The run resumes from whichever of the two is at the
     later step (C when they are at the same one: they agree, or C's commit outranks the
     majority and the plan names the conflict); with neither, from the state most ranks hold,
     ties to the lower step (an unverified step is recomputed rather than trusted), then to the
-    lowest rank. So one rank's uncommitted state never overrides a state two ranks share.
+    lowest rank. So one rank's state, committed by its own word or not, never overrides a
+    state two ranks share, and no rank alone makes the others adopt its state.
     Fresh workers (step 0) hold no state: they count among the joined ranks but are no
     candidate and always receive; with no state at all it is a fresh run. The donor is the
     lowest rank holding the chosen state; every other rank receives it, those at a later step
@@ -129,7 +132,10 @@ def resume_plan(joins: Mapping[int, Joined]) -> ResumePlan | None:
             holders.setdefault((joins[rank].step, joins[rank].digest), []).append(rank)
     if not holders:
         return None
-    claimed = {(j.step, j.digest) for j in joins.values() if j.committed and j.step > 0}
+    claims = {(j.step, j.digest) for j in joins.values() if j.committed and j.step > 0}
+    # Corroborated claims only: a commit was of a digest every member reported.
+    claimed = {s for s in claims if len(holders[s]) >= 2}
+    lone = sorted(holders[s][0] for s in claims - claimed)
     newest_claim = max((s[0] for s in claimed), default=-1)
     committed = _best({s for s in claimed if s[0] == newest_claim}, holders) if claimed else None
     majority = next((s for s, r in holders.items() if 2 * len(r) > len(ranks)), None)
@@ -145,6 +151,10 @@ def resume_plan(joins: Mapping[int, Joined]) -> ResumePlan | None:
         chosen, rule = majority, MAJORITY
     else:
         chosen, rule = _best(set(holders), holders), PLURALITY
+    if lone and len(joins) > 1 and chosen not in {(joins[r].step, joins[r].digest) for r in lone}:
+        conflict = f"ranks {lone} claim a committed state no other rank holds: not trusted" + (
+            f"; {conflict}" if conflict else ""
+        )
     step = chosen[0]
     return ResumePlan(
         step=step,
