@@ -244,6 +244,7 @@ class Coordinator:
             finally:
                 claim.release()
             # No checkpoint between the release and _serve_member's registration of the rank.
+            conn.tensors = False  # no message to the coordinator holds one: it never imports torch
             await self._serve_member(peer.rank, conn, self.options.heartbeat_deadline)
 
         async with trio.open_nursery() as nursery:
