@@ -300,8 +300,9 @@ class Coordinator:
     # ------------------------------------------------------------------ one member
 
     async def _serve_member(self, rank: int, link: Link, join_seconds: float = math.inf) -> None:
-        """Serve one member's link; a peer that authenticated over the network must send its
-        join within ``join_seconds``, or its slot is freed."""
+        """Serve one member's link; a peer that authenticated over the network must send a
+        join the core accepts within ``join_seconds`` (whatever it sends before), or its
+        connection is closed and its slot freed."""
         member = _Member(rank, link)
         self._members[rank] = member
         self._active += 1
@@ -345,7 +346,6 @@ class Coordinator:
                             join_seconds,
                         )
                         return
-                    joined = True
                 event = event_from_wire(message, rank=rank, now=trio.current_time())
             except PeerClosed as exc:
                 if not self.finished.is_set():
@@ -362,6 +362,10 @@ class Coordinator:
                 refused = self._apply(self.core.handle(event), source=rank)
             if refused or member.evicted:
                 return
+            if not joined and isinstance(event, Joined):
+                # Only a join the core took ends the deadline: any other first frame (a
+                # heartbeat) held the rank for ever (issue 31, row 5).
+                joined = rank in self.core.joined
 
     async def _writer(self, member: _Member) -> None:
         """Drain the member's queue; once the member has heard its first answer (the start),
