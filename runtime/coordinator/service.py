@@ -93,6 +93,22 @@ class _Member:
         self.outbox_send, self.outbox = trio.open_memory_channel[Message | None](_QUEUE)
         self.flushed = trio.Event()
         self.evicted = False
+        self.reading = trio.CancelScope()
+        """Around the member's reader: cancelled when the member is dropped, so that a
+        member that sends nothing (a stalled one) does not keep its connection open."""
+
+    def drop(self, message: Message | None = None) -> None:
+        """Stop serving this member: tell it ``message`` (best effort), then close its link
+        (its reader stops waiting; `Coordinator._serve_member` flushes the queue, within
+        `_FLUSH_SECONDS`, and closes it)."""
+        self.evicted = True
+        try:
+            if message is not None:
+                self.outbox_send.send_nowait(message)
+            self.outbox_send.send_nowait(None)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass
+        self.reading.cancel()
 
 
 class _RankClaim:
@@ -309,7 +325,8 @@ class Coordinator:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, member)
-                await self._reader(member, join_seconds)
+                with member.reading:
+                    await self._reader(member, join_seconds)
                 # Let the writer deliver what is queued (a refusal, the abort), then stop.
                 with trio.move_on_after(_FLUSH_SECONDS):
                     try:
@@ -442,6 +459,8 @@ class Coordinator:
         try:
             member.outbox_send.send_nowait(message)
         except trio.WouldBlock:
+            del self._members[rank]
+            member.drop()  # lost to the core: its connection is closed too
             self._apply(self.core.handle(Disconnected(rank, "stopped reading (outbox full)")))
         except trio.ClosedResourceError:
             pass
@@ -479,12 +498,7 @@ class Coordinator:
                 log.error("removed rank %d from the run: %s", action.rank, one_line(action.reason))
                 member = self._members.pop(action.rank, None)
                 if member is not None:
-                    member.evicted = True
-                    try:
-                        member.outbox_send.send_nowait(action.message)
-                        member.outbox_send.send_nowait(None)
-                    except (trio.WouldBlock, trio.ClosedResourceError):
-                        pass
+                    member.drop(action.message)  # its connection is closed (issue 31, row 6)
             elif isinstance(action, Report):
                 level = getattr(logging, action.level.upper(), logging.WARNING)
                 log.log(level, "%s", one_line(action.text))
