@@ -8,6 +8,7 @@ bounded number of trials runs in ``make test``; ``make soak`` runs many more.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_trainer import RUN_SECONDS, RecordingDataset, mse_loss, tiny_replica
 
 from actors.graph.compute import ComputeActor
 from actors.graph.gradcomm import GradCommActor
@@ -22,6 +24,7 @@ from actors.graph.loader import DataLoaderActor
 from actors.graph.optimizer import OptimizerActor
 from actors.testing.faults import faulty_actors
 from actors.train.trainer import DistributedTrainer
+from actors.train.worker import train_in_process
 from runtime.collectives.ring import all_reduce
 from runtime.coordinator.core import CoordinatorCore
 from runtime.coordinator.events import Broadcast, Event
@@ -166,6 +169,38 @@ def test_fault_parse_and_strike_only_at_its_point() -> None:
     recorded.strike("optimizer", 2)
     with pytest.raises(_Killed, match="digest:2"):
         recorded.strike("digest", 2)
+
+
+@dataclass(frozen=True)
+class _ReachedFault(Fault):
+    """A `Fault` that records each time it would have killed the process, and lets it run on."""
+
+    reached: list[tuple[str, int]] = field(default_factory=list, compare=False)
+
+    def kill(self) -> None:
+        self.reached.append((self.phase, self.step))
+
+
+@pytest.mark.parametrize("phase", PHASES)
+async def test_every_declared_kill_point_is_reached(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each phase a trial may kill a worker at is reached, in a 2-rank in-process run of
+    `DistributedTrainer.fit` with the same wrapped actors a faulty worker daemon installs
+    (`faulty_actors`, only the kill recorded). A code path that moves away from its wrapper
+    fails here, in ``make test``, not in a soak run by hand (issue 31, row 10: the digest moved
+    into the optimizer step, and no ``digest:N`` trial killed anyone)."""
+    fault = _ReachedFault(phase, 2)
+    monkeypatch.setattr(DistributedTrainer, "default_actors", faulty_actors(fault))
+
+    async def body(trainer: DistributedTrainer) -> int:
+        await trainer.fit(RecordingDataset(24), 2, steps=4)
+        return trainer.step
+
+    with trio.fail_after(RUN_SECONDS):
+        steps = await train_in_process(2, tiny_replica, mse_loss, body)
+    assert steps == [4, 4]
+    assert (phase, 2) in fault.reached, f"the kill point {phase}:2 was never reached"
 
 
 class _PlaneHolder(InProcessTransport, SharedMemoryHolder):

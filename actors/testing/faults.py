@@ -24,7 +24,7 @@ from actors.graph.compute import ComputeActor
 from actors.graph.factory import ActorFactory
 from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import DataLoaderActor, LoaderPosition
-from actors.graph.messages import Backward, Verify
+from actors.graph.messages import Backward
 from actors.graph.optimizer import OptimizerActor
 from actors.train.trainer import DistributedTrainer
 from runtime.testing.faults import PHASES, Fault, FaultyTransport
@@ -97,7 +97,13 @@ class FaultyGradCommActor(GradCommActor):
 
 class FaultyOptimizerActor(OptimizerActor):
     """Dies (``optimizer``) before the fault step's optimizer step, or (``digest``) before it
-    reports the step's state digest."""
+    reports the step's state digest.
+
+    The digest is reported by `OptimizerActor._verify`, whichever message asks for it: an
+    `OptimizerStep` with ``verify`` (each step's overlapped check, where the digest was hashed
+    in the step's own thread call) or a `Verify` (an epoch's opening check, a forced one). The
+    kill wraps that report, not a message kind: wrapping `Verify` messages alone missed every
+    step once the check moved into the optimizer step (issue 31, row 10)."""
 
     def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -107,12 +113,10 @@ class FaultyOptimizerActor(OptimizerActor):
         self.fault.strike("optimizer", step)
         super().apply(step)
 
-    async def handle(self, message: object) -> None:
-        if isinstance(message, Verify) and (
-            message.force or message.step % self.client.digest_interval == 0
-        ):
-            self.fault.strike("digest", message.step)
-        await super().handle(message)
+    async def _verify(self, step: int, *, force: bool, wait: bool) -> None:
+        if force or step % self.client.digest_interval == 0:
+            self.fault.strike("digest", step)
+        await super()._verify(step, force=force, wait=wait)
 
 
 def _wrapped(actor: type, fault: Fault) -> Any:

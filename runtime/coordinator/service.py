@@ -93,6 +93,22 @@ class _Member:
         self.outbox_send, self.outbox = trio.open_memory_channel[Message | None](_QUEUE)
         self.flushed = trio.Event()
         self.evicted = False
+        self.reading = trio.CancelScope()
+        """Around the member's reader: cancelled when the member is dropped, so that a
+        member that sends nothing (a stalled one) does not keep its connection open."""
+
+    def drop(self, message: Message | None = None) -> None:
+        """Stop serving this member: tell it ``message`` (best effort), then close its link
+        (its reader stops waiting; `Coordinator._serve_member` flushes the queue, within
+        `_FLUSH_SECONDS`, and closes it)."""
+        self.evicted = True
+        try:
+            if message is not None:
+                self.outbox_send.send_nowait(message)
+            self.outbox_send.send_nowait(None)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass
+        self.reading.cancel()
 
 
 class _RankClaim:
@@ -244,6 +260,7 @@ class Coordinator:
             finally:
                 claim.release()
             # No checkpoint between the release and _serve_member's registration of the rank.
+            conn.tensors = False  # no message to the coordinator holds one: it never imports torch
             await self._serve_member(peer.rank, conn, self.options.heartbeat_deadline)
 
         async with trio.open_nursery() as nursery:
@@ -299,15 +316,17 @@ class Coordinator:
     # ------------------------------------------------------------------ one member
 
     async def _serve_member(self, rank: int, link: Link, join_seconds: float = math.inf) -> None:
-        """Serve one member's link; a peer that authenticated over the network must send its
-        join within ``join_seconds``, or its slot is freed."""
+        """Serve one member's link; a peer that authenticated over the network must send a
+        join the core accepts within ``join_seconds`` (whatever it sends before), or its
+        connection is closed and its slot freed."""
         member = _Member(rank, link)
         self._members[rank] = member
         self._active += 1
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, member)
-                await self._reader(member, join_seconds)
+                with member.reading:
+                    await self._reader(member, join_seconds)
                 # Let the writer deliver what is queued (a refusal, the abort), then stop.
                 with trio.move_on_after(_FLUSH_SECONDS):
                     try:
@@ -344,7 +363,6 @@ class Coordinator:
                             join_seconds,
                         )
                         return
-                    joined = True
                 event = event_from_wire(message, rank=rank, now=trio.current_time())
             except PeerClosed as exc:
                 if not self.finished.is_set():
@@ -361,6 +379,10 @@ class Coordinator:
                 refused = self._apply(self.core.handle(event), source=rank)
             if refused or member.evicted:
                 return
+            if not joined and isinstance(event, Joined):
+                # Only a join the core took ends the deadline: any other first frame (a
+                # heartbeat) held the rank for ever (issue 31, row 5).
+                joined = rank in self.core.joined
 
     async def _writer(self, member: _Member) -> None:
         """Drain the member's queue; once the member has heard its first answer (the start),
@@ -437,6 +459,8 @@ class Coordinator:
         try:
             member.outbox_send.send_nowait(message)
         except trio.WouldBlock:
+            del self._members[rank]
+            member.drop()  # lost to the core: its connection is closed too
             self._apply(self.core.handle(Disconnected(rank, "stopped reading (outbox full)")))
         except trio.ClosedResourceError:
             pass
@@ -474,12 +498,7 @@ class Coordinator:
                 log.error("removed rank %d from the run: %s", action.rank, one_line(action.reason))
                 member = self._members.pop(action.rank, None)
                 if member is not None:
-                    member.evicted = True
-                    try:
-                        member.outbox_send.send_nowait(action.message)
-                        member.outbox_send.send_nowait(None)
-                    except (trio.WouldBlock, trio.ClosedResourceError):
-                        pass
+                    member.drop(action.message)  # its connection is closed (issue 31, row 6)
             elif isinstance(action, Report):
                 level = getattr(logging, action.level.upper(), logging.WARNING)
                 log.log(level, "%s", one_line(action.text))

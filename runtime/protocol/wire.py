@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import cbor2
 
-from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
-from runtime.protocol.limits import SCAN_THRESHOLD, check_kind_size, count_items
+from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError, plain_or_quoted
+from runtime.protocol.limits import SCAN_THRESHOLD, check_kind_size, count_items, peek_kind
 from runtime.protocol.messages import KINDS, validate_message
 from runtime.protocol.schema import PROTOCOL_VERSION, is_tensor
 
@@ -236,14 +236,37 @@ def _tensor_from_bytes(
     return flat.view(shape)
 
 
-class _TagDecoder:
-    """cbor2 tag hook: typed arrays and tag 40 become tensors; every other tag is refused."""
+class _NoTensor:
+    """Placeholder the decoder leaves where a typed array (or tag 40) stood in a frame that
+    may hold no tensor: nothing is built from it (no torch imported), and the frame is refused
+    naming the field (`_refuse_tensors`)."""
 
-    def __init__(self, bulk_len: int = 0) -> None:
+    __slots__ = ("tag",)
+
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
+
+
+_NO_TENSORS_HERE = (
+    "typed arrays are refused here (handshake frames and a coordinator's control links carry "
+    "no tensor)"
+)
+
+
+class _TagDecoder:
+    """cbor2 tag hook: typed arrays and tag 40 become tensors (with ``tensors`` false, inert
+    `_NoTensor` placeholders); every other tag is refused."""
+
+    def __init__(self, bulk_len: int = 0, *, tensors: bool = True) -> None:
         self.bulk_len = bulk_len
+        self.tensors = tensors
         self.deferred = 0
+        self.refused = 0
 
     def __call__(self, tag: cbor2.CBORTag, _immutable: bool = False) -> Any:
+        if not self.tensors and (tag.tag in _TYPED_ARRAY_TAGS or tag.tag == _MULTI_DIM_TAG):
+            self.refused += 1
+            return _NoTensor(tag.tag)
         if tag.tag in _TYPED_ARRAY_TAGS:
             if not isinstance(tag.value, bytes):
                 raise ProtocolError(f"typed array tag {tag.tag} must wrap a byte string")
@@ -312,6 +335,35 @@ def _check_types(item: Any) -> None:
             continue
         else:
             raise ProtocolError(f"a decoded value of type {kind.__name__} is refused")
+
+
+def _holds_no_tensor(value: Any) -> _NoTensor | None:
+    """The first `_NoTensor` placeholder within a decoded value (None when there is none)."""
+    stack = [value]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, _NoTensor):
+            return value
+        if isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+    return None
+
+
+def _refuse_tensors(item: Any) -> None:
+    """Raise, naming the kind and the field, for a decoded item holding `_NoTensor`s."""
+    kind = item.get("kind") if isinstance(item, dict) else None
+    what = f"{plain_or_quoted(kind)} message" if isinstance(kind, str) else "a frame"
+    fields = item.items() if isinstance(item, dict) else [(None, item)]
+    for key, value in fields:
+        found = _holds_no_tensor(value)
+        if found is not None:
+            where = f"field {plain_or_quoted(key)}" if key is not None else "its item"
+            raise ProtocolError(
+                f"{what}: {where} holds a typed array (CBOR tag {found.tag}): {_NO_TENSORS_HERE}"
+            )
+    raise ProtocolError(f"{what} holds a typed array: {_NO_TENSORS_HERE}")  # pragma: no cover
 
 
 def _protocol_cause(exc: BaseException) -> ProtocolError | None:
@@ -449,6 +501,8 @@ def _loads_exact(data: bytes, tags: _TagDecoder) -> Any:
         raise ProtocolError(f"malformed CBOR: {exc}") from None
     if stream.tell() != len(data):
         raise ProtocolError(f"{len(data) - stream.tell()} trailing bytes after the CBOR item")
+    if tags.refused:
+        _refuse_tensors(item)
     _check_types(item)
     return item
 
@@ -460,23 +514,33 @@ def _check_limits(head: bytes | bytearray | memoryview) -> None:
         count_items(head)
 
 
-def decode_item(item: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Decode and validate a complete CBOR item (prefix removed) carrying no bulk."""
+def decode_item(item: bytes | bytearray | memoryview, *, tensors: bool = True) -> dict[str, Any]:
+    """Decode and validate a complete CBOR item (prefix removed) carrying no bulk.
+
+    With ``tensors`` false, an item holding a typed array (or tag 40) is refused naming its
+    kind and field, and nothing is built from it: no tensor, no torch import (the handshake's
+    frames, a coordinator's control links)."""
     _check_limits(item)
-    return validate_message(_loads_exact(bytes(item), _TagDecoder()))
+    return validate_message(_loads_exact(bytes(item), _TagDecoder(tensors=tensors)))
 
 
 def decode_head(
-    head: bytes | bytearray | memoryview, bulk_len: int
+    head: bytes | bytearray | memoryview, bulk_len: int, *, tensors: bool = True
 ) -> tuple[dict[str, Any], BulkSpec | None]:
     """Decode the part of an item before its bulk bytes; say what the bulk is.
 
     ``head`` is the item minus its last ``bulk_len`` bytes. Returns the validated message,
     whose ``data`` field is still missing, and the bulk's spec (``None`` when ``bulk_len`` is 0).
+    With ``tensors`` false (see `decode_item`), a frame with a bulk is refused before its head
+    is decoded.
     """
     if bulk_len == 0:
-        return decode_item(head), None
+        return decode_item(head, tensors=tensors), None
     _check_limits(head)
+    if not tensors:
+        kind = peek_kind(head)
+        what = f"{kind} frame" if kind is not None else "a frame"
+        raise ProtocolError(f"{what} carries a bulk tensor of {bulk_len} bytes: {_NO_TENSORS_HERE}")
     head = bytes(head)
     header = _bstr_header(bulk_len)
     if not head.endswith(header):

@@ -161,6 +161,11 @@ class Connection:
         """Why this end shut the connection down itself (a frame failed authentication, or
         the counter ran out): a worker thread still using it then raises this, not the
         hang-up it sees (`_hung_up`)."""
+        self.tensors = True
+        """Whether a frame `recv` reads may hold a tensor. False while the handshake runs
+        (`dial`, `accept`) and on a coordinator's control links: a typed array or a bulk there
+        is refused naming the field, and nothing builds a tensor or imports torch (issue 31,
+        row 3)."""
         _tune(self._sock)
 
     def authenticate_frames(self, session_key: bytes, *, dialer: bool) -> None:
@@ -389,10 +394,10 @@ class Connection:
             await self._fill(head_len + TRAILER_SIZE)
             head = self._take(head_len)
             self._open((prefix, head))
-            return (*decode_head(head, 0), 0, None)
+            return (*decode_head(head, 0, tensors=self.tensors), 0, None)
         await self._fill(head_len)
         head = self._take(head_len)
-        message, spec = decode_head(head, bulk_len)
+        message, spec = decode_head(head, bulk_len, tensors=self.tensors)
         return message, spec, bulk_len, (prefix, head) if self._opener is not None else None
 
     async def _check_rest(self, unchecked: _Unchecked, bulk: memoryview | None) -> None:
@@ -857,12 +862,14 @@ async def dial(
             conn = Connection(
                 stream if tls is None else await tls.wrap_client(stream, where), peer=where
             )
+            conn.tensors = False  # until the listener has proven the secret
             state = DialerHandshake(secret, me)
             await conn.send(*state.hello())
             reply = await conn.recv(HANDSHAKE_MAX_FRAME)
             await conn.send(*state.on_challenge(reply))
             peer = state.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
             conn.authenticate_frames(state.session_key(), dialer=True)
+            conn.tensors = True
     except trio.TooSlowError:
         await _close(conn, stream)
         raise HandshakeError(
@@ -915,6 +922,7 @@ async def accept(
             if tls is not None:
                 secured = await tls.wrap_server(stream, where, plaintext_reply=_TLS_REQUIRED)
             conn = Connection(secured, peer=where)
+            conn.tensors = False  # until the dialer has proven the secret
             try:
                 hello = await conn.recv(HANDSHAKE_MAX_FRAME)
                 await conn.send(*state.on_hello(hello))
@@ -935,6 +943,7 @@ async def accept(
             if error is not None:
                 raise error
             conn.authenticate_frames(state.session_key(), dialer=False)
+            conn.tensors = True
     except trio.TooSlowError:
         await _close(conn, stream)
         raise HandshakeError(
