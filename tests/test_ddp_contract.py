@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def run_cases(out: Path, cases: list[str], device: str = "cpu") -> Path:
     """Every case under both implementations, 2 ranks each (the four processes at once)."""
-    env = dict(os.environ, PARAMSYNC_SECRET="contract-" + "k" * 40, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PARAMSYNC_SECRET="contract-tests-secret-0123456789", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
     env["CONTRACT_DEVICE"] = device
     torch_port = str(free_port())

@@ -34,7 +34,7 @@ SECONDS = 120
 def test_a_lost_worker_drops_the_step_and_the_survivors_go_on_identical(
     tmp_path: Path, wrapped: bool
 ) -> None:
-    env = dict(os.environ, PARAMSYNC_SECRET="elastic-" + "e" * 40, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PARAMSYNC_SECRET="elastic-tests-secret-0123456789", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKER.parent), env.get("PYTHONPATH", "")])
     port_file = tmp_path / "port"
     coordinator = subprocess.Popen(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+import cpace_spec
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
@@ -36,6 +37,8 @@ from runtime.protocol.wire import TRAILER_SIZE, encode_frame, encode_frame_bytes
 SECRET = b"correct horse battery staple"
 DIALER = Identity("g", 4, 2)
 LISTENER = Identity("g", 4, 0)
+Y_D, Y_L = b"\x05" * 32, b"\x06" * 32
+"""The key exchange's scalars, fixed so the spec's values can be recomputed here."""
 
 
 def _handshake(
@@ -45,9 +48,14 @@ def _handshake(
     dialer_nonce: bytes = b"d" * 32,
     listener_nonce: bytes = b"l" * 32,
 ) -> tuple[DialerHandshake, ListenerHandshake]:
-    dial = DialerHandshake(secret, dialer, nonce=dialer_nonce)
+    dial = DialerHandshake(secret, dialer, nonce=dialer_nonce, scalar=Y_D)
     listen = ListenerHandshake(
-        secret, listener, lambda _peer: None, nonce=listener_nonce, ledger=NonceLedger()
+        secret,
+        listener,
+        lambda _peer: None,
+        nonce=listener_nonce,
+        ledger=NonceLedger(),
+        scalar=Y_L,
     )
     kind, fields = dial.hello()
     kind, fields = listen.on_hello({"kind": kind, **fields})
@@ -77,8 +85,10 @@ def test_both_sides_derive_the_same_session_key_as_the_spec_says() -> None:
         + (4).to_bytes(4, "big")
         + (1).to_bytes(4, "big")
     )
-    # K: the key the proofs are computed with, the secret stretched by scrypt (section 5.1).
-    assert key == hmac.new(stretch_secret(SECRET), transcript, hashlib.sha256).digest()
+    # The session key is keyed by the key exchange's ISK (section 5.1), recomputed from the
+    # document: the generator from the stretched secret, the dialer's group and nonce.
+    *_, isk = cpace_spec.exchange(stretch_secret(SECRET), "g", 4, b"d" * 32, Y_D, Y_L)
+    assert key == hmac.new(isk, transcript, hashlib.sha256).digest()
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def run_sans_io(
 ) -> tuple[Identity | Exception, Exception | str | None]:
     """Play the four messages. Returns (the dialer's outcome, the listener's error)."""
     challenge = over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello())))
-    assert set(challenge) == {"v", "kind", "nonce"}  # nothing about the listener yet
+    assert set(challenge) == {"v", "kind", "nonce", "share"}  # nothing about the listener yet
     auth = over_the_wire(*dialer.on_challenge(challenge))
     kind, fields, error = listener.on_auth(auth)
     assert (kind == "welcome") == (error is None)
@@ -274,7 +274,7 @@ def test_out_of_order_messages_are_handshake_errors() -> None:
     listener = ListenerHandshake(SECRET, LISTENER, admit_all)
     with pytest.raises(HandshakeError):
         listener.on_hello(over_the_wire("auth", {"proof": b"x"}))
-    short = {**DIALER.fields(), "nonce": b"\x00" * (NONCE_SIZE - 1)}
+    short = {**DIALER.fields(), "nonce": b"\x00" * (NONCE_SIZE - 1), "share": b"\x09" * 32}
     with pytest.raises(HandshakeError, match="nonce"):
         listener.on_hello(over_the_wire("hello", short))
     kind, _, error = listener.on_auth(over_the_wire("auth", {"proof": b"x" * 32}))

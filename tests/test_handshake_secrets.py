@@ -25,15 +25,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cpace_spec
 import pytest
 import trio
 
 from runtime.cli.main import main as cli_main
 from runtime.coordinator.service import Coordinator
-from runtime.errors import HandshakeError
+from runtime.errors import AuthenticationError, HandshakeError
 from runtime.protocol.handshake import (
     NONCE_SIZE,
     SECRET_FILE_ENV,
+    SECRET_MIN_BITS,
     DialerHandshake,
     Identity,
     ListenerHandshake,
@@ -41,6 +43,8 @@ from runtime.protocol.handshake import (
     dialer_proof,
     listener_proof,
     load_secret,
+    new_secret,
+    secret_strength_bits,
     stretch_secret,
 )
 from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
@@ -169,26 +173,62 @@ def test_one_hello_gives_an_offline_guesser_nothing_to_test_guesses_against(daem
     recovered = crack(guess_test(hello, reply), DICTIONARY)
     assert recovered is None, f"recovered the secret {recovered!r} from one hello's reply"
     assert reply["kind"] == "challenge", reply
-    assert set(reply) == {"v", "kind", "nonce"}, f"the reply discloses {sorted(reply)}"
+    assert set(reply) == {"v", "kind", "nonce", "share"}, f"the reply discloses {sorted(reply)}"
     assert len(reply["nonce"]) == NONCE_SIZE
 
 
-def test_a_rogue_listener_gets_a_proof_that_costs_one_scrypt_per_guess() -> None:
-    """The remaining exposure (docs/protocol.md section 5.1): a worker that dials a rogue
-    listener sends it the dialer's proof, an HMAC under the stretched key. A raw-secret guess
-    does not verify against it; each stretched guess costs one scrypt (>= 10 ms)."""
+def rogue_listener(guess: bytes) -> tuple[bytes, bytes]:
+    """A rogue listener answers a worker (who holds WEAK_SECRET) with a share built on the
+    generator of its ``guess``; returns the dialer's proof and the proof the rogue expects
+    from it if the guess is right (the rogue's own end of the key exchange)."""
     dialer = DialerHandshake(WEAK_SECRET, Identity(GROUP, 2, 1))
     hello = decode_frame(encode_frame_bytes(*dialer.hello()))
-    rogue_nonce = os.urandom(NONCE_SIZE)
-    auth = decode_frame(
-        encode_frame_bytes(*dialer.on_challenge({"kind": "challenge", "nonce": rogue_nonce}))
-    )
     me = Identity(hello["group"], hello["world_size"], hello["rank"])
-    transcript = spec_transcript(b"paramsync/dialer", 2, rogue_nonce, hello["nonce"], me)
-    assert spec_mac(WEAK_SECRET, transcript) != auth["proof"]  # the raw secret is not the key
-    started = time.perf_counter()
-    assert spec_mac(spec_key(WEAK_SECRET), transcript) == auth["proof"]
-    assert time.perf_counter() - started >= 0.010
+    y_l, nonce_l = os.urandom(32), os.urandom(NONCE_SIZE)
+    share_l = cpace_spec.x25519(
+        y_l, cpace_spec.generator(spec_key(guess), GROUP, 2, hello["nonce"])
+    )
+    challenge = {"kind": "challenge", "nonce": nonce_l, "share": share_l}
+    auth = decode_frame(encode_frame_bytes(*dialer.on_challenge(challenge)))
+    isk = cpace_spec.isk(cpace_spec.x25519(y_l, hello["share"]), hello["share"], share_l)
+    transcript = spec_transcript(b"paramsync/dialer", 3, nonce_l, hello["nonce"], me)
+    return auth["proof"], spec_mac(isk, transcript)
+
+
+def test_a_rogue_listener_tests_one_guess_per_handshake() -> None:
+    """Second security review, row 9. Version 2: a rogue listener got the dialer's proof, an
+    HMAC under the stretched secret over a transcript it knows, and guessed offline, a scrypt
+    a guess. Now the proof is keyed by the CPace exchange: the rogue's one handshake confirms
+    or refutes the one guess its share was built on, and nothing it holds tests any other."""
+    proof, expected = rogue_listener(b"letmein12345678")
+    assert proof != expected  # its guess was wrong: that is all it learns
+    assert proof != spec_mac(spec_key(WEAK_SECRET), b"")  # (nothing under K alone either)
+    proof, expected = rogue_listener(WEAK_SECRET)
+    assert proof == expected  # the right guess: confirmed, online, for this one handshake
+
+
+def test_a_passive_observer_has_nothing_to_guess_against() -> None:
+    """Second security review, row 9: a whole handshake seen on a link without TLS (hello,
+    challenge, auth, welcome) under a dictionary secret. Every key an observer can derive from
+    a candidate and the transcript (the candidate, its stretched key, a hash of that key and the
+    shares) fails to reproduce either proof, the true secret included: the proofs need one
+    side's scalar."""
+    dialer_id, listener_id = Identity(GROUP, 2, 1), Identity(GROUP, 2, 0)
+    dialer = DialerHandshake(WEAK_SECRET, dialer_id)
+    listener = ListenerHandshake(WEAK_SECRET, listener_id, lambda _p: None, ledger=NonceLedger())
+    hello = decode_frame(encode_frame_bytes(*dialer.hello()))
+    challenge = decode_frame(encode_frame_bytes(*listener.on_hello(hello)))
+    auth = decode_frame(encode_frame_bytes(*dialer.on_challenge(challenge)))
+    kind, fields, _ = listener.on_auth(auth)
+    welcome = decode_frame(encode_frame_bytes(kind, fields))
+    n_d, n_l = hello["nonce"], challenge["nonce"]
+    transcript = spec_transcript(b"paramsync/dialer", 3, n_l, n_d, dialer_id)
+    for candidate in DICTIONARY:
+        k = spec_key(candidate)
+        g = cpace_spec.generator(k, GROUP, 2, n_d)
+        for key in (candidate, k, cpace_spec.isk(g, hello["share"], challenge["share"])):
+            assert spec_mac(key, transcript) != auth["proof"], candidate
+    assert welcome["kind"] == "welcome"
 
 
 # --------------------------------------------------------------------------- the KDF
@@ -215,11 +255,15 @@ def test_one_guess_costs_at_least_10_ms_and_a_process_pays_it_once_per_secret() 
     assert min(costs) >= 0.010, costs
 
 
-def test_every_proof_is_keyed_by_the_stretched_secret() -> None:
-    """Proofs and the session key recomputed from the document match the implementation's."""
+def test_every_proof_is_keyed_by_the_key_exchange() -> None:
+    """Proofs and the session key recomputed from the document match the implementation's:
+    HMACs under the ISK of the CPace exchange (section 5.1), the scalars fixed here."""
     dialer_id, listener_id = Identity(GROUP, 4, 2), Identity(GROUP, 4, 0)
-    dialer = DialerHandshake(SECRET, dialer_id)
-    listener = ListenerHandshake(SECRET, listener_id, lambda _peer: None, ledger=NonceLedger())
+    y_d, y_l = b"\x07" * 32, b"\x08" * 32
+    dialer = DialerHandshake(SECRET, dialer_id, scalar=y_d)
+    listener = ListenerHandshake(
+        SECRET, listener_id, lambda _peer: None, ledger=NonceLedger(), scalar=y_l
+    )
     hello = decode_frame(encode_frame_bytes(*dialer.hello()))
     challenge = decode_frame(encode_frame_bytes(*listener.on_hello(hello)))
     auth = decode_frame(encode_frame_bytes(*dialer.on_challenge(challenge)))
@@ -227,9 +271,11 @@ def test_every_proof_is_keyed_by_the_stretched_secret() -> None:
     assert kind == "welcome" and error is None
     welcome = decode_frame(encode_frame_bytes(kind, fields))
     assert dialer.on_verdict(welcome) == listener_id
-    key, n_d, n_l = spec_key(SECRET), hello["nonce"], challenge["nonce"]
+    n_d, n_l = hello["nonce"], challenge["nonce"]
+    _, share_d, share_l, key = cpace_spec.exchange(spec_key(SECRET), GROUP, 4, n_d, y_d, y_l)
+    assert (hello["share"], challenge["share"]) == (share_d, share_l)
     v = welcome["v"]
-    assert v == 2
+    assert v == 3
     assert auth["proof"] == spec_mac(
         key, spec_transcript(b"paramsync/dialer", v, n_l, n_d, dialer_id)
     )
@@ -242,6 +288,18 @@ def test_every_proof_is_keyed_by_the_stretched_secret() -> None:
     assert dialer.session_key() == listener.session_key() == session
 
 
+def test_a_low_order_share_is_refused() -> None:
+    """A share whose exchange gives the all-zero point (u = 0, or the order-2 point u = 1 is
+    not: u = 0 is) is an AuthenticationError, on either side."""
+    dialer = DialerHandshake(SECRET, DIALER)
+    with pytest.raises(AuthenticationError, match="low-order point"):
+        dialer.on_challenge({"kind": "challenge", "nonce": b"\x01" * 32, "share": bytes(32)})
+    listener = ListenerHandshake(SECRET, LISTENER, lambda _p: None, ledger=NonceLedger())
+    hello = {**DIALER.fields(), "kind": "hello", "nonce": b"\x02" * 32, "share": bytes(32)}
+    with pytest.raises(AuthenticationError, match="low-order point"):
+        listener.on_hello(hello)
+
+
 # --------------------------------------------------------------------------- the session key
 
 
@@ -252,11 +310,19 @@ def handshake(
     listener_id: Identity = LISTENER,
     dialer_nonce: bytes = b"\x01" * NONCE_SIZE,
     listener_nonce: bytes = b"\x02" * NONCE_SIZE,
+    *,
+    dialer_scalar: bytes | None = None,
+    listener_scalar: bytes | None = None,
 ) -> tuple[DialerHandshake, ListenerHandshake]:
     """A completed handshake (no codec: the sans-I/O machines only)."""
-    dialer = DialerHandshake(dialer_secret, dialer_id, nonce=dialer_nonce)
+    dialer = DialerHandshake(dialer_secret, dialer_id, nonce=dialer_nonce, scalar=dialer_scalar)
     listener = ListenerHandshake(
-        listener_secret, listener_id, lambda _peer: None, nonce=listener_nonce, ledger=NonceLedger()
+        listener_secret,
+        listener_id,
+        lambda _peer: None,
+        nonce=listener_nonce,
+        ledger=NonceLedger(),
+        scalar=listener_scalar,
     )
     auth = dialer.on_challenge(
         {"kind": "challenge", **listener.on_hello({"kind": "hello", **dialer.hello()[1]})[1]}
@@ -378,16 +444,64 @@ def test_a_secret_file_others_may_read_is_warned_about(tmp_path: Path, mode: int
 def test_the_test_vector_in_the_protocol_document_is_what_the_code_computes() -> None:
     """docs/protocol.md section 5.1's example: the key, both proofs and the session key."""
     text = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
-    values = dict(re.findall(r"^(K|proof_d|proof_l|session) +([0-9a-f]{64})$", text, re.M))
-    assert set(values) == {"K", "proof_d", "proof_l", "session"}, values
+    names = "K|G|share_d|share_l|ISK|proof_d|proof_l|session"
+    values = dict(re.findall(rf"^({names}) +([0-9a-f]{{64}})$", text, re.M))
+    assert set(values) == set(names.split("|")), values
     secret = b"example-secret-0123456789abcdef!"
     dialer_id, listener_id = Identity("paramsync", 2, 1), Identity("paramsync", 2, -1)
     n_d, n_l = b"\x11" * NONCE_SIZE, b"\x22" * NONCE_SIZE
-    dialer, listener = handshake(secret, secret, dialer_id, listener_id, n_d, n_l)
-    assert stretch_secret(secret).hex() == values["K"]
-    auth = dialer_proof(stretch_secret(secret), n_d, n_l, dialer_id)
-    assert auth.hex() == values["proof_d"]
-    welcome = listener_proof(stretch_secret(secret), n_d, n_l, dialer_id, listener_id)
+    y_d, y_l = b"\x33" * 32, b"\x44" * 32
+    dialer, listener = handshake(
+        secret, secret, dialer_id, listener_id, n_d, n_l, dialer_scalar=y_d, listener_scalar=y_l
+    )
+    key = stretch_secret(secret)
+    assert key.hex() == values["K"]
+    g, share_d, share_l, isk = cpace_spec.exchange(key, "paramsync", 2, n_d, y_d, y_l)
+    assert (g.hex(), share_d.hex(), share_l.hex()) == (
+        values["G"],
+        values["share_d"],
+        values["share_l"],
+    )
+    assert isk.hex() == values["ISK"]
+    assert dialer_proof(isk, n_d, n_l, dialer_id).hex() == values["proof_d"]
+    welcome = listener_proof(isk, n_d, n_l, dialer_id, listener_id)
     assert welcome.hex() == values["proof_l"]
     assert dialer.session_key().hex() == listener.session_key().hex() == values["session"]
     assert "export PARAMSYNC_SECRET=$(paramsync secret)" in text
+
+
+# --------------------------------------------------------------------------- weak secrets
+
+
+@pytest.mark.parametrize(
+    "weak",
+    [b"a" * 16, b"A" * 64, b"abababababababababababab", b"0123012301230123"],
+    ids=["one-letter-16", "one-letter-64", "two-letters", "four-digits"],
+)
+def test_a_secret_with_too_little_entropy_is_refused_saying_how_to_make_one(weak: bytes) -> None:
+    """Second security review, row 9: a 16-byte secret of one repeated letter was accepted."""
+    assert secret_strength_bits(weak) < SECRET_MIN_BITS
+    with pytest.raises(ValueError, match="too little entropy") as info:
+        load_secret(weak)
+    assert "paramsync secret" in str(info.value)
+
+
+def test_made_secrets_and_ordinary_passphrases_are_strong_enough() -> None:
+    for _ in range(20):
+        assert secret_strength_bits(new_secret().encode()) > 150
+    assert secret_strength_bits(os.urandom(16).hex().encode()) > 100
+    for fine in (SECRET, WEAK_SECRET, b"correct horse battery staple"):
+        assert load_secret(fine) == fine
+
+
+def test_the_daemons_refuse_a_weak_secret_with_one_line_and_exit_code_2() -> None:
+    env = dict(os.environ, PARAMSYNC_SECRET="x" * 32)
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.cli.main", "coordinator", "--world-size", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "too little entropy" in done.stderr and "paramsync secret" in done.stderr

@@ -26,8 +26,14 @@ INLINE = cbor2.CBORTag(40, [[1], cbor2.CBORTag(85, b"\x00\x00\x80\x3f")])
 BARE = cbor2.CBORTag(85, b"\x00\x00\x80\x3f")
 
 PRE_AUTH = {
-    "hello": {"group": "g", "world_size": 2, "rank": 0, "nonce": b"\x01" * 32},
-    "challenge": {"nonce": b"\x02" * 32},
+    "hello": {
+        "group": "g",
+        "world_size": 2,
+        "rank": 0,
+        "nonce": b"\x01" * 32,
+        "share": b"\x05" * 32,
+    },
+    "challenge": {"nonce": b"\x02" * 32, "share": b"\x06" * 32},
     "auth": {"proof": b"\x03" * 32},
     "welcome": {"group": "g", "world_size": 2, "rank": -1, "proof": b"\x04" * 32},
     "refuse": {"reason": "no"},

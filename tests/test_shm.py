@@ -421,7 +421,7 @@ rank, world, port, loops = (int(arg) for arg in sys.argv[1:5])
 
 async def main():
     config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
-    secret = "shm-tests-secret"  # 16 bytes: the shortest a shared secret may be
+    secret = "shm-tests-secret-0123456789"  # 16 bytes: the shortest a shared secret may be
     async with TcpTransport.connect(config, secret=secret, join_seconds=30) as transport:
         plane = transport.shared_memory
         transport.stall_seconds = 20

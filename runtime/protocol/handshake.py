@@ -1,23 +1,30 @@
-"""The connection handshake: identity, admission and HMAC challenge-response (sans-I/O).
+"""The connection handshake: identity, admission, a password-authenticated key exchange and
+challenge-response proofs (sans-I/O).
 
 Four messages, each one frame::
 
-    dialer -> listener  hello      {group, world_size, rank, nonce}
-    listener -> dialer  challenge  {nonce}                               (or refuse: busy, replay)
+    dialer -> listener  hello      {group, world_size, rank, nonce, share}
+    listener -> dialer  challenge  {nonce, share}                        (or refuse: busy, replay)
     dialer -> listener  auth       {proof}
     listener -> dialer  welcome    {group, world_size, rank, proof}      (or refuse)
 
-The dialer proves first: its proof covers both nonces and its own identity. The listener says
-nothing about itself (no identity, no proof) until that proof has verified and the dialer is
-admitted, so a stranger who connects learns nothing to test guesses of the secret against.
-The listener's proof, in the welcome, covers both nonces and both identities; the dialer checks
-it before trusting anything the welcome says. Every HMAC is keyed with the secret stretched by
-scrypt (`stretch_secret`), so a rogue listener that collects a dialer's proof pays one scrypt per
-guess. The two proofs and the session key use different labels, so none can stand for another,
-and a replayed handshake fails on the fresh nonces. Once it has succeeded, both sides hold the
-same 32-byte session key (`DialerHandshake.session_key`, `ListenerHandshake.session_key`), from
-which every later frame's MAC key is derived (`runtime.protocol.frame_auth`). Both sides of a
-refusal get the same sentence: the listener raises it, the dialer receives it.
+The shares are CPace's (`runtime.protocol.pake`): X25519 multiples of a generator derived from
+the secret (stretched by scrypt, `stretch_secret`), the group and the dialer's nonce. Both sides
+derive the intermediate session key (ISK) from the exchange, and every proof and the session
+key are HMACs keyed by the ISK: whoever watches a handshake (no TLS) or answers a dialer (a
+rogue listener) has nothing to test guesses of the secret against offline; an active attacker
+tests one guess per handshake. The dialer proves first: its proof covers both nonces and its
+own identity. The listener says nothing about itself (no identity, no proof) until that proof
+has verified and the dialer is admitted. The listener's proof, in the welcome, covers both
+nonces and both identities; the dialer checks it before trusting anything the welcome says.
+The two proofs and the session key use different labels, so none can stand for another, and a
+replayed handshake fails on the fresh nonces and shares. Once it has succeeded, both sides hold
+the same 32-byte session key (`DialerHandshake.session_key`, `ListenerHandshake.session_key`),
+from which every later frame's MAC key is derived (`runtime.protocol.frame_auth`). Both sides
+of a refusal get the same sentence: the listener raises it, the dialer receives it.
+
+A secret with too little entropy is refused when it is loaded (`load_secret`,
+`secret_strength_bits`): one repeated letter, or a handful of distinct characters.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import stat
@@ -43,12 +51,15 @@ from runtime.errors import (
     quoted,
 )
 from runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
+from runtime.protocol.pake import Cpace, generator
 from runtime.protocol.schema import PROTOCOL_VERSION
 
 __all__ = [
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "SECRET_MIN_BYTES",
+    "SECRET_MIN_BITS",
+    "secret_strength_bits",
     "KDF_SALT",
     "KDF_N",
     "KDF_R",
@@ -73,6 +84,10 @@ SECRET_ENV = "PARAMSYNC_SECRET"
 SECRET_FILE_ENV = "PARAMSYNC_SECRET_FILE"
 SECRET_MIN_BYTES = 16
 """The shortest shared secret `load_secret` accepts."""
+SECRET_MIN_BITS = 48.0
+"""The least estimated entropy (`secret_strength_bits`) of a secret `load_secret` accepts.
+The handshake is a balanced PAKE, so a secret can only be guessed online, one handshake a
+guess: 48 bits is some 10^14 handshakes. `paramsync secret` makes 256-bit ones."""
 
 KDF_SALT = b"paramsync/secret/v2"
 KDF_N = 2**14
@@ -87,6 +102,21 @@ KEY_SIZE = 32
 def new_secret() -> str:
     """A fresh random shared secret: 32 random bytes, URL-safe base64 (43 characters)."""
     return secrets.token_urlsafe(32)
+
+
+def secret_strength_bits(secret: bytes) -> float:
+    """An estimate of a secret's entropy: its length times the Shannon entropy of its byte
+    distribution. It catches what no random secret looks like (one repeated letter: 0 bits; a
+    few distinct characters over and over), not a dictionary word, which only `paramsync
+    secret`'s random bytes avoid for sure."""
+    if not secret:
+        return 0.0
+    counts: dict[int, int] = {}
+    for byte in secret:
+        counts[byte] = counts.get(byte, 0) + 1
+    total = len(secret)
+    per_byte = -sum(c / total * math.log2(c / total) for c in counts.values())
+    return total * per_byte
 
 
 def _how_to_make_one() -> str:
@@ -134,6 +164,13 @@ def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | Non
         raise ValueError(
             f"the shared secret must be at least {SECRET_MIN_BYTES} bytes long "
             f"(this one has {len(secret)}); " + _how_to_make_one()
+        )
+    bits = secret_strength_bits(secret)
+    if bits < SECRET_MIN_BITS:
+        raise ValueError(
+            f"the shared secret has too little entropy (about {bits:.0f} bits, at least "
+            f"{SECRET_MIN_BITS:.0f} needed: too few distinct characters, or too much "
+            "repetition); " + _how_to_make_one()
         )
     return bytes(secret)
 
@@ -214,17 +251,29 @@ _NOT_COMPLETED = "the handshake has not completed"
 class DialerHandshake:
     """The connecting side's handshake state: feed it the listener's replies."""
 
-    def __init__(self, secret: bytes, me: Identity, nonce: bytes | None = None) -> None:
-        self._key = stretch_secret(secret)
+    def __init__(
+        self,
+        secret: bytes,
+        me: Identity,
+        nonce: bytes | None = None,
+        *,
+        scalar: bytes | None = None,
+    ) -> None:
+        """``nonce`` and ``scalar`` (the CPace scalar) are fresh random ones unless given
+        (test vectors only)."""
         self.me = me
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
+        base = generator(stretch_secret(secret), me.group, me.world_size, self._nonce)
+        self._cpace = Cpace(base, scalar)
+        self._key = b""
+        """The ISK (`runtime.protocol.pake`), once the listener's share has arrived."""
         self._listener_nonce: bytes | None = None
         self.peer: Identity | None = None
         """The listener's identity, once its proof in the welcome has verified."""
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
-        return Hello(**self.me.fields(), nonce=self._nonce).to_wire()
+        return Hello(**self.me.fields(), nonce=self._nonce, share=self._cpace.share).to_wire()
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Take the listener's nonce; return the auth message (this side's proof) to send."""
@@ -236,6 +285,8 @@ class DialerHandshake:
         nonce = message["nonce"]
         if len(nonce) != NONCE_SIZE:
             raise HandshakeError(f"challenge nonce must be {NONCE_SIZE} bytes")
+        share = message["share"]
+        self._key = self._cpace.isk(share, dialer_share=self._cpace.share, listener_share=share)
         self._listener_nonce = nonce
         return Auth(dialer_proof(self._key, self._nonce, nonce, self.me)).to_wire()
 
@@ -300,8 +351,14 @@ class ListenerHandshake:
         admit: Admit,
         nonce: bytes | None = None,
         ledger: NonceLedger | None = None,
+        *,
+        scalar: bytes | None = None,
     ) -> None:
-        self._key = stretch_secret(secret)
+        self._scalar = scalar
+        """The CPace scalar (None: a fresh random one per handshake; given for test vectors)."""
+        self._secret_key = stretch_secret(secret)
+        self._key = b""
+        """The ISK (`runtime.protocol.pake`), once the hello's share has arrived."""
         self.me = me
         self._admit = admit
         self._ledger = PROCESS_LEDGER if ledger is None else ledger
@@ -322,9 +379,16 @@ class ListenerHandshake:
             raise ReplayedHandshake(
                 "replayed handshake: this hello's nonce was sent by an earlier connection"
             )
-        self._claimed = Identity(message["group"], message["world_size"], message["rank"])
+        claimed = Identity(message["group"], message["world_size"], message["rank"])
+        # The generator is the dialer's claimed group's: a group that is not this one fails
+        # the proof (or admission), never earlier, so a stranger learns nothing.
+        base = generator(self._secret_key, claimed.group, claimed.world_size, message["nonce"])
+        cpace = Cpace(base, self._scalar)
+        share = message["share"]
+        self._key = cpace.isk(share, dialer_share=share, listener_share=cpace.share)
+        self._claimed = claimed
         self._dialer_nonce = message["nonce"]
-        return Challenge(nonce=self._nonce).to_wire()
+        return Challenge(nonce=self._nonce, share=cpace.share).to_wire()
 
     def on_auth(self, message: dict[str, Any]) -> tuple[str, dict[str, Any], Exception | None]:
         """Check the dialer's proof and admission: the verdict to send (a welcome carrying

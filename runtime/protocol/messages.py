@@ -183,6 +183,8 @@ _MAX_ITEMS = 1 << 20
 MAX_DIGEST = 64
 """Longest digest (whole-state or per-tensor) a report may carry, in bytes."""
 NONCE_SIZE = 32
+SHARE_SIZE = 32
+"""Bytes of a CPace key share (an X25519 u-coordinate, `runtime.protocol.pake.SHARE_SIZE`)."""
 """Bytes of a handshake nonce."""
 _SHM_NONCE = 16
 
@@ -294,15 +296,18 @@ class Hello(WireMessage):
     world_size: int = wire(Int(1, _MAX_WORLD))
     rank: int = wire(Int(-1, _MAX_WORLD))
     nonce: bytes = wire(Bytes(NONCE_SIZE))
+    share: bytes = wire(Bytes(SHARE_SIZE))
+    """The dialer's CPace key share (`runtime.protocol.pake`)."""
 
 
 @dataclass(frozen=True)
 class Challenge(WireMessage):
-    """Listener -> dialer: the listener's nonce, and nothing about the listener (the dialer
-    has not proven the secret yet)."""
+    """Listener -> dialer: the listener's nonce and CPace key share, and nothing about the
+    listener (the dialer has not proven the secret yet)."""
 
     KIND: ClassVar[str] = "challenge"
     nonce: bytes = wire(Bytes(NONCE_SIZE))
+    share: bytes = wire(Bytes(SHARE_SIZE))
 
 
 @dataclass(frozen=True)
