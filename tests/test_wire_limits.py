@@ -75,7 +75,7 @@ def test_a_frame_not_led_by_v_and_kind_is_held_to_the_control_cap() -> None:
     with pytest.raises(FrameTooLarge, match=r"not led by 'v' and a known 'kind' of \d+ bytes"):
         decode_frame(framed(body))
     with pytest.raises(ProtocolError, match="version"):  # small: the decoder names the problem
-        decode_frame(framed(cbor2.dumps({"kind": "heartbeat", "v": 3})))
+        decode_frame(framed(cbor2.dumps({"kind": "heartbeat", "v": PROTOCOL_VERSION + 1})))
 
 
 @pytest.mark.parametrize(
