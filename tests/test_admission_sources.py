@@ -16,6 +16,7 @@ loopback addresses (127.0.1.1-96; every 127/8 address routes to loopback on Linu
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -90,6 +91,27 @@ class SourcedStream:
 
     async def aclose(self) -> None:
         self.closed = True
+
+
+async def test_a_one_slot_source_gives_its_slot_up_once_its_share_is_half(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Rule 3 at its boundary: a source holding one slot has a share of 1 - e^(-t/2) after t
+    seconds; a newcomer from a source with none takes it from 0.5 on (t = 2 ln 2 = 1.39 s),
+    and the source that lost it cannot take the newcomer's back (its share is the higher)."""
+    gate = AdmissionGate("test", AdmissionLimits(max_pending=2, log_lines_per_second=None))
+    first = await gate.admit(SourcedStream("10.0.0.1"))  # type: ignore[arg-type]
+    second = await gate.admit(SourcedStream("10.0.0.2"))  # type: ignore[arg-type]
+    assert first is not None and second is not None
+    await trio.sleep(1.3)
+    assert gate.share_of("10.0.0.1") == pytest.approx(1 - math.exp(-0.65))  # 0.478
+    assert await gate.admit(SourcedStream("10.0.0.3")) is None  # type: ignore[arg-type]
+    await trio.sleep(0.1)  # 0.503
+    newcomer = await gate.admit(SourcedStream("10.0.0.3"))  # type: ignore[arg-type]
+    assert newcomer is not None and [first.evicted, second.evicted].count(True) == 1
+    loser = "10.0.0.1" if first.evicted else "10.0.0.2"
+    assert await gate.admit(SourcedStream(loser)) is None  # type: ignore[arg-type]
+    assert gate.stats.evicted == 1 and gate.share_of("10.0.0.3") < 0.01
 
 
 async def holder(
