@@ -31,6 +31,11 @@ slow_holders   ``--holders`` connections from eight loopback addresses (127.0.0.
                the first bytes of a hello and hold, reopening whenever they are cut; once every
                slot has been held for a while, real dialers (the workers' `dial_with_retry`,
                from 127.0.0.1) join a rank, drop it and rejoin it: the time each took
+spread_holders the same with every holder from an address of its own (127.0.1.1, 127.0.1.2,
+               ...; issue 31 row 7): one slot each, so only their shares (not their counts)
+               tell them from the workers; the joins must take under 5 s. (96 addresses of
+               one IPv6 /64 count as one source: tests/test_admission_sources.py, as loopback
+               IPv6 has one address)
 duplicate_rank ``--duplicate-trials`` trials of two dialers holding the secret and claiming one
                free rank, their auths sent back to back: how many trials welcomed both
 ============== ==============================================================================
@@ -537,6 +542,14 @@ async def flood(target: Target, count: int) -> list[Attempt]:
 
 HOLDER_SOURCES = tuple(f"127.0.0.{i}" for i in range(2, 10))
 """Where the slow holders connect from: eight addresses, none of them the workers' 127.0.0.1."""
+SPREAD_JOIN_WITHIN = 5.0
+"""What a worker gets to join while holders from as many addresses flood (issue 31 row 7)."""
+
+
+def spread_sources(count: int) -> tuple[str, ...]:
+    """``count`` loopback addresses, none of them the workers' 127.0.0.1: 127.0.1.1, ...,
+    127.0.1.250, 127.0.2.1, ... (every 127/8 address routes to loopback on Linux)."""
+    return tuple(f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(count))
 
 
 async def _hold(
@@ -1224,7 +1237,7 @@ PHASES = (
 )
 """The attacks on the training run, in order (each a phase of the log)."""
 
-ADMISSION_PHASES = ("slow_holders", "duplicate_rank")
+ADMISSION_PHASES = ("slow_holders", "spread_holders", "duplicate_rank")
 """The attacks on a coordinator with free ranks (`admission_attacks`), after the training run."""
 
 
@@ -1238,6 +1251,13 @@ async def admission_attacks(
         started = time.monotonic()
         if name == "slow_holders":
             results[name] = await slow_holders(target, holders)
+        elif name == "spread_holders":
+            results[name] = await slow_holders(
+                target,
+                holders,
+                sources=spread_sources(holders),
+                join_within=SPREAD_JOIN_WITHIN,
+            )
         else:
             results[name] = await duplicate_rank(target, duplicate_trials)
         print(f"  {name}: {time.monotonic() - started:.1f} s", flush=True)
@@ -1421,11 +1441,14 @@ def main(argv: list[str] | None = None) -> int:
         f"e.g. {guessed[0].outcome if guessed else None}"
     )
     holding, dupes = admission["slow_holders"], admission["duplicate_rank"]
-    print(
-        f"slow_holders: {holding['holders']} holders from {holding['sources']} addresses; "
-        f"joins (s, limit {holding['join_within_seconds']:g}): {holding['joins_seconds']}; "
-        f"holders' connections: {holding['holder_counts']}"
-    )
+    spread = admission["spread_holders"]
+    for name in ("slow_holders", "spread_holders"):
+        row = admission[name]
+        print(
+            f"{name}: {row['holders']} holders from {row['sources']} addresses; "
+            f"joins (s, limit {row['join_within_seconds']:g}): {row['joins_seconds']}; "
+            f"holders' connections: {row['holder_counts']}"
+        )
     print(
         f"duplicate_rank: {dupes['trials']} trials, both welcomed in {dupes['both_welcomed']}: "
         f"{dupes['outcomes']}"
@@ -1492,6 +1515,7 @@ def main(argv: list[str] | None = None) -> int:
         and alive_after
         and same_as_baseline is not False
         and holding["all_joined_in_time"]
+        and spread["all_joined_in_time"]
         and dupes["both_welcomed"] == 0
         and not recovered
         and all(row["refusal"] != "ACCEPTED" for row in bombs.values())

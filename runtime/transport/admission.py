@@ -6,26 +6,33 @@ for one
 serving endpoint (the coordinator's listeners, or a worker's data-plane listener):
 
 * at most ``max_pending`` handshakes run at once, and at most ``max_pending_per_source`` from
-  one IP address; a connection over either cap is answered with a ``refuse`` frame (``busy``:
-  the dialer retries) and closed at once, before any task or buffer exists for it;
+  one source (`source_key`: an IPv4 address, or an IPv6 /64); a connection over either cap
+  is answered with a ``refuse`` frame (``busy``: the dialer retries) and closed at once,
+  before any task or buffer exists for it;
 * every handshake has a deadline (``handshake_seconds``, from the accept), enforced around the
   whole handshake block, so a slow-drip peer holds its slot for a bounded time;
-* a handshake that has held its slot for ``evict_after_seconds`` without finishing is evicted
-  when a newcomer needs the slot (see *Fairness* below), so slow holders cannot keep the
-  workers out for the length of the deadline;
+* a handshake of a source that has been sitting on slots is evicted when a newcomer from a
+  source that has held fewer needs the slot (see *Fairness* below), so slow holders, from one
+  source or from many, cannot keep the workers out for the length of the deadline;
 * running out of file descriptors (EMFILE and friends) makes the accept loop back off and retry
   instead of crashing the listener;
 * refusals are logged one line each, naming the remote address and a category in brackets,
   at most ``log_lines_per_second`` a second; the rest are counted and summed up in one line.
 
-Fairness (issue 18, row 3). Who a dialer is (its rank) is known only once it has proven the
-secret, at the end of the handshake, so no slot can be set aside for "a rank the run expects"
-before that point without trusting what a stranger claims (under protocol version 2 the
-dialer's proof comes in its second message, after it already holds a slot). Instead the gate
-shares the slots fairly among source addresses, and makes a slot impossible to hold against a
-newcomer from an address that holds fewer:
+Fairness (issue 18, row 3; issue 31, row 7). Who a dialer is (its rank) is known only once it
+has proven the secret, at the end of the handshake, so no slot can be set aside for "a rank the
+run expects" before that point without trusting what a stranger claims (under protocol version
+2 the dialer's proof comes in its second message, after it already holds a slot). Instead the
+gate shares the slots fairly among sources, and makes a slot impossible to hold against a
+newcomer from a source that has held less:
 
-1. Per-source cap: one IP address holds at most ``max_pending_per_source`` slots (default 8 of
+0. What a source is (`source_key`): an IPv4 address; an IPv6 address's /64, because one IPv6
+   host is routinely given a whole /64 (SLAAC, privacy addresses) and can connect from 2^64
+   addresses of it; an IPv4 address mapped into IPv6 (a dual-stack listener's
+   ``::ffff:a.b.c.d``) is that IPv4 address. IPv4 addresses are not grouped by prefix: the
+   workers of one cluster often share a /24, and grouping them would put them in one source
+   with any attacker of that subnet.
+1. Per-source cap: one source holds at most ``max_pending_per_source`` slots (default 8 of
    64), so a single host cannot take them all. A newcomer whose own source is at its cap can
    only take the oldest slot of its own source, once that handshake is ``evict_after_seconds``
    old (default 1 s; a real handshake takes a round trip and two HMACs, milliseconds).
@@ -47,19 +54,55 @@ newcomer from an address that holds fewer:
    for their whole 2.5 s window in one run of ``make reliability-hostile``
    (tests/test_admission.py reproduces it under a mock clock). An address's load does not
    fall when its connections are renewed, only when it holds fewer slots.
-3. What that guarantees. A worker dialing from an address that holds at least two slots fewer
-   than some source of load 1 or more gets a slot at its first dial, however the attacker
-   connects, holds, hangs up or reconnects; it then finishes its handshake in milliseconds,
-   and nobody can take that slot back (its address now holds one slot and has a load far
-   below 1). Holders that just arrived have a load under 1 for a moment (a source holding 8
-   slots reaches 1 after 0.13 ``evict_after_seconds``), and a burst of real handshakes from
-   one host never reaches it, so those are not evicted. To keep such a worker out an
-   attacker needs about ``max_pending`` addresses of its own, each holding less than one
-   slot on average, not a handful of slow connections. Rejoins after a coordinator restart go
-   through the same gate and get the same guarantee. What it cannot do: tell an attacker from
-   a worker *on the same address* before the proof; there the attacker holds at most
-   ``max_pending_per_source`` slots and shares the address's evictions with the worker (a
-   worker's host running hostile code is out of scope).
+3. Many sources holding one slot each (issue 31, row 7). Rule 2 never applies to 96 holders
+   from 96 addresses (each holds one slot, the worker's address none: nobody is two ahead),
+   so they kept a worker out until a holder's deadline (28 s and more in the review). Each
+   source therefore also has a share: its load with a longer time constant,
+   ``_SHARE_TAU`` x ``evict_after_seconds`` (2 s by default). At the global cap a newcomer
+   also takes a slot from a source that holds more slots than the newcomer's own and whose
+   share is at least ``_SHARE_MARGIN`` (0.5) above the newcomer's source's share: of all such
+   sources (and those of rule 2), the one holding the most, then with the largest share, its
+   oldest handshake. A real handshake holds its slot for milliseconds, so a worker's source
+   has a share near 0: it takes a slot from any source that has held one for about 1.4 s
+   (2 ln 2) of the last few seconds, and no holder can take the worker's slot back.
+
+   Why it holds against many sources: while the gate is full, the shares of all sources add
+   up to the same average of the slots held, so after the gate has been full for t seconds
+   they sum to ``max_pending`` x (1 - e^(-t/2)) (the 64 slots of the defaults: 48 after 2.8 s).
+   To give the worker no victim, every source holding a slot must have a share under 0.5 at
+   the moment it dials; a source that keeps that at every moment never has a share of 0.5 or
+   more at all (a share grows only while the source holds). With N sources the sum then stays
+   under N x 0.5, so holders from N < 2 x ``max_pending`` sources (under 128 with the
+   defaults: 96 addresses, or many more addresses of fewer /64s, included) cannot keep every
+   slot unevictable once the gate has been full for 2 ln(64 / (64 - N/2)) s (2.8 s for 96),
+   whatever they do; the worker redials at least every 0.5 s (`tcp.dial_with_retry`) and is
+   in at its next dial. Holders that hold until they are cut, come back at once, or renew
+   every connection every 0.3 s let a worker dialing 3 s into the attack in at its first dial,
+   and one dialing from the start within 2.7 s (tests/test_admission_sources.py, mock clock).
+   What this bound does not cover: holders timed to the worker's dials (an attacker who
+   could see them), or from 128 and more sources; a schedule that charges some sources
+   above 0.5 while others hold can only give the worker no victim part of the time (about
+   half in the schedules analysed), and each dial is then a fresh chance.
+
+   The longer time constant keeps bursts of real handshakes safe: eight handshakes of one
+   host arriving at once have a share of 0.5 only after 0.13 s, the same moment rule 2's
+   load of 1 would make one of them evictable anyway.
+4. What that guarantees. A worker dialing from a source that holds at least two slots fewer
+   than some source of load 1 or more, or fewer slots and 0.5 less share than some source,
+   gets a slot at its first dial, however the attacker connects, holds, hangs up or
+   reconnects; it then finishes its handshake in milliseconds, and nobody can take that slot
+   back (its source now holds one slot, a load far below 1 and a share near 0). Holders that
+   just arrived have a load under 1 and a share under 0.5 for a moment (a source holding 8
+   slots reaches a load of 1 after 0.13 ``evict_after_seconds``), and a burst of real
+   handshakes from one host never reaches either, so those are not evicted. To keep such a
+   worker out an attacker needs about 2 x ``max_pending`` sources of its own, each holding
+   less than half a slot on average, not a handful of slow connections nor a single /64.
+   Rejoins after a coordinator restart go through the same gate and get the same guarantee.
+   What it cannot do: tell an attacker from a worker *of the same source* (the same IPv4
+   address, or the same IPv6 /64) before the proof; there the attacker holds at most
+   ``max_pending_per_source`` slots and shares the source's evictions with the worker (a
+   worker's host running hostile code, or an attacker on the workers' own IPv6 subnet, is out
+   of scope).
 
 Once the proof is checked, the rank claim is atomic (the listener's ``admit`` callback
 reserves the rank before the welcome is sent; see `runtime.coordinator.service` and
@@ -89,6 +132,7 @@ Usage, inside a listener's nursery::
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import math
 import os
@@ -120,6 +164,7 @@ __all__ = [
     "SourceLoad",
     "FAILURE_CATEGORIES",
     "classify_failure",
+    "source_key",
 ]
 
 log = logging.getLogger("paramsync.admission")
@@ -148,7 +193,14 @@ _LOG_WINDOW = 1.0
 _HOLDING_LOAD = 1.0
 """A source whose load (`SourceLoad`) is at least this may lose a slot to a poorer source."""
 _FORGOTTEN_LOAD = 0.01
-"""A source holding no slot is forgotten once its load has decayed below this."""
+"""A source holding no slot is forgotten once its load and its share have decayed below this."""
+_SHARE_MARGIN = 0.5
+"""At the global cap, a source whose share is this much above the newcomer's (and which holds
+more slots) gives one up (module doc, *Fairness*, rule 3)."""
+_SHARE_TAU = 2.0
+"""The time constant of a source's share, in ``evict_after`` units."""
+_IPV6_SOURCE_PREFIX = 64
+"""IPv6 peers are grouped by this prefix: one host commonly holds a whole /64."""
 
 
 @dataclass(frozen=True)
@@ -162,11 +214,13 @@ class AdmissionLimits:
     log_lines_per_second: int | None = 20
     """Refusal log lines per second (None: no limit); the others are summed up in one line."""
     max_pending_per_source: int = 8
-    """Handshakes in progress at once from one IP address (at most ``max_pending``)."""
+    """Handshakes in progress at once from one source (`source_key`: an IPv4 address or an IPv6
+    /64; at most ``max_pending``)."""
     evict_after_seconds: float = 1.0
     """A handshake this old (or ``handshake_seconds``, if shorter) may be evicted to make room
-    for a newcomer from its own address at that address's cap; also the time constant of the
-    load (`SourceLoad`) by which sources give slots up to poorer ones at the global cap."""
+    for a newcomer from its own source at that source's cap; also the time constant of the
+    load (`SourceLoad`) by which sources give slots up to poorer ones at the global cap, and
+    half that of their share (module doc, *Fairness*, rules 2 and 3)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_pending, bool) or not isinstance(self.max_pending, int):
@@ -283,15 +337,35 @@ def classify_failure(error: BaseException, elapsed: float, deadline: float) -> s
     return "other"
 
 
+def source_key(address: str) -> str:
+    """What the gate counts as one source: an IPv4 address as it is, an IPv6 address by its
+    /64 (``2001:db8:1:2::/64``; the scope of a link-local address dropped), an IPv4 address
+    mapped into IPv6 (a dual-stack listener's ``::ffff:10.0.0.1``) as the IPv4 address.
+    Anything that is not an IP address is its own key.
+
+    Why /64: IPv6 hosts are routinely given a whole /64 (SLAAC, privacy addresses), so one
+    host can connect from 2^64 addresses, while an IPv4 host has one (or a handful)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, _IPV6_SOURCE_PREFIX), strict=False))
+    return str(ip)
+
+
 def _remote_address(stream: trio.abc.Stream) -> tuple[str, str]:
-    """(``host:port``, the source key: the IP address) of the peer of ``stream``."""
+    """(``host:port``, the source key: `source_key` of the IP address) of the peer of
+    ``stream``."""
     sock = getattr(stream, "socket", None)
     try:
         remote = sock.getpeername() if sock is not None else None
     except OSError:
         remote = None
     if isinstance(remote, tuple) and len(remote) >= 2:
-        return f"{remote[0]}:{remote[1]}", str(remote[0])
+        return f"{remote[0]}:{remote[1]}", source_key(str(remote[0]))
     return "unknown peer", "unknown peer"
 
 
@@ -315,8 +389,8 @@ class HandshakeTicket:
         self.gate = gate
         self.where = where
         """The remote ``host:port``."""
-        self.source = where.rsplit(":", 1)[0] if source is None else source
-        """The remote IP address: what the per-source cap counts."""
+        self.source = source_key(where.rsplit(":", 1)[0]) if source is None else source
+        """The remote source (`source_key`): what the per-source cap counts."""
         self.seconds = seconds
         """The deadline; pass it on to the handshake (``accept(..., handshake_seconds=)``)."""
         self._started = started
@@ -413,6 +487,8 @@ class AdmissionGate:
         """Pending handshakes by source, oldest first."""
         self._loads: dict[str, SourceLoad] = {}
         """Each source's load; kept after its last slot until the load has decayed."""
+        self._shares: dict[str, SourceLoad] = {}
+        """Each source's share (its load over ``_SHARE_TAU`` x ``evict_after``), kept as long."""
         self._serving = 0
         self._window_start = -float("inf")
         self._window_lines = 0
@@ -471,17 +547,24 @@ class AdmissionGate:
         )
         self._pending.setdefault(source, []).append(ticket)
         self._load_of(source, now).change(+1, now)
+        self._shares[source].change(+1, now)
         self.stats.pending += 1
         self.stats.peak_pending = max(self.stats.peak_pending, self.stats.pending)
         return ticket
 
     def pending_from(self, source: str) -> int:
-        """Handshakes in progress from one IP address."""
+        """Handshakes in progress from one source (`source_key`)."""
         return len(self._pending.get(source, ()))
 
     def load_of(self, source: str) -> float:
         """How many slots ``source`` held lately (`SourceLoad`); 0 for an unknown source."""
         tracked = self._loads.get(source)
+        return 0.0 if tracked is None else tracked.load(trio.current_time())
+
+    def share_of(self, source: str) -> float:
+        """How many slots ``source`` held over the last few seconds: its load with a time
+        constant of ``_SHARE_TAU`` x ``evict_after`` (module doc, *Fairness*, rule 3)."""
+        tracked = self._shares.get(source)
         return 0.0 if tracked is None else tracked.load(trio.current_time())
 
     def _load_of(self, source: str, now: float) -> SourceLoad:
@@ -490,17 +573,22 @@ class AdmissionGate:
             if len(self._loads) > 2 * len(self._pending) + 64:
                 self._forget_idle_sources(now)
             tracked = self._loads[source] = SourceLoad(self.limits.evict_after, now)
+            self._shares[source] = SourceLoad(_SHARE_TAU * self.limits.evict_after, now)
         return tracked
 
     def _forget_idle_sources(self, now: float) -> None:
-        """Drop the loads of sources that hold nothing and have (nearly) decayed: the table
-        stays proportional to the sources seen in the last few ``evict_after`` seconds."""
+        """Drop the loads of sources that hold nothing and whose load and share have (nearly)
+        decayed: the table stays proportional to the sources seen in the last few seconds,
+        and a source is never forgotten while its share could still count against it."""
         for source in [
             s
             for s, tracked in self._loads.items()
-            if not tracked.held and tracked.load(now) < _FORGOTTEN_LOAD
+            if not tracked.held
+            and tracked.load(now) < _FORGOTTEN_LOAD
+            and self._shares[s].load(now) < _FORGOTTEN_LOAD
         ]:
             del self._loads[source]
+            del self._shares[source]
 
     def _make_room(self, source: str, now: float) -> str | None:
         """Make room for a newcomer from ``source``: None when there is (evicting a holder if
@@ -525,35 +613,57 @@ class AdmissionGate:
             return None
         if self.stats.pending < cap:
             return None
-        # Fair shares: only a source holding at least two slots more than the newcomer's
-        # gives one up (so the swap never leaves the newcomer's source ahead of it), and only
-        # if it has been sitting on slots (its load), however young its connections are.
+        # Fair shares (module doc, *Fairness*). Rule 2: a source holding at least two slots
+        # more than the newcomer's gives one up (so the swap never leaves the newcomer's
+        # source ahead of it) if it has been sitting on slots (its load), however young its
+        # connections are. Rule 3: a source holding more slots than the newcomer's gives one
+        # up if its share is at least _SHARE_MARGIN above the newcomer's source's.
+        mine_share = self._share_now(source, now)
         candidates = [
             held[0]
             for held in self._pending.values()
-            if len(held) >= len(mine) + 2 and self._loads[held[0].source].load(now) >= _HOLDING_LOAD
+            if (
+                len(held) >= len(mine) + 2
+                and self._loads[held[0].source].load(now) >= _HOLDING_LOAD
+            )
+            or (
+                len(held) > len(mine)
+                and self._shares[held[0].source].load(now) >= mine_share + _SHARE_MARGIN
+            )
         ]
         if not candidates:
             return f"{self.stats.pending} handshakes already in progress (the cap is {cap})"
         victim = max(
             candidates,
-            key=lambda t: (self.pending_from(t.source), self._loads[t.source].load(now)),
+            key=lambda t: (self.pending_from(t.source), self._shares[t.source].load(now)),
         )
         victim.evict(
             f"{self.stats.pending} handshakes in progress (the cap is {cap}), "
             f"{self.pending_from(victim.source)} of them from {victim.source}, which held "
-            f"{self._loads[victim.source].load(now):.1f} slots on average lately; this one made "
-            f"no progress for {now - victim.started:.1f} s and a newcomer from an address "
-            f"holding {len(mine)} needs the slot"
+            f"{self._loads[victim.source].load(now):.1f} slots on average lately "
+            f"({self._shares[victim.source].load(now):.2f} over {self._share_tau:g} s); "
+            f"this one made no progress for {now - victim.started:.1f} s and a newcomer from "
+            f"a source holding {len(mine)} ({mine_share:.2f} over {self._share_tau:g} s) "
+            f"needs the slot"
         )
         return None
+
+    @property
+    def _share_tau(self) -> float:
+        return _SHARE_TAU * self.limits.evict_after
+
+    def _share_now(self, source: str, now: float) -> float:
+        tracked = self._shares.get(source)
+        return 0.0 if tracked is None else tracked.load(now)
 
     def _forget(self, ticket: HandshakeTicket) -> None:
         self.stats.pending -= 1
         held = self._pending.get(ticket.source)
         if held is not None and ticket in held:
             held.remove(ticket)
-            self._loads[ticket.source].change(-1, trio.current_time())
+            now = trio.current_time()
+            self._loads[ticket.source].change(-1, now)
+            self._shares[ticket.source].change(-1, now)
             if not held:
                 del self._pending[ticket.source]
 
