@@ -74,6 +74,20 @@ def _wrap(ddp: Any, model: nn.Module, **kwargs: Any) -> nn.Module:
         return wrapped
 
 
+def plain_steps(
+    wrapped: Any, optimizer: torch.optim.Optimizer, data: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[float]:
+    """The plainest DDP loop over ``data``: zero_grad, forward, backward, step; the losses."""
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
 def clip(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     """clip_grad_norm_ between backward and step (nanoGPT's loop), AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -179,43 +193,22 @@ def compiled(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     inner = torch.compile(model, backend="aot_eager")
     wrapped = torch.compile(_wrap(ddp, inner), backend="aot_eager")
-    losses = []
-    for x, y in batches(world, rank):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(wrapped(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    return losses
+    return plain_steps(wrapped, optimizer, batches(world, rank))
 
 
 def inductor(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     """torch.compile with its default backend (inductor: C++ kernels) after wrapping."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     wrapped = torch.compile(_wrap(ddp, model))
-    losses = []
-    for x, y in batches(world, rank):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(wrapped(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    return losses
+    return plain_steps(wrapped, optimizer, batches(world, rank))
 
 
 def uneven(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
     """Uneven inputs under ``with model.join():``: rank r stops after STEPS - 2r batches."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     wrapped = _wrap(ddp, model)
-    losses = []
     with wrapped.join():  # type: ignore[operator]
-        for x, y in batches(world, rank)[: STEPS - 2 * rank]:
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(wrapped(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss))
-    return losses
+        return plain_steps(wrapped, optimizer, batches(world, rank)[: STEPS - 2 * rank])
 
 
 def early_termination(model: nn.Module, ddp: Any, rank: int, world: int) -> list[float]:
@@ -223,15 +216,11 @@ def early_termination(model: nn.Module, ddp: Any, rank: int, world: int) -> list
     inputs ran out; the losses taken before it, then -1, are recorded."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = _wrap(ddp, model)
-    losses = []
+    losses: list[float] = []
     try:
         with wrapped.join(throw_on_early_termination=True):  # type: ignore[operator]
-            for x, y in batches(world, rank)[: STEPS - 3 * rank]:
-                optimizer.zero_grad()
-                loss = nn.functional.mse_loss(wrapped(x), y)
-                loss.backward()
-                optimizer.step()
-                losses.append(float(loss))
+            for step in batches(world, rank)[: STEPS - 3 * rank]:
+                losses += plain_steps(wrapped, optimizer, [step])
     except RuntimeError as exc:
         assert "exhausted" in str(exc), exc
         losses.append(-1.0)

@@ -15,16 +15,15 @@ loopback addresses (127.0.1.1-96; every 127/8 address routes to loopback on Linu
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from test_admission import SourcedStream, holder
 
 from runtime.coordinator.service import Coordinator
-from runtime.errors import HandshakeError, PeerClosed
 from runtime.protocol.handshake import DialerHandshake, Identity
 from runtime.protocol.wire import encode_frame_bytes
 from runtime.transport import tcp
@@ -69,30 +68,6 @@ def test_96_addresses_of_one_64_are_one_source_and_96_ipv4_addresses_are_96() ->
 # --------------------------------------------------------------------------- the gate alone
 
 
-class _FakeSocket:
-    def __init__(self, host: str, port: int) -> None:
-        self.address = (host, port)
-
-    def getpeername(self) -> tuple[str, int]:
-        return self.address
-
-    def fileno(self) -> int:
-        raise OSError("a fake socket has no descriptor")
-
-
-class SourcedStream:
-    """A fake accepted stream whose peer is ``host``."""
-
-    ports = itertools.cycle(range(40000, 60000))
-
-    def __init__(self, host: str) -> None:
-        self.closed = False
-        self.socket = _FakeSocket(host, next(self.ports))
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
 async def test_a_one_slot_source_gives_its_slot_up_once_its_share_is_half(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -112,26 +87,6 @@ async def test_a_one_slot_source_gives_its_slot_up_once_its_share_is_half(
     loser = "10.0.0.1" if first.evicted else "10.0.0.2"
     assert await gate.admit(SourcedStream(loser)) is None  # type: ignore[arg-type]
     assert gate.stats.evicted == 1 and gate.share_of("10.0.0.3") < 0.01
-
-
-async def holder(
-    gate: AdmissionGate, source: str, pause: float, hang_up_after: float | None
-) -> None:
-    """A slow holder that comes back ``pause`` s after it loses its slot (refused, evicted or
-    cut at the deadline); with ``hang_up_after`` it also hangs up on its own after holding that
-    long, to keep its connections young."""
-    while True:
-        ticket = await gate.admit(SourcedStream(source))  # type: ignore[arg-type]
-        if ticket is not None:
-            try:
-                with ticket:
-                    if hang_up_after is None:
-                        await trio.sleep_forever()
-                    await trio.sleep(hang_up_after)
-                    raise PeerClosed("the holder hung up")
-            except (HandshakeError, PeerClosed):
-                pass
-        await trio.sleep(pause)
 
 
 async def join_with_backoff(

@@ -103,27 +103,8 @@ def test_ddp_style_loop_under_launch_with_no_sync_accumulation() -> None:
 
 
 def test_ddp_style_loop_under_torchrun() -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed")
-    env = _env(PARAMSYNC_SECRET=secrets.token_hex(16))
-    for name in [name for name in env if name.startswith("TORCHELASTIC_")]:
-        del env[name]
-    with socket.socket() as probe:  # a free port for torchrun's store
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    flags = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port]
     args = ["examples/ddp_style_loop.py", "--steps", "40", "--log-every", "10"]
-    proc = subprocess.run(
-        [str(torchrun), *flags, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    _check_ddp_style_loop(proc.stdout, 40)
+    _check_ddp_style_loop(_torchrun(args).stdout, 40)
 
 
 def _torchrun(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
