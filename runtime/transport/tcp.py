@@ -483,7 +483,12 @@ class Connection:
     async def recv_into(
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any]:
-        """Receive one message whose bulk is written straight into ``out``."""
+        """Receive one message whose bulk is written straight into ``out``, uncopied.
+
+        ``out`` is a landing buffer: its bytes arrive before the frame's tag is checked, so
+        when this raises ``out`` holds unspecified bytes. Pass only a buffer the caller owns
+        and drops (or rewrites) on failure, never live model or optimizer state
+        (docs/protocol.md §5.4)."""
         async with self._holding(self._recv_lock):
             try:
                 message, spec, _, unchecked = await self._read_head(max_frame)
@@ -502,12 +507,18 @@ class Connection:
         self, route: BulkRoute, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any]:
         """Receive one message whose bulk lands where ``route`` says, once the head is read:
-        straight into the tensor it returns (checked as `recv_into` checks), or, for None, a
-        fresh one (bounded by ``max_frame`` as in `recv`)."""
+        in the tensor it returns (checked as `recv_into` checks), or, for None, a fresh one
+        (bounded by ``max_frame`` as in `recv`).
+
+        The tensor ``route`` returns is a destination the caller keeps (a posted receive: it
+        may be live state), so it never holds a byte that has not passed the frame's tag: the
+        bulk lands in a scratch tensor of its size and is copied over once the frame verified
+        (one copy; `recv_into` is the zero-copy path, for landing buffers)."""
         async with self._holding(self._recv_lock):
             try:
                 message, spec, bulk_len, unchecked = await self._read_head(max_frame)
                 bulk = None
+                commit = None
                 if spec is not None:
                     out = route(message, spec.dtype, spec.shape)
                     if out is None:
@@ -516,13 +527,18 @@ class Connection:
                                 f"{message['kind']} message carries {bulk_len} bulk bytes, "
                                 f"more than this receiver's limit of {max_frame}"
                             )
-                        out = _empty(spec)
+                        landing = _empty(spec)
                     else:
                         check_bulk_destination(spec, out, self.peer, message)
-                    bulk = tensor_buffer(out)
+                        landing = _empty(spec)
+                        commit = out
+                    bulk = tensor_buffer(landing)
                     await self._read_into(bulk)
-                    message["data"] = out
+                    message["data"] = landing
                 await self._check_rest(unchecked, bulk)
+                if commit is not None:
+                    tensor_buffer(commit)[:] = bulk
+                    message["data"] = commit
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
