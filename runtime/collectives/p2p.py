@@ -192,7 +192,11 @@ class _Inbox:
                 return None  # read into a fresh tensor, to keep the link in step; refused below
             return entry.tensor
 
-        message = await transport.recv_routed(self.peer, route)
+        largest = max(
+            (e.tensor.numel() * e.tensor.element_size() for q in self.posted.values() for e in q),
+            default=0,
+        )
+        message = await transport.recv_routed(self.peer, route, max_bulk=largest)
         who = _describe(transport, self.peer)
         if message["kind"] != P2P.KIND:
             raise ProtocolError(

@@ -96,8 +96,14 @@ class Transport(abc.ABC):
         bytes. Receive live state through a scratch buffer (`recv_routed`, `broadcast`).
         """
 
-    async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
+    async def recv_routed(
+        self, peer: int, route: BulkRoute, *, max_bulk: int = 0
+    ) -> dict[str, Any]:
         """Receive the next message from ``peer``, its bulk written where ``route`` says.
+
+        ``max_bulk``: the largest destination ``route`` may choose, in bytes; a transport that
+        reads the bulk before the head is decoded (TCP, checking the tag first) accepts a bulk
+        up to that size or its frame limit, whichever is larger.
 
         ``route`` sees the message's head before any bulk byte is read, so a receiver that
         expects several messages (point-to-point tags) can land each in its own tensor. The
