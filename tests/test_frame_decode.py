@@ -268,3 +268,17 @@ def test_no_unverified_frame_is_decoded_or_lands_in_a_kept_destination(
     assert decodes == []
     if path in ("p2p", "recv_routed"):
         assert torch.equal(out, torch.zeros(1024))
+
+
+async def test_a_refused_bulk_is_not_kept_by_the_connection() -> None:
+    """The connection remembers why it refused a frame (for its worker threads), but not the
+    refused frame's buffers: the remembered error carries no traceback (whose frames hold the
+    bulk read aside), so a 4 MiB forged bulk is freed with the receive."""
+    attack = FlipTag(TO_LISTENER, nth=0, where="tag")
+    with trio.fail_after(SECONDS):
+        async with relayed_pair(SECRET, attack) as (rank0, rank1):
+            await rank1.send(0, "p2p", {"tag": 0}, torch.zeros(1 << 20))
+            with pytest.raises(FrameAuthenticationError):
+                await rank0.recv(1)
+            refusal = rank0.connections[1]._refusal
+            assert refusal is not None and refusal.__traceback__ is None

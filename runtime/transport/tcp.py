@@ -268,7 +268,11 @@ class Connection:
         that a thread blocked on the connection meanwhile wakes with it (`_hung_up`)."""
         error = exc.with_peer(self.peer)
         assert isinstance(error, FrameAuthenticationError)
-        self._refusal = error
+        # A copy of its own is remembered: the raised one's traceback holds the frame's
+        # buffers (a bulk read aside), which must go with the frame, not with the connection.
+        kept = exc.with_peer(self.peer)
+        assert isinstance(kept, FrameAuthenticationError)
+        self._refusal = kept
         self.abort()
         return error
 
@@ -379,20 +383,17 @@ class Connection:
         return True
 
     def _take(self, count: int) -> bytes:
+        """Consume ``count`` buffered bytes. A receive buffer that grew for a long head goes
+        back to its usual size once empty, so a peer's memory here stays bounded between
+        frames (docs/protocol.md §1)."""
         data = bytes(self._view[self._start : self._start + count])
         self._start += count
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._buf) > _BUFFER_SIZE:
+                self._buf = bytearray(_BUFFER_SIZE)
+                self._view = memoryview(self._buf)
         return data
-
-    def _take_head(self, count: int) -> bytes:
-        """`_take` a frame's head; a receive buffer that grew for a long head goes back to its
-        usual size once empty, so a peer's memory here stays bounded between frames."""
-        head = self._take(count)
-        if len(self._buf) > _BUFFER_SIZE and self._start == self._end:
-            self._buf = bytearray(_BUFFER_SIZE)
-            self._view = memoryview(self._buf)
-        return head
 
     async def _read_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly: buffered bytes first, then straight from the socket."""
@@ -430,7 +431,7 @@ class Connection:
         check_bulk_kind(kind, bulk_len)
         trailer = TRAILER_SIZE if self._opener is not None and bulk_len == 0 else 0
         await self._fill(head_len + trailer)
-        return prefix, self._take_head(head_len), bulk_len
+        return prefix, self._take(head_len), bulk_len
 
     async def _verify(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
         """Check the tag of the frame made of ``parts`` (prefix, head and, if any, bulk), its
@@ -744,7 +745,7 @@ class Connection:
             if bulk_len:  # unread: the connection is not usable after it
                 raise ProtocolError(_BULK_NOT_EXPECTED.format(kind or "frame", bulk_len))
             self._fill_polled(head_len + self._trailer_size, deadline)
-            head = self._take_head(head_len)
+            head = self._take(head_len)
             if self._opener is not None:
                 self._open((prefix, head))
             return decode_head(head, 0)[0]
@@ -773,7 +774,7 @@ class Connection:
                 _bulk_fits(bulk_len, out)  # refused from the prefix, unread
             trailer = self._trailer_size if bulk_len == 0 else 0
             self._fill_blocking(head_len + trailer)
-            head = self._take_head(head_len)
+            head = self._take(head_len)
             if bulk_len:
                 # a bulk of another size is read aside (at most max_frame) and verified, so
                 # its refusal names what was sent and the link stays in step
