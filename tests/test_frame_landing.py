@@ -332,3 +332,41 @@ def test_no_destination_changes_unless_its_frame_verified(
         for (name, now), old in zip(named_state(mine, my_opt), before_state, strict=True):
             assert torch.equal(now, old), name
     # ring: the bucket is a landing buffer; the error is what its caller acts on
+
+
+# --------------------------------------------------------------------------- the gradient ring
+
+
+async def test_a_bucket_whose_all_reduce_failed_is_zeroed_never_applied() -> None:
+    """The ring lands its all-gather parts in the bucket uncopied (the hot path), so a bucket
+    whose all-reduce fails may hold a forged part: the gradient actor zeroes it (its gradients
+    are its views), so the bytes are neither applied nor copied into the next epoch's bucket
+    (whose binding copies the gradients over). Today the forged values stay."""
+    from actors.graph.gradcomm import GradCommActor, StepState
+    from actors.state.buckets import plan_buckets
+    from actors.train.trainer import TrainerOptions
+    from runtime.observe.trace import TraceRecorder
+
+    model = torch.nn.Linear(8, 8)
+    model(torch.ones(1, 8)).sum().backward()
+    buckets = plan_buckets(list(model.named_parameters()))
+    transport = InProcessTransport.create_group(2)[0]
+    actor = GradCommActor(model, buckets, transport, None, TrainerOptions(), TraceRecorder())  # type: ignore[arg-type]
+
+    class ForgedRing:
+        """A reducer whose all-reduce lands a forged part, then fails its tag check."""
+
+        def payload_bytes(self) -> int:
+            return 0
+
+        async def reduce(self, flat: torch.Tensor, *_: Any) -> None:
+            flat.fill_(1e30)
+            raise FrameAuthenticationError("frame authentication failed on frame 3", peer=1)
+
+    actor._reducers[0] = ForgedRing()  # type: ignore[call-overload]
+    actor.current = StepState(0)
+    with pytest.raises(FrameAuthenticationError):
+        await actor._all_reduce(0, 0)
+    assert not actor.current.all_reduced.is_set()
+    for param in model.parameters():
+        assert param.grad is not None and not param.grad.any(), "forged bytes left in a gradient"
