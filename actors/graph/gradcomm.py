@@ -339,7 +339,14 @@ class GradCommActor(Actor):
         with self.trace.span(
             "all-reduce", actor="gradient-comm", bucket=index, bytes=reducer.payload_bytes()
         ):
-            await reducer.reduce(flat, self.transport.world_size, self._all_reduce_flat)
+            try:
+                await reducer.reduce(flat, self.transport.world_size, self._all_reduce_flat)
+            except BaseException:
+                # A failed all-reduce leaves unchecked bytes (and partial sums) in the bucket,
+                # whose gradients are its views: poison it, never applied nor carried over.
+                with torch.no_grad():
+                    flat.zero_()
+                raise
         if self._packed[index]:
             grads = [param.grad for param in self._params[index]]
             bucket.unpack(flat, [g for g in grads if g is not None])

@@ -103,6 +103,6 @@ async def broadcast_tied(embedding_group: Transport | None, params: Sequence[nn.
         return
     for p in params:
         value = p.detach().clone().contiguous()
-        await broadcast(embedding_group, value, root=0)
+        await broadcast(embedding_group, value, root=0, in_place=True)  # a copy of its own
         with torch.no_grad():
             p.copy_(value)

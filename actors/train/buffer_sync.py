@@ -79,7 +79,9 @@ async def sync_buffers(
             )
         else:
             wire = flat.view(torch.uint8) if dtype == torch.bool else flat
-            await broadcast(transport, wire, root=0, chunk_bytes=chunk_bytes)
+            # ``flat`` is this call's own copy, committed below only once the broadcast
+            # verified every part: it may take the parts in place
+            await broadcast(transport, wire, root=0, chunk_bytes=chunk_bytes, in_place=True)
         offset = 0
         with torch.no_grad():  # never across an await: grad mode is per thread, not per task
             for buffer in members:

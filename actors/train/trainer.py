@@ -901,13 +901,31 @@ class DistributedTrainer:
         return self.precision.scaler if self.precision is not None else None
 
     async def _sync_initial_weights(self, transport: Transport) -> None:
-        """Broadcast position 0's parameters and buffers so every replica starts identical."""
-        for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-            host = tensor.detach().to("cpu").contiguous()
+        """Broadcast position 0's parameters and buffers so every replica starts identical.
+
+        A receiver lands every tensor in a host buffer of its own (never the live parameter,
+        which ``.to("cpu")`` of a CPU tensor would alias) and copies them into the model only
+        once all of them arrived and verified: a broadcast that fails changes nothing."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        root = transport.rank == 0
+        hosts = []
+        for tensor in tensors:
+            if root:
+                host = tensor.detach().to("cpu").contiguous()
+            else:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype)
             await broadcast(
-                transport, wire_view(host), root=0, chunk_bytes=self.options.chunk_bytes
+                transport,
+                wire_view(host),
+                root=0,
+                chunk_bytes=self.options.chunk_bytes,
+                in_place=True,  # ``host`` is this call's own buffer, dropped on failure
             )
-            with torch.no_grad():  # never across an await: grad mode is per thread, not per task
+            hosts.append(host)
+        if root:
+            return
+        with torch.no_grad():  # never across an await: grad mode is per thread, not per task
+            for tensor, host in zip(tensors, hosts, strict=True):
                 tensor.copy_(host)
 
     async def _sync_buffers(self, transport: Transport, mode: BufferSync | None = None) -> None:
@@ -1424,6 +1442,7 @@ class DistributedTrainer:
             list(order.targets),
             order.source,
         )
+        received: list[torch.Tensor] = []
         for index, tensor in enumerate(tensors):
             if rank == order.source:
                 host = tensor.detach().to("cpu").contiguous()
@@ -1431,6 +1450,7 @@ class DistributedTrainer:
                 for target in order.targets:
                     await epoch.transport.send(start.position(target), *part.to_wire_bulk())
             else:
+                # Into a buffer of its own; the state changes once every tensor verified.
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
                 source = start.position(order.source)
                 message = await epoch.transport.recv_into(source, wire_view(host))
@@ -1444,7 +1464,10 @@ class DistributedTrainer:
                         f"{message['kind']} {message.get('index')}",
                         peer=order.source,
                     )
-                with torch.no_grad():
+                received.append(host)
+        if rank != order.source:
+            with torch.no_grad():
+                for tensor, host in zip(tensors, received, strict=True):
                     tensor.copy_(host)
         if scaler and rank != order.source:
             assert self.precision is not None

@@ -157,8 +157,10 @@ class ProcessGroup(Transport):
     async def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         return await self.members.recv_into(peer, out)
 
-    async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
-        return await self.members.recv_routed(peer, route)
+    async def recv_routed(
+        self, peer: int, route: BulkRoute, *, max_bulk: int = 0
+    ) -> dict[str, Any]:
+        return await self.members.recv_routed(peer, route, max_bulk=max_bulk)
 
     def abort(self) -> None:
         self.members.abort()

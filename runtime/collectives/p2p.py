@@ -2,8 +2,9 @@
 
 Works over any `Transport`: a world, or a `ProcessGroup` (ranks are then group ranks). Every
 message is one ``p2p`` frame carrying its tag and the tensor, whose dtype and shape travel with
-it (RFC 8746); the receiver reads the head first and lands the bytes straight in the tensor it
-posted (zero-copy on TCP, `Transport.recv_routed`).
+it (RFC 8746); the receiver reads the head first to find the tensor it posted
+(`Transport.recv_routed`). The posted tensor may be live state, so it changes only once the
+frame passed its tag: the bytes land in a scratch tensor and are copied over (one copy).
 
 Matching rule (refuse, never swap): receives are matched by tag among the receives this rank
 has *posted* for that peer. ``recv`` posts one and waits; ``irecv`` posts at the moment it is
@@ -191,7 +192,11 @@ class _Inbox:
                 return None  # read into a fresh tensor, to keep the link in step; refused below
             return entry.tensor
 
-        message = await transport.recv_routed(self.peer, route)
+        largest = max(
+            (e.tensor.numel() * e.tensor.element_size() for q in self.posted.values() for e in q),
+            default=0,
+        )
+        message = await transport.recv_routed(self.peer, route, max_bulk=largest)
         who = _describe(transport, self.peer)
         if message["kind"] != P2P.KIND:
             raise ProtocolError(
@@ -362,10 +367,13 @@ def recv_on_links(
     links: BlockingLinkSet, group: Transport, tensor: torch.Tensor, src: int, tag: int = 0
 ) -> torch.Tensor:
     """Receive ``src``'s next message into ``tensor`` from an OS thread, over ``links`` that
-    ``group`` lent, and return ``tensor``. A message of another kind or tag is a
-    `ProtocolError` naming the peer and both tags (it has been read whole: the link stays in
-    step, and ``tensor`` holds its bytes); a bulk of another dtype or size one naming both, and
-    one of the same size in another shape too (read whole as well)."""
+    ``group`` lent, and return ``tensor``. ``tensor`` is a landing buffer (uncopied, as
+    `BlockingLinkSet.recv_into`): when this raises it holds unspecified bytes, so pass a
+    buffer of the caller's own (a pipeline's fresh activation buffer), never live state. A
+    message of another kind or tag is a `ProtocolError` naming the peer and both tags (it has
+    been read whole: the link stays in step, and ``tensor`` holds its bytes); a bulk of
+    another dtype or size one naming both, and one of the same size in another shape too
+    (read whole as well)."""
     _check(group, tensor, src, tag, "recv")
     message = links.recv_into(src, tensor)
     if message["kind"] != P2P.KIND:

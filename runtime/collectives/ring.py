@@ -291,6 +291,12 @@ async def all_reduce(
     shared-memory plane attached (`runtime.transport.shm`), tensors it accepts go through it
     instead of
     the ring, with bitwise the ring's result.
+
+    ``tensor`` is the collective's landing buffer: the all-gather hops land their parts in it
+    uncopied, before their frame's tag is checked, and the reduce hops leave partial sums, so
+    when all-reduce raises ``tensor`` holds unspecified bytes and must be rewritten before
+    any use (the trainer drops the step and zeroes the bucket: `actors.graph.gradcomm`).
+    Never all-reduce live model or optimizer state in place.
     """
     flat = _check_tensor(tensor, "all_reduce", transport)
     _check_op(op)
@@ -441,10 +447,19 @@ async def broadcast(
     root: int = 0,
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Copy ``root``'s tensor into ``tensor`` on every rank, in place, and return it.
 
     The data flows along the ring from the root in pipelined parts, so each rank sends it once.
+
+    ``tensor`` changes only once every part has arrived, passed its frame's tag and been
+    checked as this collective's (op, hop, part): the parts land in a scratch tensor of
+    ``tensor``'s size and are committed with one copy at the end, so a broadcast that fails
+    (a forged or altered frame, a peer out of step, a hang-up) leaves ``tensor`` as it was.
+    ``tensor`` may then be live model state. ``in_place=True`` lands the parts straight in
+    ``tensor`` (no scratch, no copy): for a buffer the caller owns and discards when the
+    broadcast raises (its bytes are then unspecified).
     """
     flat = _check_tensor(tensor, "broadcast", transport)
     chunk = _chunk_elems(flat, chunk_bytes)
@@ -466,13 +481,15 @@ async def broadcast(
         return tensor
     received = 0
     lot = trio.lowlevel.ParkingLot()
+    # Parts land here; ``tensor`` is written once all of them verified (see the docstring).
+    landing = flat if in_place else torch.empty_like(flat)
 
     async def forward() -> None:
         for index, (lo, hi) in enumerate(parts):
             while received <= index:
                 await lot.park()
             await transport.send(
-                nxt, "coll", {"op": op_id, "hop": position, "part": index}, flat[lo:hi]
+                nxt, "coll", {"op": op_id, "hop": position, "part": index}, landing[lo:hi]
             )
 
     with first_error():
@@ -480,10 +497,12 @@ async def broadcast(
             if position < n - 1:
                 nursery.start_soon(forward)
             for index, (lo, hi) in enumerate(parts):
-                message = await transport.recv_into(prv, flat[lo:hi])
+                message = await transport.recv_into(prv, landing[lo:hi])
                 _expect(message, op_id, position - 1, index, prv)
                 received += 1
                 lot.unpark_all()
+    if landing is not flat:
+        flat.copy_(landing)
     return tensor
 
 

@@ -41,6 +41,9 @@ __all__ = [
     "PEEK_SIZE",
     "check_kind_size",
     "count_items",
+    "INLINE_TENSOR_MAX",
+    "BULK_KINDS",
+    "check_bulk_kind",
 ]
 
 CONTROL_MAX_FRAME = 16 * 1024
@@ -51,6 +54,10 @@ MAX_ITEMS = 1 << 18
 """Most CBOR data items one frame may hold (about 19 MiB of Python objects at worst)."""
 SCAN_THRESHOLD = 64 * 1024
 """Heads at most this long skip the item scan: they cannot hold more than this many items."""
+INLINE_TENSOR_MAX = 12 * 1024
+"""Most bytes a tensor field may take inline (within the head). A tensor of any size travels
+as its frame's bulk, outside the head (`runtime.protocol.wire`): senders inline only empty
+ones, so a kind whose only unbounded field is its tensor gets a control-sized head cap."""
 
 _HEAD = 9  # the longest CBOR head: initial byte + 8-byte argument
 
@@ -77,7 +84,9 @@ def _bound(wtype: Any) -> int | None:
     if isinstance(wtype, Either):
         sizes = [_bound(option) for option in wtype.options]
         return None if None in sizes else max(sizes)  # type: ignore[type-var]
-    if isinstance(wtype, Tensor | Map):
+    if isinstance(wtype, Tensor):
+        return _HEAD + INLINE_TENSOR_MAX
+    if isinstance(wtype, Map):
         return None
     return None
 
@@ -151,6 +160,23 @@ def check_kind_size(
         what = "a frame not led by 'v' and a known 'kind'" if kind is None else f"{kind} frame"
         raise FrameTooLarge(f"{what} of {size} bytes exceeds the {cap}-byte cap of its kind")
     return kind
+
+
+BULK_KINDS = frozenset(
+    kind
+    for kind, cls in KINDS.items()
+    if any(slot[1] == "data" and isinstance(slot[2], Tensor) for slot in schema(cls).slots)
+)
+"""The kinds that may carry a bulk (a tensor field ``data``): any other frame that announces
+bulk bytes is refused from its prefix and the peek at its kind, before they are read."""
+
+
+def check_bulk_kind(kind: str | None, bulk_len: int) -> None:
+    """Refuse a frame that announces ``bulk_len`` > 0 bulk bytes but whose head (peeked:
+    `peek_kind`) does not name a kind that carries one."""
+    if bulk_len and kind not in BULK_KINDS:
+        what = "a frame not led by 'v' and a known 'kind'" if kind is None else f"a {kind} frame"
+        raise ProtocolError(f"{what} announces {bulk_len} bulk bytes; its kind carries none")
 
 
 _ARG = {

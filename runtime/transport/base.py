@@ -90,15 +90,26 @@ class Transport(abc.ABC):
         ``out`` must be a contiguous CPU tensor, else a CollectiveError before anything is read
         (`check_destination`); a bulk of another dtype or size is a ProtocolError naming the
         peer. The returned message's ``data`` is ``out``.
+
+        ``out`` is a landing buffer: a transport may write the bulk into it before the frame's
+        tag is checked (TCP does, uncopied), so when this raises ``out`` holds unspecified
+        bytes. Receive live state through a scratch buffer (`recv_routed`, `broadcast`).
         """
 
-    async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
+    async def recv_routed(
+        self, peer: int, route: BulkRoute, *, max_bulk: int = 0
+    ) -> dict[str, Any]:
         """Receive the next message from ``peer``, its bulk written where ``route`` says.
 
+        ``max_bulk``: the largest destination ``route`` may choose, in bytes; a transport that
+        reads the bulk before the head is decoded (TCP, checking the tag first) accepts a bulk
+        up to that size or its frame limit, whichever is larger.
+
         ``route`` sees the message's head before any bulk byte is read, so a receiver that
-        expects several messages (point-to-point tags) can land each in its own tensor. This
-        default receives the message whole and copies the bulk over; `TcpTransport` reads it
-        straight into the chosen tensor.
+        expects several messages (point-to-point tags) can land each in its own tensor. The
+        chosen tensor changes only once the whole frame has verified: this default receives
+        the message whole and copies the bulk over; `TcpTransport` reads it into a scratch
+        tensor and copies it over after the tag check.
         """
         message = await self.recv(peer)
         data = message.get("data")

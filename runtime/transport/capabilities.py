@@ -70,7 +70,9 @@ class BlockingLinkSet(abc.ABC):
         CPU); a bulk of another dtype or size is a `runtime.errors.ProtocolError` naming the
         peer. The returned message's ``data`` is ``out``, or, when the sender's tensor had
         another shape of the same size, ``out`` viewed in that shape (the same storage), so that
-        a receiver that cares about shapes can tell."""
+        a receiver that cares about shapes can tell. ``out`` is a landing buffer, as for
+        `Transport.recv_into`: the bulk lands before the frame's tag is checked, so when this
+        raises ``out`` holds unspecified bytes (never pass live state)."""
 
     @abc.abstractmethod
     def abort(self) -> None:

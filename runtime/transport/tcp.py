@@ -24,6 +24,7 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -46,7 +47,7 @@ from runtime.errors import (
 )
 from runtime.protocol.frame_auth import FrameOpener, FrameSealer, frame_session
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
-from runtime.protocol.limits import PEEK_SIZE, check_kind_size
+from runtime.protocol.limits import PEEK_SIZE, check_bulk_kind, check_kind_size, peek_kind
 from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
@@ -82,12 +83,42 @@ if TYPE_CHECKING:
     from runtime.protocol.wire import BulkSpec
 
 
-def _empty(spec: BulkSpec) -> torch.Tensor:
-    """A tensor for a bulk that has no destination of its own. torch is imported here, not at
-    the top: the coordinator frames and reads messages through this module and never needs it."""
+def _tensor_over(landing: bytearray, spec: BulkSpec) -> torch.Tensor:
+    """The tensor a verified bulk that had no destination of its own is (its scratch bytes,
+    uncopied). torch is imported here, not at the top: the coordinator frames and reads
+    messages through this module and never needs it; here the frame has passed its tag."""
     import torch
 
-    return torch.empty(spec.shape, dtype=spec.dtype)
+    flat = torch.frombuffer(landing, dtype=spec.dtype)
+    if sys.byteorder != "little" and spec.dtype.itemsize > 1:  # pragma: no cover
+        flat = flat.view(torch.uint8).view(-1, spec.dtype.itemsize).flip(1).contiguous()
+        flat = flat.view(spec.dtype)
+    return flat.view(spec.shape)
+
+
+def _bulk_within(head: bytes, bulk_len: int, limit: int) -> None:
+    """Refuse, from the prefix, a bulk with no destination of the receiver's own that is
+    larger than ``limit``: it would be allocated before its tag can be checked."""
+    if bulk_len > limit:
+        kind = peek_kind(head[:PEEK_SIZE]) or "frame"
+        raise FrameTooLarge(
+            f"{kind} message carries {bulk_len} bulk bytes, more than this receiver's limit "
+            f"of {limit}"
+        )
+
+
+def _nbytes(out: torch.Tensor) -> int:
+    return out.numel() * out.element_size()
+
+
+def _bulk_fits(bulk_len: int, out: torch.Tensor) -> None:
+    """Refuse a bulk that is not the size of its destination ``out``."""
+    nbytes = _nbytes(out)
+    if bulk_len != nbytes:
+        raise ProtocolError(
+            f"sent {bulk_len} bulk bytes, expected {out.dtype} with {out.numel()} elements "
+            f"({nbytes} bytes)"
+        )
 
 
 __all__ = [
@@ -118,8 +149,9 @@ _TLS_READ = 64 * 1024
 """Under TLS, the most bytes asked of one read (a TLS record holds at most 16 KiB)."""
 
 _Stream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
-_Unchecked = tuple[bytes, bytes] | None
-"""A frame's prefix and head whose tag is still to be checked once its bulk is read."""
+_THREAD_DECODE = 64 * 1024
+"""A head longer than this is decoded on a worker thread, not on the event loop (a 64 KiB
+head decodes in well under a millisecond; the largest caps allow 64 MiB)."""
 
 
 class Connection:
@@ -241,7 +273,11 @@ class Connection:
         that a thread blocked on the connection meanwhile wakes with it (`_hung_up`)."""
         error = exc.with_peer(self.peer)
         assert isinstance(error, FrameAuthenticationError)
-        self._refusal = error
+        # A copy of its own is remembered: the raised one's traceback holds the frame's
+        # buffers (a bulk read aside), which must go with the frame, not with the connection.
+        kept = exc.with_peer(self.peer)
+        assert isinstance(kept, FrameAuthenticationError)
+        self._refusal = kept
         self.abort()
         return error
 
@@ -256,7 +292,7 @@ class Connection:
             peer=self.peer,
         )
 
-    def _open(self, parts: Sequence[bytes | memoryview]) -> None:
+    def _open(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
         """Check the buffered tag trailer of the frame made of ``parts`` and consume it; a
         frame that fails closes the connection and raises FrameAuthenticationError."""
         assert self._opener is not None
@@ -352,10 +388,16 @@ class Connection:
         return True
 
     def _take(self, count: int) -> bytes:
+        """Consume ``count`` buffered bytes. A receive buffer that grew for a long head goes
+        back to its usual size once empty, so a peer's memory here stays bounded between
+        frames (docs/protocol.md §1)."""
         data = bytes(self._view[self._start : self._start + count])
         self._start += count
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._buf) > _BUFFER_SIZE:
+                self._buf = bytearray(_BUFFER_SIZE)
+                self._view = memoryview(self._buf)
         return data
 
     async def _read_into(self, view: memoryview) -> None:
@@ -377,34 +419,41 @@ class Connection:
                 return
             got += await self._recv_into(view[got:])
 
-    async def _read_head(self, max_frame: int) -> tuple[dict[str, Any], Any, int, _Unchecked]:
-        """Read a frame's prefix and head: (message, bulk spec, bulk length, the frame's bytes
-        read so far when its tag is still to be checked after the bulk, else None).
+    async def _read_raw(self, max_frame: int) -> tuple[bytes, bytes, int]:
+        """Read a frame's prefix and head, undecoded: (prefix, head, bulk length).
 
-        With frame authentication on, a frame without bulk is checked before it is decoded;
-        one with bulk after the bulk has landed (`_check_rest`)."""
+        Every limit is applied from the prefix and a peek at the head's first bytes, before
+        the head is read: its length against ``max_frame`` and its kind's cap, and a bulk
+        announced by a kind that carries none. A frame without bulk on an authenticated
+        connection is buffered with its tag trailer (for `_verify`)."""
         await self._fill(PREFIX_SIZE)
         prefix = self._take(PREFIX_SIZE)
         item_len, bulk_len = parse_prefix(prefix, max_frame)
         head_len = item_len - bulk_len
         peek = min(head_len, PEEK_SIZE)  # the kind's cap, before the head is read
         await self._fill(peek)
-        check_kind_size(self._view[self._start : self._start + peek], head_len)
-        if self._opener is not None and bulk_len == 0:
-            await self._fill(head_len + TRAILER_SIZE)
-            head = self._take(head_len)
-            self._open((prefix, head))
-            return (*decode_head(head, 0, tensors=self.tensors), 0, None)
-        await self._fill(head_len)
-        head = self._take(head_len)
-        message, spec = decode_head(head, bulk_len, tensors=self.tensors)
-        return message, spec, bulk_len, (prefix, head) if self._opener is not None else None
+        kind = check_kind_size(self._view[self._start : self._start + peek], head_len)
+        check_bulk_kind(kind, bulk_len)
+        trailer = TRAILER_SIZE if self._opener is not None and bulk_len == 0 else 0
+        await self._fill(head_len + trailer)
+        return prefix, self._take(head_len), bulk_len
 
-    async def _check_rest(self, unchecked: _Unchecked, bulk: memoryview | None) -> None:
-        """Read the tag trailer of a frame whose bulk has landed and check the whole frame."""
-        if unchecked is not None:
+    async def _verify(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        """Check the tag of the frame made of ``parts`` (prefix, head and, if any, bulk), its
+        trailer read first; nothing before frame authentication (the handshake)."""
+        if self._opener is not None:
             await self._fill(TRAILER_SIZE)
-            self._open((*unchecked, bulk) if bulk is not None else unchecked)
+            self._open(parts)
+
+    async def _decode(self, head: bytes, bulk_len: int) -> tuple[dict[str, Any], Any]:
+        """`decode_head`, once the frame verified; a head long enough for its decode to take
+        a while (a large manifest, a coordinator table) is decoded on a worker thread, never
+        on the event loop."""
+        if len(head) > _THREAD_DECODE:
+            return await trio.to_thread.run_sync(
+                functools.partial(decode_head, head, bulk_len, tensors=self.tensors)
+            )
+        return decode_head(head, bulk_len, tensors=self.tensors)
 
     async def wait_readable(self) -> None:
         """Return once bytes from the peer wait to be read (or the connection has ended), so
@@ -442,23 +491,21 @@ class Connection:
         """Receive one message; a bulk tensor is allocated and filled.
 
         With no destination given, the bulk counts against ``max_frame`` too: a peer cannot
-        make this side allocate more than that (before authentication: 4 KiB).
-        """
+        make this side allocate more than that (before authentication: 4 KiB). The frame's tag
+        is checked before anything of it is decoded (docs/protocol.md §5.4)."""
         async with self._holding(self._recv_lock):
             try:
-                message, spec, bulk_len, unchecked = await self._read_head(max_frame)
-                bulk = None
+                prefix, head, bulk_len = await self._read_raw(max_frame)
+                landing = None
+                if bulk_len:
+                    _bulk_within(head, bulk_len, max_frame)
+                    landing = bytearray(bulk_len)
+                    await self._read_into(memoryview(landing))
+                await self._verify((prefix, head) if landing is None else (prefix, head, landing))
+                message, spec = await self._decode(head, bulk_len)
                 if spec is not None:
-                    if bulk_len > max_frame:
-                        raise FrameTooLarge(
-                            f"{message['kind']} message carries {bulk_len} bulk bytes, more "
-                            f"than this receiver's limit of {max_frame}"
-                        )
-                    out = _empty(spec)
-                    bulk = tensor_buffer(out)
-                    await self._read_into(bulk)
-                    message["data"] = out
-                await self._check_rest(unchecked, bulk)
+                    assert landing is not None
+                    message["data"] = _tensor_over(landing, spec)
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
@@ -467,7 +514,8 @@ class Connection:
         self, expected: bytes, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any] | None:
         """Receive one message: None if its frame is byte for byte ``expected`` (a frame the
-        caller encoded), else the message, decoded and validated as `recv` does.
+        caller encoded), else the message, checked and decoded as `recv` does; a frame with
+        bulk is refused from its prefix, unread.
 
         A step signal is then a comparison of a few dozen bytes, not a CBOR decode."""
         async with self._holding(self._recv_lock):
@@ -478,56 +526,97 @@ class Connection:
                     await self._fill(len(expected) + self._trailer_size)
                     if self._take_matching(expected):
                         return None
-                message, spec, bulk_len, _ = await self._read_head(max_frame)
-                if spec is not None:
-                    raise ProtocolError(_BULK_NOT_EXPECTED.format(message["kind"], bulk_len))
-                return message
+                await self._refuse_bulk(max_frame)
+                prefix, head, _ = await self._read_raw(max_frame)
+                await self._verify((prefix, head))
+                return (await self._decode(head, 0))[0]
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
+
+    async def _refuse_bulk(self, max_frame: int) -> None:
+        """Refuse the buffered frame if its prefix announces bulk (a control message was due),
+        naming its kind from a peek at its head: nothing of it is decoded."""
+        start = self._start
+        item_len, bulk_len = parse_prefix(self._view[start : start + PREFIX_SIZE], max_frame)
+        if bulk_len:
+            peek = min(item_len - bulk_len, PEEK_SIZE)
+            await self._fill(PREFIX_SIZE + peek)
+            head = self._view[self._start + PREFIX_SIZE : self._start + PREFIX_SIZE + peek]
+            raise ProtocolError(_BULK_NOT_EXPECTED.format(peek_kind(head) or "frame", bulk_len))
 
     async def recv_into(
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any]:
-        """Receive one message whose bulk is written straight into ``out``."""
+        """Receive one message whose bulk is written straight into ``out``, uncopied.
+
+        ``out`` is a landing buffer: its bytes arrive before the frame's tag is checked, so
+        when this raises ``out`` holds unspecified bytes. Pass only a buffer the caller owns
+        and drops (or rewrites) on failure, never live model or optimizer state
+        (docs/protocol.md §5.4). The head is decoded only once the frame verified; a bulk of
+        another size than ``out`` is refused from the prefix, unread."""
         async with self._holding(self._recv_lock):
             try:
-                message, spec, _, unchecked = await self._read_head(max_frame)
-                check_bulk_destination(spec, out, self.peer, message)
+                prefix, head, bulk_len = await self._read_raw(max_frame)
                 bulk = None
-                if spec is not None:
+                if bulk_len:
+                    if bulk_len != _nbytes(out):
+                        await self._refuse_misfit(prefix, head, bulk_len, out, max_frame)
                     bulk = tensor_buffer(out)
                     await self._read_into(bulk)
-                await self._check_rest(unchecked, bulk)
+                await self._verify((prefix, head) if bulk is None else (prefix, head, bulk))
+                message, spec = await self._decode(head, bulk_len)
+                check_bulk_destination(spec, out, self.peer, message)
                 message["data"] = out
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
 
+    async def _refuse_misfit(
+        self, prefix: bytes, head: bytes, bulk_len: int, out: torch.Tensor, max_frame: int
+    ) -> None:
+        """Refuse a bulk that is not ``out``'s size: one within ``max_frame`` is read aside and
+        verified first, so the error names what was sent (and the link stays in step); a
+        larger one from the prefix, unread."""
+        if bulk_len > max_frame:
+            _bulk_fits(bulk_len, out)
+        landing = bytearray(bulk_len)
+        await self._read_into(memoryview(landing))
+        await self._verify((prefix, head, landing))
+        message, spec = await self._decode(head, bulk_len)
+        check_bulk_destination(spec, out, self.peer, message)
+        _bulk_fits(bulk_len, out)
+
     async def recv_routed(
-        self, route: BulkRoute, max_frame: int = DEFAULT_MAX_FRAME
+        self, route: BulkRoute, max_frame: int = DEFAULT_MAX_FRAME, max_bulk: int = 0
     ) -> dict[str, Any]:
-        """Receive one message whose bulk lands where ``route`` says, once the head is read:
-        straight into the tensor it returns (checked as `recv_into` checks), or, for None, a
-        fresh one (bounded by ``max_frame`` as in `recv`)."""
+        """Receive one message whose bulk lands where ``route`` says, once the frame verified
+        and its head is decoded: in the tensor it returns (checked as `recv_into` checks), or,
+        for None, a fresh one.
+
+        The bulk is read into a scratch buffer first, at most ``max(max_frame, max_bulk)``
+        bytes (refused from the prefix beyond that: ``max_bulk`` is the largest destination
+        the caller has posted), the whole frame checked against its tag, then the head decoded
+        and routed; a chosen destination (a posted receive, maybe live state) receives one copy
+        of verified bytes and nothing else."""
         async with self._holding(self._recv_lock):
             try:
-                message, spec, bulk_len, unchecked = await self._read_head(max_frame)
-                bulk = None
+                prefix, head, bulk_len = await self._read_raw(max_frame)
+                landing = None
+                if bulk_len:
+                    _bulk_within(head, bulk_len, max(max_frame, max_bulk))
+                    landing = bytearray(bulk_len)
+                    await self._read_into(memoryview(landing))
+                await self._verify((prefix, head) if landing is None else (prefix, head, landing))
+                message, spec = await self._decode(head, bulk_len)
                 if spec is not None:
+                    assert landing is not None
                     out = route(message, spec.dtype, spec.shape)
                     if out is None:
-                        if bulk_len > max_frame:
-                            raise FrameTooLarge(
-                                f"{message['kind']} message carries {bulk_len} bulk bytes, "
-                                f"more than this receiver's limit of {max_frame}"
-                            )
-                        out = _empty(spec)
+                        message["data"] = _tensor_over(landing, spec)
                     else:
                         check_bulk_destination(spec, out, self.peer, message)
-                    bulk = tensor_buffer(out)
-                    await self._read_into(bulk)
-                    message["data"] = out
-                await self._check_rest(unchecked, bulk)
+                        tensor_buffer(out)[:] = landing
+                        message["data"] = out
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
@@ -646,7 +735,8 @@ class Connection:
     def recv_matching_polled(
         self, expected: bytes, deadline: float, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any] | None:
-        """`recv_matching` from a worker thread (polled mode only)."""
+        """`recv_matching` from a worker thread (polled mode only): a frame with bulk is
+        refused from its prefix, any other checked against its tag before it is decoded."""
         try:
             self._fill_polled(PREFIX_SIZE, deadline)
             if self._prefix_is(expected):
@@ -656,42 +746,56 @@ class Connection:
             prefix = self._take(PREFIX_SIZE)
             item_len, bulk_len = parse_prefix(prefix, max_frame)
             head_len = item_len - bulk_len
-            if self._opener is not None and bulk_len == 0:
-                self._fill_polled(head_len + TRAILER_SIZE, deadline)
-                head = self._take(head_len)
+            peek = min(head_len, PEEK_SIZE)
+            self._fill_polled(peek, deadline)
+            kind = check_kind_size(self._view[self._start : self._start + peek], head_len)
+            if bulk_len:  # unread: the connection is not usable after it
+                raise ProtocolError(_BULK_NOT_EXPECTED.format(kind or "frame", bulk_len))
+            self._fill_polled(head_len + self._trailer_size, deadline)
+            head = self._take(head_len)
+            if self._opener is not None:
                 self._open((prefix, head))
-            else:  # a bulk is refused below, unread: the connection is not usable after it
-                self._fill_polled(head_len, deadline)
-                head = self._take(head_len)
-            message, spec = decode_head(head, bulk_len)
-            if spec is not None:
-                raise ProtocolError(_BULK_NOT_EXPECTED.format(message["kind"], bulk_len))
-            return message
+            return decode_head(head, 0, tensors=self.tensors)[0]
         except ProtocolError as exc:
             raise exc.with_peer(self.peer) from None
 
     def recv_into_blocking(
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
     ) -> dict[str, Any]:
-        """Receive one message into ``out`` from a worker thread (blocking mode only)."""
+        """Receive one message into ``out`` from a worker thread (blocking mode only).
+
+        As `recv_into`: every limit from the prefix and a peek at the head, a bulk of another
+        size than ``out`` refused unread, the bulk landed in ``out`` (a landing buffer), the
+        whole frame checked against its tag, and only then the head decoded."""
         try:
             self._fill_blocking(PREFIX_SIZE)
             prefix = self._take(PREFIX_SIZE)
             item_len, bulk_len = parse_prefix(prefix, max_frame)
             head_len = item_len - bulk_len
-            checked = self._opener is None or bulk_len == 0
-            self._fill_blocking(head_len + (TRAILER_SIZE if self._opener and checked else 0))
+            peek = min(head_len, PEEK_SIZE)
+            self._fill_blocking(peek)
+            kind = check_kind_size(self._view[self._start : self._start + peek], head_len)
+            check_bulk_kind(kind, bulk_len)
+            misfit = bulk_len and bulk_len != _nbytes(out)
+            if misfit and bulk_len > max_frame:
+                _bulk_fits(bulk_len, out)  # refused from the prefix, unread
+            trailer = self._trailer_size if bulk_len == 0 else 0
+            self._fill_blocking(head_len + trailer)
             head = self._take(head_len)
-            if self._opener is not None and checked:  # no bulk: checked before decoding
-                self._open((prefix, head))
-            message, spec = decode_head(head, bulk_len)
-            check_bulk_destination(spec, out, self.peer, message)
-            if spec is not None:
-                bulk = tensor_buffer(out)
+            if bulk_len:
+                # a bulk of another size is read aside (at most max_frame) and verified, so
+                # its refusal names what was sent and the link stays in step
+                bulk = memoryview(bytearray(bulk_len)) if misfit else tensor_buffer(out)
                 self._read_blocking(bulk)
-                if not checked:
+                if self._opener is not None:
                     self._fill_blocking(TRAILER_SIZE)
                     self._open((prefix, head, bulk))
+            elif self._opener is not None:
+                self._open((prefix, head))
+            message, spec = decode_head(head, bulk_len, tensors=self.tensors)
+            check_bulk_destination(spec, out, self.peer, message)
+            if misfit:
+                _bulk_fits(bulk_len, out)
             message["data"] = landed_as_sent(spec, out, message)
             return message
         except ProtocolError as exc:
@@ -1089,10 +1193,12 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         self.check_destination(out)
         return await conn.recv_into(out, self.max_frame)
 
-    async def recv_routed(self, peer: int, route: BulkRoute) -> dict[str, Any]:
-        """The next message from ``peer``, its bulk read straight into the tensor ``route``
-        chooses (see `Transport.recv_routed` and `Connection.recv_routed`)."""
-        return await self._conn(peer).recv_routed(route, self.max_frame)
+    async def recv_routed(
+        self, peer: int, route: BulkRoute, *, max_bulk: int = 0
+    ) -> dict[str, Any]:
+        """The next message from ``peer``, its bulk copied, once verified, into the tensor
+        ``route`` chooses (see `Transport.recv_routed` and `Connection.recv_routed`)."""
+        return await self._conn(peer).recv_routed(route, self.max_frame, max_bulk)
 
     async def send_frame(self, peer: int, frame: bytes) -> None:
         """Send a frame encoded beforehand to ``peer`` (see `Connection.send_frame`)."""
