@@ -269,6 +269,10 @@ def _result(
     }
 
 
+_KEEP_ALIVE: list[object] = []
+"""torch objects a DDP rank must not destroy before it exits (see `_run_worker`)."""
+
+
 def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
     """One rank of torch DDP; with ``communicate=False``, of the limit: the same process and
     loop training its own replica, nothing crossing between ranks but a barrier before the
@@ -287,6 +291,7 @@ def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
     try:
         if communicate:
             forward = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+            _KEEP_ALIVE.append(forward)  # until os._exit: see _run_worker
             counter = _register_ddp_hook(forward, args)
         else:
             forward, counter = model, [0]
@@ -561,6 +566,12 @@ def _run_worker(args: argparse.Namespace) -> None:
     result = worker(args)
     if args.rank == 0:
         print(json.dumps(result), flush=True)
+    if args.worker in ("ddp", LIMIT):
+        # Never let torch tear the DDP rank's gloo group down: its destructor joins gloo's
+        # worker thread while holding the GIL, and that thread can need the GIL to free its
+        # last work (seen: a rank hung in ~ProcessGroupGloo after its result was out).
+        sys.stdout.flush()
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------- driver

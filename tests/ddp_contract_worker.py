@@ -261,6 +261,9 @@ CASES: dict[str, Case] = {
 }
 
 
+KEEP_ALIVE: list[Any] = []
+"""torch DDP wrappers kept until the process ends (see `main`)."""
+
 SLOW_CASES: dict[str, Case] = {"inductor": inductor}
 """Cases of `make soak` (inductor compiles C++ for a minute on 2 cores)."""
 
@@ -301,7 +304,11 @@ def main(argv: list[str]) -> None:
             return wrapped
 
         def torchs(module: nn.Module, grad_scaler: Any = None, **kwargs: Any) -> nn.Module:
-            return _wrap(ddp, module, **kwargs)  # torch's DDP takes no grad_scaler
+            wrapped = _wrap(ddp, module, **kwargs)  # torch's DDP takes no grad_scaler
+            # Never destroyed before os._exit: torch's ~ProcessGroupGloo, reached from a
+            # freed DDP's reducer, can deadlock on the GIL with gloo's worker thread.
+            KEEP_ALIVE.append(wrapped)
+            return wrapped
 
         case = CASES.get(name) or SLOW_CASES[name]
         losses = case(model, tracked if impl == "paramsync" else torchs, rank, world)
