@@ -1409,33 +1409,27 @@ def _join_fields(rank: int) -> dict[str, Any]:
     return {"host": "127.0.0.1", "port": 9 + rank, "params": [["w", [2], "float32", True]]}
 
 
-def _row2_frames(nbytes: int) -> dict[str, tuple[bytes, bool]]:
-    """Row 2's frames of about ``nbytes`` each, by name: (frame, whether its tag is valid)."""
+def _row2_frame(nbytes: int, variant: str) -> tuple[bytes, bool]:
+    """Row 2's frame of about ``nbytes`` of ``variant`` (`ROW2_VARIANTS`): (the frame, whether
+    its tag is to be valid)."""
     fields = {"op": 0, "hop": 0, "part": 0}
-    floats = torch.zeros(nbytes // 4, dtype=torch.float32)
-    count = nbytes // 307  # 300-character names and a 4-byte digest each
-    digest = encode_frame_bytes(
-        "digest",
-        {
-            "epoch": 1,
-            "step": 0,
-            "digest": bytes(32),
-            "tensors": bytes(4 * count),
-            "names": [f"{n:0300d}" for n in range(count)],
-        },
-    )
-    return {
-        "bulk coll, random tag": (encode_frame_bytes("coll", fields, floats), False),
-        "inline digest, random tag": (digest, False),
-        "inline digest, valid tag": (digest, True),
-        "inline coll, valid tag": (encode_frame_bytes("coll", {**fields, "data": floats}), True),
-    }
+    kind, tag = variant.split(", ")
+    if kind == "bulk coll":
+        frame = encode_frame_bytes("coll", fields, torch.zeros(nbytes // 4))
+    elif kind == "inline coll":
+        frame = encode_frame_bytes("coll", {**fields, "data": torch.zeros(nbytes // 4)})
+    else:  # a digest of 300-character names and 4-byte digests, as a worker lays one out
+        count = nbytes // 307
+        names = [f"{n:0300d}" for n in range(count)]
+        digest = {"epoch": 1, "step": 0, "digest": bytes(32), "tensors": bytes(4 * count)}
+        frame = encode_frame_bytes("digest", {**digest, "names": names})
+    return frame, tag == "valid tag"
 
 
 async def _send_after_auth(target: Target, frame: bytes, tagged: bool) -> tuple[str, float]:
     """Authenticate as the free rank 1, send ``frame`` (with its valid tag, or a random one),
     and wait for the daemon to hang up: (what happened, seconds from the send)."""
-    conn, _ = await dial(target.address, target.secret, _me(target, 1))
+    conn, _ = await _join_rank(target, 1)  # (while the previous holder's link closes)
     started = time.monotonic()
     try:
         try:
@@ -1451,35 +1445,38 @@ async def _send_after_auth(target: Target, frame: bytes, tagged: bool) -> tuple[
     return f"{_told(said) or 'nothing said'}; {end}", time.monotonic() - started
 
 
-async def review_row2(run: LiveRun, sizes: ReviewSizes) -> list[dict[str, Any]]:
-    """Row 2: an authenticated peer sends a ``sizes.mib`` MiB frame, with a random tag (what a
-    relay without the secret can send) or its valid one (a peer holding the secret), of each
-    variant; the daemon must drop the connection and serve on."""
+async def review_row2(run: LiveRun, sizes: ReviewSizes, variant: str) -> list[dict[str, Any]]:
+    """Row 2: an authenticated peer sends a ``sizes.mib`` MiB frame of ``variant`` (a key of
+    `ROW2_VARIANTS`), with a random tag (what a relay without the secret can send) or its valid
+    one (a peer holding the secret); the daemon must drop the connection and serve on."""
     target = run.target()
-    frames = _row2_frames(sizes.mib * 2**20)
-    rows = []
-    for name, (frame, tagged) in frames.items():
+    frame, tagged = _row2_frame(sizes.mib * 2**20, variant)
 
-        async def attack(frame: bytes = frame, tagged: bool = tagged) -> dict[str, Any]:
-            outcomes, seconds, admitted = [], [], []
-            for _ in range(sizes.frames):
-                outcome, took = await _send_after_auth(target, frame, tagged)
-                outcomes.append(outcome)
-                seconds.append(took)
-                admitted.append(await _admitted_within(target, 1))
-            closed = all(o.endswith("closed") or "closed while sending" in o for o in outcomes)
-            return {
-                "attempts": sizes.frames,
-                "outcome": f"dropped after {max(seconds):.2f} s: {outcomes[0]}",
-                "outcomes": outcomes,
-                "admission": admitted,
-                "ok": closed and None not in admitted,
-            }
+    async def attack() -> dict[str, Any]:
+        outcomes, seconds, admitted = [], [], []
+        for _ in range(sizes.frames):
+            outcome, took = await _send_after_auth(target, frame, tagged)
+            outcomes.append(outcome)
+            seconds.append(took)
+            admitted.append(await _admitted_within(target, 1))
+        closed = all(o.endswith("closed") or "closed while sending" in o for o in outcomes)
+        return {
+            "attempts": sizes.frames,
+            "outcome": f"dropped after {max(seconds):.2f} s: {outcomes[0]}",
+            "outcomes": outcomes,
+            "admission": admitted,
+            "ok": closed and None not in admitted,
+        }
 
-        rows.append(
-            {"row": "2", "attack": f"{sizes.mib} MiB {name}", **await _watched(run, attack)}
-        )
-    return rows
+    return [{"row": "2", "attack": f"{sizes.mib} MiB {variant}", **await _watched(run, attack)}]
+
+
+ROW2_VARIANTS = (
+    "bulk coll, random tag",
+    "inline digest, random tag",
+    "inline digest, valid tag",
+    "inline coll, valid tag",
+)
 
 
 async def review_row3(run: LiveRun, sizes: ReviewSizes) -> list[dict[str, Any]]:
@@ -1609,7 +1606,7 @@ async def review_row5(run: LiveRun, sizes: ReviewSizes, deadline: float) -> list
         admitted: list[float | None] = []
         ends = []
         for _ in range(sizes.squats):
-            squatter, _ = await dial(target.address, target.secret, _me(target, 1))
+            squatter, _ = await _join_rank(target, 1)
             await squatter.send("heartbeat", {})
             took: list[float | None] = [None]
             async with trio.open_nursery() as nursery:
@@ -1657,9 +1654,8 @@ async def review_row6(run: LiveRun, sizes: ReviewSizes) -> list[dict[str, Any]]:
         async def attack() -> dict[str, Any]:
             ends, joins = [], []
             for _ in range(sizes.evictions):
-                started = time.monotonic()
-                silent, _ = await dial(target.address, target.secret, _me(target, 1))
-                joins.append(time.monotonic() - started)
+                silent, took = await _join_rank(target, 1)
+                joins.append(took)
                 await silent.send("join", _join_fields(1))
                 said, end = await _until_closed(silent, 10)
                 ends.append(f"{said[-1]['kind'] if said else 'nothing said'}; {end}")
@@ -1700,7 +1696,10 @@ async def second_review(workdir: Path, sizes: ReviewSizes = ReviewSizes()) -> li
     plans: list[
         tuple[str, tuple[str, ...], Callable[[LiveRun], Awaitable[list[dict[str, Any]]]]]
     ] = [
-        ("row2", (), lambda run: review_row2(run, sizes)),
+        *[
+            (f"row2-{n}", (), lambda run, v=v: review_row2(run, sizes, v))
+            for n, v in enumerate(ROW2_VARIANTS)
+        ],
         ("row3", (), lambda run: review_row3(run, sizes)),
         *[
             (f"row4-{n}", together, lambda run, n=n: review_row4(run, sizes, n))
