@@ -56,6 +56,30 @@ replay         a frame sent twice
 reorder        two frames swapped
 ============== ==============================================================================
 
+The second review (issue 31 rows 2-6, `second_review`; ``--no-second-review`` skips it,
+``--second-review-only`` runs it alone, in about a minute): each row against a coordinator
+daemon of its own, while a legitimate dialer from 127.0.0.250 times the daemon's answer to its
+hello every 50 ms (the worst: how long the event loop was blocked) and the daemon's memory is
+read from /proc (VmRSS before and after, the peak: VmHWM restarted before the attack):
+
+============== ==============================================================================
+row 2          authenticated as the free rank 1, one 60 MiB (``--second-review-mib``) frame:
+               a bulk ``coll`` or an inline ``digest`` (200,000 names) with a random tag (what
+               a relay without the secret can send), the digest or an inline ``coll`` with
+               its valid tag (a peer holding the secret); the daemon must hang up
+row 3          a hello holding a 4-byte typed array: refused, torch never imported
+row 4          rank 0 of a two-member elastic run sends 30 early ``ready`` reports for step 1
+               with 65,000-entry specs (refused by the item cap) and with 20,000-entry ones
+               (by the byte budget): dropped, the refusal naming rank 0
+row 5          authenticated as rank 1, one heartbeat, quiet (``--heartbeat-deadline 1``):
+               the real rank 1, dialing at once and again, is admitted at the deadline
+row 6          an elastic run kept alive by rank 0; 20 times rank 1 joins and goes silent
+               past the heartbeat deadline, keeping its end open: each told ``abort`` and
+               closed, the daemon's descriptors (/proc/PID/fd) the same after as before
+============== ==============================================================================
+
+After each, a legitimate worker dials the attacked (or a free) rank: its admission latency.
+
 Attempts connect from 127.0.0.1-8 in turn (`ATTACK_SOURCES`), so the cap per source address
 does not refuse them before the global cap would. Each attempt's local address is what the
 coordinator logs as the peer, so every attempt is
@@ -124,6 +148,7 @@ from runtime.protocol.wire import (  # noqa: E402
     PROTOCOL_VERSION,
     decode_frame,
     encode_frame_bytes,
+    encode_tag_trailer,
 )
 from runtime.testing.relay import (  # noqa: E402
     TO_DIALER,
@@ -161,6 +186,9 @@ __all__ = [
     "mark_phase",
     "relay_attacks",
     "relay_live_run",
+    "ReviewSizes",
+    "second_review",
+    "print_second_review",
     "main",
 ]
 
@@ -1076,8 +1104,11 @@ class LiveRun:
         handshake_seconds: float = 2.0,
         max_pending: int = 64,
         job_args: tuple[str, ...] = JOB_ARGS,
+        coordinator_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
+        self.coordinator_args = coordinator_args
+        """More flags for the coordinator daemon (`second_review`: deadlines, --min-workers)."""
         self.world_size = world_size
         self.steps = steps
         self.handshake_seconds = handshake_seconds
@@ -1112,7 +1143,7 @@ class LiveRun:
             "--world-size", str(self.world_size), "--bind", "127.0.0.1:0",
             "--port-file", str(port_file),
             "--handshake-seconds", str(self.handshake_seconds),
-            "--max-pending-handshakes", str(self.max_pending),
+            "--max-pending-handshakes", str(self.max_pending), *self.coordinator_args,
         ]  # fmt: skip
         with open(self.coordinator_log_path, "wb") as log:
             self.coordinator = subprocess.Popen(
@@ -1183,6 +1214,23 @@ class LiveRun:
         match = re.search(rf"{field}:\s+(\d+) kB", status)
         return int(match.group(1)) * 1024 if match else None
 
+    def reset_memory_peak(self) -> None:
+        """Restart the coordinator's ``VmHWM`` from its current RSS (Linux ``clear_refs``)."""
+        if self.coordinator is not None:
+            try:
+                Path(f"/proc/{self.coordinator.pid}/clear_refs").write_text("5")
+            except OSError:
+                pass
+
+    def coordinator_descriptors(self) -> int | None:
+        """How many file descriptors the coordinator holds open (Linux, while it runs)."""
+        if self.coordinator is None:
+            return None
+        try:
+            return len(os.listdir(f"/proc/{self.coordinator.pid}/fd"))
+        except OSError:
+            return None
+
     def finish(self, timeout: float = 300.0) -> RunOutcome:
         """Wait for every process to exit (killing what is left after ``timeout``)."""
         deadline = time.monotonic() + timeout
@@ -1219,6 +1267,495 @@ class LiveRun:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# ----------------------------------------------------------------------------- second review
+
+PROBE_SOURCE = "127.0.0.250"
+"""Where the event-loop probe dials from (no attack nor holder uses it)."""
+PROBE_INTERVAL = 0.05
+"""A probe starts this often (or as soon as the one before it ends, if it took longer)."""
+QUIET_PROBES = 5
+"""Probes before each attack: the daemon's quiet handshake latency."""
+INLINE_FLOAT = cbor2.CBORTag(40, [[1], cbor2.CBORTag(85, b"\x00\x00\x80\x3f")])
+"""A 4-byte float32 tensor as RFC 8746 encodes it (tag 40 around a typed array)."""
+
+
+@dataclass(frozen=True)
+class ReviewSizes:
+    """How large `second_review`'s attacks are (the defaults: issue 31's figures)."""
+
+    mib: int = 60
+    """Row 2: the frame's size in MiB."""
+    frames: int = 2
+    """Row 2: frames of each variant, one connection each."""
+    hellos: int = 20
+    """Row 3: hellos holding a typed array."""
+    reports: int = 30
+    """Row 4: early ``ready`` reports."""
+    entries: tuple[int, ...] = (65_000, 20_000)
+    """Row 4: entries of each report's spec, one daemon each."""
+    squats: int = 3
+    """Row 5: squatted ranks, one after the other."""
+    evictions: int = 20
+    """Row 6: members evicted."""
+
+
+async def _probe_once(target: Target) -> float:
+    """Seconds from a legitimate dialer's connect to the daemon's answer to its hello (the
+    challenge): one trip through the daemon's event loop, and little else."""
+    hello = DialerHandshake(target.secret, _me(target, 0)).hello()
+    started = time.perf_counter()
+    stream = await trio.open_tcp_stream(*target.address, local_address=PROBE_SOURCE)
+    conn = Connection(stream)
+    conn.tensors = False
+    try:
+        await conn.send(*hello)
+        await conn.recv(HANDSHAKE_MAX_FRAME)
+    finally:
+        await conn.aclose()
+    return time.perf_counter() - started
+
+
+async def _probe_loop(target: Target, latencies: list[float], failures: list[str]) -> None:
+    while True:
+        started = trio.current_time()
+        try:
+            with trio.fail_after(60):
+                latencies.append(await _probe_once(target))
+        except (ProtocolError, OSError, trio.TooSlowError) as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+        await trio.sleep_until(started + PROBE_INTERVAL)
+
+
+async def _sample_memory(run: LiveRun, peak: list[int]) -> None:
+    while True:
+        peak[0] = max(peak[0], run.coordinator_memory("VmRSS") or 0)
+        await trio.sleep(0.01)
+
+
+async def _watched(run: LiveRun, attack: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``attack`` while a legitimate dialer probes the daemon every `PROBE_INTERVAL` and
+    its memory is sampled; the attack's row with the daemon's memory (before, peak, after),
+    descriptors and the probes' latencies added."""
+    target = run.target()
+    quiet = [await _probe_once(target) for _ in range(QUIET_PROBES)]
+    run.reset_memory_peak()
+    before = run.coordinator_memory("VmRSS") or 0
+    fds_before = run.coordinator_descriptors()
+    during: list[float] = []
+    failures: list[str] = []
+    sampled = [before]
+    started = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_probe_loop, target, during, failures)
+        nursery.start_soon(_sample_memory, run, sampled)
+        row = await attack()
+        nursery.cancel_scope.cancel()
+    seconds = time.monotonic() - started
+    await trio.sleep(0.3)  # what the daemon keeps, not what it frees on its way
+    return {
+        **row,
+        "seconds": seconds,
+        "rss_before": before,
+        "rss_peak": max(sampled[0], run.coordinator_memory("VmHWM") or 0),
+        "rss_after": run.coordinator_memory("VmRSS"),
+        "fds_before": fds_before,
+        "fds_after": run.coordinator_descriptors(),
+        "probe_quiet_median": sorted(quiet)[len(quiet) // 2],
+        "probes": len(during),
+        "probe_failures": failures[:3],
+        "loop_block": max(during, default=None),
+        "daemon_alive": run.coordinator is not None and run.coordinator.poll() is None,
+    }
+
+
+async def _admitted_within(target: Target, rank: int, seconds: float = 10.0) -> float | None:
+    """Seconds a legitimate worker takes to be welcomed as ``rank`` (retrying while the
+    listener is busy or the rank is taken), None if not within ``seconds``; it hangs up."""
+    with trio.move_on_after(seconds):
+        conn, took = await _join_rank(target, rank)
+        await conn.aclose()
+        return took
+    return None
+
+
+async def _until_closed(conn: Connection, seconds: float) -> tuple[list[dict[str, Any]], str]:
+    """What the daemon sends on ``conn`` until it hangs up (heartbeats left out), and how it
+    ended: ``closed`` (by the daemon), ``still open`` after ``seconds``, or an error."""
+    said: list[dict[str, Any]] = []
+    with trio.move_on_after(seconds):
+        try:
+            while True:
+                message = await conn.recv()
+                if message["kind"] != "heartbeat":
+                    said.append(message)
+        except PeerClosed:
+            return said, "closed"
+        except ProtocolError as exc:
+            return said, f"{type(exc).__name__}: {exc}"
+    return said, "still open"
+
+
+def _told(said: list[dict[str, Any]]) -> str:
+    """What the daemon said, the run's start left out."""
+    return "; ".join(
+        f"{m['kind']}: {m.get('reason', '')}".rstrip(": ") for m in said if m["kind"] != "start_run"
+    )
+
+
+def _join_fields(rank: int) -> dict[str, Any]:
+    """A join's fields: a data-plane address of its own, one two-element float32 parameter."""
+    return {"host": "127.0.0.1", "port": 9 + rank, "params": [["w", [2], "float32", True]]}
+
+
+def _row2_frame(nbytes: int, variant: str) -> tuple[bytes, bool]:
+    """Row 2's frame of about ``nbytes`` of ``variant`` (`ROW2_VARIANTS`): (the frame, whether
+    its tag is to be valid)."""
+    fields = {"op": 0, "hop": 0, "part": 0}
+    kind, tag = variant.split(", ")
+    if kind == "bulk coll":
+        frame = encode_frame_bytes("coll", fields, torch.zeros(nbytes // 4))
+    elif kind == "inline coll":
+        frame = encode_frame_bytes("coll", {**fields, "data": torch.zeros(nbytes // 4)})
+    else:  # a digest of 300-character names and 4-byte digests, as a worker lays one out
+        count = nbytes // 307
+        names = [f"{n:0300d}" for n in range(count)]
+        digest = {"epoch": 1, "step": 0, "digest": bytes(32), "tensors": bytes(4 * count)}
+        frame = encode_frame_bytes("digest", {**digest, "names": names})
+    return frame, tag == "valid tag"
+
+
+async def _send_after_auth(target: Target, frame: bytes, tagged: bool) -> tuple[str, float]:
+    """Authenticate as the free rank 1, send ``frame`` (with its valid tag, or a random one),
+    and wait for the daemon to hang up: (what happened, seconds from the send)."""
+    conn, _ = await _join_rank(target, 1)  # (while the previous holder's link closes)
+    started = time.monotonic()
+    try:
+        try:
+            if tagged:
+                await conn.send_frame(frame)
+            else:
+                await conn.stream.send_all(frame + encode_tag_trailer(secrets.token_bytes(16)))
+            said, end = await _until_closed(conn, 60)
+        except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            said, end = [], f"closed while sending: {exc}"
+    finally:
+        await conn.aclose()
+    return f"{_told(said) or 'nothing said'}; {end}", time.monotonic() - started
+
+
+async def review_row2(run: LiveRun, sizes: ReviewSizes, variant: str) -> list[dict[str, Any]]:
+    """Row 2: an authenticated peer sends a ``sizes.mib`` MiB frame of ``variant`` (a key of
+    `ROW2_VARIANTS`), with a random tag (what a relay without the secret can send) or its valid
+    one (a peer holding the secret); the daemon must drop the connection and serve on."""
+    target = run.target()
+    frame, tagged = _row2_frame(sizes.mib * 2**20, variant)
+
+    async def attack() -> dict[str, Any]:
+        outcomes, seconds, admitted = [], [], []
+        for _ in range(sizes.frames):
+            outcome, took = await _send_after_auth(target, frame, tagged)
+            outcomes.append(outcome)
+            seconds.append(took)
+            admitted.append(await _admitted_within(target, 1))
+        closed = all(o.endswith("closed") or "closed while sending" in o for o in outcomes)
+        return {
+            "attempts": sizes.frames,
+            "outcome": f"dropped after {max(seconds):.2f} s: {outcomes[0]}",
+            "outcomes": outcomes,
+            "admission": admitted,
+            "ok": closed and None not in admitted,
+        }
+
+    return [{"row": "2", "attack": f"{sizes.mib} MiB {variant}", **await _watched(run, attack)}]
+
+
+ROW2_VARIANTS = (
+    "bulk coll, random tag",
+    "inline digest, random tag",
+    "inline digest, valid tag",
+    "inline coll, valid tag",
+)
+
+
+async def review_row3(run: LiveRun, sizes: ReviewSizes) -> list[dict[str, Any]]:
+    """Row 3: hellos holding a 4-byte typed array (a stranger's first frame)."""
+    target = run.target()
+    _, fields = DialerHandshake(target.secret, _me(target, 0)).hello()
+    frame = encode_frame_bytes("hello", {**fields, "nonce": INLINE_FLOAT})
+
+    async def attack() -> dict[str, Any]:
+        answers = []
+        for _ in range(sizes.hellos):
+            stream, _where = await _open(target)
+            conn = Connection(stream)
+            try:
+                await stream.send_all(frame)
+                answers.append(await _answer(conn, target.handshake_seconds + 2))
+            finally:
+                await conn.aclose()
+        admitted = await _admitted_within(target, 0)
+        return {
+            "attempts": sizes.hellos,
+            "outcome": f"{sum('typed array' in a for a in answers)} refused: {answers[0]}",
+            "outcomes": answers,
+            "admission": [admitted],
+            "ok": all("typed arrays are refused" in a for a in answers) and admitted is not None,
+        }
+
+    return [
+        {
+            "row": "3",
+            "attack": f"{len(frame)}-byte hello, 4-byte typed array",
+            **await _watched(run, attack),
+        }
+    ]
+
+
+async def _member(target: Target, rank: int) -> Connection:
+    """Dial as ``rank`` and send a valid join."""
+    conn, _ = await dial(target.address, target.secret, _me(target, rank))
+    await conn.send("join", _join_fields(rank))
+    return conn
+
+
+async def _start_of(conn: Connection, members: int) -> dict[str, Any]:
+    """Read ``conn`` until the start of an epoch of ``members`` members."""
+    with trio.fail_after(30):
+        while True:
+            message = await conn.recv()
+            if message["kind"] == "start_run" and len(message["addresses"]) == members:
+                return message
+
+
+async def _heartbeats(conn: Connection) -> None:
+    """Heartbeat every 50 ms and read whatever comes, until the connection ends."""
+    async with trio.open_nursery() as nursery:
+
+        async def beat() -> None:
+            while True:
+                await conn.send("heartbeat", {})
+                await trio.sleep(0.05)
+
+        nursery.start_soon(beat)
+        try:
+            while True:
+                await conn.recv()
+        except ProtocolError:
+            nursery.cancel_scope.cancel()
+
+
+async def review_row4(run: LiveRun, sizes: ReviewSizes, entries: int) -> list[dict[str, Any]]:
+    """Row 4: in an elastic run of two members, rank 0 (joined, authenticated) sends
+    ``sizes.reports`` early ``ready`` reports for step 1 with ``entries``-entry specs. The
+    run must drop it naming the rank; a new rank 0 is then admitted."""
+    target = run.target()
+    spec = tuple(((i % 7 + 1, 3), "float32") for i in range(entries))
+    async with trio.open_nursery() as nursery:
+        attacker, member = [await _member(target, rank) for rank in (0, 1)]
+        start = await _start_of(attacker, 2)
+        nursery.start_soon(_heartbeats, member)
+        frames = [
+            encode_frame_bytes(
+                "ready", {"epoch": start.get("epoch", 1), "step": 1, "bucket": b, "spec": spec}
+            )
+            for b in range(sizes.reports)
+        ]
+
+        async def attack() -> dict[str, Any]:
+            sent = 0
+            async with trio.open_nursery() as inner:
+
+                async def send_all() -> None:
+                    nonlocal sent
+                    try:
+                        for frame in frames:
+                            await attacker.send_frame(frame)
+                            sent += 1
+                    except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+
+                inner.start_soon(send_all)
+                said, end = await _until_closed(attacker, 30)
+                inner.cancel_scope.cancel()
+            await attacker.aclose()
+            told = _told(said)
+            admitted = await _admitted_within(target, 0)
+            return {
+                "attempts": sent,
+                "outcome": f"{told or 'nothing said'}; {end}",
+                "admission": [admitted],
+                "ok": "rank 0" in told and end == "closed" and admitted is not None,
+            }
+
+        row = await _watched(run, attack)
+        nursery.cancel_scope.cancel()
+    await member.aclose()
+    return [
+        {"row": "4", "attack": f"{sizes.reports} early readies, {entries:,}-entry specs", **row}
+    ]
+
+
+async def review_row5(run: LiveRun, sizes: ReviewSizes, deadline: float) -> list[dict[str, Any]]:
+    """Row 5: authenticate as the free rank 1, send one heartbeat, go quiet (the connection
+    held open); the real rank 1 dials at once and again until welcomed."""
+    target = run.target()
+
+    async def attack() -> dict[str, Any]:
+        admitted: list[float | None] = []
+        ends = []
+        for _ in range(sizes.squats):
+            squatter, _ = await _join_rank(target, 1)
+            await squatter.send("heartbeat", {})
+            took: list[float | None] = [None]
+            async with trio.open_nursery() as nursery:
+
+                async def real(into: list[float | None] = took) -> None:
+                    into[0] = await _admitted_within(target, 1, deadline + 10)
+
+                nursery.start_soon(real)
+                started = time.monotonic()
+                said, end = await _until_closed(squatter, deadline + 10)
+                after = time.monotonic() - started
+                ends.append(f"{_told(said) or 'nothing said'}; {end} after {after:.2f} s")
+            await squatter.aclose()
+            admitted.append(took[0])
+        return {
+            "attempts": sizes.squats,
+            "outcome": f"squatter {ends[0]}",
+            "outcomes": ends,
+            "admission": admitted,
+            "ok": None not in admitted
+            and all(a <= deadline + 2 for a in admitted if a is not None),
+        }
+
+    return [
+        {
+            "row": "5",
+            "attack": f"heartbeat, then quiet (deadline {deadline:g} s)",
+            **await _watched(run, attack),
+        }
+    ]
+
+
+async def review_row6(run: LiveRun, sizes: ReviewSizes) -> list[dict[str, Any]]:
+    """Row 6: an elastic run (--min-workers 1) that rank 0 keeps heartbeating; ``evictions``
+    times, rank 1 joins and goes silent past the heartbeat deadline, keeping its end open.
+    Each must be told ``abort`` and its connection closed; the daemon's descriptors counted
+    before and after."""
+    target = run.target()
+    stayer = await _member(target, 0)
+    await _start_of(stayer, 1)
+    held: list[Connection] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_heartbeats, stayer)
+
+        async def attack() -> dict[str, Any]:
+            ends, joins = [], []
+            for _ in range(sizes.evictions):
+                silent, took = await _join_rank(target, 1)
+                joins.append(took)
+                await silent.send("join", _join_fields(1))
+                said, end = await _until_closed(silent, 10)
+                ends.append(f"{said[-1]['kind'] if said else 'nothing said'}; {end}")
+                held.append(silent)  # its end stays open, as a stalled peer's would
+            await trio.sleep(0.3)
+            joins.append(await _admitted_within(target, 1))  # a legitimate rank 1, after
+            return {
+                "attempts": sizes.evictions,
+                "outcome": f"{sum(e == 'abort; closed' for e in ends)} told abort and closed",
+                "outcomes": ends,
+                "admission": joins,
+            }
+
+        row = await _watched(run, attack)
+        nursery.cancel_scope.cancel()
+    for conn in held:
+        await conn.aclose()
+    await stayer.aclose()
+    row["outcome"] += f"; daemon descriptors {row['fds_before']} -> {row['fds_after']}"
+    row["ok"] = (
+        all(e == "abort; closed" for e in row["outcomes"])
+        and row["fds_after"] is not None
+        and row["fds_after"] <= row["fds_before"] + 1
+    )
+    return [{"row": "6", "attack": f"{sizes.evictions} evictions (elastic run)", **row}]
+
+
+SECOND_REVIEW_DEADLINE = 1.0
+"""The heartbeat (and join) deadline of rows 5's and 6's daemons, seconds."""
+
+
+async def second_review(workdir: Path, sizes: ReviewSizes = ReviewSizes()) -> list[dict[str, Any]]:
+    """Issue 31, rows 2-6, each against a coordinator daemon of its own on loopback: the rows
+    of `print_second_review`'s table."""
+    elastic = ("--min-workers", "1", "--rendezvous-seconds", "0.05", "--rejoin-seconds", "60")
+    together = ("--min-workers", "1", "--rendezvous-seconds", "60")  # both start epoch 1
+    short = ("--heartbeat-deadline", f"{SECOND_REVIEW_DEADLINE:g}")
+    plans: list[
+        tuple[str, tuple[str, ...], Callable[[LiveRun], Awaitable[list[dict[str, Any]]]]]
+    ] = [
+        *[
+            (f"row2-{n}", (), lambda run, v=v: review_row2(run, sizes, v))
+            for n, v in enumerate(ROW2_VARIANTS)
+        ],
+        ("row3", (), lambda run: review_row3(run, sizes)),
+        *[
+            (f"row4-{n}", together, lambda run, n=n: review_row4(run, sizes, n))
+            for n in sizes.entries
+        ],
+        ("row5", short, lambda run: review_row5(run, sizes, SECOND_REVIEW_DEADLINE)),
+        ("row6", (*elastic, *short), lambda run: review_row6(run, sizes)),
+    ]
+    rows: list[dict[str, Any]] = []
+    for name, flags, review in plans:
+        run = LiveRun(workdir / name, handshake_seconds=10.0, coordinator_args=flags)
+        run.workdir.mkdir(parents=True)
+        try:
+            run.start_coordinator()
+            with trio.fail_after(120):
+                got = await review(run)
+        finally:
+            run.kill()
+        log = run.coordinator_log()
+        for row in got:
+            row["daemon_log"] = [
+                line[-300:] for line in log.splitlines() if "WARNING" in line or "ERROR" in line
+            ][:6]
+            print(f"  row {row['row']} {row['attack']}: {row['seconds']:.1f} s", flush=True)
+        rows += got
+    return rows
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def print_second_review(rows: list[dict[str, Any]]) -> None:
+    """The table: row, attack, attempts, outcome, the daemon's RSS (MiB, before / peak /
+    after), the worst probe latency during the attack (ms; quiet median beside it), and the
+    worst admission of a legitimate worker during or right after it (ms)."""
+    print()
+    print("| row | attack | attempts | outcome | daemon RSS MiB before / peak / after | "
+          "event loop blocked ms (quiet) | admission ms | ok |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        rss = " / ".join(
+            "-" if row[k] is None else f"{row[k] / 2**20:.0f}"
+            for k in ("rss_before", "rss_peak", "rss_after")
+        )
+        admission = [a for a in row["admission"]]
+        worst = None if None in admission else max(admission, default=None)
+        outcome = row["outcome"].replace("|", "/")
+        if len(outcome) > 240:
+            outcome = outcome[:237] + "..."
+        print(
+            f"| {row['row']} | {row['attack']} | {row['attempts']} | {outcome} | {rss} | "
+            f"{_ms(row['loop_block'])} ({_ms(row['probe_quiet_median'])}) | "
+            f"{'not admitted' if None in admission else _ms(worst)} | "
+            f"{'yes' if row['ok'] else 'NO'} |"
+        )
 
 
 # ----------------------------------------------------------------------------- main
@@ -1319,8 +1856,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--relay-only", action="store_true", help="run the relay attacks (issue 18 row 1) only"
     )
+    parser.add_argument(
+        "--no-second-review",
+        action="store_true",
+        help="skip the second review's phase (issue 31 rows 2-6, a daemon each)",
+    )
+    parser.add_argument(
+        "--second-review-only", action="store_true", help="run the second review's phase only"
+    )
+    parser.add_argument(
+        "--second-review-mib", type=int, default=60, help="row 2: the frames' size in MiB"
+    )
+    parser.add_argument(
+        "--second-review-evictions", type=int, default=20, help="row 6: members evicted"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    sizes = ReviewSizes(mib=args.second_review_mib, evictions=args.second_review_evictions)
+    if args.second_review_only:
+        print("second review (issue 31 rows 2-6), a coordinator daemon each", flush=True)
+        with tempfile.TemporaryDirectory(prefix="paramsync-review-") as tmp:
+            review = trio.run(second_review, Path(tmp), sizes)
+        print_second_review(review)
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"second_review": review}, indent=2))
+            print(f"wrote {path}")
+        return 0 if all(row["ok"] for row in review) else 1
 
     relay = trio.run(relay_attacks, args.relay_after)
     with tempfile.TemporaryDirectory(prefix="paramsync-relay-") as tmp:
@@ -1398,6 +1961,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             free.kill()
 
+        review: list[dict[str, Any]] = []
+        if not args.no_second_review:
+            print("second review (issue 31 rows 2-6), a coordinator daemon each", flush=True)
+            review = trio.run(second_review, Path(tmp) / "review", sizes)
+
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
     names = [a for a in ("connect_close", "http_garbage", "framed_garbage", "oversized",
@@ -1454,6 +2022,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{dupes['outcomes']}"
     )
     print(f"admission daemon totals: {parse_admission_log(free_log).totals}")
+    if review:
+        print_second_review(review)
     same_as_baseline = None
     if baseline is not None:
         quiet0 = baseline.summaries.get(0, {})
@@ -1501,6 +2071,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "relay_attacks": relay,
         "relay_live_run": live,
+        "second_review": review,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -1521,6 +2092,7 @@ def main(argv: list[str] | None = None) -> int:
         and all(row["refusal"] != "ACCEPTED" for row in bombs.values())
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
         and relay_ok(relay, live)
+        and all(row["ok"] for row in review)
     )
     return 0 if ok else 1
 

@@ -390,3 +390,33 @@ async def test_slow_drip_counts_a_reset_as_a_hang_up_not_a_crash() -> None:
     await listener.aclose()
     assert attempt.refused and attempt.outcome.startswith("closed after "), attempt.outcome
     assert "reset" in attempt.outcome or "broken" in attempt.outcome, attempt.outcome
+
+
+def test_the_second_reviews_attacks_are_refused_at_small_sizes(tmp_path: Path) -> None:
+    """Issue 31, rows 2-6, as `benchmarks/hostile.py`'s second-review phase runs them (a daemon
+    each), at small sizes: 2 MiB frames after authentication, typed arrays in hellos, early
+    readies past the item cap and past the byte budget, a squatter past the join deadline,
+    three evictions. Each attack's refusal must still happen, every daemon serve on, and a
+    legitimate worker be admitted after each."""
+    sizes = hostile.ReviewSizes(mib=2, frames=1, hellos=3, squats=1, evictions=3)
+    rows = trio.run(hostile.second_review, tmp_path, sizes)
+    hostile.print_second_review(rows)
+    by_attack = {f"{row['row']} {row['attack']}": row for row in rows}
+    assert [row["row"] for row in rows] == ["2"] * 4 + ["3", "4", "4", "5", "6"], list(by_attack)
+    for name, row in by_attack.items():
+        assert row["ok"], (name, row)
+        assert row["daemon_alive"], (name, row["daemon_log"])
+        assert None not in row["admission"], (name, row["admission"])
+        assert row["probes"] > 0 and not row["probe_failures"], (name, row["probe_failures"])
+    for row in rows[:4]:  # row 2: the daemon hangs up on every frame
+        assert all(o.endswith("closed") or "closed while sending" in o for o in row["outcomes"])
+    assert all("typed arrays are refused" in o for o in rows[4]["outcomes"]), rows[4]
+    assert "rank 0 was removed from the run" in rows[5]["outcome"], rows[5]
+    assert "CBOR data items" in rows[5]["outcome"], rows[5]
+    assert "rank 0's bucket reports ahead of the step hold more than" in rows[6]["outcome"]
+    squat = rows[7]
+    assert squat["outcomes"][0].startswith("nothing said; closed after"), squat
+    assert 0.5 <= squat["admission"][0] <= hostile.SECOND_REVIEW_DEADLINE + 2, squat
+    evicted = rows[8]
+    assert evicted["outcomes"] == ["abort; closed"] * 3, evicted
+    assert evicted["fds_after"] <= evicted["fds_before"] + 1, evicted
