@@ -260,6 +260,20 @@ class OwnStep:
         return self.epoch.compute
 
 
+class StartingStateDiffers(RuntimeError):
+    """After an epoch's initial broadcast, some members' parameters or buffers differ from
+    position 0's (C-DDP-001 before the first step): ``ranks`` differ; ``tensor`` is the first
+    differing one on a rank that differs (None on the others)."""
+
+    def __init__(self, epoch: int, step: int, ranks: list[int], tensor: str | None) -> None:
+        where = f", first at tensor {tensor!r} on this rank" if tensor is not None else ""
+        super().__init__(
+            f"epoch {epoch} at step {step}: after the initial broadcast, ranks {ranks} hold "
+            f"another state than position 0's{where}: the run cannot start"
+        )
+        self.epoch, self.step, self.ranks, self.tensor = epoch, step, ranks, tensor
+
+
 @dataclass
 class _CallerGate:
     """Where the caller's own loop is (`actors.train.ddp_wrapper`): a new epoch's entry (its
@@ -748,6 +762,7 @@ class DistributedTrainer:
         """Bring every member to the epoch's starting state before its first step."""
         if start.broadcast:
             await self._sync_initial_weights(transport)
+            await self._check_starting_state(transport, start)
         elif start.donor >= 0:
             if self.rank == start.donor:
                 for receiver in start.receivers:
@@ -927,6 +942,34 @@ class DistributedTrainer:
         with torch.no_grad():  # never across an await: grad mode is per thread, not per task
             for tensor, host in zip(tensors, hosts, strict=True):
                 tensor.copy_(host)
+
+    async def _check_starting_state(self, transport: Transport, start: StartRun) -> None:
+        """After a broadcast epoch's initial broadcast, before its first step: every member's
+        parameters and buffers hash (per tensor, XXH3-128) to position 0's, or every member
+        raises `StartingStateDiffers` naming the ranks that differ (and, on those ranks, the
+        first tensor). What a state-transfer epoch's opening check (its digests of the step
+        before) gives the coordinator, a broadcast epoch gets here, on its own data plane."""
+        mine = state_digest(self.model, None, buffers=True)
+        packed = torch.frombuffer(bytearray(mine.packed), dtype=torch.uint8)
+        theirs = packed.clone()
+        await broadcast(
+            transport, theirs, root=0, chunk_bytes=self.options.chunk_bytes, in_place=True
+        )
+        differs = torch.zeros(transport.world_size, dtype=torch.float64)
+        differs[transport.rank] = float(not torch.equal(packed, theirs))
+        await all_reduce(transport, differs, "sum", chunk_bytes=self.options.chunk_bytes)
+        ranks = [start.members[p] for p in range(len(differs)) if differs[p]]
+        if not ranks:
+            return
+        first = None
+        if differs[transport.rank]:
+            size = len(mine.packed) // max(1, len(mine.names))
+            for index, name in enumerate(mine.names):
+                part = slice(index * size, (index + 1) * size)
+                if not torch.equal(packed[part], theirs[part]):
+                    first = name
+                    break
+        raise StartingStateDiffers(start.epoch, start.step, ranks, first)
 
     async def _sync_buffers(self, transport: Transport, mode: BufferSync | None = None) -> None:
         """Make the model's buffers identical across the epoch's members (``mode``, default

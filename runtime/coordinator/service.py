@@ -33,6 +33,7 @@ from runtime.coordinator.events import (
     Send,
     Tick,
 )
+from runtime.coordinator.frame_caps import member_frame_cap
 from runtime.coordinator.run_state import RunState
 from runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
 from runtime.observe.metrics import Metrics
@@ -43,9 +44,11 @@ from runtime.protocol.messages import (
     Hold,
     Joined,
     Shutdown,
+    Signature,
     StartRun,
     event_from_wire,
 )
+from runtime.protocol.wire import DEFAULT_MAX_FRAME
 from runtime.transport.admission import AdmissionGate, HandshakeTicket
 from runtime.transport.link import Link
 from runtime.transport.tcp import DEFAULT_GROUP, accept
@@ -181,6 +184,8 @@ class Coordinator:
         )
         self.world_size = world_size
         self.group = group
+        self._frame_cap: tuple[Signature, int] | None = None
+        """(the reference signature, the largest frame a member may send for it)."""
         self._secret = secret
         self._members: dict[int, _Member] = {}
         self._reserved: set[int] = set()
@@ -345,17 +350,28 @@ class Coordinator:
             with trio.CancelScope(shield=True):
                 await link.aclose()
 
+    def _member_max_frame(self) -> int:
+        """The largest frame a member may send now: the run's model's need once the
+        reference model is known (`frame_caps.member_frame_cap`), else the schema's."""
+        signature = self.core.reference_signature
+        if signature is None:
+            return DEFAULT_MAX_FRAME
+        if self._frame_cap is None or self._frame_cap[0] is not signature:
+            self._frame_cap = (signature, member_frame_cap(signature, DEFAULT_MAX_FRAME))
+        return self._frame_cap[1]
+
     async def _reader(self, member: _Member, join_seconds: float) -> None:
         rank = member.rank
         join_by = trio.current_time() + join_seconds
         joined = False
         while True:
             try:
+                max_frame = self._member_max_frame()
                 if joined:  # no deadline scope per message once the member is in
-                    message = await member.link.recv()
+                    message = await member.link.recv(max_frame)
                 else:
                     with trio.CancelScope(deadline=join_by) as waiting:
-                        message = await member.link.recv()
+                        message = await member.link.recv(max_frame)
                     if waiting.cancelled_caught:
                         log.warning(
                             "rank %d authenticated but sent no join within %g s; dropped",
