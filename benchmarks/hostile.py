@@ -69,8 +69,9 @@ row 2          authenticated as the free rank 1, one 60 MiB (``--second-review-m
                its valid tag (a peer holding the secret); the daemon must hang up
 row 3          a hello holding a 4-byte typed array: refused, torch never imported
 row 4          rank 0 of a two-member elastic run sends 30 early ``ready`` reports for step 1
-               with 65,000-entry specs (refused by the item cap) and with 20,000-entry ones
-               (by the byte budget): dropped, the refusal naming rank 0
+               with 65,000-entry and with 20,000-entry specs: both far more than the run's
+               one-tensor model needs, refused from the frame's prefix by its frame cap
+               (`runtime.coordinator.frame_caps`): dropped, the refusal naming rank 0
 row 5          authenticated as rank 1, one heartbeat, quiet (``--heartbeat-deadline 1``):
                the real rank 1, dialing at once and again, is admitted at the deadline
 row 6          an elastic run kept alive by rank 0; 20 times rank 1 joins and goes silent
