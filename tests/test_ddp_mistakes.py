@@ -162,3 +162,19 @@ async def test_a_rank_whose_loss_scaler_differs_is_caught_at_that_step() -> None
     error = pick_error(info.value)
     assert isinstance(error, RunAborted), repr(error)
     assert "amp/grad_scaler" in str(error) and "step 3" in str(error), str(error)
+
+
+def test_a_rejoining_worker_without_its_optimizer_is_told_to_pass_it() -> None:
+    """A wrapper built without ``optimizer=`` holds an unbound optimizer until the loop's first
+    step: a worker that joins a run in progress (a live restart) cannot receive the donor's
+    optimizer state into it, and says what to pass instead of a manifest mismatch."""
+    from actors.train.unbound_optimizer import UnboundOptimizer, check_can_receive_state
+
+    model = mlp()
+    with pytest.raises(
+        RuntimeError, match=r"DistributedDataParallel\(model, optimizer=optimizer\)"
+    ):
+        check_can_receive_state(UnboundOptimizer(list(model.parameters())), 2)
+    check_can_receive_state(torch.optim.SGD(model.parameters(), lr=0.1), 2)  # a real one: fine
+    with pytest.raises(RuntimeError, match="never stepped"):
+        UnboundOptimizer(list(model.parameters())).step()

@@ -81,6 +81,7 @@ from actors.train.ddp_arguments import (
 )
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, OwnStep, TrainerOptions
+from actors.train.unbound_optimizer import UnboundOptimizer
 from runtime.coordinator.service import CoordinatorOptions
 
 __all__ = ["DistributedDataParallel", "DistributedOptimizer"]
@@ -113,17 +114,6 @@ def check_own_loop_options(options: TrainerOptions) -> None:
             "DistributedDataParallel: join (uneven inputs) is not supported; give every rank "
             "the same number of steps, or use train_batch and join"
         )
-
-
-class _Placeholder(torch.optim.Optimizer):
-    """Stands for the user's optimizer until it is known (its first step, `wrap_optimizer`):
-    no state, no hyperparameters, every rank alike. Never stepped."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
-        super().__init__(list(params) or [torch.nn.Parameter(torch.zeros(0))], {})
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        raise RuntimeError("the placeholder optimizer is never stepped")
 
 
 _WRAPPED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -283,12 +273,14 @@ class DistributedDataParallel(torch.nn.Module):
         optimizer: torch.optim.Optimizer | None,
         scheduler: Scheduler | None,
     ) -> None:
-        """Join the run this environment describes, with ``optimizer`` or a placeholder."""
+        """Join the run this environment describes, with ``optimizer`` or an unbound one."""
         if optimizer is not None:
             _check_optimizer(self.module, optimizer)
         sync = SyncTrainer(
             self.module,
-            optimizer if optimizer is not None else _Placeholder(list(self.module.parameters())),
+            optimizer
+            if optimizer is not None
+            else UnboundOptimizer(list(self.module.parameters())),
             _no_loss_fn,
             options=self._options,
             scheduler=scheduler,

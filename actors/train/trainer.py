@@ -49,6 +49,7 @@ from actors.state.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from actors.state.digest import Scheduler, StateDigest, named_state, state_digest
 from actors.train.buffer_sync import BufferSync, check_buffer_sync, sync_buffers
 from actors.train.state_transfer import receive_state, send_state, wire_view
+from actors.train.unbound_optimizer import check_can_receive_state
 from runtime.actor.base import ActorStopped, ActorSystem
 from runtime.collectives.compression import check_comm_options
 from runtime.collectives.ring import (
@@ -997,6 +998,7 @@ class DistributedTrainer:
     async def _receive_state(self, transport: Transport, peer: int, donor: object = None) -> None:
         """Receive a healthy member's whole training state and take it over; its manifest is
         checked against this model before anything is allocated (`receive_state`)."""
+        check_can_receive_state(self.optimizer, self.rank)
         state = await receive_state(
             transport,
             peer,
