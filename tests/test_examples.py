@@ -107,8 +107,17 @@ def test_ddp_style_loop_under_torchrun() -> None:
     _check_ddp_style_loop(_torchrun(args).stdout, 40)
 
 
-def _torchrun(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc-per-node 2 ARGS`` on a free port, from the repository root."""
+TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
+"""What torch's own gloo teardown prints when it aborts a rank after its script has finished
+(seen here about once in 17 runs of the `--torch-ddp` reference, never on paramsync's runs)."""
+
+
+def _torchrun(
+    args: list[str], *, teardown_abort_ok: bool = False, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node 2 ARGS`` on a free port, from the repository root.
+    ``teardown_abort_ok``: torch's own DDP reference may abort in torch's teardown after its
+    script printed its last line (the run's figures are complete; the exit is torch's)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun is not installed")
@@ -127,7 +136,12 @@ def _torchrun(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]
         text=True,
         timeout=TIMEOUT,
     )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    aborted_after_the_end = (
+        teardown_abort_ok and TORCH_TEARDOWN_ABORT in proc.stderr and "final loss" in proc.stdout
+    )
+    assert proc.returncode == 0 or aborted_after_the_end, (
+        f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -146,7 +160,7 @@ def test_a_torch_ddp_script_runs_with_its_import_changed() -> None:
     to 9 decimals), and the paramsync runs checked every step (C-DDP-001)."""
     script = ["examples/torch_ddp_script.py", "--steps", "30"]
     ours = _final(_torchrun(script).stdout)
-    torchs = _final(_torchrun([*script, "--torch-ddp"]).stdout)
+    torchs = _final(_torchrun([*script, "--torch-ddp"], teardown_abort_ok=True).stdout)
     launched = _final(
         _run(["-m", "runtime.cli.main", "launch", "--nproc", "2", "--", *script]).stdout
     )
