@@ -436,8 +436,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _reduce(self, own: OwnStep) -> None:
         """The end of the synchronizing backward: every bucket's average into the gradients."""
-        if self._own is not own or self._reduced:
-            return
+        if self._own is own and not self._reduced:
+            self._await_reduction(own)
+
+    def _await_reduction(self, own: OwnStep) -> None:
         self._reduced = True
         self._run(self.trainer.reduce_own_step, own)
 
@@ -547,8 +549,7 @@ class DistributedDataParallel(torch.nn.Module):
                     "no backward (no parameter received a gradient since the step's "
                     "synchronizing forward): call loss.backward() first"
                 )
-            self._reduced = True
-            self._run(self.trainer.reduce_own_step, own)
+            self._await_reduction(own)
 
     def _step(self) -> bool:
         """`DistributedOptimizer.step`: the trainer applies the step."""
@@ -560,7 +561,7 @@ class DistributedDataParallel(torch.nn.Module):
             )
         self._ensure_reduced(own, "optimizer.step()")
         self._own, self._armed, self._reduced = None, False, False
-        taken: bool = self._run(functools.partial(self.trainer.finish_own_step, reduced=True), own)
+        taken: bool = self._run(self.trainer.finish_own_step, own)
         return taken
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:

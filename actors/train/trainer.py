@@ -1296,21 +1296,22 @@ class DistributedTrainer:
             state = epoch.comm.begin_step(self.step)
             self._next_own = OwnStep(self.step, epoch, state, time.perf_counter())
 
-    async def finish_own_step(self, own: OwnStep, *, reduced: bool = False) -> bool:
-        """The caller's backward of ``own.step`` has returned: announce what its hooks could
-        not (unless `reduce_own_step` did: ``reduced``), wait for the all-reduce and apply the
-        optimizer step as `train_batch` does. Returns whether the step was taken (here, or
+    async def finish_own_step(self, own: OwnStep) -> bool:
+        """After `reduce_own_step`: apply ``own.step``'s averaged gradients through the
+        optimizer actor, as `train_batch` does. Returns whether the step was taken (here, or
         while leaving an epoch); False: the membership changed under it and its gradients
         were dropped, the weights are the new epoch's (torchft's ``should_commit`` False).
         Its own errors propagate."""
 
         async def finish(epoch: _Epoch) -> None:
-            if not reduced:
-                epoch.compute.backward_returned(own.step)
-                await self._await_reduced(epoch, own.state, own.step)
             await self._apply_reduced(epoch, own.step)
 
-        if not await self._own_phase(own, finish) or self.step != own.step + 1:
+        return self._own_step_ended(own, await self._own_phase(own, finish))
+
+    def _own_step_ended(self, own: OwnStep, ran: bool) -> bool:
+        """The last phase of ``own`` ran (``ran``) or the epoch ended under it: whether the
+        step was taken; a taken one is recorded and the next one begun in the event loop."""
+        if not ran or self.step != own.step + 1:
             return self._own_step_dropped(own.step)
         self._record(own.step, None, time.perf_counter() - own.started)
         self._prepare_own_step(own.epoch)
@@ -1365,11 +1366,7 @@ class DistributedTrainer:
         async def report(epoch: _Epoch) -> None:
             await epoch.optimizer.ask(Verify(own.step, wait=not self.options.verify_overlap))
 
-        if not await self._own_phase(own, report, at=own.step + 1):
-            return self._own_step_dropped(own.step)
-        self._record(own.step, None, time.perf_counter() - own.started)
-        self._prepare_own_step(own.epoch)
-        return True
+        return self._own_step_ended(own, await self._own_phase(own, report, at=own.step + 1))
 
     async def _own_phase(
         self,
