@@ -12,6 +12,7 @@ import xxhash
 
 from runtime.errors import plain_or_quoted, quoted
 from runtime.protocol.messages import (
+    CALL_PREFIX,
     AbortRun,
     BucketSpec,
     CoordinatorMessage,
@@ -239,6 +240,11 @@ def agreement_hash(spec_hashes: Mapping[int, str]) -> str:
 def spec_text(spec: BucketSpec) -> str:
     if isinstance(spec, str):
         return f"spec {quoted(spec)}"
+    if spec and isinstance(spec[0][1], str) and spec[0][1].startswith(CALL_PREFIX):
+        # A torch.distributed call: its name, then its tensors (`actors.torchdist.calls`).
+        call = plain_or_quoted(spec[0][1][len(CALL_PREFIX) :])
+        tensors = "; ".join(f"{shape}, {_dtype_text(dtype)}" for shape, dtype in spec[1:])
+        return f"{call} of [{tensors}]"
     return "[" + "; ".join(f"{shape}, {_dtype_text(dtype)}" for shape, dtype in spec) + "]"
 
 

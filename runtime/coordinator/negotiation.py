@@ -113,7 +113,7 @@ def spec_groups(reports: Mapping[int, BucketSpec]) -> str:
     parts = []
     for index, (spec, ranks) in enumerate(groups.items()):
         text = spec_text(spec)
-        if index == 0 and not isinstance(spec, str):
+        if index == 0 and not isinstance(spec, str) and text.startswith("["):
             text = "shapes " + text
         parts.append(f"ranks {ranks} report {text}")
     return ", ".join(parts)

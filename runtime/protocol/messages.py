@@ -61,6 +61,7 @@ __all__ = [
     "ParamSpec",
     "Signature",
     "BucketSpec",
+    "CALL_PREFIX",
     "MeshLayout",
     "ParallelLayout",
     "LAYOUT",
@@ -213,6 +214,10 @@ SIGNATURE = Seq(
 """A model signature: [[name, shape, dtype, requires_grad], ...]."""
 BUCKET_SPEC = Either(HASH, Seq(Record(("shape", SHAPE), ("dtype", DTYPE)), _MAX_ITEMS))
 """A bucket's layout, [[shape, dtype], ...], or the hash string of one (`spec_hash`)."""
+CALL_PREFIX = "call:"
+"""A spec entry whose dtype starts with this names a torch.distributed call rather than a
+tensor (its shape is empty): ``[[], "call:allreduce(sum)"], [[4, 3], "float32"]`` is an
+all-reduce of one tensor (`actors.torchdist.calls`)."""
 CACHED = Str(256)
 """A folding report's response-cache agreement hash (empty: none)."""
 GROUP_NAME = Str(256, min_len=1)

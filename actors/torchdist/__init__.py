@@ -1,0 +1,9 @@
+"""paramsync as a torch.distributed backend: ``init_process_group("paramsync")``.
+
+Lowest first: `calls` (what one torch call is, as the coordinator compares it; pure), `ops`
+(torch's collectives written with paramsync's), `session` (a group's coordinator, client,
+meshes and executor in the backend's trio loop), `proof` (the identical-state proof for torch
+DDP modules), `process_group` (the `torch.distributed.ProcessGroup` subclass), and `entry`
+(the ``torch.backends`` entry point that registers the backend at ``import torch``; it
+imports nothing else until a group is made). This package imports nothing on its own.
+"""

@@ -1,0 +1,228 @@
+"""torch.distributed's collectives written with paramsync's (`runtime.collectives`).
+
+Each function runs one torch collective on a paramsync `Transport` (the group's own
+authenticated mesh), in the trio loop, and leaves the results where torch expects them (the
+caller's tensors, in place). Every rank ends with bitwise the same result:
+
+* sum and average go through the ring (`runtime.collectives.ring.all_reduce`: a fixed
+  summation order, the same on every rank);
+* the other reduce ops (product, min, max and the bitwise ones) gather every rank's tensor and
+  fold them in rank order on every rank;
+* reduce-scatter with sum or average reduces with the ring and keeps this rank's part;
+* CUDA tensors are staged through host memory (copied to the CPU, reduced, copied back).
+
+Complex tensors are reduced as their real view (sum, average); a dtype the wire cannot carry
+is an `UnsupportedCall` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from actors.torchdist.calls import UnsupportedCall
+from runtime.collectives.p2p import recv as p2p_recv
+from runtime.collectives.p2p import send as p2p_send
+from runtime.collectives.ring import all_gather, all_reduce, barrier, broadcast
+from runtime.transport.base import Transport
+from runtime.transport.segments import SUPPORTED_DTYPES
+
+__all__ = [
+    "allreduce_op",
+    "broadcast_op",
+    "allgather_op",
+    "reduce_scatter_op",
+    "alltoall_op",
+    "barrier_op",
+    "send_op",
+    "recv_op",
+    "check_dtype",
+]
+
+
+def check_dtype(tensor: torch.Tensor, op: str) -> None:
+    """Refuse a tensor the wire cannot carry, naming its dtype and the op."""
+    dtype = tensor.dtype
+    if dtype.is_complex:
+        dtype = torch.view_as_real(tensor[:0] if tensor.dim() else tensor.reshape(1)).dtype
+    if dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+        raise UnsupportedCall(
+            f"{op}: dtype {str(tensor.dtype).removeprefix('torch.')} is not supported by the "
+            f"paramsync backend (supported: {supported})"
+        )
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``tensor``'s values (complex as its real view)."""
+    flat = tensor.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    if flat.device.type != "cpu":
+        return flat.to("cpu").contiguous()
+    return flat.contiguous()
+
+
+def _store(dest: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (a host tensor of ``dest``'s element count) into ``dest``."""
+    with torch.no_grad():
+        if dest.is_complex():
+            torch.view_as_real(dest).copy_(values.view(torch.view_as_real(dest).shape))
+        else:
+            dest.copy_(values.view(dest.shape))
+
+
+def _fold(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """Fold the gathered ``rows`` (rank r's tensor in row r) in rank order."""
+    out = rows[0].clone()
+    for row in rows[1:]:
+        if op == "product":
+            out.mul_(row)
+        elif op == "min":
+            torch.minimum(out, row, out=out)
+        elif op == "max":
+            torch.maximum(out, row, out=out)
+        elif op == "band":
+            out.bitwise_and_(row)
+        elif op == "bor":
+            out.bitwise_or_(row)
+        elif op == "bxor":
+            out.bitwise_xor_(row)
+        else:  # pragma: no cover - the callers pass only these
+            raise UnsupportedCall(f"reduce op {op} cannot be folded")
+    return out
+
+
+async def _reduce(group: Transport, flat: torch.Tensor, op: str) -> torch.Tensor:
+    """``flat`` reduced across the group by ``op`` (a new or the same tensor)."""
+    if op in ("sum", "avg"):
+        if op == "avg" and not flat.is_floating_point():
+            raise UnsupportedCall(
+                f"allreduce(avg) of {str(flat.dtype).removeprefix('torch.')}: average floating "
+                "point tensors, or sum and divide"
+            )
+        if flat.dtype == torch.bool:
+            raise UnsupportedCall("allreduce(sum) of bool: use MAX (any) or MIN (all)")
+        work = flat.clone()  # the ring leaves unspecified bytes on failure: never the caller's
+        await all_reduce(group, work, op)  # type: ignore[arg-type]
+        return work
+    if op in ("band", "bor", "bxor") and flat.is_floating_point():
+        raise UnsupportedCall(f"allreduce({op}) of {flat.dtype}: bitwise ops take integers")
+    rows = await all_gather(group, flat)
+    return _fold(rows, op)
+
+
+async def allreduce_op(group: Transport, tensors: Sequence[torch.Tensor], op: str) -> None:
+    """All-reduce each tensor in place (the coalesced form reduces them as one)."""
+    if not tensors:
+        return
+    hosts = [_host(t) for t in tensors]
+    if len(hosts) > 1 and len({h.dtype for h in hosts}) == 1:
+        flat = torch.cat([h.view(-1) for h in hosts])
+        reduced = await _reduce(group, flat, op)
+        offset = 0
+        for tensor, host in zip(tensors, hosts, strict=True):
+            n = host.numel()
+            _store(tensor, reduced[offset : offset + n])
+            offset += n
+        return
+    for tensor, host in zip(tensors, hosts, strict=True):
+        _store(tensor, await _reduce(group, host.view(-1), op))
+
+
+async def broadcast_op(group: Transport, tensors: Sequence[torch.Tensor], root: int) -> None:
+    """Copy ``root``'s tensors into every rank's, in place."""
+    for tensor in tensors:
+        host = _host(tensor).view(-1).clone()
+        await broadcast(group, host, root)
+        if group.rank != root:
+            _store(tensor, host)
+
+
+async def allgather_op(
+    group: Transport, outputs: Sequence[torch.Tensor], tensor: torch.Tensor
+) -> None:
+    """Gather every rank's ``tensor`` into ``outputs`` (one per rank, in rank order)."""
+    rows = await all_gather(group, _host(tensor).view(-1))
+    for rank, out in enumerate(outputs):
+        _store(out, rows[rank])
+
+
+async def reduce_scatter_op(
+    group: Transport, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str
+) -> None:
+    """Reduce the ranks' ``inputs`` (one per rank) and keep this rank's part in ``output``."""
+    flat = torch.cat([_host(t).view(-1) for t in inputs])
+    reduced = await _reduce(group, flat, op)
+    sizes = [_host(t).numel() for t in inputs]
+    start = sum(sizes[: group.rank])
+    _store(output, reduced[start : start + sizes[group.rank]])
+
+
+async def alltoall_op(
+    group: Transport,
+    output: torch.Tensor,
+    inputs: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+) -> None:
+    """Rank r sends its ``input_splits[p]``-row slice p to rank p, which keeps it as its
+    slice r of ``output`` (torch's ``all_to_all_single``; empty splits: equal rows)."""
+    n, me = group.world_size, group.rank
+    source = _host(inputs)
+    rows_in = _splits(source.shape[0] if source.dim() else 0, input_splits, n, "input")
+    rows_out = _splits(output.shape[0] if output.dim() else 0, output_splits, n, "output")
+    row_elems = source[0].numel() if source.dim() and source.shape[0] else 0
+    out_row = output[0].numel() if output.dim() and output.shape[0] else 0
+    gathered = _host(output).clone()
+    flat_in, flat_out = source.view(-1), gathered.view(-1)
+    starts_in = [sum(rows_in[:p]) for p in range(n)]
+    starts_out = [sum(rows_out[:p]) for p in range(n)]
+    # Pairwise exchange in a fixed order: in round k rank r sends to r+k and receives from r-k.
+    mine = flat_in[starts_in[me] * row_elems : (starts_in[me] + rows_in[me]) * row_elems]
+    flat_out[starts_out[me] * out_row : (starts_out[me] + rows_out[me]) * out_row].copy_(mine)
+    for k in range(1, n):
+        dst, src = (me + k) % n, (me - k) % n
+        part = flat_in[starts_in[dst] * row_elems : (starts_in[dst] + rows_in[dst]) * row_elems]
+        land = flat_out[starts_out[src] * out_row : (starts_out[src] + rows_out[src]) * out_row]
+        # Lower rank of each pair sends first, so no pair waits on itself.
+        if me < dst:
+            await p2p_send(group, part.contiguous(), dst, tag=k)
+        incoming = land.clone()
+        await p2p_recv(group, incoming, src, tag=k)
+        land.copy_(incoming)
+        if me >= dst:
+            await p2p_send(group, part.contiguous(), dst, tag=k)
+    _store(output, gathered)
+
+
+def _splits(rows: int, splits: Sequence[int], n: int, what: str) -> list[int]:
+    if not splits:
+        if rows % n:
+            raise UnsupportedCall(
+                f"alltoall: {rows} {what} rows do not split equally among {n} ranks"
+            )
+        return [rows // n] * n
+    if len(splits) != n or sum(splits) != rows:
+        raise UnsupportedCall(
+            f"alltoall: {what} splits {list(splits)} do not give {rows} rows to {n} ranks"
+        )
+    return [int(s) for s in splits]
+
+
+async def barrier_op(group: Transport) -> None:
+    """Return once every rank of the group has entered the barrier."""
+    await barrier(group)
+
+
+async def send_op(group: Transport, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    """Send ``tensor`` to ``dst`` (matched by ``tag`` at the receiver)."""
+    await p2p_send(group, _host(tensor).clone(), dst, tag)
+
+
+async def recv_op(group: Transport, tensor: torch.Tensor, src: int, tag: int) -> None:
+    """Receive into ``tensor`` from ``src`` (the send with the same ``tag``)."""
+    host = _host(tensor).clone()
+    await p2p_recv(group, host, src, tag)
+    _store(tensor, host)

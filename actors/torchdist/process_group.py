@@ -1,0 +1,480 @@
+"""`ProcessGroupParamsync`: a torch.distributed process group whose collectives run on paramsync.
+
+``torch.distributed.init_process_group("paramsync")`` (and ``new_group(backend="paramsync")``)
+makes one per group through the factory `create_process_group`, registered at ``import torch``
+by `actors.torchdist.entry`. torch then runs everything on it: its DDP (parameter checks,
+the broadcast of rank 0's state, every gradient bucket), ``all_reduce`` and friends, and the
+frameworks built on them (Lightning, Accelerate, the transformers Trainer).
+
+Each collective returns a torch `Work` at once; the group's `GroupSession` runs it in the
+backend's trio loop after the coordinator has seen that every member calls the same thing
+(`actors.torchdist.calls`), and completes the work's future with the result or with one error
+naming what went wrong. An operation this backend does not run raises `UnsupportedCall`
+naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
+from actors.torchdist.ops import (
+    allgather_op,
+    allreduce_op,
+    alltoall_op,
+    barrier_op,
+    broadcast_op,
+    check_dtype,
+    recv_op,
+    reduce_scatter_op,
+    send_op,
+)
+from actors.torchdist.proof import proof_enabled, watch_group
+from actors.torchdist.session import (
+    COORDINATOR_KEY,
+    BackendError,
+    GroupSession,
+    SessionOptions,
+    _Op,
+)
+from runtime.config import advertised_host
+from runtime.errors import ConfigError
+from runtime.protocol.handshake import load_secret
+from runtime.transport.base import Transport
+
+__all__ = ["ProcessGroupParamsync", "create_process_group", "BACKEND_NAME"]
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "paramsync"
+
+HEARTBEAT_ENV = "PARAMSYNC_HEARTBEAT_DEADLINE"
+"""Seconds of silence after which a group's coordinator declares a rank lost (default 10)."""
+
+
+def _coordinator_host() -> str:
+    """Where rank 0's coordinator listens: $PARAMSYNC_ADVERTISE_ADDR, else MASTER_ADDR (the
+    host torchrun and ``paramsync launch`` name for rank 0), else loopback."""
+    return advertised_host() or os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+
+
+def _seconds(timeout: Any) -> float:
+    if isinstance(timeout, timedelta):
+        return max(1.0, timeout.total_seconds())
+    return 1800.0
+
+
+def create_process_group(options: Any, backend_options: Any = None) -> ProcessGroupParamsync:
+    """torch's factory for the ``paramsync`` backend (``extended_api=True``): ``options``
+    carries the group's store, rank, size, timeout, name and global ranks."""
+    try:
+        secret = load_secret()
+    except ValueError as exc:
+        raise ConfigError(
+            f"init_process_group('paramsync'): {exc} (the secret never travels through "
+            "torch's store: every rank needs it in its environment)"
+        ) from None
+    heartbeat = os.environ.get(HEARTBEAT_ENV, "").strip()
+    try:
+        heartbeat_deadline = float(heartbeat) if heartbeat else 10.0
+    except ValueError:
+        raise ConfigError(f"{HEARTBEAT_ENV}={heartbeat!r} is not a number of seconds") from None
+    session_options = SessionOptions(
+        timeout_seconds=_seconds(options.timeout),
+        heartbeat_deadline=heartbeat_deadline,
+        host=_coordinator_host(),
+    )
+    return ProcessGroupParamsync(
+        options.store,
+        options.group_rank,
+        options.group_size,
+        name=str(options.group_id),
+        global_ranks=tuple(options.global_ranks_in_group),
+        secret=secret,
+        options=session_options,
+    )
+
+
+def _work(future: torch.futures.Future[Any]) -> Any:
+    return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+
+
+class ProcessGroupParamsync(dist.ProcessGroup):
+    """A torch process group on paramsync: every collective sequenced by the group's
+    coordinator, run on its authenticated mesh, bitwise identical on every rank."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        *,
+        name: str,
+        global_ranks: Sequence[int] = (),
+        secret: bytes,
+        options: SessionOptions,
+    ) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form
+        self._rank, self._size = rank, size
+        self.name = name
+        self.global_ranks = tuple(global_ranks) or tuple(range(size))
+        self.session = GroupSession(name, rank, size, secret, options)
+        if rank == 0:
+            host, port = self.session.host_coordinator()
+            store.set(COORDINATOR_KEY, f"{host} {port}")
+            address = (host, port)
+        else:
+            store.wait([COORDINATOR_KEY], timedelta(seconds=options.timeout_seconds))
+            host, port_text = store.get(COORDINATOR_KEY).decode().rsplit(" ", 1)
+            address = (host, int(port_text))
+        self.session.open(address)
+        if proof_enabled():
+            watch_group(self)
+
+    # ------------------------------------------------------------------ identity
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def _backend_name(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupParamsync(group {self.name!r}, rank {self._rank} of {self._size})"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _submit(
+        self,
+        call: Call,
+        run: Callable[[Transport], Any],
+        result: Any,
+        *,
+        p2p: bool = False,
+    ) -> Any:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        self.session.submit(_Op(call, run, future, result, p2p=p2p))
+        return _work(future)
+
+    def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
+        for tensor in tensors:
+            check_dtype(tensor, op)
+        if self.session.failure is not None:
+            raise self.session.failure
+
+    # ------------------------------------------------------------------ collectives
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        self._check("allreduce", tensors)
+        call = Call.of("allreduce", tensors, op)
+        return self._submit(call, partial(_allreduce, tensors, op), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        self._check("allreduce_coalesced", tensors)
+        call = Call.of("allreduce_coalesced", tensors, op)
+        return self._submit(call, partial(_allreduce, tensors, op), tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = int(opts.rootRank) if opts is not None else 0
+        if opts is not None and int(getattr(opts, "rootTensor", 0)) != 0:
+            raise UnsupportedCall("broadcast: only root_tensor=0 is supported")
+        self._check("broadcast", tensors)
+        call = Call.of("broadcast", tensors, f"root {root}")
+        return self._submit(call, partial(_broadcast, tensors, root), tensors)
+
+    def allgather(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        if len(inputs) != 1 or len(output_lists) != 1:
+            raise UnsupportedCall("allgather: one input tensor per rank (one device per process)")
+        outputs = output_lists[0]
+        self._check_gather("allgather", outputs, inputs[0])
+        call = Call.of("allgather", inputs)
+        return self._submit(call, partial(_allgather, outputs, inputs[0]), output_lists)
+
+    def _check_gather(self, op: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
+        self._check(op, [tensor])
+        if len(outputs) != self._size:
+            raise ValueError(f"{op}: {len(outputs)} output tensors for a group of {self._size}")
+        for out in outputs:
+            if out.numel() != tensor.numel() or out.dtype != tensor.dtype:
+                raise ValueError(
+                    f"{op}: output {list(out.shape)} {out.dtype} does not match the input "
+                    f"{list(tensor.shape)} {tensor.dtype}"
+                )
+
+    def _allgather_base(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
+        if output.numel() != tensor.numel() * self._size:
+            raise ValueError(
+                f"all_gather_into_tensor: output has {output.numel()} elements, needs "
+                f"{tensor.numel() * self._size} ({self._size} x {tensor.numel()})"
+            )
+        rows = list(output.view(-1).chunk(self._size)) if output.numel() else []
+        self._check("all_gather_into_tensor", [tensor])
+        call = Call.of("allgather_into_tensor", [tensor])
+        return self._submit(call, partial(_allgather_flat, output, rows, tensor), output)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        self._check("allgather_into_tensor_coalesced", inputs)
+        call = Call.of("allgather_into_tensor_coalesced", inputs)
+
+        async def run(group: Transport) -> None:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                rows = list(output.view(-1).chunk(self._size))
+                await _allgather_flat(output, rows, tensor, group)
+
+        return self._submit(call, run, outputs)
+
+    def reduce_scatter(
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> Any:
+        if len(outputs) != 1 or len(input_lists) != 1:
+            raise UnsupportedCall("reduce_scatter: one output tensor per rank")
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        inputs = input_lists[0]
+        if len(inputs) != self._size:
+            raise ValueError(f"reduce_scatter: {len(inputs)} inputs for a group of {self._size}")
+        self._check("reduce_scatter", [*inputs, outputs[0]])
+        call = Call.of("reduce_scatter", inputs, op)
+        return self._submit(call, partial(_reduce_scatter, outputs[0], inputs, op), outputs)
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None
+    ) -> Any:
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        if tensor.numel() != output.numel() * self._size:
+            raise ValueError(
+                f"reduce_scatter_tensor: input has {tensor.numel()} elements, needs "
+                f"{output.numel() * self._size} ({self._size} x {output.numel()})"
+            )
+        self._check("reduce_scatter_tensor", [tensor, output])
+        inputs = list(tensor.reshape(-1).chunk(self._size)) if tensor.numel() else []
+        call = Call.of("reduce_scatter_tensor", [tensor], op)
+        return self._submit(call, partial(_reduce_scatter, output, inputs, op), output)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        self._check("reduce_scatter_tensor_coalesced", inputs)
+        call = Call.of("reduce_scatter_tensor_coalesced", inputs, op)
+
+        async def run(group: Transport) -> None:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                parts = list(tensor.reshape(-1).chunk(self._size))
+                await _reduce_scatter(output, parts, op, group)
+
+        return self._submit(call, run, outputs)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any = None,
+    ) -> Any:
+        self._check("all_to_all_single", [tensor, output])
+        call = Call.of("alltoall", [tensor], f"splits {list(input_splits)}->{list(output_splits)}")
+        run = partial(_alltoall, output, tensor, list(output_splits), list(input_splits))
+        return self._submit(call, run, output)
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        self._check("all_to_all", [*inputs, *outputs])
+        if len(inputs) != self._size or len(outputs) != self._size:
+            raise ValueError(f"all_to_all: needs {self._size} input and output tensors")
+        call = Call.of("alltoall_list", inputs)
+
+        async def run(group: Transport) -> None:
+            source = torch.cat([t.reshape(-1) for t in inputs])
+            dest = torch.empty(sum(o.numel() for o in outputs), dtype=source.dtype)
+            await alltoall_op(
+                group, dest, source, [o.numel() for o in outputs], [t.numel() for t in inputs]
+            )
+            offset = 0
+            for out in outputs:
+                with torch.no_grad():
+                    out.copy_(dest[offset : offset + out.numel()].view(out.shape))
+                offset += out.numel()
+
+        return self._submit(call, run, outputs)
+
+    def barrier(self, opts: Any = None) -> Any:
+        if self.session.failure is not None:
+            raise self.session.failure
+        return self._submit(Call("barrier", "", ()), barrier_op, None)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        self._check("send", tensors)
+        call = Call.of("send", tensors, f"to {dst} tag {tag}")
+
+        async def run(group: Transport) -> None:
+            for tensor in tensors:
+                await send_op(group, tensor, dst, tag)
+
+        return self._submit(call, run, tensors, p2p=True)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        self._check("recv", tensors)
+        call = Call.of("recv", tensors, f"from {src} tag {tag}")
+
+        async def run(group: Transport) -> None:
+            for tensor in tensors:
+                await recv_op(group, tensor, src, tag)
+
+        return self._submit(call, run, tensors, p2p=True)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        raise UnsupportedCall(
+            "recv without a source (recv_anysource) is not supported by the paramsync "
+            "backend: name the source rank"
+        )
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        root = int(opts.rootRank) if opts is not None else 0
+        self._check("reduce", tensors)
+        call = Call.of("reduce", tensors, f"{op} root {root}")
+        keep = [t if self._rank == root else t.detach().clone() for t in tensors]
+
+        async def run(group: Transport) -> None:
+            await allreduce_op(group, keep, op)
+
+        return self._submit(call, run, tensors)
+
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        root = int(opts.rootRank) if opts is not None else 0
+        self._check("gather", inputs)
+        call = Call.of("gather", inputs, f"root {root}")
+        outputs = output_lists[0] if output_lists else []
+        tensor = inputs[0]
+
+        async def run(group: Transport) -> None:
+            rows = [torch.empty_like(tensor) for _ in range(self._size)]
+            await allgather_op(group, rows, tensor)
+            if self._rank == root:
+                for out, row in zip(outputs, rows, strict=True):
+                    with torch.no_grad():
+                        out.copy_(row)
+
+        return self._submit(call, run, output_lists)
+
+    def scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        root = int(opts.rootRank) if opts is not None else 0
+        self._check("scatter", outputs)
+        call = Call.of("scatter", outputs, f"root {root}")
+        output = outputs[0]
+        inputs = input_lists[0] if input_lists else []
+
+        async def run(group: Transport) -> None:
+            parts = (
+                torch.cat([t.reshape(-1) for t in inputs])
+                if self._rank == root
+                else torch.empty(output.numel() * self._size, dtype=output.dtype)
+            )
+            await broadcast_op(group, [parts], root)
+            mine = parts[self._rank * output.numel() : (self._rank + 1) * output.numel()]
+            with torch.no_grad():
+                output.copy_(mine.view(output.shape))
+
+        return self._submit(call, run, outputs)
+
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        if len(output_lists) != len(inputs):
+            raise ValueError("all_gather_coalesced: one output list per input tensor")
+        for outputs, tensor in zip(output_lists, inputs, strict=True):
+            self._check_gather("all_gather_coalesced", outputs, tensor)
+        call = Call.of("allgather_coalesced", inputs)
+
+        async def run(group: Transport) -> None:
+            for outputs, tensor in zip(output_lists, inputs, strict=True):
+                await allgather_op(group, outputs, tensor)
+
+        return self._submit(call, run, output_lists)
+
+    # torch 2.13's names for the tensor forms (older torch calls the names above).
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    # ------------------------------------------------------------------ lifetime
+
+    def shutdown(self) -> None:
+        """Finish this rank's part of the group (``destroy_process_group`` calls it)."""
+        self.session.close()
+
+    def abort(self) -> None:
+        self.session.close()
+
+
+async def _allreduce(tensors: list[torch.Tensor], op: str, group: Transport) -> None:
+    await allreduce_op(group, tensors, op)
+
+
+async def _broadcast(tensors: list[torch.Tensor], root: int, group: Transport) -> None:
+    await broadcast_op(group, tensors, root)
+
+
+async def _allgather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Transport) -> None:
+    await allgather_op(group, outputs, tensor)
+
+
+async def _allgather_flat(
+    output: torch.Tensor, rows: list[torch.Tensor], tensor: torch.Tensor, group: Transport
+) -> None:
+    if not rows:
+        return
+    await allgather_op(group, rows, tensor)
+
+
+async def _reduce_scatter(
+    output: torch.Tensor, inputs: list[torch.Tensor], op: str, group: Transport
+) -> None:
+    if not inputs:
+        return
+    await reduce_scatter_op(group, output, inputs, op)
+
+
+async def _alltoall(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: Transport,
+) -> None:
+    await alltoall_op(group, output, tensor, output_splits, input_splits)
+
+
+__all__ += ["BackendError"]

@@ -1,0 +1,116 @@
+"""The identical-state proof (C-DDP-001) for torch DDP on the paramsync backend.
+
+torch's `DistributedDataParallel` replicates a module's parameters and buffers over its
+process group, and every rank's optimizer applies the same averaged gradients to them, so
+after every optimizer step every rank holds bitwise the same module state and optimizer
+state. The backend proves it: a global optimizer step post-hook (torch's
+``register_optimizer_step_post_hook``) notices the optimizer that just stepped; when it steps
+parameters of a torch DDP module whose process group is a paramsync group, the module's
+parameters and buffers and the optimizer's state are hashed (`actors.state.digest`, in the
+stepping thread) and reported to that group's coordinator as the end of the group's step
+(`GroupSession.end_step`). The coordinator compares the ranks' digests and stops the run at
+the first step where they differ, naming the ranks and the first tensor that differs.
+
+Only what DDP replicates is claimed identical: a module that is not wrapped in torch DDP on
+a paramsync group (FSDP's shards, tensor-parallel layers, a rank-local head) is never hashed,
+so it is never falsely flagged. ``PARAMSYNC_STATE_PROOF=0`` turns the proof off.
+
+DDP modules are found without a hook in the forward: the first time an optimizer steps, the
+live DDP modules are looked up once among the garbage collector's objects and matched to the
+optimizer by parameter identity (again whenever an optimizer not seen before steps).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from actors.state.digest import StateDigest, StateHasher
+
+if TYPE_CHECKING:
+    from actors.torchdist.process_group import ProcessGroupParamsync
+
+__all__ = ["PROOF_ENV", "proof_enabled", "watch_group"]
+
+PROOF_ENV = "PARAMSYNC_STATE_PROOF"
+"""Set to 0 to turn the per-step identical-state proof off (on by default)."""
+
+
+def proof_enabled() -> bool:
+    """Whether the identical-state proof is on (``PARAMSYNC_STATE_PROOF`` is not 0/false)."""
+    return os.environ.get(PROOF_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_GROUPS: weakref.WeakSet[ProcessGroupParamsync] = weakref.WeakSet()
+_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def watch_group(group: ProcessGroupParamsync) -> None:
+    """Prove the state of ``group``'s DDP modules after every optimizer step."""
+    global _HOOKED
+    with _LOCK:
+        _GROUPS.add(group)
+        if not _HOOKED:
+            register_optimizer_step_post_hook(_after_step)
+            _HOOKED = True
+
+
+class _Binding:
+    """What one optimizer steps: the DDP modules (of paramsync groups) among its parameters."""
+
+    def __init__(self, modules: list[tuple[torch.nn.Module, ProcessGroupParamsync]]) -> None:
+        self.modules = [(weakref.ref(m), weakref.ref(g)) for m, g in modules]
+        self.hashers: list[StateHasher] = [StateHasher() for _ in modules]
+
+
+_BINDINGS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Binding] = weakref.WeakKeyDictionary()
+
+
+def _ddp_modules() -> list[Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)]
+
+
+def _bind(optimizer: torch.optim.Optimizer) -> _Binding:
+    from actors.torchdist.process_group import ProcessGroupParamsync
+
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found: list[tuple[torch.nn.Module, ProcessGroupParamsync]] = []
+    for ddp in _ddp_modules():
+        group = getattr(ddp, "process_group", None)
+        if not isinstance(group, ProcessGroupParamsync) or group not in _GROUPS:
+            continue
+        if any(id(p) in stepped for p in ddp.module.parameters()):
+            found.append((ddp.module, group))
+    # The same order on every rank: by the module's parameter names and shapes.
+    found.sort(key=lambda pair: [(n, tuple(p.shape)) for n, p in pair[0].named_parameters()])
+    return _Binding(found)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _GROUPS or not proof_enabled():
+        return
+    binding = _BINDINGS.get(optimizer)
+    if binding is None:
+        binding = _BINDINGS[optimizer] = _bind(optimizer)
+    per_group: dict[int, tuple[ProcessGroupParamsync, list[tuple[str, bytes]]]] = {}
+    for index, ((module_ref, group_ref), hasher) in enumerate(
+        zip(binding.modules, binding.hashers, strict=True)
+    ):
+        module, group = module_ref(), group_ref()
+        if module is None or group is None:
+            continue
+        digest = hasher.digest(module, optimizer)
+        prefix = f"ddp{index}." if len(binding.modules) > 1 else ""
+        entry = per_group.setdefault(id(group), (group, []))
+        entry[1].extend((prefix + name, value) for name, value in digest.tensors)
+    for group, tensors in per_group.values():
+        group.session.end_step(StateDigest(None, tensors))

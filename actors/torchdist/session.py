@@ -1,0 +1,486 @@
+"""One torch process group's paramsync session: coordinator, client, mesh, executor.
+
+torch calls a process group's collectives from the user's thread (or autograd's) and expects
+a `Work` back at once. Every group of this process runs in one trio loop on a background
+thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
+
+* the group's coordinator, hosted by its rank 0 (its address goes through the group's torch
+  store; the shared secret never does: it comes from ``PARAMSYNC_SECRET`` or
+  ``PARAMSYNC_SECRET_FILE``);
+* a `CoordinatorClient` joined to it, with heartbeats;
+* the group's authenticated TCP mesh (shared memory between ranks on one host), and a
+  second mesh for point-to-point messages, so a ``send`` never interleaves with a collective;
+* the executor: two tasks fed, in the caller's order, by a channel. The *announcer* gives
+  each collective a (step, bucket) number and reports its `Call` to the coordinator as a
+  ``ready``; the *runner* waits for the coordinator's ``go`` for it (or, for a call the
+  members already agreed on at that number, runs it at once and lets the coordinator check
+  the report: Horovod's response cache), runs it and completes the caller's future.
+
+A step ends when an optimizer stepping a DDP module of this group has stepped
+(`actors.torchdist.proof`): its state digest is reported, and the coordinator compares every
+rank's (C-DDP-001) and commits the step, one step behind the collectives at most.
+
+Failure: a collective that fails, a coordinator that aborts the run (a rank lost, stalled,
+a call that differs, a diverged state) or a lost coordinator fails the call in flight and
+every later one with one error naming what happened; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from actors.client.client import CoordinatorClient
+from actors.state.digest import StateDigest
+from actors.torchdist.calls import Call
+from runtime.coordinator.events import spec_hash
+from runtime.coordinator.service import Coordinator, CoordinatorOptions
+from runtime.errors import ConfigError, ParamsyncError
+from runtime.protocol.handshake import Identity
+from runtime.protocol.messages import Go, StartRun
+from runtime.transport.base import Transport
+from runtime.transport.shm import attach_shared_memory
+from runtime.transport.tcp import TcpTransport, dial_with_retry, form_mesh
+
+__all__ = ["BackendLoop", "GroupSession", "SessionOptions", "BackendError", "backend_loop"]
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_KEY = "paramsync/coordinator"
+"""The key, in the group's torch store, under which its rank 0 publishes its coordinator's
+address (host and port only)."""
+
+
+class BackendError(ParamsyncError, RuntimeError):
+    """The group cannot run collectives any more: the message says why (the coordinator's
+    reason, naming ranks, step and call, when it gave one)."""
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a group session runs."""
+
+    timeout_seconds: float = 1800.0
+    """torch's ``timeout`` for the group: joining, forming the meshes, and a collective that
+    makes no progress for this long (the coordinator then names the ranks it waits for)."""
+    heartbeat_deadline: float = 10.0
+    """Seconds of silence after which the coordinator declares a rank lost."""
+    response_cache: bool = True
+    """Run a call at once, without waiting for a go, when the members agreed on the same call
+    at the same place of an earlier step (the coordinator still checks every report)."""
+    host: str = "127.0.0.1"
+    """The address rank 0's coordinator listens on."""
+
+
+@dataclass(eq=False)
+class _Op:
+    call: Call
+    run: Callable[[Transport], Awaitable[None]]
+    future: torch.futures.Future[Any]
+    result: Any
+    p2p: bool = False
+    step: int = -1
+    bucket: int = -1
+    cached: bool = False
+
+
+@dataclass(eq=False)
+class _StepEnd:
+    digest: StateDigest
+
+
+@dataclass(eq=False)
+class _Close:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class BackendLoop:
+    """The trio loop every paramsync process group of this process runs in (a daemon thread,
+    started with the first group)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="paramsync-backend", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            raise BackendError(f"the paramsync backend's loop did not start: {self._failure}")
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:
+            self._failure = exc
+            log.exception("the paramsync backend's loop stopped")
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._ready.set()
+            await trio.sleep_forever()
+
+    def run(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the loop and wait for its result (from another thread)."""
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)`` in the loop soon (thread-safe, never blocks)."""
+        assert self._token is not None
+        self._token.run_sync_soon(fn, *args)
+
+    async def start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Start ``fn`` as a task of the loop's nursery (from within the loop); returns what
+        it passes to ``task_status.started``."""
+        assert self._nursery is not None
+        return await self._nursery.start(fn, *args)
+
+
+_LOOP: BackendLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def backend_loop() -> BackendLoop:
+    """This process's backend loop (started on first use; a fork starts its own)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or not _LOOP._thread.is_alive():
+            _LOOP = BackendLoop()
+        return _LOOP
+
+
+def _after_fork() -> None:
+    global _LOOP
+    _LOOP = None  # the thread did not survive the fork: the child starts its own
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+class GroupSession:
+    """One torch process group's coordinator, client, meshes and executor (see the module).
+
+    ``name``: the group's name (torch's group id), part of every handshake's identity;
+    ``rank``/``size``: this process's rank in the group and its size; ``secret``: the shared
+    secret; ``coordinator``: rank 0's coordinator address (the others learn it from the
+    store before the session opens)."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        size: int,
+        secret: bytes,
+        options: SessionOptions,
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.size = size
+        self._secret = secret
+        self.options = options
+        self.loop = backend_loop()
+        self.transport: TcpTransport | None = None
+        self.p2p: Transport | None = None
+        self.client: CoordinatorClient | None = None
+        self.coordinator: Coordinator | None = None
+        self.step = 0
+        """The step collectives are numbered in (one per optimizer step of a DDP module)."""
+        self._bucket = 0
+        self._failure: BaseException | None = None
+        self._send: trio.MemorySendChannel[Any] | None = None
+        self._gos: set[tuple[int, int]] = set()
+        self._go_arrived = trio.Event()
+        self._scope: trio.CancelScope | None = None
+        self._closed = threading.Event()
+
+    # ------------------------------------------------------------------ opening
+
+    def host_coordinator(self) -> tuple[str, int]:
+        """Rank 0: start the group's coordinator; returns the address it listens on."""
+        address: tuple[str, int] = self.loop.run(self._host_coordinator)
+        return address
+
+    async def _host_coordinator(self) -> tuple[str, int]:
+        options = CoordinatorOptions(
+            heartbeat_deadline=self.options.heartbeat_deadline,
+            stall_seconds=min(60.0, self.options.timeout_seconds),
+            stall_deadline=self.options.timeout_seconds,
+        )
+        coordinator = Coordinator(
+            self.size, options, secret=self._secret, group=f"torch:{self.name}"
+        )
+        self.coordinator = coordinator
+        address: tuple[str, int] = await self.loop.start(self._serve_coordinator, coordinator)
+        return address
+
+    async def _serve_coordinator(
+        self, coordinator: Coordinator, task_status: trio.TaskStatus[tuple[str, int]]
+    ) -> None:
+        try:
+            await coordinator.serve_tcp(self.options.host, 0, task_status=task_status)
+        except BaseException as exc:
+            log.warning("group %s: its coordinator stopped: %s", self.name, exc)
+
+    def open(self, coordinator: tuple[str, int]) -> None:
+        """Join the group's coordinator at ``coordinator``, form the meshes and start the
+        executor (blocks until the group can run collectives)."""
+        try:
+            self.loop.run(self._open, coordinator)
+        except trio.TooSlowError:
+            raise BackendError(
+                f"group {self.name}: rank {self.rank} could not join its coordinator at "
+                f"{coordinator[0]}:{coordinator[1]} and its {self.size - 1} peers within "
+                f"{self.options.timeout_seconds:g} s"
+            ) from None
+
+    async def _open(self, coordinator: tuple[str, int]) -> None:
+        started: trio.Event = trio.Event()
+        await self.loop.start(self._run, coordinator, started)
+
+    async def _run(
+        self,
+        coordinator: tuple[str, int],
+        started: trio.Event,
+        task_status: trio.TaskStatus[None],
+    ) -> None:
+        me = Identity(f"torch:{self.name}", self.size, self.rank)
+        seconds = self.options.timeout_seconds
+        with trio.fail_after(seconds):
+            conn, _ = await dial_with_retry(coordinator, self._secret, me)
+        local_host = conn.socket.getsockname()[0]
+        listeners = await trio.open_tcp_listeners(0, host=local_host)
+        port = listeners[0].socket.getsockname()[1]
+        client = CoordinatorClient(conn, self.rank)
+        client.on_go = self._on_go
+        self.client = client
+        try:
+            with trio.fail_after(seconds):
+                signature = (
+                    (f"torch.distributed group {self.name}", (self.size,), "group", False),
+                )
+                joined = await client.join(signature, (local_host, port))
+                start = joined.start
+                self.transport = await self._mesh(start, listeners[0], "")
+                await attach_shared_memory(self.transport, seconds=seconds)
+                self.p2p = await self._mesh(start, listeners[0], "/p2p")
+            send, receive = trio.open_memory_channel[Any](math.inf)
+            self._send = send
+            async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
+                nursery.start_soon(self._serve_client, client)
+                runs_send, runs_receive = trio.open_memory_channel[_Op](math.inf)
+                nursery.start_soon(self._announce, client, receive, runs_send)
+                nursery.start_soon(self._runner, runs_receive)
+                task_status.started()
+                started.set()
+        except Exception as exc:
+            self._fail(exc)
+            if not started.is_set():
+                raise  # to the opener, through nursery.start
+            log.warning("%s", self._failure)
+        finally:
+            with trio.CancelScope(shield=True):
+                for listener in listeners:
+                    await listener.aclose()
+                if self.transport is not None:
+                    await self.transport.aclose()
+                if self.p2p is not None:
+                    await self.p2p.aclose()
+                await client.link.aclose()
+            self._closed.set()
+
+    async def _mesh(
+        self, start: StartRun, listener: trio.SocketListener, suffix: str
+    ) -> TcpTransport:
+        position = start.position(self.rank)
+        ident = Identity(f"torch:{self.name}#{start.epoch}{suffix}", len(start.members), position)
+        mesh = await form_mesh(ident, listener, list(start.addresses), self._secret)
+        return TcpTransport(position, len(start.members), mesh, secret=self._secret)
+
+    # ------------------------------------------------------------------ the executor
+
+    async def _serve_client(self, client: CoordinatorClient) -> None:
+        try:
+            await client.serve()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    async def _on_go(self, go: Go) -> None:
+        self._gos.add((go.step, go.bucket))
+        self._go_arrived.set()
+        self._go_arrived = trio.Event()
+
+    async def _announce(
+        self,
+        client: CoordinatorClient,
+        receive: trio.MemoryReceiveChannel[Any],
+        runs: trio.MemorySendChannel[_Op],
+    ) -> None:
+        async for item in receive:
+            if isinstance(item, _Close):
+                await runs.send(_Op(Call("close", "", ()), _nothing, _done_future(), None))
+                await self._finish(client)
+                item.done.set()
+                return
+            if isinstance(item, _StepEnd):
+                if self.step > 0:
+                    await client.wait_commit(self.step - 1)
+                digest = item.digest
+                await client.digest(self.step, digest.digest, digest.packed, names=digest.names)
+                self.step += 1
+                self._bucket = 0
+                continue
+            op: _Op = item
+            if not op.p2p:
+                op.step, op.bucket = self.step, self._bucket
+                self._bucket += 1
+                spec = op.call.spec()
+                agreed = client.protocol._agreed.get(op.bucket)
+                op.cached = (
+                    self.options.response_cache
+                    and agreed is not None
+                    and spec_hash(agreed) == spec_hash(spec)
+                )
+                await client.ready(
+                    op.step, op.bucket, spec_hash(spec) if op.cached else spec, cached=op.cached
+                )
+            await runs.send(op)
+
+    async def _runner(self, runs: trio.MemoryReceiveChannel[_Op]) -> None:
+        async for op in runs:
+            if op.call.op == "close":
+                return
+            try:
+                if not op.p2p and not op.cached:
+                    while (op.step, op.bucket) not in self._gos:
+                        await self._go_arrived.wait()
+                    self._gos.discard((op.step, op.bucket))
+                group = self.p2p if op.p2p else self.transport
+                assert group is not None
+                await op.run(group)
+            except BaseException as exc:
+                self._fail(exc, op)
+                raise
+            op.future.set_result(op.result)
+
+    async def _finish(self, client: CoordinatorClient) -> None:
+        """Tell the coordinator this rank is done (ending the step in flight first, if it ran
+        collectives); wait (bounded) for the run's end, so rank 0's coordinator outlives every
+        member's last message."""
+        with trio.move_on_after(min(self.options.timeout_seconds, 30.0)):
+            if self.step > 0:
+                await client.wait_commit(self.step - 1)
+            if self._bucket:  # a step with no DDP state in it: the digest of nothing
+                empty = StateDigest(None, [])
+                await client.digest(self.step, empty.digest, empty.packed, names=())
+                await client.wait_commit(self.step)
+                self.step += 1
+            await client.finished(self.step, None)
+            await client.done.wait()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    # ------------------------------------------------------------------ failure
+
+    def _fail(self, exc: BaseException, op: _Op | None = None) -> None:
+        """Remember why the group broke; fail ``op`` and, from now on, every submission."""
+        if self._failure is None:
+            self._failure = _as_backend_error(self, exc, op)
+        if op is not None and not op.future.done():
+            op.future.set_exception(self._failure)
+
+    # ------------------------------------------------------------------ from torch's threads
+
+    def submit(self, op: _Op) -> torch.futures.Future[Any]:
+        """Queue ``op`` after everything submitted before it; its future completes when it
+        ran (or fails with the group's error)."""
+        self._put(op, op.future)
+        return op.future
+
+    def end_step(self, digest: StateDigest) -> None:
+        """The optimizer step of the group's step in flight is done: report ``digest``."""
+        self._put(_StepEnd(digest), None)
+
+    def _put(self, item: Any, future: torch.futures.Future[Any] | None) -> None:
+        if self._failure is not None or self._send is None:
+            error = self._failure or BackendError(f"group {self.name} is not open")
+            if future is not None and not future.done():
+                future.set_exception(error)
+            return
+        send = self._send
+
+        def put() -> None:
+            if self._failure is not None:
+                if future is not None and not future.done():
+                    future.set_exception(self._failure)
+                return
+            try:
+                send.send_nowait(item)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                if future is not None and not future.done():
+                    future.set_exception(BackendError(f"group {self.name} is closed"))
+
+        try:
+            self.loop.call_soon(put)
+        except RuntimeError as exc:  # the loop is gone
+            if future is not None and not future.done():
+                future.set_exception(BackendError(f"group {self.name}: {exc}"))
+
+    def close(self) -> None:
+        """Finish this rank's part of the run (waits, bounded, for the others)."""
+        if self._closed.is_set() or self._send is None:
+            return
+        if self._failure is not None:
+            if self._scope is not None:
+                self.loop.call_soon(self._scope.cancel)
+            return
+        closing = _Close()
+        self._put(closing, None)
+        closing.done.wait(timeout=min(self.options.timeout_seconds, 30.0) + 5.0)
+        self._closed.wait(timeout=10.0)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+
+async def _nothing(group: Transport) -> None:
+    return None
+
+
+def _done_future() -> torch.futures.Future[Any]:
+    future: torch.futures.Future[Any] = torch.futures.Future()
+    return future
+
+
+def _as_backend_error(session: GroupSession, exc: BaseException, op: _Op | None) -> BackendError:
+    """One line for a broken group: the coordinator's reason when it gave one."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    client = session.client
+    reason = None
+    if client is not None and client.protocol.ended:
+        reason = getattr(client._failure, "args", [None])[0] if client._failure else None
+    where = f" in {op.call} (step {op.step}, call {op.bucket})" if op is not None else ""
+    if reason:
+        return BackendError(f"paramsync group {session.name}, rank {session.rank}{where}: {reason}")
+    if isinstance(exc, ConfigError | BackendError):
+        return BackendError(str(exc))
+    text = str(exc) or type(exc).__name__
+    return BackendError(
+        f"paramsync group {session.name}, rank {session.rank}{where}: {type(exc).__name__}: {text}"
+    )
