@@ -136,8 +136,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             host, port_text = store.get(COORDINATOR_KEY).decode().rsplit(" ", 1)
             address = (host, int(port_text))
         self.session.open(address)
-        if proof_enabled():
-            watch_group(self)
+        watch_group(self, prove=proof_enabled())
 
     # ------------------------------------------------------------------ identity
 

@@ -29,7 +29,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from actors.state.digest import StateDigest, StateHasher
 
@@ -52,14 +55,29 @@ _LOCK = threading.Lock()
 _HOOKED = False
 
 
-def watch_group(group: ProcessGroupParamsync) -> None:
-    """Prove the state of ``group``'s DDP modules after every optimizer step."""
+_BROKEN_CHECKED: weakref.WeakSet[ProcessGroupParamsync] = weakref.WeakSet()
+
+
+def watch_group(group: ProcessGroupParamsync, *, prove: bool) -> None:
+    """Refuse every optimizer step once ``group`` has failed (a torch DDP bucket that failed
+    in backward could not raise there: `GroupSession._complete`), and with ``prove``, prove
+    the state of the group's DDP modules after every optimizer step."""
     global _HOOKED
     with _LOCK:
-        _GROUPS.add(group)
+        _BROKEN_CHECKED.add(group)
+        if prove:
+            _GROUPS.add(group)
         if not _HOOKED:
+            register_optimizer_step_pre_hook(_before_step)
             register_optimizer_step_post_hook(_after_step)
             _HOOKED = True
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in list(_BROKEN_CHECKED):
+        failure = group.session.failure
+        if failure is not None:
+            raise failure
 
 
 class _Binding:

@@ -90,6 +90,7 @@ class _Op:
     step: int = -1
     bucket: int = -1
     cached: bool = False
+    in_backward: bool = False
 
 
 @dataclass(eq=False)
@@ -202,6 +203,8 @@ class GroupSession:
         self._failure: BaseException | None = None
         self._send: trio.MemorySendChannel[Any] | None = None
         self._gos: set[tuple[int, int]] = set()
+        self._pending: dict[int, _Op] = {}
+        """Calls queued and not yet completed, by id (touched in the loop's thread only)."""
         self._go_arrived = trio.Event()
         self._scope: trio.CancelScope | None = None
         self._closed = threading.Event()
@@ -372,10 +375,17 @@ class GroupSession:
                 group = self.p2p if op.p2p else self.transport
                 assert group is not None
                 await op.run(group)
-            except BaseException as exc:
+            except Exception as exc:
+                # A data-plane failure (a peer gone) usually has the coordinator's reason a
+                # moment later (the peer's link closed, or its heartbeats stopped): wait for
+                # it briefly, so the error names the rank and not only a closed socket.
+                client = self.client
+                if client is not None:
+                    with trio.move_on_after(min(2.0, self.options.heartbeat_deadline)):
+                        await client.done.wait()
                 self._fail(exc, op)
                 raise
-            op.future.set_result(op.result)
+            self._complete(op)
 
     async def _finish(self, client: CoordinatorClient) -> None:
         """Tell the coordinator this rank is done (ending the step in flight first, if it ran
@@ -397,48 +407,70 @@ class GroupSession:
     # ------------------------------------------------------------------ failure
 
     def _fail(self, exc: BaseException, op: _Op | None = None) -> None:
-        """Remember why the group broke; fail ``op`` and, from now on, every submission."""
+        """Remember why the group broke, and complete ``op`` and every call still pending
+        with it; from now on every submission fails at once."""
         if self._failure is None:
             self._failure = _as_backend_error(self, exc, op)
-        if op is not None and not op.future.done():
-            op.future.set_exception(self._failure)
+        for pending in (
+            [op, *self._pending.values()] if op is not None else [*self._pending.values()]
+        ):
+            if pending is not None:
+                self._complete(pending, self._failure)
+
+    def _complete(self, op: _Op, error: BaseException | None = None) -> None:
+        """Complete ``op``'s future: its result, or ``error``. A call made inside a backward
+        pass (a torch DDP bucket) is completed with its tensors even on an error: torch's
+        reducer cannot take a failed future from a Python process group (the process
+        crashes), so the error is raised instead by the next call into the group and by the
+        next optimizer step (`actors.torchdist.proof`), before any gradient is applied."""
+        self._pending.pop(id(op), None)
+        if op.future.done():
+            return
+        if error is None or op.in_backward:
+            op.future.set_result(op.result)
+        else:
+            op.future.set_exception(error)
 
     # ------------------------------------------------------------------ from torch's threads
 
     def submit(self, op: _Op) -> torch.futures.Future[Any]:
         """Queue ``op`` after everything submitted before it; its future completes when it
         ran (or fails with the group's error)."""
-        self._put(op, op.future)
+        op.in_backward = torch._C._current_graph_task_id() >= 0
+        self._put(op)
         return op.future
 
     def end_step(self, digest: StateDigest) -> None:
         """The optimizer step of the group's step in flight is done: report ``digest``."""
-        self._put(_StepEnd(digest), None)
+        self._put(_StepEnd(digest))
 
-    def _put(self, item: Any, future: torch.futures.Future[Any] | None) -> None:
+    def _put(self, item: Any) -> None:
+        op = item if isinstance(item, _Op) else None
         if self._failure is not None or self._send is None:
-            error = self._failure or BackendError(f"group {self.name} is not open")
-            if future is not None and not future.done():
-                future.set_exception(error)
+            if op is not None:
+                self._complete(op, self._failure or BackendError(f"group {self.name} is not open"))
             return
         send = self._send
 
         def put() -> None:
             if self._failure is not None:
-                if future is not None and not future.done():
-                    future.set_exception(self._failure)
+                if op is not None:
+                    self._complete(op, self._failure)
                 return
             try:
                 send.send_nowait(item)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
-                if future is not None and not future.done():
-                    future.set_exception(BackendError(f"group {self.name} is closed"))
+                if op is not None:
+                    self._complete(op, BackendError(f"group {self.name} is closed"))
+                return
+            if op is not None:
+                self._pending[id(op)] = op
 
         try:
             self.loop.call_soon(put)
         except RuntimeError as exc:  # the loop is gone
-            if future is not None and not future.done():
-                future.set_exception(BackendError(f"group {self.name}: {exc}"))
+            if op is not None:
+                self._complete(op, BackendError(f"group {self.name}: {exc}"))
 
     def close(self) -> None:
         """Finish this rank's part of the run (waits, bounded, for the others)."""
@@ -449,7 +481,7 @@ class GroupSession:
                 self.loop.call_soon(self._scope.cancel)
             return
         closing = _Close()
-        self._put(closing, None)
+        self._put(closing)
         closing.done.wait(timeout=min(self.options.timeout_seconds, 30.0) + 5.0)
         self._closed.wait(timeout=10.0)
 

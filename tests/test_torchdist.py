@@ -1,0 +1,256 @@
+"""paramsync as a torch.distributed backend: plain torch scripts (tests/torchdist_worker.py).
+
+* every collective torch's API offers gives bitwise the same result on every rank, and the
+  value a single process computes (the reduce ops, dtypes, async works, groups, objects);
+* ranks that call different collectives, or different shapes, are stopped with an error that
+  names the ranks and both calls;
+* a replica nudged after an optimizer step is caught at that step, naming the rank and tensor
+  (C-DDP-001 over torch DDP);
+* a rank SIGKILLed in the middle of training, or one that stalls, is named to every survivor
+  within the deadline: nothing hangs;
+* the backend's registration at ``import torch`` costs little and never breaks it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torchdist_worker import REDUCE_OPS, values
+
+WORKER = Path(__file__).with_name("torchdist_worker.py")
+PER_RANK = ("recv", "subgroup", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single")
+"""Results that differ by rank by design (each rank's own part)."""
+SECRET = "torchdist-tests-Secret-0123456789-abcdefghij"
+
+
+def launch(
+    scenario: str, world: int, out: Path, *, seconds: float = 120, **env_extra: str
+) -> list[tuple[int, str]]:
+    """Run ``scenario`` on ``world`` ranks; returns each rank's (exit code, output)."""
+    env = dict(os.environ, PARAMSYNC_SECRET=SECRET, OMP_NUM_THREADS="1", **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
+    store = str(out / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(rank), str(world), store, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            output += "\n[killed: the test's deadline passed]"
+        results.append((proc.returncode, output))
+    return results
+
+
+def error_line(out: Path, rank: int) -> tuple[float, str]:
+    seconds, line = (out / f"rank{rank}.err").read_text().splitlines()[:2]
+    return float(seconds), line
+
+
+@pytest.fixture(scope="module")
+def collective_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    out = tmp_path_factory.mktemp("torchdist-collectives")
+    world = 3
+    results = launch("collectives", world, out)
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+
+
+def test_every_rank_gets_bitwise_the_same_results(
+    collective_results: list[dict[str, torch.Tensor]],
+) -> None:
+    first = collective_results[0]
+    for rank, result in enumerate(collective_results[1:], start=1):
+        for key in first:
+            if key in PER_RANK:
+                continue
+            assert torch.equal(result[key], first[key]), f"rank {rank} differs in {key}"
+    assert torch.equal(collective_results[1]["subgroup"], collective_results[2]["subgroup"])
+
+
+def test_results_are_the_single_process_values(
+    collective_results: list[dict[str, torch.Tensor]],
+) -> None:
+    world = len(collective_results)
+    got = collective_results[0]
+    inputs = {
+        dtype: [values(r, dtype) for r in range(world)]
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.int32)
+    }
+    for name in REDUCE_OPS:
+        for dtype, rows in inputs.items():
+            key = f"allreduce/{name}/{dtype}"
+            if key not in got:
+                continue
+            stacked = torch.stack(rows)
+            expected = {
+                "sum": lambda s: s.sum(0),
+                "avg": lambda s: s.mean(0),
+                "product": lambda s: s.prod(0),
+                "min": lambda s: s.min(0).values,
+                "max": lambda s: s.max(0).values,
+                "band": lambda s: s[0] & s[1] & s[2],
+                "bor": lambda s: s[0] | s[1] | s[2],
+                "bxor": lambda s: s[0] ^ s[1] ^ s[2],
+            }[name](stacked)
+            if dtype.is_floating_point:
+                torch.testing.assert_close(got[key], expected.to(dtype), msg=key)
+            else:
+                assert torch.equal(got[key], expected.to(dtype)), key
+    for root in range(world):
+        assert torch.equal(got[f"broadcast/{root}"], values(root, torch.float32))
+    rows = torch.stack([values(r, torch.float32) for r in range(world)])
+    assert torch.equal(got["allgather"], rows)
+    assert torch.equal(got["allgather_into_tensor"], rows.view(-1))
+    summed = torch.stack([values(r, torch.float32, 8 * world) for r in range(world)]).sum(0)
+    for rank, result in enumerate(collective_results):
+        torch.testing.assert_close(result["reduce_scatter_tensor"], summed[8 * rank : 8 * rank + 8])
+        torch.testing.assert_close(result["reduce_scatter"], summed[8 * rank : 8 * rank + 8])
+        expected_a2a = torch.cat(
+            [
+                torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * src
+                for src in range(world)
+            ]
+        )
+        assert torch.equal(result["all_to_all_single"], expected_a2a)
+        assert torch.equal(result["objects"], torch.arange(world))
+    assert torch.equal(collective_results[1]["recv"], torch.full((5,), 7.0))
+    torch.testing.assert_close(
+        got["allreduce/big"],
+        torch.stack([values(r, torch.float32, 300_000) for r in range(world)]).sum(0),
+    )
+
+
+def test_ranks_calling_different_collectives_are_named(tmp_path: Path) -> None:
+    results = launch("mismatch_op", 2, tmp_path, seconds=60)
+    assert [code for code, _ in results] == [3, 3], results
+    for rank in range(2):
+        _, line = error_line(tmp_path, rank)
+        assert "ranks [0] report 'allreduce(sum)' of [(4,), float32]" in line, line
+        assert "ranks [1] report 'broadcast(root 0)' of [(4,), float32]" in line, line
+
+
+def test_ranks_calling_different_shapes_are_named(tmp_path: Path) -> None:
+    results = launch("mismatch_shape", 2, tmp_path, seconds=60)
+    assert [code for code, _ in results] == [3, 3], results
+    _, line = error_line(tmp_path, 0)
+    assert "ranks [0] report 'allreduce(sum)' of [(4,), float32]" in line, line
+    assert "ranks [1] report 'allreduce(sum)' of [(5,), float32]" in line, line
+
+
+def test_ddp_replicas_end_bitwise_identical(tmp_path: Path) -> None:
+    results = launch("train", 2, tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    states = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
+
+
+def test_a_nudged_replica_is_caught_at_that_step(tmp_path: Path) -> None:
+    results = launch("nudge", 2, tmp_path)
+    assert [code for code, _ in results] == [3, 3], results
+    for rank in range(2):
+        _, line = error_line(tmp_path, rank)
+        assert "step 4" in line and "rank 1" in line and "2.bias" in line, line
+
+
+def test_a_killed_rank_is_named_to_the_survivor(tmp_path: Path) -> None:
+    started = time.monotonic()
+    results = launch("kill", 2, tmp_path, seconds=90, TORCHDIST_TIMEOUT="30")
+    assert results[1][0] == -9, results[1]
+    assert results[0][0] == 3, results[0]
+    seconds, line = error_line(tmp_path, 0)
+    assert "rank 1" in line, line
+    assert seconds < 30 and time.monotonic() - started < 60
+
+
+def test_a_stalled_rank_is_named_within_the_deadline(tmp_path: Path) -> None:
+    results = launch("stall", 2, tmp_path, seconds=60, TORCHDIST_TIMEOUT="4")
+    assert results[0][0] == 3, results[0]
+    seconds, line = error_line(tmp_path, 0)
+    assert "[1]" in line or "rank 1" in line, line
+    assert seconds < 4 + 6, seconds
+
+
+def _python(code: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, **env_extra)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_import_torch_registers_the_backend_and_stays_cheap() -> None:
+    code = (
+        "import time, importlib, sys\n"
+        "import torch, torch.distributed as dist\n"
+        "print('paramsync' in dist.Backend.backend_list)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('actors', 'runtime', 'trio'))))\n"
+        "from actors.torchdist import entry\n"
+        "t = time.perf_counter()\n"
+        "for _ in range(100):\n"
+        "    importlib.reload(entry)\n"
+        "    dist.Backend.backend_list.remove('paramsync')\n"
+        "    entry.register()\n"
+        "print((time.perf_counter() - t) / 100)\n"
+    )
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    registered, modules, seconds = done.stdout.splitlines()
+    assert registered == "True"
+    assert modules == "['actors', 'actors.torchdist', 'actors.torchdist.entry']"
+    assert float(seconds) < 0.005  # importing and running the registration
+
+
+def test_autoload_off_leaves_the_backend_out() -> None:
+    done = _python(
+        "import torch.distributed as dist; print('paramsync' in dist.Backend.backend_list)",
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "False", done
+
+
+def test_a_broken_registration_never_breaks_import_torch() -> None:
+    code = (
+        "import torch.distributed as dist\n"
+        "from actors.torchdist import entry\n"
+        "dist.Backend.backend_list.remove('paramsync')\n"
+        "def boom(*a, **k): raise RuntimeError('broken')\n"
+        "dist.Backend.register_backend = boom\n"
+        "entry.register()\n"
+        "print('paramsync' in dist.Backend.backend_list)\n"
+    )
+    done = _python(code)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done
+
+
+def test_no_secret_is_one_line_naming_the_variable(tmp_path: Path) -> None:
+    code = (
+        "import os, torch.distributed as dist\n"
+        "os.environ.pop('PARAMSYNC_SECRET', None); os.environ.pop('PARAMSYNC_SECRET_FILE', None)\n"
+        f"dist.init_process_group('paramsync', init_method='file://{tmp_path}/store', "
+        "rank=0, world_size=1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSYNC_SECRET")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "PARAMSYNC_SECRET" in done.stderr.splitlines()[-1], done.stderr[-2000:]

@@ -1,0 +1,176 @@
+"""One rank of a torch.distributed script on the ``paramsync`` backend (tests/test_torchdist.py).
+
+    python torchdist_worker.py SCENARIO RANK WORLD STORE OUT
+
+Plain torch code: ``init_process_group("paramsync")`` after ``import torch``, nothing
+imported from paramsync. Each rank writes what it saw to OUT (``rank<r>.pt``: the results;
+``rank<r>.err``: the one error line a failed collective raised) and exits 0 unless the
+scenario says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+
+
+def values(rank: int, dtype: torch.dtype, n: int = 37) -> torch.Tensor:
+    """Rank ``rank``'s input: seeded per rank, so every rank can compute every input."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=gen).to(dtype)
+    return torch.randint(1, 100, (n,), generator=gen).to(dtype)
+
+
+def collectives(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, op in REDUCE_OPS.items():
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            if name in ("band", "bor", "bxor") and dtype.is_floating_point:
+                continue
+            t = values(rank, dtype)
+            dist.all_reduce(t, op=op)
+            out[f"allreduce/{name}/{dtype}"] = t
+    big = values(rank, torch.float32, 300_000)  # the ring, in parts
+    dist.all_reduce(big)
+    out["allreduce/big"] = big
+    b = values(rank, torch.bfloat16)
+    dist.all_reduce(b)
+    out["allreduce/bfloat16"] = b
+    c = torch.complex(values(rank, torch.float32), values(rank + 7, torch.float32))
+    dist.all_reduce(c)
+    out["allreduce/complex64"] = c
+    for root in range(world):
+        t = values(rank, torch.float32)
+        dist.broadcast(t, src=root)
+        out[f"broadcast/{root}"] = t
+    gathered = [torch.empty(37) for _ in range(world)]
+    dist.all_gather(gathered, values(rank, torch.float32))
+    out["allgather"] = torch.stack(gathered)
+    flat = torch.empty(37 * world)
+    dist.all_gather_into_tensor(flat, values(rank, torch.float32))
+    out["allgather_into_tensor"] = flat
+    part = torch.empty(8)
+    dist.reduce_scatter_tensor(part, values(rank, torch.float32, 8 * world))
+    out["reduce_scatter_tensor"] = part
+    listed = torch.empty(8)
+    dist.reduce_scatter(listed, list(values(rank, torch.float32, 8 * world).chunk(world)))
+    out["reduce_scatter"] = listed
+    a2a = torch.empty(4 * world)
+    dist.all_to_all_single(a2a, torch.arange(4 * world, dtype=torch.float32) + 100 * rank)
+    out["all_to_all_single"] = a2a
+    work = dist.all_reduce(values(rank, torch.float32), async_op=True)
+    assert work is not None
+    future = work.get_future()
+    work.wait()
+    out["async"] = future.value()[0]
+    dist.barrier()
+    if world > 1:
+        if rank == 0:
+            dist.send(torch.full((5,), 7.0), dst=1, tag=3)
+        elif rank == 1:
+            got = torch.empty(5)
+            dist.recv(got, src=0, tag=3)
+            out["recv"] = got
+    sub = dist.new_group(list(range(world - 1, -1, -1))[:2])
+    if rank in (world - 1, world - 2):
+        t = values(rank, torch.float32)
+        dist.all_reduce(t, group=sub)
+        out["subgroup"] = t
+    objects: list[Any] = [None] * world
+    dist.all_gather_object(objects, {"rank": rank})
+    out["objects"] = torch.tensor([o["rank"] for o in objects])
+    return out
+
+
+def train(
+    rank: int, steps: int, nudge_at: int | None = None, kill_at: int | None = None
+) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        if kill_at is not None and step == kill_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.step()
+        if nudge_at is not None and step == nudge_at and rank == 1:
+            with torch.no_grad():
+                model[2].bias[1] += 1e-3  # silently, after the step: replicas now differ
+    return model
+
+
+def main() -> None:
+    scenario, rank, world, store, out_dir = sys.argv[1:6]
+    rank_i, world_i = int(rank), int(world)
+    out = Path(out_dir)
+    timeout = timedelta(seconds=float(os.environ.get("TORCHDIST_TIMEOUT", "60")))
+    dist.init_process_group(
+        "paramsync",
+        init_method=f"file://{store}",  # torch's FileStore: no port to race for
+        rank=rank_i,
+        world_size=world_i,
+        timeout=timeout,
+    )
+    assert dist.get_backend() == "paramsync", dist.get_backend()
+    started = time.monotonic()
+    try:
+        if scenario == "collectives":
+            torch.save(collectives(rank_i, world_i), out / f"rank{rank}.pt")
+        elif scenario == "mismatch_op":
+            t = torch.ones(4)
+            if rank_i == 0:
+                dist.all_reduce(t)
+            else:
+                dist.broadcast(t, src=0)
+        elif scenario == "mismatch_shape":
+            dist.all_reduce(torch.ones(4 + rank_i))
+        elif scenario == "train":
+            torch.save(train(rank_i, 6).state_dict(), out / f"rank{rank}.pt")
+        elif scenario == "nudge":
+            train(rank_i, 8, nudge_at=3)
+        elif scenario == "kill":
+            train(rank_i, 30, kill_at=5)
+        elif scenario == "stall":
+            if rank_i == 1:
+                time.sleep(120)
+            dist.all_reduce(torch.ones(4))
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        dist.barrier()
+    except Exception as exc:
+        line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        (out / f"rank{rank}.err").write_text(f"{time.monotonic() - started:.2f}\n{line}\n")
+        print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
+        os._exit(3)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
