@@ -4,6 +4,8 @@
         examples/torch_ddp_script.py
     .venv/bin/paramsync launch --nproc 2 -- examples/torch_ddp_script.py
     .venv/bin/torchrun --nproc-per-node 2 examples/torch_ddp_script.py --torch-ddp  # torch's own
+    PARAMSYNC_SECRET=$(.venv/bin/paramsync secret) .venv/bin/torchrun --nproc-per-node 2 \\
+        examples/torch_ddp_script.py --torch-ddp --backend paramsync  # torch's DDP on paramsync
 
 Everything below the import is what a torch DDP script does: ``init_process_group`` first (its
 ``DistributedSampler`` reads the rank from it), the optimizer built before the model is wrapped
@@ -52,10 +54,16 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--torch-ddp", action="store_true", help="torch's own DDP, to compare")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="the torch.distributed backend (default: nccl with CUDA, else gloo); `paramsync` "
+        "runs torch's own DDP on paramsync (with --torch-ddp)",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(args.backend or ("nccl" if cuda else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

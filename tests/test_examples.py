@@ -169,6 +169,23 @@ def test_a_torch_ddp_script_runs_with_its_import_changed() -> None:
     assert launched == ours
 
 
+def test_torch_ddp_runs_on_the_paramsync_backend() -> None:
+    """The same script with torch's own DDP and only the backend's name changed,
+    ``init_process_group("paramsync")``, under torchrun and under ``paramsync launch``: the loss
+    and weights of torch DDP on gloo (float tolerance: the all-reduce's summation order
+    differs), and the two paramsync runs agree bitwise."""
+    script = ["examples/torch_ddp_script.py", "--steps", "30", "--torch-ddp"]
+    on_gloo = _final(_torchrun(script, teardown_abort_ok=True).stdout)
+    ours = [*script, "--backend", "paramsync"]
+    on_paramsync = _final(_torchrun(ours).stdout)
+    launched = _final(
+        _run(["-m", "runtime.cli.main", "launch", "--nproc", "2", "--", *ours]).stdout
+    )
+    assert on_paramsync[0] == pytest.approx(on_gloo[0], rel=1e-5), (on_paramsync, on_gloo)
+    assert float(on_paramsync[1]) == pytest.approx(float(on_gloo[1]), rel=1e-6, abs=1e-6)
+    assert launched == on_paramsync
+
+
 def test_daemons_by_hand(tmp_path: Path) -> None:
     """The commands of examples/daemons_by_hand.md, on a port the coordinator picks."""
     env = _env(PARAMSYNC_SECRET=secrets.token_hex(16))

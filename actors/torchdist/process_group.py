@@ -45,7 +45,7 @@ from actors.torchdist.session import (
     SessionOptions,
     _Op,
 )
-from runtime.config import advertised_host
+from runtime.config import advertised_host, parse_address
 from runtime.errors import ConfigError
 from runtime.protocol.handshake import load_secret
 from runtime.transport.base import Transport
@@ -55,6 +55,10 @@ __all__ = ["ProcessGroupParamsync", "create_process_group", "BACKEND_NAME"]
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "paramsync"
+
+COORDINATOR_ENV = "PARAMSYNC_COORDINATOR_ADDR"
+"""Set by ``paramsync launch``: the coordinator it runs for the job. The world group joins it;
+every other group's rank 0 hosts the group's own coordinator."""
 
 HEARTBEAT_ENV = "PARAMSYNC_HEARTBEAT_DEADLINE"
 """Seconds of silence after which a group's coordinator declares a rank lost (default 10)."""
@@ -92,6 +96,13 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
         heartbeat_deadline=heartbeat_deadline,
         host=_coordinator_host(),
     )
+    hosted: tuple[str, int] | None = None
+    launched = os.environ.get(COORDINATOR_ENV, "").strip()
+    if launched and not options.global_ranks_in_group:  # the world group, under the launcher
+        try:
+            hosted = parse_address(launched)
+        except ValueError as exc:
+            raise ConfigError(f"{COORDINATOR_ENV}: {exc}") from None
     return ProcessGroupParamsync(
         options.store,
         options.group_rank,
@@ -100,6 +111,7 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
         global_ranks=tuple(options.global_ranks_in_group),
         secret=secret,
         options=session_options,
+        coordinator=hosted,
     )
 
 
@@ -121,13 +133,18 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         global_ranks: Sequence[int] = (),
         secret: bytes,
         options: SessionOptions,
+        coordinator: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form
         self._rank, self._size = rank, size
         self.name = name
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
-        self.session = GroupSession(name, rank, size, secret, options)
-        if rank == 0:
+        self.session = GroupSession(
+            name, rank, size, secret, options, launched=coordinator is not None
+        )
+        if coordinator is not None:  # ``paramsync launch`` runs the world's coordinator
+            address = coordinator
+        elif rank == 0:
             host, port = self.session.host_coordinator()
             store.set(COORDINATOR_KEY, f"{host} {port}")
             address = (host, port)

@@ -48,7 +48,7 @@ from runtime.protocol.handshake import Identity
 from runtime.protocol.messages import Go, StartRun
 from runtime.transport.base import Transport
 from runtime.transport.shm import attach_shared_memory
-from runtime.transport.tcp import TcpTransport, dial_with_retry, form_mesh
+from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
 
 __all__ = ["BackendLoop", "GroupSession", "SessionOptions", "BackendError", "backend_loop"]
 
@@ -186,8 +186,12 @@ class GroupSession:
         size: int,
         secret: bytes,
         options: SessionOptions,
+        *,
+        launched: bool = False,
     ) -> None:
         self.name = name
+        self.launched = launched
+        """The coordinator is ``paramsync launch``'s (its handshake group is the default one)."""
         self.rank = rank
         self.size = size
         self._secret = secret
@@ -259,7 +263,9 @@ class GroupSession:
         started: trio.Event,
         task_status: trio.TaskStatus[None],
     ) -> None:
-        me = Identity(f"torch:{self.name}", self.size, self.rank)
+        me = Identity(
+            DEFAULT_GROUP if self.launched else f"torch:{self.name}", self.size, self.rank
+        )
         seconds = self.options.timeout_seconds
         with trio.fail_after(seconds):
             conn, _ = await dial_with_retry(coordinator, self._secret, me)
