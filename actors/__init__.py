@@ -40,7 +40,20 @@ _EXPORTS = {
     "trainer_from_env": "actors.train.run",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BatchResult",
+    "DataParallelCoordinator",
+    "DistributedDataParallel",
+    "DistributedTrainer",
+    "RunAborted",
+    "StateDigest",
+    "SyncTrainer",
+    "TrainerOptions",
+    "join_run",
+    "state_digest",
+    "train_in_process",
+    "trainer_from_env",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -148,6 +148,18 @@ def test_ranks_calling_different_collectives_are_named(tmp_path: Path) -> None:
         assert "ranks [1] report 'broadcast(root 0)' of [(4,), float32]" in line, line
 
 
+def test_cached_calls_in_different_orders_are_refused_and_named(tmp_path: Path) -> None:
+    """Calls the members agreed on before start at once (the response cache); ranks that then
+    call them in different orders are still refused before any result is returned (each
+    call's frames carry its hash) and stopped with both calls named."""
+    results = launch("mismatch_cached", 2, tmp_path, seconds=60)
+    assert [code for code, _ in results] == [3, 3], results
+    assert not list(tmp_path.glob("rank*.pt"))
+    lines = [error_line(tmp_path, rank)[1] for rank in range(2)]
+    named = ["'allreduce(sum)'" in line and "'broadcast(root 0)'" in line for line in lines]
+    assert any(named), lines
+
+
 def test_ranks_calling_different_shapes_are_named(tmp_path: Path) -> None:
     results = launch("mismatch_shape", 2, tmp_path, seconds=60)
     assert [code for code, _ in results] == [3, 3], results

@@ -149,6 +149,17 @@ def main() -> None:
                 dist.all_reduce(t)
             else:
                 dist.broadcast(t, src=0)
+        elif scenario == "mismatch_cached":
+            # Both calls agreed once, in the same order; then the ranks call them in different
+            # orders, each starting at once from the response cache.
+            t = torch.ones(4)
+            dist.all_reduce(t)
+            dist.broadcast(t, src=0)
+            if rank_i == 0:
+                dist.all_reduce(t)
+            else:
+                dist.broadcast(t, src=0)
+            torch.save({"after": t}, out / f"rank{rank}.pt")  # never reached
         elif scenario == "mismatch_shape":
             dist.all_reduce(torch.ones(4 + rank_i))
         elif scenario == "train":

@@ -265,6 +265,13 @@ class WorkerProtocol:
         """bucket -> the spec this worker reported when its go came: the epoch's agreement."""
         self._agreement: str | None = None
         """The `agreement_hash` of ``_agreed`` (None: not computed since it changed)."""
+        self._known: set[str] = set()
+        """The `spec_hash` of every spec agreed in the cache's epoch, at any bucket."""
+        self.cache_by_spec = False
+        """Whether a cached ready may name any spec agreed in the epoch, not only the one
+        agreed at its bucket (a torch.distributed group, whose calls do not repeat at the
+        same place every step: `actors.torchdist`; the coordinator compares the members'
+        reports either way). A trainer's buckets repeat: it keeps the stricter rule."""
         self._awaiting: dict[tuple[int, int], tuple[Any, bool]] = {}
         """(step, bucket) -> (spec, cached) of a ready report a go may still answer."""
         """(epoch, step) -> the agreement its buckets were reduced under without a report."""
@@ -399,6 +406,7 @@ class WorkerProtocol:
         spec, cached = report
         if not cached:  # negotiated: the spec every member reported is the agreement now
             self._agreed[go.bucket] = spec
+            self._known.add(spec_hash(spec))
             self._agreement = None
         return [RunGo(go)]
 
@@ -593,7 +601,26 @@ class WorkerProtocol:
         if epoch != self._cache_epoch:
             self._cache_epoch = epoch
             self._agreed, self._awaiting, self._agreement = {}, {}, None
+            self._known = set()
             self._group_agreed, self._group_awaiting = {}, {}
+
+    def agreed_spec(self, bucket: int, epoch: int) -> Any:
+        """The spec the members of ``epoch`` agreed on for ``bucket`` (None: none yet)."""
+        return self._agreed.get(bucket) if epoch == self._cache_epoch else None
+
+    def knows(self, digest: str, epoch: int | None = None) -> bool:
+        """Whether the members agreed, at any bucket of the cache's epoch (or ``epoch``), on
+        the spec whose `spec_hash` is ``digest`` (`ResponseCache.known` on the coordinator)."""
+        if epoch is not None and epoch != self._cache_epoch:
+            return False
+        return digest in self._known
+
+    def id_bound(self, epoch: int) -> int:
+        """One past the highest bucket agreed in ``epoch`` (the coordinator's bound on the
+        bucket ids of ready reports held ahead of a step: `ResponseCache.id_bound`)."""
+        if epoch != self._cache_epoch or not self._agreed:
+            return 0
+        return max(self._agreed) + 1
 
     @property
     def awaiting_go(self) -> frozenset[tuple[int, int]]:
@@ -616,7 +643,7 @@ class WorkerProtocol:
         if event.group:
             self._note_group_ready(event)
             return
-        if event.cached:
+        if event.cached and not (self.cache_by_spec and self.knows(spec_hash(event.spec))):
             agreed = self._agreed.get(event.bucket)
             if agreed is None:
                 raise LocalProtocolError(

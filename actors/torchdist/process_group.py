@@ -115,8 +115,44 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
     )
 
 
+class ParamsyncWork(dist._Work):
+    """The `Work` of one call: ``wait()`` blocks until it ran and raises the group's error if
+    it failed (torch's work made from a future swallows the error), ``get_future()`` is the
+    call's future (what torch DDP's reducer and comm hooks chain on)."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()  # raises the call's error
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self) -> BaseException | None:
+        try:
+            self._future.value()
+        except Exception as exc:
+            return exc
+        return None
+
+
 def _work(future: torch.futures.Future[Any]) -> Any:
-    return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
+    return ParamsyncWork(future)
 
 
 class ProcessGroupParamsync(dist.ProcessGroup):

@@ -26,7 +26,7 @@ import gc
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import (
@@ -35,9 +35,15 @@ from torch.optim.optimizer import (
 )
 
 from actors.state.digest import StateDigest, StateHasher
+from actors.torchdist.session import GroupSession
 
-if TYPE_CHECKING:
-    from actors.torchdist.process_group import ProcessGroupParamsync
+
+class ProcessGroupParamsync(Protocol):
+    """What the proof needs of a paramsync process group (`actors.torchdist.process_group`):
+    its session, which takes the step's digest and knows whether the group failed."""
+
+    session: GroupSession
+
 
 __all__ = ["PROOF_ENV", "proof_enabled", "watch_group"]
 
@@ -98,13 +104,11 @@ def _ddp_modules() -> list[Any]:
 
 
 def _bind(optimizer: torch.optim.Optimizer) -> _Binding:
-    from actors.torchdist.process_group import ProcessGroupParamsync
-
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     found: list[tuple[torch.nn.Module, ProcessGroupParamsync]] = []
     for ddp in _ddp_modules():
-        group = getattr(ddp, "process_group", None)
-        if not isinstance(group, ProcessGroupParamsync) or group not in _GROUPS:
+        group = ddp.process_group
+        if group not in _GROUPS:  # not a paramsync group (or its proof is off)
             continue
         if any(id(p) in stepped for p in ddp.module.parameters()):
             found.append((ddp.module, group))

@@ -91,6 +91,7 @@ class _Op:
     bucket: int = -1
     cached: bool = False
     in_backward: bool = False
+    op_id: int = 0
 
 
 @dataclass(eq=False)
@@ -204,6 +205,7 @@ class GroupSession:
         self.step = 0
         """The step collectives are numbered in (one per optimizer step of a DDP module)."""
         self._bucket = 0
+        self._calls = 0
         self._failure: BaseException | None = None
         self._send: trio.MemorySendChannel[Any] | None = None
         self._gos: set[tuple[int, int]] = set()
@@ -225,6 +227,7 @@ class GroupSession:
             heartbeat_deadline=self.options.heartbeat_deadline,
             stall_seconds=min(60.0, self.options.timeout_seconds),
             stall_deadline=self.options.timeout_seconds,
+            cache_by_spec=True,
         )
         coordinator = Coordinator(
             self.size, options, secret=self._secret, group=f"torch:{self.name}"
@@ -273,6 +276,8 @@ class GroupSession:
         listeners = await trio.open_tcp_listeners(0, host=local_host)
         port = listeners[0].socket.getsockname()[1]
         client = CoordinatorClient(conn, self.rank)
+        # The launcher's coordinator is a trainer's: only calls at an agreed place run cached.
+        client.protocol.cache_by_spec = not self.launched
         client.on_go = self._on_go
         self.client = client
         try:
@@ -355,19 +360,29 @@ class GroupSession:
                 continue
             op: _Op = item
             if not op.p2p:
-                op.step, op.bucket = self.step, self._bucket
-                self._bucket += 1
-                spec = op.call.spec()
-                agreed = client.protocol._agreed.get(op.bucket)
-                op.cached = (
-                    self.options.response_cache
-                    and agreed is not None
-                    and spec_hash(agreed) == spec_hash(spec)
-                )
-                await client.ready(
-                    op.step, op.bucket, spec_hash(spec) if op.cached else spec, cached=op.cached
-                )
+                await self._report(client, op)
             await runs.send(op)
+
+    async def _report(self, client: CoordinatorClient, op: _Op) -> None:
+        """Number ``op`` (step, bucket) and report it ready. It runs at once (cached) when
+        the members agreed on the very same call before in this epoch, else after the go."""
+        protocol, epoch = client.protocol, client.epoch
+        op.step, op.bucket = self.step, self._bucket
+        self._bucket += 1
+        if (
+            self.step > 0
+            and protocol.committed < self.step - 1
+            and op.bucket >= protocol.id_bound(epoch)
+        ):
+            # The coordinator holds a report ahead of its step only for the buckets agreed
+            # so far (a bound against floods): past them, wait for the step before to commit.
+            await client.wait_commit(self.step - 1)
+        spec = op.call.spec()
+        digest = spec_hash(spec)
+        op.cached = self.options.response_cache and protocol.knows(digest, epoch)
+        op.op_id = (int(digest[-10:], 16) << 23) | ((self._calls & 0xFFFF) << 7)
+        self._calls += 1
+        await client.ready(op.step, op.bucket, digest if op.cached else spec, cached=op.cached)
 
     async def _runner(self, runs: trio.MemoryReceiveChannel[_Op]) -> None:
         async for op in runs:
@@ -377,9 +392,14 @@ class GroupSession:
                 if not op.p2p and not op.cached:
                     while (op.step, op.bucket) not in self._gos:
                         await self._go_arrived.wait()
-                    self._gos.discard((op.step, op.bucket))
+                self._gos.discard((op.step, op.bucket))  # a go may answer a cached call too
                 group = self.p2p if op.p2p else self.transport
                 assert group is not None
+                if not op.p2p:
+                    # The op id carries the call's hash: a peer running another call refuses
+                    # this one's frames (before any byte is combined), whatever the cache let
+                    # each rank start.
+                    group.bind_next_op(op.op_id)
                 await op.run(group)
             except Exception as exc:
                 # A data-plane failure (a peer gone) usually has the coordinator's reason a

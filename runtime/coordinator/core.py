@@ -137,6 +137,7 @@ class CoordinatorCore:
         rendezvous_seconds: float = 5.0,
         stall_seconds: float = 60.0,
         stall_deadline: float | None = None,
+        cache_by_spec: bool = False,
     ) -> None:
         if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be in [1, {MAX_WORLD}], got {world_size!r}")
@@ -177,7 +178,7 @@ class CoordinatorCore:
             stall_seconds=stall_seconds,
             stall_deadline=stall_deadline,
         )
-        self._negotiation = Negotiation()
+        self._negotiation = Negotiation(by_spec=cache_by_spec)
         self._groups = GroupNegotiation()
         self._commits = Commits(
             digest_interval=digest_interval, resync=bool(resync), elastic=self._elastic

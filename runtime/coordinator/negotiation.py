@@ -52,9 +52,13 @@ class ResponseCache:
     with an empty cache. ``fold``: whether this epoch's members fold cached reports into
     their step reports."""
 
-    def __init__(self, *, fold: bool = False) -> None:
+    def __init__(self, *, fold: bool = False, by_spec: bool = False) -> None:
         self.fold = fold
+        self.by_spec = by_spec
+        """Whether a cached report may name any spec agreed in the epoch (`known`)."""
         self._agreed: dict[int, tuple[BucketSpec, str]] = {}
+        self._known: dict[str, BucketSpec] = {}
+        """Every spec agreed in the epoch, at any bucket, by its hash (`known`)."""
         self._hashes: dict[int, str] | None = None
         self._fold_hash: str | None = None
         """`hashes` and `fold_hash`, kept until the next agreement (every folded report of
@@ -80,8 +84,20 @@ class ResponseCache:
 
     def agree(self, bucket: int, spec: BucketSpec) -> None:
         """Every member reported ``spec`` for ``bucket`` and got a go."""
-        self._agreed[bucket] = (spec, spec_hash(spec))
+        digest = spec_hash(spec)
+        self._agreed[bucket] = (spec, digest)
+        self._known[digest] = spec
         self._hashes = self._fold_hash = None
+
+    def known(self, spec: BucketSpec) -> BucketSpec | None:
+        """The spec, agreed at any bucket of the epoch, that ``spec`` (a spec or its hash)
+        is (None: never agreed). A caller whose calls do not repeat at the same place every
+        step (a torch.distributed process group: `actors.torchdist`) reduces a call at once
+        when every member agreed on the very same call before; the members' reports of it
+        are still compared, here, and must all be that spec."""
+        if not self.by_spec:
+            return None
+        return self._known.get(spec if isinstance(spec, str) else spec_hash(spec))
 
     def hashes(self) -> dict[int, str]:
         """bucket -> the agreed spec's hash (a copy)."""
@@ -122,14 +138,17 @@ def spec_groups(reports: Mapping[int, BucketSpec]) -> str:
 class Negotiation:
     """The run's bucket agreements: the epoch's response cache and the seq of the next go."""
 
-    def __init__(self) -> None:
-        self.cache = ResponseCache()
+    def __init__(self, *, by_spec: bool = False) -> None:
+        self.by_spec = by_spec
+        """Cached reports may name any spec agreed in the epoch (a torch.distributed group's
+        coordinator: `CoordinatorOptions.cache_by_spec`)."""
+        self.cache = ResponseCache(by_spec=by_spec)
         self.seq = 0
         """The seq the next go carries (= gos sent so far, counted from 0)."""
 
     def new_epoch(self, *, fold: bool) -> None:
         """A new epoch (or a hold): agreements of the last one no longer stand."""
-        self.cache = ResponseCache(fold=fold)
+        self.cache = ResponseCache(fold=fold, by_spec=self.by_spec)
 
     def report(self, state: StepState, event: Ready, members: int, epoch: int) -> Outcome:
         """Take rank ``event.rank``'s report of a bucket ready, in a step of ``members``
@@ -169,6 +188,8 @@ class Negotiation:
         if bucket in state.gone or (reports is not None and rank in reports):
             return Fault(f"step {step}: rank {rank} reported bucket {bucket} twice")
         agreed = self.cache.spec(bucket)
+        if cached and not self.cache.matches(bucket, spec):
+            agreed = self.cache.known(spec) or agreed  # agreed at another bucket, or a fault
         if cached:
             fault = self._check_cached(state, rank, step, bucket, spec, agreed, epoch)
             if fault is not None:
@@ -258,7 +279,7 @@ class Negotiation:
                 f"step {step} bucket {bucket}: rank {rank} reduced it without a go, but the "
                 f"members agreed on no spec for bucket {bucket} in epoch {epoch}"
             )
-        if not self.cache.matches(bucket, spec):
+        if not self.cache.matches(bucket, spec) and self.cache.known(spec) is None:
             return Fault(
                 f"step {step} bucket {bucket}: rank {rank} reduced shapes "
                 f"{spec_text(spec)} without a go, but the members agreed on "

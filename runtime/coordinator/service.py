@@ -87,6 +87,11 @@ class CoordinatorOptions:
     """Report what a step waits for (ranks and phase) after this long without progress."""
     stall_deadline: float | None = None
     """Then drop the stalled ranks (elastic) or stop the run (None: report only)."""
+    cache_by_spec: bool = False
+    """A cached bucket report may name any spec the members agreed on in the epoch, not only
+    the one agreed at its bucket: for callers whose calls do not repeat at the same place
+    every step (a torch.distributed group, `actors.torchdist`). The members' reports are
+    compared either way; a trainer keeps the stricter rule."""
 
 
 class _Member:
@@ -181,6 +186,7 @@ class Coordinator:
             rendezvous_seconds=self.options.rendezvous_seconds,
             stall_seconds=self.options.stall_seconds,
             stall_deadline=self.options.stall_deadline,
+            cache_by_spec=self.options.cache_by_spec,
         )
         self.world_size = world_size
         self.group = group

@@ -53,6 +53,15 @@ class Transport(abc.ABC):
         self._op_counter += 1
         return op_id
 
+    def bind_next_op(self, op_id: int) -> None:
+        """Make ``op_id`` the next collective's id (later ones count on from it). For a
+        caller that numbers its collectives itself: a torch process group gives each call an
+        id made from the call's description, so that peers running different calls refuse
+        each other's frames (the op id travels in every collective frame and is checked)."""
+        if isinstance(op_id, bool) or not isinstance(op_id, int) or not 0 <= op_id < 1 << 63:
+            raise ValueError(f"an op id is an int in 0..2**63-1, got {op_id!r}")
+        self._op_counter = op_id
+
     def check_peer(self, peer: int) -> None:
         """Refuse a peer rank that is this rank or outside the group."""
         if isinstance(peer, bool) or not isinstance(peer, int):
