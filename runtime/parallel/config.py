@@ -41,6 +41,7 @@ __all__ = [
     "PipelineSchedule",
     "MemoryOptimization",
     "ParallelismConfig",
+    "DEFAULT_INTERLEAVED_CHUNKS",
     "ENV_VARS",
     "FIELD_ALIASES",
     "TOML_TABLE",
@@ -57,6 +58,10 @@ MESH_NAMES = ("pp", "dp", "tp")
 
 FIELD_ALIASES = {"tp_size": "mp_size"}
 """Other names a field answers to, in every source."""
+
+DEFAULT_INTERLEAVED_CHUNKS = 2
+"""``virtual_chunks`` when ``pipeline_schedule`` is ``interleaved_1f1b`` and no source gives it
+(Megatron's smallest interleaving)."""
 
 
 class CommBackend(enum.Enum):
@@ -119,9 +124,11 @@ class ParallelismConfig:
     and different is an error; after construction ``tp_size`` always equals ``mp_size``).
     ``num_micro_batches`` is m, the micro-batches of one step through the pipeline;
     ``virtual_chunks`` is v, the model chunks each pipeline rank holds (``interleaved_1f1b``
-    only). ``accumulation_steps`` is how many steps' gradients accumulate before the optimizer
-    steps, and must be 1 unless ``gradient_accumulation`` is on. Enum fields also take their
-    values as strings (``"1f1b"``, ``"zero1"``).
+    only); left unsaid it is `DEFAULT_INTERLEAVED_CHUNKS` with ``interleaved_1f1b`` and 1 with
+    every other schedule, so seed 004's config, which has no chunk field, is valid as written.
+    ``accumulation_steps`` is how many steps' gradients accumulate before the optimizer steps,
+    and must be 1 unless ``gradient_accumulation`` is on. Enum fields also take their values as
+    strings (``"1f1b"``, ``"zero1"``).
     """
 
     dp_size: int = 1
@@ -133,7 +140,7 @@ class ParallelismConfig:
     activation_checkpointing: bool = False
     comm_backend: CommBackend = CommBackend.PARAMSYNC
     pipeline_schedule: PipelineSchedule = PipelineSchedule.GPIPE
-    virtual_chunks: int = 1
+    virtual_chunks: int = None  # type: ignore[assignment]  # None: the schedule's default
     memory_optimization: MemoryOptimization = MemoryOptimization.NONE
     tp_size: int | None = field(default=None, repr=False, compare=False)
 
@@ -152,7 +159,6 @@ class ParallelismConfig:
         object.__setattr__(self, "tp_size", mp)
         pp = _check_positive("pp_size", self.pp_size)
         m = _check_positive("num_micro_batches", self.num_micro_batches)
-        v = _check_positive("virtual_chunks", self.virtual_chunks)
         accumulate = _check_bool("gradient_accumulation", self.gradient_accumulation)
         steps = _check_positive("accumulation_steps", self.accumulation_steps)
         if steps != 1 and not accumulate:
@@ -166,6 +172,12 @@ class ParallelismConfig:
         )
         schedule = _parse_enum(PipelineSchedule, self.pipeline_schedule, "pipeline_schedule")
         object.__setattr__(self, "pipeline_schedule", schedule)
+        if self.virtual_chunks is None:
+            interleaved = schedule is PipelineSchedule.INTERLEAVED_1F1B
+            object.__setattr__(
+                self, "virtual_chunks", DEFAULT_INTERLEAVED_CHUNKS if interleaved else 1
+            )
+        v = _check_positive("virtual_chunks", self.virtual_chunks)
         object.__setattr__(
             self,
             "memory_optimization",
@@ -218,6 +230,14 @@ class ParallelismConfig:
             raise ConfigError(
                 f"num_layers={num_layers} does not split into pp_size={self.pp_size} x "
                 f"virtual_chunks={self.virtual_chunks} = {self.num_stages} equal stages"
+                + (
+                    f" (interleaved_1f1b holds {DEFAULT_INTERLEAVED_CHUNKS} chunks per rank "
+                    "unless told: give virtual_chunks, --virtual-chunks or "
+                    "PARAMSYNC_VIRTUAL_CHUNKS so that pp_size x virtual_chunks divides the "
+                    "layers, or another schedule)"
+                    if self.pipeline_schedule is PipelineSchedule.INTERLEAVED_1F1B
+                    else ""
+                )
             )
 
     # ------------------------------------------------------------------ sources
