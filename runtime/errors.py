@@ -7,6 +7,7 @@ group (wrong secret, version, group, world size, taken rank) is a `HandshakeErro
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -154,15 +155,16 @@ def pick_error(error: BaseException) -> BaseException:
     """The most telling leaf of a (nested) exception group: a paramsync error other than a
     hang-up, else a hang-up, else the first leaf that is not a cancellation; the group itself
     if all leaves are cancellations."""
-    import trio
-
+    # No cancellation can exist before trio is imported, so this module never imports it.
+    trio = sys.modules.get("trio")
+    cancelled: type[BaseException] | tuple[()] = trio.Cancelled if trio is not None else ()
     leaves: list[BaseException] = []
 
     def walk(exc: BaseException) -> None:
         if isinstance(exc, BaseExceptionGroup):
             for inner in exc.exceptions:
                 walk(inner)
-        elif not isinstance(exc, trio.Cancelled):
+        elif not isinstance(exc, cancelled):
             leaves.append(exc)
 
     walk(error)
