@@ -37,6 +37,7 @@ if _typing.TYPE_CHECKING:
         PeerClosed,
         ProtocolError,
         StallError,
+        StateDiverged,
     )
     from runtime.parallel.config import ParallelismConfig
     from runtime.protocol.wire import PROTOCOL_VERSION
@@ -85,6 +86,7 @@ __all__ = [
     "HandshakeError",
     "AuthenticationError",
     "StallError",
+    "StateDiverged",
     "ActorFailed",
     "PROTOCOL_VERSION",
 ]
@@ -121,6 +123,7 @@ _WHERE = {
     "PeerClosed": "runtime.errors",
     "ProtocolError": "runtime.errors",
     "StallError": "runtime.errors",
+    "StateDiverged": "runtime.errors",
     "ParallelismConfig": "runtime.parallel.config",
     "PROTOCOL_VERSION": "runtime.protocol.wire",
     "InProcessTransport": "runtime.transport.base",
