@@ -16,7 +16,6 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from runtime.cli.train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
     from runtime.collectives.aggregators import (
         AllReduceAggregator,
         GradientAggregator,
@@ -41,6 +40,7 @@ if _typing.TYPE_CHECKING:
     )
     from runtime.parallel.config import ParallelismConfig
     from runtime.protocol.wire import PROTOCOL_VERSION
+    from runtime.train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
     from runtime.transport.base import InProcessTransport, Transport
     from runtime.transport.tcp import TcpTransport
     from runtime.transport.tls import TlsConfig
@@ -92,9 +92,9 @@ __all__ = [
 ]
 
 _WHERE = {
-    "DistributedBackend": "runtime.cli.train_config",
-    "DistributedRole": "runtime.cli.train_config",
-    "DistributedTrainConfig": "runtime.cli.train_config",
+    "DistributedBackend": "runtime.train_config",
+    "DistributedRole": "runtime.train_config",
+    "DistributedTrainConfig": "runtime.train_config",
     "AllReduceAggregator": "runtime.collectives.aggregators",
     "GradientAggregator": "runtime.collectives.aggregators",
     "ParameterServerAggregator": "runtime.collectives.aggregators",
