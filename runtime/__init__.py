@@ -16,7 +16,6 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from runtime.cli.train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
     from runtime.collectives.aggregators import (
         AllReduceAggregator,
         GradientAggregator,
@@ -37,9 +36,11 @@ if _typing.TYPE_CHECKING:
         PeerClosed,
         ProtocolError,
         StallError,
+        StateDiverged,
     )
     from runtime.parallel.config import ParallelismConfig
     from runtime.protocol.wire import PROTOCOL_VERSION
+    from runtime.train_config import DistributedBackend, DistributedRole, DistributedTrainConfig
     from runtime.transport.base import InProcessTransport, Transport
     from runtime.transport.tcp import TcpTransport
     from runtime.transport.tls import TlsConfig
@@ -85,14 +86,15 @@ __all__ = [
     "HandshakeError",
     "AuthenticationError",
     "StallError",
+    "StateDiverged",
     "ActorFailed",
     "PROTOCOL_VERSION",
 ]
 
 _WHERE = {
-    "DistributedBackend": "runtime.cli.train_config",
-    "DistributedRole": "runtime.cli.train_config",
-    "DistributedTrainConfig": "runtime.cli.train_config",
+    "DistributedBackend": "runtime.train_config",
+    "DistributedRole": "runtime.train_config",
+    "DistributedTrainConfig": "runtime.train_config",
     "AllReduceAggregator": "runtime.collectives.aggregators",
     "GradientAggregator": "runtime.collectives.aggregators",
     "ParameterServerAggregator": "runtime.collectives.aggregators",
@@ -121,6 +123,7 @@ _WHERE = {
     "PeerClosed": "runtime.errors",
     "ProtocolError": "runtime.errors",
     "StallError": "runtime.errors",
+    "StateDiverged": "runtime.errors",
     "ParallelismConfig": "runtime.parallel.config",
     "PROTOCOL_VERSION": "runtime.protocol.wire",
     "InProcessTransport": "runtime.transport.base",

@@ -2,12 +2,17 @@
 
 Every failure that comes from a peer's bytes is a `ProtocolError`; every failure to join a
 group (wrong secret, version, group, world size, taken rank) is a `HandshakeError`, itself a
-`ProtocolError`, so one ``except ProtocolError`` covers all hostile or broken input.
+`ProtocolError`, so one ``except ProtocolError`` covers all hostile or broken input. Every
+replica divergence (C-DDP-001, C-DP-002) is a `StateDiverged`, whoever found it: the
+coordinator (`actors.client.client.RunDiverged`), a shard's dp group in band
+(`actors.parallel.replica_check.ShardReplicasDiverged`) or the replicas of one process
+(`actors.multidevice.ReplicaDivergedError`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 __all__ = [
@@ -24,6 +29,7 @@ __all__ = [
     "StallError",
     "CollectiveError",
     "ActorFailed",
+    "StateDiverged",
     "pick_error",
     "first_error",
     "configuration_error",
@@ -150,19 +156,48 @@ class ActorFailed(ParamsyncError):
         super().__init__(f"actor {actor!r} failed: {type(cause).__name__}: {cause}")
 
 
+class StateDiverged(ParamsyncError):
+    """Replicas that must hold bitwise identical training state do not (C-DDP-001, C-DP-002).
+
+    ``step``: the step after which the states were compared (0: before the first). ``ranks``:
+    the ranks (the replica indices, for replicas inside one process) grouped by the state they
+    hold, the reference group first (the majority, rank 0's, replica 0's). ``first_tensor``: the
+    name of the first tensor whose digest differs, None when no single tensor is to blame (the
+    layout, the parameter-group settings or the scheduler differ)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        ranks: Sequence[Sequence[int]],
+        first_tensor: str | None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = [list(group) for group in ranks]
+        self.first_tensor = first_tensor
+
+    @property
+    def diverged_ranks(self) -> list[int]:
+        """The ranks outside the reference group, sorted."""
+        return sorted(rank for group in self.ranks[1:] for rank in group)
+
+
 def pick_error(error: BaseException) -> BaseException:
     """The most telling leaf of a (nested) exception group: a paramsync error other than a
     hang-up, else a hang-up, else the first leaf that is not a cancellation; the group itself
     if all leaves are cancellations."""
-    import trio
-
+    # No cancellation can exist before trio is imported, so this module never imports it.
+    trio = sys.modules.get("trio")
+    cancelled: type[BaseException] | tuple[()] = trio.Cancelled if trio is not None else ()
     leaves: list[BaseException] = []
 
     def walk(exc: BaseException) -> None:
         if isinstance(exc, BaseExceptionGroup):
             for inner in exc.exceptions:
                 walk(inner)
-        elif not isinstance(exc, trio.Cancelled):
+        elif not isinstance(exc, cancelled):
             leaves.append(exc)
 
     walk(error)

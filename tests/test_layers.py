@@ -46,3 +46,40 @@ def test_the_layer_contracts_hold() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout
+
+
+SANS_IO = (
+    "runtime.protocol",
+    "runtime.parallel",
+    "runtime.coordinator.core",
+    "actors.client.protocol",
+)
+"""The sans-I/O cores every test drives without a network: each must reach no trio, socket or
+threading, through any chain of imports (function-level ones included)."""
+
+
+def test_the_sans_io_contract_covers_the_cores_and_bites() -> None:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config["include_external_packages"] is True
+    (contract,) = [c for c in config["contracts"] if c["name"].startswith("sans-I/O cores")]
+    assert contract["type"] == "forbidden"
+    assert set(contract["forbidden_modules"]) == {"trio", "socket", "threading"}
+    assert set(SANS_IO) <= set(contract["source_modules"])
+    core_parts = {
+        f"runtime.coordinator.{path.stem}"
+        for path in (ROOT / "runtime" / "coordinator").glob("*.py")
+        if path.stem not in ("__init__", "service")
+    }
+    assert core_parts <= set(contract["source_modules"]), core_parts - set(
+        contract["source_modules"]
+    )
+    graph = grimp.build_graph("runtime", "actors", include_external_packages=True)
+    for source in contract["source_modules"]:
+        for banned in contract["forbidden_modules"]:
+            chain = graph.find_shortest_chains(importer=source, imported=banned)
+            assert not chain, f"{source} reaches {banned}: {chain}"
+    # The same query finds the shells' I/O, so the check above is not vacuous.
+    assert graph.find_shortest_chains(importer="runtime.coordinator.service", imported="trio")
+    assert graph.find_shortest_chains(importer="runtime.transport.tcp", imported="socket")

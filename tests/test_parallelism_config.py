@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import runtime
 from runtime.errors import ConfigError
 from runtime.parallel.config import (
+    DEFAULT_INTERLEAVED_CHUNKS,
     ENV_VARS,
     CommBackend,
     MemoryOptimization,
@@ -313,3 +314,40 @@ def test_the_config_accepts_exactly_the_layouts_the_schedule_generator_builds(
         except ValueError:
             config_layers_ok = False
         assert config_layers_ok == layers_ok
+
+
+def test_interleaving_with_nothing_else_said_holds_two_chunks_per_rank(tmp_path: Path) -> None:
+    """Seed 004's config has no chunk field: ``interleaved_1f1b`` alone is valid, with 2 chunks
+    per rank, from every source; a chunk count given explicitly is still checked as given, and
+    layers that 2 chunks per rank cannot split are refused naming the fields and the way out."""
+    seed = ParallelismConfig(pp_size=2, num_micro_batches=4, pipeline_schedule="interleaved_1f1b")
+    assert seed.virtual_chunks == DEFAULT_INTERLEAVED_CHUNKS == 2
+    assert seed.num_stages == 4
+    assert ParallelismConfig(pp_size=2, num_micro_batches=4).virtual_chunks == 1
+    assert ParallelismConfig(pipeline_schedule="1f1b").virtual_chunks == 1
+    seed.check_layers(8)
+    with pytest.raises(ConfigError) as info:
+        seed.check_layers(6)
+    text = str(info.value)
+    assert "num_layers=6" in text and "virtual_chunks=2" in text and "--virtual-chunks" in text
+    with pytest.raises(ConfigError, match="virtual_chunks=1"):  # said, so checked as said
+        ParallelismConfig(
+            pp_size=2, num_micro_batches=4, pipeline_schedule="interleaved_1f1b", virtual_chunks=1
+        )
+    assert (
+        ParallelismConfig(
+            pp_size=2, num_micro_batches=4, pipeline_schedule="interleaved_1f1b", virtual_chunks=3
+        ).num_stages
+        == 6
+    )
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        "[parallelism]\npp_size = 2\nnum_micro_batches = 4\n"
+        'pipeline_schedule = "interleaved_1f1b"\n'
+    )
+    assert ParallelismConfig.resolve(toml, environ={}).virtual_chunks == 2
+    env = {ENV_VARS["virtual_chunks"]: "4"}
+    assert ParallelismConfig.resolve(toml, environ=env).virtual_chunks == 4
+    flags = {"pipeline_schedule": "interleaved_1f1b", "pp_size": 2, "num_micro_batches": 2}
+    assert ParallelismConfig.resolve(None, {}, flags).virtual_chunks == 2
+    assert ParallelismConfig.resolve(None, {}, {"pp_size": 2}).virtual_chunks == 1

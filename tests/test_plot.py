@@ -119,6 +119,7 @@ def test_bad_series_raise_value_error_and_write_nothing(
         ({"smoothing": -0.1}, "smoothing"),
         ({"smoothing": "0.5"}, "smoothing"),
         ({"log_y": True, "series": {"a": [(0, 0.0)]}}, "log_y"),
+        ({"highlight": "mean"}, "highlight 'mean' names no series"),
     ],
 )
 def test_bad_options_raise_value_error(tmp_path: Path, kwargs: dict, needle: str) -> None:
@@ -126,3 +127,30 @@ def test_bad_options_raise_value_error(tmp_path: Path, kwargs: dict, needle: str
     with pytest.raises(ValueError, match=needle):
         write_loss_plot(tmp_path / "x.png", **args)
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_highlighted_mean_is_bold_and_the_ranks_faint(tmp_path: Path) -> None:
+    """`make demo`'s loss.png: four noisy per-rank curves drawn faint, their smoothed mean bold
+    and black on top, so the mean reads at a glance."""
+    import random
+
+    rng = random.Random(0)
+    ranks = {
+        f"rank {r}": [(s, v * (1 + 0.2 * rng.uniform(-1, 1))) for s, v in falling()]
+        for r in range(4)
+    }
+    mean = [(s, sum(ranks[f"rank {r}"][s][1] for r in range(4)) / 4) for s in range(200)]
+    plain = write_loss_plot(tmp_path / "plain.png", {**ranks, "mean": mean}, "demo")
+    bold = write_loss_plot(
+        tmp_path / "bold.png",
+        {**ranks, "mean": mean},
+        "demo",
+        smoothing=0.9,
+        highlight="mean",
+    )
+    black = (0, 0, 0)
+    # Every rank's colour at full strength is gone (drawn at alpha 0.3 over white) ...
+    assert count_colour(plain, C0_BLUE) > 300
+    assert count_colour(bold, C0_BLUE) < 20
+    # ... and the mean is a thick black line (text is black too: compare with no highlight).
+    assert count_colour(bold, black, tol=40) > count_colour(plain, black, tol=40) + 1000

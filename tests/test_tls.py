@@ -23,7 +23,6 @@ import trustme
 from conftest import bitwise_equal, free_port
 
 from runtime.cli.main import main as cli_main
-from runtime.cli.train_config import DistributedTrainConfig, resolve_tls
 from runtime.collectives.ring import all_reduce
 from runtime.config import DistributedConfig
 from runtime.coordinator.service import Coordinator
@@ -35,6 +34,7 @@ from runtime.errors import (
     ProtocolError,
 )
 from runtime.protocol.handshake import DialerHandshake, Identity, load_secret
+from runtime.train_config import DistributedTrainConfig, resolve_tls
 from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
 from runtime.transport.tls import TlsConfig
 

@@ -26,11 +26,12 @@ from actors.state.training_state import capture_state
 from actors.train.state_transfer import receive_state, send_state
 from actors.train.trainer import TrainerOptions
 from runtime.cli.main import build_parser
-from runtime.cli.train_config import COMM_BACKEND_ENV, DistributedTrainConfig
 from runtime.collectives.ring import all_reduce, barrier, broadcast
+from runtime.config import COMM_BACKEND_ENV
 from runtime.errors import PeerClosed, StallError
 from runtime.protocol.wire import decode_frame
 from runtime.testing.fault_trials import JOB_FLAGS, run_trial
+from runtime.train_config import DistributedTrainConfig
 from runtime.transport import torch_dist
 from runtime.transport.torch_dist import (
     COMM_BACKENDS,

@@ -1,4 +1,4 @@
-"""Tests for runtime.cli.train_config: validation, env/TOML/override layering, device resolution."""
+"""Tests for runtime.train_config: validation, env/TOML/override layering, device resolution."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.cli.train_config import (
+from runtime.config import DistributedConfig
+from runtime.train_config import (
     DistributedBackend,
     DistributedRole,
     DistributedTrainConfig,
 )
-from runtime.config import DistributedConfig
 
 TORCHRUN_ENV = {
     "RANK": "2",

@@ -57,8 +57,15 @@ from actors.client.protocol import (
     EpochRegression,
     WorkerProtocol,
 )
+from runtime.coordinator.commits import divergence_of
 from runtime.coordinator.events import Message
-from runtime.errors import FrameAuthenticationError, ParamsyncError, PeerClosed, ProtocolError
+from runtime.errors import (
+    FrameAuthenticationError,
+    ParamsyncError,
+    PeerClosed,
+    ProtocolError,
+    StateDiverged,
+)
 from runtime.protocol.messages import (
     Go,
     Hold,
@@ -73,7 +80,16 @@ from runtime.protocol.messages import (
 from runtime.protocol.wire import validate_message
 from runtime.transport.link import Link
 
-__all__ = ["CoordinatorClient", "CoordinatorLost", "RunAborted", "Go", "JoinResult", "Redial"]
+__all__ = [
+    "CoordinatorClient",
+    "CoordinatorLost",
+    "RunAborted",
+    "RunDiverged",
+    "Go",
+    "JoinResult",
+    "Redial",
+    "run_aborted",
+]
 
 log = logging.getLogger("paramsync.worker")
 
@@ -87,6 +103,22 @@ instant spread their redials instead of meeting its restart all at once."""
 
 class RunAborted(ParamsyncError):
     """The coordinator stopped the run; the message carries its reason."""
+
+
+class RunDiverged(RunAborted, StateDiverged):
+    """The coordinator stopped the run because the ranks' states diverged (C-DDP-001): a
+    `RunAborted` and a `StateDiverged` with the step, the ranks grouped by state (the majority,
+    or the lowest rank's group, first) and the first differing tensor read from its reason."""
+
+
+def run_aborted(reason: str) -> RunAborted:
+    """The error a worker raises for the coordinator's abort ``reason``: a `RunDiverged` when
+    the reason is a digest verdict's (`runtime.coordinator.commits.divergence_of`)."""
+    divergence = divergence_of(reason)
+    if divergence is None:
+        return RunAborted(reason)
+    step, ranks, first_tensor = divergence
+    return RunDiverged(reason, step=step, ranks=ranks, first_tensor=first_tensor)
 
 
 class CoordinatorLost(PeerClosed):
@@ -296,7 +328,7 @@ class CoordinatorClient:
                 if isinstance(action.message, Shutdown):
                     self.shutdown_reason = action.message.reason
                 if action.error is not None:
-                    self._failure = RunAborted(action.error)
+                    self._failure = run_aborted(action.error)
                 self._wake()
                 if self._failure is not None:
                     raise self._failure

@@ -35,11 +35,11 @@ from actors.demo_job.corpus import CharDataset, load_char_dataset
 from actors.parallel.coordinated import CoordinatorStepHooks, join_3d
 from actors.parallel.shard_model import ModelSpec
 from actors.parallel.trainer3d import Trainer3D
-from runtime.cli.train_config import shared_secret
 from runtime.config import DistributedConfig
 from runtime.observe.trace import TraceRecorder
 from runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
 from runtime.protocol.handshake import Identity
+from runtime.train_config import shared_secret
 from runtime.transport.base import Transport
 from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
 

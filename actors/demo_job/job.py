@@ -270,7 +270,13 @@ async def _gather_and_plot(trainer: DistributedTrainer, args: argparse.Namespace
         steps = [step for step, _ in trainer.losses]
         series = {f"rank {r}": list(zip(steps, curves[r].tolist())) for r in range(curves.shape[0])}
         series["mean over ranks"] = list(zip(steps, curves.mean(0).tolist()))
-        write_loss_plot(args.plot, series, title="paramsync: char-level LM on CPython sources")
+        write_loss_plot(
+            args.plot,
+            series,
+            title="paramsync: char-level LM on CPython sources",
+            smoothing=0.9,
+            highlight="mean over ranks",
+        )
         log.info("wrote the loss curve to %s", args.plot)
 
 

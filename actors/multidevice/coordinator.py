@@ -50,21 +50,31 @@ from actors.multidevice.replica import LossFn, Replica
 from actors.multidevice.sharding import batch_size, shard_sizes, split_batch
 from actors.multidevice.threads import ReplicaError, ReplicaThreads
 from actors.state.digest import StateDigest
+from runtime.errors import StateDiverged
 
 __all__ = ["BatchResult", "DataParallelCoordinator", "ReplicaDivergedError"]
+
+LAYOUT_DIFFERS = "the state's layout"
+"""What `ReplicaDivergedError` names when no tensor differs first: the layouts do."""
 
 ModelFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
-class ReplicaDivergedError(RuntimeError):
-    """After a step, a replica's state digest differs from replica 0's (C-DP-002 broken)."""
+class ReplicaDivergedError(StateDiverged, RuntimeError):
+    """After a step, a replica's state digest differs from replica 0's (C-DP-002 broken).
+
+    A `StateDiverged` whose ``ranks`` are replica indices (``[[0], [replica]]``) and whose
+    ``first_tensor`` is ``entry`` (None when the state's layout differs)."""
 
     def __init__(self, step: int, replica: int, device: str, entry: str) -> None:
         when = "before the first step" if step == 0 else f"after step {step}"
         super().__init__(
             f"replica {replica} on {device} diverged from replica 0 {when}: "
-            f"its state differs first at {entry!r}"
+            f"its state differs first at {entry!r}",
+            step=step,
+            ranks=[[0], [replica]],
+            first_tensor=None if entry == LAYOUT_DIFFERS else entry,
         )
         self.step = step
         self.replica = replica
@@ -429,7 +439,7 @@ class DataParallelCoordinator:
                         for (name, mine), (_, theirs) in zip(digest.tensors, first.tensors)
                         if mine != theirs
                     ),
-                    "the state's layout",
+                    LAYOUT_DIFFERS,
                 )
                 raise ReplicaDivergedError(self._step, index, self._labels[index], entry)
 

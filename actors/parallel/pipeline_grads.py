@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.collectives.flatten import dtype_groups, flatten, unflatten
 from runtime.collectives.groups import ProcessGroup, new_group
 from runtime.collectives.ring import all_reduce, broadcast
 from runtime.transport.base import Transport
@@ -44,32 +45,23 @@ async def new_embedding_group(
     return mine
 
 
-def _flat_grads(params: Sequence[nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients in one flat float tensor (zeros where a gradient is None)."""
-    parts = [
-        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params
-    ]
-    return torch.cat(parts) if parts else torch.zeros(0)
+def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """The parameters' gradients, zeros where a gradient is None."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
-def _unflatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
+def _set_grads(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    """Write ``flat`` (as `flatten` made it from `_grads`) back into the gradients."""
     with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            value = flat[offset : offset + n].view_as(p)
+        for p, value in zip(params, unflatten(flat, params), strict=True):
             if p.grad is None:
                 p.grad = value.clone()
             else:
                 p.grad.copy_(value)
-            offset += n
 
 
 def _by_dtype(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
-    groups: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault(p.dtype, []).append(p)
-    return list(groups.values())
+    return [[params[index] for index in group] for group in dtype_groups(params)]
 
 
 async def average_over_dp(dp_group: Transport | None, params: Sequence[nn.Parameter]) -> None:
@@ -79,9 +71,9 @@ async def average_over_dp(dp_group: Transport | None, params: Sequence[nn.Parame
     if dp_group is None or dp_group.world_size == 1 or not params:
         return
     for same_dtype in _by_dtype(params):
-        flat = _flat_grads(same_dtype)
+        flat = flatten(_grads(same_dtype))
         await all_reduce(dp_group, flat, "avg")
-        _unflatten_into(same_dtype, flat)
+        _set_grads(same_dtype, flat)
 
 
 async def sum_tied(embedding_group: Transport | None, params: Sequence[nn.Parameter]) -> None:
@@ -91,9 +83,9 @@ async def sum_tied(embedding_group: Transport | None, params: Sequence[nn.Parame
     if embedding_group is None or embedding_group.world_size == 1 or not params:
         return
     for same_dtype in _by_dtype(params):
-        flat = _flat_grads(same_dtype)
+        flat = flatten(_grads(same_dtype))
         await all_reduce(embedding_group, flat, "sum")
-        _unflatten_into(same_dtype, flat)
+        _set_grads(same_dtype, flat)
 
 
 async def broadcast_tied(embedding_group: Transport | None, params: Sequence[nn.Parameter]) -> None:

@@ -18,21 +18,29 @@ import torch
 
 from actors.state.digest import StateDigest
 from runtime.collectives.ring import all_gather
+from runtime.errors import StateDiverged
 from runtime.transport.base import Transport
 
 __all__ = ["ShardReplicasDiverged", "check_shard_replicas", "digest_tensor"]
 
 
-class ShardReplicasDiverged(RuntimeError):
-    """The replicas of one (tp, pp) shard hold different training states."""
+class ShardReplicasDiverged(StateDiverged, RuntimeError):
+    """The replicas of one (tp, pp) shard hold different training states: a `StateDiverged`
+    whose ``ranks`` are world ranks grouped by the state they hold (the group of dp rank 0
+    first), with the shard's ``tp`` and ``pp``."""
 
     def __init__(
-        self, message: str, *, tp: int, pp: int, step: int, ranks: list[list[int]]
+        self,
+        message: str,
+        *,
+        tp: int,
+        pp: int,
+        step: int,
+        ranks: list[list[int]],
+        first_tensor: str | None = None,
     ) -> None:
-        super().__init__(message)
-        self.tp, self.pp, self.step = tp, pp, step
-        self.ranks = ranks
-        """World ranks grouped by the state they hold (the group of dp rank 0 first)."""
+        super().__init__(message, step=step, ranks=ranks, first_tensor=first_tensor)
+        self.tp, self.pp = tp, pp
 
 
 def digest_tensor(data: bytes) -> torch.Tensor:
@@ -71,31 +79,33 @@ async def check_shard_replicas(
     for rank, row in zip(world, rows, strict=True):
         classes.setdefault(row, []).append(rank)
     ranks = list(classes.values())
-    first_tensor = await _first_differing_tensor(dp_group, digest, describe)
+    first_tensor, described = await _first_differing_tensor(dp_group, digest, describe)
     groups = "; ".join(f"ranks {members}" for members in ranks)
     raise ShardReplicasDiverged(
         f"C-DDP-001: the replicas of shard tp={tp}, pp={pp} diverged after step {step}: "
         f"{len(ranks)} different states ({groups} agree among themselves); "
-        f"first differing tensor: {first_tensor}",
+        f"first differing tensor: {described}",
         tp=tp,
         pp=pp,
         step=step,
         ranks=ranks,
+        first_tensor=first_tensor,
     )
 
 
 async def _first_differing_tensor(
     dp_group: Transport, digest: StateDigest, describe: Callable[[str], str]
-) -> str:
-    """The name of the first tensor whose digest is not the same on every replica."""
+) -> tuple[str | None, str]:
+    """The name of the first tensor whose digest is not the same on every replica (None when
+    no tensor is to blame), and the words the error says for it."""
     packed = digest_tensor(digest.packed)
     sizes = await all_gather(dp_group, torch.tensor([packed.numel()], dtype=torch.int64))
     if len(set(sizes.reshape(-1).tolist())) != 1:
-        return "the replicas hold different numbers of tensors"
+        return None, "the replicas hold different numbers of tensors"
     everyone = await all_gather(dp_group, packed)
     width = 16 // 8  # a 128-bit digest is two int64s
     for index, name in enumerate(digest.names):
         column = everyone[:, index * width : (index + 1) * width]
         if not bool((column == column[0]).all()):
-            return describe(name)
-    return "none of the tensors (the parameter-group settings or scheduler differ)"
+            return describe(name), describe(name)
+    return None, "none of the tensors (the parameter-group settings or scheduler differ)"

@@ -26,11 +26,11 @@ from actors.state.digest import Scheduler
 from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from actors.train.worker import join_run
 from runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
-from runtime.cli.train_config import DistributedRole, DistributedTrainConfig, shared_secret
 from runtime.config import DistributedConfig
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
 from runtime.errors import ConfigError, configuration_error, one_line, pick_error
 from runtime.observe.trace import TraceRecorder
+from runtime.train_config import DistributedRole, DistributedTrainConfig, shared_secret
 from runtime.transport.tls import TlsConfig
 
 __all__ = ["trainer_from_env", "run_script", "SUMMARY_ENV", "write_summary"]

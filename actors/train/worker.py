@@ -20,7 +20,6 @@ import trio
 from actors.client.client import CoordinatorClient
 from actors.state.digest import Scheduler, state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
-from runtime.cli.train_config import shared_secret
 from runtime.config import ADVERTISE_ENV, DistributedConfig, advertised_host
 from runtime.coordinator.events import model_signature
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
@@ -28,6 +27,7 @@ from runtime.errors import ConfigError
 from runtime.observe.trace import TraceRecorder
 from runtime.protocol.handshake import Identity
 from runtime.protocol.messages import ParallelLayout, StartRun
+from runtime.train_config import shared_secret
 from runtime.transport.base import InProcessTransport, Transport
 from runtime.transport.link import Link, MemoryLink
 from runtime.transport.shm import attach_shared_memory

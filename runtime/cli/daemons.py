@@ -10,7 +10,6 @@ import trio
 
 from runtime.cli.jobs import WorkerJob
 from runtime.cli.torchrun import TorchrunEnv
-from runtime.cli.train_config import shared_secret
 from runtime.config import parse_address
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
@@ -21,6 +20,7 @@ from runtime.observe.metrics import (
     check_port,
     serve_metrics,
 )
+from runtime.train_config import shared_secret
 from runtime.transport.admission import AdmissionLimits
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]

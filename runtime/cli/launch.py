@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.train_config import DEFAULT_COORDINATOR_PORT, shared_secret
 from runtime.config import ADVERTISE_ENV, advertised_host, parse_address
 from runtime.errors import one_line
 from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
+from runtime.train_config import DEFAULT_COORDINATOR_PORT, shared_secret
 
 __all__ = ["LaunchPlan", "RESTART_COUNT_ENV", "run_launch", "merge_summaries", "free_port"]
 

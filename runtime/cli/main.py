@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
+from runtime.config import COMM_BACKEND_ENV, add_comm_backend_flag
 
 if TYPE_CHECKING:
     from runtime.transport.tls import TlsConfig
@@ -199,13 +200,7 @@ def build_parser(
     )
     _add_tls_flags(worker)
     _add_metrics_flags(worker)
-    worker.add_argument(
-        "--comm-backend",
-        choices=["paramsync", "torch"],
-        help="the data plane: paramsync's own TCP ring and shared memory (default), or "
-        "torch.distributed process groups (gloo; NCCL on CUDA); default "
-        "$PARAMSYNC_COMM_BACKEND or paramsync",
-    )
+    add_comm_backend_flag(worker)
     worker.add_argument(
         "--job",
         default=job.name if job is not None else job_name([]),
@@ -398,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(new_secret(), flush=True)
         return 0
     if args.command in ("allreduce", "coordinator"):
-        from runtime.cli.train_config import resolve_tls
+        from runtime.train_config import resolve_tls
 
         try:
             args.tls = resolve_tls(_tls_flags(args))
@@ -413,14 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_coordinator(args)
     if args.command == "worker":
         from runtime.cli.daemons import run_worker
-        from runtime.cli.train_config import TLS_ENV_VARS
+        from runtime.train_config import TLS_ENV_VARS
 
         for key, value in _tls_flags(args).items():  # read back by DistributedTrainConfig
             if value is not None:
                 os.environ[TLS_ENV_VARS[key]] = value
         if args.comm_backend is not None:  # read back the same way
-            from runtime.cli.train_config import COMM_BACKEND_ENV
-
             os.environ[COMM_BACKEND_ENV] = args.comm_backend
 
         assert job is not None  # "worker" is in argv

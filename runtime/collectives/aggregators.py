@@ -1,20 +1,24 @@
 """Gradient aggregators (seed 002): average a list of local gradients across the group.
 
-`AllReduceAggregator` runs the ring (no central bottleneck); `ParameterServerAggregator` sends
-every gradient to rank 0, which sums in rank order and sends the average back (a star). Both
-flatten the gradients into one buffer per dtype, so each dtype costs one collective however many
-tensors there are, and both return new tensors, bitwise identical on every rank.
+Thin uses of the collectives. `AllReduceAggregator` runs `runtime.collectives.ring.all_reduce`
+(no central bottleneck); `ParameterServerAggregator` sends every gradient to rank 0 with
+point-to-point messages (`runtime.collectives.p2p`), which sums in rank order and sends the
+average back (a star). Both flatten the gradients into one buffer per dtype
+(`runtime.collectives.flatten`), so each dtype costs one collective however many tensors there
+are, and both return new tensors, bitwise identical on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 import trio
 
-from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, _check_op, _expect, all_reduce
+from runtime.collectives.flatten import dtype_groups, flatten, unflatten
+from runtime.collectives.p2p import recv, send
+from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, all_reduce
 from runtime.config import DistributedConfig
 from runtime.errors import CollectiveError
 from runtime.transport.base import Transport
@@ -24,9 +28,10 @@ __all__ = [
     "GradientAggregator",
     "AllReduceAggregator",
     "ParameterServerAggregator",
-    "flatten_by_dtype",
-    "unflatten_into",
 ]
+
+TO_ROOT, FROM_ROOT = 0, 1
+"""`ParameterServerAggregator`'s point-to-point tags: the gradients going in, the average out."""
 
 
 @runtime_checkable
@@ -38,29 +43,20 @@ class GradientAggregator(Protocol):
         ...
 
 
-def flatten_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """Concatenate tensors of each dtype into one flat buffer, in list order."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor.detach().reshape(-1))
-    return {
-        dtype: torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
-        for dtype, parts in groups.items()
-    }
-
-
-def unflatten_into(
-    tensors: Sequence[torch.Tensor], flats: dict[torch.dtype, torch.Tensor]
+async def _average_by_dtype(
+    local_grads: Sequence[torch.Tensor], average: Callable[[torch.Tensor], Awaitable[object]]
 ) -> list[torch.Tensor]:
-    """Split flat buffers back into new tensors shaped like ``tensors``."""
-    offsets = dict.fromkeys(flats, 0)
-    out = []
-    for tensor in tensors:
-        start = offsets[tensor.dtype]
-        stop = start + tensor.numel()
-        out.append(flats[tensor.dtype][start:stop].view(tensor.shape).clone())
-        offsets[tensor.dtype] = stop
-    return out
+    """New tensors holding ``average`` of ``local_grads``: one flat buffer per dtype, the dtypes
+    in name order (every rank the same), each result a tensor of its own."""
+    out: list[torch.Tensor | None] = [None] * len(local_grads)
+    groups = dtype_groups(local_grads)
+    for indices in sorted(groups, key=lambda group: str(local_grads[group[0]].dtype)):
+        tensors = [local_grads[index] for index in indices]
+        flat = flatten(tensors)
+        await average(flat)
+        for index, view in zip(indices, unflatten(flat, tensors), strict=True):
+            out[index] = view.clone()
+    return [tensor for tensor in out if tensor is not None]
 
 
 def _check_config(config: DistributedConfig, transport: Transport) -> None:
@@ -88,10 +84,10 @@ class AllReduceAggregator:
 
     async def aggregate(self, local_grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Average ``local_grads`` across the group; returns new tensors, inputs untouched."""
-        flats = flatten_by_dtype(local_grads)
-        for dtype in sorted(flats, key=str):
-            await all_reduce(self.transport, flats[dtype], "avg", chunk_bytes=self.chunk_bytes)
-        return unflatten_into(local_grads, flats)
+        return await _average_by_dtype(
+            local_grads,
+            lambda flat: all_reduce(self.transport, flat, "avg", chunk_bytes=self.chunk_bytes),
+        )
 
 
 class ParameterServerAggregator:
@@ -111,30 +107,26 @@ class ParameterServerAggregator:
 
     async def aggregate(self, local_grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Average ``local_grads`` across the group; returns new tensors, inputs untouched."""
-        flats = flatten_by_dtype(local_grads)
-        for dtype in sorted(flats, key=str):
-            await self._average(flats[dtype])
-        return unflatten_into(local_grads, flats)
+        return await _average_by_dtype(local_grads, self._average)
 
     async def _average(self, flat: torch.Tensor) -> None:
+        """The star, in point-to-point messages (`runtime.collectives.p2p`): every rank sends
+        ``flat`` to the root under `TO_ROOT`; the root sums them in rank order, divides, and
+        sends the average back under `FROM_ROOT`."""
         transport, root = self.transport, self.root
         n, rank = transport.world_size, transport.rank
-        _check_op("avg")
-        op_id = transport.next_op_id()
         if n == 1:
             return
-        fields = {"op": op_id, "hop": 0, "part": 0}
         if rank != root:
-            await transport.send(root, "coll", fields, flat)
-            message = await transport.recv_into(root, flat)
-            _expect(message, op_id, 1, 0, root)
+            await send(transport, flat, root, TO_ROOT)
+            await recv(transport, flat, root, FROM_ROOT)
             return
         received = torch.empty((n, flat.numel()), dtype=flat.dtype)
         received[root].copy_(flat)
-        for peer in range(n):
-            if peer != root:
-                message = await transport.recv_into(peer, received[peer])
-                _expect(message, op_id, 0, 0, peer)
+        async with trio.open_nursery() as nursery:
+            for peer in range(n):
+                if peer != root:
+                    nursery.start_soon(recv, transport, received[peer], peer, TO_ROOT)
         total = received[0].clone()
         for peer in range(1, n):
             total.add_(received[peer])
@@ -143,6 +135,4 @@ class ParameterServerAggregator:
         async with trio.open_nursery() as nursery:
             for peer in range(n):
                 if peer != root:
-                    nursery.start_soon(
-                        transport.send, peer, "coll", {"op": op_id, "hop": 1, "part": 0}, flat
-                    )
+                    nursery.start_soon(send, transport, flat, peer, FROM_ROOT)

@@ -13,7 +13,8 @@ dimension. Megatron's parallel_state docstring, 16 ranks with tp=2 and pp=4 (so 
 tp groups [0, 1], [2, 3], ...; dp groups [0, 2], [1, 3], [4, 6], [5, 7], ...; pp groups
 [0, 4, 8, 12], [1, 5, 9, 13], ... (`mesh_groups((4, 2, 2), ("pp", "dp", "tp"), "dp")`).
 
-`mesh_groups` and `mesh_coordinates` are pure; `init_device_mesh` creates the groups (every rank
+`mesh_groups` and `mesh_coordinates` are pure (`runtime.collectives.mesh_layout`, re-exported
+here); `init_device_mesh` creates the groups (every rank
 of the world calls it alike: it calls `new_group` for every group of every dimension, in names
 order and in `mesh_groups` order).
 """
@@ -26,6 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from runtime.collectives.mesh_layout import (
+    check_layout,
+    mesh_coordinates,
+    mesh_groups,
+    mesh_rank,
+)
 from runtime.errors import CollectiveError
 from runtime.transport.base import Transport
 
@@ -39,65 +46,6 @@ __all__ = [
     "mesh_rank",
     "mesh_groups",
 ]
-
-
-def _check_layout(
-    sizes: Sequence[int], names: Sequence[str]
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    sizes, names = tuple(sizes), tuple(names)
-    if len(sizes) != len(names) or not names:
-        raise CollectiveError(
-            f"a mesh needs one size per dimension name, got sizes {list(sizes)} for {list(names)}"
-        )
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise CollectiveError(f"mesh dimension names must be non-empty strings, got {name!r}")
-    if len(set(names)) != len(names):
-        raise CollectiveError(f"mesh dimension names {list(names)} repeat a name")
-    for name, size in zip(names, sizes, strict=True):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise CollectiveError(
-                f"mesh dimension {name!r} needs a positive int size, got {size!r}"
-            )
-    return sizes, names
-
-
-def _strides(sizes: Sequence[int]) -> list[int]:
-    return [math.prod(sizes[index + 1 :]) for index in range(len(sizes))]
-
-
-def mesh_coordinates(rank: int, sizes: Sequence[int]) -> tuple[int, ...]:
-    """Rank ``rank``'s coordinates in a mesh of ``sizes`` (row-major, last varies fastest)."""
-    total = math.prod(sizes)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < total:
-        raise CollectiveError(f"rank {rank!r} is not in a mesh of {total} ranks")
-    return tuple(
-        (rank // stride) % size for stride, size in zip(_strides(sizes), sizes, strict=True)
-    )
-
-
-def mesh_rank(coordinates: Sequence[int], sizes: Sequence[int]) -> int:
-    """The rank at ``coordinates`` in a mesh of ``sizes`` (inverse of `mesh_coordinates`)."""
-    if len(coordinates) != len(sizes) or not all(
-        0 <= c < s for c, s in zip(coordinates, sizes, strict=True)
-    ):
-        raise CollectiveError(f"coordinates {list(coordinates)} are not in a mesh of {list(sizes)}")
-    return sum(c * stride for c, stride in zip(coordinates, _strides(sizes), strict=True))
-
-
-def mesh_groups(sizes: Sequence[int], names: Sequence[str], dim: str) -> list[list[int]]:
-    """Every group along dimension ``dim``: lists of ranks, each sorted, ordered by their lowest
-    rank (the other coordinates in row-major order). Pure: no I/O."""
-    sizes, names = _check_layout(sizes, names)
-    if dim not in names:
-        raise CollectiveError(f"the mesh has no dimension {dim!r}; it has {list(names)}")
-    axis = names.index(dim)
-    stride = _strides(sizes)[axis]
-    groups = []
-    for rank in range(math.prod(sizes)):
-        if mesh_coordinates(rank, sizes)[axis] == 0:
-            groups.append([rank + k * stride for k in range(sizes[axis])])
-    return groups
 
 
 class DeviceMesh:
@@ -186,7 +134,7 @@ async def init_device_mesh(
         names = tuple(names)
     if sizes is None:
         raise CollectiveError("init_device_mesh needs the sizes of its dimensions")
-    sizes_t, names_t = _check_layout(sizes, names)
+    sizes_t, names_t = check_layout(sizes, names)
     if math.prod(sizes_t) != world.world_size:
         raise CollectiveError(
             f"a mesh of {dict(zip(names_t, sizes_t, strict=True))} holds {math.prod(sizes_t)} "

@@ -8,11 +8,15 @@ in, :func:`digest_verdict` says whether the step commits, commits after a resync
 minority, or stops the run naming the ranks and the first tensor that differs. In a run
 whose ranks declared a parallel layout (`runtime.coordinator.layouts`), :func:`sharded_verdict`
 compares each rank only with the data-parallel replicas of its (tp, pp, ...) shard and names
-the shard too: different shards hold different weights by design.
+the shard too: different shards hold different weights by design. :func:`divergence_of` reads
+a verdict's abort reason back (the step, the ranks grouped by state, the first tensor), which
+is how a worker raises a `runtime.errors.StateDiverged` from the reason it was sent.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ __all__ = [
     "TensorNames",
     "Verdict",
     "digest_verdict",
+    "divergence_of",
     "sharded_verdict",
     "Commits",
 ]
@@ -143,6 +148,52 @@ def digest_verdict(
         abort=f"{where}: {digests} diverged with no majority: {listing}; "
         f"{_tensor_report(reports, names, ref, others)}"
     )
+
+
+_WHERE = (
+    r"step (?P<step>\d+)(?:, shard [^:]*)?: "
+    r"(?:parameter digests|the dp replicas' parameter digests)"
+)
+_MAJORITY = re.compile(
+    _WHERE + r" diverged: ranks \[(?P<bad>[\d, ]*)\] differ from the majority "
+    r"\(ranks \[(?P<good>[\d, ]*)\]\)"
+)
+_NO_MAJORITY = re.compile(
+    _WHERE + r" diverged with no majority: (?P<listing>ranks \[[\d, ]*\] have [0-9a-f]+"
+    r"(?:, ranks \[[\d, ]*\] have [0-9a-f]+)*)"
+)
+_GROUP = re.compile(r"ranks \[(?P<ranks>[\d, ]*)\] have")
+_FIRST_TENSOR = re.compile(
+    r"first differs from rank \d+ at tensor (?P<name>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+)
+
+
+def _ranks(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
+def divergence_of(reason: str) -> tuple[int, list[list[int]], str | None] | None:
+    """What a `digest_verdict` (or `sharded_verdict`) abort in ``reason`` says: the step, the
+    ranks grouped by the state they hold (the majority, or the group of the lowest rank, first)
+    and the first differing tensor's name (None when the reason names none, or clipped it).
+    None when ``reason`` holds no divergence. A sharded abort of several shards gives the first
+    shard's groups."""
+    found = _MAJORITY.search(reason)
+    if found is not None:
+        groups = [_ranks(found["good"]), _ranks(found["bad"])]
+    else:
+        found = _NO_MAJORITY.search(reason)
+        if found is None:
+            return None
+        groups = [_ranks(group["ranks"]) for group in _GROUP.finditer(found["listing"])]
+    first_tensor = None
+    named = _FIRST_TENSOR.search(reason, found.end())
+    if named is not None:
+        try:
+            first_tensor = ast.literal_eval(named["name"])
+        except (ValueError, SyntaxError):
+            first_tensor = None
+    return int(found["step"]), groups, first_tensor
 
 
 def sharded_verdict(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from runtime.collectives.group_names import derive_group_name
-from runtime.collectives.mesh import mesh_groups
+from runtime.collectives.mesh_layout import mesh_groups
 from runtime.errors import CollectiveError, plain_or_quoted, quoted
 from runtime.protocol.messages import GroupRanks, Joined
 

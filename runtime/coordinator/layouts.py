@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from runtime.collectives.mesh import mesh_coordinates
+from runtime.collectives.mesh_layout import mesh_coordinates
 from runtime.errors import plain_or_quoted
 from runtime.protocol.messages import DATA_PARALLEL_DIM, Joined, ParallelLayout
 

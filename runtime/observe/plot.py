@@ -74,15 +74,21 @@ def write_loss_plot(
     dpi: int = 100,
     log_y: bool = False,
     smoothing: float = 0.0,
+    highlight: str | None = None,
 ) -> Path:
     """Draw each series (name -> [(step, value), ...], steps increasing) as a line and save
     a ``size`` (width, height) pixel PNG at ``path`` (written atomically); returns the path.
 
     ``smoothing`` in [0, 1) overlays an exponential moving average on the faded raw curve.
-    Bad input (empty series, non-finite values, steps that do not increase, ...) raises
+    ``highlight`` names the series to read at a glance (the mean over ranks, say): it is drawn
+    last, bold and black (smoothed when ``smoothing`` is set, over its own faint raw curve),
+    and every other series thin and faint, raw. Bad input (empty series, non-finite values,
+    steps that do not increase, a ``highlight`` that names no series, ...) raises
     ``ValueError`` before anything is written.
     """
     data = _check_series(series, log_y)
+    if highlight is not None and highlight not in data:
+        raise ValueError(f"highlight {highlight!r} names no series (series: {', '.join(data)})")
     if not isinstance(title, str):
         raise ValueError(f"title must be a string, got {title!r}")
     if (
@@ -110,11 +116,23 @@ def write_loss_plot(
     for index, (name, (steps, values)) in enumerate(data.items()):
         color = f"C{index % 10}"
         marker = "o" if len(steps) == 1 else None
+        if highlight is not None:
+            if name != highlight:
+                ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8, label=name)
+            continue
         if smoothing > 0:
             ax.plot(steps, values, color=color, alpha=0.3, linewidth=1.0, marker=marker)
             ax.plot(steps, _ema(values, smoothing), color=color, linewidth=1.8, label=name)
         else:
             ax.plot(steps, values, color=color, linewidth=1.5, label=name, marker=marker)
+    if highlight is not None:
+        steps, values = data[highlight]
+        marker = "o" if len(steps) == 1 else None
+        label = highlight
+        if smoothing > 0:
+            ax.plot(steps, values, color="black", alpha=0.25, linewidth=0.8, marker=marker)
+            values, label = _ema(values, smoothing), f"{highlight} (smoothed)"
+        ax.plot(steps, values, color="black", linewidth=2.6, label=label, marker=marker, zorder=3)
     if log_y:
         ax.set_yscale("log")
 

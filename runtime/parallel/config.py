@@ -6,10 +6,12 @@ activation checkpointing.
 (a ``ValueError``) naming the field, and, when it came from a file, variable or flag, that source.
 It comes from a ``[parallelism]`` table in a TOML file, from ``PARAMSYNC_*`` environment variables
 (`ENV_VARS`) or from command-line flags (`add_arguments`), and `ParallelismConfig.resolve` layers
-them like `runtime.cli.train_config.DistributedTrainConfig.resolve`: flags > environment > TOML >
-defaults. ``tp_size`` is an alias of ``mp_size`` (the seed's name for tensor parallelism) in the
-constructor, the TOML table, the flags (``--tp-size``/``--mp-size``) and the environment
-(``PARAMSYNC_TP_SIZE``/``PARAMSYNC_MP_SIZE``).
+them through `runtime.config.layering.Layering`, as `runtime.train_config.DistributedTrainConfig`
+does: flags > environment > TOML > defaults. ``comm_backend`` is `runtime.config.CommBackend`, with
+its one variable (``PARAMSYNC_COMM_BACKEND``) and its one flag (``--comm-backend``), which the
+worker's command line shares. ``tp_size`` is an alias of ``mp_size`` (the seed's name for
+tensor parallelism) in the constructor, the TOML table, the flags (``--tp-size``/``--mp-size``)
+and the environment (``PARAMSYNC_TP_SIZE``/``PARAMSYNC_MP_SIZE``).
 
 The world size is not a field: it is checked where it is known, with `check_world` (or
 ``resolve(world_size=...)``), because it already has a source of truth (torchrun's WORLD_SIZE in
@@ -26,13 +28,19 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from runtime.config import (
+    COMM_BACKEND_ENV,
+    CommBackend,
+    Layering,
+    add_comm_backend_flag,
+    parse_bool,
+    parse_enum,
+    parse_int,
+)
 from runtime.errors import ConfigError
 from runtime.parallel.schedules import check_schedule_parameters
 
@@ -41,6 +49,7 @@ __all__ = [
     "PipelineSchedule",
     "MemoryOptimization",
     "ParallelismConfig",
+    "DEFAULT_INTERLEAVED_CHUNKS",
     "ENV_VARS",
     "FIELD_ALIASES",
     "TOML_TABLE",
@@ -58,12 +67,9 @@ MESH_NAMES = ("pp", "dp", "tp")
 FIELD_ALIASES = {"tp_size": "mp_size"}
 """Other names a field answers to, in every source."""
 
-
-class CommBackend(enum.Enum):
-    """Whose data plane moves the tensors: paramsync's own collectives, or torch.distributed's."""
-
-    PARAMSYNC = "paramsync"
-    TORCH = "torch"
+DEFAULT_INTERLEAVED_CHUNKS = 2
+"""``virtual_chunks`` when ``pipeline_schedule`` is ``interleaved_1f1b`` and no source gives it
+(Megatron's smallest interleaving)."""
 
 
 class PipelineSchedule(enum.Enum):
@@ -80,21 +86,6 @@ class MemoryOptimization(enum.Enum):
 
     NONE = "none"
     ZERO1 = "zero1"
-
-
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def _parse_enum(cls: type[_E], value: object, name: str) -> _E:
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower().replace("-", "_")
-        for member in cls:
-            if member.value == text:
-                return member
-    choices = ", ".join(repr(member.value) for member in cls)
-    raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -119,9 +110,11 @@ class ParallelismConfig:
     and different is an error; after construction ``tp_size`` always equals ``mp_size``).
     ``num_micro_batches`` is m, the micro-batches of one step through the pipeline;
     ``virtual_chunks`` is v, the model chunks each pipeline rank holds (``interleaved_1f1b``
-    only). ``accumulation_steps`` is how many steps' gradients accumulate before the optimizer
-    steps, and must be 1 unless ``gradient_accumulation`` is on. Enum fields also take their
-    values as strings (``"1f1b"``, ``"zero1"``).
+    only); left unsaid it is `DEFAULT_INTERLEAVED_CHUNKS` with ``interleaved_1f1b`` and 1 with
+    every other schedule, so seed 004's config, which has no chunk field, is valid as written.
+    ``accumulation_steps`` is how many steps' gradients accumulate before the optimizer steps,
+    and must be 1 unless ``gradient_accumulation`` is on. Enum fields also take their values as
+    strings (``"1f1b"``, ``"zero1"``).
     """
 
     dp_size: int = 1
@@ -133,7 +126,7 @@ class ParallelismConfig:
     activation_checkpointing: bool = False
     comm_backend: CommBackend = CommBackend.PARAMSYNC
     pipeline_schedule: PipelineSchedule = PipelineSchedule.GPIPE
-    virtual_chunks: int = 1
+    virtual_chunks: int = None  # type: ignore[assignment]  # None: the schedule's default
     memory_optimization: MemoryOptimization = MemoryOptimization.NONE
     tp_size: int | None = field(default=None, repr=False, compare=False)
 
@@ -152,7 +145,6 @@ class ParallelismConfig:
         object.__setattr__(self, "tp_size", mp)
         pp = _check_positive("pp_size", self.pp_size)
         m = _check_positive("num_micro_batches", self.num_micro_batches)
-        v = _check_positive("virtual_chunks", self.virtual_chunks)
         accumulate = _check_bool("gradient_accumulation", self.gradient_accumulation)
         steps = _check_positive("accumulation_steps", self.accumulation_steps)
         if steps != 1 and not accumulate:
@@ -162,14 +154,20 @@ class ParallelismConfig:
             )
         _check_bool("activation_checkpointing", self.activation_checkpointing)
         object.__setattr__(
-            self, "comm_backend", _parse_enum(CommBackend, self.comm_backend, "comm_backend")
+            self, "comm_backend", parse_enum(CommBackend, self.comm_backend, "comm_backend")
         )
-        schedule = _parse_enum(PipelineSchedule, self.pipeline_schedule, "pipeline_schedule")
+        schedule = parse_enum(PipelineSchedule, self.pipeline_schedule, "pipeline_schedule")
         object.__setattr__(self, "pipeline_schedule", schedule)
+        if self.virtual_chunks is None:
+            interleaved = schedule is PipelineSchedule.INTERLEAVED_1F1B
+            object.__setattr__(
+                self, "virtual_chunks", DEFAULT_INTERLEAVED_CHUNKS if interleaved else 1
+            )
+        v = _check_positive("virtual_chunks", self.virtual_chunks)
         object.__setattr__(
             self,
             "memory_optimization",
-            _parse_enum(MemoryOptimization, self.memory_optimization, "memory_optimization"),
+            parse_enum(MemoryOptimization, self.memory_optimization, "memory_optimization"),
         )
         _check_schedule(schedule, pp, m, v)
 
@@ -218,6 +216,14 @@ class ParallelismConfig:
             raise ConfigError(
                 f"num_layers={num_layers} does not split into pp_size={self.pp_size} x "
                 f"virtual_chunks={self.virtual_chunks} = {self.num_stages} equal stages"
+                + (
+                    f" (interleaved_1f1b holds {DEFAULT_INTERLEAVED_CHUNKS} chunks per rank "
+                    "unless told: give virtual_chunks, --virtual-chunks or "
+                    "PARAMSYNC_VIRTUAL_CHUNKS so that pp_size x virtual_chunks divides the "
+                    "layers, or another schedule)"
+                    if self.pipeline_schedule is PipelineSchedule.INTERLEAVED_1F1B
+                    else ""
+                )
             )
 
     # ------------------------------------------------------------------ sources
@@ -225,7 +231,7 @@ class ParallelismConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ParallelismConfig:
         """Build from the ``PARAMSYNC_*`` variables of `ENV_VARS`; unset ones take defaults."""
-        return cls(**_env_layer(os.environ if environ is None else environ))
+        return cls(**_LAYERING.from_env(os.environ if environ is None else environ))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> ParallelismConfig:
@@ -233,7 +239,7 @@ class ParallelismConfig:
 
         Other tables are left to other readers; unknown keys in ``[parallelism]`` are errors.
         """
-        return cls(**_toml_layer(path))
+        return cls(**_LAYERING.from_toml(path))
 
     @classmethod
     def resolve(
@@ -251,14 +257,7 @@ class ParallelismConfig:
         A field given by its alias in one layer and its name in another is one field: the
         higher layer wins. With ``world_size`` the result is checked against it (`check_world`).
         """
-        merged: dict[str, Any] = {}
-        if toml_path is not None:
-            merged.update(_toml_layer(toml_path))
-        merged.update(_env_layer(os.environ if environ is None else environ))
-        if overrides is not None:
-            given = {key: value for key, value in overrides.items() if value is not None}
-            merged.update(_coerce_layer(given, "flag"))
-        config = cls(**merged)
+        config = cls(**_LAYERING.resolve(toml_path, environ, overrides))
         if world_size is not None:
             config.check_world(world_size)
         return config
@@ -312,88 +311,31 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
 ENV_VARS: dict[str, str] = {
     **{name: f"PARAMSYNC_{name.upper()}" for name in _FIELDS},
     "num_micro_batches": "PARAMSYNC_MICRO_BATCHES",
+    "comm_backend": COMM_BACKEND_ENV,
     "tp_size": "PARAMSYNC_TP_SIZE",
 }
 """Each field's (and alias's) environment variable: ``PARAMSYNC_DP_SIZE``, ``PARAMSYNC_TP_SIZE``
 (or ``PARAMSYNC_MP_SIZE``), ``PARAMSYNC_PP_SIZE``, ``PARAMSYNC_MICRO_BATCHES``,
 ``PARAMSYNC_PIPELINE_SCHEDULE``, ``PARAMSYNC_MEMORY_OPTIMIZATION``, ..."""
 
-_INT_RE = re.compile(r"[+-]?[0-9]+")
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
 
 def _coerce_value(key: str, value: object, label: str) -> object:
+    """One source's value of ``key``, checked (`runtime.config.layering.Coerce`)."""
     if key in _INT_FIELDS or key in FIELD_ALIASES:
-        if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
-            return int(value.strip())
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{label} must be an integer, got {value!r}")
+        return parse_int(value, label)
     if key in _BOOL_FIELDS:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ConfigError(
-            f"{label} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}"
-        )
-    return _parse_enum(_ENUM_FIELDS[key], value, label)
+        return parse_bool(value, label)
+    return parse_enum(_ENUM_FIELDS[key], value, label)
 
 
-def _coerce_layer(values: Mapping[str, object], where: str) -> dict[str, Any]:
-    """One source's values, type-checked, the alias folded into its field. ``where`` names the
-    source ("flag", a file's table, "environment variable") in every error."""
-    out: dict[str, Any] = {}
-    aliased: dict[str, tuple[str, object]] = {}
-    for key, value in values.items():
-        if not isinstance(key, str) or (key not in _FIELDS and key not in FIELD_ALIASES):
-            known = ", ".join((*_FIELDS, *FIELD_ALIASES))
-            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {known})")
-        coerced = _coerce_value(key, value, f"{where} {key}")
-        target = FIELD_ALIASES.get(key, key)
-        if target in aliased and aliased[target][1] != coerced:
-            first, first_value = aliased[target]
-            raise ConfigError(
-                f"{where}: {first}={first_value!r} and {key}={coerced!r} name the same field "
-                f"{target} with different values"
-            )
-        aliased[target] = (key, coerced)
-        out[target] = coerced
-    return out
-
-
-def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    seen: dict[str, str] = {}
-    for key, var in ENV_VARS.items():
-        if var not in environ:
-            continue
-        target = FIELD_ALIASES.get(key, key)
-        value = _coerce_layer({key: environ[var]}, f"environment variable {var}")[target]
-        if target in out and out[target] != value:
-            raise ConfigError(
-                f"environment variables {seen[target]}={out[target]!r} and {var}={value!r} "
-                f"name the same field {target} with different values"
-            )
-        out[target] = value
-        seen[target] = var
-    return out
-
-
-def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    table = data.get(TOML_TABLE, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: '{TOML_TABLE}' must be a table, got {table!r}")
-    return _coerce_layer(table, f"{path} [{TOML_TABLE}]")
+_LAYERING = Layering(
+    table=TOML_TABLE,
+    fields=_FIELDS,
+    coerce=_coerce_value,
+    env_vars=ENV_VARS,
+    aliases=FIELD_ALIASES,
+)
+"""`ParallelismConfig`'s sources: the ``[parallelism]`` TOML table, `ENV_VARS`, flags."""
 
 
 # ---------------------------------------------------------------------- flags
@@ -437,11 +379,6 @@ _FLAGS: tuple[tuple[tuple[str, ...], str, dict[str, Any]], ...] = (
         {"action": argparse.BooleanOptionalAction, "help": "recompute activations in backward"},
     ),
     (
-        ("--comm-backend",),
-        "comm_backend",
-        {"choices": [b.value for b in CommBackend], "help": "collectives' data plane"},
-    ),
-    (
         ("--memory-optimization",),
         "memory_optimization",
         {"choices": [o.value for o in MemoryOptimization], "help": "optimizer-state sharding"},
@@ -457,8 +394,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallelism")
     for names, dest, options in _FLAGS:
         group.add_argument(*names, dest=f"parallel_{dest}", default=None, **options)
+    add_comm_backend_flag(group)  # the worker's one --comm-backend, when the parser has it
 
 
 def overrides_from_args(namespace: argparse.Namespace) -> dict[str, object]:
     """The flags `add_arguments` added, as ``resolve``'s overrides (None: not given)."""
-    return {dest: getattr(namespace, f"parallel_{dest}", None) for _, dest, _ in _FLAGS}
+    overrides = {dest: getattr(namespace, f"parallel_{dest}", None) for _, dest, _ in _FLAGS}
+    overrides["comm_backend"] = getattr(namespace, "comm_backend", None)
+    return overrides

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runtime.collectives.mesh import mesh_coordinates
+from runtime.collectives.mesh_layout import mesh_coordinates
 from runtime.errors import CollectiveError
 from runtime.protocol.messages import DATA_PARALLEL_DIM, ParallelLayout
 

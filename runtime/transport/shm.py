@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import trio
 
+from runtime.config import parse_bool
 from runtime.errors import CollectiveError, ProtocolError, StallError
 from runtime.protocol.messages import ShmHello, ShmMapped, ShmOffer, ShmReady, decode_message
 from runtime.protocol.wire import encode_frame_bytes
@@ -123,11 +124,12 @@ def host_identity(environ: Mapping[str, str] | None = None) -> str:
 
 
 def shared_memory_wanted(transport: SharedMemoryHolder) -> bool:
-    """The default: on, unless ``PARAMSYNC_SHM=0`` or the connections are TLS, which a
-    `BlockingLinkProvider` says by lending no links (who asked for TLS gets only the encrypted
-    sockets unless they ask for the plane too)."""
-    setting = os.environ.get("PARAMSYNC_SHM", "1").strip().lower()
-    if setting in ("0", "false", "no", "off"):
+    """The default: on, unless ``PARAMSYNC_SHM`` is false (``0``, ``false``, ``no``, ``off``:
+    `runtime.config.parse_bool`, which refuses a value that is no boolean) or the connections
+    are TLS, which a `BlockingLinkProvider` says by lending no links (who asked for TLS gets
+    only the encrypted sockets unless they ask for the plane too)."""
+    setting = os.environ.get("PARAMSYNC_SHM", "").strip()
+    if setting and not parse_bool(setting, "environment variable PARAMSYNC_SHM"):
         return False
     return not isinstance(transport, BlockingLinkProvider) or transport.supports_blocking
 

@@ -1,4 +1,5 @@
-"""Group configuration shared by transports, collectives and aggregators (seed 002)."""
+"""Who a process is in a group, and the addresses it dials (seed 002): shared by transports,
+collectives and aggregators."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ADVERTISE_ENV",
-    "COMM_BACKENDS",
     "DistributedConfig",
     "advertised_host",
-    "check_comm_backend",
     "parse_address",
 ]
 
@@ -20,19 +19,6 @@ ADVERTISE_ENV = "PARAMSYNC_ADVERTISE_ADDR"
 """The address a worker listens on for its peers and tells them to dial (``paramsync launch
 --advertise-addr``). Unset: the address of the interface its connection to the coordinator
 leaves through, which other hosts reach when the coordinator is given by a routable address."""
-
-COMM_BACKENDS = ("paramsync", "torch")
-"""The data planes a run can use: paramsync's own (TCP ring, shared memory) or torch's
-(`runtime.transport.torch_dist`). Here, not there, so that naming one needs no torch."""
-
-
-def check_comm_backend(value: object, where: str = "comm_backend") -> str:
-    """``value`` if it names a data plane (`COMM_BACKENDS`), else a ValueError naming ``where``."""
-    if value not in COMM_BACKENDS:
-        choices = ", ".join(repr(name) for name in COMM_BACKENDS)
-        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
-    assert isinstance(value, str)
-    return value
 
 
 def advertised_host(environ: Mapping[str, str] | None = None) -> str | None:

@@ -14,21 +14,33 @@ checks the files and returns the `TlsConfig`.
 
 ``comm_backend`` picks the data plane: ``"paramsync"`` (its own TCP ring and shared memory, the
 default) or ``"torch"`` (torch.distributed process groups, `runtime.transport.torch_dist`);
-flag ``--comm-backend``, variable ``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend``.
+flag ``--comm-backend``, variable ``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend``
+(`runtime.config.comm`).
+
+The command line (`runtime.cli`) and the library (`actors.train.run`, `actors.train.worker`)
+both build it from here; the sources are layered by `runtime.config.layering.Layering`, as
+`runtime.parallel.config.ParallelismConfig`'s are.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.config import DistributedConfig, check_comm_backend, parse_address
+from runtime.config import (
+    COMM_BACKEND_ENV,
+    CommBackend,
+    DistributedConfig,
+    Layering,
+    check_comm_backend,
+    parse_address,
+    parse_enum,
+    parse_int,
+)
 from runtime.errors import ConfigError, one_line
 from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from runtime.transport.tls import TlsConfig
@@ -39,7 +51,6 @@ if TYPE_CHECKING:  # torch is imported where a device is resolved: the launcher 
 __all__ = [
     "DEFAULT_COORDINATOR_HOST",
     "DEFAULT_COORDINATOR_PORT",
-    "COMM_BACKEND_ENV",
     "DistributedBackend",
     "DistributedRole",
     "DistributedTrainConfig",
@@ -80,11 +91,6 @@ TLS_ENV_VARS = {
     "tls_ca": "PARAMSYNC_TLS_CA",
 }
 
-COMM_BACKEND_ENV = "PARAMSYNC_COMM_BACKEND"
-"""The variable naming the data plane (``paramsync worker --comm-backend`` sets it)."""
-
-_INT_RE = re.compile(r"[+-]?[0-9]+")
-
 
 class DistributedRole(enum.Enum):
     """What a process does in the group: the coordinator (rank 0 by default) or a worker."""
@@ -95,7 +101,7 @@ class DistributedRole(enum.Enum):
     @classmethod
     def parse(cls, value: object) -> DistributedRole:
         """Return the role named by ``value`` (a role or its name, any case)."""
-        return _parse_enum(cls, value, "role")
+        return parse_enum(cls, value, "role")
 
 
 class DistributedBackend(enum.Enum):
@@ -108,7 +114,7 @@ class DistributedBackend(enum.Enum):
     @classmethod
     def parse(cls, value: object) -> DistributedBackend:
         """Return the backend named by ``value`` (a backend or its name, any case)."""
-        return _parse_enum(cls, value, "backend")
+        return parse_enum(cls, value, "backend")
 
     def resolve(self, local_rank: int = 0) -> torch.device:
         """The device to use: ``cpu``, or ``cuda:<local_rank>`` (one GPU per local process).
@@ -135,18 +141,6 @@ class DistributedBackend(enum.Enum):
                 f"GPU(s) are visible"
             )
         return torch.device("cuda", local_rank)
-
-
-def _parse_enum(cls: Any, value: object, field: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        try:
-            return cls(value.strip().lower())
-        except ValueError:
-            pass
-    choices = ", ".join(repr(m.value) for m in cls)
-    raise ValueError(f"{field} must be one of {choices}, got {value!r}")
 
 
 def _check_path(name: str, value: object) -> Path:
@@ -255,7 +249,7 @@ class DistributedTrainConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedTrainConfig:
         """Build from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
         MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_BACKEND); unset ones take defaults."""
-        return cls(**_env_layer(os.environ if environ is None else environ))
+        return cls(**_LAYERING.from_env(os.environ if environ is None else environ))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> DistributedTrainConfig:
@@ -263,7 +257,7 @@ class DistributedTrainConfig:
 
         Other tables are left for other readers; unknown keys in ``[distributed]`` are errors.
         """
-        return cls(**_toml_layer(path))
+        return cls(**_LAYERING.from_toml(path))
 
     @classmethod
     def resolve(
@@ -278,70 +272,36 @@ class DistributedTrainConfig:
         ``None`` values in ``overrides`` mean "not given" (argparse's default), so they do not
         mask lower layers; unknown override keys are errors.
         """
-        merged: dict[str, Any] = {}
-        if toml_path is not None:
-            merged.update(_toml_layer(toml_path))
-        merged.update(_env_layer(os.environ if environ is None else environ))
-        if overrides is not None:
-            merged.update(_overrides_layer(overrides))
-        return cls(**merged)
+        return cls(**_LAYERING.resolve(toml_path, environ, overrides))
 
 
-_FIELDS = tuple(f.name for f in fields(DistributedTrainConfig))
 _INT_FIELDS = ("world_size", "rank", "local_rank")
 
 
-def _coerce_int(value: object, where: str) -> int:
-    """An int, or a decimal string of one; ``where`` names the source in the error."""
-    if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
-        return int(value.strip())
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"{where} must be an integer, got {value!r}")
+def _coerce(key: str, value: object, label: str) -> object:
+    """One source's value of ``key``, checked (`runtime.config.layering.Coerce`)."""
+    if key in _INT_FIELDS:
+        return parse_int(value, label)
+    if key == "role":
+        return parse_enum(DistributedRole, value, label)
+    if key == "backend":
+        return parse_enum(DistributedBackend, value, label)
+    if key in TLS_ENV_VARS:
+        return _check_path(label, value)
+    if key == "comm_backend":
+        return CommBackend.parse(value, label).value
+    if not isinstance(value, str):
+        raise ConfigError(f"{label} must be a host:port string, got {value!r}")
+    try:
+        parse_address(value)
+    except ValueError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    return value
 
 
-def _coerce_fields(values: Mapping[object, object], where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if key not in _FIELDS:
-            known = ", ".join(_FIELDS)
-            raise ValueError(f"{where}: unknown key {key!r} (known keys: {known})")
-        assert isinstance(key, str)
-        label = f"{where} {key}"
-        if key in _INT_FIELDS:
-            out[key] = _coerce_int(value, label)
-        elif key == "role":
-            try:
-                out[key] = DistributedRole.parse(value)
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
-        elif key == "backend":
-            try:
-                out[key] = DistributedBackend.parse(value)
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
-        elif key in TLS_ENV_VARS:
-            out[key] = _check_path(label, value)
-        elif key == "comm_backend":
-            out[key] = check_comm_backend(
-                value.strip().lower() if isinstance(value, str) else value, label
-            )
-        else:
-            if not isinstance(value, str):
-                raise ValueError(f"{label} must be a host:port string, got {value!r}")
-            try:
-                parse_address(value)
-            except ValueError as exc:
-                raise ValueError(f"{label}: {exc}") from None
-            out[key] = value
-    return out
-
-
-def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for var, key in (("RANK", "rank"), ("WORLD_SIZE", "world_size"), ("LOCAL_RANK", "local_rank")):
-        if var in environ:
-            out[key] = _coerce_int(environ[var], f"environment variable {var}")
+def _address_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The coordinator's address: $PARAMSYNC_COORDINATOR_ADDR, else torchrun's MASTER_ADDR and
+    MASTER_PORT (each defaulted when only the other is set)."""
     host = environ.get("MASTER_ADDR")
     port_text = environ.get("MASTER_PORT")
     given = environ.get(COORDINATOR_ADDR_ENV)
@@ -349,47 +309,53 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
         try:
             parse_address(given.strip())
         except ValueError as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"environment variable {COORDINATOR_ADDR_ENV}={given!r}: {exc}"
             ) from None
-        out["coordinator_addr"] = given.strip()
-    elif host is not None or port_text is not None:
-        if host is not None:
-            if not isinstance(host, str):
-                raise ValueError(f"environment variable MASTER_ADDR={host!r} is not a string")
-            host = host.strip()
-            if not host or any(c.isspace() or c in "[]/" for c in host):
-                raise ValueError(f"environment variable MASTER_ADDR={host!r} is not a host name")
-        else:
-            host = DEFAULT_COORDINATOR_HOST
-        if port_text is not None:
-            port = _coerce_int(port_text, "environment variable MASTER_PORT")
-            if not 0 <= port <= 65535:
-                raise ValueError(
-                    f"environment variable MASTER_PORT={port_text!r} is not in 0-65535"
-                )
-        else:
-            port = DEFAULT_COORDINATOR_PORT
-        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            parse_address(addr)
-        except ValueError as exc:
-            raise ValueError(f"environment variable MASTER_ADDR={host!r}: {exc}") from None
-        out["coordinator_addr"] = addr
-    for var, key in (("PARAMSYNC_ROLE", "role"), ("PARAMSYNC_BACKEND", "backend")):
-        if var in environ:
-            out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
-    for key, var in TLS_ENV_VARS.items():
-        if var in environ:
-            out.update(_coerce_fields({key: environ[var]}, f"environment variable {var}"))
-    if COMM_BACKEND_ENV in environ:
-        out.update(
-            _coerce_fields(
-                {"comm_backend": environ[COMM_BACKEND_ENV]},
-                f"environment variable {COMM_BACKEND_ENV}",
-            )
-        )
-    return out
+        return {"coordinator_addr": given.strip()}
+    if host is None and port_text is None:
+        return {}
+    if host is not None:
+        if not isinstance(host, str):
+            raise ConfigError(f"environment variable MASTER_ADDR={host!r} is not a string")
+        host = host.strip()
+        if not host or any(c.isspace() or c in "[]/" for c in host):
+            raise ConfigError(f"environment variable MASTER_ADDR={host!r} is not a host name")
+    else:
+        host = DEFAULT_COORDINATOR_HOST
+    if port_text is not None:
+        port = parse_int(port_text, "environment variable MASTER_PORT")
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"environment variable MASTER_PORT={port_text!r} is not in 0-65535")
+    else:
+        port = DEFAULT_COORDINATOR_PORT
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        parse_address(addr)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable MASTER_ADDR={host!r}: {exc}") from None
+    return {"coordinator_addr": addr}
+
+
+_LAYERING = Layering(
+    table="distributed",
+    fields=tuple(f.name for f in fields(DistributedTrainConfig)),
+    coerce=_coerce,
+    env_vars={
+        "rank": "RANK",
+        "world_size": "WORLD_SIZE",
+        "local_rank": "LOCAL_RANK",
+        "role": "PARAMSYNC_ROLE",
+        "backend": "PARAMSYNC_BACKEND",
+        **TLS_ENV_VARS,
+        "comm_backend": COMM_BACKEND_ENV,
+    },
+    paths=tuple(TLS_ENV_VARS),
+    flag_source="override",
+    env_extra=_address_from_env,
+)
+"""`DistributedTrainConfig`'s sources: the ``[distributed]`` TOML table, torchrun's and
+paramsync's variables, flags (named "override" in errors)."""
 
 
 def resolve_tls(
@@ -400,35 +366,10 @@ def resolve_tls(
     over ``PARAMSYNC_TLS_*`` in ``environ`` (default ``os.environ``). All three or none; the
     files are read and checked. Every problem is a ``ValueError`` naming the flag or file."""
     env = os.environ if environ is None else environ
-    merged: dict[str, Any] = {}
-    for key, var in TLS_ENV_VARS.items():
-        if var in env:
-            merged.update(_coerce_fields({key: env[var]}, f"environment variable {var}"))
+    merged = _LAYERING.from_env({var: env[var] for var in TLS_ENV_VARS.values() if var in env})
     if flags is not None:
-        merged.update(_overrides_layer(flags))
+        merged.update(_LAYERING.from_flags(flags))
     return DistributedTrainConfig(**merged).tls_config()
-
-
-def _toml_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    table = data.get("distributed", {})
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: 'distributed' must be a table, got {table!r}")
-    out = _coerce_fields(table, f"{path} [distributed]")
-    for key in TLS_ENV_VARS:
-        if key in out:  # relative to the TOML file, not to the working directory
-            out[key] = path.parent / out[key]
-    return out
-
-
-def _overrides_layer(overrides: Mapping[str, object]) -> dict[str, Any]:
-    given: dict[object, object] = {k: v for k, v in overrides.items() if v is not None}
-    return _coerce_fields(given, "override")
 
 
 def shared_secret(secret: bytes | str | None = None) -> bytes:

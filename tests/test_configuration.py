@@ -1,0 +1,184 @@
+"""One configuration: one layering engine for every configuration's sources, one `CommBackend`
+with one variable and one flag, one boolean parser, and `DistributedTrainConfig` in a
+configuration module that the command line and the library both use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+import grimp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import runtime
+from runtime import config as config_module
+from runtime.cli.jobs import WorkerJob
+from runtime.cli.main import build_parser
+from runtime.config import (
+    COMM_BACKEND_ENV,
+    COMM_BACKENDS,
+    CommBackend,
+    Layering,
+    add_comm_backend_flag,
+    check_comm_backend,
+    parse_bool,
+    parse_int,
+)
+from runtime.errors import ConfigError
+from runtime.parallel import config as parallel_config
+from runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
+from runtime.train_config import DistributedTrainConfig
+from runtime.transport import shm, torch_dist
+
+# --------------------------------------------------------------------------- the engine
+
+
+def toy_layering() -> Layering:
+    return Layering(
+        table="toy",
+        fields=("a", "b", "c"),
+        coerce=lambda key, value, label: parse_int(value, label),
+        env_vars={"a": "TOY_A", "b": "TOY_B", "c": "TOY_C", "alias_c": "TOY_ALIAS_C"},
+        aliases={"alias_c": "c"},
+    )
+
+
+LAYER = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(-5, 5), max_size=3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(toml=LAYER, env=LAYER, flags=LAYER, unset=st.sets(st.sampled_from(["a", "b", "c"])))
+def test_flags_win_over_the_environment_over_the_file(
+    tmp_path_factory: pytest.TempPathFactory,
+    toml: dict[str, int],
+    env: dict[str, int],
+    flags: dict[str, int],
+    unset: set[str],
+) -> None:
+    path = tmp_path_factory.mktemp("toy") / "toy.toml"
+    path.write_text("[toy]\n" + "".join(f"{k} = {v}\n" for k, v in toml.items()))
+    environ = {f"TOY_{k.upper()}": f" {v} " for k, v in env.items()}
+    overrides: dict[str, object] = {**flags, **dict.fromkeys(unset - flags.keys())}
+    merged = toy_layering().resolve(path, environ, overrides)
+    assert merged == {**toml, **env, **flags}
+
+
+def test_the_engine_names_every_source_in_its_errors(tmp_path: Path) -> None:
+    layering = toy_layering()
+    with pytest.raises(ConfigError, match="environment variable TOY_A a must be an integer"):
+        layering.from_env({"TOY_A": "x"})
+    with pytest.raises(ConfigError, match="TOY_C=1 and TOY_ALIAS_C=2"):
+        layering.from_env({"TOY_C": "1", "TOY_ALIAS_C": "2"})
+    assert layering.from_env({"TOY_ALIAS_C": "3"}) == {"c": 3}
+    with pytest.raises(ConfigError, match="flag: unknown key 'd'"):
+        layering.from_flags({"d": 1})
+    with pytest.raises(ConfigError, match="cannot read"):
+        layering.from_toml(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("[toy\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        layering.from_toml(tmp_path / "bad.toml")
+    (tmp_path / "ok.toml").write_text("[other]\nz = 1\n")
+    assert layering.from_toml(tmp_path / "ok.toml") == {}
+
+
+def test_both_configurations_resolve_through_the_engine() -> None:
+    for module in (importlib.import_module("runtime.train_config"), parallel_config):
+        layerings = [v for v in vars(module).values() if isinstance(v, Layering)]
+        assert len(layerings) == 1, module.__name__
+    source = Path(parallel_config.__file__).read_text()
+    assert "tomllib" not in source and "_TRUE" not in source
+
+
+# --------------------------------------------------------------------------- one CommBackend
+
+
+def test_one_comm_backend_one_variable() -> None:
+    assert parallel_config.CommBackend is CommBackend
+    assert torch_dist.COMM_BACKENDS is COMM_BACKENDS == ("paramsync", "torch")
+    assert torch_dist.check_comm_backend is check_comm_backend
+    assert parallel_config.ENV_VARS["comm_backend"] == COMM_BACKEND_ENV
+    assert CommBackend.parse(" Torch ") is CommBackend.TORCH
+    assert check_comm_backend("torch") == "torch"
+    assert check_comm_backend(CommBackend.TORCH) == "torch"
+    for bad in ("Torch", "nccl", 3, None):  # values in code are taken as written
+        with pytest.raises(ConfigError, match="comm_backend must be one of 'paramsync', 'torch'"):
+            check_comm_backend(bad)
+    env = {COMM_BACKEND_ENV: "torch"}
+    assert DistributedTrainConfig.from_env(env).comm_backend == "torch"
+    assert ParallelismConfig.from_env(env).comm_backend is CommBackend.TORCH
+
+
+def test_one_comm_backend_flag_for_the_worker_and_the_parallelism_flags() -> None:
+    def job_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        add_arguments(parser)  # a 3D job's flags, on the worker's command line
+        return parser
+
+    async def run(args: argparse.Namespace) -> int:
+        return 0
+
+    parser = build_parser(WorkerJob("tests.a_3d_job", job_flags, run))
+    args = parser.parse_args(["worker", "--comm-backend", "torch", "--pp-size", "2"])
+    assert args.comm_backend == "torch"
+    config = ParallelismConfig.resolve(None, {}, overrides_from_args(args))
+    assert config.comm_backend is CommBackend.TORCH and config.pp_size == 2
+    flags = [
+        action
+        for action in parser._subparsers._group_actions[0].choices["worker"]._actions  # type: ignore[union-attr]
+        if "--comm-backend" in action.option_strings
+    ]
+    assert len(flags) == 1
+    alone = argparse.ArgumentParser()
+    add_arguments(alone)
+    add_comm_backend_flag(alone)  # a second call adds nothing
+    assert alone.parse_args([]).comm_backend is None
+    assert (
+        overrides_from_args(alone.parse_args(["--comm-backend", "paramsync"]))["comm_backend"]
+        == "paramsync"
+    )
+
+
+# --------------------------------------------------------------------------- one bool parser
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1", True), (" On ", True), ("yes", True), ("TRUE", True), ("0", False), ("off", False)],
+)
+def test_one_boolean_parser(text: str, value: bool) -> None:
+    assert parse_bool(text, "x") is value
+    assert parse_bool(value, "x") is value
+
+
+def test_every_boolean_setting_uses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(
+        ConfigError, match="PARAMSYNC_GRADIENT_ACCUMULATION gradient_accumulation must be a bool"
+    ):
+        ParallelismConfig.from_env({"PARAMSYNC_GRADIENT_ACCUMULATION": "maybe"})
+    holder = object()
+    for text, wanted in (("off", False), ("no", False), ("1", True), ("", True)):
+        monkeypatch.setenv("PARAMSYNC_SHM", text)
+        assert shm.shared_memory_wanted(holder) is wanted  # type: ignore[arg-type]
+    monkeypatch.setenv("PARAMSYNC_SHM", "maybe")
+    with pytest.raises(ConfigError, match="PARAMSYNC_SHM must be a bool"):
+        shm.shared_memory_wanted(holder)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- where it lives
+
+
+def test_the_train_config_lives_below_the_command_line() -> None:
+    assert runtime.DistributedTrainConfig is DistributedTrainConfig
+    assert DistributedTrainConfig.__module__ == "runtime.train_config"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("runtime.cli.train_config")
+    graph = grimp.build_graph("runtime", "actors")
+    for library in ("actors.train.run", "actors.train.worker"):
+        imported = graph.find_modules_directly_imported_by(library)
+        assert "runtime.train_config" in imported
+        # Of the command line, the library uses only the torchrun rendezvous (its store).
+        assert {m for m in imported if m.startswith("runtime.cli")} <= {"runtime.cli.torchrun"}
+    assert "runtime.train_config" in graph.find_modules_directly_imported_by("runtime.cli.main")
+    assert config_module.CommBackend is CommBackend

@@ -1,0 +1,183 @@
+"""docs/protocol.md and docs/shared_memory.md checked against the bytes of a real connection.
+
+Two ranks run the real handshake (`dial`, `accept`) through a proxy that records every byte of
+each direction, then exchange frames (one with a bulk tensor each way). Section 8's reading code,
+taken from the document and run as it is written, must read each direction from its first byte
+to its last: the handshake's two frames without a trailer, then every frame with its tag checked
+against section 5.4's keys and counter starting at 0 with the third frame. Section 5.4's test
+vector is a current-version frame whose trailers the reference implementation reproduces, and
+the shared-memory plane's ``shm_hello.host`` is what shared_memory.md says it is.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import socket
+import struct
+from pathlib import Path
+
+import cbor2
+import numpy as np
+import pytest
+import torch
+import trio
+
+from runtime.protocol.frame_auth import FrameSealer, direction_keys
+from runtime.protocol.handshake import Identity
+from runtime.protocol.messages import ShmHello
+from runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
+from runtime.transport import shm
+from runtime.transport.tcp import DEFAULT_GROUP, Connection, accept, dial
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOCOL = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
+SECRET = b"protocol-doc-test-secret-0123456789"
+
+
+def section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end >= 0 else len(text)]
+
+
+def reader() -> dict:
+    """Section 8's Python code, executed as the document writes it."""
+    (code,) = re.findall(r"```python\n(.*?)```", section(PROTOCOL, "## 8. Reading a frame"), re.S)
+    namespace: dict = {}
+    exec(compile(code, "docs/protocol.md section 8", "exec"), namespace)
+    return namespace
+
+
+async def capture(monkeypatch) -> tuple[bytes, bytes, bytes]:  # type: ignore[no-untyped-def]
+    """(dialer -> listener bytes, listener -> dialer bytes, the session key) of a connection
+    that ran the handshake and then one frame each way, each with a bulk tensor."""
+    keys: list[bytes] = []
+    original = Connection.authenticate_frames
+
+    def spy(self: Connection, session_key: bytes, *, dialer: bool) -> None:
+        keys.append(session_key)
+        original(self, session_key, dialer=dialer)
+
+    monkeypatch.setattr(Connection, "authenticate_frames", spy)
+    to_listener, to_dialer = bytearray(), bytearray()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    proxies = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    upstream = listeners[0].socket.getsockname()[:2]
+    proxy = proxies[0].socket.getsockname()[:2]
+
+    async def pump(source: trio.SocketStream, sink: trio.SocketStream, into: bytearray) -> None:
+        while data := await source.receive_some():
+            into += data
+            await sink.send_all(data)
+        await sink.send_eof()
+
+    async with trio.open_nursery() as nursery:
+
+        async def relay() -> None:
+            downstream = await proxies[0].accept()
+            up = await trio.open_tcp_stream(*upstream)
+            async with trio.open_nursery() as pumps:
+                pumps.start_soon(pump, downstream, up, to_listener)
+                pumps.start_soon(pump, up, downstream, to_dialer)
+
+        async def listen(done: list, welcomed: trio.Event) -> None:
+            stream = await listeners[0].accept()
+            me = Identity(DEFAULT_GROUP, 2, 0)
+            done.append((await accept(stream, SECRET, me, lambda _peer: None))[0])
+            welcomed.set()
+
+        nursery.start_soon(relay)
+        accepted: list[Connection] = []
+        welcomed = trio.Event()
+        nursery.start_soon(listen, accepted, welcomed)
+        dialer, _ = await dial(proxy, SECRET, Identity(DEFAULT_GROUP, 2, 1))
+        await welcomed.wait()
+        listener = accepted[0]
+        await dialer.send("coll", {"op": 1, "hop": 0, "part": 0}, torch.tensor([1.0, 2.0, 3.0]))
+        await listener.recv()
+        await listener.send("coll", {"op": 1, "hop": 1, "part": 0}, torch.arange(4))
+        await dialer.recv()
+        await dialer.aclose()
+        await listener.aclose()
+    await listeners[0].aclose()
+    await proxies[0].aclose()
+    assert len(set(keys)) == 1 and len(keys) == 2, "both ends derive one session key"
+    return bytes(to_listener), bytes(to_dialer), keys[0]
+
+
+def test_section_8_reads_both_directions_of_a_real_connection(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    to_listener, to_dialer, session_key = trio.run(capture, monkeypatch)
+    doc = reader()
+    assert doc["VERSION"] == PROTOCOL_VERSION
+    for data, from_dialer, handshake, bulk in (
+        (to_listener, True, ["hello", "auth"], [1.0, 2.0, 3.0]),
+        (to_dialer, False, ["challenge", "welcome"], [0, 1, 2, 3]),
+    ):
+        stream = io.BytesIO(data)
+        kinds = [doc["read_frame"](stream)["kind"] for _ in handshake]  # no trailers
+        assert kinds == handshake
+        check = doc["TagCheck"](doc["direction_key"](session_key, from_dialer))
+        frames = []
+        while stream.tell() < len(data):
+            frames.append(doc["read_frame"](stream, check))
+        assert stream.tell() == len(data) and check.n == len(frames) == 1  # frame 0: the third
+        assert frames[0]["kind"] == "coll"
+        assert np.array_equal(doc["to_array"](frames[0]["data"]), np.array(bulk))
+    assert doc["direction_key"](session_key, True) == direction_keys(session_key)[0]
+
+
+def test_a_frame_read_without_its_trailer_loses_the_stream(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Why section 8 reads the trailer: read as a handshake frame, the next prefix is the
+    trailer's bytes, and the reader stops there."""
+    to_listener, _, _ = trio.run(capture, monkeypatch)
+    doc = reader()
+    stream = io.BytesIO(to_listener)
+    for _ in range(3):  # hello, auth, then the first authenticated frame without its trailer
+        doc["read_frame"](stream)
+    with pytest.raises((ValueError, struct.error, cbor2.CBORDecodeError)):
+        doc["read_frame"](stream)
+
+
+def test_the_test_vector_is_a_current_frame_with_its_trailers() -> None:
+    text = section(PROTOCOL, "### 5.4 Frame authentication")
+    session_key = bytes.fromhex(re.search(r"session key\s*`([0-9a-f]{64})`", text)[1])
+    k_dl = bytes.fromhex(re.search(r"`k_dl = ([0-9a-f]{64})`", text)[1])
+    k_ld = bytes.fromhex(re.search(r"`k_ld = ([0-9a-f]{64})`", text)[1])
+    assert direction_keys(session_key) == (k_dl, k_ld)
+    frame = bytes.fromhex(re.search(r"```\n([0-9a-f]+)\n```", text)[1])
+    assert frame == encode_frame_bytes("rdv_join", {"host": "10.0.0.2", "port": 29500})
+    assert cbor2.loads(frame[8:])["v"] == PROTOCOL_VERSION
+    dialer_0, dialer_1, listener_0 = re.findall(r"`(50[0-9a-f]{32})`", text)
+    sealer = FrameSealer(k_dl)
+    assert [sealer.seal([frame]).hex(), sealer.seal([frame]).hex()] == [dialer_0, dialer_1]
+    assert FrameSealer(k_ld).seal([frame]).hex() == listener_0
+    doc = reader()
+    check = doc["TagCheck"](k_dl)
+    check(frame, bytes.fromhex(dialer_0))
+    check(frame, bytes.fromhex(dialer_1))
+    assert check.n == 2
+
+
+def test_shm_hello_host_is_what_the_shared_memory_document_says() -> None:
+    doc = (ROOT / "docs" / "shared_memory.md").read_text(encoding="utf-8")
+    assert "the network namespace (`readlink /proc/self/ns/net`" in doc
+    host = cbor2.loads(encode_frame_bytes(*_hello(shm.host_identity({})))[8:])["host"]
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    netns = os.readlink("/proc/self/ns/net")
+    assert re.fullmatch(r"net:\[[0-9]+\]", netns)
+    assert host == f"{boot}/{netns}/{socket.gethostname()}"
+    given = cbor2.loads(
+        encode_frame_bytes(*_hello(shm.host_identity({"PARAMSYNC_HOST_ID": "a"})))[8:]
+    )
+    assert given["host"] == "id:a"
+    long = "x" * 129
+    hashed = shm.host_identity({"PARAMSYNC_HOST_ID": long})
+    assert re.fullmatch(r"id-sha256:[0-9a-f]{64}", hashed)
+
+
+def _hello(host: str) -> tuple[str, dict]:
+    message = ShmHello(host=host, want=True)
+    wire = message.to_wire()
+    return wire[0], wire[1]
