@@ -615,6 +615,17 @@ class WorkerProtocol:
             return False
         return digest in self._known
 
+    def may_cache(self, bucket: int, digest: str, epoch: int) -> bool:
+        """Whether a ready of ``bucket`` whose spec hashes to ``digest`` may be reduced at once
+        from the response cache: that spec was agreed at that bucket, or (``cache_by_spec``)
+        anywhere in the epoch."""
+        if epoch != self._cache_epoch:
+            return False
+        agreed = self._agreed.get(bucket)
+        if agreed is not None and spec_hash(agreed) == digest:
+            return True
+        return self.cache_by_spec and digest in self._known
+
     def id_bound(self, epoch: int) -> int:
         """One past the highest bucket agreed in ``epoch`` (the coordinator's bound on the
         bucket ids of ready reports held ahead of a step: `ResponseCache.id_bound`)."""

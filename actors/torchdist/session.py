@@ -379,7 +379,7 @@ class GroupSession:
             await client.wait_commit(self.step - 1)
         spec = op.call.spec()
         digest = spec_hash(spec)
-        op.cached = self.options.response_cache and protocol.knows(digest, epoch)
+        op.cached = self.options.response_cache and protocol.may_cache(op.bucket, digest, epoch)
         op.op_id = (int(digest[-10:], 16) << 23) | ((self._calls & 0xFFFF) << 7)
         self._calls += 1
         await client.ready(op.step, op.bucket, digest if op.cached else spec, cached=op.cached)
