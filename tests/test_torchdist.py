@@ -139,6 +139,21 @@ def test_results_are_the_single_process_values(
     )
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_tensors_are_reduced_bitwise_alike(tmp_path: Path) -> None:
+    """The same collectives on CUDA tensors (2 ranks sharing the GPU, staged through host
+    memory): every rank gets bitwise the same results, and the point-to-point message."""
+    results = launch("collectives", 2, tmp_path, TORCHDIST_DEVICE="cuda")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
+    ours = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for key in ours[0]:
+        if key not in PER_RANK:
+            assert torch.equal(ours[0][key], ours[1][key]), key
+    assert torch.equal(ours[1]["recv"], torch.full((5,), 7.0))
+
+
 def test_ranks_calling_different_collectives_are_named(tmp_path: Path) -> None:
     results = launch("mismatch_op", 2, tmp_path, seconds=60)
     assert [code for code, _ in results] == [3, 3], results

@@ -33,12 +33,16 @@ REDUCE_OPS = {
 }
 
 
-def values(rank: int, dtype: torch.dtype, n: int = 37) -> torch.Tensor:
+DEVICE = os.environ.get("TORCHDIST_DEVICE", "cpu")
+"""Where the collectives' tensors live (``cuda``: staged through host memory by the backend)."""
+
+
+def values(rank: int, dtype: torch.dtype, n: int = 37, device: str = "cpu") -> torch.Tensor:
     """Rank ``rank``'s input: seeded per rank, so every rank can compute every input."""
     gen = torch.Generator().manual_seed(1000 + rank)
     if dtype.is_floating_point:
-        return torch.randn(n, generator=gen).to(dtype)
-    return torch.randint(1, 100, (n,), generator=gen).to(dtype)
+        return torch.randn(n, generator=gen).to(dtype).to(device)
+    return torch.randint(1, 100, (n,), generator=gen).to(dtype).to(device)
 
 
 def collectives(rank: int, world: int) -> dict[str, Any]:
@@ -49,38 +53,44 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
                 continue
             if name in ("band", "bor", "bxor") and dtype.is_floating_point:
                 continue
-            t = values(rank, dtype)
+            t = values(rank, dtype, device=DEVICE)
             dist.all_reduce(t, op=op)
             out[f"allreduce/{name}/{dtype}"] = t
-    big = values(rank, torch.float32, 300_000)  # the ring, in parts
+    big = values(rank, torch.float32, 300_000, device=DEVICE)  # the ring, in parts
     dist.all_reduce(big)
     out["allreduce/big"] = big
-    b = values(rank, torch.bfloat16)
+    b = values(rank, torch.bfloat16, device=DEVICE)
     dist.all_reduce(b)
     out["allreduce/bfloat16"] = b
-    c = torch.complex(values(rank, torch.float32), values(rank + 7, torch.float32))
+    c = torch.complex(
+        values(rank, torch.float32, device=DEVICE), values(rank + 7, torch.float32, device=DEVICE)
+    )
     dist.all_reduce(c)
     out["allreduce/complex64"] = c
     for root in range(world):
-        t = values(rank, torch.float32)
+        t = values(rank, torch.float32, device=DEVICE)
         dist.broadcast(t, src=root)
         out[f"broadcast/{root}"] = t
-    gathered = [torch.empty(37) for _ in range(world)]
-    dist.all_gather(gathered, values(rank, torch.float32))
+    gathered = [torch.empty(37, device=DEVICE) for _ in range(world)]
+    dist.all_gather(gathered, values(rank, torch.float32, device=DEVICE))
     out["allgather"] = torch.stack(gathered)
-    flat = torch.empty(37 * world)
-    dist.all_gather_into_tensor(flat, values(rank, torch.float32))
+    flat = torch.empty(37 * world, device=DEVICE)
+    dist.all_gather_into_tensor(flat, values(rank, torch.float32, device=DEVICE))
     out["allgather_into_tensor"] = flat
-    part = torch.empty(8)
-    dist.reduce_scatter_tensor(part, values(rank, torch.float32, 8 * world))
+    part = torch.empty(8, device=DEVICE)
+    dist.reduce_scatter_tensor(part, values(rank, torch.float32, 8 * world, device=DEVICE))
     out["reduce_scatter_tensor"] = part
-    listed = torch.empty(8)
-    dist.reduce_scatter(listed, list(values(rank, torch.float32, 8 * world).chunk(world)))
+    listed = torch.empty(8, device=DEVICE)
+    dist.reduce_scatter(
+        listed, list(values(rank, torch.float32, 8 * world, device=DEVICE).chunk(world))
+    )
     out["reduce_scatter"] = listed
-    a2a = torch.empty(4 * world)
-    dist.all_to_all_single(a2a, torch.arange(4 * world, dtype=torch.float32) + 100 * rank)
+    a2a = torch.empty(4 * world, device=DEVICE)
+    dist.all_to_all_single(
+        a2a, torch.arange(4 * world, dtype=torch.float32, device=DEVICE) + 100 * rank
+    )
     out["all_to_all_single"] = a2a
-    work = dist.all_reduce(values(rank, torch.float32), async_op=True)
+    work = dist.all_reduce(values(rank, torch.float32, device=DEVICE), async_op=True)
     assert work is not None
     future = work.get_future()
     work.wait()
@@ -95,13 +105,13 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
             out["recv"] = got
     sub = dist.new_group(list(range(world - 1, -1, -1))[:2])
     if rank in (world - 1, world - 2):
-        t = values(rank, torch.float32)
+        t = values(rank, torch.float32, device=DEVICE)
         dist.all_reduce(t, group=sub)
         out["subgroup"] = t
     objects: list[Any] = [None] * world
     dist.all_gather_object(objects, {"rank": rank})
     out["objects"] = torch.tensor([o["rank"] for o in objects])
-    return out
+    return {key: value.cpu() for key, value in out.items()}
 
 
 def train(
