@@ -191,6 +191,13 @@ def test_ddp_replicas_end_bitwise_identical(tmp_path: Path) -> None:
         assert torch.equal(states[0][key], states[1][key]), key
 
 
+def test_state_ddp_does_not_replicate_is_never_flagged(tmp_path: Path) -> None:
+    """A rank-local head, different on every rank, stepped by the DDP module's optimizer:
+    the proof compares the module and its part of the optimizer only."""
+    results = launch("local_head", 2, tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+
+
 def test_a_nudged_replica_is_caught_at_that_step(tmp_path: Path) -> None:
     results = launch("nudge", 2, tmp_path)
     assert [code for code, _ in results] == [3, 3], results

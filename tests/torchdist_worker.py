@@ -174,6 +174,18 @@ def main() -> None:
             dist.all_reduce(torch.ones(4 + rank_i))
         elif scenario == "train":
             torch.save(train(rank_i, 6).state_dict(), out / f"rank{rank}.pt")
+        elif scenario == "local_head":
+            # DDP replicates the body; a head kept per rank (different on each) is stepped by
+            # the same optimizer: only the body and its optimizer state are compared.
+            torch.manual_seed(0)
+            body = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+            torch.manual_seed(100 + rank_i)
+            head = torch.nn.Linear(8, 2)
+            optimizer = torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-2)
+            for _ in range(4):
+                optimizer.zero_grad()
+                head(body(torch.randn(4, 8))).sum().backward()
+                optimizer.step()
         elif scenario == "nudge":
             train(rank_i, 8, nudge_at=3)
         elif scenario == "kill":

@@ -86,12 +86,46 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             raise failure
 
 
-class _Binding:
-    """What one optimizer steps: the DDP modules (of paramsync groups) among its parameters."""
+class _ReplicatedPart:
+    """The part of an optimizer that steps one DDP module's parameters: its param groups with
+    only those parameters, and its state. An optimizer that also steps parameters outside
+    the module (a rank-local head) is hashed through this, so their state, which DDP does not
+    replicate, never enters the comparison."""
 
-    def __init__(self, modules: list[tuple[torch.nn.Module, ProcessGroupParamsync]]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+        self._optimizer = optimizer
+        self._ids = {id(p) for p in module.parameters()}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {**group, "params": [p for p in group["params"] if id(p) in self._ids]}
+            for group in self._optimizer.param_groups
+        ]
+
+    @property
+    def state(self) -> Any:
+        return self._optimizer.state
+
+
+class _Binding:
+    """What one optimizer steps: the DDP modules (of paramsync groups) among its parameters,
+    and what of the optimizer to hash with each (all of it when it steps only the module)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        modules: list[tuple[torch.nn.Module, ProcessGroupParamsync]],
+    ) -> None:
         self.modules = [(weakref.ref(m), weakref.ref(g)) for m, g in modules]
         self.hashers: list[StateHasher] = [StateHasher() for _ in modules]
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.parts: list[Any] = []
+        for module, _ in modules:
+            if stepped <= {id(p) for p in module.parameters()}:
+                self.parts.append(optimizer)
+            else:
+                self.parts.append(_ReplicatedPart(optimizer, module))
 
 
 _BINDINGS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Binding] = weakref.WeakKeyDictionary()
@@ -114,7 +148,7 @@ def _bind(optimizer: torch.optim.Optimizer) -> _Binding:
             found.append((ddp.module, group))
     # The same order on every rank: by the module's parameter names and shapes.
     found.sort(key=lambda pair: [(n, tuple(p.shape)) for n, p in pair[0].named_parameters()])
-    return _Binding(found)
+    return _Binding(optimizer, found)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -124,13 +158,13 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if binding is None:
         binding = _BINDINGS[optimizer] = _bind(optimizer)
     per_group: dict[int, tuple[ProcessGroupParamsync, list[tuple[str, bytes]]]] = {}
-    for index, ((module_ref, group_ref), hasher) in enumerate(
-        zip(binding.modules, binding.hashers, strict=True)
+    for index, ((module_ref, group_ref), hasher, part) in enumerate(
+        zip(binding.modules, binding.hashers, binding.parts, strict=True)
     ):
         module, group = module_ref(), group_ref()
         if module is None or group is None:
             continue
-        digest = hasher.digest(module, optimizer)
+        digest = hasher.digest(module, part)
         prefix = f"ddp{index}." if len(binding.modules) > 1 else ""
         entry = per_group.setdefault(id(group), (group, []))
         entry[1].extend((prefix + name, value) for name, value in digest.tensors)
