@@ -253,7 +253,9 @@ def instances(draw: st.DrawFn, cls: type) -> Any:
     sender would give them (locals included: a rank, a clock reading)."""
     if cls in (messages.StartRun, messages.Digest):
         fields = draw(wire_fields(cls))
-        context = {"rank": draw(st.integers(0, 1 << 16))} if cls is messages.Digest else {}
+        context: dict[str, Any] = {}
+        if cls is messages.Digest:
+            context["rank"] = draw(st.integers(0, 1 << 16))
         return cls(**_attributes(cls, fields), **context)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -473,17 +475,19 @@ def seal_modes(*, forged_only: bool = False) -> st.SearchStrategy[str]:
     return st.sampled_from(SEAL_MODES[1:] if forged_only else SEAL_MODES)
 
 
-def spoil(frame: bytes, trailer: bytes, mode: str, data: st.DataObject | None = None) -> bytes:
+def spoil(
+    frame: bytes, trailer: bytes, mode: str, *, tag: bytes = bytes(TAG_SIZE), bit: int = 0
+) -> bytes:
     """``frame`` followed by ``trailer`` (its genuine tag trailer), spoiled as ``mode`` says
-    (one of `SEAL_MODES`); ``data`` draws the random parts (else fixed ones)."""
+    (one of `SEAL_MODES`): ``tag`` is the wrong tag (changed if it happens to be right),
+    ``bit`` the bit to flip, counted from the end of the prefix (modulo what follows it)."""
     if mode == "sealed":
         return frame + trailer
     if mode == "unsealed":
         return frame
     if mode == "wrong tag":
-        tag = (
-            data.draw(st.binary(min_size=TAG_SIZE, max_size=TAG_SIZE)) if data else bytes(TAG_SIZE)
-        )
+        if len(tag) != TAG_SIZE:
+            raise ValueError(f"a wrong tag is {TAG_SIZE} bytes too, got {len(tag)}")
         tag = tag if tag != trailer[1:] else bytes(b ^ 1 for b in tag)
         return frame + trailer[:1] + tag
     if mode == "bad trailer":
@@ -491,8 +495,7 @@ def spoil(frame: bytes, trailer: bytes, mode: str, data: st.DataObject | None = 
     if mode == "flipped bit":
         whole = bytearray(frame + trailer)
         # never in the prefix: a changed length would make the receiver wait, not decide
-        span = len(whole) - PREFIX_SIZE
-        bit = data.draw(st.integers(0, span * 8 - 1)) if data else 0
+        bit %= (len(whole) - PREFIX_SIZE) * 8
         whole[PREFIX_SIZE + bit // 8] ^= 1 << (bit % 8)
         return bytes(whole)
     raise ValueError(f"unknown seal mode {mode!r}; expected one of {', '.join(SEAL_MODES)}")
