@@ -301,3 +301,19 @@ def test_check_deployment_from_a_users_suite(coordinator: int) -> None:
     assert summary.ok and summary.examples >= 10
     assert summary.admitted >= 1
     assert summary.memory_growth <= summary.memory_bound
+
+
+def test_fuzz_without_hypothesis_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from runtime.cli.main import main
+
+    for name in list(sys.modules):
+        if name.split(".")[0] == "hypothesis" or name in (
+            "runtime.testing.hostile",
+            "runtime.testing.strategies",
+        ):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "hypothesis", None)
+    assert main(["fuzz", "--target", "127.0.0.1:1"]) == 2
+    assert "pip install 'hypothesis>=6.100'" in capsys.readouterr().out

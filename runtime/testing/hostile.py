@@ -164,6 +164,7 @@ class Summary:
 
     target: str
     examples: int = 0
+    """Examples run against the target (a failure's shrinking replays included)."""
     steps: int = 0
     seconds: float = 0.0
     refusals: Counter[str] = field(default_factory=Counter)
