@@ -101,6 +101,7 @@ QUIET = frozenset({"heartbeat"})
 STRANGER_SECRET = b"paramsync-fuzz: not the run's secret"
 """The secret strangers hold (one, so its scrypt stretching is paid once)."""
 _MAX_REPLY = 1 << 20
+_REASONS_SHOWN = 20
 _GLANCE = 0.02
 """Seconds the machine waits for an answer that may not come (a frame the target may wait on,
 a report it may ignore); what comes later is read after the next step's probe (`_sweep`)."""
@@ -212,9 +213,13 @@ class Summary:
         else:
             lines.append("memory            not readable from here (another host or user)")
         lines.append(f"members admitted  {self.admitted} (free ranks claimed with the secret)")
-        lines.append("refusals by reason:")
-        for reason, count in self.refusals.most_common():
+        lines.append(f"refusals by reason ({sum(self.refusals.values())} in all):")
+        ranked = self.refusals.most_common()
+        for reason, count in ranked[:_REASONS_SHOWN]:
             lines.append(f"  {count:6d}  {reason}")
+        if len(ranked) > _REASONS_SHOWN:
+            rest = sum(count for _, count in ranked[_REASONS_SHOWN:])
+            lines.append(f"  {rest:6d}  ({len(ranked) - _REASONS_SHOWN} more reasons)")
         if self.failure is None:
             lines.append("result            no failure")
         else:
@@ -851,35 +856,40 @@ def fuzz(
     examples: int = 100,
     seconds: float = 60.0,
     steps: int = 20,
+    batch: int = 25,
 ) -> Summary:
     """Run `HostileMachine` against ``deployment`` for at most ``examples`` examples of at
     most ``steps`` steps each, starting none after ``seconds`` seconds (the shrinking of a
-    failure may take longer). Returns the `Summary`; a failure's minimal example
-    (hypothesis's shrunk steps) is in ``summary.failure``."""
-    if examples < 1 or not math.isfinite(seconds) or seconds <= 0 or steps < 1:
+    failure may take longer). Examples run in hypothesis runs of ``batch`` each (time is
+    checked between them; within one, examples after the time do nothing). Returns the
+    `Summary`; a failure's minimal example (hypothesis's shrunk steps) is in
+    ``summary.failure``."""
+    if examples < 1 or not math.isfinite(seconds) or seconds <= 0 or steps < 1 or batch < 1:
         raise ValueError(
-            f"fuzz: examples ({examples}) and steps ({steps}) must be >= 1 and seconds "
-            f"({seconds}) positive and finite"
+            f"fuzz: examples ({examples}), steps ({steps}) and batch ({batch}) must be >= 1 "
+            f"and seconds ({seconds}) positive and finite"
         )
     summary = Summary(f"{deployment.host}:{deployment.port}")
     machine = hostile_machine(deployment, summary)
     started = time.monotonic()
     machine.stop_at = started + seconds
-    options = settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        deadline=None,
-        database=None,
-        phases=(Phase.generate, Phase.shrink),
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-    )
-    lines: list[str] = []
-    try:
-        with _captured(lines):
-            run_state_machine_as_test(machine, settings=options)
-    except Exception as exc:  # the target's fault, or the machine could not go on
-        summary.failure = _failure_text(summary, exc, lines)
+    while summary.examples < examples and time.monotonic() < machine.stop_at:
+        options = settings(
+            max_examples=min(batch, examples - summary.examples),
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            phases=(Phase.generate, Phase.shrink),
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+        )
+        lines: list[str] = []
+        try:
+            with _captured(lines):
+                run_state_machine_as_test(machine, settings=options)
+        except Exception as exc:  # the target's fault, or the machine could not go on
+            summary.failure = _failure_text(summary, exc, lines)
+            break
     summary.seconds = time.monotonic() - started
     return summary
 
