@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from runtime.errors import ProtocolError
+from runtime.errors import FrameAuthenticationError, ProtocolError
+from runtime.protocol.frame_auth import frame_session
 from runtime.protocol.messages import KINDS
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
@@ -37,6 +39,8 @@ from runtime.testing.strategies import (
     DTYPE_NAMES,
     Frame,
     hostile_frames,
+    seal_modes,
+    spoil,
     tensors,
     valid_frames,
 )
@@ -79,6 +83,31 @@ def test_hostile_frames_are_refused(frame: Frame) -> None:
     assert not frame.valid
     with pytest.raises(ProtocolError):
         _decode_as_a_coordinator(frame.data)
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    valid_frames(tensors=False),
+    seal_modes(forged_only=True),
+    st.binary(min_size=16, max_size=16),
+    st.integers(0, 2**16),
+)
+def test_spoiled_frames_fail_authentication_and_sealed_ones_pass(
+    frame: Frame, mode: str, tag: bytes, bit: int
+) -> None:
+    key = bytes(range(32))
+    sender = frame_session(key, dialer=True).sealer
+    trailer = sender.seal([frame.data])
+    receiver = frame_session(key, dialer=False).opener
+    genuine = spoil(frame.data, trailer, "sealed")
+    receiver.open([genuine[: len(frame.data)]], genuine[len(frame.data) :])
+    trailer = sender.seal([frame.data])
+    wire = spoil(frame.data, trailer, mode, tag=tag, bit=bit)
+    if mode == "unsealed":
+        assert wire == frame.data
+        return
+    with pytest.raises(FrameAuthenticationError):
+        receiver.open([wire[: len(frame.data)]], wire[len(frame.data) :])
 
 
 @settings(max_examples=60)
