@@ -313,7 +313,7 @@ def test_a_coordinator_acting_on_a_report_from_a_stranger_is_caught(
         "--seconds",
         "60",
         "--steps",
-        "5",
+        "3",
     )
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
