@@ -151,6 +151,12 @@ from runtime.protocol.wire import (  # noqa: E402
     encode_frame_bytes,
     encode_tag_trailer,
 )
+from runtime.testing.process_watch import (  # noqa: E402
+    PROBE_SOURCE,
+    process_descriptors,
+    process_memory,
+    reset_memory_peak,
+)
 from runtime.testing.relay import (  # noqa: E402
     TO_DIALER,
     TO_LISTENER,
@@ -1208,29 +1214,18 @@ class LiveRun:
         high-water mark, ``VmRSS`` now."""
         if self.coordinator is None:
             return None
-        try:
-            status = Path(f"/proc/{self.coordinator.pid}/status").read_text()
-        except OSError:
-            return None
-        match = re.search(rf"{field}:\s+(\d+) kB", status)
-        return int(match.group(1)) * 1024 if match else None
+        return process_memory(self.coordinator.pid, field)
 
     def reset_memory_peak(self) -> None:
         """Restart the coordinator's ``VmHWM`` from its current RSS (Linux ``clear_refs``)."""
         if self.coordinator is not None:
-            try:
-                Path(f"/proc/{self.coordinator.pid}/clear_refs").write_text("5")
-            except OSError:
-                pass
+            reset_memory_peak(self.coordinator.pid)
 
     def coordinator_descriptors(self) -> int | None:
         """How many file descriptors the coordinator holds open (Linux, while it runs)."""
         if self.coordinator is None:
             return None
-        try:
-            return len(os.listdir(f"/proc/{self.coordinator.pid}/fd"))
-        except OSError:
-            return None
+        return process_descriptors(self.coordinator.pid)
 
     def finish(self, timeout: float = 300.0) -> RunOutcome:
         """Wait for every process to exit (killing what is left after ``timeout``)."""
@@ -1272,8 +1267,6 @@ class LiveRun:
 
 # ----------------------------------------------------------------------------- second review
 
-PROBE_SOURCE = "127.0.0.250"
-"""Where the event-loop probe dials from (no attack nor holder uses it)."""
 PROBE_INTERVAL = 0.05
 """A probe starts this often (or as soon as the one before it ends, if it took longer)."""
 QUIET_PROBES = 5

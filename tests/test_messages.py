@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from message_strategies import instances, key_types, wire_fields
 
 import runtime
 import runtime.cli.main
@@ -52,6 +51,7 @@ from runtime.protocol.schema import (
     schema,
 )
 from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from runtime.testing.strategies import instances, key_types, wire_fields
 
 KIND_NAMES = sorted(KINDS)
 PEER = 7

@@ -22,7 +22,6 @@ import torch
 from conftest import bitwise_equal
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
-from message_strategies import key_types, random_tensor, wire_fields
 
 from runtime.errors import FrameTooLarge, ProtocolError
 from runtime.protocol.messages import KINDS
@@ -41,6 +40,7 @@ from runtime.protocol.wire import (
     parse_prefix,
     tensor_buffer,
 )
+from runtime.testing.strategies import key_types, random_tensor, wire_fields
 
 V = PROTOCOL_VERSION
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from runtime.cli.fuzz import add_fuzz_parser
 from runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
 from runtime.config import COMM_BACKEND_ENV, add_comm_backend_flag
 
@@ -306,6 +307,7 @@ def build_parser(
         "or for a file PARAMSYNC_SECRET_FILE names (paramsync secret > secret; chmod 600 "
         "secret). Every process of a run must hold the same one.",
     )
+    add_fuzz_parser(sub)
     return parser
 
 
@@ -422,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from runtime.cli.launch import run_launch
 
         return run_launch(args)
+    if args.command == "fuzz":
+        from runtime.cli.fuzz import run_fuzz
+
+        return run_fuzz(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -4,7 +4,9 @@ A `Fault` names the point, ``phase:step``. Nothing in the production modules kno
 faults: a fault is injected by wrapping what a process runs. Here are the engine's wrappers:
 `FaultyTransport` (a transport that dies right after a frame leaves, once armed) and
 `commit_fault_core` (a `CoordinatorCore` that dies when it decides to commit the step, before
-anyone hears of it). The worker's phases are wrapped around its actors by
+anyone hears of it); `forged_report_core` is a deliberately broken core (it acts on a report
+from a peer that never joined), the target `runtime.testing.hostile` must catch. The worker's
+phases are wrapped around its actors by
 `actors.testing.faults`; `runtime.testing.faulty_daemon` installs either side in a daemon
 process before running the normal ``paramsync`` main. The kill is a real SIGKILL of the process:
 no cleanup, no goodbye on any socket.
@@ -17,15 +19,16 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Action, Broadcast, Event
-from runtime.protocol.messages import Commit
+from runtime.coordinator.events import Action, Broadcast, Event, Send
+from runtime.protocol.messages import WORKER_KINDS, Commit, Shutdown
 from runtime.transport.base import Transport
 from runtime.transport.capabilities import AllReducePlane, PrecodedFrames, SharedMemoryHolder
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PHASES",
@@ -33,6 +36,7 @@ __all__ = [
     "Fault",
     "FaultyTransport",
     "commit_fault_core",
+    "forged_report_core",
     "parse_fault",
 ]
 
@@ -185,3 +189,25 @@ def commit_fault_core(fault: Fault) -> type[CoordinatorCore]:
             return actions
 
     return CommitFaultCore
+
+
+def forged_report_core(kind: str = "finished") -> type[CoordinatorCore]:
+    """A broken `CoordinatorCore` that acts on a ``kind`` report (one of the worker's kinds)
+    from a rank that never joined: it tells the sender the run is over, where a correct core
+    refuses the sender. The fault the hostile-peer machine (`runtime.testing.hostile`) must
+    catch; install it as `runtime.coordinator.service.Coordinator.core_type`."""
+    if kind not in WORKER_KINDS or kind == "join":
+        raise ValueError(
+            f"forged report kind {kind!r}: expected one of "
+            f"{', '.join(k for k in WORKER_KINDS if k != 'join')}"
+        )
+    report = WORKER_KINDS[kind]
+
+    class ForgedReportCore(CoordinatorCore):
+        def handle(self, event: Event) -> list[Action]:
+            if isinstance(event, report) and getattr(event, "rank", None) not in self.joined:
+                rank = event.rank
+                return [Send(rank, Shutdown(f"finished (on a {kind} from rank {rank})"))]
+            return super().handle(event)
+
+    return ForgedReportCore
