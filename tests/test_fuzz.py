@@ -277,17 +277,9 @@ def test_paramsync_fuzz_finds_nothing_wrong_with_a_coordinator(
         assert "rank N is already taken" in result.stdout or "members admitted" in result.stdout
 
 
-RENDEZVOUS_CRASH = (
-    "an authenticated peer's first frame to rank 0's rendezvous listener, when it is a kind "
-    "that needs local context to decode (ready, digest...), raises TypeError out of "
-    "runtime.transport.tcp._rendezvous_root (decode_message without rank=) and kills the "
-    "worker; paramsync fuzz finds it in its first examples"
-)
-
-
 @pytest.mark.parametrize(
     "with_secret",
-    [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=RENDEZVOUS_CRASH))],
+    [False, True],
     ids=["stranger", "member"],
 )
 def test_paramsync_fuzz_finds_nothing_wrong_with_a_worker(

@@ -44,6 +44,7 @@ from runtime.errors import (
     ProtocolError,
     StallError,
     one_line,
+    quoted,
 )
 from runtime.protocol.frame_auth import FrameOpener, FrameSealer, frame_session
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
@@ -1582,9 +1583,11 @@ async def _rendezvous_root(
     joins: dict[int, tuple[str, int]] = {}
 
     async def on_joined(rank: int, conn: Connection) -> None:
-        join = decode_message(await conn.recv(HANDSHAKE_MAX_FRAME), peer=rank)
-        if not isinstance(join, RdvJoin):
-            raise ProtocolError(f"expected rdv_join, got {join.KIND}", peer=rank)
+        raw = await conn.recv(HANDSHAKE_MAX_FRAME)
+        if raw.get("kind") != RdvJoin.KIND:  # the kind first: a report needs a context to decode
+            raise ProtocolError(f"expected rdv_join, got {quoted(raw.get('kind'))}", peer=rank)
+        join = decode_message(raw, peer=rank)
+        assert isinstance(join, RdvJoin)
         joins[rank] = (join.host, join.port)
 
     try:
