@@ -33,6 +33,8 @@ REDUCE_OPS = {
 }
 
 
+KILL_RANK = int(os.environ.get("TORCHDIST_KILL_RANK", "1"))
+"""The rank the ``kill`` scenario SIGKILLs after its backward."""
 DEVICE = os.environ.get("TORCHDIST_DEVICE", "cpu")
 """Where the collectives' tensors live (``cuda``: staged through host memory by the backend)."""
 
@@ -127,7 +129,7 @@ def train(
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
-        if kill_at is not None and step == kill_at and rank == 1:
+        if kill_at is not None and step == kill_at and rank == KILL_RANK:
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
         if nudge_at is not None and step == nudge_at and rank == 1:

@@ -193,6 +193,12 @@ class CoordinatorClient:
     # ------------------------------------------------------------------- protocol state
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the run ended for this worker (the coordinator's abort, a refusal), if it
+        ended on an error."""
+        return self._failure
+
+    @property
     def epoch(self) -> int:
         """The newest epoch the coordinator announced; messages of older ones are dropped."""
         return self.protocol.epoch

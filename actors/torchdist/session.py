@@ -38,12 +38,12 @@ from typing import Any
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient
+from actors.client.client import CoordinatorClient, CoordinatorLost
 from actors.state.digest import StateDigest
 from actors.torchdist.calls import Call
 from runtime.coordinator.events import spec_hash
 from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import ConfigError, ParamsyncError
+from runtime.errors import ConfigError, ParamsyncError, PeerClosed
 from runtime.protocol.handshake import Identity
 from runtime.protocol.messages import Go, StartRun
 from runtime.transport.base import Transport
@@ -329,8 +329,8 @@ class GroupSession:
     async def _serve_client(self, client: CoordinatorClient) -> None:
         try:
             await client.serve()
-        except BaseException as exc:
-            self._fail(exc)
+        except Exception as exc:
+            self._fail(exc, from_coordinator=True)
             raise
 
     async def _on_go(self, go: Go) -> None:
@@ -432,11 +432,14 @@ class GroupSession:
 
     # ------------------------------------------------------------------ failure
 
-    def _fail(self, exc: BaseException, op: _Op | None = None) -> None:
+    def _fail(
+        self, exc: BaseException, op: _Op | None = None, *, from_coordinator: bool = False
+    ) -> None:
         """Remember why the group broke, and complete ``op`` and every call still pending
-        with it; from now on every submission fails at once."""
+        with it; from now on every submission fails at once. ``from_coordinator``: ``exc``
+        ended the link to the coordinator."""
         if self._failure is None:
-            self._failure = _as_backend_error(self, exc, op)
+            self._failure = _as_backend_error(self, exc, op, from_coordinator)
         for pending in (
             [op, *self._pending.values()] if op is not None else [*self._pending.values()]
         ):
@@ -525,17 +528,25 @@ def _done_future() -> torch.futures.Future[Any]:
     return future
 
 
-def _as_backend_error(session: GroupSession, exc: BaseException, op: _Op | None) -> BackendError:
+def _as_backend_error(
+    session: GroupSession, exc: BaseException, op: _Op | None, from_coordinator: bool = False
+) -> BackendError:
     """One line for a broken group: the coordinator's reason when it gave one."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     client = session.client
     reason = None
-    if client is not None and client.protocol.ended:
-        reason = getattr(client._failure, "args", [None])[0] if client._failure else None
+    if client is not None and client.protocol.ended and client.failure is not None:
+        reason = str(client.failure)
     where = f" in {op.call} (step {op.step}, call {op.bucket})" if op is not None else ""
     if reason:
         return BackendError(f"paramsync group {session.name}, rank {session.rank}{where}: {reason}")
+    if isinstance(exc, CoordinatorLost) or (from_coordinator and isinstance(exc, PeerClosed)):
+        host = "paramsync launch" if session.launched else "rank 0"
+        return BackendError(
+            f"paramsync group {session.name}, rank {session.rank}{where}: {host}, which hosts "
+            f"the group's coordinator, is gone ({exc})"
+        )
     if isinstance(exc, ConfigError | BackendError):
         return BackendError(str(exc))
     text = str(exc) or type(exc).__name__
