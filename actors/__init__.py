@@ -12,9 +12,10 @@ from actors.client.client import RunAborted
 from actors.multidevice import BatchResult, DataParallelCoordinator
 from actors.state.digest import StateDigest, state_digest
 from actors.train.ddp_wrapper import DistributedDataParallel
+from actors.train.options import TrainerOptions
 from actors.train.run import trainer_from_env
 from actors.train.sync import SyncTrainer
-from actors.train.trainer import DistributedTrainer, TrainerOptions
+from actors.train.trainer import DistributedTrainer
 from actors.train.worker import join_run, train_in_process
 
 __all__ = [
