@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from actors.graph.precision import check_precision_options
 from actors.state.buckets import DEFAULT_BUCKET_BYTES
+from actors.state.digest import Scheduler
 from actors.train.buffer_sync import BufferSync, check_buffer_sync
 from runtime.collectives.compression import check_comm_options
 from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, TRAINING_THREADED_MIN_BYTES
@@ -17,7 +20,7 @@ from runtime.observe.metrics import check_port
 from runtime.protocol.messages import ParallelLayout
 from runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS
 
-__all__ = ["TrainerOptions"]
+__all__ = ["TrainerOptions", "check_scheduler"]
 
 
 @dataclass(frozen=True)
@@ -172,3 +175,22 @@ class TrainerOptions:
             self.grad_scaler_growth_tracker,
         )
         check_comm_options(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
+
+
+def check_scheduler(scheduler: Scheduler | None, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler the trainer cannot step in lockstep: one of another optimizer, or one
+    that needs a metric (each rank's loss differs, so their learning rates would too)."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "scheduler: ReduceLROnPlateau steps on a metric, which differs from rank to rank; "
+            "step it yourself on an all-reduced metric, or pass a schedule of the step count"
+        )
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(
+            f"scheduler must be a torch.optim.lr_scheduler.LRScheduler, got "
+            f"{type(scheduler).__name__}"
+        )
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("scheduler: it schedules another optimizer than the trainer's")
