@@ -53,6 +53,10 @@ class Transport(abc.ABC):
         self._op_counter += 1
         return op_id
 
+    def describe_peer(self, peer: int) -> str:
+        """A peer as errors name it (a group names its world rank too)."""
+        return f"rank {peer}"
+
     def check_peer(self, peer: int) -> None:
         """Refuse a peer rank that is this rank or outside the group."""
         if isinstance(peer, bool) or not isinstance(peer, int):
