@@ -110,19 +110,8 @@ class DistributedTrainer:
         scheduler: Scheduler | None = None,
     ) -> None:
         check_scheduler(scheduler, optimizer)
-        if client.start is None:
-            raise ValueError("the client must have joined the run (client.join) first")
-        if options.parallel_layout not in (None, client.layout):
-            raise ValueError(
-                f"the client joined with the parallel layout {client.layout}, but the options "
-                f"give {options.parallel_layout}: join with the options' layout"
-            )
-        if client.fold and not options.response_cache:
-            # Its peers would reduce without reports while it waits for a go: a deadlock.
-            raise ValueError(
-                "the client offered to fold cached bucket reports (join fold=True), but "
-                "response_cache is off: join with fold=False"
-            )
+        _check_client(client, options)
+        assert client.start is not None
         self.replicas = _replicas_of(model, optimizer, loss_fn, options, scheduler)
         """The process's devices' replicas when ``optimizer`` is a `ReplicatedOptimizer`
         (hierarchical data parallelism), else None."""
@@ -212,9 +201,8 @@ class DistributedTrainer:
         metrics_port = options.metrics_port
         if metrics_port is None:
             metrics_port = metrics_port_from_env()
-        metrics = None
-        if metrics_port is not None:  # spans feed the metrics (timed even if not traced)
-            metrics = Metrics("worker", rank=config.rank)
+        metrics = Metrics("worker", rank=config.rank) if metrics_port is not None else None
+        if metrics is not None:  # spans feed the metrics (timed even if not traced)
             trace = MetricsTrace(trace, metrics)
         if options.digest_interval not in (None, client.digest_interval):
             raise ValueError(
@@ -504,6 +492,23 @@ class DistributedTrainer:
         """Write `state_dict` to a safetensors file at ``path``, its metadata recording the
         next step (`actors.train.export.save_safetensors`). Returns the path."""
         return save_safetensors(self.model, self.step, path, metadata)
+
+
+def _check_client(client: CoordinatorClient, options: TrainerOptions) -> None:
+    """Refuse a client that has not joined, or joined unlike what ``options`` say."""
+    if client.start is None:
+        raise ValueError("the client must have joined the run (client.join) first")
+    if options.parallel_layout not in (None, client.layout):
+        raise ValueError(
+            f"the client joined with the parallel layout {client.layout}, but the options "
+            f"give {options.parallel_layout}: join with the options' layout"
+        )
+    if client.fold and not options.response_cache:
+        # Its peers would reduce without reports while it waits for a go: a deadlock.
+        raise ValueError(
+            "the client offered to fold cached bucket reports (join fold=True), but "
+            "response_cache is off: join with fold=False"
+        )
 
 
 def _replicas_of(
