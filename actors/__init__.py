@@ -20,9 +20,10 @@ if _typing.TYPE_CHECKING:
     from actors.multidevice import BatchResult, DataParallelCoordinator
     from actors.state.digest import StateDigest, state_digest
     from actors.train.ddp_wrapper import DistributedDataParallel
+    from actors.train.options import TrainerOptions
     from actors.train.run import trainer_from_env
     from actors.train.sync import SyncTrainer
-    from actors.train.trainer import DistributedTrainer, TrainerOptions
+    from actors.train.trainer import DistributedTrainer
     from actors.train.worker import join_run, train_in_process
 
 _EXPORTS = {
@@ -33,7 +34,7 @@ _EXPORTS = {
     "RunAborted": "actors.client.client",
     "StateDigest": "actors.state.digest",
     "SyncTrainer": "actors.train.sync",
-    "TrainerOptions": "actors.train.trainer",
+    "TrainerOptions": "actors.train.options",
     "join_run": "actors.train.worker",
     "state_digest": "actors.state.digest",
     "train_in_process": "actors.train.worker",

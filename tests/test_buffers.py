@@ -41,10 +41,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch import nn
 
-import actors.train.trainer as trainer_module
+import actors.train.state_moves as state_moves_module
 from actors.client.client import RunAborted
 from actors.state.digest import state_digest
 from actors.train.buffer_sync import sync_buffers
+from actors.train.state_moves import enter_epoch
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import train_in_process
 from runtime.config import DistributedConfig
@@ -255,7 +256,7 @@ async def test_the_digest_catches_buffers_left_unsynchronized(
     async def no_sync(*args: Any, **kwargs: Any) -> None:
         return None
 
-    monkeypatch.setattr(trainer_module, "sync_buffers", no_sync)
+    monkeypatch.setattr(state_moves_module, "sync_buffers", no_sync)
     with trio.fail_after(RUN_SECONDS):
         try:
             await train_bn(2, "broadcast")
@@ -439,7 +440,7 @@ async def test_c_ddp_001_fixed_case_with_every_kind_of_buffer(mode: str) -> None
 def entering_trainer(
     rank: int, world_size: int, model: nn.Module, step: int, mode: str
 ) -> DistributedTrainer:
-    """A trainer holding just what `DistributedTrainer._enter` reads (no coordinator)."""
+    """A trainer holding just what `enter_epoch` reads (no coordinator)."""
     trainer = DistributedTrainer.__new__(DistributedTrainer)
     trainer.model = model
     trainer.optimizer = bn_optimizer(model)
@@ -489,7 +490,7 @@ async def test_a_live_rejoin_epoch_brings_buffers_and_scheduler_into_line(mode: 
         with trio.fail_after(RUN_SECONDS):
             async with trio.open_nursery() as nursery:
                 for trainer, transport in zip(trainers, transports):
-                    nursery.start_soon(trainer._enter, start, transport)
+                    nursery.start_soon(enter_epoch, trainer, start, transport)
     assert [t.step for t in trainers] == [5, 5, 5]
     assert trainers[2].scheduler.state_dict() == trainers[0].scheduler.state_dict()
     donor_state = donor_model.state_dict()

@@ -329,7 +329,7 @@ async def test_a_step_crosses_into_the_trio_thread_once_after_the_first() -> Non
             calls: list[str] = []
 
             def counted(fn: Callable[..., Any], *args: Any) -> Any:
-                called = args[0] if fn == trainer.caller_crossing else fn  # what it runs
+                called = args[0] if fn == trainer.own_loop.caller_crossing else fn  # what it runs
                 calls.append(getattr(called, "func", called).__name__)
                 return cross(fn, *args)
 

@@ -182,23 +182,20 @@ class _ReachedFault(Fault):
 
 
 @pytest.mark.parametrize("phase", PHASES)
-async def test_every_declared_kill_point_is_reached(
-    phase: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_every_declared_kill_point_is_reached(phase: str) -> None:
     """Each phase a trial may kill a worker at is reached, in a 2-rank in-process run of
     `DistributedTrainer.fit` with the same wrapped actors a faulty worker daemon installs
     (`faulty_actors`, only the kill recorded). A code path that moves away from its wrapper
-    fails here, in ``make test``, not in a soak run by hand (issue 31, row 10: the digest moved
-    into the optimizer step, and no ``digest:N`` trial killed anyone)."""
+    fails here, in ``make test``, not in a soak run by hand (a digest moved into the optimizer
+    step would otherwise leave every ``digest:N`` trial killing no one)."""
     fault = _ReachedFault(phase, 2)
-    monkeypatch.setattr(DistributedTrainer, "default_actors", faulty_actors(fault))
 
     async def body(trainer: DistributedTrainer) -> int:
         await trainer.fit(RecordingDataset(24), 2, steps=4)
         return trainer.step
 
     with trio.fail_after(RUN_SECONDS):
-        steps = await train_in_process(2, tiny_replica, mse_loss, body)
+        steps = await train_in_process(2, tiny_replica, mse_loss, body, actors=faulty_actors(fault))
     assert steps == [4, 4]
     assert (phase, 2) in fault.reached, f"the kill point {phase}:2 was never reached"
 

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from actors.state.digest import named_state
+from actors.train.state_moves import resync, sync_initial_weights
 from actors.train.state_transfer import receive_state, send_state
-from actors.train.trainer import DistributedTrainer
 from runtime.collectives import p2p
 from runtime.collectives.ring import all_reduce, broadcast
 from runtime.errors import FrameAuthenticationError, ProtocolError
@@ -133,7 +133,7 @@ def _trainer_stub(model: torch.nn.Module, **more: Any) -> Any:
 
 
 async def test_the_initial_weight_broadcast_changes_no_parameter_unless_all_verified() -> None:
-    """`DistributedTrainer._sync_initial_weights` with a flip in the bias (the second tensor):
+    """`sync_initial_weights` with a flip in the bias (the second tensor):
     neither the weight (already verified) nor the bias changes."""
     torch.manual_seed(1)
     theirs, mine = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
@@ -141,10 +141,10 @@ async def test_the_initial_weight_broadcast_changes_no_parameter_unless_all_veri
     attack = FlipBulk(TO_DIALER, nth=1, offset=3)
 
     async def root(transport: Transport) -> None:
-        await DistributedTrainer._sync_initial_weights(_trainer_stub(theirs), transport)
+        await sync_initial_weights(_trainer_stub(theirs), transport)
 
     async def receiver(transport: Transport) -> None:
-        await DistributedTrainer._sync_initial_weights(_trainer_stub(mine), transport)
+        await sync_initial_weights(_trainer_stub(mine), transport)
 
     errors = await _run_pair(attack, root, receiver)
     assert attack.done, attack.log
@@ -158,21 +158,23 @@ async def test_the_initial_weight_broadcast_copies_every_parameter_when_verified
     theirs, mine = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     errors = await _run_pair(
         Attack(),
-        lambda t: DistributedTrainer._sync_initial_weights(_trainer_stub(theirs), t),
-        lambda t: DistributedTrainer._sync_initial_weights(_trainer_stub(mine), t),
+        lambda t: sync_initial_weights(_trainer_stub(theirs), t),
+        lambda t: sync_initial_weights(_trainer_stub(mine), t),
     )
     assert errors == [None, None]
     for a, b in zip(theirs.parameters(), mine.parameters(), strict=True):
         assert torch.equal(a.detach(), b.detach())
 
 
+START = SimpleNamespace(position=lambda worker: worker)
+"""The epoch a re-sync runs in: ring position = rank."""
+
+
 def _resync_stub(transport: Transport, model: torch.nn.Module, opt: Any, rank: int) -> Any:
-    start = SimpleNamespace(position=lambda worker: worker)
     return _trainer_stub(
         model,
         optimizer=opt,
         rank=rank,
-        _epoch=SimpleNamespace(start=start, transport=transport),
         precision=None,
         replicas=None,
         states_received=0,
@@ -187,7 +189,7 @@ def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 async def test_a_resync_changes_no_state_unless_every_tensor_verified() -> None:
-    """`DistributedTrainer._resync` with a flip in its third tensor: the two verified tensors
+    """`resync` with a flip in its third tensor: the two verified tensors
     before it do not reach the model either."""
     torch.manual_seed(3)
     theirs, mine = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
@@ -197,10 +199,10 @@ async def test_a_resync_changes_no_state_unless_every_tensor_verified() -> None:
     attack = FlipBulk(TO_DIALER, nth=2, offset=1)
 
     async def source(transport: Transport) -> None:
-        await DistributedTrainer._resync(_resync_stub(transport, theirs, their_opt, 0), order)
+        await resync(_resync_stub(transport, theirs, their_opt, 0), START, transport, order)
 
     async def target(transport: Transport) -> None:
-        await DistributedTrainer._resync(_resync_stub(transport, mine, my_opt, 1), order)
+        await resync(_resync_stub(transport, mine, my_opt, 1), START, transport, order)
 
     errors = await _run_pair(attack, source, target)
     assert attack.done, attack.log

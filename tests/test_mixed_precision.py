@@ -44,6 +44,7 @@ from actors.state.training_state import (
     restore_state,
     saved_grad_scaler,
 )
+from actors.train.state_moves import receive_training_state, send_training_state
 from actors.train.state_transfer import receive_state, send_state
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.worker import train_in_process
@@ -649,8 +650,8 @@ async def test_a_live_state_transfer_carries_the_scaler_state() -> None:
     sending, joining = InProcessTransport.create_group(2, buffer_frames=64)
     with trio.fail_after(RUN_SECONDS):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(DistributedTrainer._send_state, donor, sending, 1)
-            await DistributedTrainer._receive_state(receiver, joining, 0)  # type: ignore[arg-type]
+            nursery.start_soon(send_training_state, donor, sending, 1)
+            await receive_training_state(receiver, joining, 0)  # type: ignore[arg-type]
     assert receiver.step == 4
     assert receiver.grad_scaler.state_dict() == scaler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(joiner.parameters(), model.parameters()))

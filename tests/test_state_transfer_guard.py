@@ -22,7 +22,7 @@ from test_state import make_replica, same_bits, train
 
 from actors.state.digest import state_digest
 from actors.state.training_state import capture_state, manifest
-from actors.train.trainer import DistributedTrainer
+from actors.train.state_moves import receive_training_state
 from runtime.errors import ProtocolError
 from runtime.transport.base import InProcessTransport
 
@@ -42,7 +42,7 @@ def genuine_manifest() -> dict[str, Any]:
 
 
 def joiner() -> SimpleNamespace:
-    """What `DistributedTrainer._receive_state` reads of its trainer."""
+    """What `receive_training_state` reads of its trainer."""
     model, optimizer = make_replica(99, "adamw")
     return SimpleNamespace(
         model=model,
@@ -140,7 +140,7 @@ async def transfer(plan: Any, receiver: SimpleNamespace) -> None:
     donor, joining = InProcessTransport.create_group(2)
     with trio.fail_after(DEADLINE):
         await donor.send(1, "state_manifest", {"manifest": plan})
-        await DistributedTrainer._receive_state(receiver, joining, 0)  # type: ignore[arg-type]
+        await receive_training_state(receiver, joining, 0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("case", [name for name, _ in crafted_cases()])
@@ -177,7 +177,7 @@ async def test_a_genuine_state_still_transfers() -> None:
                     await donor.send(1, "state", {"step": 3, "index": index}, view)
 
             nursery.start_soon(send)
-            await DistributedTrainer._receive_state(receiver, joining, 0)  # type: ignore[arg-type]
+            await receive_training_state(receiver, joining, 0)  # type: ignore[arg-type]
     assert receiver.step == 3
     got = capture_state(receiver.model, receiver.optimizer, 3)
     for (name, a), (_, b) in zip(state.tensors, got.tensors):

@@ -154,7 +154,7 @@ class ComputeActor(Actor):
 
     async def handle(self, message: object) -> float:
         assert isinstance(message, Backward)
-        loss = await run_in_thread(self._backward, message)
+        loss = await run_in_thread(self.run_backward, message)
         self._announce_rest(message.step, message.sync)
         return loss
 
@@ -224,7 +224,10 @@ class ComputeActor(Actor):
             self._hand_over_last = False
         self._announce_rest(step, True)
 
-    def _backward(self, message: Backward) -> float:
+    def run_backward(self, message: Backward) -> float:
+        """One `Backward` message's forward and backward, in the compute thread; returns the
+        loss. A hook point: a harness that must act at a step's forward (the fault trials)
+        wraps it in a subclass."""
         if self.replicas is not None:
             return self._replicated_backward(message)
         self.expect_backward(message.step, message.sync)

@@ -303,7 +303,7 @@ class GradCommActor(Actor):
             while self._next < len(self._order) and self._order[self._next] in self._cached:
                 index = self._order[self._next]
                 self._next += 1
-                await self._all_reduce(message.step, index)
+                await self.reduce_bucket(message.step, index)
             return
         # Step s+1 may report before step s is committed: the coordinator holds the report and
         # says go only after the commit, so the check stays off the critical path.
@@ -328,9 +328,12 @@ class GradCommActor(Actor):
             )
         if go.bucket not in self._order:
             self._order.append(go.bucket)
-        await self._all_reduce(go.step, go.bucket)
+        await self.reduce_bucket(go.step, go.bucket)
 
-    async def _all_reduce(self, step: int, index: int) -> None:
+    async def reduce_bucket(self, step: int, index: int) -> None:
+        """All-reduce bucket ``index`` of ``step`` (its turn in the agreed order) and unpack
+        it into the gradients. A hook point: a harness that must act in a step's all-reduce
+        (the fault trials) wraps it in a subclass."""
         state = self.current
         assert state is not None and state.step == step
         bucket = self.buckets[index]

@@ -144,14 +144,15 @@ class OptimizerActor(Actor):
                 if self.grad_norm is not None and self.grad_norm[0] == message.step:
                     span.set(grad_norm=self.grad_norm[1])
             if message.verify:
-                await self._verify(message.step, force=False, wait=False)
+                await self.report(message.step, force=False, wait=False)
             return
         assert isinstance(message, Verify)
-        await self._verify(message.step, force=message.force, wait=message.wait)
+        await self.report(message.step, force=message.force, wait=message.wait)
 
-    async def _verify(self, step: int, *, force: bool, wait: bool) -> None:
+    async def report(self, step: int, *, force: bool, wait: bool) -> None:
         """Report ``step``'s state digest (on digest steps, or ``force``d) or its step end;
-        ``wait``: then wait for the coordinator's commit of it."""
+        ``wait``: then wait for the coordinator's commit of it. A hook point: a harness that
+        must act before a digest is reported (the fault trials) wraps it in a subclass."""
         hashed, self._hashed = self._hashed, None
         if force or step % self.client.digest_interval == 0:
             if hashed is not None and hashed[0] == step and not force:

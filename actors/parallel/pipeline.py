@@ -769,10 +769,10 @@ class _StepRun:
         action = entry.action
         seconds = self.stage.recv_seconds
         if not entry.arrived.wait(seconds) and not self._aborted:
-            describe = getattr(self.stage.pp_group, "describe_peer", None)
+            assert action.peer is not None  # a receive names its sender
             raise StallError(
                 f"{self.where(action)}: nothing came within {seconds} s",
-                peer=describe(action.peer) if describe is not None else f"rank {action.peer}",
+                peer=self.stage.pp_group.describe_peer(action.peer),
             )
         if self._aborted:
             raise _Aborted

@@ -28,6 +28,7 @@ from actors.graph.messages import Backward
 from actors.graph.optimizer import OptimizerActor
 from actors.train.trainer import DistributedTrainer
 from runtime.testing.faults import PHASES, Fault, FaultyTransport
+from runtime.transport.base import Transport
 
 __all__ = [
     "FaultyComputeActor",
@@ -70,9 +71,9 @@ class FaultyComputeActor(ComputeActor):
 
         self.loss_fn = loss_fn
 
-    def _backward(self, message: Backward) -> float:
+    def run_backward(self, message: Backward) -> float:
         self._step = message.step
-        return super()._backward(message)
+        return super().run_backward(message)
 
 
 class FaultyGradCommActor(GradCommActor):
@@ -80,18 +81,26 @@ class FaultyGradCommActor(GradCommActor):
     left (through a `FaultyTransport`); if the collective sent nothing the transport saw (one
     member; the shared-memory plane's threaded mode), right after the collective."""
 
-    def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: Any,
+        transport: Transport,
+        *args: Any,
+        fault: Fault,
+        **kwargs: Any,
+    ) -> None:
+        self.faulty = FaultyTransport(transport, fault)
+        """The epoch's transport this actor was given, wrapped."""
+        super().__init__(model, buckets, self.faulty, *args, **kwargs)
         self.fault = fault
-        self.transport = FaultyTransport(self.transport, fault)
 
-    async def _all_reduce(self, step: int, index: int) -> None:
+    async def reduce_bucket(self, step: int, index: int) -> None:
         if not self.fault.at("allreduce", step):
-            await super()._all_reduce(step, index)
+            await super().reduce_bucket(step, index)
             return
-        assert isinstance(self.transport, FaultyTransport)
-        self.transport.arm()
-        await super()._all_reduce(step, index)
+        self.faulty.arm()
+        await super().reduce_bucket(step, index)
         self.fault.kill()
 
 
@@ -99,11 +108,11 @@ class FaultyOptimizerActor(OptimizerActor):
     """Dies (``optimizer``) before the fault step's optimizer step, or (``digest``) before it
     reports the step's state digest.
 
-    The digest is reported by `OptimizerActor._verify`, whichever message asks for it: an
+    The digest is reported by `OptimizerActor.report`, whichever message asks for it: an
     `OptimizerStep` with ``verify`` (each step's overlapped check, where the digest was hashed
     in the step's own thread call) or a `Verify` (an epoch's opening check, a forced one). The
-    kill wraps that report, not a message kind: wrapping `Verify` messages alone missed every
-    step once the check moved into the optimizer step (issue 31, row 10)."""
+    kill wraps that report, not a message kind: wrapping `Verify` messages alone would miss
+    every step whose check runs inside its optimizer step."""
 
     def __init__(self, *args: Any, fault: Fault, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -113,10 +122,10 @@ class FaultyOptimizerActor(OptimizerActor):
         self.fault.strike("optimizer", step)
         super().apply(step)
 
-    async def _verify(self, step: int, *, force: bool, wait: bool) -> None:
+    async def report(self, step: int, *, force: bool, wait: bool) -> None:
         if force or step % self.client.digest_interval == 0:
             self.fault.strike("digest", step)
-        await super()._verify(step, force=force, wait=wait)
+        await super().report(step, force=force, wait=wait)
 
 
 def _wrapped(actor: type, fault: Fault) -> Any:

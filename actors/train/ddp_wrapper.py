@@ -79,8 +79,9 @@ from actors.train.ddp_arguments import (
     torch_comm_hook,
     torch_ddp_options,
 )
+from actors.train.own_step import OwnStep
 from actors.train.sync import SyncTrainer
-from actors.train.trainer import DistributedTrainer, OwnStep, TrainerOptions
+from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.unbound_optimizer import UnboundOptimizer
 from runtime.coordinator.service import CoordinatorOptions
 
@@ -328,7 +329,7 @@ class DistributedDataParallel(torch.nn.Module):
         block on."""
         wrapper = cls.unwrapped_around(trainer)
         wrapper._wrapped, wrapper._user_optimizer = trainer.optimizer, None
-        trainer.attach_caller(applies=False)  # in the trio thread, as `around` is called
+        trainer.own_loop.attach_caller(applies=False)  # in the trio thread, as `around` is called
         return wrapper, DistributedOptimizer(wrapper, trainer.optimizer)
 
     @classmethod
@@ -346,7 +347,7 @@ class DistributedDataParallel(torch.nn.Module):
             return trio.from_thread.run(fn, *args, trio_token=token)
 
         wrapper._trainer, wrapper._cross = trainer, cross
-        trainer.attach_caller(applies=True)  # in the trio thread, as this is called
+        trainer.own_loop.attach_caller(applies=True)  # in the trio thread, as this is called
         if optimizer_known:
             wrapper._user_optimizer = trainer.optimizer
         return wrapper
@@ -362,7 +363,7 @@ class DistributedDataParallel(torch.nn.Module):
         trainer, applies = self.trainer, self._wrapped is None
 
         async def attach() -> None:
-            trainer.attach_caller(applies=applies)
+            trainer.own_loop.attach_caller(applies=applies)
 
         self._run(attach)
 
@@ -375,7 +376,7 @@ class DistributedDataParallel(torch.nn.Module):
         trainer = self.trainer
 
         async def bind() -> None:
-            trainer.bind_optimizer(optimizer, scheduler)
+            trainer.own_loop.bind_optimizer(optimizer, scheduler)
 
         self._run(bind)
 
@@ -403,8 +404,10 @@ class DistributedDataParallel(torch.nn.Module):
             if self._own is None:
                 # The step the last optimizer step began in the event loop, if it still
                 # stands; else cross into it to begin one.
-                prepared = trainer.prepared_own_step()
-                self._own = prepared if prepared is not None else self._run(trainer.begin_own_step)
+                prepared = trainer.own_loop.prepared_own_step()
+                self._own = (
+                    prepared if prepared is not None else self._run(trainer.own_loop.begin_own_step)
+                )
                 self._armed = self._reduced = False
             own = self._own
             sync = self.require_backward_grad_sync
@@ -441,7 +444,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _await_reduction(self, own: OwnStep) -> None:
         self._reduced = True
-        self._run(self.trainer.reduce_own_step, own)
+        self._run(self.trainer.own_loop.reduce_own_step, own)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch DDP's ``register_comm_hook`` for torch's own hooks (``default_hooks``'
@@ -461,7 +464,7 @@ class DistributedDataParallel(torch.nn.Module):
         comm_hook, rank, start = torch_comm_hook(state, hook)
 
         async def use() -> None:
-            trainer.use_comm_hook(comm_hook, rank, start)
+            trainer.own_loop.use_comm_hook(comm_hook, rank, start)
 
         self._run(use)
         self._hooked = True
@@ -475,7 +478,7 @@ class DistributedDataParallel(torch.nn.Module):
         trainer = self.trainer
 
         async def watch() -> None:
-            trainer.watch_grad_scaler(scaler)
+            trainer.own_loop.watch_grad_scaler(scaler)
 
         self._run(watch)
 
@@ -505,7 +508,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._flush_skipped()
 
         async def use(enabled: bool) -> None:
-            trainer.use_join(enabled, throw_on_early_termination=throw_on_early_termination)
+            trainer.own_loop.use_join(
+                enabled, throw_on_early_termination=throw_on_early_termination
+            )
 
         self._run(use, True)
         try:
@@ -516,7 +521,9 @@ class DistributedDataParallel(torch.nn.Module):
                     f"rank {trainer.rank}, step {self._own.step}: the join context ended in "
                     "the middle of a step (a forward without its optimizer step)"
                 )
-            self._run(trainer.join_and_raise if throw_on_early_termination else trainer.join)
+            self._run(
+                trainer.own_loop.join_and_raise if throw_on_early_termination else trainer.join
+            )
         finally:
             self._run(use, False)
 
@@ -561,7 +568,7 @@ class DistributedDataParallel(torch.nn.Module):
             )
         self._ensure_reduced(own, "optimizer.step()")
         self._own, self._armed, self._reduced = None, False, False
-        taken: bool = self._run(self.trainer.finish_own_step, own)
+        taken: bool = self._run(self.trainer.own_loop.finish_own_step, own)
         return taken
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -594,7 +601,7 @@ class DistributedDataParallel(torch.nn.Module):
                 "must synchronize its gradients first"
             )
         self._ensure_reduced(own, "optimizer.step()")
-        if self._run(self.trainer.begin_caller_apply, own):
+        if self._run(self.trainer.own_loop.begin_caller_apply, own):
             self._applying = own
         else:  # dropped by a membership change: this optimizer step changes nothing
             self._own, self._armed, self._reduced = None, False, False
@@ -610,8 +617,8 @@ class DistributedDataParallel(torch.nn.Module):
             return
         self._applying = None
         self._own, self._armed, self._reduced = None, False, False
-        self.trainer.caller_applied(own)
-        self._run(self.trainer.end_caller_apply, own)
+        self.trainer.own_loop.caller_applied(own)
+        self._run(self.trainer.own_loop.end_caller_apply, own)
 
     def _mute(self, optimizer: torch.optim.Optimizer) -> None:
         """Empty ``optimizer``'s parameter groups for the step about to run (a dropped step's:
@@ -630,15 +637,15 @@ class DistributedDataParallel(torch.nn.Module):
     def _finish_skipped(self, own: OwnStep) -> None:
         self._own, self._armed, self._reduced = None, False, False
         trainer = self.trainer
-        if self._run(trainer.begin_caller_apply, own):
-            trainer.caller_applied(own, skipped=True)
-            self._run(trainer.end_caller_apply, own)
+        if self._run(trainer.own_loop.begin_caller_apply, own):
+            trainer.own_loop.caller_applied(own, skipped=True)
+            self._run(trainer.own_loop.end_caller_apply, own)
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``await fn(*args)`` in the trainer's event loop, this thread parked meanwhile
         (`DistributedTrainer.caller_crossing`)."""
         assert self._cross is not None
-        return self._cross(self.trainer.caller_crossing, fn, *args)
+        return self._cross(self.trainer.own_loop.caller_crossing, fn, *args)
 
     def _check_thread(self) -> None:
         """One thread runs the loop: the hooks' bookkeeping is that thread's."""

@@ -18,6 +18,7 @@ import torch
 import trio
 
 from actors.client.client import CoordinatorClient
+from actors.graph.factory import ActorFactory
 from actors.state.digest import Scheduler, state_digest
 from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
 from runtime.config import ADVERTISE_ENV, DistributedConfig, advertised_host
@@ -67,6 +68,7 @@ async def _trainer_session(
     options: TrainerOptions | None,
     trace: TraceRecorder | None,
     scheduler: Scheduler | None = None,
+    actors: ActorFactory | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Listen to the coordinator from the start, so an abort reaches this worker even while
     it is still connecting an epoch's data plane (``connect``), then train; at the end say
@@ -84,6 +86,7 @@ async def _trainer_session(
             trace,
             connect=connect,
             scheduler=scheduler,
+            actors=actors,
         ) as trainer:
             yield trainer
             await trainer.finish()
@@ -239,6 +242,7 @@ async def train_in_process(
     coordinator_options: CoordinatorOptions | None = None,
     transports: list[Transport] | None = None,
     parallel_layout: Callable[[int], ParallelLayout | None] | None = None,
+    actors: ActorFactory | None = None,
 ) -> list[Any]:
     """Run a coordinator and ``world_size`` workers in this trio run; return each body's result.
 
@@ -248,7 +252,8 @@ async def train_in_process(
     data plane; the default is `InProcessTransport`, or with ``options.comm_backend="torch"``
     a gloo group per epoch (`runtime.transport.torch_dist.create_local_group`).
     ``parallel_layout(rank)``: that rank's 3D-parallel layout (`TrainerOptions.parallel_layout`,
-    which differs per rank).
+    which differs per rank). ``actors``: what every worker builds its actors with
+    (`DistributedTrainer.open`; a harness passes wrapped ones).
     """
     fixed = transports
     groups: dict[int, list[Transport]] = {}
@@ -309,7 +314,7 @@ async def train_in_process(
                 return (await epoch_group(start))[start.position(rank)]
 
             async with _trainer_session(
-                model, optimizer, loss_fn, config, connect, client, mine, None, scheduler
+                model, optimizer, loss_fn, config, connect, client, mine, None, scheduler, actors
             ) as trainer:
                 results[rank] = await body(trainer)
         finally:

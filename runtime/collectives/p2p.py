@@ -259,8 +259,7 @@ def _peers(transport: Transport) -> _Peers:
 
 
 def _describe(transport: Transport, peer: int) -> str:
-    describe = getattr(transport, "describe_peer", None)
-    return describe(peer) if describe is not None else f"rank {peer}"
+    return transport.describe_peer(peer)
 
 
 def _what(tensor: torch.Tensor) -> str:

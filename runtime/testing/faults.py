@@ -145,6 +145,9 @@ class FaultyTransport(SharedMemoryHolder):
     def check_peer(self, peer: int) -> None:
         self.inner.check_peer(peer)
 
+    def describe_peer(self, peer: int) -> str:
+        return self.inner.describe_peer(peer)
+
     async def send(
         self, peer: int, kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | None = None
     ) -> None:

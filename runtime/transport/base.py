@@ -62,6 +62,10 @@ class Transport(abc.ABC):
             raise ValueError(f"an op id is an int in 0..2**63-1, got {op_id!r}")
         self._op_counter = op_id
 
+    def describe_peer(self, peer: int) -> str:
+        """A peer as errors name it (a group names its world rank too)."""
+        return f"rank {peer}"
+
     def check_peer(self, peer: int) -> None:
         """Refuse a peer rank that is this rank or outside the group."""
         if isinstance(peer, bool) or not isinstance(peer, int):

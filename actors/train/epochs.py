@@ -1,0 +1,340 @@
+"""`EpochSupervisor`: the trio shell that runs a trainer's membership epochs.
+
+A supervisor task opens each epoch's data plane, brings its members to the epoch's starting
+state (`actors.train.state_moves.enter_epoch`), runs the epoch's actors, and when the
+coordinator announces a new epoch or a hold, ends the live one: it stops the step in flight,
+applies it if every member was told to, and drops it otherwise. Which moves are legal is
+`actors.train.lifecycle.Lifecycle`'s to say; this module performs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import trio
+
+from actors.graph.compute import ComputeActor, LossFn
+from actors.graph.factory import ActorFactory
+from actors.graph.gradcomm import GradCommActor
+from actors.graph.messages import BucketReady, Verify
+from actors.graph.optimizer import (
+    OPTIMIZER_STEP_LOCK,
+    CheckCost,
+    OptimizerActor,
+    clip_gradients,
+    clip_settings,
+)
+from actors.state.buckets import Bucket
+from actors.state.digest import StateDigest
+from actors.train.caller_gate import CallerGate
+from actors.train.history import StepHistory
+from actors.train.lifecycle import Lifecycle
+from actors.train.state_moves import TrainerState, enter_epoch
+from runtime.actor.base import ActorSystem
+from runtime.config import DistributedConfig
+from runtime.errors import pick_error
+from runtime.observe.trace import TraceRecorder
+from runtime.protocol.messages import Hold, StartRun
+from runtime.transport.base import Transport
+
+__all__ = ["Connect", "Epoch", "EpochSupervisor", "SupervisedTrainer", "fixed_connect"]
+
+log = logging.getLogger("paramsync.trainer")
+
+Connect = Callable[[StartRun], Awaitable[Transport]]
+"""Opens an epoch's data plane: a transport whose rank is this worker's ring position."""
+
+
+def fixed_connect(transport: Transport, config: DistributedConfig) -> Connect:
+    """The data plane of a run whose membership never changes: ``transport`` for every epoch
+    (a membership change is a RuntimeError)."""
+    if (transport.rank, transport.world_size) != (config.rank, config.world_size):
+        raise ValueError("transport and config disagree on rank or world size")
+
+    async def connect(start: StartRun) -> Transport:
+        if start.epoch != 1 and transport.world_size != len(start.members):
+            raise RuntimeError("a fixed transport cannot follow a membership change")
+        return transport
+
+    return connect
+
+
+@dataclass
+class Epoch:
+    """A live membership epoch: its start, its data plane and its actors."""
+
+    start: StartRun
+    transport: Transport
+    compute: ComputeActor
+    comm: GradCommActor
+    optimizer: OptimizerActor
+    generation: int
+    """The lifecycle's number of this epoch (what its steps' events name)."""
+    ended: trio.Event = field(default_factory=trio.Event)
+    """Set once the epoch is torn down (the supervisor then decides what comes next)."""
+
+
+class SupervisedTrainer(TrainerState, Protocol):
+    """What the supervisor reads of its trainer beyond the state it moves."""
+
+    loss_fn: LossFn
+    actors: ActorFactory
+    buckets: list[Bucket]
+    trace: TraceRecorder
+    check_cost: CheckCost
+    history: StepHistory
+    watched_scaler: torch.amp.GradScaler | None
+
+    def resume_digest(self) -> StateDigest: ...
+
+
+class EpochSupervisor:
+    """Runs one trainer's epochs, one after the other, as the coordinator announces them."""
+
+    def __init__(self, trainer: SupervisedTrainer, connect: Connect) -> None:
+        self.trainer = trainer
+        self.connect = connect
+        self.owns_transports = True
+        """Close each epoch's transport at its end (not a fixed one the caller passed in)."""
+        self.lifecycle = Lifecycle()
+        self.current: Epoch | None = None
+        """The live epoch (None between epochs)."""
+        self.live = trio.Event()
+        """Set while an epoch is live (replaced, never cleared, when it stops being so)."""
+        self.held = trio.Event()
+        """Set while the supervisor holds: no epoch live, the state at rest."""
+        self.step_scope: trio.CancelScope | None = None
+        """The cancel scope of the step (or wait) in flight: the end of its epoch cancels it."""
+        self.caller: CallerGate | None = None
+        """The caller's own loop, when one drives the trainer (`OwnLoop.attach_caller`)."""
+        self._announced: list[StartRun | Hold] = []
+        self._announced_event = trio.Event()
+
+    def announce(self, message: StartRun | Hold) -> None:
+        """The coordinator announced a new epoch or a hold: end the live epoch now."""
+        self._announced.append(message)
+        self._announced_event.set()
+        # Before the epoch's actors go: nothing more runs in it, and whatever they fail
+        # with next belongs to the dropped step, which then reruns.
+        self.lifecycle.announce()
+        if self.live.is_set():
+            self.live = trio.Event()
+        if self.step_scope is not None:
+            self.step_scope.cancel()
+        epoch = self.current
+        if epoch is not None:
+            epoch.transport.abort()  # wake collective threads blocked on dead peers
+
+    async def _next_announcement(self, failure: BaseException | None) -> StartRun | Hold:
+        """The coordinator's next epoch or hold; after a data-plane failure, within a deadline
+        (the coordinator names the lost peer, or the failure stands)."""
+        if not self._announced:
+            start = self.trainer.client.start
+            seconds = (
+                2 * start.heartbeat_deadline + 5.0 if failure and start is not None else math.inf
+            )
+            with trio.move_on_after(seconds):
+                while not self._announced:
+                    self._announced_event = trio.Event()
+                    await self._announced_event.wait()
+            if not self._announced:
+                assert failure is not None
+                raise failure
+        message = self._announced.pop(0)
+        if not self._announced:
+            self.lifecycle.took_announcement()
+        return message
+
+    async def supervise(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the epochs the coordinator announces, from the client's first start on."""
+        message: StartRun | Hold = self.trainer.client.start  # type: ignore[assignment]
+        status: trio.TaskStatus[None] | None = task_status
+        while True:
+            if isinstance(message, Hold):
+                log.warning("rank %d holds: %s", self.trainer.rank, message.reason)
+                self.lifecycle.hold()
+                self.held.set()
+                message = await self._next_announcement(None)
+                self.held = trio.Event()
+                continue
+            status, failure = await self._run_epoch(message, status)
+            message = await self._next_announcement(failure)
+
+    async def _run_epoch(
+        self, start: StartRun, status: trio.TaskStatus[None] | None
+    ) -> tuple[trio.TaskStatus[None] | None, BaseException | None]:
+        """Run one epoch until the coordinator announces the next; returns a data-plane
+        failure that ended it early (the coordinator then decides)."""
+        trainer = self.trainer
+        failure: BaseException | None = None
+        transport: Transport | None = None
+        generation = self.lifecycle.start()
+        with trio.CancelScope() as scope:
+            try:
+                async with trio.open_nursery() as nursery:
+
+                    async def end_on_announcement() -> None:
+                        while not self._announced:
+                            self._announced_event = trio.Event()
+                            await self._announced_event.wait()
+                        scope.cancel()
+
+                    nursery.start_soon(end_on_announcement)
+                    transport = await self.connect(start)
+                    if self.caller is not None:
+                        await self.caller.parked()
+                    await enter_epoch(trainer, start, transport)
+                    async with ActorSystem() as system:
+                        epoch = await self._start_actors(system, start, transport, generation)
+                        if start.verify:
+                            verify = Verify(start.step - 1, force=True)
+                            if self.caller is None:
+                                await epoch.optimizer.tell(verify)
+                            else:  # hashed before the caller's loop may touch the state
+                                await epoch.optimizer.ask(verify)
+                        self._caller_released()
+                        self.current = epoch
+                        if self.lifecycle.go_live():
+                            self.live.set()
+                        if status is not None:
+                            status.started()
+                            status = None
+                        await trio.sleep_forever()
+            except Exception as exc:
+                if self._announced:
+                    # Its actors failed while being stopped for the next epoch: no fault.
+                    log.debug("rank %d: epoch %d ended (%r)", trainer.rank, start.epoch, exc)
+                elif status is not None:
+                    raise  # the first epoch never started: nothing to recover
+                else:
+                    failure = exc
+                    log.warning(
+                        "rank %d: epoch %d ended by %r", trainer.rank, start.epoch, pick_error(exc)
+                    )
+            finally:
+                # Leave the epoch: stop the step in flight, finish it if every member holds
+                # its gradients (apply), else drop them.
+                self.lifecycle.leave()
+                if self.live.is_set():  # never swap an event someone still waits on
+                    self.live = trio.Event()
+                ending, self.current = self.current, None
+                if ending is not None:
+                    ending.compute.remove_hooks()  # the next epoch's compute adds its own
+                if self.step_scope is not None:
+                    self.step_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    if transport is not None:
+                        transport.abort()
+                        if start.apply_barrier and trainer.client.applied(trainer.step):
+                            gate = self.caller
+                            if gate is not None and gate.applies:
+                                gate.must_apply = trainer.step  # its begin_caller_apply says so
+                            else:
+                                await trio.to_thread.run_sync(self._apply_pending)
+                        trainer.optimizer.zero_grad(set_to_none=False)
+                        if self.owns_transports:
+                            await transport.aclose()
+                if ending is not None:
+                    ending.ended.set()
+                self._caller_released()
+                self.lifecycle.left()
+        return status, failure
+
+    def _caller_released(self) -> None:
+        if self.caller is not None:
+            self.caller.released()
+
+    async def resume_point(self) -> tuple[int, bytes]:
+        """Once the supervisor holds, the next step and the state digest this worker rejoins
+        a restarted coordinator with (its donor rule picks the state the run resumes from)."""
+        await self.held.wait()
+        digest = await trio.to_thread.run_sync(self.trainer.resume_digest)
+        return self.trainer.step, digest.digest
+
+    def _apply_pending(self) -> None:
+        """Apply the step every member was told to apply, as its epoch ends (in a thread)."""
+        trainer = self.trainer
+        step = trainer.step
+        clip = clip_settings(trainer.options)
+        with OPTIMIZER_STEP_LOCK:
+            if trainer.step == step:
+                if clip is not None:  # as the optimizer actor would have
+                    if trainer.precision is not None:
+                        trainer.precision.unscale(trainer.optimizer)  # clip the true gradients
+                    trainer.history.record_norm(step, clip_gradients(trainer.model, *clip))
+                if trainer.precision is None:
+                    trainer.optimizer.step()
+                elif trainer.precision.step(trainer.optimizer):
+                    trainer.history.skipped(step)
+                if trainer.scheduler is not None:
+                    trainer.scheduler.step()
+                trainer.optimizer.zero_grad(set_to_none=False)
+                trainer.step = step + 1
+                log.info("rank %d applied step %d while leaving its epoch", trainer.rank, step)
+
+    async def _start_actors(
+        self, system: ActorSystem, start: StartRun, transport: Transport, generation: int
+    ) -> Epoch:
+        trainer = self.trainer
+        comm = trainer.actors.comm(
+            trainer.model,
+            trainer.buckets,
+            transport,
+            trainer.client,
+            trainer.options,
+            trainer.trace,
+            start.epoch,
+            fold=start.fold,
+        )
+
+        def on_bucket(step: int, bucket: int) -> None:
+            comm.ready_soon(BucketReady(step, bucket))
+
+        compute = trainer.actors.compute(
+            trainer.model,
+            trainer.loss_fn,
+            trainer.buckets,
+            on_bucket,
+            trainer.trace,
+            find_unused=trainer.options.find_unused_parameters,
+            on_unused=comm.note_unused,
+            precision=trainer.precision,
+            **({"replicas": trainer.replicas} if trainer.replicas is not None else {}),
+        )
+
+        def applied(step: int) -> None:
+            trainer.step = step + 1
+
+        optimizer = trainer.actors.optimizer(
+            trainer.model,
+            trainer.optimizer,
+            trainer.client,
+            trainer.options,
+            trainer.trace,
+            start.epoch,
+            applied,
+            trainer.check_cost,
+            zero_grads=lambda: comm.zero_grads(trainer.optimizer),
+            precision=trainer.precision,
+            on_skipped=trainer.history.skipped,
+            scheduler=trainer.scheduler,
+            digest_buffers=trainer.options.buffer_sync != "local",
+        )
+        if trainer.watched_scaler is not None:
+            optimizer.digest_grad_scaler(trainer.watched_scaler)
+        try:
+            await system.start(compute)
+            await system.start(comm)
+            await system.start(optimizer)
+        except BaseException:
+            compute.remove_hooks()
+            raise
+        trainer.client.on_go = comm.tell
+        return Epoch(start, transport, compute, comm, optimizer, generation)
