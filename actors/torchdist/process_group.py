@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -68,6 +69,22 @@ def _coordinator_host() -> str:
     """Where rank 0's coordinator listens: $PARAMSYNC_ADVERTISE_ADDR, else MASTER_ADDR (the
     host torchrun and ``paramsync launch`` name for rank 0), else loopback."""
     return advertised_host() or os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+
+
+_GENERATIONS: dict[str, int] = {}
+_GENERATIONS_LOCK = threading.Lock()
+
+
+def _coordinator_key(name: str) -> str:
+    """The store key of this group's coordinator address: one per group this process made
+    under ``name``. torch names the default group "0" again after ``destroy_process_group``,
+    in the same store (torchrun's), so a second ``init_process_group("paramsync")`` in one
+    job would otherwise read the first group's address, a coordinator that is gone. Every
+    rank makes the same groups in the same order, so the numbers agree."""
+    with _GENERATIONS_LOCK:
+        generation = _GENERATIONS.get(name, 0)
+        _GENERATIONS[name] = generation + 1
+    return COORDINATOR_KEY if generation == 0 else f"{COORDINATOR_KEY}/{generation}"
 
 
 def _seconds(timeout: Any) -> float:
@@ -182,11 +199,12 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             address = coordinator
         elif rank == 0:
             host, port = self.session.host_coordinator()
-            store.set(COORDINATOR_KEY, f"{host} {port}")
+            store.set(_coordinator_key(name), f"{host} {port}")
             address = (host, port)
         else:
-            store.wait([COORDINATOR_KEY], timedelta(seconds=options.timeout_seconds))
-            host, port_text = store.get(COORDINATOR_KEY).decode().rsplit(" ", 1)
+            key = _coordinator_key(name)
+            store.wait([key], timedelta(seconds=options.timeout_seconds))
+            host, port_text = store.get(key).decode().rsplit(" ", 1)
             address = (host, int(port_text))
         self.session.open(address)
         watch_group(self, prove=proof_enabled())
