@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,lora]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,lora,frameworks]'
 	touch $(STAMP)
 
 test: $(STAMP)
