@@ -212,6 +212,33 @@ class Connection:
         """The receive buffer (its size stays bounded between frames: docs/protocol.md §1)."""
         return self._reader.buffer
 
+    def opened_like_tls(self) -> bool:
+        """Whether the first bytes this connection received open a TLS record (a handshake or
+        an alert) where a paramsync frame was due: the peer speaks TLS and this side does not.
+
+        Such a prefix announces a head of over 350 MB, refused before the handshake's limit,
+        so the first bytes still sit at the front of the receive buffer."""
+        first = self._reader.buffer
+        return first[1] == 0x03 and first[0] in (0x15, 0x16)
+
+    @asynccontextmanager
+    async def lent(self) -> AsyncIterator[None]:
+        """Hold both of this connection's locks, so that no trio task sends or receives on it
+        while it is lent to worker threads (`TcpTransport.blocking_links`, `polled_links`).
+        A free lock is taken without a schedule point."""
+        held: list[trio.StrictFIFOLock] = []
+        try:
+            for lock in (self._send_lock, self._recv_lock):
+                if lock.locked():
+                    await lock.acquire()
+                else:
+                    lock.acquire_nowait()
+                held.append(lock)
+            yield
+        finally:
+            for lock in held:
+                lock.release()
+
     # ---------------------------------------------------------------- sending
 
     async def send(
@@ -816,7 +843,7 @@ async def dial(
             # TLS 1.3: the listener checks this side's certificate after our handshake ended.
             reason = exc.tls_reason
             raise HandshakeError(f"TLS handshake failed: {reason}", peer=where) from None
-        if tls is None and conn is not None and _sounds_like_tls(conn):
+        if tls is None and conn is not None and conn.opened_like_tls():
             raise HandshakeError(
                 "the listener speaks TLS: this side needs --tls-cert, --tls-key and --tls-ca",
                 peer=where,
@@ -866,7 +893,7 @@ async def accept(
                 raise
             except ProtocolError as exc:
                 refusal = exc
-                if tls is None and _sounds_like_tls(conn):
+                if tls is None and conn.opened_like_tls():
                     refusal = HandshakeError(
                         "the peer speaks TLS but this side has no TLS configured "
                         "(--tls-cert, --tls-key, --tls-ca)"
@@ -907,15 +934,6 @@ _TLS_REQUIRED = encode_frame_bytes(
     *Refusal("this listener requires TLS (--tls-cert, --tls-key, --tls-ca)").to_wire()
 )
 """What a TLS listener answers, in the clear, to a peer that opens with a paramsync frame."""
-
-
-def _sounds_like_tls(conn: Connection) -> bool:
-    """Whether the first bytes this connection received open a TLS record (a handshake or an
-    alert) where a paramsync frame was due: the peer speaks TLS and this side does not.
-
-    Such a prefix announces a head of over 350 MB, refused before the handshake's limit, so
-    the first bytes still sit at the front of the receive buffer."""
-    return conn._buf[1] == 0x03 and conn._buf[0] in (0x15, 0x16)
 
 
 async def _refuse(conn: Connection, reason: str) -> None:
@@ -1084,8 +1102,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             )
         async with AsyncExitStack() as stack:
             for conn in conns.values():
-                await stack.enter_async_context(conn._send_lock)
-                await stack.enter_async_context(conn._recv_lock)
+                await stack.enter_async_context(conn.lent())
             for conn in conns.values():
                 conn.set_blocking(True, self.stall_seconds)
             links = BlockingLinks(conns, self.max_frame)
@@ -1114,24 +1131,17 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             raise CollectiveError(
                 f"polled links need plaintext TCP, but the connections to ranks {tls} are TLS"
             )
-        held: list[trio.StrictFIFOLock] = []
         ok = False
         links = PolledLinks(conns, self.max_frame, self.stall_seconds)
         try:
-            for conn in conns.values():
-                for lock in (conn._send_lock, conn._recv_lock):
-                    if lock.locked():
-                        await lock.acquire()
-                    else:
-                        lock.acquire_nowait()
-                    held.append(lock)
-            yield links
-            ok = True
+            async with AsyncExitStack() as stack:
+                for conn in conns.values():
+                    await stack.enter_async_context(conn.lent())
+                yield links
+                ok = True
         finally:
             if not ok:
                 links.abort()
-            for lock in held:
-                lock.release()
 
     # ---------------------------------------------------------------- group formation
 
