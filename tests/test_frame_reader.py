@@ -280,7 +280,7 @@ class FrameStreamMachine(RuleBasedStateMachine):
         if not frame.bulk:
             assert got.bulk is None
         else:
-            assert bytes(got.bulk) == frame.bulk
+            assert got.bulk is not None and bytes(got.bulk) == frame.bulk
             fits = frame.dest is not None and len(frame.dest) == len(frame.bulk)
             assert got.misfit == (frame.dest is not None and not fits)
             if fits:
