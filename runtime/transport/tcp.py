@@ -362,7 +362,10 @@ class Connection:
         reader = self._reader
         reader.start(max_frame, placement, expected)
         while True:
-            step = self._next()
+            try:
+                step = reader.next()
+            except FrameAuthenticationError as exc:
+                raise self._refuse(exc) from None
             if type(step) is Frame:
                 return step
             assert isinstance(step, Need)
