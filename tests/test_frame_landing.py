@@ -368,7 +368,7 @@ async def test_a_bucket_whose_all_reduce_failed_is_zeroed_never_applied() -> Non
     actor._reducers[0] = ForgedRing()  # type: ignore[call-overload]
     actor.current = StepState(0)
     with pytest.raises(FrameAuthenticationError):
-        await actor._all_reduce(0, 0)
+        await actor.reduce_bucket(0, 0)
     assert not actor.current.all_reduced.is_set()
     for param in model.parameters():
         assert param.grad is not None and not param.grad.any(), "forged bytes left in a gradient"

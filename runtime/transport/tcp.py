@@ -37,7 +37,6 @@ from runtime.config import DistributedConfig, advertised_host
 from runtime.errors import (
     CollectiveError,
     FrameAuthenticationError,
-    FrameTooLarge,
     HandshakeError,
     ListenerBusy,
     PeerClosed,
@@ -46,21 +45,27 @@ from runtime.errors import (
     one_line,
     quoted,
 )
-from runtime.protocol.frame_auth import FrameOpener, FrameSealer, frame_session
+from runtime.protocol.frame_auth import FrameSealer, frame_session
+from runtime.protocol.frame_reader import (
+    BUFFER_SIZE,
+    CONTROL_DUE,
+    Frame,
+    FrameReader,
+    Into,
+    Need,
+    Placement,
+    Scratch,
+)
 from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
-from runtime.protocol.limits import PEEK_SIZE, check_bulk_kind, check_kind_size, peek_kind
 from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
 from runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
-    PREFIX_SIZE,
-    TRAILER_SIZE,
     check_bulk_destination,
     decode_head,
     encode_frame,
     encode_frame_bytes,
     landed_as_sent,
-    parse_prefix,
     tensor_buffer,
 )
 from runtime.transport.admission import AdmissionGate
@@ -97,29 +102,17 @@ def _tensor_over(landing: bytearray, spec: BulkSpec) -> torch.Tensor:
     return flat.view(spec.shape)
 
 
-def _bulk_within(head: bytes, bulk_len: int, limit: int) -> None:
-    """Refuse, from the prefix, a bulk with no destination of the receiver's own that is
-    larger than ``limit``: it would be allocated before its tag can be checked."""
-    if bulk_len > limit:
-        kind = peek_kind(head[:PEEK_SIZE]) or "frame"
-        raise FrameTooLarge(
-            f"{kind} message carries {bulk_len} bulk bytes, more than this receiver's limit "
-            f"of {limit}"
-        )
+def _into(out: torch.Tensor) -> Into:
+    """The placement of a bulk in ``out``, a landing buffer (`recv_into`, `recv_into_blocking`)."""
+    return Into(
+        out.numel() * out.element_size(),
+        functools.partial(tensor_buffer, out),
+        functools.partial(_holds, out),
+    )
 
 
-def _nbytes(out: torch.Tensor) -> int:
-    return out.numel() * out.element_size()
-
-
-def _bulk_fits(bulk_len: int, out: torch.Tensor) -> None:
-    """Refuse a bulk that is not the size of its destination ``out``."""
-    nbytes = _nbytes(out)
-    if bulk_len != nbytes:
-        raise ProtocolError(
-            f"sent {bulk_len} bulk bytes, expected {out.dtype} with {out.numel()} elements "
-            f"({nbytes} bytes)"
-        )
+def _holds(out: torch.Tensor) -> str:
+    return f"{out.dtype} with {out.numel()} elements"
 
 
 __all__ = [
@@ -137,9 +130,10 @@ __all__ = [
 log = logging.getLogger("paramsync.tcp")
 
 DEFAULT_GROUP = "paramsync"
-_BUFFER_SIZE = 256 * 1024
-_DIRECT_READ = 64 * 1024
+_BUFFER_SIZE = BUFFER_SIZE
 _HEAD_READ = 4096
+"""A blocking read for a frame's prefix and head asks for at most this many bytes (or what the
+head needs), so a bulk that follows mostly lands straight in its destination."""
 _SOCKET_BUFFER = 4 * 1024 * 1024
 """Socket buffers that hold a whole 4 MiB ring part, so a blocking send rarely waits."""
 _TLS_COALESCE = 64 * 1024
@@ -180,16 +174,12 @@ class Connection:
         )
         self._send_lock = trio.StrictFIFOLock()
         self._recv_lock = trio.StrictFIFOLock()
-        self._buf = bytearray(_BUFFER_SIZE)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
+        self._reader = FrameReader(_BUFFER_SIZE)
+        """Every read rule and the receive buffer; this class only moves its bytes."""
         self.closed = False
         self._raw: RawSocket | None = None
         self._sealer: FrameSealer | None = None
         """Tags outgoing frames once the handshake is done (None before: handshake frames)."""
-        self._opener: FrameOpener | None = None
-        """Checks incoming frames' tags once the handshake is done."""
         self._refusal: FrameAuthenticationError | None = None
         """Why this end shut the connection down itself (a frame failed authentication, or
         the counter ran out): a worker thread still using it then raises this, not the
@@ -206,17 +196,49 @@ class Connection:
         ``session_key`` (`runtime.protocol.frame_auth`); ``dialer`` says which end this is.
         Called by `dial` and `accept` right after the handshake's welcome."""
         session = frame_session(session_key, dialer=dialer)
-        self._sealer, self._opener = session.sealer, session.opener
+        self._sealer, self._reader.opener = session.sealer, session.opener
 
     @property
     def frames_authenticated(self) -> bool:
         """Whether frames on this connection carry and are checked against a MAC."""
-        return self._opener is not None
+        return self._reader.opener is not None
 
     @property
     def socket(self) -> trio.socket.SocketType:
         """The TCP socket under the stream (TLS or not): for its addresses, not for I/O."""
         return self._sock
+
+    @property
+    def _buf(self) -> bytearray:
+        """The receive buffer (its size stays bounded between frames: docs/protocol.md §1)."""
+        return self._reader.buffer
+
+    def opened_like_tls(self) -> bool:
+        """Whether the first bytes this connection received open a TLS record (a handshake or
+        an alert) where a paramsync frame was due: the peer speaks TLS and this side does not.
+
+        Such a prefix announces a head of over 350 MB, refused before the handshake's limit,
+        so the first bytes still sit at the front of the receive buffer."""
+        first = self._reader.buffer
+        return first[1] == 0x03 and first[0] in (0x15, 0x16)
+
+    @asynccontextmanager
+    async def lent(self) -> AsyncIterator[None]:
+        """Hold both of this connection's locks, so that no trio task sends or receives on it
+        while it is lent to worker threads (`TcpTransport.blocking_links`, `polled_links`).
+        A free lock is taken without a schedule point."""
+        held: list[trio.StrictFIFOLock] = []
+        try:
+            for lock in (self._send_lock, self._recv_lock):
+                if lock.locked():
+                    await lock.acquire()
+                else:
+                    lock.acquire_nowait()
+                held.append(lock)
+            yield
+        finally:
+            for lock in held:
+                lock.release()
 
     # ---------------------------------------------------------------- sending
 
@@ -293,16 +315,6 @@ class Connection:
             peer=self.peer,
         )
 
-    def _open(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Check the buffered tag trailer of the frame made of ``parts`` and consume it; a
-        frame that fails closes the connection and raises FrameAuthenticationError."""
-        assert self._opener is not None
-        trailer = self._take(TRAILER_SIZE)
-        try:
-            self._opener.open(parts, trailer)
-        except FrameAuthenticationError as exc:
-            raise self._refuse(exc) from None
-
     @asynccontextmanager
     async def _holding(self, lock: trio.StrictFIFOLock) -> AsyncIterator[bool]:
         """Hold ``lock``; yields True when it was free and taken without a scheduler trip
@@ -329,24 +341,40 @@ class Connection:
             raise PeerClosed("connection closed", peer=self.peer) from None
 
     # ---------------------------------------------------------------- receiving
+    #
+    # Every read rule (the prefix, the limits from it and a peek at the kind, the tag checked
+    # before anything is decoded, where a bulk lands) is `FrameReader`'s
+    # (`runtime.protocol.frame_reader`). The three I/O modes below, a trio task, a worker
+    # thread on a blocking socket and a worker thread polling a non-blocking one, only move the
+    # bytes it asks for and decode the heads it hands back.
 
-    async def _fill(self, need: int) -> None:
-        """Make at least ``need`` unread bytes sit in the receive buffer."""
-        self._make_room(need)
-        while self._end - self._start < need:
-            count = await self._recv_into(self._view[self._end :])
-            self._end += count
+    def _next(self) -> Need | Frame:
+        """The reader's next step; a frame that fails its tag closes the connection and raises
+        FrameAuthenticationError naming the peer."""
+        try:
+            return self._reader.next()
+        except FrameAuthenticationError as exc:
+            raise self._refuse(exc) from None
 
-    def _make_room(self, need: int) -> None:
-        """Move unread bytes to the buffer's front (growing it) so ``need`` bytes fit."""
-        if self._end - self._start >= need or need <= len(self._buf) - self._start:
-            return
-        pending = self._buf[self._start : self._end]
-        if need > len(self._buf):
-            self._buf = bytearray(max(need, _BUFFER_SIZE))
-            self._view = memoryview(self._buf)
-        self._buf[: len(pending)] = pending
-        self._start, self._end = 0, len(pending)
+    async def _read_frame(
+        self, max_frame: int, placement: Placement, expected: bytes | None = None
+    ) -> Frame:
+        """Read one frame (trio): its bytes from the socket wherever the reader asks."""
+        reader = self._reader
+        reader.start(max_frame, placement, expected)
+        while True:
+            try:
+                step = reader.next()
+            except FrameAuthenticationError as exc:
+                raise self._refuse(exc) from None
+            if type(step) is Frame:
+                return step
+            assert isinstance(step, Need)
+            count = await self._recv_into(step.view)
+            if step.bulk:
+                reader.landed(count)
+            else:
+                reader.filled(count)
 
     async def _recv_into(self, view: memoryview) -> int:
         try:
@@ -364,87 +392,6 @@ class Connection:
         if count == 0:
             raise PeerClosed("connection closed by the peer", peer=self.peer)
         return count
-
-    def _prefix_is(self, expected: bytes) -> bool:
-        """Whether the buffered prefix is ``expected``'s (then the frame is as long as it)."""
-        head = self._view[self._start : self._start + PREFIX_SIZE]
-        return len(expected) > PREFIX_SIZE and head == expected[:PREFIX_SIZE]
-
-    @property
-    def _trailer_size(self) -> int:
-        """Bytes that follow each frame's item: its tag trailer once frames are authenticated."""
-        return 0 if self._opener is None else TRAILER_SIZE
-
-    def _take_matching(self, expected: bytes) -> bool:
-        """Consume the buffered frame if it is byte for byte ``expected`` (and, with frame
-        authentication on, its buffered tag checks out: else FrameAuthenticationError)."""
-        size = len(expected)
-        if self._view[self._start : self._start + size] != expected:
-            return False
-        self._start += size
-        if self._opener is not None:
-            self._open((expected,))
-        elif self._start == self._end:
-            self._start = self._end = 0
-        return True
-
-    def _take(self, count: int) -> bytes:
-        """Consume ``count`` buffered bytes. A receive buffer that grew for a long head goes
-        back to its usual size once empty, so a peer's memory here stays bounded between
-        frames (docs/protocol.md §1)."""
-        data = bytes(self._view[self._start : self._start + count])
-        self._start += count
-        if self._start == self._end:
-            self._start = self._end = 0
-            if len(self._buf) > _BUFFER_SIZE:
-                self._buf = bytearray(_BUFFER_SIZE)
-                self._view = memoryview(self._buf)
-        return data
-
-    async def _read_into(self, view: memoryview) -> None:
-        """Fill ``view`` exactly: buffered bytes first, then straight from the socket."""
-        got = min(len(view), self._end - self._start)
-        if got:
-            view[:got] = self._view[self._start : self._start + got]
-            self._start += got
-            if self._start == self._end:
-                self._start = self._end = 0
-        while got < len(view):
-            remaining = len(view) - got
-            if remaining < _DIRECT_READ:
-                await self._fill(remaining)
-                view[got:] = self._view[self._start : self._start + remaining]
-                self._start += remaining
-                if self._start == self._end:
-                    self._start = self._end = 0
-                return
-            got += await self._recv_into(view[got:])
-
-    async def _read_raw(self, max_frame: int) -> tuple[bytes, bytes, int]:
-        """Read a frame's prefix and head, undecoded: (prefix, head, bulk length).
-
-        Every limit is applied from the prefix and a peek at the head's first bytes, before
-        the head is read: its length against ``max_frame`` and its kind's cap, and a bulk
-        announced by a kind that carries none. A frame without bulk on an authenticated
-        connection is buffered with its tag trailer (for `_verify`)."""
-        await self._fill(PREFIX_SIZE)
-        prefix = self._take(PREFIX_SIZE)
-        item_len, bulk_len = parse_prefix(prefix, max_frame)
-        head_len = item_len - bulk_len
-        peek = min(head_len, PEEK_SIZE)  # the kind's cap, before the head is read
-        await self._fill(peek)
-        kind = check_kind_size(self._view[self._start : self._start + peek], head_len)
-        check_bulk_kind(kind, bulk_len)
-        trailer = TRAILER_SIZE if self._opener is not None and bulk_len == 0 else 0
-        await self._fill(head_len + trailer)
-        return prefix, self._take(head_len), bulk_len
-
-    async def _verify(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
-        """Check the tag of the frame made of ``parts`` (prefix, head and, if any, bulk), its
-        trailer read first; nothing before frame authentication (the handshake)."""
-        if self._opener is not None:
-            await self._fill(TRAILER_SIZE)
-            self._open(parts)
 
     async def _decode(self, head: bytes, bulk_len: int) -> tuple[dict[str, Any], Any]:
         """`decode_head`, once the frame verified; a head long enough for its decode to take
@@ -464,7 +411,7 @@ class Connection:
         non-blocking read, a cancel point but no schedule point): a reader that waited for
         something else meanwhile (`CoordinatorClient.reads_deferred`) then needs no trip
         through the scheduler to find them."""
-        if self._end > self._start:
+        if self._reader.buffered:
             return
         if self.direct and not self._recv_lock.locked() and self._took_waiting_bytes():
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -477,15 +424,14 @@ class Connection:
     def _took_waiting_bytes(self) -> bool:
         """Read what waits in the socket into the buffer without waiting; whether the next
         `recv` can start (bytes came, or the connection ended: it says so)."""
-        self._make_room(1)
         try:
             raw = self._raw_socket()
-            count = raw.recv_into(self._view[self._end :], 0, _DONTWAIT)
+            count = raw.recv_into(self._reader.space(1), 0, _DONTWAIT)
         except BlockingIOError:
             return False
         except OSError:
             return True  # the recv after it says what happened
-        self._end += count
+        self._reader.filled(count)
         return True
 
     async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
@@ -496,17 +442,11 @@ class Connection:
         is checked before anything of it is decoded (docs/protocol.md §5.4)."""
         async with self._holding(self._recv_lock):
             try:
-                prefix, head, bulk_len = await self._read_raw(max_frame)
-                landing = None
-                if bulk_len:
-                    _bulk_within(head, bulk_len, max_frame)
-                    landing = bytearray(bulk_len)
-                    await self._read_into(memoryview(landing))
-                await self._verify((prefix, head) if landing is None else (prefix, head, landing))
-                message, spec = await self._decode(head, bulk_len)
+                frame = await self._read_frame(max_frame, Scratch(max_frame))
+                message, spec = await self._decode(frame.head, frame.bulk_len)
                 if spec is not None:
-                    assert landing is not None
-                    message["data"] = _tensor_over(landing, spec)
+                    assert isinstance(frame.bulk, bytearray)
+                    message["data"] = _tensor_over(frame.bulk, spec)
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
@@ -521,29 +461,12 @@ class Connection:
         A step signal is then a comparison of a few dozen bytes, not a CBOR decode."""
         async with self._holding(self._recv_lock):
             try:
-                await self._fill(PREFIX_SIZE)
-                if self._prefix_is(expected):
-                    # the prefix says the frame is this long (then its tag trailer)
-                    await self._fill(len(expected) + self._trailer_size)
-                    if self._take_matching(expected):
-                        return None
-                await self._refuse_bulk(max_frame)
-                prefix, head, _ = await self._read_raw(max_frame)
-                await self._verify((prefix, head))
-                return (await self._decode(head, 0))[0]
+                frame = await self._read_frame(max_frame, CONTROL_DUE, expected)
+                if frame.matched:
+                    return None
+                return (await self._decode(frame.head, 0))[0]
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
-
-    async def _refuse_bulk(self, max_frame: int) -> None:
-        """Refuse the buffered frame if its prefix announces bulk (a control message was due),
-        naming its kind from a peek at its head: nothing of it is decoded."""
-        start = self._start
-        item_len, bulk_len = parse_prefix(self._view[start : start + PREFIX_SIZE], max_frame)
-        if bulk_len:
-            peek = min(item_len - bulk_len, PEEK_SIZE)
-            await self._fill(PREFIX_SIZE + peek)
-            head = self._view[self._start + PREFIX_SIZE : self._start + PREFIX_SIZE + peek]
-            raise ProtocolError(_BULK_NOT_EXPECTED.format(peek_kind(head) or "frame", bulk_len))
 
     async def recv_into(
         self, out: torch.Tensor, max_frame: int = DEFAULT_MAX_FRAME
@@ -554,38 +477,20 @@ class Connection:
         when this raises ``out`` holds unspecified bytes. Pass only a buffer the caller owns
         and drops (or rewrites) on failure, never live model or optimizer state
         (docs/protocol.md §5.4). The head is decoded only once the frame verified; a bulk of
-        another size than ``out`` is refused from the prefix, unread."""
+        another size than ``out`` is read aside and verified when it is within ``max_frame``
+        (so the error names what was sent), refused from the prefix, unread, when larger."""
         async with self._holding(self._recv_lock):
             try:
-                prefix, head, bulk_len = await self._read_raw(max_frame)
-                bulk = None
-                if bulk_len:
-                    if bulk_len != _nbytes(out):
-                        await self._refuse_misfit(prefix, head, bulk_len, out, max_frame)
-                    bulk = tensor_buffer(out)
-                    await self._read_into(bulk)
-                await self._verify((prefix, head) if bulk is None else (prefix, head, bulk))
-                message, spec = await self._decode(head, bulk_len)
+                placement = _into(out)
+                frame = await self._read_frame(max_frame, placement)
+                message, spec = await self._decode(frame.head, frame.bulk_len)
                 check_bulk_destination(spec, out, self.peer, message)
+                if frame.misfit:
+                    raise placement.misfit(frame.bulk_len)
                 message["data"] = out
                 return message
             except ProtocolError as exc:
                 raise exc.with_peer(self.peer) from None
-
-    async def _refuse_misfit(
-        self, prefix: bytes, head: bytes, bulk_len: int, out: torch.Tensor, max_frame: int
-    ) -> None:
-        """Refuse a bulk that is not ``out``'s size: one within ``max_frame`` is read aside and
-        verified first, so the error names what was sent (and the link stays in step); a
-        larger one from the prefix, unread."""
-        if bulk_len > max_frame:
-            _bulk_fits(bulk_len, out)
-        landing = bytearray(bulk_len)
-        await self._read_into(memoryview(landing))
-        await self._verify((prefix, head, landing))
-        message, spec = await self._decode(head, bulk_len)
-        check_bulk_destination(spec, out, self.peer, message)
-        _bulk_fits(bulk_len, out)
 
     async def recv_routed(
         self, route: BulkRoute, max_frame: int = DEFAULT_MAX_FRAME, max_bulk: int = 0
@@ -601,16 +506,11 @@ class Connection:
         of verified bytes and nothing else."""
         async with self._holding(self._recv_lock):
             try:
-                prefix, head, bulk_len = await self._read_raw(max_frame)
-                landing = None
-                if bulk_len:
-                    _bulk_within(head, bulk_len, max(max_frame, max_bulk))
-                    landing = bytearray(bulk_len)
-                    await self._read_into(memoryview(landing))
-                await self._verify((prefix, head) if landing is None else (prefix, head, landing))
-                message, spec = await self._decode(head, bulk_len)
+                frame = await self._read_frame(max_frame, Scratch(max(max_frame, max_bulk)))
+                message, spec = await self._decode(frame.head, frame.bulk_len)
                 if spec is not None:
-                    assert landing is not None
+                    landing = frame.bulk
+                    assert isinstance(landing, bytearray)
                     out = route(message, spec.dtype, spec.shape)
                     if out is None:
                         message["data"] = _tensor_over(landing, spec)
@@ -652,17 +552,6 @@ class Connection:
             lost = PeerClosed(f"connection lost while sending: {exc}", peer=self.peer)
             raise self._hung_up(lost) from None
 
-    def _read_blocking(self, view: memoryview) -> None:
-        got = min(len(view), self._end - self._start)
-        if got:
-            view[:got] = self._view[self._start : self._start + got]
-            self._start += got
-            if self._start == self._end:
-                self._start = self._end = 0
-        raw = self._raw_socket()
-        while got < len(view):
-            got += self._recv_some_blocking(raw, view[got:], len(view) - got, socket.MSG_WAITALL)
-
     def _recv_some_blocking(
         self, raw: RawSocket, view: memoryview, size: int, flags: int = 0
     ) -> int:
@@ -676,18 +565,6 @@ class Connection:
         if count == 0:
             raise self._hung_up(PeerClosed("connection closed by the peer", peer=self.peer))
         return count
-
-    def _fill_blocking(self, need: int) -> None:
-        """`_fill` for worker threads: one wake-up usually brings prefix and head together.
-
-        Reads at most `_HEAD_READ` bytes a call, so a bulk that follows mostly lands straight
-        in its destination rather than in this buffer."""
-        self._make_room(need)
-        raw = self._raw_socket()
-        while self._end - self._start < need:
-            room = len(self._buf) - self._end
-            size = min(room, max(_HEAD_READ, need - (self._end - self._start)))
-            self._end += self._recv_some_blocking(raw, self._view[self._end :], size)
 
     # ---------------------------------------------------------------- polled control path
     #
@@ -717,13 +594,13 @@ class Connection:
             except OSError as exc:
                 raise PeerClosed(f"connection lost while sending: {exc}", peer=self.peer) from None
 
-    def _fill_polled(self, need: int, deadline: float) -> None:
-        """`_fill` for worker threads in polled mode."""
-        self._make_room(need)
+    def _recv_polled(self, view: memoryview, deadline: float) -> int:
+        """One non-blocking ``recv_into`` (polled mode), waiting in poll(2) until ``deadline``
+        while nothing has come."""
         raw = self._raw_socket()
-        while self._end - self._start < need:
+        while True:
             try:
-                count = raw.recv_into(self._view[self._end :], 0, _DONTWAIT)
+                count = raw.recv_into(view, 0, _DONTWAIT)
             except BlockingIOError:
                 self._poll(select.POLLIN, deadline, "sent nothing")
                 continue
@@ -731,7 +608,7 @@ class Connection:
                 raise PeerClosed(f"connection lost: {exc}", peer=self.peer) from None
             if count == 0:
                 raise PeerClosed("connection closed by the peer", peer=self.peer)
-            self._end += count
+            return count
 
     def recv_matching_polled(
         self, expected: bytes, deadline: float, max_frame: int = DEFAULT_MAX_FRAME
@@ -739,24 +616,17 @@ class Connection:
         """`recv_matching` from a worker thread (polled mode only): a frame with bulk is
         refused from its prefix, any other checked against its tag before it is decoded."""
         try:
-            self._fill_polled(PREFIX_SIZE, deadline)
-            if self._prefix_is(expected):
-                self._fill_polled(len(expected) + self._trailer_size, deadline)
-                if self._take_matching(expected):
-                    return None
-            prefix = self._take(PREFIX_SIZE)
-            item_len, bulk_len = parse_prefix(prefix, max_frame)
-            head_len = item_len - bulk_len
-            peek = min(head_len, PEEK_SIZE)
-            self._fill_polled(peek, deadline)
-            kind = check_kind_size(self._view[self._start : self._start + peek], head_len)
-            if bulk_len:  # unread: the connection is not usable after it
-                raise ProtocolError(_BULK_NOT_EXPECTED.format(kind or "frame", bulk_len))
-            self._fill_polled(head_len + self._trailer_size, deadline)
-            head = self._take(head_len)
-            if self._opener is not None:
-                self._open((prefix, head))
-            return decode_head(head, 0, tensors=self.tensors)[0]
+            reader = self._reader
+            reader.start(max_frame, CONTROL_DUE, expected)
+            while True:
+                step = self._next()
+                if type(step) is Frame:
+                    break
+                assert isinstance(step, Need)  # never a bulk: a control message is due
+                reader.filled(self._recv_polled(step.view, deadline))
+            if step.matched:
+                return None
+            return decode_head(step.head, 0, tensors=self.tensors)[0]
         except ProtocolError as exc:
             raise exc.with_peer(self.peer) from None
 
@@ -765,38 +635,29 @@ class Connection:
     ) -> dict[str, Any]:
         """Receive one message into ``out`` from a worker thread (blocking mode only).
 
-        As `recv_into`: every limit from the prefix and a peek at the head, a bulk of another
-        size than ``out`` refused unread, the bulk landed in ``out`` (a landing buffer), the
-        whole frame checked against its tag, and only then the head decoded."""
+        As `recv_into`: every limit from the prefix and a peek at the head, the bulk landed
+        in ``out`` (a landing buffer) with one ``MSG_WAITALL`` read, the whole frame checked
+        against its tag, and only then the head decoded."""
         try:
-            self._fill_blocking(PREFIX_SIZE)
-            prefix = self._take(PREFIX_SIZE)
-            item_len, bulk_len = parse_prefix(prefix, max_frame)
-            head_len = item_len - bulk_len
-            peek = min(head_len, PEEK_SIZE)
-            self._fill_blocking(peek)
-            kind = check_kind_size(self._view[self._start : self._start + peek], head_len)
-            check_bulk_kind(kind, bulk_len)
-            misfit = bulk_len and bulk_len != _nbytes(out)
-            if misfit and bulk_len > max_frame:
-                _bulk_fits(bulk_len, out)  # refused from the prefix, unread
-            trailer = self._trailer_size if bulk_len == 0 else 0
-            self._fill_blocking(head_len + trailer)
-            head = self._take(head_len)
-            if bulk_len:
-                # a bulk of another size is read aside (at most max_frame) and verified, so
-                # its refusal names what was sent and the link stays in step
-                bulk = memoryview(bytearray(bulk_len)) if misfit else tensor_buffer(out)
-                self._read_blocking(bulk)
-                if self._opener is not None:
-                    self._fill_blocking(TRAILER_SIZE)
-                    self._open((prefix, head, bulk))
-            elif self._opener is not None:
-                self._open((prefix, head))
-            message, spec = decode_head(head, bulk_len, tensors=self.tensors)
+            placement = _into(out)
+            reader = self._reader
+            reader.start(max_frame, placement, direct_read=0)
+            raw = self._raw_socket()
+            while True:
+                step = self._next()
+                if type(step) is Frame:
+                    break
+                assert isinstance(step, Need)
+                if step.bulk:
+                    size = step.count
+                    reader.landed(self._recv_some_blocking(raw, step.view, size, _WAITALL))
+                else:  # one wake-up usually brings prefix and head together
+                    size = min(len(step.view), max(_HEAD_READ, step.count))
+                    reader.filled(self._recv_some_blocking(raw, step.view, size))
+            message, spec = decode_head(step.head, step.bulk_len, tensors=self.tensors)
             check_bulk_destination(spec, out, self.peer, message)
-            if misfit:
-                _bulk_fits(bulk_len, out)
+            if step.misfit:
+                raise placement.misfit(step.bulk_len)
             message["data"] = landed_as_sent(spec, out, message)
             return message
         except ProtocolError as exc:
@@ -892,8 +753,8 @@ class _TlsBroken(PeerClosed):
         super().__init__(f"{what}: {self.tls_reason}", peer=peer)
 
 
-_BULK_NOT_EXPECTED = "sent a {} message with {} bulk bytes where a control message was expected"
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # direct is off where it is missing
+_WAITALL = socket.MSG_WAITALL
 _SCHEDULE_EVERY = 16
 """A direct send or receive yields to trio's scheduler once in this many."""
 _direct_ops = 0
@@ -986,7 +847,7 @@ async def dial(
             # TLS 1.3: the listener checks this side's certificate after our handshake ended.
             reason = exc.tls_reason
             raise HandshakeError(f"TLS handshake failed: {reason}", peer=where) from None
-        if tls is None and conn is not None and _sounds_like_tls(conn):
+        if tls is None and conn is not None and conn.opened_like_tls():
             raise HandshakeError(
                 "the listener speaks TLS: this side needs --tls-cert, --tls-key and --tls-ca",
                 peer=where,
@@ -1036,7 +897,7 @@ async def accept(
                 raise
             except ProtocolError as exc:
                 refusal = exc
-                if tls is None and _sounds_like_tls(conn):
+                if tls is None and conn.opened_like_tls():
                     refusal = HandshakeError(
                         "the peer speaks TLS but this side has no TLS configured "
                         "(--tls-cert, --tls-key, --tls-ca)"
@@ -1077,15 +938,6 @@ _TLS_REQUIRED = encode_frame_bytes(
     *Refusal("this listener requires TLS (--tls-cert, --tls-key, --tls-ca)").to_wire()
 )
 """What a TLS listener answers, in the clear, to a peer that opens with a paramsync frame."""
-
-
-def _sounds_like_tls(conn: Connection) -> bool:
-    """Whether the first bytes this connection received open a TLS record (a handshake or an
-    alert) where a paramsync frame was due: the peer speaks TLS and this side does not.
-
-    Such a prefix announces a head of over 350 MB, refused before the handshake's limit, so
-    the first bytes still sit at the front of the receive buffer."""
-    return conn._buf[1] == 0x03 and conn._buf[0] in (0x15, 0x16)
 
 
 async def _refuse(conn: Connection, reason: str) -> None:
@@ -1254,8 +1106,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             )
         async with AsyncExitStack() as stack:
             for conn in conns.values():
-                await stack.enter_async_context(conn._send_lock)
-                await stack.enter_async_context(conn._recv_lock)
+                await stack.enter_async_context(conn.lent())
             for conn in conns.values():
                 conn.set_blocking(True, self.stall_seconds)
             links = BlockingLinks(conns, self.max_frame)
@@ -1284,24 +1135,17 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
             raise CollectiveError(
                 f"polled links need plaintext TCP, but the connections to ranks {tls} are TLS"
             )
-        held: list[trio.StrictFIFOLock] = []
         ok = False
         links = PolledLinks(conns, self.max_frame, self.stall_seconds)
         try:
-            for conn in conns.values():
-                for lock in (conn._send_lock, conn._recv_lock):
-                    if lock.locked():
-                        await lock.acquire()
-                    else:
-                        lock.acquire_nowait()
-                    held.append(lock)
-            yield links
-            ok = True
+            async with AsyncExitStack() as stack:
+                for conn in conns.values():
+                    await stack.enter_async_context(conn.lent())
+                yield links
+                ok = True
         finally:
             if not ok:
                 links.abort()
-            for lock in held:
-                lock.release()
 
     # ---------------------------------------------------------------- group formation
 
