@@ -64,6 +64,22 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return flat.contiguous()
 
 
+def _scratch(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``host`` (``tensor`` as `_host` gives it) as a buffer a collective may land in: a copy
+    when it is the caller's memory, else ``host`` itself (`_host` already copied it)."""
+    if _copied(tensor, host):
+        return host
+    return host.clone()
+
+
+def _copied(tensor: torch.Tensor, host: torch.Tensor) -> bool:
+    """Whether ``host`` is memory of its own, not ``tensor``'s (a CUDA or strided tensor's)."""
+    return (
+        tensor.device != host.device
+        or tensor.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+    )
+
+
 def _store(dest: torch.Tensor, values: torch.Tensor) -> None:
     """Write ``values`` (a host tensor of ``dest``'s element count) into ``dest``."""
     with torch.no_grad():
@@ -94,8 +110,11 @@ def _fold(rows: torch.Tensor, op: str) -> torch.Tensor:
     return out
 
 
-async def _reduce(group: Transport, flat: torch.Tensor, op: str) -> torch.Tensor:
-    """``flat`` reduced across the group by ``op`` (a new or the same tensor)."""
+async def _reduce(
+    group: Transport, flat: torch.Tensor, op: str, *, owned: bool = False
+) -> torch.Tensor:
+    """``flat`` reduced across the group by ``op`` (a new or the same tensor). ``owned``: no
+    caller holds ``flat`` (a concatenation or a host copy), so the ring may land in it."""
     if op in ("sum", "avg"):
         if op == "avg" and not flat.is_floating_point():
             raise UnsupportedCall(
@@ -104,7 +123,8 @@ async def _reduce(group: Transport, flat: torch.Tensor, op: str) -> torch.Tensor
             )
         if flat.dtype == torch.bool:
             raise UnsupportedCall("allreduce(sum) of bool: use MAX (any) or MIN (all)")
-        work = flat.clone()  # the ring leaves unspecified bytes on failure: never the caller's
+        # The ring leaves unspecified bytes on failure: never in the caller's memory.
+        work = flat if owned else flat.clone()
         await all_reduce(group, work, op)  # type: ignore[arg-type]
         return work
     if op in ("band", "bor", "bxor") and flat.is_floating_point():
@@ -120,7 +140,7 @@ async def allreduce_op(group: Transport, tensors: Sequence[torch.Tensor], op: st
     hosts = [_host(t) for t in tensors]
     if len(hosts) > 1 and len({h.dtype for h in hosts}) == 1:
         flat = torch.cat([h.view(-1) for h in hosts])
-        reduced = await _reduce(group, flat, op)
+        reduced = await _reduce(group, flat, op, owned=True)
         offset = 0
         for tensor, host in zip(tensors, hosts, strict=True):
             n = host.numel()
@@ -128,13 +148,14 @@ async def allreduce_op(group: Transport, tensors: Sequence[torch.Tensor], op: st
             offset += n
         return
     for tensor, host in zip(tensors, hosts, strict=True):
-        _store(tensor, await _reduce(group, host.view(-1), op))
+        owned = _copied(tensor, host)
+        _store(tensor, await _reduce(group, host.view(-1), op, owned=owned))
 
 
 async def broadcast_op(group: Transport, tensors: Sequence[torch.Tensor], root: int) -> None:
     """Copy ``root``'s tensors into every rank's, in place."""
     for tensor in tensors:
-        host = _host(tensor).view(-1).clone()
+        host = _scratch(tensor, _host(tensor)).view(-1)
         await broadcast(group, host, root)
         if group.rank != root:
             _store(tensor, host)
@@ -153,9 +174,10 @@ async def reduce_scatter_op(
     group: Transport, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str
 ) -> None:
     """Reduce the ranks' ``inputs`` (one per rank) and keep this rank's part in ``output``."""
-    flat = torch.cat([_host(t).view(-1) for t in inputs])
-    reduced = await _reduce(group, flat, op)
-    sizes = [_host(t).numel() for t in inputs]
+    hosts = [_host(t) for t in inputs]
+    flat = torch.cat([h.view(-1) for h in hosts])
+    reduced = await _reduce(group, flat, op, owned=True)
+    sizes = [h.numel() for h in hosts]
     start = sum(sizes[: group.rank])
     _store(output, reduced[start : start + sizes[group.rank]])
 
@@ -175,7 +197,7 @@ async def alltoall_op(
     rows_out = _splits(output.shape[0] if output.dim() else 0, output_splits, n, "output")
     row_elems = source[0].numel() if source.dim() and source.shape[0] else 0
     out_row = output[0].numel() if output.dim() and output.shape[0] else 0
-    gathered = _host(output).clone()
+    gathered = _scratch(output, _host(output))
     flat_in, flat_out = source.view(-1), gathered.view(-1)
     starts_in = [sum(rows_in[:p]) for p in range(n)]
     starts_out = [sum(rows_out[:p]) for p in range(n)]
@@ -218,11 +240,11 @@ async def barrier_op(group: Transport) -> None:
 
 async def send_op(group: Transport, tensor: torch.Tensor, dst: int, tag: int) -> None:
     """Send ``tensor`` to ``dst`` (matched by ``tag`` at the receiver)."""
-    await p2p_send(group, _host(tensor).clone(), dst, tag)
+    await p2p_send(group, _scratch(tensor, _host(tensor)), dst, tag)
 
 
 async def recv_op(group: Transport, tensor: torch.Tensor, src: int, tag: int) -> None:
     """Receive into ``tensor`` from ``src`` (the send with the same ``tag``)."""
-    host = _host(tensor).clone()
+    host = _scratch(tensor, _host(tensor))
     await p2p_recv(group, host, src, tag)
     _store(tensor, host)
