@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import secrets
 import socket
 import statistics
@@ -57,9 +58,17 @@ VOCAB = 96
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now, below Linux's ephemeral range (32768 up), so that no connection another
+    program opens meanwhile is given it before torch's store binds it."""
+    for _ in range(100):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999 on 127.0.0.1")
 
 
 def _iterations(nbytes: int) -> int:
@@ -199,13 +208,13 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
-    """One run of ``system`` with ``world`` ranks (again on a fresh port, up to twice more,
+    """One run of ``system`` with ``world`` ranks (again on a fresh port, up to 4 times more,
     when another program took the chosen one before torch's store bound it)."""
-    for attempt in range(3):
+    for attempt in range(5):
         try:
             return _launch_once(system, world, args, _free_port())
         except RuntimeError as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == 2:
+            if "EADDRINUSE" not in str(exc) or attempt == 4:
                 raise
     raise AssertionError("unreachable")
 
