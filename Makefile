@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
+.PHONY: test demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torchdist bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-groups: $(STAMP)
 
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
+
+bench-torchdist: $(STAMP)
+	$(BIN)/python benchmarks/torchdist.py --rounds 3 --proof-cost --json out/torchdist.json
 
 bench-multidevice: $(STAMP)
 	$(BIN)/python benchmarks/multidevice.py --rounds 15 --steps 30 --json out/multidevice.json

@@ -27,6 +27,7 @@ every later one with one error naming what happened; nothing waits forever.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -210,6 +211,10 @@ class GroupSession:
         self._send: trio.MemorySendChannel[Any] | None = None
         self._gos: set[tuple[int, int]] = set()
         self._pending: dict[int, _Op] = {}
+        self._inbox: collections.deque[Any] = collections.deque()
+        """Items from torch's threads not yet moved into the loop (`_put`, `_drain`)."""
+        self._inbox_lock = threading.Lock()
+        self._drain_due = False
         """Calls queued and not yet completed, by id (touched in the loop's thread only)."""
         self._go_arrived = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -228,6 +233,7 @@ class GroupSession:
             stall_seconds=min(60.0, self.options.timeout_seconds),
             stall_deadline=self.options.timeout_seconds,
             cache_by_spec=True,
+            idle_stalls=False,
         )
         coordinator = Coordinator(
             self.size, options, secret=self._secret, group=f"torch:{self.name}"
@@ -474,32 +480,48 @@ class GroupSession:
         self._put(_StepEnd(digest))
 
     def _put(self, item: Any) -> None:
+        """Hand ``item`` to the loop. Items wait in a queue that one wake-up of the loop
+        drains whole, so a burst of calls (a backward's buckets) wakes it once; a step's end
+        wakes nobody and leaves with the next call (or the close), in order."""
         op = item if isinstance(item, _Op) else None
         if self._failure is not None or self._send is None:
             if op is not None:
                 self._complete(op, self._failure or BackendError(f"group {self.name} is not open"))
             return
-        send = self._send
+        self._inbox.append(item)
+        if isinstance(item, _StepEnd):
+            return
+        with self._inbox_lock:
+            if self._drain_due:
+                return
+            self._drain_due = True
+        try:
+            self.loop.call_soon(self._drain)
+        except RuntimeError as exc:  # the loop is gone
+            if op is not None:
+                self._complete(op, BackendError(f"group {self.name}: {exc}"))
 
-        def put() -> None:
+    def _drain(self) -> None:
+        """In the loop: move every queued item to the executor, in order."""
+        with self._inbox_lock:
+            self._drain_due = False
+        send = self._send
+        assert send is not None
+        while self._inbox:
+            item = self._inbox.popleft()
+            op = item if isinstance(item, _Op) else None
             if self._failure is not None:
                 if op is not None:
                     self._complete(op, self._failure)
-                return
+                continue
             try:
                 send.send_nowait(item)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 if op is not None:
                     self._complete(op, BackendError(f"group {self.name} is closed"))
-                return
+                continue
             if op is not None:
                 self._pending[id(op)] = op
-
-        try:
-            self.loop.call_soon(put)
-        except RuntimeError as exc:  # the loop is gone
-            if op is not None:
-                self._complete(op, BackendError(f"group {self.name}: {exc}"))
 
     def close(self) -> None:
         """Finish this rank's part of the run (waits, bounded, for the others)."""

@@ -138,6 +138,7 @@ class CoordinatorCore:
         stall_seconds: float = 60.0,
         stall_deadline: float | None = None,
         cache_by_spec: bool = False,
+        idle_stalls: bool = True,
     ) -> None:
         if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be in [1, {MAX_WORLD}], got {world_size!r}")
@@ -179,6 +180,9 @@ class CoordinatorCore:
             stall_deadline=stall_deadline,
         )
         self._negotiation = Negotiation(by_spec=cache_by_spec)
+        self._idle_stalls = idle_stalls
+        """Whether a step nobody has reported anything in counts as stalled (a trainer's
+        steps never idle; a torch.distributed group may sit between calls for any time)."""
         self._groups = GroupNegotiation()
         self._commits = Commits(
             digest_interval=digest_interval, resync=bool(resync), elastic=self._elastic
@@ -774,6 +778,8 @@ class CoordinatorCore:
         stall = self._liveness.check_stall(now)
         if stall is None:
             return []
+        if not self._idle_stalls and not self._current.partly_reported(self._membership.members):
+            return []  # every member at the same point between calls: idle, not stalled
         phase, ranks = self.waiting_for()
         step, waited = self._current.resume_step, format_seconds(stall.waited)
         if not stall.give_up:

@@ -92,6 +92,10 @@ class CoordinatorOptions:
     the one agreed at its bucket: for callers whose calls do not repeat at the same place
     every step (a torch.distributed group, `actors.torchdist`). The members' reports are
     compared either way; a trainer keeps the stricter rule."""
+    idle_stalls: bool = True
+    """Whether a step in which no member has reported anything counts towards a stall. A
+    torch.distributed group may sit idle between calls for as long as its program likes; only
+    a call some members made and others did not is a stall there."""
 
 
 class _Member:
@@ -187,6 +191,7 @@ class Coordinator:
             stall_seconds=self.options.stall_seconds,
             stall_deadline=self.options.stall_deadline,
             cache_by_spec=self.options.cache_by_spec,
+            idle_stalls=self.options.idle_stalls,
         )
         self.world_size = world_size
         self.group = group

@@ -127,6 +127,10 @@ class StepState:
             active.update(members)
         return sorted(active)
 
+    def partly_reported(self, members: tuple[int, ...]) -> bool:
+        """Whether some members reported a bucket or the step's end that others have not."""
+        return bool(self.pending) or 0 < len(self.done) < len(members)
+
     def waiting_for(self, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """What the step waits for: a phase and the ranks of ``members`` it waits on."""
         if self.verifying:
