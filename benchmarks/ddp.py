@@ -798,6 +798,23 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
         return result
 
 
+PORT_RACES = 3
+"""Launches tried when a process finds its port taken (`_free_port` frees the port it found
+before the process binds it: another program on the machine may take it meanwhile)."""
+
+
+def _launch_retrying(system: str, world: int, args: argparse.Namespace) -> dict:
+    """`_launch`, again on a fresh port when a process found its port taken."""
+    for attempt in range(1, PORT_RACES + 1):
+        try:
+            return _launch(system, world, args)
+        except RuntimeError as error:
+            if "EADDRINUSE" not in str(error) or attempt == PORT_RACES:
+                raise
+            print(f"{system} with {world} workers: port taken, launching again", flush=True)
+    raise AssertionError("unreachable")
+
+
 def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) -> float | None:
     """The coordinator's CPU time per step over rank 0's timed window (sampled every
     ``POLL_SECONDS`` at the kernel's clock-tick resolution and interpolated at the window's
@@ -1466,7 +1483,7 @@ def main() -> None:
                 systems = (*systems, TORCHFT)
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
-                result = _launch(system, world, args)
+                result = _launch_retrying(system, world, args)
                 runs.setdefault((system, world), []).append(result)
                 print(
                     f"world size {world}, round {round_index + 1}/{args.rounds}, "

@@ -70,9 +70,10 @@ JOB = {
     "corpus_bytes": 65536,
 }
 """The fault trials' job (`runtime.testing.fault_trials.JOB_FLAGS`), for ddp.py's set-up."""
-PARAMSYNC_STEPS = 1500
+PARAMSYNC_STEPS = 800
 """paramsync's run length in a trial: long enough for the killed worker to start again and
-rejoin before the survivors finish."""
+rejoin before the survivors finish (on the loaded 2-core machine a restart took up to 50 s,
+while the survivors ran about 7 steps a second)."""
 AFTER_REJOIN_STEPS = 20
 """torchft's survivors run until the restarted worker has committed a step, then this many
 more, all stopping at the same step."""
@@ -341,7 +342,7 @@ def torchft_figures(
 # ----------------------------------------------------------------------------- paramsync trial
 
 
-def paramsync_trial(phase: str, step: int, *, timeout: float = 300.0) -> dict:
+def paramsync_trial(phase: str, step: int, *, timeout: float = 600.0) -> dict:
     """One paramsync trial: `run_trial` with the live rejoin; the rejoin's time from the
     coordinator's log (the epoch the restarted rank joined, to its first commit)."""
     from runtime.testing.fault_trials import JOB_FLAGS, run_trial
@@ -716,11 +717,17 @@ def main() -> None:
     for index, (phase, step) in enumerate(points):
         order = args.systems if index % 2 == 0 else args.systems[::-1]
         for system in order:
-            if system == "paramsync":
-                trial = paramsync_trial(phase, step)
-            else:
-                trial = torchft_trial(phase, step, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+            try:
+                if system == "paramsync":
+                    trial = paramsync_trial(phase, step)
+                else:
+                    trial = torchft_trial(
+                        phase, step, heartbeat_timeout_ms=args.heartbeat_timeout_ms
+                    )
+            except (TimeoutError, RuntimeError) as error:  # a trial that never ended is a result
+                trial = _failed_trial(system, phase, step, error)
             trials.append(trial)
+            _write_json(args, trials, [])
             print(
                 f"{system} {phase}:{step}: detection {_seconds(trial['detection_seconds'])}, "
                 f"steps lost {trial['steps_lost']}, rejoin {_seconds(trial['rejoin_seconds'])}, "
@@ -739,20 +746,43 @@ def main() -> None:
             print(f"nudge, {system}: {json.dumps(outcome)}", flush=True)
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "cpu_count": os.cpu_count(),
-                    "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
-                    "trials": trials,
-                    "summary": summary,
-                    "nudge": nudges,
-                },
-                indent=2,
-            )
-        )
+        _write_json(args, trials, nudges)
         print(f"wrote {args.json}")
+
+
+def _failed_trial(system: str, phase: str, step: int, error: Exception) -> dict:
+    """A trial that raised (it ran past its deadline, a process never started): no figures,
+    the error as its problem."""
+    return {
+        "system": system,
+        "phase": phase,
+        "step": step,
+        "detection_seconds": None,
+        "steps_lost": 0,
+        "rejoin_seconds": None,
+        "identical": False,
+        "problems": [f"{type(error).__name__}: {str(error)[:3000]}"],
+    }
+
+
+def _write_json(args: argparse.Namespace, trials: list[dict], nudges: list[dict]) -> None:
+    """Every trial so far, the summary and the nudges to ``--json`` (after every trial, so
+    that a long run's figures survive it being stopped)."""
+    if not args.json:
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "cpu_count": os.cpu_count(),
+                "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
+                "trials": trials,
+                "summary": summarise(trials),
+                "nudge": nudges,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":
