@@ -34,8 +34,8 @@ __all__ = [
     "state_digest",
 ]
 
-START_SECONDS = 20.0
-"""How long the lighthouse may take to accept connections."""
+START_SECONDS = 60.0
+"""How long the lighthouse may take to accept connections (on a loaded machine, seconds)."""
 
 
 def available() -> bool:
@@ -125,8 +125,10 @@ def start_lighthouse(
         except OSError:
             if time.monotonic() > deadline:
                 process.kill()
+                process.wait()
                 raise RuntimeError(
-                    f"torchft_lighthouse did not listen on port {port} in {START_SECONDS:.0f} s"
+                    f"torchft_lighthouse did not listen on port {port} in {START_SECONDS:.0f} s: "
+                    f"{log.read_text()[-2000:]}"
                 ) from None
             time.sleep(0.05)
     return Lighthouse(process, f"http://127.0.0.1:{port}", log)
