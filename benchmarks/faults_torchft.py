@@ -256,6 +256,9 @@ def torchft_trial(
                     raise TimeoutError(
                         f"torchft trial {phase}:{step} ran past {timeout} s\n{tails}"
                     )
+                survivors = [procs[f"rank{r}"] for r in range(WORKERS) if r != VICTIM]
+                if any(p.poll() not in (None, 0) for p in survivors):
+                    break  # a survivor died: fewer than MIN_WORKERS can never commit again
                 if "rejoined" not in procs and procs[victim].poll() is not None:
                     start(VICTIM, "rejoined")
                 if "rejoined" in procs and not (root / "stop").exists():
@@ -680,6 +683,12 @@ def main() -> None:
         default=5000,
         help="torchft's lighthouse: how long a replica may go unheard (its default 5000)",
     )
+    parser.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="skip the first START kill points (to resume a stopped run; the list is fixed)",
+    )
     parser.add_argument("--nudge", action="store_true", help="also run the adversarial case")
     parser.add_argument("--no-kills", action="store_true", help="only the nudge")
     parser.add_argument("--json", type=Path, help="write every trial and the summary here")
@@ -705,7 +714,7 @@ def main() -> None:
         return
     if "torchft" in args.systems and not torchft_peer.available():
         raise SystemExit(f"torchft: {torchft_peer.missing_reason()}")
-    points = [] if args.no_kills else kill_points(args.trials)
+    points = [] if args.no_kills else kill_points(args.trials)[args.start :]
     print(
         f"{WORKERS} workers, at least {MIN_WORKERS}; rank {VICTIM} killed and restarted at: "
         + " ".join(f"{phase}:{step}" for phase, step in points)
