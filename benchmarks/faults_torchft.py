@@ -715,10 +715,10 @@ def main() -> None:
     if "torchft" in args.systems and not torchft_peer.available():
         raise SystemExit(f"torchft: {torchft_peer.missing_reason()}")
     points = [] if args.no_kills else kill_points(args.trials)[args.start :]
+    at = " ".join(f"{phase}:{step}" for phase, step in points) or "(no kills)"
     print(
         f"{WORKERS} workers, at least {MIN_WORKERS}; rank {VICTIM} killed and restarted at: "
-        + " ".join(f"{phase}:{step}" for phase, step in points)
-        + f"; {os.cpu_count()} CPUs",
+        f"{at}; {os.cpu_count()} CPUs",
         flush=True,
     )
     trials: list[dict] = []
