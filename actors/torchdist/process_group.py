@@ -480,14 +480,25 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: Any = None,
     ) -> Any:
-        if len(output_lists) != len(inputs):
-            raise ValueError("all_gather_coalesced: one output list per input tensor")
-        for outputs, tensor in zip(output_lists, inputs, strict=True):
+        # torch's layout (as gloo's): output_lists[r][i] receives rank r's inputs[i].
+        if len(output_lists) != self._size:
+            raise ValueError(
+                f"all_gather_coalesced: {len(output_lists)} output lists for a group of "
+                f"{self._size} (one per rank)"
+            )
+        for rank, outputs in enumerate(output_lists):
+            if len(outputs) != len(inputs):
+                raise ValueError(
+                    f"all_gather_coalesced: output list {rank} has {len(outputs)} tensors "
+                    f"for {len(inputs)} inputs"
+                )
+        per_input = [[outputs[i] for outputs in output_lists] for i in range(len(inputs))]
+        for outputs, tensor in zip(per_input, inputs, strict=True):
             self._check_gather("all_gather_coalesced", outputs, tensor)
         call = Call.of("allgather_coalesced", inputs)
 
         async def run(group: Transport) -> None:
-            for outputs, tensor in zip(output_lists, inputs, strict=True):
+            for outputs, tensor in zip(per_input, inputs, strict=True):
                 await allgather_op(group, outputs, tensor)
 
         return self._submit(call, run, output_lists)
