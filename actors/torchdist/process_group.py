@@ -190,7 +190,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form
         self._rank, self._size = rank, size
-        self.name = name
+        self._group_name = name
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
         self.session = GroupSession(
             name, rank, size, secret, options, launched=coordinator is not None
@@ -218,8 +218,18 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     def _backend_name(self) -> str:
         return BACKEND_NAME
 
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        """torch's name for the group (its group id). torch's own reads it from a C++
+        backend registered on the group, which a Python process group has none of."""
+        return self._group_name
+
     def __repr__(self) -> str:
-        return f"ProcessGroupParamsync(group {self.name!r}, rank {self._rank} of {self._size})"
+        group, rank, size = self._group_name, self._rank, self._size
+        return f"ProcessGroupParamsync(group {group!r}, rank {rank} of {size})"
 
     # ------------------------------------------------------------------ plumbing
 
