@@ -1,0 +1,126 @@
+"""Which of torch's distributed tests the paramsync run skips, in named groups, each with why.
+
+Two kinds, both reported with their reason:
+
+* `SKIP_GROUPS`: tests of something the backend deliberately does not do. Each group names
+  its tests and says what the backend does instead.
+* `accelerator_skips`: tests torch itself gates on accelerators (``@skip_if_no_gpu``,
+  ``@skip_if_lt_x_gpu(n)``) when this machine has fewer CUDA devices than they need. torch
+  skips them inside every spawned rank; deciding it here, from the decorators in torch's
+  source, gives the same verdict without starting the ranks.
+
+Everything else runs; torch's own skips (NCCL-only, gloo-only, MPI-only, world size) stay
+torch's, with torch's reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "SkipGroup",
+    "SKIP_GROUPS",
+    "GLOO_GATED_RUN",
+    "accelerator_skips",
+    "group_skips",
+    "group_of",
+]
+
+
+@dataclass(frozen=True)
+class SkipGroup:
+    """Tests skipped for one reason: ``name`` (short), ``reason`` (what and why), ``tests``."""
+
+    name: str
+    reason: str
+    tests: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The skip message: ``[group] reason``."""
+        return f"[{self.name}] {self.reason}"
+
+
+SKIP_GROUPS: tuple[SkipGroup, ...] = ()
+
+GLOO_GATED_RUN: tuple[str, ...] = (
+    *(
+        f"test_all_reduce_coalesced_{scope}{op}"
+        for scope in ("", "group_", "full_group_")
+        for op in ("sum", "product", "min", "max")
+    ),
+    "test_grads_same_across_ranks_with_no_sync",
+    "test_scatter_object_list",
+)
+"""Tests torch skips for any backend but gloo by name alone
+(``@require_backend_is_available({"gloo"})``) whose bodies call only torch.distributed's
+public API on CPU tensors (no gloo-specific branch): the paramsync run runs them."""
+
+
+ACCELERATOR_GROUP = "accelerator"
+
+
+def group_skips(names: list[str]) -> dict[str, str]:
+    """test -> skip message for the tests of `SKIP_GROUPS` among ``names``."""
+    present = set(names)
+    reasons: dict[str, str] = {}
+    for group in SKIP_GROUPS:
+        for test in group.tests:
+            if test not in present:
+                raise ValueError(
+                    f"skip group {group.name!r} names {test}, which torch's suite does not have"
+                )
+            reasons[test] = group.text
+    return reasons
+
+
+def group_of(reason: str) -> str:
+    """The group a skip message belongs to: ``[name] ...`` gives ``name``; torch's own
+    reasons are their own group."""
+    if reason.startswith("[") and "]" in reason:
+        return reason[1 : reason.index("]")]
+    return reason
+
+
+def _needed_devices(decorators: list[ast.expr], world_size: int) -> int:
+    """The CUDA devices a test's decorators ask for (0: none); ``@skip_if_no_gpu`` asks for
+    one per rank."""
+    needed = 0
+    for node in decorators:
+        if isinstance(node, ast.Name) and node.id == "skip_if_no_gpu":
+            needed = max(needed, world_size)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "skip_if_lt_x_gpu"
+            and not any(k.arg == "allow_cpu" for k in node.keywords)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, int)
+        ):
+            needed = max(needed, node.args[0].value)
+    return needed
+
+
+def accelerator_skips(names: list[str], world_size: int) -> dict[str, str]:
+    """test -> skip message for the tests among ``names`` whose decorators in torch's source
+    need more CUDA devices than this machine has."""
+    from torch.testing._internal.distributed import distributed_test
+
+    tree = ast.parse(inspect.getsource(distributed_test))
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    present = set(names)
+    reasons: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name in present:
+            needed = _needed_devices(node.decorator_list, world_size)
+            if needed > have:
+                reasons[node.name] = (
+                    f"[{ACCELERATOR_GROUP}] needs {needed} CUDA device(s) (torch's "
+                    f"@skip_if_no_gpu / @skip_if_lt_x_gpu); this machine has {have}"
+                )
+    return reasons
