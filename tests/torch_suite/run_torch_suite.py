@@ -108,7 +108,9 @@ def _error_line(text: str) -> str:
     return lines[-1][:400] if lines else ""
 
 
-def run_one(world_size: int, select: list[str], exact: list[str], out: Path, log: Path) -> int:
+def run_one(
+    world_size: int, select: list[str], exact: list[str], out: Path, log: Path, large: bool
+) -> int:
     """Run the suite at ``world_size`` in this process; write the rows to ``out`` as JSON.
     Everything the ranks and torch's harness print goes to ``log``; one line per test to
     this process's standard error."""
@@ -137,6 +139,10 @@ def run_one(world_size: int, select: list[str], exact: list[str], out: Path, log
         names = [n for n in names if n in exact]
     if select:
         names = [n for n in names if any(s in n for s in select)]
+    if large:
+        from skip_groups import large_world_tests
+
+        names = large_world_tests(names)
     suite = unittest.TestSuite(case(n) for n in names)
     recorder = _Recorder(progress)
     started = time.monotonic()
@@ -169,6 +175,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             entry["tests"].append(row["test"])
     return {
         "world_size": result["world_size"],
+        "large_only": result.get("large_only", False),
         "seconds": result["seconds"],
         "passed": sorted(r["test"] for r in rows if r["outcome"] == "passed"),
         "failed": {r["test"]: r["error"] for r in rows if r["outcome"] == "failed"},
@@ -192,11 +199,11 @@ def markdown(summaries: list[dict[str, Any]], command: str) -> str:
     ]
     for s in summaries:
         out.append(
-            f"| {s['world_size']} | {len(s['passed'])} | {len(s['failed'])} | "
+            f"| {_label(s)} | {len(s['passed'])} | {len(s['failed'])} | "
             f"{s['skipped']} | {s['seconds']:.0f} |"
         )
     for s in summaries:
-        out += ["", f"## World size {s['world_size']}", ""]
+        out += ["", f"## World size {_label(s)}", ""]
         if s["failed"]:
             out += ["Failed:", ""]
             out += [f"* `{t}`: `{line}`" for t, line in sorted(s["failed"].items())]
@@ -211,6 +218,12 @@ def markdown(summaries: list[dict[str, Any]], command: str) -> str:
             out.append(f"| {label} | {reason} | {tests} |")
         out.append("")
     return "\n".join(out)
+
+
+def _label(summary: dict[str, Any]) -> str:
+    if summary.get("large_only"):
+        return f"{summary['world_size']} (only the tests torch runs from 8 ranks up)"
+    return str(summary["world_size"])
 
 
 def _child_env() -> dict[str, str]:
@@ -246,18 +259,31 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT / "out" / "torch_suite",
         help="where each world size's full output goes, as wsN.log (default %(default)s)",
     )
+    parser.add_argument(
+        "--large-world-size",
+        type=int,
+        metavar="N",
+        help="also run, at world size N (8 or more), the tests torch runs only from 8 ranks "
+        "up (its *_group tests)",
+    )
     parser.add_argument("--one-world-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--large-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_world_size is not None:
         log = args.log_dir / f"ws{args.one_world_size}.log"
-        return run_one(args.one_world_size, args.select, args.tests, args.out, log)
+        return run_one(args.one_world_size, args.select, args.tests, args.out, log, args.large_only)
 
     sys.path.insert(0, str(HERE))
     env = _child_env()
     env["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(args.timeout)
     summaries, results, broken = [], [], False
-    for world_size in args.world_sizes:
+    runs = [(world_size, False) for world_size in args.world_sizes]
+    if args.large_world_size is not None:
+        if args.large_world_size < 8:
+            parser.error("--large-world-size: torch runs those tests from 8 ranks up")
+        runs.append((args.large_world_size, True))
+    for world_size, large in runs:
         if world_size < 2:
             parser.error(f"world size {world_size}: torch's suite needs at least 2 ranks")
         with tempfile.TemporaryDirectory() as tmp:
@@ -266,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             command += ["--out", str(out), "--log-dir", str(args.log_dir)]
             command += [f"-k{s}" for s in args.select]
             command += ["--tests", *args.tests] if args.tests else []
+            command += ["--large-only"] if large else []
             log = args.log_dir / f"ws{world_size}.log"
             print(f"== world size {world_size} (output in {log})", file=sys.stderr, flush=True)
             code = subprocess.run(command, env=env, cwd=ROOT, check=False).returncode
@@ -277,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 broken = True
                 continue
             result = json.loads(out.read_text())
+        result["large_only"] = large
         results.append(result)
         summaries.append(summarize(result))
     invoked = " ".join(["python", os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])
@@ -289,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(report + "\n")
     for s in summaries:
         print(
-            f"world size {s['world_size']}: {len(s['passed'])} passed, {len(s['failed'])} "
+            f"world size {_label(s)}: {len(s['passed'])} passed, {len(s['failed'])} "
             f"failed, {s['skipped']} skipped in {s['seconds']:.0f} s"
         )
         for test, line in sorted(s["failed"].items()):

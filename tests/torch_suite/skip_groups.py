@@ -27,6 +27,7 @@ __all__ = [
     "GLOO_GATED_RUN",
     "accelerator_skips",
     "group_skips",
+    "large_world_tests",
     "group_of",
 ]
 
@@ -106,21 +107,39 @@ def _needed_devices(decorators: list[ast.expr], world_size: int) -> int:
     return needed
 
 
-def accelerator_skips(names: list[str], world_size: int) -> dict[str, str]:
-    """test -> skip message for the tests among ``names`` whose decorators in torch's source
-    need more CUDA devices than this machine has."""
+def _decorated(names: list[str]) -> dict[str, list[ast.expr]]:
+    """test -> its decorators in torch's source, for the tests among ``names``."""
     from torch.testing._internal.distributed import distributed_test
 
     tree = ast.parse(inspect.getsource(distributed_test))
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     present = set(names)
+    return {
+        node.name: node.decorator_list
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name in present
+    }
+
+
+def large_world_tests(names: list[str]) -> list[str]:
+    """The tests among ``names`` that torch runs only at world size 8 or more
+    (``@skip_if_small_worldsize``: its ``*_group`` tests, on ``new_group([1, 2])``)."""
+    return sorted(
+        name
+        for name, decorators in _decorated(names).items()
+        if any(isinstance(d, ast.Name) and d.id == "skip_if_small_worldsize" for d in decorators)
+    )
+
+
+def accelerator_skips(names: list[str], world_size: int) -> dict[str, str]:
+    """test -> skip message for the tests among ``names`` whose decorators in torch's source
+    need more CUDA devices than this machine has."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     reasons: dict[str, str] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name in present:
-            needed = _needed_devices(node.decorator_list, world_size)
-            if needed > have:
-                reasons[node.name] = (
-                    f"[{ACCELERATOR_GROUP}] needs {needed} CUDA device(s) (torch's "
-                    f"@skip_if_no_gpu / @skip_if_lt_x_gpu); this machine has {have}"
-                )
+    for name, decorators in _decorated(names).items():
+        needed = _needed_devices(decorators, world_size)
+        if needed > have:
+            reasons[name] = (
+                f"[{ACCELERATOR_GROUP}] needs {needed} CUDA device(s) (torch's "
+                f"@skip_if_no_gpu / @skip_if_lt_x_gpu); this machine has {have}"
+            )
     return reasons
