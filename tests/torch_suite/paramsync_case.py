@@ -11,8 +11,8 @@ in every rank process the tests spawn. Importing it:
   a plugin backend) and `DistTestCases.skip_collective` (the collectives it refuses), before
   ``distributed_test`` is imported, since its decorators read them at import time;
 * defines `TestDistBackendWithSpawn`, torch's ``_DistTestBase`` on ``MultiProcessTestCase``
-  spawning, and marks as skipped, with the group's reason, the tests of each group in
-  `skip_groups.SKIP_GROUPS` and the tests that need accelerators this machine does not have;
+  spawning, and marks as skipped, with the reason, the tests that need accelerators this
+  machine does not have;
 * runs the tests of `skip_groups.GLOO_GATED_RUN`, which torch gates on the backend's name
   alone (``@require_backend_is_available({"gloo"})``) and whose bodies use nothing of gloo's.
 """
@@ -23,7 +23,7 @@ import os
 import unittest
 
 import torch
-from skip_groups import GLOO_GATED_RUN, accelerator_skips, group_skips
+from skip_groups import GLOO_GATED_RUN, accelerator_skips
 from torch.testing._internal.common_distributed import DistTestCases
 
 import actors.torchdist.entry as entry
@@ -117,11 +117,10 @@ def _unskip_gloo_gated() -> None:
 
 
 def _mark_skips() -> dict[str, str]:
-    """Mark every test the suite skips here (group or accelerator); returns test -> reason."""
+    """Mark the tests that need accelerators this machine lacks; returns test -> reason."""
     reasons: dict[str, str] = {}
     names = [n for n in dir(TestDistBackendWithSpawn) if n.startswith("test_")]
     reasons.update(accelerator_skips(names, int(os.environ["WORLD_SIZE"])))
-    reasons.update(group_skips(names))  # a group's reason wins over the accelerator's
     for name, reason in reasons.items():
         method = getattr(TestDistBackendWithSpawn, name)
         if getattr(method, "__unittest_skip__", False):

@@ -1,52 +1,32 @@
-"""Which of torch's distributed tests the paramsync run skips, in named groups, each with why.
+"""Which of torch's distributed tests the paramsync run skips or adds, read from torch's source.
 
-Two kinds, both reported with their reason:
-
-* `SKIP_GROUPS`: tests of something the backend deliberately does not do. Each group names
-  its tests and says what the backend does instead.
-* `accelerator_skips`: tests torch itself gates on accelerators (``@skip_if_no_gpu``,
+* `accelerator_skips`: tests torch gates on accelerators (``@skip_if_no_gpu``,
   ``@skip_if_lt_x_gpu(n)``) when this machine has fewer CUDA devices than they need. torch
-  skips them inside every spawned rank; deciding it here, from the decorators in torch's
-  source, gives the same verdict without starting the ranks.
+  skips them inside every rank; deciding it here, from the decorators in torch's source,
+  gives the same verdict without starting the ranks. Their skip message starts with
+  ``[accelerator]``, the group the report files them under (`group_of`).
+* `GLOO_GATED_RUN`: tests torch gates on gloo by name alone that the run runs.
+* `large_world_tests`: the tests torch runs only from 8 ranks up.
 
-Everything else runs; torch's own skips (NCCL-only, gloo-only, MPI-only, world size) stay
-torch's, with torch's reason.
+torch's other skips (NCCL-only, gloo-only, MPI-only, world size) stay torch's, each its own
+group, with torch's reason. The backend's refusals are declared where torch looks for them
+(`DistTestCases.skip_collective`, in `paramsync_case`), so torch skips those tests itself.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-from dataclasses import dataclass
 
 import torch
 
 __all__ = [
-    "SkipGroup",
-    "SKIP_GROUPS",
     "GLOO_GATED_RUN",
     "accelerator_skips",
-    "group_skips",
     "large_world_tests",
     "group_of",
 ]
 
-
-@dataclass(frozen=True)
-class SkipGroup:
-    """Tests skipped for one reason: ``name`` (short), ``reason`` (what and why), ``tests``."""
-
-    name: str
-    reason: str
-    tests: tuple[str, ...]
-
-    @property
-    def text(self) -> str:
-        """The skip message: ``[group] reason``."""
-        return f"[{self.name}] {self.reason}"
-
-
-SKIP_GROUPS: tuple[SkipGroup, ...] = ()
 
 GLOO_GATED_RUN: tuple[str, ...] = (
     *(
@@ -63,20 +43,6 @@ public API on CPU tensors (no gloo-specific branch): the paramsync run runs them
 
 
 ACCELERATOR_GROUP = "accelerator"
-
-
-def group_skips(names: list[str]) -> dict[str, str]:
-    """test -> skip message for the tests of `SKIP_GROUPS` among ``names``."""
-    present = set(names)
-    reasons: dict[str, str] = {}
-    for group in SKIP_GROUPS:
-        for test in group.tests:
-            if test not in present:
-                raise ValueError(
-                    f"skip group {group.name!r} names {test}, which torch's suite does not have"
-                )
-            reasons[test] = group.text
-    return reasons
 
 
 def group_of(reason: str) -> str:
