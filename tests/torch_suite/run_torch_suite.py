@@ -6,10 +6,12 @@ torch ships its distributed tests in the wheel
 ``test/distributed/test_distributed_spawn.py`` does: a TestCase combining ``_DistTestBase``
 with ``MultiProcessTestCase`` spawning (one process per rank), driven by the environment
 variables ``BACKEND``, ``WORLD_SIZE``, ``TEMP_DIR`` and ``INIT_METHOD``. This script does that
-with ``BACKEND=paramsync`` (`paramsync_case`) at each world size asked for, one child process
-per world size (torch reads the variables at import time), and writes a report: the tests
-that pass, the tests that fail with their error line, and the skipped tests by group with the
-group's reason (`skip_groups`).
+with ``BACKEND=paramsync`` (`paramsync_case`: the ranks are forked unless
+``PARAMSYNC_TORCH_SUITE_START=spawn``) at each world size asked for, one child process per
+world size (torch reads the variables at import time), and writes a report: the tests that
+pass, the tests that fail with their error line, and the skipped tests by group with the
+group's reason (`skip_groups`). ``--large-world-size 8`` also runs, at 8 ranks, the tests
+torch runs only from 8 ranks up (its ``*_group`` tests).
 
     python tests/torch_suite/run_torch_suite.py                       # world sizes 2 and 3
     python tests/torch_suite/run_torch_suite.py --world-sizes 2 -k all_reduce -k broadcast
