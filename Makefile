@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torchdist bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
+.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torchdist bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+torch-suite: $(STAMP)
+	$(BIN)/python tests/torch_suite/run_torch_suite.py --world-sizes 2 3 --large-world-size 8 --json out/torch_suite.json --markdown out/torch_suite.md
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak

@@ -24,6 +24,12 @@ one intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   user's own ``loss.backward(); optimizer.step()`` loop in the main thread, the trainer's trio
   loop in a background thread, as a torchrun script runs it), against ``train_batch`` round by
   round;
+- with ``--torchft``, torchft (the ``bench`` extra; `benchmarks/torchft_peer.py`): one replica
+  group per worker process, each with its `torchft.Manager` on a ``ProcessGroupGloo``, the model
+  in ``torchft.DistributedDataParallel`` and the optimizer in ``torchft.Optimizer``, a
+  lighthouse (``torchft_lighthouse``) started for the run with ``min_replicas`` the world size;
+  the same loop as DDP's (``zero_grad`` starts the step's quorum, ``step`` commits it), and the
+  ratio paramsync / torchft round by round;
 - with ``--baseline PATH``, the paramsync systems again with the code of another checkout at
   PATH (its ``runtime`` and ``actors`` on PYTHONPATH, this script's workers), in the same
   rounds: an A/B of two versions, paired round by round.
@@ -88,6 +94,8 @@ checks digests only every 1000000 steps."""
 VARIANT = "paramsync-variant"
 """paramsync with the ``--variant`` trainer options on top of ``--option`` (an A/B of an option
 in the same rounds, paired with the plain paramsync run of each round)."""
+TORCHFT = "torchft"
+"""torchft's Manager, DistributedDataParallel and Optimizer on ProcessGroupGloo (``--torchft``)."""
 TORCH = "paramsync-torch"
 """paramsync with ``comm_backend = "torch"``: its data plane a torch.distributed gloo group."""
 SPLIT = "paramsync-split"
@@ -104,6 +112,7 @@ LABELS = {
     "paramsync" + BASELINE: "paramsync, baseline code",
     OWN_LOOP + BASELINE: "paramsync, own loop, baseline code",
     TORCH: "paramsync over torch.distributed",
+    TORCHFT: "torchft (gloo)",
 }
 LAUNCH_SECONDS = 600.0
 POLL_SECONDS = 0.05
@@ -328,6 +337,53 @@ def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
         result["allreduce_bytes_per_step"] = grads
     else:
         result["allreduce_bytes_per_step"] = counter[0] / args.steps
+    return result
+
+
+def _worker_torchft(args: argparse.Namespace) -> dict:
+    """One replica group of torchft (one process): DDP's loop with torchft's wrappers, as its
+    ``train_ddp.py`` runs on the CPU. ``zero_grad`` starts the step's quorum (asynchronous,
+    overlapping the forward), the gradients are averaged through the Manager's all-reduce in
+    DDP's comm hook, and ``step`` steps the optimizer only if the quorum's ``should_commit``
+    agrees. Every replica must commit every step: a step that is not committed stops the run."""
+    import torch
+    import torchft_peer
+
+    if args.comm_hook != "none":
+        raise SystemExit("--torchft runs with --comm-hook none only")
+    model, optimizer, batch, info = _setup(args)
+    manager, forward, wrapped, store = torchft_peer.make_manager(
+        model, optimizer, replica=args.rank, lighthouse=args.lighthouse, min_replica_size=args.world
+    )
+    _KEEP_ALIVE.extend((forward, store))  # until os._exit: see _run_worker
+    ends: list[float] = []
+    losses: list[float] = []
+    for step in range(args.warmup + args.steps):
+        inputs, targets = batch(step)
+        wrapped.zero_grad()
+        logits = forward(inputs)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+        loss.backward()  # the comm hook all-reduces each bucket through the Manager
+        if args.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        wrapped.step()  # should_commit, then the optimizer step
+        if manager.current_step() != step + 1:
+            raise SystemExit(
+                f"torchft replica {args.rank}: step {step} was not committed "
+                f"(manager at step {manager.current_step()}, errored: {manager.errored()})"
+            )
+        losses.append(float(loss.detach()))
+        ends.append(time.perf_counter())
+        if step == args.warmup - 1:
+            cpu_start = time.process_time()
+    overall = ends[-1] - ends[args.warmup - 1]
+    cpu = (cpu_start, time.process_time())
+    result = _result(ends, losses, args.warmup, overall, info, cpu)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    result["allreduce_bytes_per_step"] = grads
+    manager.shutdown(wait=False)
     return result
 
 
@@ -562,11 +618,12 @@ def _run_worker(args: argparse.Namespace) -> None:
         "ddp": _worker_ddp,
         LIMIT: functools.partial(_worker_ddp, communicate=False),
         OWN_LOOP: _worker_own_loop,
+        TORCHFT: _worker_torchft,
     }.get(args.worker, _worker_paramsync)
     result = worker(args)
     if args.rank == 0:
         print(json.dumps(result), flush=True)
-    if args.worker in ("ddp", LIMIT):
+    if args.worker in ("ddp", LIMIT, TORCHFT):
         # Never let torch tear the DDP rank's gloo group down: its destructor joins gloo's
         # worker thread while holding the GIL, and that thread can need the GIL to free its
         # last work (seen: a rank hung in ~ProcessGroupGloo after its result was out).
@@ -698,12 +755,19 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                     str(interval),
                 ],
             )
+        lighthouse = None
+        if system == TORCHFT:
+            import torchft_peer
+
+            lighthouse = torchft_peer.start_lighthouse(world, Path(tmp) / "lighthouse.log")
         out_path = Path(tmp) / "rank0.out"
         variant = [f"--option={item}" for item in args.variant] if system == VARIANT else []
         if system == SPLIT:
             variant.append("--record-phases")
         if system == TORCH:
             variant.append("--option=comm_backend=torch")
+        if lighthouse is not None:
+            variant.append(f"--lighthouse={lighthouse.address}")
         with open(out_path, "w") as out:
             for rank in range(world):
                 cmd = [
@@ -722,10 +786,33 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                 ]
                 start(f"rank {rank}", cmd, stdout=out if rank == 0 else subprocess.DEVNULL)
         samples: list[tuple[float, float]] = []
-        _wait_all(procs, logs, f"{system} with {world} workers", procs.get("coordinator"), samples)
+        try:
+            _wait_all(
+                procs, logs, f"{system} with {world} workers", procs.get("coordinator"), samples
+            )
+        finally:
+            if lighthouse is not None:
+                lighthouse.stop()
         result = json.loads(out_path.read_text().strip().splitlines()[-1])
         result["coordinator_cpu_seconds_per_step"] = _window_cpu(samples, result, args.steps)
         return result
+
+
+PORT_RACES = 3
+"""Launches tried when a process finds its port taken (`_free_port` frees the port it found
+before the process binds it: another program on the machine may take it meanwhile)."""
+
+
+def _launch_retrying(system: str, world: int, args: argparse.Namespace) -> dict:
+    """`_launch`, again on a fresh port when a process found its port taken."""
+    for attempt in range(1, PORT_RACES + 1):
+        try:
+            return _launch(system, world, args)
+        except RuntimeError as error:
+            if "EADDRINUSE" not in str(error) or attempt == PORT_RACES:
+                raise
+            print(f"{system} with {world} workers: port taken, launching again", flush=True)
+    raise AssertionError("unreachable")
 
 
 def _window_cpu(samples: list[tuple[float, float]], result: dict, steps: int) -> float | None:
@@ -769,7 +856,7 @@ def _summarise(
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in (*SYSTEMS, UNCHECKED, VARIANT, SPLIT, TORCH):
+        for system in (*SYSTEMS, UNCHECKED, VARIANT, SPLIT, TORCH, TORCHFT):
             if (system, world) not in runs:
                 continue
             results = runs[(system, world)]
@@ -859,6 +946,21 @@ def _summarise(
             )
             over = [ratio - 1 for ratio in _round_ratios(torch_runs, runs[(LIMIT, world)])]
             row["torch_backend_over_limit"] = statistics.median(over)
+        if TORCHFT in row:
+            torchft_runs = runs[(TORCHFT, world)]
+            row["torchft_ratio_rounds"] = _round_ratios(checked_runs, torchft_runs)
+            row["torchft_ratio_paired"] = statistics.median(row["torchft_ratio_rounds"])
+            row["torchft_ratio_paired_interval"] = _median_interval(row["torchft_ratio_rounds"])
+            row["torchft_ddp_ratio_paired"] = statistics.median(
+                _round_ratios(torchft_runs, runs[("ddp", world)])
+            )
+            over = [ratio - 1 for ratio in _round_ratios(torchft_runs, runs[(LIMIT, world)])]
+            row["torchft_over_limit"] = statistics.median(over)
+            row["torchft_loss_curve_max_abs_diff"] = max(
+                abs(a - b)
+                for ours, theirs in zip(checked_runs, torchft_runs)
+                for a, b in zip(ours["losses"], theirs["losses"])
+            )
         # paramsync against DDP round by round: the spread shows the machine's drift.
         row["step_time_ratio_rounds"] = _round_ratios(checked_runs, runs[("ddp", world)])
         row["step_time_ratio_paired"] = statistics.median(row["step_time_ratio_rounds"])
@@ -1112,6 +1214,20 @@ def _print_table(table: list[dict]) -> None:
                 f"{row['torch_backend_paramsync_ratio_paired']:.3f}x paramsync's own data "
                 f"plane, {row['torch_backend_over_limit'] * 100:+.1f} % over the limit"
             )
+        if TORCHFT in row:
+            peer = row[TORCHFT]
+            rounds = " ".join(f"{ratio:.3f}" for ratio in row["torchft_ratio_rounds"])
+            print(
+                f"n={row['world_size']}: torchft (Manager + DistributedDataParallel + Optimizer, "
+                f"ProcessGroupGloo, one replica group a worker): "
+                f"{peer['median_step_seconds'] * 1e3:.1f} ms a step, "
+                f"{peer['steps_per_second']:.2f} steps/s, loss {peer['final_loss']:.3f}, "
+                f"{row['torchft_ddp_ratio_paired']:.3f}x DDP, "
+                f"{row['torchft_over_limit'] * 100:+.1f} % over the limit; paramsync / torchft "
+                f"round by round: median {row['torchft_ratio_paired']:.3f}x"
+                f"{_interval_text(row['torchft_ratio_paired_interval'])} (rounds: {rounds}); "
+                f"max |dloss| against paramsync {row['torchft_loss_curve_max_abs_diff']:.1e}"
+            )
         if VARIANT in row:
             variant = row[VARIANT]
             print(
@@ -1287,6 +1403,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the paramsync systems with the code of the checkout at PATH (its "
         "runtime and actors packages) in the same rounds, and report this code against it",
     )
+    parser.add_argument(
+        "--torchft",
+        action="store_true",
+        help="also run torchft (the bench extra: Manager, DistributedDataParallel and Optimizer "
+        "on ProcessGroupGloo, a lighthouse started for the run) in the same rounds, and report "
+        "paramsync / torchft",
+    )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
         "--no-torch-backend",
@@ -1298,7 +1421,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the paramsync ranks' Chrome traces (actors' spans; the last round "
         "of each world size is kept)",
     )
-    parser.add_argument("--worker", choices=(*SYSTEMS, OWN_LOOP), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*SYSTEMS, OWN_LOOP, TORCHFT), help=argparse.SUPPRESS)
+    parser.add_argument("--lighthouse", help=argparse.SUPPRESS)
     parser.add_argument("--record-phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -1316,6 +1440,13 @@ def main() -> None:
         _run_worker(args)
         return
     _trainer_options(args.option + args.variant)  # refuse a misspelt field before any run
+    if args.torchft:
+        import torchft_peer
+
+        if not torchft_peer.available():
+            raise SystemExit(f"--torchft: {torchft_peer.missing_reason()}")
+        if args.comm_hook != "none":
+            raise SystemExit("--torchft: torchft runs with --comm-hook none only")
     if args.baseline and not (Path(args.baseline) / "actors" / "train").is_dir():
         raise SystemExit(f"--baseline {args.baseline}: not a paramsync checkout (no actors/train)")
     model_text = {
@@ -1348,9 +1479,11 @@ def main() -> None:
                 systems = (*systems, *(system + BASELINE for system in _compared(args)))
             if not args.no_torch_backend:
                 systems = (*systems, TORCH)
+            if args.torchft:
+                systems = (*systems, TORCHFT)
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
-                result = _launch(system, world, args)
+                result = _launch_retrying(system, world, args)
                 runs.setdefault((system, world), []).append(result)
                 print(
                     f"world size {world}, round {round_index + 1}/{args.rounds}, "
@@ -1374,7 +1507,7 @@ def main() -> None:
         settings = {
             k: v
             for k, v in vars(args).items()
-            if k not in ("json", "trace", "worker", "rank", "world", "port")
+            if k not in ("json", "trace", "worker", "rank", "world", "port", "lighthouse")
         }
         args.json.write_text(
             json.dumps({"cpu_count": os.cpu_count(), "settings": settings, "rows": table}, indent=2)

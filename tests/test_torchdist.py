@@ -231,6 +231,13 @@ def test_a_stalled_rank_is_named_within_the_deadline(tmp_path: Path) -> None:
     assert seconds < 4 + 6, seconds
 
 
+def test_a_group_idle_past_its_timeout_is_not_stalled(tmp_path: Path) -> None:
+    """Only a call some ranks made and others did not counts as a stall: ranks that all sit
+    between calls longer than the group's timeout go on."""
+    results = launch("idle", 2, tmp_path, seconds=90, TORCHDIST_TIMEOUT="3")
+    assert [code for code, _ in results] == [0, 0], results
+
+
 def _python(code: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, **env_extra)
     return subprocess.run(

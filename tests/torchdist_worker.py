@@ -192,6 +192,10 @@ def main() -> None:
             train(rank_i, 8, nudge_at=3)
         elif scenario == "kill":
             train(rank_i, 30, kill_at=5)
+        elif scenario == "idle":
+            dist.all_reduce(torch.ones(4))
+            time.sleep(8)  # every rank idle past the group's timeout: nothing is waiting
+            dist.all_reduce(torch.ones(4))
         elif scenario == "stall":
             if rank_i == 1:
                 time.sleep(120)

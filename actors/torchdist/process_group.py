@@ -190,7 +190,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form
         self._rank, self._size = rank, size
-        self.name = name
+        self._group_name = name
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
         self.session = GroupSession(
             name, rank, size, secret, options, launched=coordinator is not None
@@ -218,8 +218,18 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     def _backend_name(self) -> str:
         return BACKEND_NAME
 
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        """torch's name for the group (its group id). torch's own reads it from a C++
+        backend registered on the group, which a Python process group has none of."""
+        return self._group_name
+
     def __repr__(self) -> str:
-        return f"ProcessGroupParamsync(group {self.name!r}, rank {self._rank} of {self._size})"
+        group, rank, size = self._group_name, self._rank, self._size
+        return f"ProcessGroupParamsync(group {group!r}, rank {rank} of {size})"
 
     # ------------------------------------------------------------------ plumbing
 
@@ -480,14 +490,25 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: Any = None,
     ) -> Any:
-        if len(output_lists) != len(inputs):
-            raise ValueError("all_gather_coalesced: one output list per input tensor")
-        for outputs, tensor in zip(output_lists, inputs, strict=True):
+        # torch's layout (as gloo's): output_lists[r][i] receives rank r's inputs[i].
+        if len(output_lists) != self._size:
+            raise ValueError(
+                f"all_gather_coalesced: {len(output_lists)} output lists for a group of "
+                f"{self._size} (one per rank)"
+            )
+        for rank, outputs in enumerate(output_lists):
+            if len(outputs) != len(inputs):
+                raise ValueError(
+                    f"all_gather_coalesced: output list {rank} has {len(outputs)} tensors "
+                    f"for {len(inputs)} inputs"
+                )
+        per_input = [[outputs[i] for outputs in output_lists] for i in range(len(inputs))]
+        for outputs, tensor in zip(per_input, inputs, strict=True):
             self._check_gather("all_gather_coalesced", outputs, tensor)
         call = Call.of("allgather_coalesced", inputs)
 
         async def run(group: Transport) -> None:
-            for outputs, tensor in zip(output_lists, inputs, strict=True):
+            for outputs, tensor in zip(per_input, inputs, strict=True):
                 await allgather_op(group, outputs, tensor)
 
         return self._submit(call, run, output_lists)
