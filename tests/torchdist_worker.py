@@ -198,7 +198,7 @@ def main() -> None:
             dist.all_reduce(torch.ones(4))
         elif scenario == "stall":
             if rank_i == 1:
-                time.sleep(120)
+                time.sleep(12)  # past the group's timeout: rank 0 waits alone in its call
             dist.all_reduce(torch.ones(4))
         else:
             raise SystemExit(f"unknown scenario {scenario}")
