@@ -247,7 +247,7 @@ class GroupSession:
     ) -> None:
         try:
             await coordinator.serve_tcp(self.options.host, 0, task_status=task_status)
-        except BaseException as exc:
+        except Exception as exc:  # the members hear it from their clients
             log.warning("group %s: its coordinator stopped: %s", self.name, exc)
 
     def open(self, coordinator: tuple[str, int]) -> None:
