@@ -604,10 +604,6 @@ class WorkerProtocol:
             self._known = set()
             self._group_agreed, self._group_awaiting = {}, {}
 
-    def agreed_spec(self, bucket: int, epoch: int) -> Any:
-        """The spec the members of ``epoch`` agreed on for ``bucket`` (None: none yet)."""
-        return self._agreed.get(bucket) if epoch == self._cache_epoch else None
-
     def knows(self, digest: str, epoch: int | None = None) -> bool:
         """Whether the members agreed, at any bucket of the cache's epoch (or ``epoch``), on
         the spec whose `spec_hash` is ``digest`` (`ResponseCache.known` on the coordinator)."""
@@ -621,10 +617,10 @@ class WorkerProtocol:
         anywhere in the epoch."""
         if epoch != self._cache_epoch:
             return False
+        if self.cache_by_spec:
+            return digest in self._known  # every bucket's agreement is in it too
         agreed = self._agreed.get(bucket)
-        if agreed is not None and spec_hash(agreed) == digest:
-            return True
-        return self.cache_by_spec and digest in self._known
+        return agreed is not None and spec_hash(agreed) == digest
 
     def id_bound(self, epoch: int) -> int:
         """One past the highest bucket agreed in ``epoch`` (the coordinator's bound on the

@@ -190,9 +190,11 @@ async def allreduce_op(group: Transport, tensors: Sequence[torch.Tensor], op: st
 async def broadcast_op(group: Transport, tensors: Sequence[torch.Tensor], root: int) -> None:
     """Copy ``root``'s tensors into every rank's, in place."""
     for tensor in tensors:
-        host = _scratch(tensor, _host(tensor)).view(-1)
+        # The ring's broadcast lands the parts in a scratch of its own and writes the
+        # destination once all passed their tags, so the caller's memory needs no copy here.
+        host = _host(tensor).view(-1)
         await broadcast(group, host, root)
-        if group.rank != root:
+        if group.rank != root and _copied(tensor, host):
             _store(tensor, host)
 
 
