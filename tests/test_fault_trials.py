@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from test_trainer import RUN_SECONDS, RecordingDataset, mse_loss, tiny_replica
 
 from actors.graph.compute import ComputeActor
+from actors.graph.factory import ActorFactory, context_actors
 from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import DataLoaderActor
 from actors.graph.optimizer import OptimizerActor
@@ -184,7 +185,7 @@ class _ReachedFault(Fault):
 @pytest.mark.parametrize("phase", PHASES)
 async def test_every_declared_kill_point_is_reached(phase: str) -> None:
     """Each phase a trial may kill a worker at is reached, in a 2-rank in-process run of
-    `DistributedTrainer.fit` with the same wrapped actors a faulty worker daemon installs
+    `DistributedTrainer.fit` with the same wrapped actors a faulty worker daemon arms
     (`faulty_actors`, only the kill recorded). A code path that moves away from its wrapper
     fails here, in ``make test``, not in a soak run by hand (a digest moved into the optimizer
     step would otherwise leave every ``digest:N`` trial killing no one)."""
@@ -238,28 +239,44 @@ async def test_faulty_transport_reduces_like_its_transport_and_dies_after_a_fram
     assert (message["kind"], message["op"]) == ("coll", 99)  # it left before the process died
 
 
-def test_the_daemon_is_armed_only_for_its_own_kind_of_fault(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(Coordinator, "core_type", Coordinator.core_type)
-    monkeypatch.setattr(DistributedTrainer, "default_actors", DistributedTrainer.default_actors)
-    with pytest.raises(ValueError, match="starts no coordinator"):
-        arm(Fault("commit", 3), ["worker", "--rank", "1"])
-    with pytest.raises(ValueError, match="starts no worker"):
-        arm(Fault("forward", 3), ["coordinator", "--world-size", "3"])
-    with pytest.raises(ValueError, match="cannot be imported"):
-        arm(Fault("forward", 3), ["worker"], worker_faults="no.such.module")
-    arm(Fault("commit", 3), ["coordinator"])
-    assert issubclass(Coordinator.core_type, CoordinatorCore)
-    assert Coordinator.core_type is not CoordinatorCore
-    arm(Fault("forward", 3), ["worker"])
-    factory = DistributedTrainer.default_actors
-    assert factory.compute is not ComputeActor
-    assert (factory.comm, factory.optimizer, factory.loader) == (
-        GradCommActor,
-        OptimizerActor,
-        DataLoaderActor,
-    )
+def test_the_daemon_is_armed_only_for_its_own_kind_of_fault() -> None:
+    with (
+        pytest.raises(ValueError, match="starts no coordinator"),
+        arm(Fault("commit", 3), ["worker", "--rank", "1"]),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="starts no worker"),
+        arm(Fault("forward", 3), ["coordinator", "--world-size", "3"]),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="cannot be imported"),
+        arm(Fault("forward", 3), ["worker"], worker_faults="no.such.module"),
+    ):
+        pass
+    with arm(Fault("commit", 3), ["coordinator"]) as main_options:
+        core_type = main_options["coordinator_core"]
+        assert issubclass(core_type, CoordinatorCore)
+        assert core_type is not CoordinatorCore
+        assert context_actors() == ActorFactory()  # a coordinator's fault arms no worker
+    with arm(Fault("forward", 3), ["worker"]) as main_options:
+        assert main_options == {}
+        factory = context_actors()
+        assert factory.compute is not ComputeActor
+        assert (factory.comm, factory.optimizer, factory.loader) == (
+            GradCommActor,
+            OptimizerActor,
+            DataLoaderActor,
+        )
+    assert context_actors() == ActorFactory()  # nothing outlives the block
+
+
+def test_a_coordinator_builds_the_core_it_is_given() -> None:
+    with arm(Fault("commit", 3), ["coordinator"]) as main_options:
+        core_type = main_options["coordinator_core"]
+    assert type(Coordinator(2, core_type=core_type).core) is core_type
+    assert type(Coordinator(2).core) is CoordinatorCore
 
 
 def test_faulty_actors_wrap_only_the_phase_s_actor() -> None:

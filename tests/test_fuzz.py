@@ -50,11 +50,9 @@ CLI = [sys.executable, "-m", "runtime.cli.main"]
 SECRET = "fuzz-test-secret-" + "a1B2c3D4e5F6g7H8"
 BROKEN_COORDINATOR = (
     "import sys\n"
-    "from runtime.coordinator.service import Coordinator\n"
     "from runtime.testing.faults import forged_report_core\n"
-    "Coordinator.core_type = forged_report_core('finished')\n"
     "from runtime.cli.main import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "sys.exit(main(sys.argv[1:], coordinator_core=forged_report_core('finished')))\n"
 )
 
 

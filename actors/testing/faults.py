@@ -1,8 +1,8 @@
 """The worker's fault wrappers: its actors, subclassed to SIGKILL the process at one point.
 
 `faulty_actors(fault)` is an `ActorFactory` whose actor for the fault's phase is wrapped, the
-others plain; `install(fault)` makes it the factory of every trainer in this process (what
-`runtime.testing.faulty_daemon` calls in a worker daemon before running the job). The points,
+others plain; ``with armed(fault):`` makes it the factory of the trainers built inside the block
+(what `runtime.testing.faulty_daemon` wraps a worker daemon's job in). The points,
 each before the phase's work of the fault's step:
 
 - ``data``: the trainer takes the step's batch from the data loader;
@@ -16,17 +16,17 @@ each before the phase's work of the fault's step:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from actors.graph.compute import ComputeActor
-from actors.graph.factory import ActorFactory
+from actors.graph.factory import ActorFactory, actors_in_context
 from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import DataLoaderActor, LoaderPosition
 from actors.graph.messages import Backward
 from actors.graph.optimizer import OptimizerActor
-from actors.train.trainer import DistributedTrainer
 from runtime.testing.faults import PHASES, Fault, FaultyTransport
 from runtime.transport.base import Transport
 
@@ -35,8 +35,8 @@ __all__ = [
     "FaultyDataLoaderActor",
     "FaultyGradCommActor",
     "FaultyOptimizerActor",
+    "armed",
     "faulty_actors",
-    "install",
 ]
 
 
@@ -153,6 +153,7 @@ def faulty_actors(fault: Fault) -> ActorFactory:
     return ActorFactory(**{field: _wrapped(actor, fault)})
 
 
-def install(fault: Fault) -> None:
-    """Make every trainer this process starts from now on die at ``fault``."""
-    DistributedTrainer.default_actors = faulty_actors(fault)
+def armed(fault: Fault) -> AbstractContextManager[ActorFactory]:
+    """Within the block, every trainer built without ``actors=`` dies at ``fault`` (its
+    actors come from `faulty_actors`; `actors.graph.factory.actors_in_context`)."""
+    return actors_in_context(faulty_actors(fault))

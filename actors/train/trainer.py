@@ -27,14 +27,14 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import trio
 
 from actors.client.client import CoordinatorClient
 from actors.graph.compute import LossFn
-from actors.graph.factory import ActorFactory
+from actors.graph.factory import ActorFactory, context_actors
 from actors.graph.loader import BatchSource
 from actors.graph.optimizer import CheckCost, OptimizerActor
 from actors.graph.precision import GradScalerDigests, MixedPrecision
@@ -91,11 +91,6 @@ class DistributedTrainer:
     which `train_batch` then runs again with the new members.
     """
 
-    default_actors: ClassVar[ActorFactory] = ActorFactory()
-    """What trainers given no ``actors`` build their actors with: the plain actor classes. A
-    seam for harnesses that run a trainer inside a job they do not control (the fault trials'
-    `runtime.testing.faulty_daemon` replaces it for its process); nothing else should."""
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -130,7 +125,7 @@ class DistributedTrainer:
         """This worker's Prometheus metrics (None: off; `TrainerOptions.metrics_port`)."""
         self.metrics_address: tuple[str, int] | None = None
         """Where they are served, once the trainer started (None: off)."""
-        self.actors = actors if actors is not None else type(self).default_actors
+        self.actors = actors if actors is not None else context_actors()
         """The constructors of this trainer's actors (see `ActorFactory`)."""
         self.parallel_layout = client.layout
         """The 3D-parallel layout this worker joined with (None: a flat data-parallel run)."""
@@ -191,7 +186,8 @@ class DistributedTrainer:
         ``client`` must already have joined the run (its coordinator accepted this model) and
         be served (`CoordinatorClient.serve`). Pass the data plane as a fixed ``transport``
         (a run whose membership never changes) or as ``connect``, which opens each epoch's.
-        ``actors``: the constructors of its actors (default `default_actors`).
+        ``actors``: the constructors of its actors (default: `context_actors`, the plain
+        classes unless `actors_in_context` says otherwise).
         ``scheduler``: an LR scheduler of ``optimizer`` (torch's ``LRScheduler``), stepped right
         after each optimizer step, as a torch loop calls ``scheduler.step()`` after
         ``optimizer.step()``; its state is part of the training state (live rejoin, the digest).

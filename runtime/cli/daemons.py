@@ -11,6 +11,7 @@ import trio
 from runtime.cli.jobs import WorkerJob
 from runtime.cli.torchrun import TorchrunEnv
 from runtime.config import parse_address
+from runtime.coordinator.core import CoordinatorCore
 from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
 from runtime.observe.metrics import (
@@ -33,8 +34,11 @@ EXIT_USAGE = 2
 _SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-def run_coordinator(args: argparse.Namespace) -> int:
-    """Serve one run until it finishes, aborts, or a signal stops it; returns the exit code."""
+def run_coordinator(
+    args: argparse.Namespace, *, core_type: type[CoordinatorCore] = CoordinatorCore
+) -> int:
+    """Serve one run until it finishes, aborts, or a signal stops it; returns the exit code.
+    ``core_type``: the class of the coordinator's core (`Coordinator`'s ``core_type``)."""
     try:
         host, port = parse_address(args.bind)
         options = CoordinatorOptions(
@@ -51,7 +55,13 @@ def run_coordinator(args: argparse.Namespace) -> int:
         if metrics_port is not None:
             check_port(metrics_port, "--metrics-port")
         metrics = Metrics("coordinator") if metrics_port is not None else None
-        coordinator = Coordinator(args.world_size, options, secret=shared_secret(), metrics=metrics)
+        coordinator = Coordinator(
+            args.world_size,
+            options,
+            secret=shared_secret(),
+            metrics=metrics,
+            core_type=core_type,
+        )
         coordinator.admission.limits = AdmissionLimits(
             max_pending=args.max_pending_handshakes, handshake_seconds=args.handshake_seconds
         )

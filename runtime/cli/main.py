@@ -17,6 +17,7 @@ from runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
 from runtime.config import COMM_BACKEND_ENV, add_comm_backend_flag
 
 if TYPE_CHECKING:
+    from runtime.coordinator.core import CoordinatorCore
     from runtime.transport.tls import TlsConfig
 
 __all__ = ["main", "build_parser"]
@@ -370,8 +371,13 @@ def _run_allreduce(args: argparse.Namespace, tls: TlsConfig | None) -> int:
     return 0 if ok else 3
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``paramsync`` console script; returns the exit code."""
+def main(
+    argv: Sequence[str] | None = None, *, coordinator_core: type[CoordinatorCore] | None = None
+) -> int:
+    """Entry point of the ``paramsync`` console script; returns the exit code.
+
+    ``coordinator_core``: the class of the core ``paramsync coordinator`` builds (default
+    `CoordinatorCore`; the fault harness passes a subclass, `runtime.testing.faulty_daemon`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         job = load_job(job_name(argv)) if "worker" in argv else None
@@ -407,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "coordinator":
         from runtime.cli.daemons import run_coordinator
 
-        return run_coordinator(args)
+        if coordinator_core is None:
+            return run_coordinator(args)
+        return run_coordinator(args, core_type=coordinator_core)
     if args.command == "worker":
         from runtime.cli.daemons import run_worker
         from runtime.train_config import TLS_ENV_VARS

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import trio
 
@@ -159,12 +159,6 @@ class _RankClaim:
 class Coordinator:
     """Sequences one run of ``world_size`` workers around a `CoordinatorCore`."""
 
-    core_type: ClassVar[type[CoordinatorCore]] = CoordinatorCore
-    """The class of the core each coordinator builds. A seam for harnesses that run a
-    coordinator inside a daemon they do not control (the fault trials'
-    `runtime.testing.faulty_daemon` substitutes a subclass for its process); nothing else
-    should."""
-
     def __init__(
         self,
         world_size: int,
@@ -173,13 +167,16 @@ class Coordinator:
         secret: bytes | str | None = None,
         group: str = DEFAULT_GROUP,
         metrics: Metrics | None = None,
+        core_type: type[CoordinatorCore] = CoordinatorCore,
     ) -> None:
+        """``core_type``: the class of the core to build, a `CoordinatorCore` or a subclass
+        (the fault harness passes one that dies at a commit, `runtime.testing.faults`)."""
         self.options = options or CoordinatorOptions()
         self.metrics = metrics
         """Fed as the run goes (`runtime.observe.metrics`; None: off). Serve its registry
         with `runtime.observe.metrics.serve_metrics`."""
         self._last_commit_at: float | None = None
-        self.core = self.core_type(
+        self.core = core_type(
             world_size,
             digest_interval=self.options.digest_interval,
             resync=self.options.resync,

@@ -7,8 +7,8 @@ faults: a fault is injected by wrapping what a process runs. Here are the engine
 anyone hears of it); `forged_report_core` is a deliberately broken core (it acts on a report
 from a peer that never joined), the target `runtime.testing.hostile` must catch. The worker's
 phases are wrapped around its actors by
-`actors.testing.faults`; `runtime.testing.faulty_daemon` installs either side in a daemon
-process before running the normal ``paramsync`` main. The kill is a real SIGKILL of the process:
+`actors.testing.faults`; `runtime.testing.faulty_daemon` passes either side into a daemon
+process's normal ``paramsync`` main. The kill is a real SIGKILL of the process:
 no cleanup, no goodbye on any socket.
 """
 
@@ -198,7 +198,8 @@ def forged_report_core(kind: str = "finished") -> type[CoordinatorCore]:
     """A broken `CoordinatorCore` that acts on a ``kind`` report (one of the worker's kinds)
     from a rank that never joined: it tells the sender the run is over, where a correct core
     refuses the sender. The fault the hostile-peer machine (`runtime.testing.hostile`) must
-    catch; install it as `runtime.coordinator.service.Coordinator.core_type`."""
+    catch; pass it as a `runtime.coordinator.service.Coordinator`'s ``core_type`` (or to
+    `runtime.cli.main.main` as ``coordinator_core``)."""
     if kind not in WORKER_KINDS or kind == "join":
         raise ValueError(
             f"forged report kind {kind!r}: expected one of "

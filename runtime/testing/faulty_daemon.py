@@ -1,12 +1,13 @@
 """A ``paramsync`` daemon armed with a fault: it SIGKILLs itself at ``phase:step``.
 
-``python -m runtime.testing.faulty_daemon --fault PHASE:STEP [--stamp FILE] -- ARGS...`` installs
-the fault's wrapper in this process, then runs ``paramsync ARGS...`` (`runtime.cli.main.main`)
-unchanged. A coordinator phase (``commit``) substitutes `runtime.testing.faults.commit_fault_core`
-for the coordinator's core; a worker phase calls ``install(fault)`` of the module
-``--worker-faults`` names (default `WORKER_FAULTS`, the wrappers around the worker's actors),
-imported by name like a job, so the engine imports no worker code. ``--stamp``: the killed
-process writes the wall-clock time of its kill there.
+``python -m runtime.testing.faulty_daemon --fault PHASE:STEP [--stamp FILE] -- ARGS...`` runs
+``paramsync ARGS...`` (`runtime.cli.main.main`) with the fault's wrapper passed in, nothing
+patched. A coordinator phase (``commit``) hands `runtime.testing.faults.commit_fault_core` to
+``main`` as the coordinator's core; a worker phase runs ``main`` inside ``armed(fault)`` of the
+module ``--worker-faults`` names (default `WORKER_FAULTS`, the wrappers around the worker's
+actors, a context manager the job's trainer picks up), imported by name like a job, so the
+engine imports no worker code. ``--stamp``: the killed process writes the wall-clock time of its
+kill there.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 from runtime.cli.main import main as paramsync_main
-from runtime.coordinator.service import Coordinator
 from runtime.testing.faults import COORDINATOR_PHASES, Fault, commit_fault_core
 
 __all__ = ["WORKER_FAULTS", "arm", "command", "main"]
 
 WORKER_FAULTS = "actors.testing.faults"
-"""The module whose ``install(fault)`` arms a worker (the built-in worker's actors)."""
+"""The module whose ``armed(fault)`` arms a worker (the built-in worker's actors)."""
 
 
 def command(fault: str, args: Sequence[str], *, stamp: str | None = None) -> list[str]:
@@ -32,9 +34,14 @@ def command(fault: str, args: Sequence[str], *, stamp: str | None = None) -> lis
     return ["-m", "runtime.testing.faulty_daemon", "--fault", fault, *extra, "--", *args]
 
 
-def arm(fault: Fault, args: Sequence[str], worker_faults: str = WORKER_FAULTS) -> None:
-    """Install ``fault``'s wrapper for the daemon ``args`` start; ValueError if the fault's
-    phase belongs to the other kind of daemon."""
+@contextmanager
+def arm(
+    fault: Fault, args: Sequence[str], worker_faults: str = WORKER_FAULTS
+) -> Iterator[dict[str, Any]]:
+    """Arm the daemon ``args`` start with ``fault`` for the block: yields the keyword
+    arguments of `runtime.cli.main.main` that carry a coordinator's fault (a worker's holds in
+    the block through its module's ``armed``). ValueError if the fault's phase belongs to the
+    other kind of daemon, or the module cannot arm a worker."""
     daemon = "coordinator" if fault.phase in COORDINATOR_PHASES else "worker"
     if daemon not in args:
         raise ValueError(
@@ -42,16 +49,17 @@ def arm(fault: Fault, args: Sequence[str], worker_faults: str = WORKER_FAULTS) -
             f"({' '.join(args)}) starts no {daemon}"
         )
     if daemon == "coordinator":
-        Coordinator.core_type = commit_fault_core(fault)
+        yield {"coordinator_core": commit_fault_core(fault)}
         return
     try:
         module = importlib.import_module(worker_faults)
     except ImportError as exc:
         raise ValueError(f"worker faults {worker_faults!r} cannot be imported: {exc}") from exc
-    install = getattr(module, "install", None)
-    if not callable(install):
-        raise ValueError(f"worker faults {worker_faults!r} define no install(fault)")
-    install(fault)
+    armed = getattr(module, "armed", None)
+    if not callable(armed):
+        raise ValueError(f"worker faults {worker_faults!r} define no armed(fault)")
+    with armed(fault):
+        yield {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,16 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--worker-faults",
         default=WORKER_FAULTS,
-        help="module whose install(fault) arms a worker (default %(default)s)",
+        help="module whose armed(fault) arms a worker (default %(default)s)",
     )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then paramsync's arguments")
     options = parser.parse_args(argv)
     args = options.args[1:] if options.args[:1] == ["--"] else options.args
-    try:
-        arm(Fault.parse(options.fault, options.stamp), args, options.worker_faults)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return paramsync_main(args)
+    with ExitStack() as stack:
+        try:
+            fault = Fault.parse(options.fault, options.stamp)
+            main_options = stack.enter_context(arm(fault, args, options.worker_faults))
+        except ValueError as exc:
+            parser.error(str(exc))
+        return paramsync_main(args, **main_options)
 
 
 if __name__ == "__main__":
