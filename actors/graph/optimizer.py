@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,7 +30,14 @@ from actors.state.digest import Scheduler, StateDigest, StateHasher
 from runtime.actor.base import Actor, run_in_thread
 from runtime.observe.trace import TraceRecorder
 
-__all__ = ["CheckCost", "OPTIMIZER_STEP_LOCK", "OptimizerActor", "clip_gradients", "clip_settings"]
+__all__ = [
+    "CheckCost",
+    "ClipOptions",
+    "OPTIMIZER_STEP_LOCK",
+    "OptimizerActor",
+    "clip_gradients",
+    "clip_settings",
+]
 
 OPTIMIZER_STEP_LOCK = threading.Lock()
 """Optimizer steps of the trainers in one process run one at a time. torch's optimizers are not
@@ -47,13 +55,24 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, norm_type: float = 2
     return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
 
 
-def clip_settings(options: object) -> tuple[float, float] | None:
-    """(max norm, norm type) of the trainer options' gradient clipping; None: no clipping.
-    Options without the clipping fields (a harness's own) clip nothing."""
-    max_norm = getattr(options, "clip_grad_norm", None)
-    if max_norm is None:
+class ClipOptions(Protocol):
+    """What the optimizer actor reads of the trainer's options (`actors.train.options.
+    TrainerOptions` has both fields): the gradient clipping."""
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """The largest total gradient norm (None: no clipping)."""
+
+    @property
+    def clip_norm_type(self) -> float:
+        """The norm's order (2.0: Euclidean)."""
+
+
+def clip_settings(options: ClipOptions) -> tuple[float, float] | None:
+    """(max norm, norm type) of the trainer options' gradient clipping; None: no clipping."""
+    if options.clip_grad_norm is None:
         return None
-    return float(max_norm), float(getattr(options, "clip_norm_type", 2.0))
+    return float(options.clip_grad_norm), float(options.clip_norm_type)
 
 
 @dataclass
@@ -86,7 +105,7 @@ class OptimizerActor(Actor):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         client: CoordinatorClient,
-        options: object,
+        options: ClipOptions,
         trace: TraceRecorder,
         epoch: int = 1,
         on_applied: Callable[[int], None] | None = None,

@@ -22,6 +22,7 @@ import trio
 from actors.client.client import CoordinatorClient, JoinResult
 from actors.parallel.shard_model import ModelSpec
 from actors.state.digest import StateDigest
+from runtime.collectives.groups import ProcessGroup
 from runtime.coordinator.events import bucket_spec, model_signature
 from runtime.parallel.config import ParallelismConfig
 from runtime.parallel.run_layout import parallel_layout
@@ -75,7 +76,7 @@ class CoordinatorStepHooks:
 
     async def before_reduce(self, step: int, dp_group: Transport, flat_numel: int) -> None:
         """Report the step's one bucket ready within the dp group; wait for its go."""
-        name = getattr(dp_group, "name", "")
+        name = dp_group.name if isinstance(dp_group, ProcessGroup) else ""
         spec = bucket_spec([torch.empty((flat_numel,), device="meta")])  # shape and dtype
         await self.client.ready(step, 0, spec, self.epoch, group=name)
         go = await self._go_receive.receive()

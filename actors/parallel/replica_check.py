@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from actors.state.digest import StateDigest
+from runtime.collectives.groups import ProcessGroup
 from runtime.collectives.ring import all_gather
 from runtime.errors import StateDiverged
 from runtime.transport.base import Transport
@@ -51,8 +52,9 @@ def digest_tensor(data: bytes) -> torch.Tensor:
 
 
 def _world_ranks(group: Transport) -> list[int]:
-    ranks = getattr(group, "world_ranks", None)
-    return list(ranks) if ranks is not None else list(range(group.world_size))
+    if isinstance(group, ProcessGroup):
+        return list(group.world_ranks)
+    return list(range(group.world_size))
 
 
 async def check_shard_replicas(

@@ -141,7 +141,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import trio
 
@@ -161,6 +161,7 @@ __all__ = [
     "AdmissionLimits",
     "AdmissionStats",
     "HandshakeTicket",
+    "SocketBacked",
     "SourceLoad",
     "FAILURE_CATEGORIES",
     "classify_failure",
@@ -356,12 +357,33 @@ def source_key(address: str) -> str:
     return str(ip)
 
 
+class _PeerSocket(Protocol):
+    """What the gate uses of an accepted stream's OS socket."""
+
+    def getpeername(self) -> Any: ...
+
+    def fileno(self) -> int: ...
+
+    def shutdown(self, how: int, /) -> None: ...
+
+
+@runtime_checkable
+class SocketBacked(Protocol):
+    """A stream over one OS socket, as `trio.SocketStream` is (a declared capability): the
+    gate names and counts its peer by the socket's address, and refuses it over capacity by
+    writing straight to the socket. A stream without it is admitted as "unknown peer" (one
+    source) and refused by a plain close."""
+
+    @property
+    def socket(self) -> _PeerSocket:
+        """The stream's socket."""
+
+
 def _remote_address(stream: trio.abc.Stream) -> tuple[str, str]:
     """(``host:port``, the source key: `source_key` of the IP address) of the peer of
     ``stream``."""
-    sock = getattr(stream, "socket", None)
     try:
-        remote = sock.getpeername() if sock is not None else None
+        remote = stream.socket.getpeername() if isinstance(stream, SocketBacked) else None
     except OSError:
         remote = None
     if isinstance(remote, tuple) and len(remote) >= 2:
@@ -732,9 +754,9 @@ class AdmissionGate:
 def _refuse_at_once(stream: trio.abc.Stream, reason: str) -> None:
     """Best effort, without waiting: send a refuse frame and drop what the peer sent, so the
     close is a FIN the peer reads after the frame (not a reset that may discard it)."""
-    sock = getattr(stream, "socket", None)
-    if sock is None:
+    if not isinstance(stream, SocketBacked):
         return
+    sock = stream.socket
     try:
         fd = sock.fileno()
         os.write(fd, encode_frame_bytes(*Refusal(reason, busy=True).to_wire()))

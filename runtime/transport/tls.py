@@ -33,6 +33,9 @@ from __future__ import annotations
 import math
 import os
 import ssl
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,7 +150,9 @@ class TlsConfig:
         return context
 
     def _build(self, server: bool) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        context = _AlertKeepingContext(
+            ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT
+        )
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if not server:
             context.check_hostname = self.server_hostname is not None
@@ -194,10 +199,11 @@ class TlsConfig:
         whose first bytes are not TLS at all is sent ``plaintext_reply`` in the clear first
         (paramsync: a ``refuse`` frame saying that TLS is required).
         """
-        wrapped = trio.SSLStream(
-            stream, self.server_context(), server_side=True, https_compatible=True
-        )
-        await _handshake(wrapped, peer, seconds, plaintext_reply)
+        with _outgoing_of_the_next_wrap() as outgoing:
+            wrapped = trio.SSLStream(
+                stream, self.server_context(), server_side=True, https_compatible=True
+            )
+        await _handshake(wrapped, outgoing, peer, seconds, plaintext_reply)
         return wrapped
 
     async def wrap_client(
@@ -209,18 +215,56 @@ class TlsConfig:
         refusal shows up on the first read (`runtime.transport.tcp.dial` reports it as a
         HandshakeError).
         """
-        wrapped = trio.SSLStream(
-            stream,
-            self.client_context(),
-            server_hostname=self.server_hostname,
-            https_compatible=True,
-        )
-        await _handshake(wrapped, peer, seconds)
+        with _outgoing_of_the_next_wrap() as outgoing:
+            wrapped = trio.SSLStream(
+                stream,
+                self.client_context(),
+                server_hostname=self.server_hostname,
+                https_compatible=True,
+            )
+        await _handshake(wrapped, outgoing, peer, seconds)
         return wrapped
+
+
+class _AlertKeepingContext(ssl.SSLContext):
+    """An ``SSLContext`` that hands the memory BIO OpenSSL writes the peer's bytes into to
+    whoever asked with `_outgoing_of_the_next_wrap`: after a failed handshake that BIO holds
+    the alert saying why, which trio's ``SSLStream`` raises without sending."""
+
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        sink = _WRAPPED_OUTGOING.get()
+        if sink is not None:
+            sink.append(outgoing)
+        return super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+
+
+_WRAPPED_OUTGOING: ContextVar[list[ssl.MemoryBIO] | None] = ContextVar(
+    "paramsync_tls_outgoing", default=None
+)
+
+
+@contextmanager
+def _outgoing_of_the_next_wrap() -> Iterator[list[ssl.MemoryBIO]]:
+    """Collects the outgoing BIO of the TLS objects an `_AlertKeepingContext` wraps within
+    the block (the stream built there: trio builds its ``SSLObject`` in its constructor)."""
+    sink: list[ssl.MemoryBIO] = []
+    token = _WRAPPED_OUTGOING.set(sink)
+    try:
+        yield sink
+    finally:
+        _WRAPPED_OUTGOING.reset(token)
 
 
 async def _handshake(
     stream: trio.SSLStream[trio.SocketStream],
+    outgoing: list[ssl.MemoryBIO],
     peer: str,
     seconds: float | None,
     plaintext_reply: bytes = b"",
@@ -236,7 +280,7 @@ async def _handshake(
         if isinstance(cause, ssl.SSLError) and cause.reason in _NOT_TLS and plaintext_reply:
             await _send_raw(stream, plaintext_reply)
         else:
-            await _send_alert(stream)
+            await _send_alert(stream, outgoing)
         await trio.aclose_forcefully(stream)
         reason = describe_tls_error(exc)
         raise HandshakeError(f"TLS handshake failed: {reason}", peer=peer) from None
@@ -245,13 +289,15 @@ async def _handshake(
         raise
 
 
-async def _send_alert(stream: trio.SSLStream[trio.SocketStream]) -> None:
+async def _send_alert(
+    stream: trio.SSLStream[trio.SocketStream], outgoing: list[ssl.MemoryBIO]
+) -> None:
     """Hand the peer the alert OpenSSL wrote when the handshake failed, so it learns why
-    ("unknown ca") rather than seeing a bare hang-up. trio raises without sending it; if its
-    internals ever change, this quietly sends nothing."""
-    outgoing = getattr(stream, "_outgoing", None)
-    if isinstance(outgoing, ssl.MemoryBIO) and outgoing.pending:
-        await _send_raw(stream, outgoing.read())
+    ("unknown ca") rather than seeing a bare hang-up. trio raises without sending it. Nothing
+    to send when the stream's TLS object was not built by an `_AlertKeepingContext`."""
+    for bio in outgoing:
+        if bio.pending:
+            await _send_raw(stream, bio.read())
 
 
 async def _send_raw(stream: trio.SSLStream[trio.SocketStream], data: bytes) -> None:
