@@ -173,7 +173,7 @@ class _MetricsSpan(Span):
         if self._inner.enabled:
             if exc_type is not None:
                 self._args["error"] = exc_type.__name__
-            self._inner._complete(self._name, self._tid, self._start, end, self._args)
+            self._inner.record_span(self._name, self._tid, self._start, end, self._args)
 
 
 class MetricsTrace(TraceRecorder):

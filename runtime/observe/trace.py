@@ -55,7 +55,7 @@ class Span:
         end = time.perf_counter_ns()
         if exc_type is not None:
             self._args["error"] = exc_type.__name__
-        self._recorder._complete(self._name, self._tid, self._start, end, self._args)
+        self._recorder.record_span(self._name, self._tid, self._start, end, self._args)
 
 
 class _NullSpan(Span):
@@ -158,7 +158,7 @@ class TraceRecorder:
             return
         if end_ns < start_ns:
             raise ValueError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
-        self._complete(name, self.tid(actor), start_ns, end_ns, args)
+        self.record_span(name, self.tid(actor), start_ns, end_ns, args)
 
     def instant(self, name: str, actor: str = "main", scope: str = "t", **args: Any) -> None:
         """Record a moment (``"ph": "i"``); ``scope`` is t(hread), p(rocess) or g(lobal)."""
@@ -188,9 +188,11 @@ class TraceRecorder:
         event["args"] = dict(values)
         self._append(event)
 
-    def _complete(
+    def record_span(
         self, name: str, tid: int, start_ns: int, end_ns: int, args: dict[str, Any]
     ) -> None:
+        """Record a finished span on the trace's thread ``tid`` (`tid`), as the spans this
+        recorder hands out do when they end; `complete` is the same by actor name."""
         event = {
             "name": name,
             "ph": "X",
