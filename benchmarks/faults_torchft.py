@@ -21,6 +21,10 @@ For each trial, from the kill (the time the victim stamped just before SIGKILLin
   line; torchft: the first survivor's first step after the kill whose ``should_commit`` agreed);
 - steps lost: step attempts the survivors ran and discarded (paramsync: the step in flight when
   it is rerun; torchft: the steps whose ``should_commit`` refused);
+- time lost, in steps: the survivors' time from the kill to their next commit, less the one
+  step that commit takes anyway, in units of that system's median step before the kill (a
+  step rerun at once costs about one; a wait for the lost member costs the steps it could
+  have run);
 - rejoin: until the restarted worker's first committed step in step with the others (the
   process start-up included: both restart it as soon as the driver sees it dead);
 - identical: the three workers' final states (parameters and optimizer state) bitwise equal.
@@ -34,6 +38,7 @@ step at step 3, silently (a bug in a user's loop, a flipped bit); what each syst
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -293,7 +298,7 @@ def torchft_figures(
             problems.append(f"{tag} exited {code}, not {expected}: {tail}")
     logs = {tag: _read_progress(root / f"progress-{tag}.jsonl") for tag in procs}
     survivors = [f"rank{r}" for r in range(WORKERS) if r != VICTIM]
-    detection = rejoin = rejoin_from_ready = None
+    detection = rejoin = rejoin_from_ready = median_step = None
     lost = 0
     if killed_at is None:
         problems.append("the victim never reached its kill point")
@@ -306,6 +311,8 @@ def torchft_figures(
                 break
             refused += 1
         lost = refused
+        before = [r["t"] for r in logs[survivors[0]] if r.get("committed") and r["t"] <= killed_at]
+        median_step = _median([b - a for a, b in itertools.pairwise(before)])
         back = [r for r in logs.get("rejoined", []) if r.get("committed")]
         ready = [r for r in logs.get("rejoined", []) if r.get("event") == "ready"]
         if back:
@@ -333,6 +340,8 @@ def torchft_figures(
         "step": step,
         "detection_seconds": detection,
         "steps_lost": lost,
+        "median_step_seconds": median_step,
+        "time_lost_steps": time_lost_steps(detection, median_step),
         "rejoin_seconds": rejoin,
         "rejoin_from_ready_seconds": rejoin_from_ready,
         "identical": identical,
@@ -340,6 +349,15 @@ def torchft_figures(
         "elapsed_seconds": elapsed,
         "problems": problems,
     }
+
+
+def time_lost_steps(detection: float | None, median_step: float | None) -> float | None:
+    """The survivors' training time a kill cost, in that system's own steps: from the kill to
+    their next commit, less the one step that commit would have taken anyway, over the
+    median step before the kill (0: the kill cost no time; None: not measured)."""
+    if detection is None or not median_step:
+        return None
+    return max(0.0, detection - median_step) / median_step
 
 
 # ----------------------------------------------------------------------------- paramsync trial
@@ -385,6 +403,9 @@ def paramsync_figures(phase: str, step: int, result: Any) -> dict:
     problems = list(result.problems)
     if rejoin is None:
         problems.append("no commit with the restarted rank in the coordinator's log")
+    median_step = _median(
+        [summary.get("median_step_seconds") for summary in result.summaries.values()]
+    )
     return {
         "system": "paramsync",
         "phase": phase,
@@ -392,6 +413,8 @@ def paramsync_figures(phase: str, step: int, result: Any) -> dict:
         "detection_seconds": result.recovery_seconds,
         "new_epoch_seconds": result.detection_seconds,
         "steps_lost": 1 if result.resumed_at == step else 0,
+        "median_step_seconds": median_step,
+        "time_lost_steps": time_lost_steps(result.recovery_seconds, median_step),
         "resumed_at": result.resumed_at,
         "rejoin_seconds": rejoin,
         "rejoin_from_join_seconds": rejoin_from_join,
@@ -627,14 +650,25 @@ def summarise(trials: list[dict]) -> dict[str, dict]:
             "total": sum(t["steps_lost"] for t in mine),
             "max": max(t["steps_lost"] for t in mine),
         }
+        spent = [t["time_lost_steps"] for t in mine if t.get("time_lost_steps") is not None]
+        row["time_lost_steps"] = {
+            "total": sum(spent) if spent else None,
+            "max": max(spent) if spent else None,
+            "measured": len(spent),
+        }
+        row["median_step_seconds"] = _median([t.get("median_step_seconds") for t in mine])
         row["identical"] = sum(bool(t["identical"]) for t in mine)
         row["with_problems"] = sum(bool(t["problems"]) for t in mine)
         out[system] = row
     return out
 
 
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
+def _seconds(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f} s"
+
+
+def _steps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _print_summary(summary: dict[str, dict]) -> None:
@@ -657,6 +691,13 @@ def _print_summary(summary: dict[str, dict]) -> None:
             "steps lost: total / most in one kill",
             lambda r: f"{r['steps_lost']['total']} / {r['steps_lost']['max']}",
         ),
+        (
+            "time lost, in steps: total / most in one kill",
+            lambda r: (
+                f"{_steps(r['time_lost_steps']['total'])} / {_steps(r['time_lost_steps']['max'])}"
+            ),
+        ),
+        ("median step before the kill", lambda r: _seconds(r["median_step_seconds"], 3)),
         (
             "rejoin: kill to in step again, median / max",
             lambda r: (
@@ -739,7 +780,9 @@ def main() -> None:
             _write_json(args, trials, [])
             print(
                 f"{system} {phase}:{step}: detection {_seconds(trial['detection_seconds'])}, "
-                f"steps lost {trial['steps_lost']}, rejoin {_seconds(trial['rejoin_seconds'])}, "
+                f"steps lost {trial['steps_lost']} "
+                f"(time lost {_steps(trial.get('time_lost_steps'))} steps), "
+                f"rejoin {_seconds(trial['rejoin_seconds'])}, "
                 f"identical {trial['identical']}"
                 + (f"; problems: {trial['problems']}" if trial["problems"] else ""),
                 flush=True,

@@ -93,6 +93,7 @@ def test_torchft_figures_from_the_workers_progress_logs(tmp_path: Path) -> None:
         _progress(
             tmp_path / f"progress-{tag}.jsonl",
             [
+                {"t": 98.5, "step": 2, "committed": True, "participants": 3},
                 {"t": 99.0, "step": 3, "committed": True, "participants": 3},
                 {"t": 100.5, "event": "hook-error", "step": 4, "error": "AssertionError()"},
                 {"t": 100.6, "step": 4, "committed": False, "participants": 3},
@@ -122,6 +123,9 @@ def test_torchft_figures_from_the_workers_progress_logs(tmp_path: Path) -> None:
     assert figures["rejoin_seconds"] == pytest.approx(8.0)
     assert figures["rejoin_from_ready_seconds"] == pytest.approx(4.0)
     assert figures["identical"] is True
+    # A step took 0.5 s before the kill; the 5.2 s to the next commit cost 4.7 s beyond it.
+    assert figures["median_step_seconds"] == pytest.approx(0.5)
+    assert figures["time_lost_steps"] == pytest.approx(9.4)
 
     # A different final state on the restarted worker is reported, not averaged away.
     _progress(tmp_path / "progress-rejoined.jsonl", [{**done, "digest": "other"}])
@@ -155,8 +159,11 @@ def test_paramsync_figures_from_the_coordinators_log() -> None:
         problems=[],
         exit_codes={},
         elapsed_seconds=20.0,
+        summaries={0: {"median_step_seconds": 0.02}, 1: {"median_step_seconds": 0.04}},
     )
     figures = faults.paramsync_figures("backward", 3, result)
+    assert figures["median_step_seconds"] == pytest.approx(0.03)
+    assert figures["time_lost_steps"] == pytest.approx((0.2 - 0.03) / 0.03)
     assert figures["detection_seconds"] == pytest.approx(0.2)
     assert figures["steps_lost"] == 1  # resumed at the step it was killed in: rerun
     assert figures["rejoin_seconds"] == pytest.approx(7.3)
