@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -79,6 +78,7 @@ from actors.train.ddp_arguments import (
     torch_comm_hook,
     torch_ddp_options,
 )
+from actors.train.loop_checks import LoopChecks
 from actors.train.own_step import OwnStep
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
@@ -230,9 +230,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Whether the step's synchronizing backward has finished its all-reduce."""
         self._applying: OwnStep | None = None
         """The step whose optimizer step the user's thread is taking (between the hooks)."""
-        self._thread: int | None = None
-        self._params = tuple(id(p) for p in module.parameters())
-        self._mine = frozenset(self._params)
+        self._checks = LoopChecks(module)
         self._user_optimizer: torch.optim.Optimizer | None = None
         """The optimizer the user steps itself (its step hooks report the digest)."""
         self._wrapped: torch.optim.Optimizer | None = None
@@ -395,9 +393,9 @@ class DistributedDataParallel(torch.nn.Module):
         averages the buckets before it returns."""
         trainer = self.trainer
         if torch.is_grad_enabled():
-            self._check_thread()
+            self._checks.check_thread()
             self._unmute()  # a muted step that raised before its post-hook
-            self._check_parameters()
+            self._checks.check_parameters(trainer)
             # The last step's backward was synchronized but no optimizer step followed (a
             # loss scaler skipped it): every rank finishes it unchanged, as skipped.
             self._flush_skipped()
@@ -581,7 +579,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self._wrapped is not None or self._trainer is None:
             return False
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not params or id(params[0]) not in self._mine:
+        if not params or not self._checks.holds(params[0]):
             return False
         self._use_optimizer(optimizer)  # its first step: it steps this module's parameters
         return True
@@ -589,7 +587,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's optimizer step pre-hook (every optimizer's): for this module's, wait until
         the step may be applied (the previous step's commit, the apply barrier)."""
-        if self._thread is not None and threading.get_ident() != self._thread:
+        if self._checks.in_another_thread():
             return  # the trainer's own optimizer step (a joined rank's, `join`)
         if not self._owns(optimizer):
             return
@@ -646,29 +644,6 @@ class DistributedDataParallel(torch.nn.Module):
         (`DistributedTrainer.caller_crossing`)."""
         assert self._cross is not None
         return self._cross(self.trainer.own_loop.caller_crossing, fn, *args)
-
-    def _check_thread(self) -> None:
-        """One thread runs the loop: the hooks' bookkeeping is that thread's."""
-        me = threading.get_ident()
-        if self._thread is None:
-            self._thread = me
-        elif self._thread != me:
-            raise RuntimeError(
-                "DistributedDataParallel: the training loop moved to another thread; run "
-                "forward, backward and step from one thread"
-            )
-
-    def _check_parameters(self) -> None:
-        """The module's parameters are the ones wrapped (torch DDP's buckets are fixed too)."""
-        now = tuple(id(p) for p in self.module.parameters())
-        if now != self._params:
-            added = [n for n, p in self.module.named_parameters() if id(p) not in self._mine]
-            raise RuntimeError(
-                f"rank {self.trainer.rank}, step {self.trainer.step}: the module's parameters "
-                f"changed after it was wrapped (new: {added or 'none'}; "
-                f"{len(self._params)} wrapped, {len(now)} now): add every parameter before "
-                "wrapping the module"
-            )
 
     # -- around the loop ------------------------------------------------------------------
 
