@@ -82,6 +82,7 @@ from actors.train.loop_checks import LoopChecks
 from actors.train.own_step import OwnStep
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
+from actors.train.trainer_link import TrainerLink
 from actors.train.unbound_optimizer import UnboundOptimizer
 from runtime.coordinator.service import CoordinatorOptions
 
@@ -219,9 +220,7 @@ class DistributedDataParallel(torch.nn.Module):
         )
         check_own_loop_options(self._options)
         self._sync: SyncTrainer | None = None
-        self._trainer: DistributedTrainer | None = None
-        self._cross: Callable[..., Any] | None = None
-        """Runs an async function of the trainer in its trio loop, from the user's thread."""
+        self._link = TrainerLink()
         self._own: OwnStep | None = None
         """The step the user's loop is in (its first forward began it), None between steps."""
         self._armed = False
@@ -290,7 +289,8 @@ class DistributedDataParallel(torch.nn.Module):
         sync.__enter__()
         self._sync = sync
         _JOINED.add(self)
-        self._attach(sync.trainer, sync.call)
+        self._link.attach(sync.trainer, sync.call)
+        self._link.attach_caller(applies=True)
         if optimizer is not None:
             self._user_optimizer = optimizer
 
@@ -313,7 +313,7 @@ class DistributedDataParallel(torch.nn.Module):
         _check_optimizer(self.module, optimizer)
         self._bind(optimizer, scheduler)
         self._wrapped, self._user_optimizer = optimizer, None
-        self._attach_caller()
+        self._link.attach_caller(applies=False)  # the trainer steps it from now on
         return DistributedOptimizer(self, optimizer)
 
     @classmethod
@@ -344,26 +344,11 @@ class DistributedDataParallel(torch.nn.Module):
         def cross(fn: Callable[..., Any], *args: Any) -> Any:
             return trio.from_thread.run(fn, *args, trio_token=token)
 
-        wrapper._trainer, wrapper._cross = trainer, cross
+        wrapper._link.attach(trainer, cross)
         trainer.own_loop.attach_caller(applies=True)  # in the trio thread, as this is called
         if optimizer_known:
             wrapper._user_optimizer = trainer.optimizer
         return wrapper
-
-    def _attach(self, trainer: DistributedTrainer, cross: Callable[..., Any]) -> None:
-        self._trainer = trainer
-        self._cross = cross
-        self._attach_caller()
-
-    def _attach_caller(self) -> None:
-        """Tell the trainer a loop in this thread drives it (its epochs then enter only while
-        the loop is parked in a crossing), and whether that loop steps the optimizer."""
-        trainer, applies = self.trainer, self._wrapped is None
-
-        async def attach() -> None:
-            trainer.own_loop.attach_caller(applies=applies)
-
-        self._run(attach)
 
     def _use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         _check_optimizer(self.module, optimizer)
@@ -376,14 +361,21 @@ class DistributedDataParallel(torch.nn.Module):
         async def bind() -> None:
             trainer.own_loop.bind_optimizer(optimizer, scheduler)
 
-        self._run(bind)
+        self._link.run(bind)
 
     @property
     def trainer(self) -> DistributedTrainer:
         """The underlying trainer (its summary, state_dict, step; touch it only between steps)."""
-        if self._trainer is None:
-            raise RuntimeError("DistributedDataParallel: the wrapper has no run (closed)")
-        return self._trainer
+        return self._link.trainer
+
+    @property
+    def _cross(self) -> Callable[..., Any] | None:
+        """The crossing into the trainer's event loop (`TrainerLink.cross`)."""
+        return self._link.cross
+
+    @_cross.setter
+    def _cross(self, cross: Callable[..., Any] | None) -> None:
+        self._link.cross = cross
 
     # -- the user's loop ------------------------------------------------------------------
 
@@ -404,7 +396,9 @@ class DistributedDataParallel(torch.nn.Module):
                 # stands; else cross into it to begin one.
                 prepared = trainer.own_loop.prepared_own_step()
                 self._own = (
-                    prepared if prepared is not None else self._run(trainer.own_loop.begin_own_step)
+                    prepared
+                    if prepared is not None
+                    else self._link.run(trainer.own_loop.begin_own_step)
                 )
                 self._armed = self._reduced = False
             own = self._own
@@ -442,7 +436,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _await_reduction(self, own: OwnStep) -> None:
         self._reduced = True
-        self._run(self.trainer.own_loop.reduce_own_step, own)
+        self._link.run(self.trainer.own_loop.reduce_own_step, own)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch DDP's ``register_comm_hook`` for torch's own hooks (``default_hooks``'
@@ -464,7 +458,7 @@ class DistributedDataParallel(torch.nn.Module):
         async def use() -> None:
             trainer.own_loop.use_comm_hook(comm_hook, rank, start)
 
-        self._run(use)
+        self._link.run(use)
         self._hooked = True
 
     def register_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
@@ -478,7 +472,7 @@ class DistributedDataParallel(torch.nn.Module):
         async def watch() -> None:
             trainer.own_loop.watch_grad_scaler(scaler)
 
-        self._run(watch)
+        self._link.run(watch)
 
     @contextmanager
     def join(
@@ -510,7 +504,7 @@ class DistributedDataParallel(torch.nn.Module):
                 enabled, throw_on_early_termination=throw_on_early_termination
             )
 
-        self._run(use, True)
+        self._link.run(use, True)
         try:
             yield
             self._flush_skipped()
@@ -519,11 +513,11 @@ class DistributedDataParallel(torch.nn.Module):
                     f"rank {trainer.rank}, step {self._own.step}: the join context ended in "
                     "the middle of a step (a forward without its optimizer step)"
                 )
-            self._run(
+            self._link.run(
                 trainer.own_loop.join_and_raise if throw_on_early_termination else trainer.join
             )
         finally:
-            self._run(use, False)
+            self._link.run(use, False)
 
     def _flush_skipped(self) -> None:
         """A synchronized step no optimizer step followed is finished as skipped now."""
@@ -566,7 +560,7 @@ class DistributedDataParallel(torch.nn.Module):
             )
         self._ensure_reduced(own, "optimizer.step()")
         self._own, self._armed, self._reduced = None, False, False
-        taken: bool = self._run(self.trainer.own_loop.finish_own_step, own)
+        taken: bool = self._link.run(self.trainer.own_loop.finish_own_step, own)
         return taken
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -576,7 +570,7 @@ class DistributedDataParallel(torch.nn.Module):
             return True
         if self._user_optimizer is not None or optimizer is self._wrapped:
             return False
-        if self._wrapped is not None or self._trainer is None:
+        if self._wrapped is not None or self._link.attached is None:
             return False
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not params or not self._checks.holds(params[0]):
@@ -599,7 +593,7 @@ class DistributedDataParallel(torch.nn.Module):
                 "must synchronize its gradients first"
             )
         self._ensure_reduced(own, "optimizer.step()")
-        if self._run(self.trainer.own_loop.begin_caller_apply, own):
+        if self._link.run(self.trainer.own_loop.begin_caller_apply, own):
             self._applying = own
         else:  # dropped by a membership change: this optimizer step changes nothing
             self._own, self._armed, self._reduced = None, False, False
@@ -616,7 +610,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._applying = None
         self._own, self._armed, self._reduced = None, False, False
         self.trainer.own_loop.caller_applied(own)
-        self._run(self.trainer.own_loop.end_caller_apply, own)
+        self._link.run(self.trainer.own_loop.end_caller_apply, own)
 
     def _mute(self, optimizer: torch.optim.Optimizer) -> None:
         """Empty ``optimizer``'s parameter groups for the step about to run (a dropped step's:
@@ -635,21 +629,15 @@ class DistributedDataParallel(torch.nn.Module):
     def _finish_skipped(self, own: OwnStep) -> None:
         self._own, self._armed, self._reduced = None, False, False
         trainer = self.trainer
-        if self._run(trainer.own_loop.begin_caller_apply, own):
+        if self._link.run(trainer.own_loop.begin_caller_apply, own):
             trainer.own_loop.caller_applied(own, skipped=True)
-            self._run(trainer.own_loop.end_caller_apply, own)
-
-    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``await fn(*args)`` in the trainer's event loop, this thread parked meanwhile
-        (`DistributedTrainer.caller_crossing`)."""
-        assert self._cross is not None
-        return self._cross(self.trainer.own_loop.caller_crossing, fn, *args)
+            self._link.run(trainer.own_loop.end_caller_apply, own)
 
     # -- around the loop ------------------------------------------------------------------
 
     def verified(self) -> None:
         """Block until every step so far passed the identical-weights check (C-DDP-001)."""
-        self._run(self.trainer.verified)
+        self._link.run(self.trainer.verified)
 
     def summary(self) -> dict[str, Any]:
         """The trainer's summary (`DistributedTrainer.summary`; the losses are your loop's, so
