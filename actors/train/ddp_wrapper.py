@@ -55,7 +55,6 @@ Design, decided here:
 from __future__ import annotations
 
 import atexit
-import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -80,6 +79,7 @@ from actors.train.ddp_arguments import (
 )
 from actors.train.loop_checks import LoopChecks
 from actors.train.own_step import OwnStep
+from actors.train.step_tracker import StepTracker
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.trainer_link import TrainerLink
@@ -221,14 +221,9 @@ class DistributedDataParallel(torch.nn.Module):
         check_own_loop_options(self._options)
         self._sync: SyncTrainer | None = None
         self._link = TrainerLink()
-        self._own: OwnStep | None = None
-        """The step the user's loop is in (its first forward began it), None between steps."""
-        self._armed = False
-        """Whether a forward of the step armed the hooks (its backward synchronizes)."""
-        self._reduced = False
-        """Whether the step's synchronizing backward has finished its all-reduce."""
-        self._applying: OwnStep | None = None
-        """The step whose optimizer step the user's thread is taking (between the hooks)."""
+        self._steps = StepTracker(
+            self._link, find_unused_parameters=self._options.find_unused_parameters
+        )
         self._checks = LoopChecks(module)
         self._user_optimizer: torch.optim.Optimizer | None = None
         """The optimizer the user steps itself (its step hooks report the digest)."""
@@ -305,7 +300,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self._wrapped is not None:
             raise RuntimeError("DistributedDataParallel: the optimizer is already wrapped")
         trainer = self.trainer
-        if trainer.step > 0 or self._own is not None:
+        if trainer.step > 0 or self._steps.own is not None:
             raise RuntimeError(
                 "DistributedDataParallel: wrap_optimizer after training started: wrap it "
                 "before the first forward"
@@ -369,6 +364,11 @@ class DistributedDataParallel(torch.nn.Module):
         return self._link.trainer
 
     @property
+    def _own(self) -> OwnStep | None:
+        """The step the user's loop is in (`StepTracker.own`)."""
+        return self._steps.own
+
+    @property
     def _cross(self) -> Callable[..., Any] | None:
         """The crossing into the trainer's event loop (`TrainerLink.cross`)."""
         return self._link.cross
@@ -391,52 +391,11 @@ class DistributedDataParallel(torch.nn.Module):
             # The last step's backward was synchronized but no optimizer step followed (a
             # loss scaler skipped it): every rank finishes it unchanged, as skipped.
             self._flush_skipped()
-            if self._own is None:
-                # The step the last optimizer step began in the event loop, if it still
-                # stands; else cross into it to begin one.
-                prepared = trainer.own_loop.prepared_own_step()
-                self._own = (
-                    prepared
-                    if prepared is not None
-                    else self._link.run(trainer.own_loop.begin_own_step)
-                )
-                self._armed = self._reduced = False
-            own = self._own
-            sync = self.require_backward_grad_sync
-            if self._armed and (not sync or self._reduced or own.compute.sync_backward_started):
-                raise RuntimeError(
-                    f"step {own.step}, rank {trainer.rank}: a forward after the step's "
-                    "synchronizing one and before its backward ended: call optimizer.step() "
-                    "first (or run the earlier forwards and backwards under "
-                    "`with model.no_sync():`)"
-                )
-            self._armed = sync
-            own.compute.expect_backward(
-                own.step,
-                sync,
-                hand_over_last=True,
-                on_started=functools.partial(self._queue_reduce, own) if sync else None,
-            )
+            self._steps.begin(self.require_backward_grad_sync)
         if self._devices.input_device is not None:
             args, kwargs = _to_device((args, kwargs), self._devices.input_device)
         with autocast_of(trainer.precision):
             return self.module(*args, **kwargs)
-
-    def _queue_reduce(self, own: OwnStep) -> None:
-        """In the autograd engine, at the synchronizing backward's first gradient: have the
-        engine wait for the step's all-reduce once the whole backward is done."""
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(self._reduce, own)
-        )
-
-    def _reduce(self, own: OwnStep) -> None:
-        """The end of the synchronizing backward: every bucket's average into the gradients."""
-        if self._own is own and not self._reduced:
-            self._await_reduction(own)
-
-    def _await_reduction(self, own: OwnStep) -> None:
-        self._reduced = True
-        self._link.run(self.trainer.own_loop.reduce_own_step, own)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch DDP's ``register_comm_hook`` for torch's own hooks (``default_hooks``'
@@ -448,7 +407,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self._hooked:
             raise RuntimeError("register_comm_hook can only be called once (as with torch DDP)")
         trainer = self.trainer
-        if self._own is not None or trainer.step > 0:
+        if self._steps.own is not None or trainer.step > 0:
             raise RuntimeError(
                 f"rank {trainer.rank}, step {trainer.step}: register_comm_hook after training "
                 "started: register it before the first forward"
@@ -508,9 +467,9 @@ class DistributedDataParallel(torch.nn.Module):
         try:
             yield
             self._flush_skipped()
-            if self._own is not None:
+            if self._steps.own is not None:
                 raise RuntimeError(
-                    f"rank {trainer.rank}, step {self._own.step}: the join context ended in "
+                    f"rank {trainer.rank}, step {self._steps.own.step}: the join context ended in "
                     "the middle of a step (a forward without its optimizer step)"
                 )
             self._link.run(
@@ -521,8 +480,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _flush_skipped(self) -> None:
         """A synchronized step no optimizer step followed is finished as skipped now."""
-        if self._own is not None and self._reduced and self._wrapped is None:
-            self._finish_skipped(self._own)
+        if self._wrapped is None:
+            self._steps.finish_skipped()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -533,35 +492,6 @@ class DistributedDataParallel(torch.nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = before
-
-    def _ensure_reduced(self, own: OwnStep, what: str) -> None:
-        if not self._armed:
-            raise RuntimeError(
-                f"step {own.step}, rank {self.trainer.rank}: {what} after forwards all under "
-                "no_sync() (or require_backward_grad_sync=False): the last forward and "
-                "backward of a step must synchronize"
-            )
-        if not self._reduced:  # no hook fired in the backward (or it has not run yet)
-            if not self._options.find_unused_parameters and not own.compute.sync_backward_started:
-                raise RuntimeError(
-                    f"step {own.step}, rank {self.trainer.rank}: {what} after a forward with "
-                    "no backward (no parameter received a gradient since the step's "
-                    "synchronizing forward): call loss.backward() first"
-                )
-            self._await_reduction(own)
-
-    def _step(self) -> bool:
-        """`DistributedOptimizer.step`: the trainer applies the step."""
-        own = self._own
-        if own is None:
-            raise RuntimeError(
-                "optimizer.step() before any forward of the wrapped model in this step: run "
-                "loss = loss_fn(model(inputs), targets); loss.backward() first"
-            )
-        self._ensure_reduced(own, "optimizer.step()")
-        self._own, self._armed, self._reduced = None, False, False
-        taken: bool = self._link.run(self.trainer.own_loop.finish_own_step, own)
-        return taken
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` is the one the user steps for this module (naming it at its
@@ -585,32 +515,17 @@ class DistributedDataParallel(torch.nn.Module):
             return  # the trainer's own optimizer step (a joined rank's, `join`)
         if not self._owns(optimizer):
             return
-        own = self._own
-        if own is None:
-            raise RuntimeError(
-                f"rank {self.trainer.rank}, step {self.trainer.step}: optimizer.step() with no "
-                "forward and backward of the wrapped model since the last step: every step "
-                "must synchronize its gradients first"
-            )
-        self._ensure_reduced(own, "optimizer.step()")
-        if self._link.run(self.trainer.own_loop.begin_caller_apply, own):
-            self._applying = own
-        else:  # dropped by a membership change: this optimizer step changes nothing
-            self._own, self._armed, self._reduced = None, False, False
-            self._mute(optimizer)
+        if not self._steps.begin_caller_apply():
+            self._mute(optimizer)  # dropped by a membership change: it must change nothing
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's optimizer step post-hook: report the applied step's digest (C-DDP-001)."""
-        if self._muted is not None and optimizer is self._user_optimizer:
+        if optimizer is not self._user_optimizer:
+            return
+        if self._muted is not None:
             self._unmute()
             return
-        own = self._applying
-        if own is None or optimizer is not self._user_optimizer:
-            return
-        self._applying = None
-        self._own, self._armed, self._reduced = None, False, False
-        self.trainer.own_loop.caller_applied(own)
-        self._link.run(self.trainer.own_loop.end_caller_apply, own)
+        self._steps.end_caller_apply()
 
     def _mute(self, optimizer: torch.optim.Optimizer) -> None:
         """Empty ``optimizer``'s parameter groups for the step about to run (a dropped step's:
@@ -625,13 +540,6 @@ class DistributedDataParallel(torch.nn.Module):
             self._muted = None
             for group, kept in zip(optimizer.param_groups, params):
                 group["params"] = kept
-
-    def _finish_skipped(self, own: OwnStep) -> None:
-        self._own, self._armed, self._reduced = None, False, False
-        trainer = self.trainer
-        if self._link.run(trainer.own_loop.begin_caller_apply, own):
-            trainer.own_loop.caller_applied(own, skipped=True)
-            self._link.run(trainer.own_loop.end_caller_apply, own)
 
     # -- around the loop ------------------------------------------------------------------
 
@@ -730,7 +638,7 @@ class DistributedOptimizer:
                 "DistributedOptimizer.step: closures (LBFGS) are not supported: the step "
                 "cannot rerun your forward and backward"
             )
-        return self.model._step()
+        return self.model._steps.apply_through_trainer()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (whatever ``set_to_none`` says: they stay the views of
