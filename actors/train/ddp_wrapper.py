@@ -63,11 +63,6 @@ from typing import Any
 
 import torch
 import trio
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
-from torch.utils.hooks import RemovableHandle
 
 from actors.graph.precision import autocast_of
 from actors.state.digest import Scheduler
@@ -78,6 +73,7 @@ from actors.train.ddp_arguments import (
     torch_ddp_options,
 )
 from actors.train.loop_checks import LoopChecks
+from actors.train.optimizer_binding import OptimizerBinding, check_optimizer
 from actors.train.own_step import OwnStep
 from actors.train.step_tracker import StepTracker
 from actors.train.sync import SyncTrainer
@@ -225,15 +221,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._link, find_unused_parameters=self._options.find_unused_parameters
         )
         self._checks = LoopChecks(module)
-        self._user_optimizer: torch.optim.Optimizer | None = None
-        """The optimizer the user steps itself (its step hooks report the digest)."""
-        self._wrapped: torch.optim.Optimizer | None = None
-        """The optimizer `wrap_optimizer` wrapped (the trainer steps it)."""
-        self._hooks: list[RemovableHandle] = []
+        self._binding = OptimizerBinding(module, self._link, self._steps, self._checks)
         self._hooked = False
         """Whether `register_comm_hook` was called."""
-        self._muted: tuple[torch.optim.Optimizer, list[Any]] | None = None
-        """The optimizer whose parameter groups a dropped step emptied, and their parameters."""
         self._registered = _trainer is None
         if self._registered:
             _WRAPPED_MODULES.add(module)
@@ -241,7 +231,7 @@ class DistributedDataParallel(torch.nn.Module):
             if _trainer is None:
                 self._join(coordinator_options, overrides, secret, optimizer, scheduler)
             elif optimizer is not None:
-                self._use_optimizer(optimizer)
+                self._binding.use(optimizer)
             if grad_scaler is not None:
                 self.register_grad_scaler(grad_scaler)
             if process_group is not None:  # now the run's size is known
@@ -251,10 +241,7 @@ class DistributedDataParallel(torch.nn.Module):
         except BaseException:
             self.close()
             raise
-        self._hooks = [
-            register_optimizer_step_pre_hook(_weak_hook(self._before_step)),
-            register_optimizer_step_post_hook(_weak_hook(self._after_step)),
-        ]
+        self._binding.hook_steps()
 
     # -- attaching a trainer --------------------------------------------------------------
 
@@ -268,7 +255,7 @@ class DistributedDataParallel(torch.nn.Module):
     ) -> None:
         """Join the run this environment describes, with ``optimizer`` or an unbound one."""
         if optimizer is not None:
-            _check_optimizer(self.module, optimizer)
+            check_optimizer(self.module, optimizer)
         sync = SyncTrainer(
             self.module,
             optimizer
@@ -287,7 +274,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._link.attach(sync.trainer, sync.call)
         self._link.attach_caller(applies=True)
         if optimizer is not None:
-            self._user_optimizer = optimizer
+            self._binding.user_optimizer = optimizer
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None
@@ -297,17 +284,7 @@ class DistributedDataParallel(torch.nn.Module):
         and skips it. ``scheduler``: an LR scheduler of ``optimizer`` that the trainer steps
         right after each optimizer step (do not step it yourself); its state then travels with
         the training state. Call it before the first step."""
-        if self._wrapped is not None:
-            raise RuntimeError("DistributedDataParallel: the optimizer is already wrapped")
-        trainer = self.trainer
-        if trainer.step > 0 or self._steps.own is not None:
-            raise RuntimeError(
-                "DistributedDataParallel: wrap_optimizer after training started: wrap it "
-                "before the first forward"
-            )
-        _check_optimizer(self.module, optimizer)
-        self._bind(optimizer, scheduler)
-        self._wrapped, self._user_optimizer = optimizer, None
+        self._binding.wrap(optimizer, scheduler)
         self._link.attach_caller(applies=False)  # the trainer steps it from now on
         return DistributedOptimizer(self, optimizer)
 
@@ -321,7 +298,7 @@ class DistributedDataParallel(torch.nn.Module):
         thread (``trio.to_thread.run_sync``), never from the trio thread itself, which they
         block on."""
         wrapper = cls.unwrapped_around(trainer)
-        wrapper._wrapped, wrapper._user_optimizer = trainer.optimizer, None
+        wrapper._binding.wrapped, wrapper._binding.user_optimizer = trainer.optimizer, None
         trainer.own_loop.attach_caller(applies=False)  # in the trio thread, as `around` is called
         return wrapper, DistributedOptimizer(wrapper, trainer.optimizer)
 
@@ -342,21 +319,8 @@ class DistributedDataParallel(torch.nn.Module):
         wrapper._link.attach(trainer, cross)
         trainer.own_loop.attach_caller(applies=True)  # in the trio thread, as this is called
         if optimizer_known:
-            wrapper._user_optimizer = trainer.optimizer
+            wrapper._binding.user_optimizer = trainer.optimizer
         return wrapper
-
-    def _use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        _check_optimizer(self.module, optimizer)
-        self._bind(optimizer)
-        self._user_optimizer = optimizer
-
-    def _bind(self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None) -> None:
-        trainer = self.trainer
-
-        async def bind() -> None:
-            trainer.own_loop.bind_optimizer(optimizer, scheduler)
-
-        self._link.run(bind)
 
     @property
     def trainer(self) -> DistributedTrainer:
@@ -386,7 +350,7 @@ class DistributedDataParallel(torch.nn.Module):
         trainer = self.trainer
         if torch.is_grad_enabled():
             self._checks.check_thread()
-            self._unmute()  # a muted step that raised before its post-hook
+            self._binding.unmute()  # a muted step that raised before its post-hook
             self._checks.check_parameters(trainer)
             # The last step's backward was synchronized but no optimizer step followed (a
             # loss scaler skipped it): every rank finishes it unchanged, as skipped.
@@ -480,7 +444,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _flush_skipped(self) -> None:
         """A synchronized step no optimizer step followed is finished as skipped now."""
-        if self._wrapped is None:
+        if self._binding.wrapped is None:
             self._steps.finish_skipped()
 
     @contextmanager
@@ -492,54 +456,6 @@ class DistributedDataParallel(torch.nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = before
-
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` is the one the user steps for this module (naming it at its
-        first step if none is known yet)."""
-        if optimizer is self._user_optimizer:
-            return True
-        if self._user_optimizer is not None or optimizer is self._wrapped:
-            return False
-        if self._wrapped is not None or self._link.attached is None:
-            return False
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not params or not self._checks.holds(params[0]):
-            return False
-        self._use_optimizer(optimizer)  # its first step: it steps this module's parameters
-        return True
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's optimizer step pre-hook (every optimizer's): for this module's, wait until
-        the step may be applied (the previous step's commit, the apply barrier)."""
-        if self._checks.in_another_thread():
-            return  # the trainer's own optimizer step (a joined rank's, `join`)
-        if not self._owns(optimizer):
-            return
-        if not self._steps.begin_caller_apply():
-            self._mute(optimizer)  # dropped by a membership change: it must change nothing
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's optimizer step post-hook: report the applied step's digest (C-DDP-001)."""
-        if optimizer is not self._user_optimizer:
-            return
-        if self._muted is not None:
-            self._unmute()
-            return
-        self._steps.end_caller_apply()
-
-    def _mute(self, optimizer: torch.optim.Optimizer) -> None:
-        """Empty ``optimizer``'s parameter groups for the step about to run (a dropped step's:
-        no parameter and no state may change), until `_unmute`."""
-        self._muted = (optimizer, [group["params"] for group in optimizer.param_groups])
-        for group in optimizer.param_groups:
-            group["params"] = []
-
-    def _unmute(self) -> None:
-        if self._muted is not None:
-            optimizer, params = self._muted
-            self._muted = None
-            for group, kept in zip(optimizer.param_groups, params):
-                group["params"] = kept
 
     # -- around the loop ------------------------------------------------------------------
 
@@ -573,9 +489,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _release(self) -> None:
         _JOINED.discard(self)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self._binding.unhook()
         if self._registered:
             self._registered = False
             _WRAPPED_MODULES.discard(self.module)
@@ -593,19 +507,6 @@ class DistributedDataParallel(torch.nn.Module):
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.__exit__(exc_type, exc, tb)
-
-
-def _weak_hook(method: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
-    """A global optimizer step hook that calls ``method`` while its wrapper lives (a wrapper
-    nobody closed does not stay alive through torch's global hook table)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(optimizer, args, kwargs)
-
-    return hook
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -662,19 +563,3 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict``."""
         return self.optimizer.state_dict()
-
-
-def _check_optimizer(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer must step this module's parameters (and nothing else)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"wrap_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    mine = {id(param) for param in module.parameters()}
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            if id(param) not in mine:
-                raise ValueError(
-                    f"wrap_optimizer: parameter group {index} holds a tensor of shape "
-                    f"{tuple(param.shape)} that is not a parameter of the wrapped module"
-                )
