@@ -354,7 +354,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._checks.check_parameters(trainer)
             # The last step's backward was synchronized but no optimizer step followed (a
             # loss scaler skipped it): every rank finishes it unchanged, as skipped.
-            self._flush_skipped()
+            self._binding.flush_skipped()
             self._steps.begin(self.require_backward_grad_sync)
         if self._devices.input_device is not None:
             args, kwargs = _to_device((args, kwargs), self._devices.input_device)
@@ -420,7 +420,7 @@ class DistributedDataParallel(torch.nn.Module):
                 "divides by the whole world while ranks have joined"
             )
         trainer = self.trainer
-        self._flush_skipped()
+        self._binding.flush_skipped()
 
         async def use(enabled: bool) -> None:
             trainer.own_loop.use_join(
@@ -430,7 +430,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._link.run(use, True)
         try:
             yield
-            self._flush_skipped()
+            self._binding.flush_skipped()
             if self._steps.own is not None:
                 raise RuntimeError(
                     f"rank {trainer.rank}, step {self._steps.own.step}: the join context ended in "
@@ -441,11 +441,6 @@ class DistributedDataParallel(torch.nn.Module):
             )
         finally:
             self._link.run(use, False)
-
-    def _flush_skipped(self) -> None:
-        """A synchronized step no optimizer step followed is finished as skipped now."""
-        if self._binding.wrapped is None:
-            self._steps.finish_skipped()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

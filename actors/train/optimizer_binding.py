@@ -100,6 +100,12 @@ class OptimizerBinding:
         self.use(optimizer)  # its first step: it steps this module's parameters
         return True
 
+    def flush_skipped(self) -> None:
+        """When the user steps its own optimizer: a synchronized step no optimizer step
+        followed (a loss scaler skipped it) is finished now, as skipped (`StepTracker`)."""
+        if self.wrapped is None:
+            self.steps.finish_skipped()
+
     # -- torch's step hooks ----------------------------------------------------------------
 
     def hook_steps(self) -> None:
