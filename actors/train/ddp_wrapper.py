@@ -80,6 +80,7 @@ from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
 from actors.train.trainer_link import TrainerLink
 from actors.train.unbound_optimizer import UnboundOptimizer
+from actors.train.uneven_inputs import uneven_inputs
 from runtime.coordinator.service import CoordinatorOptions
 
 __all__ = ["DistributedDataParallel", "DistributedOptimizer"]
@@ -411,36 +412,15 @@ class DistributedDataParallel(torch.nn.Module):
         divides by the whole world, as with ``divide_by_initial_world_size=True``. With
         ``throw_on_early_termination`` every rank raises `EarlyTermination` at the step where
         the first one ran out instead."""
-        if not enable:
+        with uneven_inputs(
+            self._link,
+            self._steps,
+            self._binding,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+        ):
             yield
-            return
-        if not divide_by_initial_world_size:
-            raise ValueError(
-                "join(divide_by_initial_world_size=False) is not supported: the average "
-                "divides by the whole world while ranks have joined"
-            )
-        trainer = self.trainer
-        self._binding.flush_skipped()
-
-        async def use(enabled: bool) -> None:
-            trainer.own_loop.use_join(
-                enabled, throw_on_early_termination=throw_on_early_termination
-            )
-
-        self._link.run(use, True)
-        try:
-            yield
-            self._binding.flush_skipped()
-            if self._steps.own is not None:
-                raise RuntimeError(
-                    f"rank {trainer.rank}, step {self._steps.own.step}: the join context ended in "
-                    "the middle of a step (a forward without its optimizer step)"
-                )
-            self._link.run(
-                trainer.own_loop.join_and_raise if throw_on_early_termination else trainer.join
-            )
-        finally:
-            self._link.run(use, False)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
