@@ -50,6 +50,12 @@ Design, decided here:
   forwards with it off leave the hooks disarmed, the gradients accumulate in the bucket
   buffers, and the first forward with it on arms them for the backward that synchronizes the
   sum (divide the loss yourself, as with DDP).
+
+The wrapper is the face of parts it owns, one job each: `TrainerLink` (its trainer and the
+crossing into the trainer's event loop), `StepTracker` (the step the user's loop is in, from
+its first forward to its optimizer step), `OptimizerBinding` (which optimizer steps the module,
+and torch's step hooks around the user's own step), `LoopChecks` (one thread, the wrapped
+parameters unchanged) and `uneven_inputs` (``join()``).
 """
 
 from __future__ import annotations
