@@ -13,8 +13,13 @@ all-reduce, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)
 nccl-tests define it), and each paramsync system's bus-bandwidth ratio to gloo. The systems
 alternate round by round (order rotated) so that drift in machine load hits all alike.
 
+``--baseline PATH`` runs each paramsync system of ``--systems`` again with the code of another
+checkout (``SYSTEM@baseline``, the same worker with ``PATH`` first on ``PYTHONPATH``) in the
+same rounds, and reports this code's bus bandwidth over the baseline's.
+
     python benchmarks/allreduce.py --json out/allreduce.json
     python benchmarks/allreduce.py --systems gloo paramsync-shm --worlds 2
+    python benchmarks/allreduce.py --systems gloo paramsync paramsync-shm --baseline ../base
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 * 1024, 1 << 20, 16 << 20, 64 << 20]
 DEFAULT_CHUNK_BYTES = 4 << 20
 SYSTEMS = ("gloo", "paramsync", "paramsync-shm", "paramsync-torch")
+BASELINE = "@baseline"
+"""Suffix of a paramsync system run with ``--baseline``'s code."""
 
 
 def _free_port() -> int:
@@ -172,9 +179,15 @@ def _launch(
     repeats: int,
     chunk_bytes: int,
     shm_step: int | None,
+    baseline: Path | None = None,
 ) -> list[dict]:
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # A baseline system runs this file's worker with the other checkout's code first.
+    code = baseline if system.endswith(BASELINE) and baseline is not None else ROOT
+    label, system = system, system.removesuffix(BASELINE)
+    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1")
+    if code != ROOT:  # that checkout may predate the torch backend's entry point
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     procs = []
     for rank in range(world):
         cmd = [
@@ -198,14 +211,19 @@ def _launch(
         ]
         procs.append(
             subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=code,
             )
         )
     outputs = []
     for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)
         if proc.returncode != 0:
-            raise RuntimeError(f"{system} worker {rank} of {world} failed:\n{err}")
+            raise RuntimeError(f"{label} worker {rank} of {world} failed:\n{err}")
         outputs.append(out)
     return json.loads(outputs[0].strip().splitlines()[-1])
 
@@ -232,6 +250,10 @@ def _summarise(
                         gloo, ours = row["gloo"], row[system]
                         ours["busbw_ratio"] = ours["busbw_GBps"] / gloo["busbw_GBps"]
                         ours["time_ratio"] = ours["seconds"] / gloo["seconds"]
+            for system in systems:
+                if system.endswith(BASELINE):  # this code over the baseline's
+                    new, old = row[system.removesuffix(BASELINE)], row[system]
+                    old["this_over_baseline_busbw"] = new["busbw_GBps"] / old["busbw_GBps"]
             if "gloo" in systems and "paramsync" in systems:  # the original columns
                 row["busbw_ratio"] = row["paramsync"]["busbw_ratio"]
                 row["time_ratio"] = row["paramsync"]["time_ratio"]
@@ -265,6 +287,13 @@ def _print_table(table: list[dict], systems: list[str]) -> None:
         "(busbw in GB/s; ratio = busbw / gloo's busbw; time is the median over repeats of "
         "back-to-back all-reduces)"
     )
+    for system in (s for s in systems if s.endswith(BASELINE)):
+        ratios = " ".join(
+            f"n={row['world_size']} {_human(row['bytes'])}: "
+            f"x{row[system]['this_over_baseline_busbw']:.3f}"
+            for row in table
+        )
+        print(f"{system.removesuffix(BASELINE)}: this code's busbw / the baseline's: {ratios}")
 
 
 def main() -> None:
@@ -285,6 +314,11 @@ def main() -> None:
         type=int,
         help="paramsync-shm: bytes of each rank's tensor per step (default: the shm plane's)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="also run the paramsync systems with this checkout's code (SYSTEM@baseline)",
+    )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -293,6 +327,11 @@ def main() -> None:
     if args.worker:
         _run_worker(args)
         return
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
+        if not (args.baseline / "runtime" / "transport").is_dir():
+            raise SystemExit(f"--baseline {args.baseline}: not a paramsync checkout")
+        args.systems += [s + BASELINE for s in args.systems if s != "gloo"]
     samples: dict = {}
     for world in args.worlds:
         for round_index in range(args.rounds):
@@ -300,7 +339,13 @@ def main() -> None:
             order = args.systems[shift:] + args.systems[:shift]
             for system in order:
                 rows = _launch(
-                    system, world, args.sizes, args.repeats, args.chunk_bytes, args.shm_step_bytes
+                    system,
+                    world,
+                    args.sizes,
+                    args.repeats,
+                    args.chunk_bytes,
+                    args.shm_step_bytes,
+                    args.baseline,
                 )
                 for row in rows:
                     key = (system, world, row["bytes"])
@@ -311,7 +356,12 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         load = os.getloadavg()
-        report = {"cpu_count": os.cpu_count(), "loadavg": load, "systems": args.systems}
+        report = {
+            "cpu_count": os.cpu_count(),
+            "loadavg": load,
+            "systems": args.systems,
+            "baseline": str(args.baseline) if args.baseline else None,
+        }
         args.json.write_text(json.dumps({**report, "rows": table}, indent=2))
         print(f"wrote {args.json}")
 
