@@ -725,6 +725,8 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
         OMP_NUM_THREADS="1",
         PARAMSYNC_SECRET=secrets.token_hex(16),
     )
+    if code != ROOT:  # that checkout may predate the torch backend's entry point
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="paramsync-ddp-bench-") as tmp:
