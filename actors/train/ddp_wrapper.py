@@ -124,15 +124,17 @@ def check_own_loop_options(options: TrainerOptions) -> None:
 _WRAPPED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Every module a live wrapper joined a run with (wrapping one twice is refused)."""
 
-_JOINED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-"""Wrappers whose run is still open: a script that never closes its wrapper (a torch DDP
-script has nothing to close) leaves the run when the interpreter exits."""
+_OPEN_RUNS: set[SyncTrainer] = set()
+"""The runs wrappers joined and have not closed, held here rather than through their wrappers:
+a script that never closes its wrapper (a torch DDP script has nothing to close) leaves the
+run when the interpreter exits, even once the wrapper itself is gone (its ``model`` was local
+to a function that returned)."""
 
 
 @atexit.register
 def _leave_open_runs() -> None:
-    for wrapper in list(_JOINED):
-        wrapper.close()
+    while _OPEN_RUNS:
+        _OPEN_RUNS.pop().__exit__(None, None, None)
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -277,7 +279,7 @@ class DistributedDataParallel(torch.nn.Module):
         )
         sync.__enter__()
         self._sync = sync
-        _JOINED.add(self)
+        _OPEN_RUNS.add(sync)
         self._link.attach(sync.trainer, sync.call)
         self._link.attach_caller(applies=True)
         if optimizer is not None:
@@ -466,10 +468,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._release()
         sync, self._sync = self._sync, None
         if sync is not None:
+            _OPEN_RUNS.discard(sync)
             sync.__exit__(None, None, None)
 
     def _release(self) -> None:
-        _JOINED.discard(self)
         self._binding.unhook()
         if self._registered:
             self._registered = False
