@@ -22,9 +22,8 @@ For each trial, from the kill (the time the victim stamped just before SIGKILLin
 - steps lost: step attempts the survivors ran and discarded (paramsync: the step in flight when
   it is rerun; torchft: the steps whose ``should_commit`` refused);
 - time lost, in steps: the survivors' time from the kill to their next commit, less the one
-  step that commit takes anyway, in units of that system's median step before the kill (a
-  step rerun at once costs about one; a wait for the lost member costs the steps it could
-  have run);
+  step that commit takes anyway, in units of that system's median step in the same run (the
+  survivors' steps; a wait for the lost member costs the steps they could have run);
 - rejoin: until the restarted worker's first committed step in step with the others (the
   process start-up included: both restart it as soon as the driver sees it dead);
 - identical: the three workers' final states (parameters and optimizer state) bitwise equal.
@@ -311,8 +310,8 @@ def torchft_figures(
                 break
             refused += 1
         lost = refused
-        before = [r["t"] for r in logs[survivors[0]] if r.get("committed") and r["t"] <= killed_at]
-        median_step = _median([b - a for a, b in itertools.pairwise(before)])
+        commits = [r["t"] for r in logs[survivors[0]] if r.get("committed")]
+        median_step = _median([b - a for a, b in itertools.pairwise(commits)])
         back = [r for r in logs.get("rejoined", []) if r.get("committed")]
         ready = [r for r in logs.get("rejoined", []) if r.get("event") == "ready"]
         if back:
@@ -353,8 +352,8 @@ def torchft_figures(
 
 def time_lost_steps(detection: float | None, median_step: float | None) -> float | None:
     """The survivors' training time a kill cost, in that system's own steps: from the kill to
-    their next commit, less the one step that commit would have taken anyway, over the
-    median step before the kill (0: the kill cost no time; None: not measured)."""
+    their next commit, less the one step that commit would have taken anyway, over their
+    median step in the same run (0: the kill cost no time; None: not measured)."""
     if detection is None or not median_step:
         return None
     return max(0.0, detection - median_step) / median_step
@@ -652,7 +651,7 @@ def summarise(trials: list[dict]) -> dict[str, dict]:
         }
         spent = [t["time_lost_steps"] for t in mine if t.get("time_lost_steps") is not None]
         row["time_lost_steps"] = {
-            "total": sum(spent) if spent else None,
+            "median": statistics.median(spent) if spent else None,
             "max": max(spent) if spent else None,
             "measured": len(spent),
         }
@@ -692,12 +691,13 @@ def _print_summary(summary: dict[str, dict]) -> None:
             lambda r: f"{r['steps_lost']['total']} / {r['steps_lost']['max']}",
         ),
         (
-            "time lost, in steps: total / most in one kill",
+            "time lost in steps: median / max (measured)",
             lambda r: (
-                f"{_steps(r['time_lost_steps']['total'])} / {_steps(r['time_lost_steps']['max'])}"
+                f"{_steps(r['time_lost_steps']['median'])} / "
+                f"{_steps(r['time_lost_steps']['max'])} ({r['time_lost_steps']['measured']})"
             ),
         ),
-        ("median step before the kill", lambda r: _seconds(r["median_step_seconds"], 3)),
+        ("median step (the survivors')", lambda r: _seconds(r["median_step_seconds"], 3)),
         (
             "rejoin: kill to in step again, median / max",
             lambda r: (
