@@ -289,6 +289,29 @@ def test_a_broken_registration_never_breaks_import_torch() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "False", done
 
 
+def test_the_backend_loop_winds_down_before_the_interpreter_does() -> None:
+    """A script that never destroys its group: by the time the interpreter shuts down, the
+    loop's daemon thread has ended (one frozen inside a torch operation would end the process
+    with ``terminate called without an active exception``). The probe is the first exit
+    handler registered, so it runs after every other."""
+    code = (
+        "import atexit, threading\n"
+        "def last():\n"
+        "    alive = [t for t in threading.enumerate() if t.name == 'paramsync-backend']\n"
+        "    print('loop alive at exit:', any(t.is_alive() for t in alive), flush=True)\n"
+        "atexit.register(last)\n"
+        "import torch, torch.distributed as dist\n"
+        "store = dist.TCPStore('127.0.0.1', 0, 1, True)\n"
+        "dist.init_process_group('paramsync', store=store, rank=0, world_size=1)\n"
+        "t = torch.ones(4)\n"
+        "dist.all_reduce(t)\n"
+        "print('sum', t.tolist(), flush=True)\n"
+    )
+    done = _python(code, PARAMSYNC_SECRET=SECRET)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["sum [1.0, 1.0, 1.0, 1.0]", "loop alive at exit: False"]
+
+
 def test_no_secret_is_one_line_naming_the_variable(tmp_path: Path) -> None:
     code = (
         "import os, torch.distributed as dist\n"

@@ -27,6 +27,7 @@ every later one with one error naming what happened; nothing waits forever.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import math
@@ -151,6 +152,21 @@ class BackendLoop:
         assert self._nursery is not None
         return await self._nursery.start(fn, *args)
 
+    def stop(self, seconds: float) -> None:
+        """Cancel every task of the loop and wait, at most ``seconds``, for its thread to end
+        (a task waiting for a worker thread waits for that thread's work to finish)."""
+        if self._token is None or not self._thread.is_alive():
+            return
+        try:
+            self._token.run_sync_soon(self._cancel)
+        except trio.RunFinishedError:
+            return
+        self._thread.join(seconds)
+
+    def _cancel(self) -> None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
 
 _LOOP: BackendLoop | None = None
 _LOOP_LOCK = threading.Lock()
@@ -171,6 +187,20 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+_EXIT_SECONDS = 5.0
+"""How long the interpreter's exit waits for the backend loop to wind down."""
+
+
+@atexit.register
+def _stop_the_loop_at_exit() -> None:
+    """Wind the loop down before the interpreter does. Its threads are daemons, which the
+    interpreter freezes where they stand when it shuts down; one inside a torch operation
+    then ends the process with ``terminate called without an active exception`` (SIGABRT)
+    instead of its exit code. Its groups' links close as they would when the process ends."""
+    loop = _LOOP
+    if loop is not None:
+        loop.stop(_EXIT_SECONDS)
 
 
 class GroupSession:
