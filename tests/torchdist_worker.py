@@ -194,11 +194,13 @@ def main() -> None:
             train(rank_i, 30, kill_at=5)
         elif scenario == "idle":
             dist.all_reduce(torch.ones(4))
-            time.sleep(8)  # every rank idle past the group's timeout: nothing is waiting
+            time.sleep(5)  # every rank idle past the group's timeout: nothing is waiting
             dist.all_reduce(torch.ones(4))
         elif scenario == "stall":
-            if rank_i == 1:
-                time.sleep(12)  # past the group's timeout: rank 0 waits alone in its call
+            if rank_i == 1:  # past the group's timeout: rank 0 waits alone in its call
+                away_until = time.monotonic() + 12  # (or until rank 0 has named the stall)
+                while time.monotonic() < away_until and not (out / "rank0.err").exists():
+                    time.sleep(0.05)
             dist.all_reduce(torch.ones(4))
         else:
             raise SystemExit(f"unknown scenario {scenario}")
