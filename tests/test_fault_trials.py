@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_trainer import RUN_SECONDS, RecordingDataset, mse_loss, tiny_replica
 
 from actors.graph.compute import ComputeActor
-from actors.graph.factory import ActorFactory, context_actors
+from actors.graph.factory import ActorFactory, actors_in_context, context_actors
 from actors.graph.gradcomm import GradCommActor
 from actors.graph.loader import DataLoaderActor
 from actors.graph.optimizer import OptimizerActor
@@ -270,6 +270,18 @@ def test_the_daemon_is_armed_only_for_its_own_kind_of_fault() -> None:
             DataLoaderActor,
         )
     assert context_actors() == ActorFactory()  # nothing outlives the block
+
+
+def test_actors_in_context_takes_a_factory_and_nests() -> None:
+    with pytest.raises(TypeError, match="takes an ActorFactory, not type"):
+        with actors_in_context(ComputeActor):  # type: ignore[arg-type]
+            pass
+    outer, inner = faulty_actors(Fault("data", 1)), faulty_actors(Fault("optimizer", 1))
+    with actors_in_context(outer):
+        with actors_in_context(inner):
+            assert context_actors() is inner
+        assert context_actors() is outer
+    assert context_actors() == ActorFactory()
 
 
 def test_a_coordinator_builds_the_core_it_is_given() -> None:
