@@ -279,7 +279,7 @@ async def test_a_bucket_is_all_reduced_while_the_users_backward_still_runs() -> 
                 inputs = inputs.clone().requires_grad_(True)
                 optimizer.zero_grad()
                 loss = nn.functional.mse_loss(model(inputs), targets)
-                own = model._own
+                own = model._steps.own
                 assert own is not None
 
                 def during_backward(grad: torch.Tensor, own: Any = own) -> None:
@@ -324,7 +324,7 @@ async def test_a_step_crosses_into_the_trio_thread_once_after_the_first() -> Non
         rank = trainer.rank
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> list[int]:
-            cross = model._cross
+            cross = model._link.cross
             assert cross is not None
             calls: list[str] = []
 
@@ -333,7 +333,7 @@ async def test_a_step_crosses_into_the_trio_thread_once_after_the_first() -> Non
                 calls.append(getattr(called, "func", called).__name__)
                 return cross(fn, *args)
 
-            model._cross = counted
+            model._link.cross = counted
             crossings = []
             for batch in data:
                 inputs, targets = shard(batch, rank)
@@ -490,7 +490,7 @@ async def test_misuse_fails_saying_what_to_do() -> None:
             assert optimizer.step()
             with torch.no_grad():  # evaluation: no step begins
                 model(x)
-            assert model._own is None
+            assert model._steps.own is None
             nn.functional.mse_loss(model(x), y).backward()
             assert optimizer.step()
             model.verified()

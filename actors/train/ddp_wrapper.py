@@ -80,7 +80,6 @@ from actors.train.ddp_arguments import (
 )
 from actors.train.loop_checks import LoopChecks
 from actors.train.optimizer_binding import OptimizerBinding, check_optimizer
-from actors.train.own_step import OwnStep
 from actors.train.step_tracker import StepTracker
 from actors.train.sync import SyncTrainer
 from actors.train.trainer import DistributedTrainer, TrainerOptions
@@ -335,20 +334,6 @@ class DistributedDataParallel(torch.nn.Module):
     def trainer(self) -> DistributedTrainer:
         """The underlying trainer (its summary, state_dict, step; touch it only between steps)."""
         return self._link.trainer
-
-    @property
-    def _own(self) -> OwnStep | None:
-        """The step the user's loop is in (`StepTracker.own`)."""
-        return self._steps.own
-
-    @property
-    def _cross(self) -> Callable[..., Any] | None:
-        """The crossing into the trainer's event loop (`TrainerLink.cross`)."""
-        return self._link.cross
-
-    @_cross.setter
-    def _cross(self, cross: Callable[..., Any] | None) -> None:
-        self._link.cross = cross
 
     # -- the user's loop ------------------------------------------------------------------
 
