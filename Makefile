@@ -28,16 +28,16 @@ soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
 
 demo: $(STAMP)
-	$(BIN)/python -m actors.demo_job.demo
+	$(BIN)/python -m paramsync.actors.demo_job.demo
 
 demo-3d: $(STAMP)
-	$(BIN)/python -m actors.demo_job.demo3d
+	$(BIN)/python -m paramsync.actors.demo_job.demo3d
 
 demo-lora: $(STAMP)
-	$(BIN)/python -m actors.demo_job.lora_demo
+	$(BIN)/python -m paramsync.actors.demo_job.lora_demo
 
 demo-allreduce: $(STAMP)
-	$(BIN)/python -m runtime.cli.allreduce_demo
+	$(BIN)/python -m paramsync.runtime.cli.allreduce_demo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py --json out/allreduce.json

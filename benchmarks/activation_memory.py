@@ -1,8 +1,8 @@
 """Activation memory with and without activation checkpointing, per block count.
 
-The model is the demo's char transformer (`actors.demo_job.model.CharTransformer`), its blocks
-wrapped by `actors.parallel.checkpointing.checkpoint_blocks` (one block per checkpoint). For each
-number of blocks it reports:
+The model is the demo's char transformer (`paramsync.actors.demo_job.model.CharTransformer`), its
+blocks wrapped by `paramsync.actors.parallel.checkpointing.checkpoint_blocks` (one block per
+checkpoint). For each number of blocks it reports:
 
 - ``saved``: bytes of the distinct storages autograd holds for backward after the forward
   (`SavedTensorMeter`: every tensor an operation saves, plus the inputs a checkpointed block
@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from actors.demo_job.model import CharTransformer  # noqa: E402
-from actors.parallel.checkpointing import SavedTensorMeter, checkpoint_blocks  # noqa: E402
+from paramsync.actors.demo_job.model import CharTransformer  # noqa: E402
+from paramsync.actors.parallel.checkpointing import SavedTensorMeter, checkpoint_blocks  # noqa: E402
 
 VOCAB = 96
 

@@ -1,10 +1,10 @@
 """The demo job's loss curve with each gradient-compression hook against uncompressed.
 
-Trains the demo job's model and data (`actors.demo_job`: the `CharTransformer` on the stdlib
-character corpus, AdamW, each rank its `shard`) with paramsync for ``--steps`` steps, once per
-``--hooks`` entry (``TrainerOptions.comm_hook``), every run from the same weights on the same
-batches, ``--world`` workers in one process over in-process transports. Prints each hook's loss
-(the mean over ranks) every ``--every`` steps, the mean of the last 10 steps, and the gap to the
+Trains the demo job's model and data (`paramsync.actors.demo_job`: the `CharTransformer` on the
+stdlib character corpus, AdamW, each rank its `shard`) with paramsync for ``--steps`` steps, once
+per ``--hooks`` entry (``TrainerOptions.comm_hook``), every run from the same weights on the same
+batches, ``--world`` workers in one process over in-process transports. Prints each hook's loss (the
+mean over ranks) every ``--every`` steps, the mean of the last 10 steps, and the gap to the
 uncompressed run.
 
     python benchmarks/compression_loss.py --steps 200 --json out/compression_loss.json
@@ -25,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from actors.demo_job.corpus import load_char_dataset  # noqa: E402
-from actors.demo_job.model import CharTransformer  # noqa: E402
-from actors.graph.sampler import shard  # noqa: E402
-from actors.train.trainer import DistributedTrainer, TrainerOptions  # noqa: E402
-from actors.train.worker import train_in_process  # noqa: E402
-from runtime.collectives.compression import COMM_HOOKS  # noqa: E402
+from paramsync.actors.demo_job.corpus import load_char_dataset  # noqa: E402
+from paramsync.actors.demo_job.model import CharTransformer  # noqa: E402
+from paramsync.actors.graph.sampler import shard  # noqa: E402
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions  # noqa: E402
+from paramsync.actors.train.worker import train_in_process  # noqa: E402
+from paramsync.runtime.collectives.compression import COMM_HOOKS  # noqa: E402
 
 
 def run_hook(args: argparse.Namespace, hook: str) -> list[float]:

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runtime.coordinator.core import CoordinatorCore  # noqa: E402
-from runtime.coordinator.events import (  # noqa: E402
+from paramsync.runtime.coordinator.core import CoordinatorCore  # noqa: E402
+from paramsync.runtime.coordinator.events import (  # noqa: E402
     Abort,
     Action,
     Broadcast,
@@ -51,8 +51,8 @@ from runtime.coordinator.events import (  # noqa: E402
     agreement_hash,
     spec_hash,
 )
-from runtime.coordinator.run_state import RunState  # noqa: E402
-from runtime.protocol.messages import (  # noqa: E402
+from paramsync.runtime.coordinator.run_state import RunState  # noqa: E402
+from paramsync.runtime.protocol.messages import (  # noqa: E402
     Apply,
     Commit,
     Digest,
@@ -65,7 +65,7 @@ from runtime.protocol.messages import (  # noqa: E402
     WireMessage,
     event_from_wire,
 )
-from runtime.protocol.wire import decode_frame, encode_frame_bytes  # noqa: E402
+from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes  # noqa: E402
 
 DIGEST_BYTES = 16
 """A per-tensor digest's size (xxh3-128), as the workers pack them."""

@@ -7,20 +7,20 @@ optimizer (AdamW, lr 3e-3) and the same world size, one OS process per worker, o
 (``--device cuda``: on the GPUs, ``rank % device_count`` each, so that 2 workers share one GPU),
 one intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
 
-- paramsync: a separate coordinator process (``python -m runtime.cli.main coordinator``) and N
-  worker processes that join it through `actors.train.worker.join_run` and call
-  `DistributedTrainer.train_batch` once per step (the identical-weights digest check included,
-  every ``--digest-interval`` steps, 1 by default);
+- paramsync: a separate coordinator process (``python -m paramsync.runtime.cli.main coordinator``)
+  and N worker processes that join it through `paramsync.actors.train.worker.join_run` and call
+  `DistributedTrainer.train_batch` once per step (the identical-weights digest check included, every
+  ``--digest-interval`` steps, 1 by default);
 - DDP: N processes in a gloo process group, the model wrapped in
   ``torch.nn.parallel.DistributedDataParallel``;
 - the limit: N processes training their replicas with no communication at all (a barrier before
   the first step and after the last only): what the machine allows, so that both systems'
   overhead over the physical limit is printed, paired round by round;
-- paramsync over torch.distributed (``comm_backend = "torch"``, `runtime.transport.torch_dist`):
-  the same paramsync workers and coordinator, the buckets reduced by a gloo group instead of
-  paramsync's own TCP ring and shared-memory plane; its step time against DDP's and plain
-  paramsync's, round by round (``--no-torch-backend`` leaves it out);
-- with ``--own-loop``, paramsync's DDP-shaped entry (`actors.DistributedDataParallel`: the
+- paramsync over torch.distributed (``comm_backend = "torch"``,
+  `paramsync.runtime.transport.torch_dist`): the same paramsync workers and coordinator, the buckets
+  reduced by a gloo group instead of paramsync's own TCP ring and shared-memory plane; its step time
+  against DDP's and plain paramsync's, round by round (``--no-torch-backend`` leaves it out);
+- with ``--own-loop``, paramsync's DDP-shaped entry (`paramsync.actors.DistributedDataParallel`: the
   user's own ``loss.backward(); optimizer.step()`` loop in the main thread, the trainer's trio
   loop in a background thread, as a torchrun script runs it), against ``train_batch`` round by
   round;
@@ -76,13 +76,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-"""``--comm-hook`` choices (`runtime.collectives.compression.COMM_HOOKS`; not imported here:
-the driver imports no torch)."""
+"""``--comm-hook`` choices (`paramsync.runtime.collectives.compression.COMM_HOOKS`; not imported
+here: the driver imports no torch)."""
 SYSTEMS = ("ddp", "paramsync", "limit")
 LIMIT = "limit"
 OWN_LOOP = "own-loop"
-"""paramsync's DDP-shaped entry (``--own-loop``): `actors.DistributedDataParallel` with the
-user's loop in the main thread, the trainer in its background trio thread."""
+"""paramsync's DDP-shaped entry (``--own-loop``): `paramsync.actors.DistributedDataParallel` with
+the user's loop in the main thread, the trainer in its background trio thread."""
 BASELINE = "@baseline"
 """Suffix of a paramsync system run with ``--baseline``'s code (``paramsync@baseline``)."""
 """The physical limit: the same processes, model, data and steps, each rank training its own
@@ -205,9 +205,9 @@ def _setup(args: argparse.Namespace):
     """The model, optimizer, dataset and this rank's shard: identical for both systems."""
     import torch
 
-    from actors.demo_job.corpus import load_char_dataset
-    from actors.demo_job.model import CharTransformer
-    from actors.graph.sampler import shard
+    from paramsync.actors.demo_job.corpus import load_char_dataset
+    from paramsync.actors.demo_job.model import CharTransformer
+    from paramsync.actors.graph.sampler import shard
 
     torch.set_num_threads(1)
     device = _device(args)
@@ -424,9 +424,9 @@ def _register_ddp_hook(ddp, args: argparse.Namespace) -> list[int]:
 def _worker_paramsync(args: argparse.Namespace) -> dict:
     import trio
 
-    from actors.train.worker import join_run
-    from runtime.config import DistributedConfig
-    from runtime.observe.trace import TraceRecorder
+    from paramsync.actors.train.worker import join_run
+    from paramsync.runtime.config import DistributedConfig
+    from paramsync.runtime.observe.trace import TraceRecorder
 
     model, optimizer, batch, info = _setup(args)
 
@@ -495,7 +495,7 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 def _paramsync_options(args: argparse.Namespace, *, clip: bool = True):
     """The paramsync workers' `TrainerOptions`: ``--option``'s fields, the comm hook's and
     (``clip``: the trainer clips, as `train_batch` does) ``--clip-grad-norm``."""
-    from actors.train.trainer import TrainerOptions
+    from paramsync.actors.train.trainer import TrainerOptions
 
     overrides = _trainer_options(args.option)
     if clip and args.clip_grad_norm is not None:
@@ -510,12 +510,12 @@ def _paramsync_options(args: argparse.Namespace, *, clip: bool = True):
 
 def _worker_own_loop(args: argparse.Namespace) -> dict:
     """One rank of paramsync's DDP-shaped entry: the loop `_worker_ddp` runs, with
-    `actors.DistributedDataParallel` in place of torch's and nothing else changed (the
+    `paramsync.actors.DistributedDataParallel` in place of torch's and nothing else changed (the
     optimizer stepped unwrapped, ``--clip-grad-norm`` clipping between backward and step); it
     joins the run from the environment, as a torchrun or ``paramsync launch`` script does."""
     import torch
 
-    from actors import DistributedDataParallel
+    from paramsync.actors import DistributedDataParallel
 
     model, optimizer, batch, info = _setup(args)
     os.environ.update(
@@ -557,7 +557,7 @@ def _worker_own_loop(args: argparse.Namespace) -> dict:
 def _count_paramsync_all_reduce() -> list[int]:
     """A counter of the bytes the gradient-comm actor all-reduces (its module's ``all_reduce``
     wrapped: every bucket's reducer calls it, compressed or not)."""
-    from actors.graph import gradcomm
+    from paramsync.actors.graph import gradcomm
 
     counter = [0]
     original = gradcomm.all_reduce
@@ -589,7 +589,7 @@ def _trainer_options(items: list[str]) -> dict:
     """``NAME=VALUE`` strings -> TrainerOptions fields (ints, floats, true/false)."""
     import dataclasses
 
-    from actors.train.trainer import TrainerOptions
+    from paramsync.actors.train.trainer import TrainerOptions
 
     fields = {f.name for f in dataclasses.fields(TrainerOptions)}
     out: dict = {}
@@ -745,7 +745,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
                 [
                     sys.executable,
                     "-m",
-                    "runtime.cli.main",
+                    "paramsync.runtime.cli.main",
                     "--log-level",
                     "WARNING",
                     "coordinator",
@@ -1395,7 +1395,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--own-loop",
         action="store_true",
-        help="also run paramsync's DDP-shaped entry (actors.DistributedDataParallel, the "
+        help="also run paramsync's DDP-shaped entry (paramsync.actors.DistributedDataParallel, the "
         "user's own loss.backward(); optimizer.step() loop) in the same rounds, and report it "
         "against train_batch",
     )

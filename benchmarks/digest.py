@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from actors.demo_job.model import CharTransformer  # noqa: E402
-from actors.state.digest import StateHasher, named_state, state_digest  # noqa: E402
+from paramsync.actors.demo_job.model import CharTransformer  # noqa: E402
+from paramsync.actors.state.digest import StateHasher, named_state, state_digest  # noqa: E402
 
 
 def measure(steps: int, d_model: int, layers: int, context: int, batch: int) -> dict:

@@ -2,12 +2,12 @@
 
 Three workers, at least two needed (paramsync: a coordinator with ``--min-workers 2``; torchft:
 a lighthouse with ``--min_replicas 2`` and ``min_replica_size=2``), the same tiny
-CharTransformer job as the fault trials (`runtime.testing.fault_trials.JOB_FLAGS`: d_model 16,
-1 layer, 2 heads, context 16, batch 4 a worker, AdamW lr 3e-3). Each kill point ``phase:step``
+CharTransformer job as the fault trials (`paramsync.runtime.testing.fault_trials.JOB_FLAGS`: d_model
+16, 1 layer, 2 heads, context 16, batch 4 a worker, AdamW lr 3e-3). Each kill point ``phase:step``
 is run under both systems, rank 2 SIGKILLing itself there, then started again at once:
 
-- paramsync: `runtime.testing.fault_trials.run_trial` with ``rejoin=True`` (the worker daemon
-  armed through `runtime.testing.faulty_daemon`);
+- paramsync: `paramsync.runtime.testing.fault_trials.run_trial` with ``rejoin=True`` (the worker
+  daemon armed through `paramsync.runtime.testing.faulty_daemon`);
 - torchft: the worker of this script (``--worker torchft-fault``), one replica group a process as
   torchft's ``train_ddp.py`` runs on the CPU (`torchft_peer`), armed at the same phases: ``data``
   before the batch is loaded, ``forward`` after the forward, ``backward`` in DDP's comm hook
@@ -61,7 +61,7 @@ for _path in (str(ROOT), str(BENCHMARKS)):
 import torchft_peer  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "allreduce", "optimizer", "digest")
-"""The kill points both systems are armed at (`runtime.testing.faults.PHASES`)."""
+"""The kill points both systems are armed at (`paramsync.runtime.testing.faults.PHASES`)."""
 WORKERS = 3
 MIN_WORKERS = 2
 VICTIM = 2
@@ -73,7 +73,8 @@ JOB = {
     "batch_size": 4,
     "corpus_bytes": 65536,
 }
-"""The fault trials' job (`runtime.testing.fault_trials.JOB_FLAGS`), for ddp.py's set-up."""
+"""The fault trials' job (`paramsync.runtime.testing.fault_trials.JOB_FLAGS`), for ddp.py's
+set-up."""
 PARAMSYNC_STEPS = 800
 """paramsync's run length in a trial: long enough for the killed worker to start again and
 rejoin before the survivors finish (on the loaded 2-core machine a restart took up to 50 s,
@@ -367,7 +368,7 @@ def time_lost_steps(detection: float | None, median_step: float | None) -> float
 def paramsync_trial(phase: str, step: int, *, timeout: float = 600.0) -> dict:
     """One paramsync trial: `run_trial` with the live rejoin; the rejoin's time from the
     coordinator's log (the epoch the restarted rank joined, to its first commit)."""
-    from runtime.testing.fault_trials import JOB_FLAGS, run_trial
+    from paramsync.runtime.testing.fault_trials import JOB_FLAGS, run_trial
 
     flags = list(JOB_FLAGS)
     flags[flags.index("--steps") + 1] = str(PARAMSYNC_STEPS)
@@ -385,7 +386,7 @@ def paramsync_trial(phase: str, step: int, *, timeout: float = 600.0) -> dict:
 
 
 def paramsync_figures(phase: str, step: int, result: Any) -> dict:
-    """A `runtime.testing.fault_trials.TrialResult`'s figures; the kill's time is the
+    """A `paramsync.runtime.testing.fault_trials.TrialResult`'s figures; the kill's time is the
     coordinator's first "recovered" line less the trial's recovery time."""
     lines = [(t, line) for line in result.coordinator_log.splitlines() if (t := _stamp(line))]
     recovered = [t for t, line in lines if " recovered: " in line]
@@ -457,8 +458,8 @@ def _paramsync_nudge_worker(args: argparse.Namespace) -> None:
     import ddp
     import trio
 
-    from actors.train.worker import join_run
-    from runtime.config import DistributedConfig
+    from paramsync.actors.train.worker import join_run
+    from paramsync.runtime.config import DistributedConfig
 
     model, optimizer, batch, _info = ddp._setup(_job_args(args.rank, args.world))
     steps = [0]
@@ -487,7 +488,7 @@ def _paramsync_nudge_worker(args: argparse.Namespace) -> None:
 
 
 def _abort_text(error: BaseException) -> str:
-    from actors import RunAborted
+    from paramsync.actors import RunAborted
 
     pending = [error]
     while pending:
@@ -561,7 +562,7 @@ def nudge(system: str, timeout: float = 180.0) -> dict:
         if system == "paramsync":
             port = _free_port()
             command = [
-                sys.executable, "-m", "runtime.cli.main", "coordinator",
+                sys.executable, "-m", "paramsync.runtime.cli.main", "coordinator",
                 "--world-size", str(WORKERS), "--bind", f"127.0.0.1:{port}",
                 "--digest-interval", "1",
             ]  # fmt: skip

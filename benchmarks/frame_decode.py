@@ -64,9 +64,9 @@ def _frame(case: str, sealer: Any) -> bytes:
 def _case(case: str) -> dict[str, Any]:
     import trio
 
-    from runtime.protocol import wire
-    from runtime.protocol.frame_auth import frame_session
-    from runtime.transport import tcp
+    from paramsync.runtime.protocol import wire
+    from paramsync.runtime.protocol.frame_auth import frame_session
+    from paramsync.runtime.transport import tcp
 
     decoded: list[int] = []
     real = wire.decode_head

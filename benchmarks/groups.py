@@ -5,10 +5,10 @@ Four OS processes on this machine's loopback form one world; every rank creates 
 {0, 1} and {2, 3} (all ranks call both creations, as both libraries require) and then
 all-reduces float32 tensors in its own group, both groups at once. ``paramsync`` is the groups'
 own TCP meshes (shared memory off), ``paramsync-shm`` the same groups with a shared-memory plane
-each (`runtime.collectives.groups`), ``gloo`` torch's ``new_group`` on gloo. For each size, after
-a world barrier, each rank times back-to-back all-reduces; a repeat's time is the slowest rank's
-(the moment both groups are done). Reported: the median over repeats and rounds, the bus
-bandwidth per group (algbw x 2(k-1)/k with k = 2, i.e. the algbw), and each paramsync system's
+each (`paramsync.runtime.collectives.groups`), ``gloo`` torch's ``new_group`` on gloo. For each
+size, after a world barrier, each rank times back-to-back all-reduces; a repeat's time is the
+slowest rank's (the moment both groups are done). Reported: the median over repeats and rounds, the
+bus bandwidth per group (algbw x 2(k-1)/k with k = 2, i.e. the algbw), and each paramsync system's
 bus-bandwidth ratio to gloo (above 1: faster; the JSON also has the time ratio). The systems
 alternate round by round, order rotated, so drift in machine load hits all alike (as in
 ``benchmarks/allreduce.py``).
@@ -85,10 +85,10 @@ def _worker_paramsync(
     import torch
     import trio
 
-    from runtime.collectives.groups import new_group
-    from runtime.collectives.ring import all_reduce, barrier
-    from runtime.config import DistributedConfig
-    from runtime.transport.tcp import TcpTransport
+    from paramsync.runtime.collectives.groups import new_group
+    from paramsync.runtime.collectives.ring import all_reduce, barrier
+    from paramsync.runtime.config import DistributedConfig
+    from paramsync.runtime.transport.tcp import TcpTransport
 
     rows: list[dict] = []
 

@@ -1,8 +1,8 @@
 """Hostile inputs against a live training run: every attack refused, logged, and training on.
 
-A coordinator daemon (``python -m runtime.cli.main coordinator``) and two workers of the built-in LM
-job train as separate processes. While they train, this process attacks the coordinator's port
-with strangers and impostors, one kind of attack at a time:
+A coordinator daemon (``python -m paramsync.runtime.cli.main coordinator``) and two workers of the
+built-in LM job train as separate processes. While they train, this process attacks the
+coordinator's port with strangers and impostors, one kind of attack at a time:
 
 ============== ==============================================================================
 attack         what the attacker does
@@ -41,8 +41,8 @@ duplicate_rank ``--duplicate-trials`` trials of two dialers holding the secret a
 ============== ==============================================================================
 
 Relay attacks (issue 18 row 1): an on-path relay on 127.0.0.1 that holds no secret
-(`runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames after
-it. Every attack must be refused by frame authentication, naming the peer:
+(`paramsync.runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames
+after it. Every attack must be refused by frame authentication, naming the peer:
 
 ============== ==============================================================================
 relay_abort    on a live run (a daemon and two workers, worker 0 dialing through the relay):
@@ -71,7 +71,7 @@ row 3          a hello holding a 4-byte typed array: refused, torch never import
 row 4          rank 0 of a two-member elastic run sends 30 early ``ready`` reports for step 1
                with 65,000-entry and with 20,000-entry specs: both far more than the run's
                one-tensor model needs, refused from the frame's prefix by its frame cap
-               (`runtime.coordinator.frame_caps`): dropped, the refusal naming rank 0
+               (`paramsync.runtime.coordinator.frame_caps`): dropped, the refusal naming rank 0
 row 5          authenticated as rank 1, one heartbeat, quiet (``--heartbeat-deadline 1``):
                the real rank 1, dialing at once and again, is admitted at the deadline
 row 6          an elastic run kept alive by rank 0; 20 times rank 1 joins and goes silent
@@ -131,33 +131,33 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runtime.collectives.ring import all_reduce  # noqa: E402
-from runtime.errors import (  # noqa: E402
+from paramsync.runtime.collectives.ring import all_reduce  # noqa: E402
+from paramsync.runtime.errors import (  # noqa: E402
     FrameAuthenticationError,
     HandshakeError,
     PeerClosed,
     ProtocolError,
     pick_error,
 )
-from runtime.protocol.handshake import (  # noqa: E402
+from paramsync.runtime.protocol.handshake import (  # noqa: E402
     DialerHandshake,
     Identity,
     stretch_secret,
 )
-from runtime.protocol.wire import (  # noqa: E402
+from paramsync.runtime.protocol.wire import (  # noqa: E402
     HANDSHAKE_MAX_FRAME,
     PROTOCOL_VERSION,
     decode_frame,
     encode_frame_bytes,
     encode_tag_trailer,
 )
-from runtime.testing.process_watch import (  # noqa: E402
+from paramsync.runtime.testing.process_watch import (  # noqa: E402
     PROBE_SOURCE,
     process_descriptors,
     process_memory,
     reset_memory_peak,
 )
-from runtime.testing.relay import (  # noqa: E402
+from paramsync.runtime.testing.relay import (  # noqa: E402
     TO_DIALER,
     TO_LISTENER,
     Attack,
@@ -169,7 +169,7 @@ from runtime.testing.relay import (  # noqa: E402
     Swap,
     relayed_pair,
 )
-from runtime.transport.tcp import (  # noqa: E402
+from paramsync.runtime.transport.tcp import (  # noqa: E402
     DEFAULT_GROUP,
     Connection,
     TcpTransport,
@@ -200,9 +200,8 @@ __all__ = [
 ]
 
 LOG_WINDOW = 1.0
-"""The gate's log window (`runtime.transport.admission`): phases are this far apart, so each
-rate-limit
-summary line counts the refusals of one phase."""
+"""The gate's log window (`paramsync.runtime.transport.admission`): phases are this far apart, so
+each rate-limit summary line counts the refusals of one phase."""
 WRONG_SECRET = b"not-the-run's-secret-at-all"
 HTTP_REQUEST = b"GET / HTTP/1.1\r\nHost: paramsync\r\n\r\n"
 JOB_ARGS = ("--d-model", "32", "--layers", "1", "--batch-size", "4", "--context", "32")
@@ -338,7 +337,7 @@ WRONG_AUTH = "authentication failed: wrong shared secret"
 
 
 async def wrong_secret(target: Target, index: int) -> list[Attempt]:
-    """The real dialer's steps (as `runtime.transport.tcp.dial` takes them) with another
+    """The real dialer's steps (as `paramsync.runtime.transport.tcp.dial` takes them) with another
     secret: the dialer proves first, so its auth is refused and it learns nothing."""
     stream, where = await _open(target)
     conn = Connection(stream)
@@ -979,7 +978,7 @@ class AdmissionLog:
 
 
 def parse_admission_log(text: str) -> AdmissionLog:
-    """Parse the gate's lines (`runtime.transport.admission`) out of a daemon's log."""
+    """Parse the gate's lines (`paramsync.runtime.transport.admission`) out of a daemon's log."""
     log = AdmissionLog()
     for line in text.splitlines():
         if match := _REFUSAL.search(line):
@@ -1146,7 +1145,7 @@ class LiveRun:
         """Start the daemon and wait until it listens."""
         port_file = self.workdir / "port"
         command = [
-            sys.executable, "-m", "runtime.cli.main", "coordinator",
+            sys.executable, "-m", "paramsync.runtime.cli.main", "coordinator",
             "--world-size", str(self.world_size), "--bind", "127.0.0.1:0",
             "--port-file", str(port_file),
             "--handshake-seconds", str(self.handshake_seconds),
@@ -1170,7 +1169,7 @@ class LiveRun:
         ``coordinator`` (default: the daemon itself; a relay in `relay_live_run`)."""
         host, port = coordinator or ("127.0.0.1", self.port)
         command = [
-            sys.executable, "-m", "runtime.cli.main", "worker",
+            sys.executable, "-m", "paramsync.runtime.cli.main", "worker",
             "--rank", str(rank), "--world-size", str(self.world_size),
             "--coordinator", f"{host}:{port}",
             "--steps", str(steps or self.steps), *self.job_args, "--corpus-bytes", CORPUS_BYTES,

@@ -29,7 +29,7 @@ def one_run(code: Path, nproc: int, steps: int) -> tuple[float, float]:
     with the checkout ``code``."""
     env = dict(os.environ, PYTHONPATH=str(code))
     env.pop("PARAMSYNC_SECRET", None)
-    command = [sys.executable, "-m", "runtime.cli.main", "--log-level", "INFO", "launch"]
+    command = [sys.executable, "-m", "paramsync.runtime.cli.main", "--log-level", "INFO", "launch"]
     command += ["--nproc", str(nproc), "--", str(code / "examples" / "own_training_loop.py")]
     command += ["--steps", str(steps)]
     started = time.perf_counter()

@@ -34,16 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 _SKIP = ("_run.py", "_traps", "_socket.py", "_sync.py", "_timeouts", "_channel", "_threads")
 _SKIP += ("_io_", "_generated", "_abc.py", "contextlib")
 _TIMED = {
-    "runtime.transport.shm": [
+    "paramsync.runtime.transport.shm": [
         ("_Steps", "copy_in"),
         ("_Steps", "reduce"),
         ("_Steps", "reduce_whole"),
         ("_Steps", "copy_out"),
     ],
-    "runtime.transport.tcp": [(None, "encode_frame"), (None, "decode_head")],
-    "runtime.coordinator.service": [(None, "event_from_wire")],
-    "runtime.coordinator.core": [("CoordinatorCore", "handle")],
-    "actors.state.digest": [("StateHasher", "digest")],
+    "paramsync.runtime.transport.tcp": [(None, "encode_frame"), (None, "decode_head")],
+    "paramsync.runtime.coordinator.service": [(None, "event_from_wire")],
+    "paramsync.runtime.coordinator.core": [("CoordinatorCore", "handle")],
+    "paramsync.actors.state.digest": [("StateHasher", "digest")],
 }
 MANDATED = {
     "rank": ("digest", "copy_in", "reduce", "reduce_whole", "copy_out"),
@@ -173,7 +173,7 @@ def main() -> None:
         names = ["coordinator"] + [f"rank {rank}" for rank in range(args.world)]
         outs = {name: Path(tmp) / f"{name.replace(' ', '-')}.json" for name in names}
         wrap = [sys.executable, __file__, *window, "--wrap"]
-        coordinator = ["-m", "runtime.cli.main", "--log-level", "WARNING", "coordinator"]
+        coordinator = ["-m", "paramsync.runtime.cli.main", "--log-level", "WARNING", "coordinator"]
         coordinator += ["--world-size", str(args.world), "--bind", f"127.0.0.1:{port}"]
         procs = [
             subprocess.Popen(

@@ -16,8 +16,8 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from runtime.coordinator.events import spec_hash
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.events import spec_hash
+from paramsync.runtime.protocol.messages import (
     Commit,
     Digest,
     Go,
@@ -26,7 +26,7 @@ from runtime.protocol.messages import (
     event_from_wire,
     message_from_wire,
 )
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes
 
 
 def report(message: WireMessage) -> Any:

@@ -61,9 +61,9 @@ CODE_ENV = "PARAMSYNC_BENCH_CODE"
 default."""
 sys.path.insert(0, os.environ.get(CODE_ENV, str(ROOT)))
 
-from actors.demo_job.corpus import load_corpus  # noqa: E402
-from actors.demo_job.model import CharTransformer  # noqa: E402
-from actors.multidevice import DataParallelCoordinator  # noqa: E402
+from paramsync.actors.demo_job.corpus import load_corpus  # noqa: E402
+from paramsync.actors.demo_job.model import CharTransformer  # noqa: E402
+from paramsync.actors.multidevice import DataParallelCoordinator  # noqa: E402
 
 CONTEXT = 64
 TARGETS = ["qkv", "proj", "fc", "out"]

@@ -1,16 +1,16 @@
 """Multi-host all-reduce benchmark: paramsync's TCP ring against gloo over shaped links.
 
-The hosts are Linux network namespaces on a bridge (`runtime.testing.netns`), each link shaped
-with ``tc``'s token bucket filter to a rate (1 and 10 Gbit/s by default) in both directions, as a
-machine's NIC is. For each rate, each layout (``2x1``: two hosts with one rank each; ``2x2``: two
-hosts with two ranks each) and each float32 message size, both systems run in the same
+The hosts are Linux network namespaces on a bridge (`paramsync.runtime.testing.netns`), each link
+shaped with ``tc``'s token bucket filter to a rate (1 and 10 Gbit/s by default) in both directions,
+as a machine's NIC is. For each rate, each layout (``2x1``: two hosts with one rank each; ``2x2``:
+two hosts with two ranks each) and each float32 message size, both systems run in the same
 namespaces, one OS process per rank, rounds alternating so that drift in the machine's load hits
-both alike: ``paramsync`` (`runtime.transport.tcp.TcpTransport` and the ring all-reduce; with
-ranks on two hosts the shared-memory plane declines, so every byte takes TCP) and ``gloo``
-(``torch.distributed`` on the namespaces' ``eth0``). Reported: the median time per all-reduce,
-the bus bandwidth (2(n-1)/n x bytes / time, as nccl-tests define it) and that bandwidth as a
-fraction of the shaped rate: the ring's bytes cross one shaped link per direction, so 100 % is
-the link's wire rate (TCP/IP headers take ~3-5 % of it).
+both alike: ``paramsync`` (`paramsync.runtime.transport.tcp.TcpTransport` and the ring all-reduce;
+with ranks on two hosts the shared-memory plane declines, so every byte takes TCP) and ``gloo``
+(``torch.distributed`` on the namespaces' ``eth0``). Reported: the median time per all-reduce, the
+bus bandwidth (2(n-1)/n x bytes / time, as nccl-tests define it) and that bandwidth as a fraction of
+the shaped rate: the ring's bytes cross one shaped link per direction, so 100 % is the link's wire
+rate (TCP/IP headers take ~3-5 % of it).
 
 Needs root and iproute2 (``ip netns``, ``tc``); says why and exits 2 otherwise.
 
@@ -108,7 +108,7 @@ def _worker_paramsync(args: argparse.Namespace) -> list[dict]:
     import torch
     import trio
 
-    from runtime import DistributedConfig, TcpTransport, all_reduce, barrier
+    from paramsync.runtime import DistributedConfig, TcpTransport, all_reduce, barrier
 
     rows: list[dict] = []
 
@@ -185,7 +185,7 @@ def _human(nbytes: int) -> str:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     """Every rate x layout x size x system; returns the table's rows."""
-    from runtime.testing.netns import Shaping, virtual_hosts
+    from paramsync.runtime.testing.netns import Shaping, virtual_hosts
 
     table = []
     for rate in args.rates:
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _run_worker(args)
         return 0
-    from runtime.testing.netns import unavailable_reason
+    from paramsync.runtime.testing.netns import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

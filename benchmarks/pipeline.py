@@ -8,18 +8,18 @@ trained with MSE and SGD on the same data from the same initial weights, a batch
 - ``single``: one process, the whole model, the m micro-batches in order (loss / m, gradients
   accumulated), then the optimizer: the baseline a 2-stage pipeline divides;
 - ``paramsync-<schedule>``: two processes joined by `TcpTransport`, each a `PipelineStage`
-  (`actors.parallel.pipeline`) holding its blocks (half of them; with ``interleaved_1f1b`` two
-  chunks of a quarter, stages r and r + 2), executing its list of
-  `runtime.parallel.schedules.build_schedule` with tagged p2p, moved on threads over the
-  connections the transport lends (``--p2p threads``, the default: a sender and a receive
-  thread per peer, trio never woken per message) or through trio (``--p2p trio``);
+  (`paramsync.actors.parallel.pipeline`) holding its blocks (half of them; with ``interleaved_1f1b``
+  two chunks of a quarter, stages r and r + 2), executing its list of
+  `paramsync.runtime.parallel.schedules.build_schedule` with tagged p2p, moved on threads over the
+  connections the transport lends (``--p2p threads``, the default: a sender and a receive thread per
+  peer, trio never woken per message) or through trio (``--p2p trio``);
 - ``torch-<schedule>``: two processes in a gloo process group, each holding the same blocks as
   ``torch.distributed.pipelining.PipelineStage``s, on the same micro-batches: ``gpipe`` and
   ``1f1b`` by ``ScheduleGPipe`` and ``Schedule1F1B``; ``interleaved_1f1b`` by
   ``ScheduleInterleaved1F1B`` with the same 2 stages per rank; ``zero_bubble`` by torch's
   runtime for custom schedules (``_PipelineScheduleRuntime``) fed OUR ZB-H1 compute lists
-  (`runtime.parallel.schedules.compute_lists`), lowered by torch's own send/receive pass and
-  run with torch's own split backward: the same schedule, action for action (torch's own
+  (`paramsync.runtime.parallel.schedules.compute_lists`), lowered by torch's own send/receive pass
+  and run with torch's own split backward: the same schedule, action for action (torch's own
   zero-bubble schedules, ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble``, are
   multi-chunk forms, not ZB-H1).
 
@@ -28,21 +28,20 @@ system, ``--warmup`` untimed steps, then ``--steps`` timed ones; rank 0 takes th
 the ends of consecutive steps; the table shows the median (pooled over rounds), the ratio of
 paramsync's step time to torch's for the same schedule (below 1: paramsync is faster), the
 speedup over one process and the fraction of the schedule's ideal speedup reached: the unit-cost
-bound p * (1 - bubble) of the simulator (`runtime.parallel.simulate`; F = 1, B = 2, I = W = 1),
-p * m / (m + p - 1) for GPipe and 1F1B (1.78x for p = 2, m = 8), p * v * m / (v * m + p - 1)
-for interleaved with v chunks (1.88x), about a third of 1F1B's bubble for ZB-H1 (1.92x). Next
-to it, the simulator's prediction with the costs measured in the single process (F, B, I, W per
-micro-batch, on the CPU clock, a stage taking 1/p of them): its bubble fraction and the speedup
-m * (F + B) / makespan. And per schedule a ``limit``: both ranks run their lists' compute at once
-with no communication at all (a received tensor replaced by one made before the step), each
-action timed, and the simulator places those measured actions, every stage with its own costs
-(the last stage computes the loss and the input gradient its neighbour needs; stage 0 no input
-gradient), in the schedule, plus the slower rank's optimizer step: the fastest step any executor
-could take with this machine's compute, as benchmarks/ddp.py's ``limit`` is for data
-parallelism. ``of limit`` is the limit's step over a system's. The systems alternate round by
-round, the order reversed every other round, so drift in the machine's load hits all alike. Each
-system prints its final loss: paramsync's equals the single process's (same arithmetic), torch's
-agrees to rounding.
+bound p * (1 - bubble) of the simulator (`paramsync.runtime.parallel.simulate`; F = 1, B = 2, I = W
+= 1), p * m / (m + p - 1) for GPipe and 1F1B (1.78x for p = 2, m = 8), p * v * m / (v * m + p - 1)
+for interleaved with v chunks (1.88x), about a third of 1F1B's bubble for ZB-H1 (1.92x). Next to it,
+the simulator's prediction with the costs measured in the single process (F, B, I, W per
+micro-batch, on the CPU clock, a stage taking 1/p of them): its bubble fraction and the speedup m *
+(F + B) / makespan. And per schedule a ``limit``: both ranks run their lists' compute at once with
+no communication at all (a received tensor replaced by one made before the step), each action timed,
+and the simulator places those measured actions, every stage with its own costs (the last stage
+computes the loss and the input gradient its neighbour needs; stage 0 no input gradient), in the
+schedule, plus the slower rank's optimizer step: the fastest step any executor could take with this
+machine's compute, as benchmarks/ddp.py's ``limit`` is for data parallelism. ``of limit`` is the
+limit's step over a system's. The systems alternate round by round, the order reversed every other
+round, so drift in the machine's load hits all alike. Each system prints its final loss: paramsync's
+equals the single process's (same arithmetic), torch's agrees to rounding.
 
     python benchmarks/pipeline.py --json out/pipeline.json
     python benchmarks/pipeline.py --quick
@@ -78,7 +77,7 @@ def ideal_speedup(p: int, m: int) -> float:
 
 
 def _schedule(schedule: str, m: int):
-    from runtime.parallel.schedules import build_schedule
+    from paramsync.runtime.parallel.schedules import build_schedule
 
     return build_schedule(schedule, PP, m, CHUNKS.get(schedule, 1))
 
@@ -87,7 +86,7 @@ def schedule_ideal_speedup(schedule: str, m: int) -> float:
     """The best speedup of ``schedule`` on PP ranks over one process in the unit-cost model
     (F = 1, B = 2, I = W = 1): PP * (1 - its simulated bubble fraction). GPipe and 1F1B:
     `ideal_speedup`; interleaved with v chunks: p * v * m / (v * m + p - 1)."""
-    from runtime.parallel.simulate import simulate
+    from paramsync.runtime.parallel.simulate import simulate
 
     return PP * (1 - float(simulate(_schedule(schedule, m)).bubble_fraction))
 
@@ -97,7 +96,7 @@ def predicted(schedule: str, m: int, costs: dict[str, float]) -> tuple[float, fl
     ``costs``: the single process's measured seconds per micro-batch of the whole model for F,
     B, I and W, each stage taking 1 / PP of them (1 / (PP * v) per chunk). The speedup is one
     process's m * (F + B) over the simulated step (the makespan)."""
-    from runtime.parallel.simulate import simulate
+    from paramsync.runtime.parallel.simulate import simulate
 
     stage_costs = {kind: costs[kind] / PP for kind in ("F", "B", "I", "W")}
     result = simulate(_schedule(schedule, m), stage_costs)
@@ -165,12 +164,13 @@ def _worker_single(args: argparse.Namespace) -> dict:
 
 def _measure_costs(blocks, xs, args: argparse.Namespace) -> dict[str, float]:
     """Median seconds per micro-batch of the whole model's forward F, whole backward B (input
-    gradient and weights), and its split halves I and W (`actors.parallel.split_backward`), the
-    input requiring grad as a middle stage's does: the simulator's costs. Taken on this
-    thread's CPU clock (one intra-op thread), which other processes' load does not inflate."""
+    gradient and weights), and its split halves I and W
+    (`paramsync.actors.parallel.split_backward`), the input requiring grad as a middle stage's does:
+    the simulator's costs. Taken on this thread's CPU clock (one intra-op thread), which other
+    processes' load does not inflate."""
     import torch
 
-    from actors.parallel.split_backward import backward_input
+    from paramsync.actors.parallel.split_backward import backward_input
 
     params = list(blocks.parameters())
     grad = torch.ones_like(blocks(xs[0])) / xs[0].numel()
@@ -201,11 +201,11 @@ def _measure_costs(blocks, xs, args: argparse.Namespace) -> dict[str, float]:
 def _worker_paramsync(args: argparse.Namespace, schedule: str) -> dict:
     import trio
 
-    from actors.parallel.pipeline import PipelineStage
-    from runtime.collectives.ring import barrier
-    from runtime.config import DistributedConfig
-    from runtime.parallel.schedules import build_schedule
-    from runtime.transport.tcp import TcpTransport
+    from paramsync.actors.parallel.pipeline import PipelineStage
+    from paramsync.runtime.collectives.ring import barrier
+    from paramsync.runtime.config import DistributedConfig
+    from paramsync.runtime.parallel.schedules import build_schedule
+    from paramsync.runtime.transport.tcp import TcpTransport
 
     blocks, inputs, targets, loss_fn = _setup(args)
     chunks = CHUNKS.get(schedule, 1)
@@ -268,8 +268,8 @@ def _torch_runner(schedule: str, blocks, args: argparse.Namespace, loss_fn):
     gpipe, 1f1b: ``ScheduleGPipe``, ``Schedule1F1B``; interleaved_1f1b:
     ``ScheduleInterleaved1F1B`` with the same 2 stages per rank (r and r + PP); zero_bubble:
     torch's runtime for custom schedules (``_PipelineScheduleRuntime``) given OUR ZB-H1
-    compute lists (`runtime.parallel.schedules.compute_lists`), which torch lowers with its own
-    send/receive pass and runs with its own I/W (``stage_backward_input`` /
+    compute lists (`paramsync.runtime.parallel.schedules.compute_lists`), which torch lowers with
+    its own send/receive pass and runs with its own I/W (``stage_backward_input`` /
     ``stage_backward_weight``): the same schedule, action for action.
     """
     import torch
@@ -285,7 +285,7 @@ def _torch_runner(schedule: str, blocks, args: argparse.Namespace, loss_fn):
         _PipelineScheduleRuntime,
     )
 
-    from runtime.parallel.schedules import compute_lists
+    from paramsync.runtime.parallel.schedules import compute_lists
 
     mine = _my_stages(schedule, blocks, args)
     chunks = CHUNKS.get(schedule, 1)
@@ -357,14 +357,14 @@ def _worker_limit(args: argparse.Namespace, schedule: str) -> dict:
     before the step, then its optimizer step; both ranks at once (a gloo barrier before the
     first timed step and after the last only), so that they compete for the cores as the
     pipelines' ranks do. Each action is timed (wall clock): per stage and kind the median over
-    the timed steps, and the optimizer step's, are what `runtime.parallel.simulate` turns into
-    the fastest step any executor could take with this compute on this machine (the limit)."""
+    the timed steps, and the optimizer step's, are what `paramsync.runtime.parallel.simulate` turns
+    into the fastest step any executor could take with this compute on this machine (the limit)."""
     import torch
     import torch.distributed as dist
 
-    from actors.parallel.split_backward import backward_input
-    from runtime.parallel.actions import ActionKind
-    from runtime.parallel.schedules import build_schedule
+    from paramsync.actors.parallel.split_backward import backward_input
+    from paramsync.runtime.parallel.actions import ActionKind
+    from paramsync.runtime.parallel.schedules import build_schedule
 
     blocks, inputs, targets, loss_fn = _setup(args)
     chunks = CHUNKS.get(schedule, 1)
@@ -539,11 +539,11 @@ def _launch(system: str, args: argparse.Namespace) -> dict:
 
 
 def limit_step(schedule: str, runs: list[dict], args: argparse.Namespace) -> dict:
-    """The limit's step: `runtime.parallel.simulate` of the schedule with every stage's own
-    measured costs per action (median over the rounds of each round's median), communication
+    """The limit's step: `paramsync.runtime.parallel.simulate` of the schedule with every stage's
+    own measured costs per action (median over the rounds of each round's median), communication
     free, plus the slower rank's optimizer step; the ranks' own compute-only step is kept as
     ``compute_step_seconds``."""
-    from runtime.parallel.simulate import simulate
+    from paramsync.runtime.parallel.simulate import simulate
 
     stages = runs[0]["stage_costs"].keys()
     stage_costs = {
@@ -643,13 +643,14 @@ def _print_table(table: dict, systems: list[str]) -> None:
         "(step: median time between consecutive step ends on rank 0, pooled over rounds; "
         "speedup: single / system; ideal: the schedule's unit-cost bound PP * (1 - bubble) "
         f"(GPipe and 1F1B p*m/(m+p-1) = {table['ideal_speedup']:.2f}); of ideal: speedup / "
-        "ideal; sim bubble, sim speedup: runtime.parallel.simulate with the single process's "
-        f"measured costs per micro-batch F {costs['F'] * 1e3:.2f} ms, B {costs['B'] * 1e3:.2f} "
-        f"ms, I {costs['I'] * 1e3:.2f} ms, W {costs['W'] * 1e3:.2f} ms over {PP} stages, "
+        "ideal; sim bubble, sim speedup: paramsync.runtime.parallel.simulate with the single "
+        f"process's measured costs per micro-batch F {costs['F'] * 1e3:.2f} ms, "
+        f"B {costs['B'] * 1e3:.2f} ms, I {costs['I'] * 1e3:.2f} ms, "
+        f"W {costs['W'] * 1e3:.2f} ms over {PP} stages, "
         "communication free; vs torch: paramsync's step time / torch's for the same schedule, "
         "below 1 is faster; limit: the fastest step any executor could take with this "
         "machine's compute: both ranks run their lists' compute at once with no communication, "
-        "each action timed, and runtime.parallel.simulate places the measured actions "
+        "each action timed, and paramsync.runtime.parallel.simulate places the measured actions "
         "(stage_costs) in the schedule, plus the slower rank's optimizer step; of limit: the "
         "limit's step / the system's)"
     )

@@ -5,7 +5,8 @@ gradients (W) costs no more than the whole backward (B). This times, on one pipe
 micro-batch (forward untimed before each):
 
 - ``B``: ``torch.autograd.grad`` over the stage input and every weight at once;
-- ``I`` and ``W``: `actors.parallel.split_backward` (W from the gradients kept at the joints);
+- ``I`` and ``W``: `paramsync.actors.parallel.split_backward` (W from the gradients kept at the
+  joints);
 - ``I+W (rewalk)``: what the executor did before: I as ``autograd.grad`` over the input keeping
   the graph, W as ``autograd.grad`` over the weights from the output again (the
   activation-gradient chain walked twice);
@@ -40,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.parallel.split_backward import backward_input
+from paramsync.actors.parallel.split_backward import backward_input
 
 
 def _mlp_stage(quick: bool) -> tuple[nn.Module, torch.Tensor]:

@@ -99,11 +99,11 @@ def worker_paramsync(args: argparse.Namespace, rank: int, shared_memory: bool) -
     import trio
     from torch import nn
 
-    from actors.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from runtime.collectives.from_thread import ThreadCollectives
-    from runtime.collectives.ring import all_reduce
-    from runtime.config import DistributedConfig
-    from runtime.transport.tcp import TcpTransport
+    from paramsync.actors.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from paramsync.runtime.collectives.from_thread import ThreadCollectives
+    from paramsync.runtime.collectives.ring import all_reduce
+    from paramsync.runtime.config import DistributedConfig
+    from paramsync.runtime.transport.tcp import TcpTransport
 
     result: dict[str, Any] = {}
 

@@ -90,7 +90,7 @@ def _model(args: argparse.Namespace):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ddp as ddp_bench  # benchmarks/ddp.py, this script's sibling
 
-    from actors.demo_job.model import CharTransformer
+    from paramsync.actors.demo_job.model import CharTransformer
 
     if args.model == "mlp":
         return ddp_bench._mlp_model(VOCAB, args.d_model, args.seed)
@@ -223,7 +223,7 @@ def _launch_once(system: str, world: int, args: argparse.Namespace, port: int) -
     code = Path(args.baseline).resolve() if system == BASELINE else ROOT
     env = dict(
         os.environ,
-        # The code first (its actors.torchdist is the backend torch loads), then what
+        # The code first (its paramsync.actors.torchdist is the backend torch loads), then what
         # PYTHONPATH already held.
         PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",

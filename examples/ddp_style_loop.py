@@ -35,8 +35,8 @@ import torch.nn.functional as F
 # sys.path when a script in it runs): the two scripts differ only in their loop.
 from own_training_loop import evaluate, make_model, spirals
 
-from actors import DistributedDataParallel, TrainerOptions
-from actors.train.run import exit_on_configuration_error
+from paramsync.actors import DistributedDataParallel, TrainerOptions
+from paramsync.actors.train.run import exit_on_configuration_error
 
 
 def train(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ This program is such an application. Its `main` opens one nursery and runs in it
   ``--heartbeat`` seconds, whatever the training is doing;
 - with ``--stop-after SECONDS``, a watchdog task of the app's own that asks the training to stop
   early; every rank stops after the same step (see `request_stop`), so the run ends cleanly;
-- the training itself: `actors.train.worker.train_in_process` starts a coordinator and
+- the training itself: `paramsync.actors.train.worker.train_in_process` starts a coordinator and
   ``--workers`` data-parallel workers as tasks of this same trio run (in-process links and
   transports: no sockets, no subprocesses), each rank training the built-in character-level
   transformer on its shard of the stdlib corpus through `DistributedTrainer.fit`.
@@ -28,10 +28,10 @@ import time
 import torch
 import trio
 
-from actors.demo_job.corpus import load_char_dataset
-from actors.demo_job.model import CharTransformer
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
+from paramsync.actors.demo_job.corpus import load_char_dataset
+from paramsync.actors.demo_job.model import CharTransformer
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
 
 
 def build_parser() -> argparse.ArgumentParser:

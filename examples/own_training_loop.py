@@ -11,13 +11,13 @@ Run it with one process per worker, under ``paramsync launch`` or torchrun, unch
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT and a shared PARAMSYNC_SECRET set. torchrun sets the same
 variables but no secret (give it PARAMSYNC_SECRET or PARAMSYNC_SECRET_FILE), and rank 0 hosts
 the coordinator in its own process. The same script also runs under a coordinator you start by
-hand. `actors.train.run.trainer_from_env` reads them, joins the run and hands back a
-`DistributedTrainer`; `actors.train.run.run_script` runs ``main`` like ``trio.run`` and turns a
-configuration mistake (no secret, a bad address) into one line and exit code 2.
-From there the loop is ordinary Python: build a batch of *this rank's* data, call
-``await trainer.train_batch(batch)``, which runs forward and backward through your ``loss_fn``,
-averages the gradients over all workers (bucket by bucket, overlapping backward), steps your
-optimizer, and checks that every replica still holds the very same weights.
+hand. `paramsync.actors.train.run.trainer_from_env` reads them, joins the run and hands back a
+`DistributedTrainer`; `paramsync.actors.train.run.run_script` runs ``main`` like ``trio.run`` and
+turns a configuration mistake (no secret, a bad address) into one line and exit code 2. From there
+the loop is ordinary Python: build a batch of *this rank's* data, call ``await
+trainer.train_batch(batch)``, which runs forward and backward through your ``loss_fn``, averages the
+gradients over all workers (bucket by bucket, overlapping backward), steps your optimizer, and
+checks that every replica still holds the very same weights.
 
 The problem: classify points of three interleaved 2-D spirals with a small MLP. The data set is
 generated from a fixed seed, so every rank builds the same one and takes its own share of it.
@@ -33,8 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from actors.train.run import run_script, trainer_from_env
-from actors.train.trainer import TrainerOptions
+from paramsync.actors.train.run import run_script, trainer_from_env
+from paramsync.actors.train.trainer import TrainerOptions
 
 
 def spirals(n_per_class: int, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

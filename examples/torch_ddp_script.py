@@ -33,7 +33,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 if "--torch-ddp" in sys.argv:
     from torch.nn.parallel import DistributedDataParallel as DDP
 else:
-    from actors import DistributedDataParallel as DDP  # was: from torch.nn.parallel import ...
+    from paramsync.actors import (
+        DistributedDataParallel as DDP,  # was: from torch.nn.parallel import ...
+    )
 
 
 def spirals(per_class: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

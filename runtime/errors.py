@@ -4,9 +4,9 @@ Every failure that comes from a peer's bytes is a `ProtocolError`; every failure
 group (wrong secret, version, group, world size, taken rank) is a `HandshakeError`, itself a
 `ProtocolError`, so one ``except ProtocolError`` covers all hostile or broken input. Every
 replica divergence (C-DDP-001, C-DP-002) is a `StateDiverged`, whoever found it: the
-coordinator (`actors.client.client.RunDiverged`), a shard's dp group in band
-(`actors.parallel.replica_check.ShardReplicasDiverged`) or the replicas of one process
-(`actors.multidevice.ReplicaDivergedError`).
+coordinator (`paramsync.actors.client.client.RunDiverged`), a shard's dp group in band
+(`paramsync.actors.parallel.replica_check.ShardReplicasDiverged`) or the replicas of one process
+(`paramsync.actors.multidevice.ReplicaDivergedError`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class ReplayedHandshake(AuthenticationError):
 
 
 class FrameAuthenticationError(ProtocolError):
-    """A frame after the handshake failed its MAC (`runtime.protocol.frame_auth`): it was
+    """A frame after the handshake failed its MAC (`paramsync.runtime.protocol.frame_auth`): it was
     altered, forged, dropped, replayed or reordered on the way. The connection is closed."""
 
 

@@ -6,20 +6,20 @@ environment variables, from a ``[distributed]`` table in a TOML file, or from co
 script can set what it knows and leave the rest. Every bad value is a ``ValueError`` that names
 the field, variable or key it came from.
 
-TLS (`runtime.transport.tls`) is on when ``tls_cert``, ``tls_key`` and ``tls_ca`` are all given
-(flags
-``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/KEY/CA`` or TOML keys; a
-relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
+TLS (`paramsync.runtime.transport.tls`) is on when ``tls_cert``, ``tls_key`` and ``tls_ca`` are all
+given (flags ``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/KEY/CA`` or TOML
+keys; a relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
 checks the files and returns the `TlsConfig`.
 
 ``comm_backend`` picks the data plane: ``"paramsync"`` (its own TCP ring and shared memory, the
-default) or ``"torch"`` (torch.distributed process groups, `runtime.transport.torch_dist`);
-flag ``--comm-backend``, variable ``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend``
-(`runtime.config.comm`).
+default) or ``"torch"`` (torch.distributed process groups,
+`paramsync.runtime.transport.torch_dist`); flag ``--comm-backend``, variable
+``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend`` (`paramsync.runtime.config.comm`).
 
-The command line (`runtime.cli`) and the library (`actors.train.run`, `actors.train.worker`)
-both build it from here; the sources are layered by `runtime.config.layering.Layering`, as
-`runtime.parallel.config.ParallelismConfig`'s are.
+The command line (`paramsync.runtime.cli`) and the library (`paramsync.actors.train.run`,
+`paramsync.actors.train.worker`) both build it from here; the sources are layered by
+`paramsync.runtime.config.layering.Layering`, as
+`paramsync.runtime.parallel.config.ParallelismConfig`'s are.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.config import (
+from paramsync.runtime.config import (
     COMM_BACKEND_ENV,
     CommBackend,
     DistributedConfig,
@@ -41,9 +41,9 @@ from runtime.config import (
     parse_enum,
     parse_int,
 )
-from runtime.errors import ConfigError, one_line
-from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
-from runtime.transport.tls import TlsConfig
+from paramsync.runtime.errors import ConfigError, one_line
+from paramsync.runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
+from paramsync.runtime.transport.tls import TlsConfig
 
 if TYPE_CHECKING:  # torch is imported where a device is resolved: the launcher never needs it
     import torch
@@ -231,7 +231,8 @@ class DistributedTrainConfig:
         return self.backend.resolve(self.local_rank)
 
     def tls_config(self) -> TlsConfig | None:
-        """The TLS of every connection (`runtime.transport.tls`), or None for plaintext TCP.
+        """The TLS of every connection (`paramsync.runtime.transport.tls`), or None for plaintext
+        TCP.
 
         Reads the three files: a missing, unreadable or malformed one is a ``ValueError``
         naming it."""
@@ -279,7 +280,7 @@ _INT_FIELDS = ("world_size", "rank", "local_rank")
 
 
 def _coerce(key: str, value: object, label: str) -> object:
-    """One source's value of ``key``, checked (`runtime.config.layering.Coerce`)."""
+    """One source's value of ``key``, checked (`paramsync.runtime.config.layering.Coerce`)."""
     if key in _INT_FIELDS:
         return parse_int(value, label)
     if key == "role":

@@ -12,9 +12,9 @@ from typing import Any
 
 import trio
 
-from runtime.coordinator.service import Coordinator, RunFailed
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.link import MemoryLink
+from paramsync.runtime.coordinator.service import Coordinator, RunFailed
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.link import MemoryLink
 
 Worker = Callable[[int, MemoryLink, Transport], Awaitable[Any]]
 

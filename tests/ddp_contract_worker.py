@@ -284,7 +284,7 @@ def main(argv: list[str]) -> None:
         )
         ddp: Any = TorchDDP
     else:
-        from actors import DistributedDataParallel
+        from paramsync.actors import DistributedDataParallel
 
         ddp = DistributedDataParallel
     for index, name in enumerate(cases):

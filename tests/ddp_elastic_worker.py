@@ -23,7 +23,7 @@ from ddp_contract_worker import batches, make_model
 from safetensors.torch import save_file
 from torch import nn
 
-from actors import DistributedDataParallel
+from paramsync.actors import DistributedDataParallel
 
 STEPS = 8
 

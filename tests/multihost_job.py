@@ -85,9 +85,9 @@ def decode_params(hexes: dict[str, str]) -> dict[str, torch.Tensor]:
 
 
 async def main(out: Path, steps: int, until_rejoined: bool, step_sleep: float) -> None:
-    from actors.train.run import trainer_from_env
-    from actors.train.trainer import TrainerOptions
-    from runtime.transport.shm import host_identity
+    from paramsync.actors.train.run import trainer_from_env
+    from paramsync.actors.train.trainer import TrainerOptions
+    from paramsync.runtime.transport.shm import host_identity
 
     rank = int(os.environ["RANK"])
     restarted = int(os.environ.get("PARAMSYNC_RESTART_COUNT", "0")) > 0
@@ -136,7 +136,7 @@ async def main(out: Path, steps: int, until_rejoined: bool, step_sleep: float) -
 
 
 if __name__ == "__main__":
-    from actors.train.run import run_script
+    from paramsync.actors.train.run import run_script
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)

@@ -1,8 +1,8 @@
 """Helpers for the pipeline tests: a small transformer as blocks, its single-process reference,
 and hand-written action lists with the sends and receives lowered in (GPipe with backwards in
 either order, 1F1B with the weight gradients split off and deferred, torch's looped
-breadth-first): orders `runtime.parallel.schedules.build_schedule` does not generate, which the
-executor must run to the same bits."""
+breadth-first): orders `paramsync.runtime.parallel.schedules.build_schedule` does not generate,
+which the executor must run to the same bits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from runtime.parallel.actions import Action, ActionKind
+from paramsync.runtime.parallel.actions import Action, ActionKind
 
 VOCAB, D_MODEL, HEADS, SEQ = 13, 16, 2, 6
 MICRO_BATCH = 2

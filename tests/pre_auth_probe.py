@@ -21,12 +21,12 @@ from typing import Any
 import cbor2
 import trio
 
-from runtime.coordinator.service import Coordinator
-from runtime.errors import ProtocolError
-from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake
-from runtime.protocol.schema import PROTOCOL_VERSION
-from runtime.protocol.wire import HANDSHAKE_MAX_FRAME
-from runtime.transport import tcp
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake
+from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
+from paramsync.runtime.protocol.wire import HANDSHAKE_MAX_FRAME
+from paramsync.runtime.transport import tcp
 
 SECRET = b"pre-auth-probe-secret-0123456789"
 GROUP = tcp.DEFAULT_GROUP

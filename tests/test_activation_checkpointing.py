@@ -1,6 +1,6 @@
-"""Activation checkpointing (`actors.parallel.checkpointing`): activations recomputed in backward
-with the RNG replayed, so dropout gradients are bitwise the unwrapped model's (global RNG and an
-extra tracker's); the bytes held for backward measured with and without."""
+"""Activation checkpointing (`paramsync.actors.parallel.checkpointing`): activations recomputed in
+backward with the RNG replayed, so dropout gradients are bitwise the unwrapped model's (global RNG
+and an extra tracker's); the bytes held for backward measured with and without."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.parallel.checkpointing import (
+from paramsync.actors.parallel.checkpointing import (
     CheckpointedBlock,
     SavedTensorMeter,
     checkpoint_blocks,

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from runtime.actor.base import Actor, ActorState, ActorStopped, ActorSystem, run_in_thread
-from runtime.errors import ActorFailed, ParamsyncError
+from paramsync.runtime.actor.base import Actor, ActorState, ActorStopped, ActorSystem, run_in_thread
+from paramsync.runtime.errors import ActorFailed, ParamsyncError
 
 DEADLINE = 1_000  # mock-clock seconds: far beyond any test, so only a real hang reaches it
 

@@ -1,5 +1,5 @@
 """Admission control: the pending-handshake cap, the handshake deadline, accept back-off, the
-refusal log and its rate limit (`runtime.transport.admission`), alone and wired into the
+refusal log and its rate limit (`paramsync.runtime.transport.admission`), alone and wired into the
 coordinator's and
 the rendezvous' listeners.
 
@@ -23,8 +23,8 @@ import pytest
 import trio
 import trio.testing
 
-from runtime.coordinator.service import Coordinator
-from runtime.errors import (
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.errors import (
     AuthenticationError,
     FrameTooLarge,
     HandshakeError,
@@ -33,10 +33,10 @@ from runtime.errors import (
     ProtocolError,
     StallError,
 )
-from runtime.protocol.handshake import NONCE_SIZE, Identity
-from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes
-from runtime.transport import tcp
-from runtime.transport.admission import (
+from paramsync.runtime.protocol.handshake import NONCE_SIZE, Identity
+from paramsync.runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes
+from paramsync.runtime.transport import tcp
+from paramsync.runtime.transport.admission import (
     FAILURE_CATEGORIES,
     AdmissionGate,
     AdmissionLimits,
@@ -519,7 +519,8 @@ async def serve_gate(
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A listener whose connections run runtime.transport.tcp.accept under the gate's tickets."""
+    """A listener whose connections run paramsync.runtime.transport.tcp.accept under the gate's
+    tickets."""
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     claimed: set[int] = set()
 

@@ -21,13 +21,13 @@ import pytest
 import trio
 import trustme
 
-from runtime.coordinator.service import Coordinator
-from runtime.errors import HandshakeError, PeerClosed, ProtocolError
-from runtime.protocol.handshake import DialerHandshake, Identity
-from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes
-from runtime.transport import tcp
-from runtime.transport.admission import AdmissionLimits
-from runtime.transport.tls import TlsConfig
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.errors import HandshakeError, PeerClosed, ProtocolError
+from paramsync.runtime.protocol.handshake import DialerHandshake, Identity
+from paramsync.runtime.protocol.wire import HANDSHAKE_MAX_FRAME, encode_frame_bytes
+from paramsync.runtime.transport import tcp
+from paramsync.runtime.transport.admission import AdmissionLimits
+from paramsync.runtime.transport.tls import TlsConfig
 
 SECRET = "admission-fairness-secret"
 GROUP = tcp.DEFAULT_GROUP

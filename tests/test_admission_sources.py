@@ -5,7 +5,7 @@ newcomer's, so 96 holders from 96 addresses (one slot each) kept a worker out un
 deadline, and 96 addresses of one IPv6 /64 counted as 96 sources. Now a source is an IPv4
 address or an IPv6 /64 (`source_key`), and at the global cap a newcomer takes the oldest slot of
 a source that holds more than its own and whose share (slots held, averaged over
-``2 x evict_after_seconds``) is at least 0.5 above its own (`runtime.transport.admission`,
+``2 x evict_after_seconds``) is at least 0.5 above its own (`paramsync.runtime.transport.admission`,
 *Fairness*, rule 3).
 
 Gate-only tests run under trio's MockClock (autojump) with fake peers, default limits (64
@@ -23,11 +23,11 @@ import trio
 import trio.testing
 from test_admission import SourcedStream, holder
 
-from runtime.coordinator.service import Coordinator
-from runtime.protocol.handshake import DialerHandshake, Identity
-from runtime.protocol.wire import encode_frame_bytes
-from runtime.transport import tcp
-from runtime.transport.admission import AdmissionGate, AdmissionLimits, source_key
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.protocol.handshake import DialerHandshake, Identity
+from paramsync.runtime.protocol.wire import encode_frame_bytes
+from paramsync.runtime.transport import tcp
+from paramsync.runtime.transport.admission import AdmissionGate, AdmissionLimits, source_key
 
 JOIN_WITHIN = 5.0
 """The guarantee under test: a worker is admitted within 5 s."""

@@ -1,6 +1,6 @@
 """The seed's gradient aggregators, thin uses of the collectives over one flatten helper: both
 return each tensor's average over the ranks, new tensors bitwise identical on every rank, inputs
-untouched, one flat buffer per dtype (`runtime.collectives.flatten`)."""
+untouched, one flat buffer per dtype (`paramsync.runtime.collectives.flatten`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from conftest import open_group, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import AllReduceAggregator, DistributedConfig, GradientAggregator
-from runtime.collectives.aggregators import ParameterServerAggregator
-from runtime.collectives.flatten import dtype_groups, flatten, unflatten
-from runtime.errors import CollectiveError
+from paramsync.runtime import AllReduceAggregator, DistributedConfig, GradientAggregator
+from paramsync.runtime.collectives.aggregators import ParameterServerAggregator
+from paramsync.runtime.collectives.flatten import dtype_groups, flatten, unflatten
+from paramsync.runtime.errors import CollectiveError
 
 SHAPES = [(3, 4), (5,), (), (2, 1, 3)]
 DTYPES = [torch.float32, torch.float64, torch.float32, torch.float64]

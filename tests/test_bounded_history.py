@@ -14,9 +14,9 @@ import pytest
 import trio
 from test_trainer import RUN_SECONDS, mse_loss, tiny_batch, tiny_replica
 
-from actors.demo_job.job import build_parser
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
+from paramsync.actors.demo_job.job import build_parser
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
 
 STEPS = 9
 KEEP = 4

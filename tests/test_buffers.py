@@ -41,16 +41,16 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch import nn
 
-import actors.train.state_moves as state_moves_module
-from actors.client.client import RunAborted
-from actors.state.digest import state_digest
-from actors.train.buffer_sync import sync_buffers
-from actors.train.state_moves import enter_epoch
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.config import DistributedConfig
-from runtime.protocol.messages import StartRun
-from runtime.transport.tcp import TcpTransport
+import paramsync.actors.train.state_moves as state_moves_module
+from paramsync.actors.client.client import RunAborted
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.train.buffer_sync import sync_buffers
+from paramsync.actors.train.state_moves import enter_epoch
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.protocol.messages import StartRun
+from paramsync.runtime.transport.tcp import TcpTransport
 
 RUN_SECONDS = 30.0
 DDP_SECONDS = 180.0

@@ -1,4 +1,5 @@
-"""actors.state.checkpoint: safetensors checkpoints, written atomically, read whole or refused.
+"""paramsync.actors.state.checkpoint: safetensors checkpoints, written atomically, read whole or
+refused.
 
 * A saved state loads back bitwise equal (names, order, dtypes, values, meta) and restores a
   replica to the source's state digest; plain `safetensors.safe_open` reads the file and its
@@ -27,8 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_state import make_replica, same_bits, train
 
-import actors.state.checkpoint as checkpoint_module
-from actors.state.checkpoint import (
+import paramsync.actors.state.checkpoint as checkpoint_module
+from paramsync.actors.state.checkpoint import (
     CHECKPOINT_FORMAT,
     METADATA_KEY,
     CheckpointError,
@@ -36,9 +37,9 @@ from actors.state.checkpoint import (
     checkpoint_name,
     load_checkpoint,
 )
-from actors.state.digest import state_digest
-from actors.state.training_state import TrainingState, capture_state, restore_state
-from runtime.errors import ParamsyncError
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.state.training_state import TrainingState, capture_state, restore_state
+from paramsync.runtime.errors import ParamsyncError
 
 
 def trained_state(step: int, dtype: torch.dtype = torch.float32, **extra: Any) -> TrainingState:
@@ -299,7 +300,7 @@ def test_loaded_tensors_do_not_map_the_file(tmp_path: Path) -> None:
     )
     script = (
         "import os, sys\n"
-        "from actors.state.checkpoint import load_checkpoint\n"
+        "from paramsync.actors.state.checkpoint import load_checkpoint\n"
         "state = load_checkpoint(sys.argv[1])\n"
         "os.truncate(sys.argv[1], 64)\n"
         "print(int(state.tensors[0][1].sum().item()))\n"

@@ -25,14 +25,14 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from actors.state.checkpoint import (
+from paramsync.actors.state.checkpoint import (
     CheckpointError,
     CheckpointStore,
     checkpoint_name,
     checkpoint_record,
 )
-from actors.state.training_state import TrainingState
-from actors.train.checkpointing import CommittedCheckpoints
+from paramsync.actors.state.training_state import TrainingState
+from paramsync.actors.train.checkpointing import CommittedCheckpoints
 
 
 def state(step: int, value: float | None = None) -> TrainingState:

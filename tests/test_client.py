@@ -1,4 +1,4 @@
-"""The worker's side of the control link (`actors.client.client`): deferred reads, and a
+"""The worker's side of the control link (`paramsync.actors.client.client`): deferred reads, and a
 lost coordinator's redials.
 
 The test plays the coordinator on the other end of an in-process link, on trio's mock clock.
@@ -13,16 +13,16 @@ import torch
 import trio
 import trio.testing
 
-from actors.client.client import CoordinatorClient, CoordinatorLost
-from actors.client.protocol import Phase
-from actors.graph.messages import OptimizerStep, Verify
-from actors.graph.optimizer import OptimizerActor
-from actors.train.trainer import TrainerOptions
-from runtime.actor.base import ActorSystem
-from runtime.errors import FrameAuthenticationError
-from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Commit, StartRun
-from runtime.transport.link import MemoryLink
+from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
+from paramsync.actors.client.protocol import Phase
+from paramsync.actors.graph.messages import OptimizerStep, Verify
+from paramsync.actors.graph.optimizer import OptimizerActor
+from paramsync.actors.train.trainer import TrainerOptions
+from paramsync.runtime.actor.base import ActorSystem
+from paramsync.runtime.errors import FrameAuthenticationError
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.protocol.messages import Commit, StartRun
+from paramsync.runtime.transport.link import MemoryLink
 
 _EPOCH_0 = StartRun(addresses=(("in-process", 1),), ring=(0,), epoch=0)
 """An epoch the tests' client takes part in without a join."""

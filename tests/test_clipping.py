@@ -33,9 +33,9 @@ from test_trainer import (
 )
 from torch import nn
 
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.observe.trace import TraceRecorder
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.observe.trace import TraceRecorder
 
 MAX_NORM = 0.05
 """Below every step's gradient norm in these runs: each step really clips."""

@@ -26,7 +26,7 @@ from conftest import (
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from runtime.collectives.ring import (
+from paramsync.runtime.collectives.ring import (
     SMALL_ALLREDUCE_BYTES,
     all_gather,
     all_reduce,
@@ -35,8 +35,8 @@ from runtime.collectives.ring import (
     reduce_scatter,
     segment_bounds,
 )
-from runtime.errors import CollectiveError, ProtocolError
-from runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.errors import CollectiveError, ProtocolError
+from paramsync.runtime.transport.base import InProcessTransport, Transport
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)

@@ -1,4 +1,4 @@
-"""Gradient compression (`runtime.collectives.compression`): torch DDP's comm hooks.
+"""Gradient compression (`paramsync.runtime.collectives.compression`): torch DDP's comm hooks.
 
 * fp16 / bf16: every rank ends with the same bits, which are torch's ``fp16_compress_hook`` /
   ``bf16_compress_hook`` arithmetic (cast, divide by the world size, sum in the low precision,
@@ -23,10 +23,10 @@ import trio
 from conftest import bitwise_equal, open_group, run_ranks
 from torch import nn
 
-from actors.state.digest import state_digest
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.collectives.compression import (
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.collectives.compression import (
     AverageReducer,
     CastReducer,
     PowerSGDReducer,
@@ -35,10 +35,10 @@ from runtime.collectives.compression import (
     orthogonalize,
     tag_spec,
 )
-from runtime.collectives.ring import ReduceOp, all_reduce
-from runtime.coordinator.events import spec_hash
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.tcp import TcpTransport
+from paramsync.runtime.collectives.ring import ReduceOp, all_reduce
+from paramsync.runtime.coordinator.events import spec_hash
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.tcp import TcpTransport
 
 RUN_SECONDS = 60.0
 
@@ -494,7 +494,7 @@ def test_the_ddp_benchmark_passes_the_hook_to_both_systems() -> None:
     import importlib.util
     from pathlib import Path
 
-    from runtime.collectives.compression import COMM_HOOKS
+    from paramsync.runtime.collectives.compression import COMM_HOOKS
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "ddp.py"
     spec = importlib.util.spec_from_file_location("ddp_benchmark_hooks", script)

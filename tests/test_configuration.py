@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runtime
-from runtime import config as config_module
-from runtime.cli.jobs import WorkerJob
-from runtime.cli.main import build_parser
-from runtime.config import (
+from paramsync import runtime
+from paramsync.runtime import config as config_module
+from paramsync.runtime.cli.jobs import WorkerJob
+from paramsync.runtime.cli.main import build_parser
+from paramsync.runtime.config import (
     COMM_BACKEND_ENV,
     COMM_BACKENDS,
     CommBackend,
@@ -27,11 +27,11 @@ from runtime.config import (
     parse_bool,
     parse_int,
 )
-from runtime.errors import ConfigError
-from runtime.parallel import config as parallel_config
-from runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
-from runtime.train_config import DistributedTrainConfig
-from runtime.transport import shm, torch_dist
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.parallel import config as parallel_config
+from paramsync.runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
+from paramsync.runtime.train_config import DistributedTrainConfig
+from paramsync.runtime.transport import shm, torch_dist
 
 # --------------------------------------------------------------------------- the engine
 
@@ -85,7 +85,7 @@ def test_the_engine_names_every_source_in_its_errors(tmp_path: Path) -> None:
 
 
 def test_both_configurations_resolve_through_the_engine() -> None:
-    for module in (importlib.import_module("runtime.train_config"), parallel_config):
+    for module in (importlib.import_module("paramsync.runtime.train_config"), parallel_config):
         layerings = [v for v in vars(module).values() if isinstance(v, Layering)]
         assert len(layerings) == 1, module.__name__
     source = Path(parallel_config.__file__).read_text()
@@ -171,14 +171,18 @@ def test_every_boolean_setting_uses_it(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_train_config_lives_below_the_command_line() -> None:
     assert runtime.DistributedTrainConfig is DistributedTrainConfig
-    assert DistributedTrainConfig.__module__ == "runtime.train_config"
+    assert DistributedTrainConfig.__module__ == "paramsync.runtime.train_config"
     with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("runtime.cli.train_config")
-    graph = grimp.build_graph("runtime", "actors")
-    for library in ("actors.train.run", "actors.train.worker"):
+        importlib.import_module("paramsync.runtime.cli.train_config")
+    graph = grimp.build_graph("paramsync")
+    for library in ("paramsync.actors.train.run", "paramsync.actors.train.worker"):
         imported = graph.find_modules_directly_imported_by(library)
-        assert "runtime.train_config" in imported
+        assert "paramsync.runtime.train_config" in imported
         # Of the command line, the library uses only the torchrun rendezvous (its store).
-        assert {m for m in imported if m.startswith("runtime.cli")} <= {"runtime.cli.torchrun"}
-    assert "runtime.train_config" in graph.find_modules_directly_imported_by("runtime.cli.main")
+        assert {m for m in imported if m.startswith("paramsync.runtime.cli")} <= {
+            "paramsync.runtime.cli.torchrun"
+        }
+    assert "paramsync.runtime.train_config" in graph.find_modules_directly_imported_by(
+        "paramsync.runtime.cli.main"
+    )
     assert config_module.CommBackend is CommBackend

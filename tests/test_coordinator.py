@@ -18,22 +18,22 @@ import torch
 import trio
 from torch import nn
 
-from actors.client.client import CoordinatorClient, RunAborted
-from actors.state.digest import state_digest
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import join_run, train_in_process
-from runtime.config import DistributedConfig
-from runtime.coordinator.events import model_signature
-from runtime.coordinator.run_state import RunState
-from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
-from runtime.errors import PeerClosed
-from runtime.observe.trace import TraceRecorder
-from runtime.protocol.handshake import Identity, load_secret
-from runtime.protocol.messages import StartRun
-from runtime.protocol.wire import PROTOCOL_VERSION
-from runtime.transport.base import InProcessTransport
-from runtime.transport.link import MemoryLink
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
+from paramsync.actors.client.client import CoordinatorClient, RunAborted
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import join_run, train_in_process
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.events import model_signature
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
+from paramsync.runtime.errors import PeerClosed
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.protocol.handshake import Identity, load_secret
+from paramsync.runtime.protocol.messages import StartRun
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION
+from paramsync.runtime.transport.base import InProcessTransport
+from paramsync.runtime.transport.link import MemoryLink
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
 
 SECRET = "coordinator-tests-secret"
 RUN_SECONDS = 20.0

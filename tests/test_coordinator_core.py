@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import (
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import (
     Abort,
     Action,
     Broadcast,
@@ -32,9 +32,9 @@ from runtime.coordinator.events import (
     model_signature,
     spec_hash,
 )
-from runtime.coordinator.run_state import RunState
-from runtime.errors import ProtocolError
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.messages import (
     AbortRun,
     Commit,
     Digest,
@@ -51,7 +51,7 @@ from runtime.protocol.messages import (
     event_from_wire,
     message_from_wire,
 )
-from runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
 
 SIG = (
     ("embed.w", (16, 8), "float32", True),

@@ -13,10 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Abort, Broadcast, Disconnected, Evict, Report, Tick
-from runtime.coordinator.run_state import RunState
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Abort, Broadcast, Disconnected, Evict, Report, Tick
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.protocol.messages import (
     Apply,
     Commit,
     Digest,

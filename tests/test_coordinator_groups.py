@@ -1,5 +1,6 @@
 """The coordinator knows the process groups: declarations at the join, each rank's groups at the
-start, and per-group bucket negotiation (runtime.coordinator.group_decl, group_negotiation)."""
+start, and per-group bucket negotiation (paramsync.runtime.coordinator.group_decl,
+group_negotiation)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,19 @@ from conftest import open_group, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.client.events import EnterEpoch, Join, Received, ReportReady, RunGo
-from actors.client.events import Send as WorkerSend
-from actors.client.protocol import LocalProtocolError, WorkerProtocol
-from runtime.collectives.groups import derive_group_name
-from runtime.collectives.mesh import init_device_mesh, mesh_groups
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Abort, Action, Broadcast, Refuse, Send
-from runtime.coordinator.group_decl import declaration_of
-from runtime.coordinator.run_state import RunState
-from runtime.errors import ProtocolError
-from runtime.protocol.messages import Digest, Go, Joined, Ready, StartRun, decode_message
-from runtime.protocol.wire import PROTOCOL_VERSION
-from runtime.transport.base import Transport
+from paramsync.actors.client.events import EnterEpoch, Join, Received, ReportReady, RunGo
+from paramsync.actors.client.events import Send as WorkerSend
+from paramsync.actors.client.protocol import LocalProtocolError, WorkerProtocol
+from paramsync.runtime.collectives.groups import derive_group_name
+from paramsync.runtime.collectives.mesh import init_device_mesh, mesh_groups
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Abort, Action, Broadcast, Refuse, Send
+from paramsync.runtime.coordinator.group_decl import declaration_of
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.messages import Digest, Go, Joined, Ready, StartRun, decode_message
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION
+from paramsync.runtime.transport.base import Transport
 
 SIG = (("w", (4, 2), "float32", True),)
 

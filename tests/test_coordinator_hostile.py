@@ -15,14 +15,18 @@ import time
 
 import pytest
 
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Abort, Action, Refuse, Report
-from runtime.coordinator.run_state import RunState
-from runtime.coordinator.service import Coordinator
-from runtime.coordinator.step_state import MAX_EARLY_READIES, MAX_EARLY_READY_BYTES, spec_bytes
-from runtime.errors import HandshakeError, one_line, quoted
-from runtime.protocol.handshake import DialerHandshake, Identity
-from runtime.protocol.messages import Digest, Joined, Ready
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Abort, Action, Refuse, Report
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.coordinator.step_state import (
+    MAX_EARLY_READIES,
+    MAX_EARLY_READY_BYTES,
+    spec_bytes,
+)
+from paramsync.runtime.errors import HandshakeError, one_line, quoted
+from paramsync.runtime.protocol.handshake import DialerHandshake, Identity
+from paramsync.runtime.protocol.messages import Digest, Joined, Ready
 
 FORGED = "\n2026-11-23 21:00:00 INFO paramsync.daemon: run finished"
 SIG = (("embed.w", (16, 8), "float32", True), ("norm.b", (8,), "float32", False))

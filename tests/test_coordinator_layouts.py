@@ -1,5 +1,5 @@
-"""The coordinator's checks for 3D-parallel runs (runtime.coordinator.layouts, commits): the
-layout every join declares (one mesh, one pipeline schedule digest, each rank at its
+"""The coordinator's checks for 3D-parallel runs (paramsync.runtime.coordinator.layouts, commits):
+the layout every join declares (one mesh, one pipeline schedule digest, each rank at its
 coordinates) and the digest check within each (tp, pp) shard's dp replicas only.
 
 The core is pure, so hypothesis drives it directly with random layouts; the worker's protocol
@@ -18,25 +18,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.client.events import ConnectionLost, Join, Received
-from actors.client.events import Send as WorkerSend
-from actors.client.protocol import WorkerProtocol
-from runtime.collectives.mesh import mesh_coordinates, mesh_groups
-from runtime.coordinator.commits import TensorNames, digest_verdict, sharded_verdict
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Abort, Action, Broadcast, Refuse, Resync
-from runtime.coordinator.layouts import Shards, layout_disagreement
-from runtime.coordinator.run_state import RunState
-from runtime.errors import CollectiveError, ProtocolError
-from runtime.parallel.run_layout import parallel_layout
-from runtime.protocol.messages import (
+from paramsync.actors.client.events import ConnectionLost, Join, Received
+from paramsync.actors.client.events import Send as WorkerSend
+from paramsync.actors.client.protocol import WorkerProtocol
+from paramsync.runtime.collectives.mesh import mesh_coordinates, mesh_groups
+from paramsync.runtime.coordinator.commits import TensorNames, digest_verdict, sharded_verdict
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Abort, Action, Broadcast, Refuse, Resync
+from paramsync.runtime.coordinator.layouts import Shards, layout_disagreement
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.errors import CollectiveError, ProtocolError
+from paramsync.runtime.parallel.run_layout import parallel_layout
+from paramsync.runtime.protocol.messages import (
     Digest,
     Joined,
     ParallelLayout,
     StartRun,
     event_from_wire,
 )
-from runtime.protocol.wire import PROTOCOL_VERSION
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION
 
 SIG = (("w", (4, 2), "float32", True),)
 SCHEDULE = bytes(range(16))

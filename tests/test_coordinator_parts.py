@@ -11,18 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.coordinator.commits import CommitRecord, Commits, TensorNames, digest_verdict
-from runtime.coordinator.events import Resync, agreement_hash, spec_hash
-from runtime.coordinator.liveness import Liveness, Stall
-from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
-from runtime.coordinator.negotiation import (
+from paramsync.runtime.coordinator.commits import CommitRecord, Commits, TensorNames, digest_verdict
+from paramsync.runtime.coordinator.events import Resync, agreement_hash, spec_hash
+from paramsync.runtime.coordinator.liveness import Liveness, Stall
+from paramsync.runtime.coordinator.membership import EpochRecord, Membership, resume_plan
+from paramsync.runtime.coordinator.negotiation import (
     Disagreement,
     Fault,
     Negotiation,
     ResponseCache,
     spec_groups,
 )
-from runtime.coordinator.run_state import (
+from paramsync.runtime.coordinator.run_state import (
     DONE,
     TRANSITIONS,
     IllegalTransition,
@@ -30,9 +30,9 @@ from runtime.coordinator.run_state import (
     Trigger,
     next_state,
 )
-from runtime.coordinator.step_state import StepState
-from runtime.errors import ProtocolError
-from runtime.protocol.messages import Commit, Digest, Go, Joined, Ready, StepDone
+from paramsync.runtime.coordinator.step_state import StepState
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.messages import Commit, Digest, Go, Joined, Ready, StepDone
 
 SIG = (("w", (4, 2), "float32", True), ("b", (2,), "float32", True))
 TENSORS = ("w", "b", "norm")

@@ -17,15 +17,15 @@ import torch
 import trio
 from torch import nn
 
-from actors.client.client import CoordinatorClient, CoordinatorLost
-from actors.state.digest import state_digest
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from runtime.config import DistributedConfig
-from runtime.coordinator.events import model_signature
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.protocol.messages import StartRun
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.link import Link, MemoryLink
+from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.events import model_signature
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.protocol.messages import StartRun
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.link import Link, MemoryLink
 
 WORLD = 3
 STEPS = 8

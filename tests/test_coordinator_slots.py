@@ -22,12 +22,12 @@ import trio
 import trio.testing
 from trio.testing import wait_all_tasks_blocked
 
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import HandshakeError, PeerClosed
-from runtime.protocol.handshake import Identity, load_secret
-from runtime.protocol.messages import Shutdown
-from runtime.transport.link import MemoryLink
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.errors import HandshakeError, PeerClosed
+from paramsync.runtime.protocol.handshake import Identity, load_secret
+from paramsync.runtime.protocol.messages import Shutdown
+from paramsync.runtime.transport.link import MemoryLink
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
 
 SECRET = "coordinator-slots-tests-secret"
 

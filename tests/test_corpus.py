@@ -1,4 +1,5 @@
-"""Tests for actors.demo_job.corpus: the stdlib corpus, the vocabulary, windows and rank shards."""
+"""Tests for paramsync.actors.demo_job.corpus: the stdlib corpus, the vocabulary, windows and rank
+shards."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from actors.demo_job.corpus import (
+from paramsync.actors.demo_job.corpus import (
     CharDataset,
     CharVocab,
     iter_batches,
@@ -19,7 +20,7 @@ from actors.demo_job.corpus import (
     source_files,
     stdlib_root,
 )
-from actors.graph.sampler import shard
+from paramsync.actors.graph.sampler import shard
 
 SMALL = 64 * 1024
 

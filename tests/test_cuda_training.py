@@ -18,9 +18,9 @@ import torch
 import trio
 from torch import nn
 
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.transport.tcp import TcpTransport
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.transport.tcp import TcpTransport
 
 pytestmark = [
     pytest.mark.cuda,

@@ -139,7 +139,8 @@ def test_a_tiny_run_of_the_own_loop_and_a_baseline_checkout(tmp_path: Path) -> N
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     row = json.loads(out.read_text())["rows"][0]
-    # The own loop (actors.DistributedDataParallel, the user's loop) trains the same curve.
+    # The own loop (paramsync.actors.DistributedDataParallel, the user's loop) trains the same
+    # curve.
     own = row["own-loop"]
     assert own["median_step_seconds"] > 0 and len(own["paired_ratio_rounds"]) == 1
     assert own["final_loss"] == pytest.approx(row["paramsync"]["final_loss"], abs=1e-4)

@@ -39,7 +39,14 @@ def test_a_lost_worker_drops_the_step_and_the_survivors_go_on_identical(
     port_file = tmp_path / "port"
     coordinator = subprocess.Popen(
         [
-            *(sys.executable, "-m", "runtime.cli.main", "coordinator", "--world-size", "3"),
+            *(
+                sys.executable,
+                "-m",
+                "paramsync.runtime.cli.main",
+                "coordinator",
+                "--world-size",
+                "3",
+            ),
             *("--min-workers", "2", "--bind", "127.0.0.1:0", "--port-file", str(port_file)),
         ],
         cwd=ROOT,

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from actors import DistributedDataParallel
-from actors.train.trainer import DistributedTrainer
-from actors.train.worker import train_in_process
+from paramsync.actors import DistributedDataParallel
+from paramsync.actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.worker import train_in_process
 
 STEPS = 3
 PER_RANK = 4

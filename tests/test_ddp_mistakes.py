@@ -16,11 +16,11 @@ import torch
 import trio
 from torch import nn
 
-from actors import DistributedDataParallel
-from actors.client.client import RunAborted
-from actors.train.trainer import DistributedTrainer
-from actors.train.worker import train_in_process
-from runtime.errors import pick_error
+from paramsync.actors import DistributedDataParallel
+from paramsync.actors.client.client import RunAborted
+from paramsync.actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.errors import pick_error
 
 SECONDS = 60.0
 
@@ -107,7 +107,9 @@ async def test_wrapping_twice_is_refused() -> None:
         return str(info.value)
 
     [message] = await run_loop(loop)
-    assert "already wrapped by actors.train.ddp_wrapper.DistributedDataParallel" in message
+    assert (
+        "already wrapped by paramsync.actors.train.ddp_wrapper.DistributedDataParallel" in message
+    )
 
 
 async def test_ranks_that_disagree_on_the_model_are_stopped_naming_both() -> None:
@@ -168,7 +170,7 @@ def test_a_rejoining_worker_without_its_optimizer_is_told_to_pass_it() -> None:
     """A wrapper built without ``optimizer=`` holds an unbound optimizer until the loop's first
     step: a worker that joins a run in progress (a live restart) cannot receive the donor's
     optimizer state into it, and says what to pass instead of a manifest mismatch."""
-    from actors.train.unbound_optimizer import UnboundOptimizer, check_can_receive_state
+    from paramsync.actors.train.unbound_optimizer import UnboundOptimizer, check_can_receive_state
 
     model = mlp()
     with pytest.raises(

@@ -31,12 +31,12 @@ from ddp_reference import bn_batches, bn_model, bn_optimizer, mse
 from ddp_reference import shard as bn_shard
 from torch import nn
 
-from actors import DistributedDataParallel
-from actors.client.client import RunAborted
-from actors.train.ddp_arguments import torch_comm_hook, torch_ddp_options
-from actors.train.ddp_wrapper import DistributedOptimizer
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
+from paramsync.actors import DistributedDataParallel
+from paramsync.actors.client.client import RunAborted
+from paramsync.actors.train.ddp_arguments import torch_comm_hook, torch_ddp_options
+from paramsync.actors.train.ddp_wrapper import DistributedOptimizer
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
 
 RUN_SECONDS = 60.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""
@@ -566,7 +566,7 @@ def test_torch_ddp_arguments_that_cannot_apply_are_refused_naming_them(
 
 
 def test_device_ids_follow_torch_ddps_rules() -> None:
-    from actors.train.ddp_arguments import device_args
+    from paramsync.actors.train.ddp_arguments import device_args
 
     cpu_model = mlp(0)
     assert device_args(cpu_model, None, None).input_device is None

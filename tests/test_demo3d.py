@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.demo_job.demo3d import main
+from paramsync.actors.demo_job.demo3d import main
 
 STEPS = 3
 MICRO_BATCHES = 4

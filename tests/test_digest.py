@@ -1,4 +1,4 @@
-"""actors.state.digest: the state digests behind the C-DDP-001 check.
+"""paramsync.actors.state.digest: the state digests behind the C-DDP-001 check.
 
 * A `StateHasher` reused step after step (its cached byte views) gives exactly the digest a
   fresh hash of the same state gives, through optimizer steps, swapped and resized storage,
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import actors.state.digest as digest_module
-from actors.state.digest import StateHasher, named_state, state_digest
+import paramsync.actors.state.digest as digest_module
+from paramsync.actors.state.digest import StateHasher, named_state, state_digest
 
 
 def _replica(

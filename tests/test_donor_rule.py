@@ -3,12 +3,12 @@ coordinator resumes from, so that one corrupted rank cannot overwrite a majority
 
 A worker's join reports its state (next step, digest) and whether that state is *committed*
 (the coordinator's digest check of the step before passed and the worker still holds the
-digest it reported there). `runtime.coordinator.membership.resume_plan` resumes from the newer
-of the newest committed state and the state a strict majority holds; with neither, from the
-state most ranks hold, ties to the lower step. Checked here at the sans-I/O level
-(`CoordinatorCore` fed `Joined` events; a hypothesis property over random join sets), on the
-worker's side (`WorkerProtocol` computes the flag from the commits it saw) and end to end with
-a restarted coordinator (`tests/test_coordinator_restart.py`'s cluster).
+digest it reported there). `paramsync.runtime.coordinator.membership.resume_plan` resumes from the
+newer of the newest committed state and the state a strict majority holds; with neither, from the
+state most ranks hold, ties to the lower step. Checked here at the sans-I/O level (`CoordinatorCore`
+fed `Joined` events; a hypothesis property over random join sets), on the worker's side
+(`WorkerProtocol` computes the flag from the commits it saw) and end to end with a restarted
+coordinator (`tests/test_coordinator_restart.py`'s cluster).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_coordinator_restart import run_cluster
 
-from actors.client.events import ConnectionLost, EnterEpoch, Join, Received, ReportDigest
-from actors.client.protocol import WorkerProtocol
-from actors.state.checkpoint import CheckpointStore
-from actors.state.training_state import TrainingState
-from actors.train.checkpointing import CommittedCheckpoints
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Action, Broadcast, Report
-from runtime.coordinator.membership import COMMITTED, MAJORITY, PLURALITY, resume_plan
-from runtime.protocol.messages import Commit, Joined, ResyncOrder, StartRun
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from paramsync.actors.client.events import ConnectionLost, EnterEpoch, Join, Received, ReportDigest
+from paramsync.actors.client.protocol import WorkerProtocol
+from paramsync.actors.state.checkpoint import CheckpointStore
+from paramsync.actors.state.training_state import TrainingState
+from paramsync.actors.train.checkpointing import CommittedCheckpoints
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Action, Broadcast, Report
+from paramsync.runtime.coordinator.membership import COMMITTED, MAJORITY, PLURALITY, resume_plan
+from paramsync.runtime.protocol.messages import Commit, Joined, ResyncOrder, StartRun
+from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes
 
 SIG = (("w", (2, 2), "float32", True),)
 

@@ -65,7 +65,7 @@ def test_own_training_loop_under_launch() -> None:
     out = _run(
         [
             "-m",
-            "runtime.cli.main",
+            "paramsync.runtime.cli.main",
             "launch",
             "--nproc",
             "2",
@@ -97,7 +97,17 @@ def test_ddp_style_loop_under_launch_with_no_sync_accumulation() -> None:
     first of two micro-batches per step under no_sync()."""
     args = ["examples/ddp_style_loop.py", "--steps", "40", "--log-every", "10"]
     out = _run(
-        ["-m", "runtime.cli.main", "launch", "--nproc", "2", "--", *args, "--accumulate", "2"]
+        [
+            "-m",
+            "paramsync.runtime.cli.main",
+            "launch",
+            "--nproc",
+            "2",
+            "--",
+            *args,
+            "--accumulate",
+            "2",
+        ]
     ).stdout
     _check_ddp_style_loop(out, 40)
 
@@ -162,7 +172,7 @@ def test_a_torch_ddp_script_runs_with_its_import_changed() -> None:
     ours = _final(_torchrun(script).stdout)
     torchs = _final(_torchrun([*script, "--torch-ddp"], teardown_abort_ok=True).stdout)
     launched = _final(
-        _run(["-m", "runtime.cli.main", "launch", "--nproc", "2", "--", *script]).stdout
+        _run(["-m", "paramsync.runtime.cli.main", "launch", "--nproc", "2", "--", *script]).stdout
     )
     assert ours[0] == pytest.approx(torchs[0], rel=1e-5), (ours, torchs)
     assert float(ours[1]) == pytest.approx(float(torchs[1]), rel=1e-6, abs=1e-6), (ours, torchs)
@@ -179,7 +189,7 @@ def test_torch_ddp_runs_on_the_paramsync_backend() -> None:
     ours = [*script, "--backend", "paramsync"]
     on_paramsync = _final(_torchrun(ours).stdout)
     launched = _final(
-        _run(["-m", "runtime.cli.main", "launch", "--nproc", "2", "--", *ours]).stdout
+        _run(["-m", "paramsync.runtime.cli.main", "launch", "--nproc", "2", "--", *ours]).stdout
     )
     assert on_paramsync[0] == pytest.approx(on_gloo[0], rel=1e-5), (on_paramsync, on_gloo)
     assert float(on_paramsync[1]) == pytest.approx(float(on_gloo[1]), rel=1e-6, abs=1e-6)
@@ -191,7 +201,7 @@ def test_daemons_by_hand(tmp_path: Path) -> None:
     env = _env(PARAMSYNC_SECRET=secrets.token_hex(16))
     port_file = tmp_path / "port"
     port = str(port_file)
-    cli = [sys.executable, "-m", "runtime.cli.main"]
+    cli = [sys.executable, "-m", "paramsync.runtime.cli.main"]
     coordinator = subprocess.Popen(
         [*cli, "coordinator", "--world-size", "2", "--bind", "127.0.0.1:0", "--port-file", port],
         cwd=ROOT,

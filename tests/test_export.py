@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.demo_job.model import CharTransformer
-from actors.train.trainer import DistributedTrainer
-from actors.train.worker import train_in_process
+from paramsync.actors.demo_job.model import CharTransformer
+from paramsync.actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.worker import train_in_process
 
 RUN_SECONDS = 30.0
 

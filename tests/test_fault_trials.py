@@ -1,5 +1,6 @@
-"""Fault-injection trials with real worker processes (runtime.testing.fault_trials), and the
-wrappers that inject the faults (runtime.testing.faults, actors.testing.faults).
+"""Fault-injection trials with real worker processes (paramsync.runtime.testing.fault_trials), and
+the wrappers that inject the faults (paramsync.runtime.testing.faults,
+paramsync.actors.testing.faults).
 
 Hypothesis picks where a worker is SIGKILLed (phase and step); every trial must end with the
 survivors bitwise identical and equal to a reference run with the same membership history. A
@@ -18,24 +19,34 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_trainer import RUN_SECONDS, RecordingDataset, mse_loss, tiny_replica
 
-from actors.graph.compute import ComputeActor
-from actors.graph.factory import ActorFactory, actors_in_context, context_actors
-from actors.graph.gradcomm import GradCommActor
-from actors.graph.loader import DataLoaderActor
-from actors.graph.optimizer import OptimizerActor
-from actors.testing.faults import faulty_actors
-from actors.train.trainer import DistributedTrainer
-from actors.train.worker import train_in_process
-from runtime.collectives.ring import all_reduce
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Broadcast, Event
-from runtime.coordinator.service import Coordinator
-from runtime.protocol.messages import Commit, Digest, Joined, Ready
-from runtime.testing.fault_trials import JOB_FLAGS, run_coordinator_restart_trial, run_trial
-from runtime.testing.faults import PHASES, Fault, FaultyTransport, commit_fault_core, parse_fault
-from runtime.testing.faulty_daemon import arm
-from runtime.transport.base import InProcessTransport
-from runtime.transport.capabilities import BlockingLinkProvider, SharedMemoryHolder
+from paramsync.actors.graph.compute import ComputeActor
+from paramsync.actors.graph.factory import ActorFactory, actors_in_context, context_actors
+from paramsync.actors.graph.gradcomm import GradCommActor
+from paramsync.actors.graph.loader import DataLoaderActor
+from paramsync.actors.graph.optimizer import OptimizerActor
+from paramsync.actors.testing.faults import faulty_actors
+from paramsync.actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.collectives.ring import all_reduce
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Broadcast, Event
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.protocol.messages import Commit, Digest, Joined, Ready
+from paramsync.runtime.testing.fault_trials import (
+    JOB_FLAGS,
+    run_coordinator_restart_trial,
+    run_trial,
+)
+from paramsync.runtime.testing.faults import (
+    PHASES,
+    Fault,
+    FaultyTransport,
+    commit_fault_core,
+    parse_fault,
+)
+from paramsync.runtime.testing.faulty_daemon import arm
+from paramsync.runtime.transport.base import InProcessTransport
+from paramsync.runtime.transport.capabilities import BlockingLinkProvider, SharedMemoryHolder
 
 _REFERENCES: dict[int, str] = {}
 

@@ -1,5 +1,5 @@
-"""Frame authentication after the handshake (`runtime.protocol.frame_auth`, issue 18 row 1):
-the session key both handshake sides derive, and the per-frame MAC with its implicit counter
+"""Frame authentication after the handshake (`paramsync.runtime.protocol.frame_auth`, issue 18 row
+1): the session key both handshake sides derive, and the per-frame MAC with its implicit counter
 (any single-bit flip, drop, duplicate or swap of frames is detected)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import FrameAuthenticationError, HandshakeError
-from runtime.protocol.frame_auth import (
+from paramsync.runtime.errors import FrameAuthenticationError, HandshakeError
+from paramsync.runtime.protocol.frame_auth import (
     COUNTER_LIMIT,
     DIALER_TO_LISTENER,
     LISTENER_TO_DIALER,
@@ -24,15 +24,15 @@ from runtime.protocol.frame_auth import (
     frame_nonce,
     frame_session,
 )
-from runtime.protocol.handshake import (
+from paramsync.runtime.protocol.handshake import (
     DialerHandshake,
     Identity,
     ListenerHandshake,
     NonceLedger,
     stretch_secret,
 )
-from runtime.protocol.schema import PROTOCOL_VERSION
-from runtime.protocol.wire import TRAILER_SIZE, encode_frame, encode_frame_bytes
+from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
+from paramsync.runtime.protocol.wire import TRAILER_SIZE, encode_frame, encode_frame_bytes
 
 SECRET = b"correct horse battery staple"
 DIALER = Identity("g", 4, 2)

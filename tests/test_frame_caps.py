@@ -17,14 +17,14 @@ import pytest
 import trio
 from test_coordinator_slots import SECRET, dial_as, join
 
-from runtime.coordinator.frame_caps import (
+from paramsync.runtime.coordinator.frame_caps import (
     MEMBER_FRAME_ALLOWANCE,
     STATE_ENTRIES_PER_PARAM,
     member_frame_cap,
 )
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import PeerClosed
-from runtime.protocol.wire import DEFAULT_MAX_FRAME
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.errors import PeerClosed
+from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME
 
 
 def test_the_cap_grows_with_the_model_and_never_passes_the_schemas() -> None:

@@ -2,8 +2,8 @@
 (and a peek at the kind); long decodes leave the event loop; a peer's receive memory is
 bounded: issue 31 row 2.
 
-An on-path relay without the secret (`runtime.testing.relay`) alters frames on the way; the
-receiver's `decode_head` is watched, so a test sees whether an unverified head was decoded.
+An on-path relay without the secret (`paramsync.runtime.testing.relay`) alters frames on the way;
+the receiver's `decode_head` is watched, so a test sees whether an unverified head was decoded.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import trio
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from runtime.collectives import p2p
-from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
-from runtime.protocol import limits, wire
-from runtime.protocol.limits import kind_max_frame
-from runtime.testing.relay import TO_LISTENER, Attack, RelayedFrame, relayed_pair
-from runtime.transport import tcp
-from runtime.transport.tcp import TcpTransport
+from paramsync.runtime.collectives import p2p
+from paramsync.runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
+from paramsync.runtime.protocol import limits, wire
+from paramsync.runtime.protocol.limits import kind_max_frame
+from paramsync.runtime.testing.relay import TO_LISTENER, Attack, RelayedFrame, relayed_pair
+from paramsync.runtime.transport import tcp
+from paramsync.runtime.transport.tcp import TcpTransport
 
 SECRET = b"decode-test-secret-0123456789"
 SECONDS = 30

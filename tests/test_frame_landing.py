@@ -1,12 +1,12 @@
 """No byte that has not passed its frame's tag (and every other check) reaches a destination the
 receiver keeps: issue 31 row 1.
 
-An on-path relay without the secret (`runtime.testing.relay`) flips one bulk bit on the way;
-the receiving side must refuse the frame and leave its destination as it was, on every path
-whose destination is live state: a broadcast into a live parameter, the trainer's initial
-weight broadcast and its re-sync, the rejoin's state transfer, a posted point-to-point receive.
-The gradient ring lands in its bucket uncopied (the hot path); there a failed frame must raise,
-and the trainer zeroes the bucket (never applied, rewritten before reuse).
+An on-path relay without the secret (`paramsync.runtime.testing.relay`) flips one bulk bit on the
+way; the receiving side must refuse the frame and leave its destination as it was, on every path
+whose destination is live state: a broadcast into a live parameter, the trainer's initial weight
+broadcast and its re-sync, the rejoin's state transfer, a posted point-to-point receive. The
+gradient ring lands in its bucket uncopied (the hot path); there a failed frame must raise, and the
+trainer zeroes the bucket (never applied, rewritten before reuse).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import trio
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from actors.state.digest import named_state
-from actors.train.state_moves import resync, sync_initial_weights
-from actors.train.state_transfer import receive_state, send_state
-from runtime.collectives import p2p
-from runtime.collectives.ring import all_reduce, broadcast
-from runtime.errors import FrameAuthenticationError, ProtocolError
-from runtime.protocol.messages import ResyncOrder
-from runtime.testing.relay import TO_DIALER, TO_LISTENER, Attack, FlipBulk, relayed_pair
-from runtime.transport.base import InProcessTransport, Transport
+from paramsync.actors.state.digest import named_state
+from paramsync.actors.train.state_moves import resync, sync_initial_weights
+from paramsync.actors.train.state_transfer import receive_state, send_state
+from paramsync.runtime.collectives import p2p
+from paramsync.runtime.collectives.ring import all_reduce, broadcast
+from paramsync.runtime.errors import FrameAuthenticationError, ProtocolError
+from paramsync.runtime.protocol.messages import ResyncOrder
+from paramsync.runtime.testing.relay import TO_DIALER, TO_LISTENER, Attack, FlipBulk, relayed_pair
+from paramsync.runtime.transport.base import InProcessTransport, Transport
 
 SECRET = b"landing-test-secret-0123456789"
 SECONDS = 30
@@ -344,10 +344,10 @@ async def test_a_bucket_whose_all_reduce_failed_is_zeroed_never_applied() -> Non
     whose all-reduce fails may hold a forged part: the gradient actor zeroes it (its gradients
     are its views), so the bytes are neither applied nor copied into the next epoch's bucket
     (whose binding copies the gradients over). Today the forged values stay."""
-    from actors.graph.gradcomm import GradCommActor, StepState
-    from actors.state.buckets import plan_buckets
-    from actors.train.trainer import TrainerOptions
-    from runtime.observe.trace import TraceRecorder
+    from paramsync.actors.graph.gradcomm import GradCommActor, StepState
+    from paramsync.actors.state.buckets import plan_buckets
+    from paramsync.actors.train.trainer import TrainerOptions
+    from paramsync.runtime.observe.trace import TraceRecorder
 
     model = torch.nn.Linear(8, 8)
     model(torch.ones(1, 8)).sum().backward()

@@ -1,5 +1,5 @@
-"""The sans-I/O frame reader (`runtime.protocol.frame_reader`): every read rule of every TCP
-mode, fed bytes.
+"""The sans-I/O frame reader (`paramsync.runtime.protocol.frame_reader`): every read rule of every
+TCP mode, fed bytes.
 
 A hypothesis state machine writes authenticated frames (control messages, bulk tensors of
 every size, empty tensors inline), delivers the stream split at random points (through the
@@ -23,9 +23,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
-from runtime.protocol.frame_auth import FrameOpener, FrameSealer
-from runtime.protocol.frame_reader import (
+from paramsync.runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError
+from paramsync.runtime.protocol.frame_auth import FrameOpener, FrameSealer
+from paramsync.runtime.protocol.frame_reader import (
     BUFFER_SIZE,
     CONTROL_DUE,
     Frame,
@@ -35,8 +35,8 @@ from runtime.protocol.frame_reader import (
     Placement,
     Scratch,
 )
-from runtime.protocol.limits import PEEK_SIZE
-from runtime.protocol.wire import (
+from paramsync.runtime.protocol.limits import PEEK_SIZE
+from paramsync.runtime.protocol.wire import (
     PREFIX_SIZE,
     TRAILER_SIZE,
     decode_head,

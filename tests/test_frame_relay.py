@@ -1,5 +1,5 @@
 """An on-path relay holding no secret, between a worker and the coordinator or between two
-ranks (`runtime.testing.relay.FrameRelay`), against frame authentication (issue 18 row 1).
+ranks (`paramsync.runtime.testing.relay.FrameRelay`), against frame authentication (issue 18 row 1).
 
 The relay passes the handshake through, then (a) injects a forged ``abort``, (b) flips a byte
 in a bulk gradient frame of the TCP ring, (c) drops, replays or reorders a frame. Every time
@@ -19,13 +19,13 @@ import pytest
 import torch
 import trio
 
-from runtime.collectives.ring import all_reduce
-from runtime.coordinator.service import Coordinator
-from runtime.errors import FrameAuthenticationError, PeerClosed, ProtocolError, pick_error
-from runtime.protocol.frame_auth import frame_session
-from runtime.protocol.handshake import Identity
-from runtime.protocol.wire import encode_frame
-from runtime.testing.relay import (
+from paramsync.runtime.collectives.ring import all_reduce
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.errors import FrameAuthenticationError, PeerClosed, ProtocolError, pick_error
+from paramsync.runtime.protocol.frame_auth import frame_session
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.protocol.wire import encode_frame
+from paramsync.runtime.testing.relay import (
     TO_DIALER,
     TO_LISTENER,
     Attack,
@@ -37,7 +37,7 @@ from runtime.testing.relay import (
     Swap,
     relayed_pair,
 )
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, dial
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, dial
 
 SECRET = b"relay-test-secret-0123456789"
 SECONDS = 30
@@ -135,8 +135,8 @@ async def test_a_flipped_byte_in_a_gradient_frame_is_refused_never_reduced(
     """The relay flips one byte of the first bulk frame toward rank 0 (a part it reduces
     into its own): rank 0 refuses the frame, naming rank 1, and no element of its tensor
     holds a sum with the altered bytes (1 + 2 = 3 or its own 1, nothing else). The blocking
-    path checks a bulk slice by slice as it lands (`runtime.transport.tcp._MAC_SLICE`): a flip
-    in its first slice or in its last is refused alike."""
+    path checks a bulk slice by slice as it lands (`paramsync.runtime.transport.tcp._MAC_SLICE`): a
+    flip in its first slice or in its last is refused alike."""
     attack = FlipBulk(TO_LISTENER, nth=0, offset=offset)
     elements = 1 << 20  # 4 MiB: two ring segments of 2 MiB, parts of 1 MiB
     tensors = [torch.full((elements,), 1.0), torch.full((elements,), 2.0)]
@@ -195,7 +195,7 @@ async def test_a_dropped_replayed_or_reordered_frame_is_refused(
 
 
 def _signal(step: int) -> bytes:
-    from runtime.protocol.wire import encode_frame_bytes
+    from paramsync.runtime.protocol.wire import encode_frame_bytes
 
     return encode_frame_bytes("commit", {"epoch": 1, "step": step})
 

@@ -1,11 +1,11 @@
 """Fuzz it yourself: the public strategies, the hostile-peer machine and ``paramsync fuzz``.
 
-``paramsync fuzz`` runs as a user runs it (``python -m runtime.cli.main fuzz``) against a live
-coordinator daemon and a live worker's rendezvous listener (``paramsync allreduce`` rank 0
-waiting for rank 1), with and without the secret, for a bounded number of examples: no
-failure, memory within the bound. A coordinator whose core is wrapped to act on a report from
-a peer that never joined (`runtime.testing.faults.forged_report_core`) is caught, and the
-minimal example printed.
+``paramsync fuzz`` runs as a user runs it (``python -m paramsync.runtime.cli.main fuzz``) against a
+live coordinator daemon and a live worker's rendezvous listener (``paramsync allreduce`` rank 0
+waiting for rank 1), with and without the secret, for a bounded number of examples: no failure,
+memory within the bound. A coordinator whose core is wrapped to act on a report from a peer that
+never joined (`paramsync.runtime.testing.faults.forged_report_core`) is caught, and the minimal
+example printed.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import FrameAuthenticationError, ProtocolError
-from runtime.protocol.frame_auth import frame_session
-from runtime.protocol.messages import KINDS
-from runtime.protocol.wire import (
+from paramsync.runtime.errors import FrameAuthenticationError, ProtocolError
+from paramsync.runtime.protocol.frame_auth import frame_session
+from paramsync.runtime.protocol.messages import KINDS
+from paramsync.runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     PREFIX_SIZE,
     decode_frame,
@@ -34,8 +34,8 @@ from runtime.protocol.wire import (
     encode_frame_bytes,
     parse_prefix,
 )
-from runtime.testing.hostile import check_deployment, check_target
-from runtime.testing.strategies import (
+from paramsync.runtime.testing.hostile import check_deployment, check_target
+from paramsync.runtime.testing.strategies import (
     DTYPE_NAMES,
     Frame,
     hostile_frames,
@@ -46,12 +46,12 @@ from runtime.testing.strategies import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "runtime.cli.main"]
+CLI = [sys.executable, "-m", "paramsync.runtime.cli.main"]
 SECRET = "fuzz-test-secret-" + "a1B2c3D4e5F6g7H8"
 BROKEN_COORDINATOR = (
     "import sys\n"
-    "from runtime.testing.faults import forged_report_core\n"
-    "from runtime.cli.main import main\n"
+    "from paramsync.runtime.testing.faults import forged_report_core\n"
+    "from paramsync.runtime.cli.main import main\n"
     "sys.exit(main(sys.argv[1:], coordinator_core=forged_report_core('finished')))\n"
 )
 
@@ -126,7 +126,7 @@ def _same_width(tensor):
 
 
 def test_tensors_cover_every_dtype_the_wire_carries() -> None:
-    from runtime.protocol.wire import DTYPE_TAGS
+    from paramsync.runtime.protocol.wire import DTYPE_TAGS
 
     assert sorted(str(d).removeprefix("torch.") for d in DTYPE_TAGS) == sorted(DTYPE_NAMES)
     assert "coll" in KINDS
@@ -325,12 +325,12 @@ def test_check_deployment_from_a_users_suite(coordinator: int) -> None:
 def test_fuzz_without_hypothesis_says_how_to_install_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from runtime.cli.main import main
+    from paramsync.runtime.cli.main import main
 
     for name in list(sys.modules):
         if name.split(".")[0] == "hypothesis" or name in (
-            "runtime.testing.hostile",
-            "runtime.testing.strategies",
+            "paramsync.runtime.testing.hostile",
+            "paramsync.runtime.testing.strategies",
         ):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "hypothesis", None)

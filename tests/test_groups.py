@@ -21,12 +21,12 @@ from conftest import GROUP_KINDS, bitwise_equal, open_group, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.collectives.groups import ProcessGroup, group_name, new_group
-from runtime.collectives.ring import all_gather, all_reduce, broadcast
-from runtime.errors import CollectiveError, ProtocolError
-from runtime.transport.base import Transport
-from runtime.transport.tcp import TcpTransport
-from runtime.transport.tls import TlsConfig
+from paramsync.runtime.collectives.groups import ProcessGroup, group_name, new_group
+from paramsync.runtime.collectives.ring import all_gather, all_reduce, broadcast
+from paramsync.runtime.errors import CollectiveError, ProtocolError
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.tcp import TcpTransport
+from paramsync.runtime.transport.tls import TlsConfig
 
 SETTINGS = {
     "inproc": settings(

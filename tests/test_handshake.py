@@ -3,9 +3,8 @@ listener under hostile input.
 
 Sans-I/O tests pass every message through the real codec (encode, then decode under the
 handshake's frame cap), so they exercise exactly what would cross the wire. TCP tests drive
-``runtime.transport.tcp.accept``/``dial`` (and ``_serve_until``, the rendezvous' accept loop) on
-loopback,
-always under ``trio.fail_after`` so a hang is a failure.
+``paramsync.runtime.transport.tcp.accept``/``dial`` (and ``_serve_until``, the rendezvous' accept
+loop) on loopback, always under ``trio.fail_after`` so a hang is a failure.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import trio
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from runtime.errors import (
+from paramsync.runtime.errors import (
     AuthenticationError,
     FrameTooLarge,
     HandshakeError,
@@ -31,7 +30,7 @@ from runtime.errors import (
     ProtocolError,
     ReplayedHandshake,
 )
-from runtime.protocol.handshake import (
+from paramsync.runtime.protocol.handshake import (
     NONCE_SIZE,
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -43,13 +42,13 @@ from runtime.protocol.handshake import (
     load_secret,
     stretch_secret,
 )
-from runtime.protocol.wire import (
+from paramsync.runtime.protocol.wire import (
     HANDSHAKE_MAX_FRAME,
     PROTOCOL_VERSION,
     decode_frame,
     encode_frame_bytes,
 )
-from runtime.transport import tcp
+from paramsync.runtime.transport import tcp
 
 SECRET = b"correct horse battery staple"
 OTHER_SECRET = b"incorrect donkey battery staple"
@@ -548,10 +547,9 @@ async def play_hostile_client(
 
 
 async def serve_and_judge(clients: list[tuple[list[bytes | str], bool]]) -> list[Any]:
-    """A listener serving with runtime.transport.tcp.accept in a loop that logs refusals and
-    continues,
-    as the rendezvous does. The hostile clients connect one after the other, then a good dialer
-    joins on the same listener. Returns every accept outcome in order of completion."""
+    """A listener serving with paramsync.runtime.transport.tcp.accept in a loop that logs refusals
+    and continues, as the rendezvous does. The hostile clients connect one after the other, then a
+    good dialer joins on the same listener. Returns every accept outcome in order of completion."""
     listener, address = await open_listener()
     outcomes: list[Any] = []
     all_judged = trio.Event()

@@ -29,10 +29,10 @@ import cpace_spec
 import pytest
 import trio
 
-from runtime.cli.main import main as cli_main
-from runtime.coordinator.service import Coordinator
-from runtime.errors import AuthenticationError, HandshakeError
-from runtime.protocol.handshake import (
+from paramsync.runtime.cli.main import main as cli_main
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.errors import AuthenticationError, HandshakeError
+from paramsync.runtime.protocol.handshake import (
     NONCE_SIZE,
     SECRET_FILE_ENV,
     SECRET_MIN_BITS,
@@ -47,8 +47,8 @@ from runtime.protocol.handshake import (
     secret_strength_bits,
     stretch_secret,
 )
-from runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
-from runtime.transport import tcp
+from paramsync.runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
+from paramsync.runtime.transport import tcp
 
 ROOT = Path(__file__).resolve().parent.parent
 WEAK_SECRET = b"password12345678"
@@ -398,7 +398,7 @@ def test_paramsync_secret_prints_a_fresh_random_secret(capsys: pytest.CaptureFix
 
 def test_paramsync_secret_as_a_command() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "runtime.cli.main", "secret"],
+        [sys.executable, "-m", "paramsync.runtime.cli.main", "secret"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -497,7 +497,7 @@ def test_made_secrets_and_ordinary_passphrases_are_strong_enough() -> None:
 def test_the_daemons_refuse_a_weak_secret_with_one_line_and_exit_code_2() -> None:
     env = dict(os.environ, PARAMSYNC_SECRET="x" * 32)
     done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli.main", "coordinator", "--world-size", "2"],
+        [sys.executable, "-m", "paramsync.runtime.cli.main", "coordinator", "--world-size", "2"],
         env=env,
         capture_output=True,
         text=True,

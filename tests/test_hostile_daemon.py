@@ -1,11 +1,11 @@
 """Hostile input against a running coordinator daemon over TCP while real workers train.
 
-A coordinator (``python -m runtime.cli.main coordinator``) and two LM-job workers run as processes;
-the test process attacks the coordinator's port with the attacks of ``benchmarks/hostile.py``
-(strangers, garbage, a 4 GiB length prefix, wrong secrets, an offline guesser, a replayed
-handshake, a slow drip, a connection flood over the cap). Every attack must be refused with a
-log line naming the attacker's address and the reason, the daemon must keep serving, and the
-training must finish with exit code 0 and the same state digest on both workers.
+A coordinator (``python -m paramsync.runtime.cli.main coordinator``) and two LM-job workers run as
+processes; the test process attacks the coordinator's port with the attacks of
+``benchmarks/hostile.py`` (strangers, garbage, a 4 GiB length prefix, wrong secrets, an offline
+guesser, a replayed handshake, a slow drip, a connection flood over the cap). Every attack must be
+refused with a log line naming the attacker's address and the reason, the daemon must keep serving,
+and the training must finish with exit code 0 and the same state digest on both workers.
 
 Garbage after a valid handshake needs a free rank, so it runs against a second coordinator
 whose rank 1 the test takes itself before the real workers start.
@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 import trio
 
-from runtime.errors import PeerClosed
-from runtime.protocol.handshake import Identity
-from runtime.transport.tcp import DEFAULT_GROUP, dial
+from paramsync.runtime.errors import PeerClosed
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, dial
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "runtime.cli.main"]
+CLI = [sys.executable, "-m", "paramsync.runtime.cli.main"]
 
 
 def _load_bench() -> ModuleType:
@@ -245,9 +245,9 @@ def test_garbage_after_a_valid_handshake_is_dropped_naming_the_rank(tmp_path: Pa
 
 def lm_signature() -> list[list[Any]]:
     """The join message's ``params`` of the LM job as `hostile.LiveRun` runs it."""
-    from actors.demo_job.corpus import load_char_dataset
-    from actors.demo_job.model import CharTransformer
-    from runtime.coordinator.events import model_signature
+    from paramsync.actors.demo_job.corpus import load_char_dataset
+    from paramsync.actors.demo_job.model import CharTransformer
+    from paramsync.runtime.coordinator.events import model_signature
 
     flags = dict(zip(hostile.JOB_ARGS[::2], hostile.JOB_ARGS[1::2]))
     context, d_model = int(flags["--context"]), int(flags["--d-model"])

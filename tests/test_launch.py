@@ -1,7 +1,7 @@
 """``paramsync`` as a user runs it: real processes, real sockets, exit codes and messages.
 
-The CLI runs as ``python -m runtime.cli.main`` from the repository root, so the tests need no
-installed console script. Every process has a timeout well under 30 s.
+The CLI runs as ``python -m paramsync.runtime.cli.main`` from the repository root, so the tests need
+no installed console script. Every process has a timeout well under 30 s.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cli.launch import LaunchPlan
-from runtime.cli.main import build_parser
-from runtime.config import ADVERTISE_ENV, advertised_host
+from paramsync.runtime.cli.launch import LaunchPlan
+from paramsync.runtime.cli.main import build_parser
+from paramsync.runtime.config import ADVERTISE_ENV, advertised_host
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "runtime.cli.main"]
+CLI = [sys.executable, "-m", "paramsync.runtime.cli.main"]
 
 
 def run_cli(
@@ -71,7 +71,7 @@ def test_launch_trains_the_lm_job_and_merges_identical_summaries(tmp_path: Path)
         str(merged_path),
         "--",
         "-m",
-        "actors.demo_job.job",
+        "paramsync.actors.demo_job.job",
         "--steps",
         "3",
         "--batch-size",
@@ -358,9 +358,10 @@ def test_the_launcher_the_command_line_and_the_coordinator_import_no_torch() -> 
     # before any worker joins; importing torch first (1.2 s and 220 MB on this machine, and a
     # heavier exit) delayed every run. Only a worker needs torch.
     code = (
-        "import sys; from runtime.cli.main import build_parser; import runtime.cli.launch; "
-        "import runtime.cli.daemons, runtime.coordinator.service; "
-        "import runtime; runtime.ParamsyncError; runtime.Coordinator; "
+        "import sys; from paramsync.runtime.cli.main import build_parser; "
+        "import paramsync.runtime.cli.launch; "
+        "import paramsync.runtime.cli.daemons, paramsync.runtime.coordinator.service; "
+        "from paramsync import runtime; runtime.ParamsyncError; runtime.Coordinator; "
         "build_parser(job_flags=False).parse_args(['launch', '--nproc', '2', '--', 'x.py']); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
@@ -372,8 +373,8 @@ def test_the_launcher_the_command_line_and_the_coordinator_import_no_torch() -> 
 
 
 def test_the_lazy_package_names_resolve_to_their_modules() -> None:
-    import runtime
-    from runtime.coordinator.service import Coordinator
+    from paramsync import runtime
+    from paramsync.runtime.coordinator.service import Coordinator
 
     assert runtime.Coordinator is Coordinator
     assert sorted(runtime.__all__) == sorted(runtime._WHERE)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
-    return grimp.build_graph("runtime", "actors")
+    return grimp.build_graph("paramsync")
 
 
 def test_no_module_imports_one_that_imports_it_back(graph: grimp.ImportGraph) -> None:
@@ -34,8 +34,8 @@ def test_no_module_imports_one_that_imports_it_back(graph: grimp.ImportGraph) ->
 
 
 def test_the_engine_never_imports_the_worker(graph: grimp.ImportGraph) -> None:
-    arrows = graph.find_matching_direct_imports(import_expression="runtime.** -> actors.**")
-    arrows += graph.find_matching_direct_imports(import_expression="runtime -> actors.**")
+    arrows = graph.find_matching_direct_imports(import_expression="paramsync.runtime.** -> paramsync.actors.**")
+    arrows += graph.find_matching_direct_imports(import_expression="paramsync.runtime -> paramsync.actors.**")
     assert not arrows, f"runtime imports actors: {arrows}"
 
 
@@ -49,10 +49,10 @@ def test_the_layer_contracts_hold() -> None:
 
 
 SANS_IO = (
-    "runtime.protocol",
-    "runtime.parallel",
-    "runtime.coordinator.core",
-    "actors.client.protocol",
+    "paramsync.runtime.protocol",
+    "paramsync.runtime.parallel",
+    "paramsync.runtime.coordinator.core",
+    "paramsync.actors.client.protocol",
 )
 """The sans-I/O cores every test drives without a network: each must reach no trio, socket or
 threading, through any chain of imports (function-level ones included)."""
@@ -68,18 +68,20 @@ def test_the_sans_io_contract_covers_the_cores_and_bites() -> None:
     assert set(contract["forbidden_modules"]) == {"trio", "socket", "threading"}
     assert set(SANS_IO) <= set(contract["source_modules"])
     core_parts = {
-        f"runtime.coordinator.{path.stem}"
+        f"paramsync.runtime.coordinator.{path.stem}"
         for path in (ROOT / "runtime" / "coordinator").glob("*.py")
         if path.stem not in ("__init__", "service")
     }
     assert core_parts <= set(contract["source_modules"]), core_parts - set(
         contract["source_modules"]
     )
-    graph = grimp.build_graph("runtime", "actors", include_external_packages=True)
+    graph = grimp.build_graph("paramsync", include_external_packages=True)
     for source in contract["source_modules"]:
         for banned in contract["forbidden_modules"]:
             chain = graph.find_shortest_chains(importer=source, imported=banned)
             assert not chain, f"{source} reaches {banned}: {chain}"
     # The same query finds the shells' I/O, so the check above is not vacuous.
-    assert graph.find_shortest_chains(importer="runtime.coordinator.service", imported="trio")
-    assert graph.find_shortest_chains(importer="runtime.transport.tcp", imported="socket")
+    assert graph.find_shortest_chains(
+        importer="paramsync.runtime.coordinator.service", imported="trio"
+    )
+    assert graph.find_shortest_chains(importer="paramsync.runtime.transport.tcp", imported="socket")

@@ -19,18 +19,18 @@ import torch
 import trio
 from torch import nn
 
-from actors.client.client import CoordinatorClient, RunAborted
-from actors.state.digest import state_digest
-from actors.train.trainer import DistributedTrainer
-from actors.train.worker import train_in_process
-from runtime.collectives.mesh import init_device_mesh
-from runtime.collectives.ring import all_reduce, broadcast
-from runtime.coordinator.events import bucket_spec, model_signature
-from runtime.coordinator.service import RunFailed
-from runtime.parallel.run_layout import parallel_layout
-from runtime.protocol.messages import Go, ParallelLayout
-from runtime.transport.base import Transport
-from runtime.transport.link import MemoryLink
+from paramsync.actors.client.client import CoordinatorClient, RunAborted
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.collectives.mesh import init_device_mesh
+from paramsync.runtime.collectives.ring import all_reduce, broadcast
+from paramsync.runtime.coordinator.events import bucket_spec, model_signature
+from paramsync.runtime.coordinator.service import RunFailed
+from paramsync.runtime.parallel.run_layout import parallel_layout
+from paramsync.runtime.protocol.messages import Go, ParallelLayout
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.link import MemoryLink
 from tests.coordinated_run import run_with_coordinator
 
 SHAPE = {"dp": 2, "tp": 2}

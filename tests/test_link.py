@@ -1,5 +1,5 @@
-"""Control links (`runtime.transport.link`): `Link.wait_readable` over an in-process pair and over
-TCP.
+"""Control links (`paramsync.runtime.transport.link`): `Link.wait_readable` over an in-process pair
+and over TCP.
 
 A reader that waits for readability can stop waiting (its reads deferred) without touching
 the stream, so each test checks that a cancelled wait loses no message and that the waits
@@ -16,9 +16,9 @@ import pytest
 import trio
 import trio.testing
 
-from runtime.errors import PeerClosed
-from runtime.transport.link import Link, MemoryLink
-from runtime.transport.tcp import TcpTransport
+from paramsync.runtime.errors import PeerClosed
+from paramsync.runtime.transport.link import Link, MemoryLink
+from paramsync.runtime.transport.tcp import TcpTransport
 
 LINK_KINDS = ("memory", "tcp")
 

@@ -1,5 +1,5 @@
-"""``make demo-lora`` (`actors.demo_job.lora_demo`) end to end with tiny settings: 2 processes x
-2 CPU devices fine-tune peft LoRA adapters of a frozen character transformer.
+"""``make demo-lora`` (`paramsync.actors.demo_job.lora_demo`) end to end with tiny settings: 2
+processes x 2 CPU devices fine-tune peft LoRA adapters of a frozen character transformer.
 
 What the demo claims, checked from its workers' reports: the adapters' gradients are averaged
 (every replica of every process ends with the same adapters, and they moved from their initial
@@ -28,7 +28,7 @@ def test_demo_lora_averages_the_adapters_and_leaves_the_base_frozen(tmp_path: Pa
     from safetensors.torch import load_file
 
     out = tmp_path / "demo-lora"
-    command = [sys.executable, "-m", "actors.demo_job.lora_demo", "--pretrain-steps", "3"]
+    command = [sys.executable, "-m", "paramsync.actors.demo_job.lora_demo", "--pretrain-steps", "3"]
     command += ["--steps", "16", "--batch-size", "8", "--corpus-bytes", "200000"]
     command += ["--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

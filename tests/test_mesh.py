@@ -13,16 +13,16 @@ from conftest import GROUP_KINDS, open_group, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.collectives.mesh import (
+from paramsync.runtime.collectives.mesh import (
     DeviceMesh,
     init_device_mesh,
     mesh_coordinates,
     mesh_groups,
     mesh_rank,
 )
-from runtime.collectives.ring import all_reduce
-from runtime.errors import CollectiveError
-from runtime.transport.base import Transport
+from paramsync.runtime.collectives.ring import all_reduce
+from paramsync.runtime.errors import CollectiveError
+from paramsync.runtime.transport.base import Transport
 
 MEGATRON = ((4, 2, 2), ("pp", "dp", "tp"))
 """16 ranks, tp=2, pp=4 (so dp=2), Megatron's default order (tp fastest, then dp, then pp)."""

@@ -1,6 +1,6 @@
-"""The message declarations of `runtime.protocol.messages` and the generic codec of
-`runtime.protocol.schema`: every kind round-trips, every bad field is refused naming the kind,
-the field and the peer, and the kind table is the closed set of declared kinds."""
+"""The message declarations of `paramsync.runtime.protocol.messages` and the generic codec of
+`paramsync.runtime.protocol.schema`: every kind round-trips, every bad field is refused naming the
+kind, the field and the peer, and the kind table is the closed set of declared kinds."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runtime
-import runtime.cli.main
-import runtime.testing.fault_trials  # noqa: F401
-from runtime.errors import ProtocolError
-from runtime.protocol import messages
-from runtime.protocol.messages import (
+import paramsync.runtime.cli.main
+import paramsync.runtime.testing.fault_trials  # noqa: F401
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol import messages
+from paramsync.runtime.protocol.messages import (
     COORDINATOR_KINDS,
     KINDS,
     WORKER_KINDS,
@@ -35,7 +34,7 @@ from runtime.protocol.messages import (
     message_from_wire,
     validate_message,
 )
-from runtime.protocol.schema import (
+from paramsync.runtime.protocol.schema import (
     PROTOCOL_VERSION,
     Bytes,
     Either,
@@ -50,8 +49,8 @@ from runtime.protocol.schema import (
     encode,
     schema,
 )
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
-from runtime.testing.strategies import instances, key_types, wire_fields
+from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes
+from paramsync.runtime.testing.strategies import instances, key_types, wire_fields
 
 KIND_NAMES = sorted(KINDS)
 PEER = 7

@@ -17,21 +17,21 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from actors.train.trainer import TrainerOptions
-from actors.train.worker import join_run
-from runtime.cli.main import build_parser
-from runtime.config import DistributedConfig
-from runtime.coordinator.events import Disconnected, Tick
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.observe.metrics import (
+from paramsync.actors.train.trainer import TrainerOptions
+from paramsync.actors.train.worker import join_run
+from paramsync.runtime.cli.main import build_parser
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.events import Disconnected, Tick
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.observe.metrics import (
     METRICS_PORT_ENV,
     Metrics,
     MetricsTrace,
     metrics_port_from_env,
     serve_metrics,
 )
-from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Joined
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.protocol.messages import Joined
 
 SECRET = "metrics-tests-secret"
 SIG = (("w", (2, 3), "float32", True),)

@@ -36,21 +36,21 @@ import torch
 import trio
 from torch import nn
 
-from actors.graph.precision import GRAD_SCALER_DIGEST_ENTRY, MixedPrecision
-from actors.state.checkpoint import CheckpointStore
-from actors.state.training_state import (
+from paramsync.actors.graph.precision import GRAD_SCALER_DIGEST_ENTRY, MixedPrecision
+from paramsync.actors.state.checkpoint import CheckpointStore
+from paramsync.actors.state.training_state import (
     StateMismatch,
     capture_state,
     restore_state,
     saved_grad_scaler,
 )
-from actors.train.state_moves import receive_training_state, send_training_state
-from actors.train.state_transfer import receive_state, send_state
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.coordinator.service import CoordinatorOptions
-from runtime.errors import ProtocolError
-from runtime.transport.base import InProcessTransport
+from paramsync.actors.train.state_moves import receive_training_state, send_training_state
+from paramsync.actors.train.state_transfer import receive_state, send_state
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.coordinator.service import CoordinatorOptions
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.transport.base import InProcessTransport
 
 RUN_SECONDS = 60.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""

@@ -1,4 +1,5 @@
-"""Tests for actors.demo_job.model: shapes, causality, seeded determinism, and that it learns."""
+"""Tests for paramsync.actors.demo_job.model: shapes, causality, seeded determinism, and that it
+learns."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from actors.demo_job.model import CharTransformer
+from paramsync.actors.demo_job.model import CharTransformer
 
 
 @pytest.fixture(autouse=True)

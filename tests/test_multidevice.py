@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors import DataParallelCoordinator
-from actors.multidevice import ReplicaDivergedError, ReplicaError, TooFewSamplesError
-from actors.multidevice.sharding import shard_sizes, split_batch
+from paramsync.actors import DataParallelCoordinator
+from paramsync.actors.multidevice import ReplicaDivergedError, ReplicaError, TooFewSamplesError
+from paramsync.actors.multidevice.sharding import shard_sizes, split_batch
 
 LAYERS = 3
 
@@ -253,7 +253,7 @@ def test_cuda_replicas_match_cpu_within_tolerance() -> None:
 def test_a_closed_pool_leaves_the_process_thread_count_as_it_found_it() -> None:
     """torch's intra-op thread count is process-wide: the replica threads set theirs, and the
     pool puts the count it found back when it closes (a leak changed later code's arithmetic)."""
-    from actors.multidevice.threads import ReplicaThreads
+    from paramsync.actors.multidevice.threads import ReplicaThreads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -16,9 +16,9 @@ import pytest
 import torch
 import trio
 
-from actors import DataParallelCoordinator, DistributedTrainer, TrainerOptions
-from actors.multidevice import ReplicatedOptimizer
-from actors.train.worker import train_in_process
+from paramsync.actors import DataParallelCoordinator, DistributedTrainer, TrainerOptions
+from paramsync.actors.multidevice import ReplicatedOptimizer
+from paramsync.actors.train.worker import train_in_process
 
 STEPS = 6
 PER_PROCESS = 5  # shards of 3 and 2 on the two devices: the in-process weighting matters
@@ -122,7 +122,7 @@ async def test_two_processes_of_two_devices_equal_one_process_on_the_whole_batch
 
 
 def test_the_trainer_refuses_what_the_seam_does_not_support() -> None:
-    from actors.train.trainer import _replicas_of
+    from paramsync.actors.train.trainer import _replicas_of
 
     with DataParallelCoordinator(lambda: build(1), adam, loss_fn, ["cpu", "cpu"]) as dp:
         optimizer = ReplicatedOptimizer(dp)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors import DataParallelCoordinator
+from paramsync.actors import DataParallelCoordinator
 
 peft = pytest.importorskip("peft")
 
@@ -101,7 +101,7 @@ def test_lora_replicas_average_only_adapters_and_match_one_replica(
 
 
 def test_the_demos_adapter_state_is_only_the_adapters_and_its_digest_sees_every_bit() -> None:
-    from actors.demo_job.lora_job import adapter_state, digest_of
+    from paramsync.actors.demo_job.lora_job import adapter_state, digest_of
 
     model = lora_model(3, 4, ("up", "down"))
     state = adapter_state(model)

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from actors.multidevice import DataParallelCoordinator, ReplicaDivergedError, ReplicaError
-from actors.multidevice.relay import UpdateRelay
+from paramsync.actors.multidevice import DataParallelCoordinator, ReplicaDivergedError, ReplicaError
+from paramsync.actors.multidevice.relay import UpdateRelay
 
 
 def model() -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Real multi-host runs on one machine: ranks in Linux network namespaces on a bridge.
 
-Each namespace is a host (`runtime.testing.netns`): its own network stack and address, the
+Each namespace is a host (`paramsync.runtime.testing.netns`): its own network stack and address, the
 kernel and ``/dev/shm`` shared with the others. The runs use ``paramsync launch --nnodes``,
 one launcher per namespace, on `multihost_job` (a small MLP whose gradient buckets take the
 ring), and compare with one process training on the whole batch. Skipped, with the reason,
@@ -25,7 +25,7 @@ import multihost_job as job
 import pytest
 import torch
 
-from runtime.testing.netns import Shaping, VirtualHost, unavailable_reason, virtual_hosts
+from paramsync.runtime.testing.netns import Shaping, VirtualHost, unavailable_reason, virtual_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(job.__file__).resolve()
@@ -64,7 +64,7 @@ class Run:
         return proc
 
     def launch(self, name: str, host: VirtualHost, flags: list[str], job_args: list[str]) -> None:
-        argv = [sys.executable, "-m", "runtime.cli.main", "launch", *flags]
+        argv = [sys.executable, "-m", "paramsync.runtime.cli.main", "launch", *flags]
         self.start(name, host, [*argv, "--", str(JOB), str(self.out), *job_args])
 
     def logs(self) -> str:
@@ -189,7 +189,7 @@ def test_the_coordinator_on_its_own_host_restarted_the_run_finishes(tmp_path: Pa
     with virtual_hosts(3) as (a, b, c), run_in(tmp_path) as run:
         bind = f"{c.address}:{PORT}"
         daemon = [
-            sys.executable, "-m", "runtime.cli.main", "coordinator", "--world-size", "4",
+            sys.executable, "-m", "paramsync.runtime.cli.main", "coordinator", "--world-size", "4",
             "--bind", bind, "--heartbeat-deadline", "5",
         ]  # fmt: skip
         run.start("coordinator", c, daemon)

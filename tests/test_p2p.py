@@ -17,11 +17,11 @@ from conftest import GROUP_KINDS, TRANSPORT_KINDS, open_group, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.collectives.groups import new_group
-from runtime.collectives.p2p import irecv, isend, recv, recv_on_links, send, send_on_links
-from runtime.collectives.ring import all_reduce
-from runtime.errors import CollectiveError, ProtocolError
-from runtime.transport.base import Transport
+from paramsync.runtime.collectives.groups import new_group
+from paramsync.runtime.collectives.p2p import irecv, isend, recv, recv_on_links, send, send_on_links
+from paramsync.runtime.collectives.ring import all_reduce
+from paramsync.runtime.errors import CollectiveError, ProtocolError
+from paramsync.runtime.transport.base import Transport
 
 SETTINGS = {
     "inproc": settings(

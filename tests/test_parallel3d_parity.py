@@ -1,4 +1,5 @@
-"""The 3D trainer (`actors.parallel.trainer3d.Trainer3D`) against one process, and its checks.
+"""The 3D trainer (`paramsync.actors.parallel.trainer3d.Trainer3D`) against one process, and its
+checks.
 
 Every parity case trains the same small transformer (`ModelSpec`: 4 layers, d_model 16, 2
 heads, vocabulary 16, dropout 0) for 5 optimizer steps (SGD with momentum: see
@@ -38,15 +39,15 @@ import torch
 import trio
 from conftest import open_group
 
-from actors.parallel.dense_transformer import DenseTransformer
-from actors.parallel.layout_check import LayoutDisagreement
-from actors.parallel.replica_check import ShardReplicasDiverged
-from actors.parallel.shard_model import ModelSpec
-from actors.parallel.tensor_parallel.layers import is_tensor_parallel, partition_range
-from actors.parallel.trainer3d import Trainer3D
-from runtime.collectives.groups import NativeProcessGroup
-from runtime.parallel.config import ParallelismConfig
-from runtime.transport.base import Transport
+from paramsync.actors.parallel.dense_transformer import DenseTransformer
+from paramsync.actors.parallel.layout_check import LayoutDisagreement
+from paramsync.actors.parallel.replica_check import ShardReplicasDiverged
+from paramsync.actors.parallel.shard_model import ModelSpec
+from paramsync.actors.parallel.tensor_parallel.layers import is_tensor_parallel, partition_range
+from paramsync.actors.parallel.trainer3d import Trainer3D
+from paramsync.runtime.collectives.groups import NativeProcessGroup
+from paramsync.runtime.parallel.config import ParallelismConfig
+from paramsync.runtime.transport.base import Transport
 
 STEPS = 5
 MICRO_BATCH = 2

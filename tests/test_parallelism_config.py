@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runtime
-from runtime.errors import ConfigError
-from runtime.parallel.config import (
+from paramsync import runtime
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.parallel.config import (
     DEFAULT_INTERLEAVED_CHUNKS,
     ENV_VARS,
     CommBackend,
@@ -143,7 +143,7 @@ def test_defaults_alias_enums_and_mesh() -> None:
 
 
 def test_mesh_shape_lays_tp_fastest() -> None:
-    from runtime.collectives.mesh import mesh_groups
+    from paramsync.runtime.collectives.mesh import mesh_groups
 
     config = ParallelismConfig(dp_size=2, tp_size=2, pp_size=4)
     groups = mesh_groups(config.mesh_shape(), config.mesh_names(), "dp")
@@ -287,7 +287,7 @@ def test_the_config_accepts_exactly_the_layouts_the_schedule_generator_builds(
 ) -> None:
     """One rule set: ParallelismConfig refuses a schedule layout exactly when
     check_schedule_parameters does, and check_layers agrees with the generator's."""
-    from runtime.parallel import schedules
+    from paramsync.runtime.parallel import schedules
 
     try:
         schedules.check_schedule_parameters(kind, pp, m, v)

@@ -1,4 +1,4 @@
-"""Pipeline stages executing schedules (`actors.parallel.pipeline`) against one process.
+"""Pipeline stages executing schedules (`paramsync.actors.parallel.pipeline`) against one process.
 
 Every case trains a small transformer (embedding, encoder layers with dropout 0, head) for 5
 optimizer steps (SGD with momentum; `pipeline_fixtures.make_optimizer` says why not Adam) on the
@@ -38,15 +38,15 @@ from pipeline_fixtures import (
     transformer_blocks,
 )
 
-from actors.parallel.microbatch_grads import OrderedGradients
-from actors.parallel.pipeline import PipelineStage, split_microbatches
-from actors.parallel.pipeline_grads import new_embedding_group
-from actors.parallel.stages import rank_stages, split_blocks
-from runtime.collectives.mesh import init_device_mesh
-from runtime.errors import PeerClosed, ProtocolError, StallError
-from runtime.parallel.actions import Action, ActionKind
-from runtime.parallel.schedules import SCHEDULE_KINDS, build_schedule
-from runtime.transport.base import Transport
+from paramsync.actors.parallel.microbatch_grads import OrderedGradients
+from paramsync.actors.parallel.pipeline import PipelineStage, split_microbatches
+from paramsync.actors.parallel.pipeline_grads import new_embedding_group
+from paramsync.actors.parallel.stages import rank_stages, split_blocks
+from paramsync.runtime.collectives.mesh import init_device_mesh
+from paramsync.runtime.errors import PeerClosed, ProtocolError, StallError
+from paramsync.runtime.parallel.actions import Action, ActionKind
+from paramsync.runtime.parallel.schedules import SCHEDULE_KINDS, build_schedule
+from paramsync.runtime.transport.base import Transport
 
 STEPS = 5
 SHAPE = (MICRO_BATCH, SEQ, D_MODEL)
@@ -246,8 +246,8 @@ def test_over_tcp_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     def not_through_trio(*args: object, **kwargs: object) -> None:
         raise AssertionError("a message went through trio, not the lent links")
 
-    monkeypatch.setattr("actors.parallel.pipeline.isend", not_through_trio)
-    monkeypatch.setattr("actors.parallel.pipeline.recv", not_through_trio)
+    monkeypatch.setattr("paramsync.actors.parallel.pipeline.isend", not_through_trio)
+    monkeypatch.setattr("paramsync.actors.parallel.pipeline.recv", not_through_trio)
     lists = build_schedule("interleaved_1f1b", 2, 4, 2).actions
     reference, losses, results = _train(lists, pp=2, v=2, kind="tcp")
     _compare(reference, losses, results, exact=True)
@@ -536,7 +536,7 @@ def test_receive_buffers_are_held_only_for_messages_that_came(
     messages come, not all 8 when the step starts, so at every receive the walk makes the
     buffers allocated but not yet taken stay within 1F1B's in-flight bound (p = 2) plus the
     one each receiver waits on; the weights stay the reference's bits."""
-    import actors.parallel.pipeline as pipeline_module
+    import paramsync.actors.parallel.pipeline as pipeline_module
 
     m = 8
     lists = one_f_one_b(2, m)

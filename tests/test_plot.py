@@ -1,4 +1,4 @@
-"""Tests for runtime.observe.plot: a real PNG of the requested size, drawn curves, input
+"""Tests for paramsync.runtime.observe.plot: a real PNG of the requested size, drawn curves, input
 validation."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.observe.plot import write_loss_plot
+from paramsync.runtime.observe.plot import write_loss_plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 C0_BLUE = (0x1F, 0x77, 0xB4)  # matplotlib's first cycle colour

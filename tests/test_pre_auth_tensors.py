@@ -17,9 +17,9 @@ from pathlib import Path
 import cbor2
 import pytest
 
-from runtime.errors import ProtocolError
-from runtime.protocol.schema import PROTOCOL_VERSION
-from runtime.protocol.wire import decode_head, decode_item
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
+from paramsync.runtime.protocol.wire import decode_head, decode_item
 
 ROOT = Path(__file__).resolve().parent.parent
 INLINE = cbor2.CBORTag(40, [[1], cbor2.CBORTag(85, b"\x00\x00\x80\x3f")])

@@ -1,4 +1,5 @@
-"""Tests for runtime.observe.progress: in-place redraws on a TTY, periodic lines elsewhere.
+"""Tests for paramsync.runtime.observe.progress: in-place redraws on a TTY, periodic lines
+elsewhere.
 
 The line is tqdm's meter: its rate reads ``2.00step/s`` or ``4.00s/step`` and its ETA
 ``MM:SS`` (the hand-made bar this replaced wrote ``2 step/s`` and ``0:40``)."""
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from runtime.observe.progress import ProgressBar, format_metric
+from paramsync.runtime.observe.progress import ProgressBar, format_metric
 
 
 class FakeClock:

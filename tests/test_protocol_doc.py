@@ -24,12 +24,12 @@ import pytest
 import torch
 import trio
 
-from runtime.protocol.frame_auth import FrameSealer, direction_keys
-from runtime.protocol.handshake import Identity
-from runtime.protocol.messages import ShmHello
-from runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
-from runtime.transport import shm
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, accept, dial
+from paramsync.runtime.protocol.frame_auth import FrameSealer, direction_keys
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.protocol.messages import ShmHello
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
+from paramsync.runtime.transport import shm
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, accept, dial
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")

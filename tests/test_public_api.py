@@ -10,8 +10,7 @@ import importlib
 
 import pytest
 
-import actors
-import runtime
+from paramsync import actors, runtime
 
 SEED_NAMES = {
     runtime: {

@@ -216,7 +216,7 @@ def run(snippet: Snippet, tmp_path: Path, timeout: float) -> subprocess.Complete
     secret = "readme-snippets-test-secret-0123456789"
     env["PARAMSYNC_SECRET"] = secret
     if snippet.mode == "launch":
-        command = [sys.executable, "-m", "runtime.cli.main", "launch"]
+        command = [sys.executable, "-m", "paramsync.runtime.cli.main", "launch"]
         command += ["--nproc", str(snippet.count), "--", str(path)]
     else:
         command = [sys.executable, str(path)]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.state.checkpoint import CheckpointStore
-from actors.state.training_state import TrainingState
+from paramsync.actors.state.checkpoint import CheckpointStore
+from paramsync.actors.state.training_state import TrainingState
 
 JOB = ["--batch-size", "4", "--d-model", "16", "--layers", "1", "--heads", "2"]
 JOB += ["--context", "16", "--corpus-bytes", "65536", "--no-progress"]
@@ -23,8 +23,16 @@ def launch(tmp: Path, name: str, *flags: str) -> dict[str, object]:
     env = dict(os.environ, PARAMSYNC_SECRET="resume-test-secret")
     result = subprocess.run(
         [
-            *(sys.executable, "-m", "runtime.cli.main", "launch", "--nproc", "2"),
-            *("--summary-json", str(merged), "--", "-m", "actors.demo_job.job", *JOB, *flags),
+            *(sys.executable, "-m", "paramsync.runtime.cli.main", "launch", "--nproc", "2"),
+            *(
+                "--summary-json",
+                str(merged),
+                "--",
+                "-m",
+                "paramsync.actors.demo_job.job",
+                *JOB,
+                *flags,
+            ),
         ],
         env=env,
         capture_output=True,

@@ -27,16 +27,16 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim import lr_scheduler
 
-from actors.client.client import RunAborted
-from actors.state.checkpoint import CheckpointStore
-from actors.state.digest import state_digest
-from actors.state.training_state import StateMismatch, capture_state, restore_state
-from actors.train.state_transfer import receive_state, send_state
-from actors.train.sync import SyncTrainer
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.transport.base import InProcessTransport
-from runtime.transport.tcp import TcpTransport
+from paramsync.actors.client.client import RunAborted
+from paramsync.actors.state.checkpoint import CheckpointStore
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.state.training_state import StateMismatch, capture_state, restore_state
+from paramsync.actors.train.state_transfer import receive_state, send_state
+from paramsync.actors.train.sync import SyncTrainer
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.transport.base import InProcessTransport
+from paramsync.runtime.transport.tcp import TcpTransport
 
 RUN_SECONDS = 30.0
 STEPS = 6

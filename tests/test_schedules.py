@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from runtime.errors import ConfigError
-from runtime.parallel import (
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.parallel import (
     DEFAULT_COSTS,
     Action,
     ActionKind,
@@ -33,7 +33,7 @@ from runtime.parallel import (
     simulate,
     validate,
 )
-from runtime.parallel.lowering import transfers_of
+from paramsync.runtime.parallel.lowering import transfers_of
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 K = ActionKind

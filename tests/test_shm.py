@@ -1,7 +1,6 @@
-"""The shared-memory data plane (`runtime.transport.shm`): property tests against a float64
-reference and
-bitwise against the TCP ring, setup and fallback, cleanup of the segment, and failures that must
-end in a clear error, never a hang.
+"""The shared-memory data plane (`paramsync.runtime.transport.shm`): property tests against a
+float64 reference and bitwise against the TCP ring, setup and fallback, cleanup of the segment, and
+failures that must end in a clear error, never a hang.
 
 In-process groups are real TCP meshes with the plane attached; the multi-process tests start
 real worker processes on this host.
@@ -30,14 +29,19 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from test_collectives import REDUCE_DTYPES, check_identical, check_reduced, make_inputs, numels
 
-from runtime.collectives.ring import all_reduce, barrier
-from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
-from runtime.protocol.wire import decode_frame
-from runtime.transport import shm as shm_module
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.capabilities import SharedMemoryHolder
-from runtime.transport.shm import SHM_DIR, SharedMemoryPlane, attach_shared_memory, host_identity
-from runtime.transport.tcp import TcpTransport
+from paramsync.runtime.collectives.ring import all_reduce, barrier
+from paramsync.runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
+from paramsync.runtime.protocol.wire import decode_frame
+from paramsync.runtime.transport import shm as shm_module
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.capabilities import SharedMemoryHolder
+from paramsync.runtime.transport.shm import (
+    SHM_DIR,
+    SharedMemoryPlane,
+    attach_shared_memory,
+    host_identity,
+)
+from paramsync.runtime.transport.tcp import TcpTransport
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 24
@@ -318,8 +322,14 @@ def test_shm_imports_neither_tcp_nor_the_collectives() -> None:
     no transport module imports the collectives or anything else above it."""
     transport = ROOT / "runtime" / "transport"
     for name in ("shm.py", "capabilities.py", "segments.py", "base.py"):
-        assert "runtime.transport.tcp" not in imported_modules(transport / name), name
-    above = ("runtime.collectives", "runtime.actor", "runtime.coordinator", "runtime.cli", "actors")
+        assert "paramsync.runtime.transport.tcp" not in imported_modules(transport / name), name
+    above = (
+        "paramsync.runtime.collectives",
+        "paramsync.runtime.actor",
+        "paramsync.runtime.coordinator",
+        "paramsync.runtime.cli",
+        "paramsync.actors",
+    )
     for path in transport.glob("*.py"):
         wrong = [m for m in imported_modules(path) if m.startswith(above)]
         assert not wrong, f"{path.name} imports {wrong} from above the transport layer"
@@ -415,7 +425,7 @@ async def test_a_peer_that_closes_mid_all_reduce_is_named() -> None:
 _WORKER = r"""
 import json, os, sys, time
 import torch, trio
-from runtime import DistributedConfig, TcpTransport, all_reduce
+from paramsync.runtime import DistributedConfig, TcpTransport, all_reduce
 
 rank, world, port, loops = (int(arg) for arg in sys.argv[1:5])
 
@@ -530,7 +540,7 @@ def test_host_identity_names_the_network_namespace() -> None:
     """Ranks in two network namespaces of one kernel share /dev/shm but are two hosts."""
     mine = host_identity({})
     assert os.readlink("/proc/self/ns/net") in mine
-    script = "from runtime.transport.shm import host_identity; print(host_identity({}))"
+    script = "from paramsync.runtime.transport.shm import host_identity; print(host_identity({}))"
     same = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )

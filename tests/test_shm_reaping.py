@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.transport import shm
+from paramsync.runtime.transport import shm
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")
 

@@ -10,13 +10,14 @@ import pytest
 
 # Two threads take the first AdamW step of two identical replicas with tied embeddings at once.
 # Without a lock torch itself sometimes updates the tied weight differently in one of them; the
-# trainer serializes optimizer steps in a process for this reason (actors.graph.optimizer).
+# trainer serializes optimizer steps in a process for this reason
+# (paramsync.actors.graph.optimizer).
 _CONCURRENT_FIRST_STEP = textwrap.dedent(
     """
     import threading, torch
     torch.set_num_threads(1)
-    from actors.demo_job.model import CharTransformer
-    from actors.graph.optimizer import OPTIMIZER_STEP_LOCK
+    from paramsync.actors.demo_job.model import CharTransformer
+    from paramsync.actors.graph.optimizer import OPTIMIZER_STEP_LOCK
     LOCKED = {locked}
 
     def make():

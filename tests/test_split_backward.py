@@ -1,5 +1,5 @@
-"""The zero-bubble split backward (`actors.parallel.split_backward`): the input pass and the
-weight pass give bitwise the gradients of one whole backward, and the weight pass never walks
+"""The zero-bubble split backward (`paramsync.actors.parallel.split_backward`): the input pass and
+the weight pass give bitwise the gradients of one whole backward, and the weight pass never walks
 the activation-gradient chain again."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from actors.parallel.split_backward import backward_input
+from paramsync.actors.parallel.split_backward import backward_input
 from tests.pipeline_fixtures import loss_fn, transformer_blocks
 
 

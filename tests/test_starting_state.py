@@ -16,10 +16,10 @@ import torch
 import trio
 from torch import nn
 
-from actors.train.trainer import DistributedTrainer, StartingStateDiffers
-from actors.train.worker import train_in_process
-from runtime.errors import pick_error
-from runtime.transport.base import InProcessTransport
+from paramsync.actors.train.trainer import DistributedTrainer, StartingStateDiffers
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.errors import pick_error
+from paramsync.runtime.transport.base import InProcessTransport
 
 SECONDS = 60.0
 

@@ -1,4 +1,4 @@
-"""actors.state.training_state: capturing and restoring one worker's whole training state.
+"""paramsync.actors.state.training_state: capturing and restoring one worker's whole training state.
 
 * Round trip (hypothesis): capture replica A after k steps, restore into replica B (other
   init, its own optimizer, possibly already stepped), then B's state digest equals A's, and
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from actors.state.digest import state_digest
-from actors.state.training_state import (
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.state.training_state import (
     STATE_FORMAT,
     StateMismatch,
     TrainingState,
@@ -304,7 +304,8 @@ def test_extra_must_be_cborable() -> None:
         capture_state(model, optimizer, 0, extra={"big": [-(2**64) - 1]})
     with pytest.raises(ValueError, match="step"):
         capture_state(model, optimizer, -1)
-    # The extremes that still fit decode without bignum tags, which runtime.protocol.wire refuses.
+    # The extremes that still fit decode without bignum tags, which paramsync.runtime.protocol.wire
+    # refuses.
     edge = manifest(capture_state(model, optimizer, 0, extra={"big": [2**64 - 1, -(2**64)]}))
 
     def refuse(_decoder: Any, value: Any) -> Any:

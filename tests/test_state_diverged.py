@@ -1,5 +1,5 @@
-"""One family for every replica divergence: `runtime.errors.StateDiverged`, with the step, the
-ranks grouped by state and the first differing tensor, whoever found it (the coordinator's
+"""One family for every replica divergence: `paramsync.runtime.errors.StateDiverged`, with the step,
+the ranks grouped by state and the first differing tensor, whoever found it (the coordinator's
 verdict as a worker receives it, a shard's dp group in band, the replicas of one process)."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runtime
-from actors.client.client import RunAborted, RunDiverged, run_aborted
-from actors.multidevice import ReplicaDivergedError
-from actors.parallel.replica_check import ShardReplicasDiverged
-from runtime.coordinator.commits import (
+from paramsync import runtime
+from paramsync.actors.client.client import RunAborted, RunDiverged, run_aborted
+from paramsync.actors.multidevice import ReplicaDivergedError
+from paramsync.actors.parallel.replica_check import ShardReplicasDiverged
+from paramsync.runtime.coordinator.commits import (
     TensorNames,
     digest_verdict,
     divergence_of,
     sharded_verdict,
 )
-from runtime.coordinator.layouts import Shards
-from runtime.errors import ParamsyncError, StateDiverged
-from runtime.protocol.messages import Digest
+from paramsync.runtime.coordinator.layouts import Shards
+from paramsync.runtime.errors import ParamsyncError, StateDiverged
+from paramsync.runtime.protocol.messages import Digest
 
 NAMES = ("param/w", "param/b", "optim/0.w/exp_avg", 'it\'s "quoted"')
 

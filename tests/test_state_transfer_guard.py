@@ -20,11 +20,11 @@ import torch
 import trio
 from test_state import make_replica, same_bits, train
 
-from actors.state.digest import state_digest
-from actors.state.training_state import capture_state, manifest
-from actors.train.state_moves import receive_training_state
-from runtime.errors import ProtocolError
-from runtime.transport.base import InProcessTransport
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.state.training_state import capture_state, manifest
+from paramsync.actors.train.state_moves import receive_training_state
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.transport.base import InProcessTransport
 
 DEADLINE = 20.0
 GIB = 1 << 30

@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from actors.parallel.dense_transformer import DenseAttention, DenseMLP, DenseTransformer
-from actors.parallel.grad_clip import clip_grad_norm_, clip_grad_norm_async
-from actors.parallel.tensor_parallel import (
+from paramsync.actors.parallel.dense_transformer import DenseAttention, DenseMLP, DenseTransformer
+from paramsync.actors.parallel.grad_clip import clip_grad_norm_, clip_grad_norm_async
+from paramsync.actors.parallel.tensor_parallel import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
@@ -45,12 +45,12 @@ from actors.parallel.tensor_parallel import (
     model_parallel_seed,
     vocab_parallel_cross_entropy,
 )
-from runtime.collectives.from_thread import SyncCollectives, ThreadCollectives
-from runtime.collectives.groups import new_group
-from runtime.collectives.mesh import init_device_mesh
-from runtime.collectives.ring import ReduceOp
-from runtime.errors import CollectiveError
-from runtime.transport.base import Transport
+from paramsync.runtime.collectives.from_thread import SyncCollectives, ThreadCollectives
+from paramsync.runtime.collectives.groups import new_group
+from paramsync.runtime.collectives.mesh import init_device_mesh
+from paramsync.runtime.collectives.ring import ReduceOp
+from paramsync.runtime.errors import CollectiveError
+from paramsync.runtime.transport.base import Transport
 
 RTOL, ATOL = 1e-5, 4e-5
 SHAPES = {"vocab_size": 16, "d_model": 32, "n_heads": 4, "n_layers": 2, "context": 8}

@@ -1,5 +1,5 @@
-"""TLS under the HMAC handshake (runtime.transport.tls): collectives, the coordinator, refusals,
-the wire.
+"""TLS under the HMAC handshake (paramsync.runtime.transport.tls): collectives, the coordinator,
+refusals, the wire.
 
 Certificates come from `trustme`: one CA for the cluster and a certificate per node, written to
 ``tmp_path``; a second CA stands for a stranger. Every exchange runs under a deadline, so a
@@ -22,21 +22,21 @@ import trio.testing
 import trustme
 from conftest import bitwise_equal, free_port
 
-from runtime.cli.main import main as cli_main
-from runtime.collectives.ring import all_reduce
-from runtime.config import DistributedConfig
-from runtime.coordinator.service import Coordinator
-from runtime.errors import (
+from paramsync.runtime.cli.main import main as cli_main
+from paramsync.runtime.collectives.ring import all_reduce
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.service import Coordinator
+from paramsync.runtime.errors import (
     AuthenticationError,
     CollectiveError,
     HandshakeError,
     PeerClosed,
     ProtocolError,
 )
-from runtime.protocol.handshake import DialerHandshake, Identity, load_secret
-from runtime.train_config import DistributedTrainConfig, resolve_tls
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
-from runtime.transport.tls import TlsConfig
+from paramsync.runtime.protocol.handshake import DialerHandshake, Identity, load_secret
+from paramsync.runtime.train_config import DistributedTrainConfig, resolve_tls
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
+from paramsync.runtime.transport.tls import TlsConfig
 
 SECRET = load_secret("tls-tests-shared-secret", {})
 SECONDS = 20.0

@@ -1,4 +1,5 @@
-"""The torch.distributed data plane (runtime.transport.torch_dist, ``comm_backend = "torch"``).
+"""The torch.distributed data plane (paramsync.runtime.transport.torch_dist, ``comm_backend =
+"torch"``).
 
 The conformance suite runs it in tests/test_transport_conformance.py and the parity with one
 process in tests/test_trainer.py; here: choosing it (options, TOML, environment, flag), its
@@ -22,18 +23,18 @@ import trio
 import trio.testing
 from test_state import make_replica, same_bits, train
 
-from actors.state.training_state import capture_state
-from actors.train.state_transfer import receive_state, send_state
-from actors.train.trainer import TrainerOptions
-from runtime.cli.main import build_parser
-from runtime.collectives.ring import all_reduce, barrier, broadcast
-from runtime.config import COMM_BACKEND_ENV
-from runtime.errors import PeerClosed, StallError
-from runtime.protocol.wire import decode_frame
-from runtime.testing.fault_trials import JOB_FLAGS, run_trial
-from runtime.train_config import DistributedTrainConfig
-from runtime.transport import torch_dist
-from runtime.transport.torch_dist import (
+from paramsync.actors.state.training_state import capture_state
+from paramsync.actors.train.state_transfer import receive_state, send_state
+from paramsync.actors.train.trainer import TrainerOptions
+from paramsync.runtime.cli.main import build_parser
+from paramsync.runtime.collectives.ring import all_reduce, barrier, broadcast
+from paramsync.runtime.config import COMM_BACKEND_ENV
+from paramsync.runtime.errors import PeerClosed, StallError
+from paramsync.runtime.protocol.wire import decode_frame
+from paramsync.runtime.testing.fault_trials import JOB_FLAGS, run_trial
+from paramsync.runtime.train_config import DistributedTrainConfig
+from paramsync.runtime.transport import torch_dist
+from paramsync.runtime.transport.torch_dist import (
     COMM_BACKENDS,
     TorchDistTransport,
     create_local_group,
@@ -180,7 +181,7 @@ async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None
 
 async def test_a_live_rejoins_state_transfer_goes_through_the_torch_group() -> None:
     """A donor's whole training state (parameters, AdamW's moments and steps) reaches a joiner
-    as frames over gloo and restores bitwise (`actors.train.state_transfer`)."""
+    as frames over gloo and restores bitwise (`paramsync.actors.train.state_transfer`)."""
     donor_model, donor_optimizer = make_replica(7, "adamw")
     train(donor_model, donor_optimizer, range(3), torch.float32)
     joiner_model, joiner_optimizer = make_replica(99, "adamw")
@@ -227,7 +228,7 @@ _EXIT_ATTEMPTS = 8
 _OPEN_REDUCE_CLOSE_EXIT = """
 import os, sys
 import torch, trio
-from runtime.transport.torch_dist import open_local_group
+from paramsync.runtime.transport.torch_dist import open_local_group
 
 async def main() -> None:
     async with open_local_group(2) as group:

@@ -1,4 +1,4 @@
-"""Process groups on torch's data plane (`runtime.collectives.groups.new_group` over a
+"""Process groups on torch's data plane (`paramsync.runtime.collectives.groups.new_group` over a
 `TorchDistTransport` world): each group its own torch communicator, a lost member named to the
 survivors within the deadline, the world's epoch owning its groups, and the NCCL plumbing.
 
@@ -18,12 +18,12 @@ import trio
 import trio.testing
 from conftest import run_ranks
 
-from runtime.collectives.groups import NativeProcessGroup, ProcessGroup, new_group
-from runtime.collectives.ring import all_reduce, barrier
-from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
-from runtime.transport import torch_dist
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.torch_dist import (
+from paramsync.runtime.collectives.groups import NativeProcessGroup, ProcessGroup, new_group
+from paramsync.runtime.collectives.ring import all_reduce, barrier
+from paramsync.runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
+from paramsync.runtime.transport import torch_dist
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.torch_dist import (
     TorchDistTransport,
     connect_torch_transport,
     open_local_group,

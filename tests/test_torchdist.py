@@ -250,8 +250,8 @@ def test_import_torch_registers_the_backend_and_stays_cheap() -> None:
         "import time, importlib, sys\n"
         "import torch, torch.distributed as dist\n"
         "print('paramsync' in dist.Backend.backend_list)\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('actors', 'runtime', 'trio'))))\n"
-        "from actors.torchdist import entry\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('paramsync', 'trio'))))\n"
+        "from paramsync.actors.torchdist import entry\n"
         "t = time.perf_counter()\n"
         "for _ in range(100):\n"
         "    importlib.reload(entry)\n"
@@ -263,7 +263,10 @@ def test_import_torch_registers_the_backend_and_stays_cheap() -> None:
     assert done.returncode == 0, done.stderr
     registered, modules, seconds = done.stdout.splitlines()
     assert registered == "True"
-    assert modules == "['actors', 'actors.torchdist', 'actors.torchdist.entry']"
+    assert modules == (
+        "['paramsync', 'paramsync.actors', 'paramsync.actors.torchdist', "
+        "'paramsync.actors.torchdist.entry']"
+    )
     assert float(seconds) < 0.005  # importing and running the registration
 
 
@@ -278,7 +281,7 @@ def test_autoload_off_leaves_the_backend_out() -> None:
 def test_a_broken_registration_never_breaks_import_torch() -> None:
     code = (
         "import torch.distributed as dist\n"
-        "from actors.torchdist import entry\n"
+        "from paramsync.actors.torchdist import entry\n"
         "dist.Backend.backend_list.remove('paramsync')\n"
         "def boom(*a, **k): raise RuntimeError('broken')\n"
         "dist.Backend.register_backend = boom\n"

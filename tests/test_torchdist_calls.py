@@ -10,13 +10,13 @@ import torch.distributed as dist
 from test_coordinator_core import started, the_abort
 from test_worker_protocol import joined
 
-from actors.client.events import Received, ReportReady
-from actors.client.protocol import LocalProtocolError, WorkerProtocol
-from actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Broadcast, spec_hash
-from runtime.coordinator.negotiation import spec_groups
-from runtime.protocol.messages import BucketSpec, Go, Ready
+from paramsync.actors.client.events import Received, ReportReady
+from paramsync.actors.client.protocol import LocalProtocolError, WorkerProtocol
+from paramsync.actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Broadcast, spec_hash
+from paramsync.runtime.coordinator.negotiation import spec_groups
+from paramsync.runtime.protocol.messages import BucketSpec, Go, Ready
 
 
 def test_a_call_is_its_operation_then_its_tensors() -> None:

@@ -1,8 +1,8 @@
 """A paramsync script under torchrun as it is: single node, CPU, loopback.
 
 torchrun's agent holds MASTER_PORT with its own store, so rank 0's coordinator listens on a
-port of its own and publishes the number in that store (`runtime.cli.torchrun`). These tests
-run the real torchrun of the venv on `examples/own_training_loop.py` and on small scripts, and
+port of its own and publishes the number in that store (`paramsync.runtime.cli.torchrun`). These
+tests run the real torchrun of the venv on `examples/own_training_loop.py` and on small scripts, and
 the store exchange against a real TCPStore in this process.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv, run_id_from_env
-from runtime.errors import ConfigError
+from paramsync.runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv, run_id_from_env
+from paramsync.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -124,7 +124,7 @@ def test_paramsync_worker_under_torchrun_hosts_the_coordinator_on_rank_0(tmp_pat
     proc = _torchrun(
         [
             "-m",
-            "runtime.cli.main",
+            "paramsync.runtime.cli.main",
             "worker",
             "--steps=3",
             "--batch-size=4",
@@ -145,8 +145,8 @@ def test_paramsync_worker_under_torchrun_hosts_the_coordinator_on_rank_0(tmp_pat
 RESTARTING_SCRIPT = """
 import os, sys
 import torch
-from actors.train.run import run_script, trainer_from_env
-from actors.train.trainer import TrainerOptions
+from paramsync.actors.train.run import run_script, trainer_from_env
+from paramsync.actors.train.trainer import TrainerOptions
 
 async def main() -> None:
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -315,7 +315,7 @@ async def test_a_world_size_larger_than_the_ranks_started_is_a_config_error_nami
     `ConfigError` naming WORLD_SIZE, not an exception group of cancellations."""
     import torch
 
-    from actors.train.run import trainer_from_env
+    from paramsync.actors.train.run import trainer_from_env
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

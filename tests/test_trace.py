@@ -1,5 +1,5 @@
-"""Tests for runtime.observe.trace: event format, nesting, per-actor tracks, disabled mode,
-merging."""
+"""Tests for paramsync.runtime.observe.trace: event format, nesting, per-actor tracks, disabled
+mode, merging."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from runtime.observe.trace import TraceRecorder, load_trace, merge_traces
+from paramsync.runtime.observe.trace import TraceRecorder, load_trace, merge_traces
 
 
 def by_phase(events: list[dict], ph: str) -> list[dict]:

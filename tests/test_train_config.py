@@ -1,4 +1,5 @@
-"""Tests for runtime.train_config: validation, env/TOML/override layering, device resolution."""
+"""Tests for paramsync.runtime.train_config: validation, env/TOML/override layering, device
+resolution."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.config import DistributedConfig
-from runtime.train_config import (
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.train_config import (
     DistributedBackend,
     DistributedRole,
     DistributedTrainConfig,

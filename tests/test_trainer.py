@@ -28,22 +28,22 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from actors.client.client import RunAborted
-from actors.demo_job.model import CharTransformer
-from actors.graph.compute import ComputeActor
-from actors.graph.messages import Backward
-from actors.state.buckets import plan_buckets
-from actors.state.digest import state_digest
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import join_run, train_in_process
-from runtime.actor.base import ActorSystem
-from runtime.config import DistributedConfig
-from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
-from runtime.errors import ActorFailed, pick_error
-from runtime.observe.trace import TraceRecorder
-from runtime.transport.shm import SharedMemoryPlane
-from runtime.transport.tcp import TcpTransport
-from runtime.transport.torch_dist import TorchDistTransport
+from paramsync.actors.client.client import RunAborted
+from paramsync.actors.demo_job.model import CharTransformer
+from paramsync.actors.graph.compute import ComputeActor
+from paramsync.actors.graph.messages import Backward
+from paramsync.actors.state.buckets import plan_buckets
+from paramsync.actors.state.digest import state_digest
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import join_run, train_in_process
+from paramsync.runtime.actor.base import ActorSystem
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
+from paramsync.runtime.errors import ActorFailed, pick_error
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.transport.shm import SharedMemoryPlane
+from paramsync.runtime.transport.tcp import TcpTransport
+from paramsync.runtime.transport.torch_dist import TorchDistTransport
 
 RUN_SECONDS = 30.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""

@@ -1,7 +1,7 @@
-"""`Trainer3D` under the coordinator (`actors.parallel.coordinated`): dp=2 x pp=2 workers join
-with their 3D layout, negotiate their gradient bucket within their dp group, and report their
-shard digest after every step; the coordinator commits each step comparing each digest only with
-the other replica of its (tp, pp) shard, and names the shard and ranks of a perturbed replica."""
+"""`Trainer3D` under the coordinator (`paramsync.actors.parallel.coordinated`): dp=2 x pp=2 workers
+join with their 3D layout, negotiate their gradient bucket within their dp group, and report their
+shard digest after every step; the coordinator commits each step comparing each digest only with the
+other replica of its (tp, pp) shard, and names the shard and ranks of a perturbed replica."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from typing import Any
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient, RunAborted
-from actors.parallel.coordinated import CoordinatorStepHooks, join_3d
-from actors.parallel.shard_model import ModelSpec
-from actors.parallel.trainer3d import Trainer3D
-from runtime.collectives.groups import NativeProcessGroup
-from runtime.coordinator.service import Coordinator, RunFailed
-from runtime.parallel.config import CommBackend, ParallelismConfig
-from runtime.transport.base import Transport
-from runtime.transport.link import MemoryLink
+from paramsync.actors.client.client import CoordinatorClient, RunAborted
+from paramsync.actors.parallel.coordinated import CoordinatorStepHooks, join_3d
+from paramsync.actors.parallel.shard_model import ModelSpec
+from paramsync.actors.parallel.trainer3d import Trainer3D
+from paramsync.runtime.collectives.groups import NativeProcessGroup
+from paramsync.runtime.coordinator.service import Coordinator, RunFailed
+from paramsync.runtime.parallel.config import CommBackend, ParallelismConfig
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.link import MemoryLink
 from tests.coordinated_run import run_with_coordinator
 
 WORLD = 4

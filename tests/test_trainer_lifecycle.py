@@ -1,6 +1,6 @@
-"""The trainer's epoch and step lifecycle (`actors.train.lifecycle`): its tables, its verdicts,
-and a hypothesis state machine that plays the supervisor, the coordinator's announcements and
-the step tasks against it.
+"""The trainer's epoch and step lifecycle (`paramsync.actors.train.lifecycle`): its tables, its
+verdicts, and a hypothesis state machine that plays the supervisor, the coordinator's announcements
+and the step tasks against it.
 
 The lifecycle is pure, so hypothesis drives it directly (no trio). The machine keeps its own
 account of what happened (announcements queued, epochs taken up, the step each task began) and
@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors.train.lifecycle import (
+from paramsync.actors.train.lifecycle import (
     EPOCH_TRANSITIONS,
     STEP_TRANSITIONS,
     EpochPhase,

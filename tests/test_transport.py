@@ -14,9 +14,9 @@ import torch
 import trio
 from conftest import TRANSPORT_KINDS, bitwise_equal, free_port, open_group, run_ranks
 
-from runtime.collectives.ring import all_reduce, barrier, broadcast
-from runtime.config import DistributedConfig
-from runtime.errors import (
+from paramsync.runtime.collectives.ring import all_reduce, barrier, broadcast
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.errors import (
     AuthenticationError,
     CollectiveError,
     HandshakeError,
@@ -25,10 +25,10 @@ from runtime.errors import (
     ProtocolError,
     StallError,
 )
-from runtime.protocol.handshake import Identity, load_secret
-from runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
-from runtime.transport import tcp
-from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport
+from paramsync.runtime.protocol.handshake import Identity, load_secret
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
+from paramsync.runtime.transport import tcp
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, TcpTransport
 
 SECRET = "rendezvous-secret-for-tests"
 COLL = {"op": 0, "hop": 0, "part": 0}

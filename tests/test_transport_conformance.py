@@ -1,5 +1,5 @@
-"""Every transport passes the conformance suite (runtime.testing.transport_conformance), and
-the suite fails transports that break the contract.
+"""Every transport passes the conformance suite (paramsync.runtime.testing.transport_conformance),
+and the suite fails transports that break the contract.
 
 The transports: in-process, TCP on 127.0.0.1, TCP under TLS (a `trustme` CA), TCP with the
 shared-memory plane attached (every all-reduce from 0 bytes on it, so the plane sees every
@@ -20,27 +20,27 @@ import torch
 import trio
 import trustme
 
-from runtime.collectives.groups import NativeProcessGroup, new_group
-from runtime.errors import ProtocolError
-from runtime.testing import transport_conformance as conformance
-from runtime.testing.transport_conformance import (
+from paramsync.runtime.collectives.groups import NativeProcessGroup, new_group
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.testing import transport_conformance as conformance
+from paramsync.runtime.testing.transport_conformance import (
     CHECKS,
     ConformanceError,
     MakeGroup,
     check_transport,
 )
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.capabilities import (
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.capabilities import (
     BlockingLinkProvider,
     NativeCollectives,
     PolledLinkProvider,
     PrecodedFrames,
     SharedMemoryHolder,
 )
-from runtime.transport.shm import SharedMemoryPlane
-from runtime.transport.tcp import TcpTransport
-from runtime.transport.tls import TlsConfig
-from runtime.transport.torch_dist import open_local_group
+from paramsync.runtime.transport.shm import SharedMemoryPlane
+from paramsync.runtime.transport.tcp import TcpTransport
+from paramsync.runtime.transport.tls import TlsConfig
+from paramsync.runtime.transport.torch_dist import open_local_group
 
 KINDS = ("inproc", "tcp", "tls", "tcp+shm", "torch", "torch-group")
 

@@ -38,10 +38,10 @@ from test_trainer import (
 )
 from torch import nn
 
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.coordinator.service import CoordinatorOptions
-from runtime.transport.tcp import TcpTransport
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.coordinator.service import CoordinatorOptions
+from paramsync.runtime.transport.tcp import TcpTransport
 
 PER_RANK = 4
 

@@ -41,11 +41,11 @@ from test_trainer import (
 )
 from torch import nn
 
-from actors.graph.compute import UnusedParametersError
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.worker import train_in_process
-from runtime.errors import ActorFailed, pick_error
-from runtime.transport.tcp import TcpTransport
+from paramsync.actors.graph.compute import UnusedParametersError
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.errors import ActorFailed, pick_error
+from paramsync.runtime.transport.tcp import TcpTransport
 
 IN, HIDDEN, OUT = 4, 5, 3
 

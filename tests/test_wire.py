@@ -23,10 +23,10 @@ from conftest import bitwise_equal
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
-from runtime.errors import FrameTooLarge, ProtocolError
-from runtime.protocol.messages import KINDS
-from runtime.protocol.schema import WireType
-from runtime.protocol.wire import (
+from paramsync.runtime.errors import FrameTooLarge, ProtocolError
+from paramsync.runtime.protocol.messages import KINDS
+from paramsync.runtime.protocol.schema import WireType
+from paramsync.runtime.protocol.wire import (
     BFLOAT16_TAG,
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
@@ -40,11 +40,12 @@ from runtime.protocol.wire import (
     parse_prefix,
     tensor_buffer,
 )
-from runtime.testing.strategies import key_types, random_tensor, wire_fields
+from paramsync.runtime.testing.strategies import key_types, random_tensor, wire_fields
 
 V = PROTOCOL_VERSION
 
-# The RFC 8746 little-endian typed-array tags, written out independently of runtime.protocol.wire.
+# The RFC 8746 little-endian typed-array tags, written out independently of
+# paramsync.runtime.protocol.wire.
 WIRE_TAGS = {
     torch.uint8: 64,
     torch.int8: 72,
@@ -182,7 +183,7 @@ def test_large_non_contiguous_bulk_does_not_crash_the_encoder() -> None:
     reading a view of it kills the process, so this runs in a child interpreter."""
     code = (
         "import torch\n"
-        "from runtime.protocol.wire import decode_frame, encode_frame_bytes\n"
+        "from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes\n"
         "x = torch.arange(4_000_000, dtype=torch.float32).view(2000, 2000).t()\n"
         "frame = encode_frame_bytes('coll', {'op': 0, 'hop': 0, 'part': 0}, bulk=x)\n"
         "print(torch.equal(decode_frame(frame)['data'], x))\n"
@@ -797,13 +798,13 @@ def test_a_process_without_torch_frames_and_decodes_and_imports_it_for_a_tensor(
     )
     code = f"""
 import sys
-from runtime.protocol.wire import decode_frame, encode_frame_bytes
+from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes
 plain = decode_frame(encode_frame_bytes("heartbeat", {{}}))
 assert "torch" not in sys.modules, "framing a message imported torch"
 inline = decode_frame(bytes.fromhex({inline.hex()!r}))
 assert "torch" in sys.modules
 bulk = decode_frame(bytes.fromhex({bulk.hex()!r}))
-import runtime.protocol.wire as wire
+import paramsync.runtime.protocol.wire as wire
 print(plain["kind"], inline["data"].tolist(), bulk["data"].dtype, bulk["data"].shape,
       sorted(map(str, wire.DTYPE_TAGS))[:2])
 """

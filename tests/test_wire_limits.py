@@ -12,8 +12,8 @@ import cbor2
 import pytest
 import torch
 
-from runtime.errors import FrameTooLarge, ProtocolError
-from runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
+from paramsync.runtime.errors import FrameTooLarge, ProtocolError
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
 
 MIB = 1024 * 1024
 
@@ -129,7 +129,7 @@ async def test_a_tcp_reader_refuses_an_oversized_control_head_before_reading_it(
     rest."""
     import trio
 
-    from runtime.transport.tcp import Connection
+    from paramsync.runtime.transport.tcp import Connection
 
     left, right = trio.socket.socketpair()
     sender, receiver = trio.SocketStream(left), trio.SocketStream(right)

@@ -1,5 +1,5 @@
-"""The worker's sans-I/O protocol core (`actors.client.protocol`): its tables, and a stateful
-model wiring it to the coordinator's core.
+"""The worker's sans-I/O protocol core (`paramsync.actors.client.protocol`): its tables, and a
+stateful model wiring it to the coordinator's core.
 
 Both cores are pure, so hypothesis drives them directly (no trio): the state machine plays
 the trainers and the links. Every message crosses as a CBOR frame through per-link queues
@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors.client.events import (
+from paramsync.actors.client.events import (
     Announce,
     ConnectionLost,
     Ended,
@@ -44,15 +44,15 @@ from actors.client.events import (
     Tick,
     WorkerAction,
 )
-from actors.client.protocol import (
+from paramsync.actors.client.protocol import (
     COORDINATOR_TRANSITIONS,
     EpochRegression,
     LocalProtocolError,
     Phase,
     WorkerProtocol,
 )
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import (
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import (
     Abort,
     Broadcast,
     Disconnected,
@@ -61,9 +61,9 @@ from runtime.coordinator.events import (
     agreement_hash,
     spec_hash,
 )
-from runtime.coordinator.run_state import RunState
-from runtime.errors import ProtocolError
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.messages import (
     AbortRun,
     Apply,
     Commit,
@@ -80,7 +80,7 @@ from runtime.protocol.messages import (
     event_from_wire,
     message_from_wire,
 )
-from runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
+from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, decode_frame, encode_frame_bytes
 
 SIG = (("w", (4, 2), "float32", True), ("b", (2,), "float32", True))
 SPECS = ((((4, 2), "float32"),), (((2,), "float32"),))

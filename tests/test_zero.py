@@ -1,7 +1,7 @@
-"""ZeRO-1 (`actors.parallel.zero`): bitwise equal to plain data parallelism (ring all-reduce
-average of one flat gradient buffer + the same optimizer on the whole model) for SGD with
-momentum, Adam and AdamW, dp = 2, 3, 4, on both collective paths, over TCP once; the optimizer
-state per rank about 1/dp of the whole; the gathered state and digest equal plain DP's."""
+"""ZeRO-1 (`paramsync.actors.parallel.zero`): bitwise equal to plain data parallelism (ring
+all-reduce average of one flat gradient buffer + the same optimizer on the whole model) for SGD with
+momentum, Adam and AdamW, dp = 2, 3, 4, on both collective paths, over TCP once; the optimizer state
+per rank about 1/dp of the whole; the gathered state and digest equal plain DP's."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 import trio
 from conftest import open_group, run_in_group, run_ranks
 
-from actors.parallel.zero import ZeroRedundancyOptimizer, padded_length
-from actors.state.digest import state_digest
-from runtime.collectives.mesh import init_device_mesh
-from runtime.collectives.ring import all_reduce, reduce_scatter
-from runtime.parallel.config import ParallelismConfig
-from runtime.transport.base import Transport
+from paramsync.actors.parallel.zero import ZeroRedundancyOptimizer, padded_length
+from paramsync.actors.state.digest import state_digest
+from paramsync.runtime.collectives.mesh import init_device_mesh
+from paramsync.runtime.collectives.ring import all_reduce, reduce_scatter
+from paramsync.runtime.parallel.config import ParallelismConfig
+from paramsync.runtime.transport.base import Transport
 
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 

@@ -1,1 +1,1 @@
-"""actors.client."""
+"""paramsync.actors.client."""

@@ -1,7 +1,7 @@
 """The worker's side of the control link: a trio shell over `WorkerProtocol`.
 
 The protocol's decisions (what each coordinator message means in each phase, which epoch a
-report belongs to, what a rejoin presents) live in the sans-I/O `actors.client.protocol`.
+report belongs to, what a rejoin presents) live in the sans-I/O `paramsync.actors.client.protocol`.
 This shell moves bytes and runs timers: one task reads the coordinator's messages and feeds
 them to the protocol, executing what it returns (go to the gradient-comm actor in the
 coordinator's order, commits to whoever waits for them, shutdown and abort as errors that
@@ -28,7 +28,7 @@ from typing import Any
 import stamina
 import trio
 
-from actors.client.events import (
+from paramsync.actors.client.events import (
     Announce,
     ConnectionLost,
     Ended,
@@ -53,20 +53,20 @@ from actors.client.events import (
     WorkerAction,
     WorkerEvent,
 )
-from actors.client.protocol import (
+from paramsync.actors.client.protocol import (
     EpochRegression,
     WorkerProtocol,
 )
-from runtime.coordinator.commits import divergence_of
-from runtime.coordinator.events import Message
-from runtime.errors import (
+from paramsync.runtime.coordinator.commits import divergence_of
+from paramsync.runtime.coordinator.events import Message
+from paramsync.runtime.errors import (
     FrameAuthenticationError,
     ParamsyncError,
     PeerClosed,
     ProtocolError,
     StateDiverged,
 )
-from runtime.protocol.messages import (
+from paramsync.runtime.protocol.messages import (
     Go,
     Hold,
     MeshLayout,
@@ -77,8 +77,8 @@ from runtime.protocol.messages import (
     StartRun,
     message_from_wire,
 )
-from runtime.protocol.wire import validate_message
-from runtime.transport.link import Link
+from paramsync.runtime.protocol.wire import validate_message
+from paramsync.runtime.transport.link import Link
 
 __all__ = [
     "CoordinatorClient",
@@ -113,7 +113,7 @@ class RunDiverged(RunAborted, StateDiverged):
 
 def run_aborted(reason: str) -> RunAborted:
     """The error a worker raises for the coordinator's abort ``reason``: a `RunDiverged` when
-    the reason is a digest verdict's (`runtime.coordinator.commits.divergence_of`)."""
+    the reason is a digest verdict's (`paramsync.runtime.coordinator.commits.divergence_of`)."""
     divergence = divergence_of(reason)
     if divergence is None:
         return RunAborted(reason)
@@ -366,11 +366,11 @@ class CoordinatorClient:
         the protocol says, from the commits this client saw (a rejoin after a lost
         coordinator), which the restart's donor rule trusts over a majority.
         ``layout``: this worker's place in a 3D-parallel run (its mesh, coordinates and
-        pipeline schedule digest; `runtime.parallel.run_layout.parallel_layout` builds it),
-        which the coordinator checks against every other rank's before the run starts, and by
-        which it compares digests within each (tp, pp) shard only; None keeps the last join's
-        (a flat data-parallel run at the first). ``mesh`` or ``groups``: the process groups
-        this worker will negotiate buckets in (`ready`'s ``group``); None keeps the last's.
+        pipeline schedule digest; `paramsync.runtime.parallel.run_layout.parallel_layout` builds
+        it), which the coordinator checks against every other rank's before the run starts, and by
+        which it compares digests within each (tp, pp) shard only; None keeps the last join's (a
+        flat data-parallel run at the first). ``mesh`` or ``groups``: the process groups this worker
+        will negotiate buckets in (`ready`'s ``group``); None keeps the last's.
         """
         declared = None if groups is None else tuple((n, tuple(r)) for n, r in groups)
         join = Join(

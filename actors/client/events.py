@@ -4,9 +4,9 @@ Events: the coordinator's decoded messages (`Received`, its heartbeats `Heartbea
 the link's fate (`ConnectionLost`, a `Tick` after a silence), and the trainer's requests
 (`Join`, `ReportReady`, `ReportFolded`, `ReportReduced`, `ReportDigest`, `ReportStepDone`,
 `ReportFinished`, `EnterEpoch`, `HeartbeatDue`). Actions: a message to send (`Send`, one of
-the message dataclasses of `runtime.coordinator.core`) and results for the trainer
+the message dataclasses of `paramsync.runtime.coordinator.core`) and results for the trainer
 (`Started`, `Announce`, `RunGo`, `RunResync`, `Progress`, `Ended`, `Silent`).
-`actors.client.protocol.WorkerProtocol` turns the one into the other.
+`paramsync.actors.client.protocol.WorkerProtocol` turns the one into the other.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.coordinator.events import Message
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.events import Message
+from paramsync.runtime.protocol.messages import (
     AbortRun,
     Digest,
     Finished,

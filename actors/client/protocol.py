@@ -1,11 +1,11 @@
 """The worker's side of the coordinator protocol as a sans-I/O state machine (pure).
 
-:class:`WorkerProtocol` is fed events (`actors.client.events`: the coordinator's decoded
+:class:`WorkerProtocol` is fed events (`paramsync.actors.client.events`: the coordinator's decoded
 messages, the trainer's requests, the link's fate) and returns actions: messages to send
-(`Send`, always one of the message dataclasses of `runtime.coordinator.core`, never a
+(`Send`, always one of the message dataclasses of `paramsync.runtime.coordinator.core`, never a
 hand-built dict) and results for the trainer. It opens no socket, starts no task and reads no
-clock: `actors.client.client.CoordinatorClient` is the trio shell that moves the bytes, runs
-the timers and redials.
+clock: `paramsync.actors.client.client.CoordinatorClient` is the trio shell that moves the bytes,
+runs the timers and redials.
 
 Every transition is in two tables, `COORDINATOR_TRANSITIONS` (what the coordinator may send
 in each phase) and `TRAINER_TRANSITIONS` (what the trainer may ask in each phase). A
@@ -24,7 +24,7 @@ import enum
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from actors.client.events import (
+from paramsync.actors.client.events import (
     Announce,
     ConnectionLost,
     Ended,
@@ -50,9 +50,9 @@ from actors.client.events import (
     WorkerAction,
     WorkerEvent,
 )
-from runtime.coordinator.events import Message, agreement_hash, spec_hash
-from runtime.errors import ParamsyncError, ProtocolError
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.events import Message, agreement_hash, spec_hash
+from paramsync.runtime.errors import ParamsyncError, ProtocolError
+from paramsync.runtime.protocol.messages import (
     AbortRun,
     Apply,
     Commit,
@@ -270,7 +270,7 @@ class WorkerProtocol:
         self.cache_by_spec = False
         """Whether a cached ready may name any spec agreed in the epoch, not only the one
         agreed at its bucket (a torch.distributed group, whose calls do not repeat at the
-        same place every step: `actors.torchdist`; the coordinator compares the members'
+        same place every step: `paramsync.actors.torchdist`; the coordinator compares the members'
         reports either way). A trainer's buckets repeat: it keeps the stricter rule."""
         self._awaiting: dict[tuple[int, int], tuple[Any, bool]] = {}
         """(step, bucket) -> (spec, cached) of a ready report a go may still answer."""

@@ -1,1 +1,1 @@
-"""actors.demo_job."""
+"""paramsync.actors.demo_job."""

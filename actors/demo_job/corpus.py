@@ -4,7 +4,7 @@ Every machine with Python has these files, so training needs no download. The co
 ``*.py`` files under ``sysconfig.get_paths()["stdlib"]`` (site-packages excluded) read in sorted
 order up to a byte cap, so every rank that runs the same Python builds the same text.
 `CharVocab` maps characters to ids and `CharDataset` cuts the token stream into (input, target)
-windows; `actors.graph.sampler.shard` deals their indices out to ranks.
+windows; `paramsync.actors.graph.sampler.shard` deals their indices out to ranks.
 """
 
 from __future__ import annotations

@@ -17,14 +17,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.observe.trace import merge_traces
+from paramsync.runtime.observe.trace import merge_traces
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m actors.demo_job.demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m paramsync.actors.demo_job.demo", description=__doc__
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1200, help="about two minutes on 2 cores")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
@@ -42,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = [
         sys.executable,
         "-m",
-        "runtime.cli.main",
+        "paramsync.runtime.cli.main",
         "--log-level",
         "WARNING",
         "launch",
@@ -52,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(out / "summary.json"),
         "--",
         "-m",
-        "actors.demo_job.job",
+        "paramsync.actors.demo_job.job",
         "--steps",
         str(args.steps),
         "--trace",

@@ -1,6 +1,6 @@
 """``make demo-3d``: the character-level transformer trained by dp=2 x pp=2 processes.
 
-Four OS processes on this machine (`actors.demo_job.demo3d_worker`), each one rank of a
+Four OS processes on this machine (`paramsync.actors.demo_job.demo3d_worker`), each one rank of a
 ``ParallelismConfig`` layout (by default dp=2 x pp=2 with the 1F1B schedule over 4
 micro-batches; ``--tp-size 2 --dp-size 1`` gives tp=2 x pp=2), joined over authenticated TCP on
 loopback, with paramsync's coordinator as a fifth process: it refuses ranks that disagree on the
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.launch import free_port
-from runtime.observe.trace import merge_traces
-from runtime.protocol.handshake import SECRET_ENV
+from paramsync.runtime.cli.launch import free_port
+from paramsync.runtime.observe.trace import merge_traces
+from paramsync.runtime.protocol.handshake import SECRET_ENV
 
 __all__ = ["main", "pipeline_breakdown", "summarize"]
 
@@ -45,7 +45,7 @@ COORDINATOR = -1
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m actors.demo_job.demo3d", description=__doc__.split("\n\n")[0]
+        prog="python -m paramsync.actors.demo_job.demo3d", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--dp-size", type=int, default=2)
     p.add_argument("--tp-size", type=int, default=1)
@@ -150,7 +150,7 @@ def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
             [
                 sys.executable,
                 "-m",
-                "runtime.cli.main",
+                "paramsync.runtime.cli.main",
                 "--log-level",
                 "WARNING",
                 "coordinator",
@@ -169,7 +169,7 @@ def _launch(args: argparse.Namespace, world: int, out: Path) -> int:
         command = [
             sys.executable,
             "-m",
-            "actors.demo_job.demo3d_worker",
+            "paramsync.actors.demo_job.demo3d_worker",
             *layout,
             f"--trace={out / f'trace-rank{rank}.json'}",
             f"--summary={out / f'summary-rank{rank}.json'}",

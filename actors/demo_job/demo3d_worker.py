@@ -1,18 +1,19 @@
 """One process of ``make demo-3d``: a rank of the dp x tp x pp character-LM run.
 
-Started by `actors.demo_job.demo3d` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
+Started by `paramsync.actors.demo_job.demo3d` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and the run's secret; it joins the TCP world, builds its
 `Trainer3D` from the `ParallelismConfig` its flags give, and trains the char transformer on
-CPython's standard library (`actors.demo_job.corpus`). Every dp replica draws its own batches
-from one seeded generator (the tp and pp ranks of a replica draw the same ones). Every pipeline
-action is a span in ``--trace`` (`actors.parallel.traced_stage`), every step a span.
+CPython's standard library (`paramsync.actors.demo_job.corpus`). Every dp replica draws its own
+batches from one seeded generator (the tp and pp ranks of a replica draw the same ones). Every
+pipeline action is a span in ``--trace`` (`paramsync.actors.parallel.traced_stage`), every step a
+span.
 
 With ``--coordinated`` it joins paramsync's coordinator at MASTER_ADDR:MASTER_PORT with its 3D
-layout (`actors.parallel.coordinated`), forms the TCP world from the start's address table, and
-after every optimizer step reports its shard digest for the coordinator to compare with the
-shard's other replicas; without it the ranks form the world at MASTER_ADDR:MASTER_PORT
-themselves and compare digests in band over each dp group. A mismatch stops the run. At the end
-it writes its summary (losses, steps per second, checks passed) as JSON.
+layout (`paramsync.actors.parallel.coordinated`), forms the TCP world from the start's address
+table, and after every optimizer step reports its shard digest for the coordinator to compare with
+the shard's other replicas; without it the ranks form the world at MASTER_ADDR:MASTER_PORT
+themselves and compare digests in band over each dp group. A mismatch stops the run. At the end it
+writes its summary (losses, steps per second, checks passed) as JSON.
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ from pathlib import Path
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient
-from actors.demo_job.corpus import CharDataset, load_char_dataset
-from actors.parallel.coordinated import CoordinatorStepHooks, join_3d
-from actors.parallel.shard_model import ModelSpec
-from actors.parallel.trainer3d import Trainer3D
-from runtime.config import DistributedConfig
-from runtime.observe.trace import TraceRecorder
-from runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
-from runtime.protocol.handshake import Identity
-from runtime.train_config import shared_secret
-from runtime.transport.base import Transport
-from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
+from paramsync.actors.client.client import CoordinatorClient
+from paramsync.actors.demo_job.corpus import CharDataset, load_char_dataset
+from paramsync.actors.parallel.coordinated import CoordinatorStepHooks, join_3d
+from paramsync.actors.parallel.shard_model import ModelSpec
+from paramsync.actors.parallel.trainer3d import Trainer3D
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.train_config import shared_secret
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
 
 __all__ = ["main", "parser", "replica_batch"]
 
@@ -51,7 +52,8 @@ JOIN_SECONDS = 120.0
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m actors.demo_job.demo3d_worker", description=__doc__.split("\n\n")[0]
+        prog="python -m paramsync.actors.demo_job.demo3d_worker",
+        description=__doc__.split("\n\n")[0],
     )
     add_arguments(p)
     p.add_argument("--steps", type=int, default=300)

@@ -1,6 +1,6 @@
 """The built-in training job: a character-level transformer LM on CPython's own sources.
 
-Run one rank per process (``paramsync launch --nproc 4 -- -m actors.demo_job.job``, or
+Run one rank per process (``paramsync launch --nproc 4 -- -m paramsync.actors.demo_job.job``, or
 ``paramsync worker`` with a coordinator started by hand). Rank 0 shows a progress bar; every
 rank records its actors' spans for the Chrome trace; at the end the ranks gather their loss
 curves, rank 0 plots them, and every rank writes its summary.
@@ -18,21 +18,21 @@ from collections.abc import Sequence
 import torch
 import trio
 
-from actors.demo_job.corpus import load_char_dataset
-from actors.demo_job.model import CharTransformer
-from actors.state.buckets import DEFAULT_BUCKET_BYTES
-from actors.state.checkpoint import CheckpointError, CheckpointStore, new_run_id
-from actors.state.training_state import capture_state, restore_state
-from actors.train.checkpointing import CommittedCheckpoints
-from actors.train.run import run_script, trainer_from_env, write_summary
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from runtime.cli.torchrun import RUN_ID_ENV, run_id_from_env
-from runtime.collectives.ring import all_gather
-from runtime.coordinator.service import CoordinatorOptions
-from runtime.errors import pick_error
-from runtime.observe.plot import write_loss_plot
-from runtime.observe.progress import ProgressBar
-from runtime.observe.trace import TraceRecorder
+from paramsync.actors.demo_job.corpus import load_char_dataset
+from paramsync.actors.demo_job.model import CharTransformer
+from paramsync.actors.state.buckets import DEFAULT_BUCKET_BYTES
+from paramsync.actors.state.checkpoint import CheckpointError, CheckpointStore, new_run_id
+from paramsync.actors.state.training_state import capture_state, restore_state
+from paramsync.actors.train.checkpointing import CommittedCheckpoints
+from paramsync.actors.train.run import run_script, trainer_from_env, write_summary
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.runtime.cli.torchrun import RUN_ID_ENV, run_id_from_env
+from paramsync.runtime.collectives.ring import all_gather
+from paramsync.runtime.coordinator.service import CoordinatorOptions
+from paramsync.runtime.errors import pick_error
+from paramsync.runtime.observe.plot import write_loss_plot
+from paramsync.runtime.observe.progress import ProgressBar
+from paramsync.runtime.observe.trace import TraceRecorder
 
 __all__ = ["main", "build_parser", "run", "RUN_ID_ENV"]
 
@@ -47,7 +47,7 @@ EXIT_TERMINATED = 143
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Flags of the LM job (shared by ``paramsync worker``)."""
-    parser = parser or argparse.ArgumentParser(prog="python -m actors.demo_job.job")
+    parser = parser or argparse.ArgumentParser(prog="python -m paramsync.actors.demo_job.job")
     group = parser.add_argument_group("training job")
     group.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     group.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
@@ -281,7 +281,7 @@ async def _gather_and_plot(trainer: DistributedTrainer, args: argparse.Namespace
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``python -m actors.demo_job.job``."""
+    """Entry point: ``python -m paramsync.actors.demo_job.job``."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,13 +1,13 @@
 """``make demo-lora``: LoRA fine-tuning on 2 CPU devices in each of 2 processes.
 
-``paramsync launch`` starts a coordinator and two worker processes (`actors.demo_job.lora_job`).
-Each briefly pre-trains the built-in character transformer (seeded, the same in both), freezes
-it, and fine-tunes peft LoRA adapters with two replicas on two CPU devices (one thread each):
-gradients averaged inside the process, then all-reduced across the processes, identical weights
-checked every step in both (C-DP-002 inside, C-DDP-001 across). The demo prints the falling
-loss, the adapters' digests (every replica of every process, moved from their initial value),
-whether every replica's frozen base still equals the pre-trained one, and the saved adapter's
-size; it exits 1 if any of these fails.
+``paramsync launch`` starts a coordinator and two worker processes
+(`paramsync.actors.demo_job.lora_job`). Each briefly pre-trains the built-in character transformer
+(seeded, the same in both), freezes it, and fine-tunes peft LoRA adapters with two replicas on two
+CPU devices (one thread each): gradients averaged inside the process, then all-reduced across the
+processes, identical weights checked every step in both (C-DP-002 inside, C-DDP-001 across). The
+demo prints the falling loss, the adapters' digests (every replica of every process, moved from
+their initial value), whether every replica's frozen base still equals the pre-trained one, and the
+saved adapter's size; it exits 1 if any of these fails.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m actors.demo_job.lora_demo", description=__doc__
+        prog="python -m paramsync.actors.demo_job.lora_demo", description=__doc__
     )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--devices", type=int, default=2)
@@ -45,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     command = [
-        sys.executable, "-m", "runtime.cli.main", "--log-level", "WARNING", "launch",
-        "--nproc", str(args.workers), "--", "-m", "actors.demo_job.lora_job",
+        sys.executable, "-m", "paramsync.runtime.cli.main", "--log-level", "WARNING", "launch",
+        "--nproc", str(args.workers), "--", "-m", "paramsync.actors.demo_job.lora_job",
         "--devices", str(args.devices), "--pretrain-steps", str(args.pretrain_steps),
         "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         "--corpus-bytes", str(args.corpus_bytes), "--out", str(out),

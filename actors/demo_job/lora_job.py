@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import xxhash
 
-from actors.demo_job.corpus import load_char_dataset
-from actors.demo_job.model import CharTransformer
-from actors.multidevice import DataParallelCoordinator, ReplicatedOptimizer
-from actors.train.run import run_script, trainer_from_env
-from actors.train.trainer import TrainerOptions
+from paramsync.actors.demo_job.corpus import load_char_dataset
+from paramsync.actors.demo_job.model import CharTransformer
+from paramsync.actors.multidevice import DataParallelCoordinator, ReplicatedOptimizer
+from paramsync.actors.train.run import run_script, trainer_from_env
+from paramsync.actors.train.trainer import TrainerOptions
 
 __all__ = ["main"]
 
@@ -36,7 +36,9 @@ TARGETS = ["qkv", "proj", "fc", "out"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actors.demo_job.lora_job", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m paramsync.actors.demo_job.lora_job", description=__doc__
+    )
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--steps", type=int, default=120, help="fine-tuning steps")
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
@@ -176,7 +178,8 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``python -m actors.demo_job.lora_job`` (under ``paramsync launch``)."""
+    """Entry point: ``python -m paramsync.actors.demo_job.lora_job`` (under ``paramsync
+    launch``)."""
     return run_script(run, build_parser().parse_args(argv))
 
 

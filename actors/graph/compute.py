@@ -11,7 +11,7 @@ backward returns, holding what the step accumulated for it (zeros if nothing), a
 parameters unused in the whole step are reported (``on_unused``) so the gradient-comm actor
 can agree with its peers which ones no rank used.
 
-With mixed precision (`actors.graph.precision`), the loss function runs under autocast and
+With mixed precision (`paramsync.actors.graph.precision`), the loss function runs under autocast and
 backward runs on the scaled loss when there is a loss scaler; the loss it answers is unscaled.
 
 The "replicas" backend (hierarchical data parallelism): a worker process holding several devices
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import trio
 
-from actors.graph.messages import Backward
-from actors.graph.precision import MixedPrecision, autocast_of
-from actors.multidevice import DataParallelCoordinator, primary_backward
-from actors.state.buckets import Bucket
-from runtime.actor.base import Actor, run_in_thread
-from runtime.observe.trace import TraceRecorder
+from paramsync.actors.graph.messages import Backward
+from paramsync.actors.graph.precision import MixedPrecision, autocast_of
+from paramsync.actors.multidevice import DataParallelCoordinator, primary_backward
+from paramsync.actors.state.buckets import Bucket
+from paramsync.runtime.actor.base import Actor, run_in_thread
+from paramsync.runtime.observe.trace import TraceRecorder
 
 __all__ = ["ComputeActor", "LossFn", "UnusedParametersError"]
 
@@ -184,7 +184,7 @@ class ComputeActor(Actor):
         """Get the hooks ready for a backward of ``step``: with ``sync``, the step's last one,
         whose hooks announce the buckets (else gradients only accumulate). Called by
         `_backward`, or by a caller whose own thread runs the forward and backward (torch
-        DDP's shape, `actors.train.ddp_wrapper`), which passes ``hand_over_last`` and then
+        DDP's shape, `paramsync.actors.train.ddp_wrapper`), which passes ``hand_over_last`` and then
         calls `backward_returned` in the event loop. ``on_started`` runs once, in the
         autograd engine, when the synchronizing backward gives its first gradient (where the
         wrapper queues its end-of-backward callback)."""

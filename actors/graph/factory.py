@@ -3,11 +3,11 @@
 `ActorFactory`'s defaults are the actor classes themselves. A trainer builds its actors with
 the factory it is given (``actors=``), else with the one `actors_in_context` set around the code
 that builds it, else with the plain classes. A harness that must observe or perturb a trainer it
-does not build itself (the fault trials' SIGKILL wrappers in `actors.testing.faults`, around a
-worker daemon's job) runs that code inside ``with actors_in_context(factory):``: the factory
-holds for the tasks and threads started inside the block (a context variable) and nowhere
-else. The trainer calls the factory with the same arguments either way and knows nothing of
-what it gets beyond the actors' interfaces.
+does not build itself (the fault trials' SIGKILL wrappers in `paramsync.actors.testing.faults`,
+around a worker daemon's job) runs that code inside ``with actors_in_context(factory):``: the
+factory holds for the tasks and threads started inside the block (a context variable) and nowhere
+else. The trainer calls the factory with the same arguments either way and knows nothing of what it
+gets beyond the actors' interfaces.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from actors.graph.compute import ComputeActor
-from actors.graph.gradcomm import GradCommActor
-from actors.graph.loader import DataLoaderActor
-from actors.graph.optimizer import OptimizerActor
+from paramsync.actors.graph.compute import ComputeActor
+from paramsync.actors.graph.gradcomm import GradCommActor
+from paramsync.actors.graph.loader import DataLoaderActor
+from paramsync.actors.graph.optimizer import OptimizerActor
 
 __all__ = ["ActorFactory", "actors_in_context", "context_actors"]
 

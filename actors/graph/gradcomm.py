@@ -5,7 +5,7 @@ place), reports a ready bucket (pre-averaged over accumulation steps) to the coo
 all-reduces it when the coordinator says go, overlapping the rest of backward; buckets run in the
 coordinator's order on every rank. From an epoch's second step on, buckets are reduced at once
 in the agreed order, without the round trip (the response cache). Each bucket is averaged by its
-reducer (`runtime.collectives.compression`: exactly, or compressed by ``comm_hook``).
+reducer (`paramsync.runtime.collectives.compression`: exactly, or compressed by ``comm_hook``).
 
 With ``find_unused_parameters``, once a step's buckets are reduced the ranks all-reduce which
 parameters each used (a flag per parameter, summed): a parameter some rank used keeps the
@@ -24,23 +24,23 @@ from typing import Protocol
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient, Go
-from actors.graph.messages import BucketReady
-from actors.state.buckets import Bucket
-from runtime.actor.base import Actor, ActorStopped
-from runtime.collectives.compression import make_reducer, tag_spec
-from runtime.collectives.ring import ReduceOp, all_reduce
-from runtime.coordinator.events import agreement_hash, spec_hash
-from runtime.observe.trace import TraceRecorder
-from runtime.transport.base import Transport
-from runtime.transport.capabilities import SharedMemoryHolder
+from paramsync.actors.client.client import CoordinatorClient, Go
+from paramsync.actors.graph.messages import BucketReady
+from paramsync.actors.state.buckets import Bucket
+from paramsync.runtime.actor.base import Actor, ActorStopped
+from paramsync.runtime.collectives.compression import make_reducer, tag_spec
+from paramsync.runtime.collectives.ring import ReduceOp, all_reduce
+from paramsync.runtime.coordinator.events import agreement_hash, spec_hash
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.capabilities import SharedMemoryHolder
 
 __all__ = ["CommOptions", "GradCommActor", "StepState"]
 
 
 class CommOptions(Protocol):
     """What the gradient-comm actor reads of the trainer's options
-    (`actors.train.trainer.TrainerOptions` has them all)."""
+    (`paramsync.actors.train.trainer.TrainerOptions` has them all)."""
 
     @property
     def accumulation_steps(self) -> int: ...
@@ -137,8 +137,8 @@ class GradCommActor(Actor):
         """Position in ``_order`` of the next cached bucket to reduce."""
 
     def _use_reducers(self, options: CommOptions) -> None:
-        """Each bucket's reducer (how it is averaged: `runtime.collectives.compression`, the
-        comm hook of ``options``) and the specs the coordinator agrees on, tagged with it."""
+        """Each bucket's reducer (how it is averaged: `paramsync.runtime.collectives.compression`,
+        the comm hook of ``options``) and the specs the coordinator agrees on, tagged with it."""
         self._reducers = [
             make_reducer(
                 options.comm_hook,

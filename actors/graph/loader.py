@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import trio
 
-from actors.graph.sampler import shard
-from runtime.actor.base import Actor
+from paramsync.actors.graph.sampler import shard
+from paramsync.runtime.actor.base import Actor
 
 __all__ = ["BatchSource", "DataLoaderActor", "LoadNext", "LoaderPosition"]
 

@@ -7,9 +7,9 @@ clips them identically. The digest is the identical-weights check (C-DDP-001): t
 commits a step once every rank's digest agrees, and no rank changes its weights again before
 that commit.
 
-With a loss scaler (`actors.graph.precision`), the step goes through it: it unscales the averaged
-gradients (before clipping) and skips the step when one is inf or nan, identically on every rank
-(the gradients are bitwise identical after the all-reduce); the digest then covers the scaler's
+With a loss scaler (`paramsync.actors.graph.precision`), the step goes through it: it unscales the
+averaged gradients (before clipping) and skips the step when one is inf or nan, identically on every
+rank (the gradients are bitwise identical after the all-reduce); the digest then covers the scaler's
 state too, so a rank that decided otherwise is caught by the same check.
 """
 
@@ -23,12 +23,12 @@ from typing import Protocol
 
 import torch
 
-from actors.client.client import CoordinatorClient
-from actors.graph.messages import OptimizerStep, Verify
-from actors.graph.precision import GradScalerDigests, MixedPrecision
-from actors.state.digest import Scheduler, StateDigest, StateHasher
-from runtime.actor.base import Actor, run_in_thread
-from runtime.observe.trace import TraceRecorder
+from paramsync.actors.client.client import CoordinatorClient
+from paramsync.actors.graph.messages import OptimizerStep, Verify
+from paramsync.actors.graph.precision import GradScalerDigests, MixedPrecision
+from paramsync.actors.state.digest import Scheduler, StateDigest, StateHasher
+from paramsync.runtime.actor.base import Actor, run_in_thread
+from paramsync.runtime.observe.trace import TraceRecorder
 
 __all__ = [
     "CheckCost",
@@ -56,7 +56,7 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, norm_type: float = 2
 
 
 class ClipOptions(Protocol):
-    """What the optimizer actor reads of the trainer's options (`actors.train.options.
+    """What the optimizer actor reads of the trainer's options (`paramsync.actors.train.options.
     TrainerOptions` has both fields): the gradient clipping."""
 
     @property
@@ -151,7 +151,7 @@ class OptimizerActor(Actor):
 
     def digest_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Cover ``scaler``'s state in every digest from now on (a loss scaler the caller's
-        own loop drives, `actors.train.ddp_wrapper`)."""
+        own loop drives, `paramsync.actors.train.ddp_wrapper`)."""
         self._scaler_digests = GradScalerDigests(scaler)
 
     async def handle(self, message: object) -> None:
@@ -227,8 +227,8 @@ class OptimizerActor(Actor):
 
     def applied_by_caller(self, step: int, *, skipped: bool = False) -> None:
         """The caller's own thread stepped the optimizer with ``step``'s averaged gradients
-        (torch DDP's shape, `actors.train.ddp_wrapper`; ``skipped``: its loss scaler skipped
-        the step): count it and hash the state in that thread, as `apply` does after its own
+        (torch DDP's shape, `paramsync.actors.train.ddp_wrapper`; ``skipped``: its loss scaler
+        skipped the step): count it and hash the state in that thread, as `apply` does after its own
         step. A `Verify` of ``step`` then reports the digest."""
         if skipped and self._on_skipped is not None:
             self._on_skipped(step)

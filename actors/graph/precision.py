@@ -12,7 +12,8 @@ all-reduce leaves bitwise identical on every rank, so every rank decides the sam
 scaler's state (scale and growth tracker, which a skipped step backs off and a taken one grows)
 is part of the state digest (`GradScalerDigests`), so a rank that decided otherwise is caught by
 the identical-weights check (C-DDP-001) like any other divergence. It is also part of the
-training state that checkpoints and a joiner's state transfer carry (`actors.state.training_state`).
+training state that checkpoints and a joiner's state transfer carry
+(`paramsync.actors.state.training_state`).
 
 A loss scaler is meant for float16 on CUDA (bfloat16 has float32's range and needs none); torch
 also implements it for the CPU, where it runs the same code path (the tests use that).
@@ -28,7 +29,7 @@ import cbor2
 import torch
 import xxhash
 
-from actors.state.digest import StateDigest
+from paramsync.actors.state.digest import StateDigest
 
 __all__ = [
     "AUTOCAST_DTYPES",

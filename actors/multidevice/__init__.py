@@ -7,14 +7,14 @@ device's model, optimizer, gradient buffers and stream), ``coordinator`` (the st
 ``replicated`` (the seam to a multi-process `DistributedTrainer`: hierarchical data parallelism).
 """
 
-from actors.multidevice.coordinator import (
+from paramsync.actors.multidevice.coordinator import (
     BatchResult,
     DataParallelCoordinator,
     ReplicaDivergedError,
 )
-from actors.multidevice.replicated import ReplicatedOptimizer, primary_backward
-from actors.multidevice.sharding import TooFewSamplesError
-from actors.multidevice.threads import ReplicaError
+from paramsync.actors.multidevice.replicated import ReplicatedOptimizer, primary_backward
+from paramsync.actors.multidevice.sharding import TooFewSamplesError
+from paramsync.actors.multidevice.threads import ReplicaError
 
 __all__ = [
     "BatchResult",

@@ -3,10 +3,10 @@
 Per step (contract C-DP-002):
 
 1. the batch is split along dimension 0 into one shard per device, sizes differing by at most
-   one (`actors.multidevice.sharding`; fewer samples than devices is an error, never a
+   one (`paramsync.actors.multidevice.sharding`; fewer samples than devices is an error, never a
    fall-back to fewer devices);
 2. every replica runs forward and backward on its shard on its own OS thread, at the same time
-   (`actors.multidevice.threads`);
+   (`paramsync.actors.multidevice.threads`);
 3. the trainable gradients are averaged on the host, each weighted by its shard's share of the
    batch and summed in device order (so the result does not depend on which thread finished
    first; element by element the same sums whether one thread sums the whole buffer or each
@@ -15,17 +15,17 @@ Per step (contract C-DP-002):
 4. every replica loads that same averaged gradient and takes its own optimizer step (no weight
    is ever copied from one replica to another after the start);
 5. every ``check_interval`` steps each replica's whole state (trainable and frozen parameters,
-   buffers, optimizer state) is hashed with the C-DDP-001 digest (`actors.state.digest`), and a
-   replica whose digest differs from replica 0's raises `ReplicaDivergedError` naming it and the
-   first entry that differs.
+   buffers, optimizer state) is hashed with the C-DDP-001 digest (`paramsync.actors.state.digest`),
+   and a replica whose digest differs from replica 0's raises `ReplicaDivergedError` naming it and
+   the first entry that differs.
 
 `train_batch_parallel` runs steps 2-5 as one job per replica thread (one pool round-trip a
-step, `actors.multidevice.relay`). On CPU replicas steps 3-5 are mostly Python and two threads
-running them at once only contend for the GIL, so the thread that finishes its backward last
+step, `paramsync.actors.multidevice.relay`). On CPU replicas steps 3-5 are mostly Python and two
+threads running them at once only contend for the GIL, so the thread that finishes its backward last
 takes them for every replica, one after another in device order (the result is the same: each
-replica's own optimizer, the same averaged gradient); replicas that update at once (CUDA
-devices, or CPU ones on an interpreter without a GIL) sum a slice of the average each and step
-their own optimizers on their own threads, with barriers between the phases.
+replica's own optimizer, the same averaged gradient); replicas that update at once (CUDA devices, or
+CPU ones on an interpreter without a GIL) sum a slice of the average each and step their own
+optimizers on their own threads, with barriers between the phases.
 
 Frozen parameters (``requires_grad=False``, a LoRA model's base weights) are never averaged,
 copied or sent. At construction replica 0's initial parameters and buffers are loaded into the
@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
-from actors.multidevice.relay import UpdateRelay
-from actors.multidevice.replica import LossFn, Replica
-from actors.multidevice.sharding import batch_size, shard_sizes, split_batch
-from actors.multidevice.threads import ReplicaError, ReplicaThreads
-from actors.state.digest import StateDigest
-from runtime.errors import StateDiverged
+from paramsync.actors.multidevice.relay import UpdateRelay
+from paramsync.actors.multidevice.replica import LossFn, Replica
+from paramsync.actors.multidevice.sharding import batch_size, shard_sizes, split_batch
+from paramsync.actors.multidevice.threads import ReplicaError, ReplicaThreads
+from paramsync.actors.state.digest import StateDigest
+from paramsync.runtime.errors import StateDiverged
 
 __all__ = ["BatchResult", "DataParallelCoordinator", "ReplicaDivergedError"]
 
@@ -122,8 +122,8 @@ class DataParallelCoordinator:
     ``concurrent_update``: whether the replicas take the averaging, their optimizer steps and
     their digests at once, each on its own thread (True), or one after another on the thread
     that finished its backward last (False); by default at once when a device is a GPU or the
-    interpreter runs without a GIL, one after another otherwise (see `actors.multidevice.relay`;
-    both give the same bits).
+    interpreter runs without a GIL, one after another otherwise (see
+    `paramsync.actors.multidevice.relay`; both give the same bits).
     """
 
     def __init__(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from actors.state.digest import StateDigest, StateHasher
+from paramsync.actors.state.digest import StateDigest, StateHasher
 
 __all__ = ["Replica", "trainable_parameters"]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from actors.multidevice.coordinator import DataParallelCoordinator
+from paramsync.actors.multidevice.coordinator import DataParallelCoordinator
 
 __all__ = ["ReplicatedOptimizer", "primary_backward"]
 

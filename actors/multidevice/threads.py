@@ -3,7 +3,8 @@
 Each replica's forward and backward run on its own thread, which lives as long as the pool: no
 thread is started per step. torch releases the GIL inside its kernels, so replicas on several
 CPU devices (or several GPUs) run at once. (Who takes the update after them, each thread its own
-replica's or one thread every replica's, is the coordinator's choice: `actors.multidevice.relay`.)
+replica's or one thread every replica's, is the coordinator's choice:
+`paramsync.actors.multidevice.relay`.)
 
 One wake-up per round: `run` waits on one event, set by whichever job ends last, not on each
 job's result in turn (a caller woken by an early finisher would only take the GIL from the

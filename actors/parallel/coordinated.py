@@ -1,17 +1,17 @@
 """A `Trainer3D` under the coordinator: the layout agreed at the join, C-DDP-001 per shard.
 
 `join_3d` joins a `CoordinatorClient` as a rank of a 3D-parallel run: its `ParallelLayout`
-(`runtime.parallel.run_layout.parallel_layout`: the ``("pp", "dp", "tp")`` mesh, the rank's
-coordinates and the digest of the whole pipeline schedule) and the mesh, so the coordinator
+(`paramsync.runtime.parallel.run_layout.parallel_layout`: the ``("pp", "dp", "tp")`` mesh, the
+rank's coordinates and the digest of the whole pipeline schedule) and the mesh, so the coordinator
 refuses a run whose ranks disagree on any of it and knows the dp groups. Every rank declares the
-dense model's signature (the coordinator holds one reference model; a rank's shard is a slice
-of it).
+dense model's signature (the coordinator holds one reference model; a rank's shard is a slice of
+it).
 
 `CoordinatorStepHooks` are the trainer's `StepHooks`: before each dp reduction the rank reports
 its gradient bucket ready within its dp group and waits for the coordinator's go; after each
 optimizer step it reports its shard digest and waits for the commit. The coordinator compares
 digests within each (tp, pp) shard only and, on a mismatch, stops the run naming the shard and
-the ranks (`runtime.coordinator.layouts`, `runtime.coordinator.commits`).
+the ranks (`paramsync.runtime.coordinator.layouts`, `paramsync.runtime.coordinator.commits`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from __future__ import annotations
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient, JoinResult
-from actors.parallel.shard_model import ModelSpec
-from actors.state.digest import StateDigest
-from runtime.collectives.groups import ProcessGroup
-from runtime.coordinator.events import bucket_spec, model_signature
-from runtime.parallel.config import ParallelismConfig
-from runtime.parallel.run_layout import parallel_layout
-from runtime.parallel.schedules import build_schedule, schedule_digest
-from runtime.protocol.messages import Go
-from runtime.transport.base import Transport
+from paramsync.actors.client.client import CoordinatorClient, JoinResult
+from paramsync.actors.parallel.shard_model import ModelSpec
+from paramsync.actors.state.digest import StateDigest
+from paramsync.runtime.collectives.groups import ProcessGroup
+from paramsync.runtime.coordinator.events import bucket_spec, model_signature
+from paramsync.runtime.parallel.config import ParallelismConfig
+from paramsync.runtime.parallel.run_layout import parallel_layout
+from paramsync.runtime.parallel.schedules import build_schedule, schedule_digest
+from paramsync.runtime.protocol.messages import Go
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["CoordinatorStepHooks", "join_3d"]
 

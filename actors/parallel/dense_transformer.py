@@ -1,11 +1,11 @@
 """A small single-device decoder-only transformer, the reference of the parallel models.
 
-The tensor-parallel model (`actors.parallel.tensor_parallel.transformer`) is built from this one
-by slicing its weights, and parity tests train both on the same data. It is a list of stages,
-``stages = [embedding, block, ..., block, head]``, so a pipeline can cut it between any two, and
-attention has separate q, k and v projections so that a head group's shard is a contiguous slice
-of each. Attention is written out (no fused kernel) so both models compute alike, and dropout
-draws from a `TensorParallelRNG` (inside its ``fork()`` for the attention probabilities, as the
+The tensor-parallel model (`paramsync.actors.parallel.tensor_parallel.transformer`) is built from
+this one by slicing its weights, and parity tests train both on the same data. It is a list of
+stages, ``stages = [embedding, block, ..., block, head]``, so a pipeline can cut it between any two,
+and attention has separate q, k and v projections so that a head group's shard is a contiguous slice
+of each. Attention is written out (no fused kernel) so both models compute alike, and dropout draws
+from a `TensorParallelRNG` (inside its ``fork()`` for the attention probabilities, as the
 tensor-parallel model does), never from torch's process-wide generator.
 
 Initialisation draws only from a generator seeded with ``seed`` (GPT-2 style: N(0, 0.02), residual
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:  # the rng is only called; importing it here would import the tp package
-    from actors.parallel.tensor_parallel.random import TensorParallelRNG
+    from paramsync.actors.parallel.tensor_parallel.random import TensorParallelRNG
 
 __all__ = [
     "DenseTransformer",

@@ -4,8 +4,9 @@ The norm is the one the single-device model's ``torch.nn.utils.clip_grad_norm_``
 each parameter of the whole model counted exactly once (torchtitan 596: a per-rank norm is wrong;
 TransformerEngine's 1.36-1.52x inflated norm: replicated parameters counted on every rank).
 
-- A tp shard (``tensor_model_parallel`` set, `actors.parallel.tensor_parallel.mark_tensor_parallel`)
-  contributes its part on every tp rank: the parts are disjoint.
+- A tp shard (``tensor_model_parallel`` set,
+  `paramsync.actors.parallel.tensor_parallel.mark_tensor_parallel`) contributes its part on every tp
+  rank: the parts are disjoint.
 - A parameter replicated across the tp group (LayerNorms, a row-parallel bias, the position
   embedding) has the same gradient on every tp rank and contributes on tp rank 0 only.
 - A parameter marked ``tied_duplicate`` (the second copy of a tied embedding on the last
@@ -26,10 +27,10 @@ from collections.abc import Iterable
 
 import torch
 
-from actors.parallel.tensor_parallel.layers import is_tensor_parallel
-from runtime.collectives.from_thread import SyncCollectives
-from runtime.collectives.ring import all_gather, all_reduce
-from runtime.transport.base import Transport
+from paramsync.actors.parallel.tensor_parallel.layers import is_tensor_parallel
+from paramsync.runtime.collectives.from_thread import SyncCollectives
+from paramsync.runtime.collectives.ring import all_gather, all_reduce
+from paramsync.runtime.transport.base import Transport
 
 __all__ = [
     "clip_grad_norm_",

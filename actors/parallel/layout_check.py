@@ -5,10 +5,10 @@ micro-batch count) or another model would build other groups and other action li
 would hang in a group that never forms, or swap tensors. `check_layout_agreement` all-gathers, over
 the world, two SHA-256 digests of what each rank declares: its layout (the mesh, every
 `ParallelismConfig` field that changes the arithmetic, the model's shape) and its pipeline
-schedule (`runtime.parallel.schedules.schedule_digest`, every rank's action list), and every
-rank raises the same `LayoutDisagreement` naming which of the two differs and the ranks on each
-side. It is the in-band form of the coordinator's layout agreement at the join
-(`runtime.coordinator.layouts`), for runs without a coordinator.
+schedule (`paramsync.runtime.parallel.schedules.schedule_digest`, every rank's action list), and
+every rank raises the same `LayoutDisagreement` naming which of the two differs and the ranks on
+each side. It is the in-band form of the coordinator's layout agreement at the join
+(`paramsync.runtime.coordinator.layouts`), for runs without a coordinator.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import cbor2
 import torch
 
-from actors.parallel.replica_check import digest_tensor
-from runtime.collectives.ring import all_gather
-from runtime.errors import ConfigError
-from runtime.transport.base import Transport
+from paramsync.actors.parallel.replica_check import digest_tensor
+from paramsync.runtime.collectives.ring import all_gather
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["LayoutDisagreement", "check_layout_agreement", "layout_digest"]
 

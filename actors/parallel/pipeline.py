@@ -1,9 +1,9 @@
 """A pipeline rank executing its schedule: `PipelineStage`.
 
 One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r, r + p, ...;
-`actors.parallel.stages`) and, per training step, executes the rank's list of actions
-(`runtime.parallel.actions`, as a schedule generator gives them) in order over the pipeline
-`ProcessGroup`:
+`paramsync.actors.parallel.stages`) and, per training step, executes the rank's list of actions
+(`paramsync.runtime.parallel.actions`, as a schedule generator gives them) in order over the
+pipeline `ProcessGroup`:
 
 - FORWARD runs a chunk on one micro-batch: stage 0 takes micro-batch i of the inputs, another
   stage the activation received (or handed over by the previous stage when it lives on this
@@ -13,8 +13,8 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   to the stage's input and weights at once; BACKWARD_INPUT (zero-bubble) computes the input
   gradient only, keeping the gradients that flowed into every node where a weight's subgraph
   meets the activation-gradient chain, and BACKWARD_WEIGHT the weight gradients later from
-  those alone, without walking the chain again (`actors.parallel.split_backward`, as torch's
-  ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
+  those alone, without walking the chain again (`paramsync.actors.parallel.split_backward`, as
+  torch's ``stage_backward_input`` / ``stage_backward_weight``): I + W cost about one B.
 - SEND_ACTIVATION / SEND_GRADIENT hand the tensor over (to the peer's sender thread, or to
   the trio side, which starts a tagged `isend` in the step's nursery: below); the list goes on
   at once. A send leaves as soon as its tensor is computed and every send before it in the
@@ -30,36 +30,36 @@ One `PipelineStage` per pipeline rank holds that rank's v model chunks (stages r
   shape against the declared one). The tag is ``action.tag(step)``: step, the sending stage,
   the micro-batch and the direction, the same at both ends. A receive takes the next message
   its peer sent, so a rank must receive from each peer in the order that peer sends to it:
-  every list that runs on rendezvous channels does (`runtime.parallel.schedules.build_schedule`'s
-  are simulated so); with a list that does not, the receive meets a message of another tag: a
-  ProtocolError naming both tags, never a swap.
+  every list that runs on rendezvous channels does
+  (`paramsync.runtime.parallel.schedules.build_schedule`'s are simulated so); with a list that does
+  not, the receive meets a message of another tag: a ProtocolError naming both tags, never a swap.
 - The list itself is walked on one compute thread per step (one `trio.to_thread.run_sync` for
   the whole list, not one per action): compute runs there back to back, a receive is a wait on
   a thread event (``recv_seconds`` counts from when the walk reaches it), a send a hand-over.
   Who moves the bytes: when the pp group can lend its connections to threads
-  (`runtime.transport.capabilities.BlockingLinkProvider`, plaintext TCP; ``thread_links``, on
-  by default), the step borrows them (`blocking_links`) and runs one sender thread and one
-  receive thread per peer over them (`runtime.collectives.p2p.send_on_links` /
-  `recv_on_links`, the same frames): a send is a queue put, each thread blocks in the system
-  calls with the GIL released, and trio is not woken per message (handing each send to trio
-  cost the compute thread 0.3-0.6 ms of GIL wait, and the peer's drain; a step of interleaved
-  1F1B on the benchmark spent 10-12 ms so, now under 1 ms). Otherwise (in-process worlds, TLS,
-  torch's plane, ``thread_links=False``) a send is a `TrioToken.run_sync_soon` starting an
-  `isend`, and the receives are trio tasks; several ranks of an in-process world share one trio
-  loop. A failed receive or send, or a cancelled step, wakes the walk, which stops at its next
-  wait or between two actions (an action's compute is never interrupted half-way); on lent
-  links the step shuts them down to wake their threads (the transport is then broken, as after
-  any failed collective, and the stage closes its groups anyway). A receive thread on lent
-  links also fails on a peer silent for the transport's ``stall_seconds`` (300 s on TCP), even
-  without ``recv_seconds``. `PipelineStage.on_action` is called on the compute thread after
-  each action (the tracer's hook, `actors.parallel.traced_stage`).
+  (`paramsync.runtime.transport.capabilities.BlockingLinkProvider`, plaintext TCP; ``thread_links``,
+  on by default), the step borrows them (`blocking_links`) and runs one sender thread and one
+  receive thread per peer over them (`paramsync.runtime.collectives.p2p.send_on_links` /
+  `recv_on_links`, the same frames): a send is a queue put, each thread blocks in the system calls
+  with the GIL released, and trio is not woken per message (handing each send to trio cost the
+  compute thread 0.3-0.6 ms of GIL wait, and the peer's drain; a step of interleaved 1F1B on the
+  benchmark spent 10-12 ms so, now under 1 ms). Otherwise (in-process worlds, TLS, torch's plane,
+  ``thread_links=False``) a send is a `TrioToken.run_sync_soon` starting an `isend`, and the
+  receives are trio tasks; several ranks of an in-process world share one trio loop. A failed
+  receive or send, or a cancelled step, wakes the walk, which stops at its next wait or between two
+  actions (an action's compute is never interrupted half-way); on lent links the step shuts them
+  down to wake their threads (the transport is then broken, as after any failed collective, and the
+  stage closes its groups anyway). A receive thread on lent links also fails on a peer silent for
+  the transport's ``stall_seconds`` (300 s on TCP), even without ``recv_seconds``.
+  `PipelineStage.on_action` is called on the compute thread after each action (the tracer's hook,
+  `paramsync.actors.parallel.traced_stage`).
 - Weight gradients fold into ``param.grad`` in ascending micro-batch order
-  (`actors.parallel.microbatch_grads`): every schedule gives bitwise the same gradients.
+  (`paramsync.actors.parallel.microbatch_grads`): every schedule gives bitwise the same gradients.
 
 `train_step` adds what follows a pipeline step: the dp average and the tied-embedding sum
-(`actors.parallel.pipeline_grads`), the optimizer step, and the step's mean loss, broadcast from
-the last stage to every rank of the pipeline group (each dp replica gets the mean over its own
-micro-batches).
+(`paramsync.actors.parallel.pipeline_grads`), the optimizer step, and the step's mean loss,
+broadcast from the last stage to every rank of the pipeline group (each dp replica gets the mean
+over its own micro-batches).
 
 A failed step (a compute error, a peer gone, a receive waiting longer than ``recv_seconds``)
 closes every group the stage uses, so that its peers' sends and receives fail too instead of
@@ -82,20 +82,25 @@ import torch
 import trio
 from torch import nn
 
-from actors.parallel.microbatch_grads import OrderedGradients
-from actors.parallel.pipeline_grads import (
+from paramsync.actors.parallel.microbatch_grads import OrderedGradients
+from paramsync.actors.parallel.pipeline_grads import (
     average_over_dp,
     broadcast_tied,
     sum_tied,
 )
-from actors.parallel.split_backward import WeightGradients, backward_input
-from actors.parallel.stages import StageChunk, check_stage_layout, split_blocks, stage_rank
-from runtime.collectives.p2p import isend, recv, recv_on_links, send_on_links
-from runtime.collectives.ring import broadcast
-from runtime.errors import StallError, first_error
-from runtime.parallel.actions import Action, ActionKind
-from runtime.transport.base import Transport
-from runtime.transport.capabilities import BlockingLinkProvider, BlockingLinkSet
+from paramsync.actors.parallel.split_backward import WeightGradients, backward_input
+from paramsync.actors.parallel.stages import (
+    StageChunk,
+    check_stage_layout,
+    split_blocks,
+    stage_rank,
+)
+from paramsync.runtime.collectives.p2p import isend, recv, recv_on_links, send_on_links
+from paramsync.runtime.collectives.ring import broadcast
+from paramsync.runtime.errors import StallError, first_error
+from paramsync.runtime.parallel.actions import Action, ActionKind
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.capabilities import BlockingLinkProvider, BlockingLinkSet
 
 __all__ = ["PipelineStage", "PipelineStepResult", "ActivationShape", "split_microbatches"]
 
@@ -151,13 +156,14 @@ class PipelineStage:
     ``dp_group``: this stage's data-parallel group (gradients averaged over it in
     `train_step`). ``tied``: pairs of parameter names ("<block>.<name>", first stage's then
     last stage's) that are one weight in the model; ``embedding_group`` is the 2-rank group of
-    the first and the last pipeline rank (`actors.parallel.pipeline_grads.new_embedding_group`).
-    ``recv_seconds``: how long one receive may wait before the step fails (None: no limit).
-    ``thread_links``: when ``pp_group`` can lend its connections to threads
-    (`runtime.transport.capabilities.BlockingLinkProvider`: plaintext TCP), move the step's
-    messages on threads over them (sends from the compute thread itself, receives on one
-    thread per peer), so that no message wakes the trio loop; False, or a group that cannot
-    lend them (in-process, TLS, torch's plane), moves them through trio.
+    the first and the last pipeline rank
+    (`paramsync.actors.parallel.pipeline_grads.new_embedding_group`). ``recv_seconds``: how long one
+    receive may wait before the step fails (None: no limit). ``thread_links``: when ``pp_group`` can
+    lend its connections to threads
+    (`paramsync.runtime.transport.capabilities.BlockingLinkProvider`: plaintext TCP), move the
+    step's messages on threads over them (sends from the compute thread itself, receives on one
+    thread per peer), so that no message wakes the trio loop; False, or a group that cannot lend
+    them (in-process, TLS, torch's plane), moves them through trio.
     """
 
     def __init__(
@@ -325,7 +331,7 @@ class PipelineStage:
 
     async def finalize_grads(self) -> None:
         """The dp average of every gradient, then the tied weights' sum over the embedding
-        group (`actors.parallel.pipeline_grads`)."""
+        group (`paramsync.actors.parallel.pipeline_grads`)."""
         try:
             trained = [p for p in self.parameters() if p.requires_grad]
             await average_over_dp(self.dp_group, trained)
@@ -371,8 +377,8 @@ class PipelineStage:
         """Called on the stage's compute thread after each action of a step's list with its
         `time.perf_counter_ns` start and end (a receive: the wait for it; a send: its hand-off
         to its sender thread or the trio side). Does nothing here;
-        `actors.parallel.traced_stage` records spans. It runs between two actions, so it should
-        be quick; an error it raises fails the step."""
+        `paramsync.actors.parallel.traced_stage` records spans. It runs between two actions, so it
+        should be quick; an error it raises fails the step."""
 
     async def fail(self, exc: BaseException) -> None:
         """Mark the stage broken by ``exc`` and close every group it uses (shielded), so its

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.collectives.flatten import dtype_groups, flatten, unflatten
-from runtime.collectives.groups import ProcessGroup, new_group
-from runtime.collectives.ring import all_reduce, broadcast
-from runtime.transport.base import Transport
+from paramsync.runtime.collectives.flatten import dtype_groups, flatten, unflatten
+from paramsync.runtime.collectives.groups import ProcessGroup, new_group
+from paramsync.runtime.collectives.ring import all_reduce, broadcast
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["new_embedding_group", "average_over_dp", "sum_tied", "broadcast_tied"]
 

@@ -3,7 +3,7 @@
 Under dp x tp x pp every (tp, pp) coordinate of the device mesh is one *shard* of the model, and
 the dp group of a rank holds every replica of that shard. After each optimizer step all of them
 must hold bitwise identical weights and optimizer state. `check_shard_replicas` all-gathers each
-replica's 128-bit state digest (`actors.state.digest`) over the dp group; on a mismatch it
+replica's 128-bit state digest (`paramsync.actors.state.digest`) over the dp group; on a mismatch it
 all-gathers the per-tensor digests too, and every replica raises the same
 `ShardReplicasDiverged`, naming the shard (``tp=…, pp=…``), the step, the world ranks that hold
 each distinct state and the first tensor that differs. Every member calls it at the same step
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import torch
 
-from actors.state.digest import StateDigest
-from runtime.collectives.groups import ProcessGroup
-from runtime.collectives.ring import all_gather
-from runtime.errors import StateDiverged
-from runtime.transport.base import Transport
+from paramsync.actors.state.digest import StateDigest
+from paramsync.runtime.collectives.groups import ProcessGroup
+from paramsync.runtime.collectives.ring import all_gather
+from paramsync.runtime.errors import StateDiverged
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["ShardReplicasDiverged", "check_shard_replicas", "digest_tensor"]
 

@@ -6,9 +6,9 @@ its tensor-parallel form (`TensorParallelTransformer.from_dense`: every shard is
 dense weight's slice) and regroups the stage list into ``n_layers`` pipeline layers, Megatron's
 layout: layer 0 holds the embedding and the first block, the last layer the last block and the
 head, every other layer one block. A pipeline of p * v stages then splits the layers evenly
-(`runtime.parallel.config.ParallelismConfig.check_layers`), and the first and the last stage
-hold the tied embedding's two copies (``TIED`` names them as
-`actors.parallel.pipeline.PipelineStage` expects: "<layer>.<name in the layer>").
+(`paramsync.runtime.parallel.config.ParallelismConfig.check_layers`), and the first and the last
+stage hold the tied embedding's two copies (``TIED`` names them as
+`paramsync.actors.parallel.pipeline.PipelineStage` expects: "<layer>.<name in the layer>").
 
 With activation checkpointing every block is wrapped in a `CheckpointedBlock` whose
 recomputation replays the tp rank's dropout generators. `ShardModel.dense_names` maps each
@@ -22,14 +22,14 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from actors.parallel.checkpointing import CheckpointedBlock
-from actors.parallel.dense_transformer import DenseTransformer
-from actors.parallel.tensor_parallel.random import TensorParallelRNG
-from actors.parallel.tensor_parallel.transformer import (
+from paramsync.actors.parallel.checkpointing import CheckpointedBlock
+from paramsync.actors.parallel.dense_transformer import DenseTransformer
+from paramsync.actors.parallel.tensor_parallel.random import TensorParallelRNG
+from paramsync.actors.parallel.tensor_parallel.transformer import (
     ParallelBlock,
     TensorParallelTransformer,
 )
-from runtime.collectives.from_thread import SyncCollectives
+from paramsync.runtime.collectives.from_thread import SyncCollectives
 
 __all__ = ["ModelSpec", "ShardModel", "build_shard_model", "pipeline_layers"]
 

@@ -5,21 +5,21 @@ named like ``F s1 mb3`` on the rank's ``pipeline`` track, and each receive the t
 waiting for it as an ``idle`` event (the pipeline bubble: the stage has nothing to compute until
 its peer's activation or gradient arrives). Sends are handed over (to the peer's sender thread
 on lent links, else to the trio side) and take no time on the list, so they are instants. The
-spans come from `runtime.observe.trace.TraceRecorder`; with a disabled recorder the stage
+spans come from `paramsync.runtime.observe.trace.TraceRecorder`; with a disabled recorder the stage
 behaves (and costs) as a plain `PipelineStage`.
 
-The execution itself is `actors.parallel.pipeline`'s, unchanged: this subclass only implements
-the stage's public per-action hook, `PipelineStage.on_action` (called on the stage's compute
-thread after each action with its start and end).
+The execution itself is `paramsync.actors.parallel.pipeline`'s, unchanged: this subclass only
+implements the stage's public per-action hook, `PipelineStage.on_action` (called on the stage's
+compute thread after each action with its start and end).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from actors.parallel.pipeline import PipelineStage
-from runtime.observe.trace import TraceRecorder
-from runtime.parallel.actions import Action, ActionKind
+from paramsync.actors.parallel.pipeline import PipelineStage
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.parallel.actions import Action, ActionKind
 
 __all__ = ["TracedPipelineStage", "PIPELINE_TRACK"]
 

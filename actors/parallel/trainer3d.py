@@ -3,31 +3,34 @@
 `Trainer3D.create` (every rank of the world calls it alike):
 
 1. lays the world out on the device mesh ``("pp", "dp", "tp")``, Megatron's order, tensor
-   parallel fastest (`runtime.collectives.mesh.init_device_mesh`), and the 2-rank embedding
-   groups of the first and last pipeline ranks when the embedding is tied;
-2. builds this rank's shard of the transformer (`actors.parallel.shard_model`): its tp slice of
-   every weight, cut into layers, with activation checkpointing of the blocks when asked; the
-   pipeline rank keeps its p * v stages' layers (`actors.parallel.pipeline.PipelineStage`, traced
-   per action by `actors.parallel.traced_stage`);
+   parallel fastest (`paramsync.runtime.collectives.mesh.init_device_mesh`), and the 2-rank
+   embedding groups of the first and last pipeline ranks when the embedding is tied;
+2. builds this rank's shard of the transformer (`paramsync.actors.parallel.shard_model`): its tp
+   slice of every weight, cut into layers, with activation checkpointing of the blocks when asked;
+   the pipeline rank keeps its p * v stages' layers
+   (`paramsync.actors.parallel.pipeline.PipelineStage`, traced per action by
+   `paramsync.actors.parallel.traced_stage`);
 3. builds the optimizer over the rank's parameters: plain, or ZeRO-1 over the dp group
-   (`actors.parallel.zero.ZeroRedundancyOptimizer`) when ``memory_optimization == "zero1"``;
-4. generates the rank's action list of the configured schedule (`runtime.parallel.build_schedule`).
+   (`paramsync.actors.parallel.zero.ZeroRedundancyOptimizer`) when ``memory_optimization ==
+   "zero1"``;
+4. generates the rank's action list of the configured schedule
+   (`paramsync.runtime.parallel.build_schedule`).
 
 Before any of it, the ranks all-gather digests of their layout (config, model, options) and of
-the whole schedule (`actors.parallel.layout_check`): a rank started differently is refused by
-every rank with an error naming the ranks on each side, instead of hanging in a group that never
+the whole schedule (`paramsync.actors.parallel.layout_check`): a rank started differently is refused
+by every rank with an error naming the ranks on each side, instead of hanging in a group that never
 forms.
 
 `Trainer3D.train_step` takes this dp replica's batch (every tp and pp rank of the replica gets
 the same one), cuts it into the micro-batches, runs the schedule (tensor-parallel collectives run
-inside the compute through `runtime.collectives.from_thread.ThreadCollectives`; gradients fold
-in micro-batch order), and returns the batch's mean loss over every dp replica. Every
+inside the compute through `paramsync.runtime.collectives.from_thread.ThreadCollectives`; gradients
+fold in micro-batch order), and returns the batch's mean loss over every dp replica. Every
 ``accumulation_steps``-th batch it then steps the optimizer: the accumulated gradients divided by
-the number of batches, the tied embedding's gradients summed over its two copies, the dp average
-(or ZeRO-1's reduce-scatter), global-norm clipping over the tp and pp groups when
-``max_grad_norm`` is set (each parameter counted once, `actors.parallel.grad_clip`), the step.
-After every optimizer step the replicas of each (tp, pp) shard compare their state digests over
-their dp group (`actors.parallel.replica_check`: C-DDP-001 generalized), and a mismatch raises
+the number of batches, the tied embedding's gradients summed over its two copies, the dp average (or
+ZeRO-1's reduce-scatter), global-norm clipping over the tp and pp groups when ``max_grad_norm`` is
+set (each parameter counted once, `paramsync.actors.parallel.grad_clip`), the step. After every
+optimizer step the replicas of each (tp, pp) shard compare their state digests over their dp group
+(`paramsync.actors.parallel.replica_check`: C-DDP-001 generalized), and a mismatch raises
 `ShardReplicasDiverged` naming the shard and the ranks.
 
 A failure in a step (a peer gone, a diverged shard, a compute error) closes every group of this
@@ -46,28 +49,32 @@ import torch
 import trio
 from torch import nn
 
-from actors.parallel.grad_clip import clip_coefficient, clip_grad_norm_async, counts_for_norm
-from actors.parallel.layout_check import check_layout_agreement, layout_digest
-from actors.parallel.pipeline import split_microbatches
-from actors.parallel.pipeline_grads import new_embedding_group, sum_tied
-from actors.parallel.replica_check import check_shard_replicas
-from actors.parallel.shard_model import ModelSpec, ShardModel, build_shard_model
-from actors.parallel.stages import stage_rank
-from actors.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from actors.parallel.traced_stage import PIPELINE_TRACK, TracedPipelineStage
-from actors.parallel.zero import ZeroRedundancyOptimizer
-from actors.state.digest import StateDigest, StateHasher
-from runtime.collectives.from_thread import ThreadCollectives
-from runtime.collectives.groups import ProcessGroup
-from runtime.collectives.mesh import DeviceMesh, init_device_mesh
-from runtime.collectives.ring import all_reduce, broadcast
-from runtime.observe.trace import TraceRecorder
-from runtime.parallel.config import CommBackend, ParallelismConfig
-from runtime.parallel.schedules import Schedule, build_schedule, schedule_digest
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.capabilities import NativeCollectives
-from runtime.transport.tcp import TcpTransport
-from runtime.transport.torch_dist import TorchDistTransport, connect_torch_transport
+from paramsync.actors.parallel.grad_clip import (
+    clip_coefficient,
+    clip_grad_norm_async,
+    counts_for_norm,
+)
+from paramsync.actors.parallel.layout_check import check_layout_agreement, layout_digest
+from paramsync.actors.parallel.pipeline import split_microbatches
+from paramsync.actors.parallel.pipeline_grads import new_embedding_group, sum_tied
+from paramsync.actors.parallel.replica_check import check_shard_replicas
+from paramsync.actors.parallel.shard_model import ModelSpec, ShardModel, build_shard_model
+from paramsync.actors.parallel.stages import stage_rank
+from paramsync.actors.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from paramsync.actors.parallel.traced_stage import PIPELINE_TRACK, TracedPipelineStage
+from paramsync.actors.parallel.zero import ZeroRedundancyOptimizer
+from paramsync.actors.state.digest import StateDigest, StateHasher
+from paramsync.runtime.collectives.from_thread import ThreadCollectives
+from paramsync.runtime.collectives.groups import ProcessGroup
+from paramsync.runtime.collectives.mesh import DeviceMesh, init_device_mesh
+from paramsync.runtime.collectives.ring import all_reduce, broadcast
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.parallel.config import CommBackend, ParallelismConfig
+from paramsync.runtime.parallel.schedules import Schedule, build_schedule, schedule_digest
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.capabilities import NativeCollectives
+from paramsync.runtime.transport.tcp import TcpTransport
+from paramsync.runtime.transport.torch_dist import TorchDistTransport, connect_torch_transport
 
 __all__ = ["Trainer3D", "OptimizerFactory", "StepHooks"]
 
@@ -78,7 +85,8 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 @runtime_checkable
 class StepHooks(Protocol):
     """What a run around the trainer does at each optimizer step (a coordinator's protocol:
-    `actors.parallel.coordinated.CoordinatorStepHooks`). ``step`` counts optimizer steps from
+    `paramsync.actors.parallel.coordinated.CoordinatorStepHooks`). ``step`` counts optimizer steps
+    from
     0. Every rank of a dp group calls them at the same steps."""
 
     async def before_reduce(self, step: int, dp_group: Transport, flat_numel: int) -> None:
@@ -172,7 +180,7 @@ class Trainer3D:
         replicas every that many optimizer steps (0: never); ``recv_seconds`` bounds a pipeline
         receive's wait; ``tracer`` records every pipeline action (`TracedPipelineStage`);
         ``hooks`` run before each dp reduction and after each optimizer step (`StepHooks`);
-        ``group_options`` go to `runtime.collectives.groups.new_group`.
+        ``group_options`` go to `paramsync.runtime.collectives.groups.new_group`.
         """
         schedule = build_schedule(
             config.pipeline_schedule.value,
@@ -519,7 +527,7 @@ def _hosts(world: Transport) -> tuple[str, str]:
     raise ValueError(
         f"comm_backend='torch' over a {type(base).__name__}: Trainer3D forms torch's data "
         "plane over an InProcessTransport or TcpTransport world, or takes one on it "
-        "(runtime.transport.torch_dist)"
+        "(paramsync.runtime.transport.torch_dist)"
     )
 
 

@@ -2,7 +2,7 @@
 
 `ZeroRedundancyOptimizer` wraps an optimizer the way torch's ``ZeroRedundancyOptimizer`` does,
 but partitions elementwise (as DeepSpeed and Megatron's distributed optimizer do) and runs on
-`runtime.collectives.ring`:
+`paramsync.runtime.collectives.ring`:
 
 1. the parameters' gradients are copied into one flat buffer (parameters in order, padded with
    zeros to a multiple of the dp size, so it cuts into ``dp`` equal segments);
@@ -52,15 +52,15 @@ from typing import Any
 
 import torch
 
-from actors.state.digest import StateDigest, state_digest
-from runtime.collectives.ring import (
+from paramsync.actors.state.digest import StateDigest, state_digest
+from paramsync.runtime.collectives.ring import (
     DEFAULT_CHUNK_BYTES,
     SMALL_ALLREDUCE_BYTES,
     all_gather,
     all_reduce,
     reduce_scatter,
 )
-from runtime.transport.base import Transport
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["OptimizerFactory", "ZeroRedundancyOptimizer", "padded_length"]
 
@@ -80,8 +80,8 @@ class ZeroRedundancyOptimizer:
     ``params`` are the model's parameters (the same ones, in the same order, on every rank; one
     floating dtype, on the CPU as the collectives need). ``optimizer_factory`` builds the inner
     optimizer; it must take one param group. ``chunk_bytes`` and ``small_bytes`` are the
-    collectives' (`runtime.collectives.ring.all_reduce`); a plain data-parallel run compared
-    bitwise with this one must use the same ``small_bytes``.
+    collectives' (`paramsync.runtime.collectives.ring.all_reduce`); a plain data-parallel run
+    compared bitwise with this one must use the same ``small_bytes``.
     """
 
     def __init__(
@@ -299,9 +299,9 @@ class ZeroRedundancyOptimizer:
         return optimizer
 
     async def consolidated_digest(self, model: torch.nn.Module) -> StateDigest:
-        """The C-DDP-001 digest (`actors.state.digest.state_digest`) of ``model`` with the whole
-        gathered optimizer state: bitwise the digest of a plain data-parallel replica in the same
-        state, and the same on every rank of the group. Collective."""
+        """The C-DDP-001 digest (`paramsync.actors.state.digest.state_digest`) of ``model`` with the
+        whole gathered optimizer state: bitwise the digest of a plain data-parallel replica in the
+        same state, and the same on every rank of the group. Collective."""
         optimizer = self.consolidated_optimizer(await self.state_dict())
         return state_digest(model, optimizer)
 

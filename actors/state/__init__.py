@@ -1,1 +1,1 @@
-"""actors.state."""
+"""paramsync.actors.state."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.coordinator.events import dtype_name
+from paramsync.runtime.coordinator.events import dtype_name
 
 __all__ = ["Bucket", "plan_buckets", "DEFAULT_BUCKET_BYTES"]
 

@@ -47,9 +47,9 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from actors.state.training_state import TrainingState, manifest
-from runtime.errors import ParamsyncError
-from runtime.protocol.wire import tensor_buffer
+from paramsync.actors.state.training_state import TrainingState, manifest
+from paramsync.runtime.errors import ParamsyncError
+from paramsync.runtime.protocol.wire import tensor_buffer
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -186,7 +186,8 @@ class CheckpointStore:
         this run (never the one just written). Returns the checkpoint's path.
 
         Raises `CheckpointError` if the file cannot be written (nothing is left behind), and
-        TypeError if the state holds what a checkpoint cannot (see `actors.state.training_state`).
+        TypeError if the state holds what a checkpoint cannot (see
+        `paramsync.actors.state.training_state`).
         """
         name = checkpoint_name(state.step)
         final = self.directory / name

@@ -38,7 +38,7 @@ import cbor2
 import torch
 import xxhash
 
-from runtime.protocol.wire import tensor_buffer
+from paramsync.runtime.protocol.wire import tensor_buffer
 
 __all__ = [
     "StateDigest",

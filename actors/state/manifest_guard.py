@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from actors.state.training_state import StateMismatch, parse_manifest
+from paramsync.actors.state.training_state import StateMismatch, parse_manifest
 
 __all__ = ["MAX_OPTIMIZER_TENSORS_PER_PARAMETER", "check_manifest_fits", "allocation_bound"]
 

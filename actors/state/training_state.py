@@ -237,7 +237,8 @@ def _capture_scheduler(
 def _cborable(value: Any, where: str) -> Any:
     """A deep copy of ``value`` with tuples turned into lists; TypeError naming ``where`` for
     anything CBOR (and the checkpoint's JSON) would not carry faithfully. Integers must fit
-    CBOR's plain integer types: bignums are semantic tags, which `runtime.protocol.wire` refuses."""
+    CBOR's plain integer types: bignums are semantic tags, which `paramsync.runtime.protocol.wire`
+    refuses."""
     if isinstance(value, int) and not isinstance(value, bool) and not -(2**64) <= value < 2**64:
         raise TypeError(f"{where}: integer {value} does not fit 64 bits (CBOR bignum)")
     if value is None or isinstance(value, bool | int | float | str | bytes):
@@ -290,8 +291,8 @@ def parse_manifest(
     manifest: Mapping[str, Any],
 ) -> tuple[int, dict[str, Any], list[tuple[str, tuple[int, ...], torch.dtype]]]:
     """Validate a manifest's structure: ``(step, meta, [(name, shape, dtype), ...])``, or
-    ValueError naming the problem. Allocates nothing (see `actors.state.manifest_guard` for the
-    check against a local model)."""
+    ValueError naming the problem. Allocates nothing (see `paramsync.actors.state.manifest_guard`
+    for the check against a local model)."""
     if not isinstance(manifest, Mapping):
         raise ValueError(f"manifest must be a map, got {type(manifest).__name__}")
     if manifest.get("format") != STATE_FORMAT:

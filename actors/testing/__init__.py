@@ -1,1 +1,1 @@
-"""actors.testing: harness-side wrappers around a worker's actors (the fault trials')."""
+"""paramsync.actors.testing: harness-side wrappers around a worker's actors (the fault trials')."""

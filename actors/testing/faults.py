@@ -2,7 +2,7 @@
 
 `faulty_actors(fault)` is an `ActorFactory` whose actor for the fault's phase is wrapped, the
 others plain; ``with armed(fault):`` makes it the factory of the trainers built inside the block
-(what `runtime.testing.faulty_daemon` wraps a worker daemon's job in). The points,
+(what `paramsync.runtime.testing.faulty_daemon` wraps a worker daemon's job in). The points,
 each before the phase's work of the fault's step:
 
 - ``data``: the trainer takes the step's batch from the data loader;
@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from actors.graph.compute import ComputeActor
-from actors.graph.factory import ActorFactory, actors_in_context
-from actors.graph.gradcomm import GradCommActor
-from actors.graph.loader import DataLoaderActor, LoaderPosition
-from actors.graph.messages import Backward
-from actors.graph.optimizer import OptimizerActor
-from runtime.testing.faults import PHASES, Fault, FaultyTransport
-from runtime.transport.base import Transport
+from paramsync.actors.graph.compute import ComputeActor
+from paramsync.actors.graph.factory import ActorFactory, actors_in_context
+from paramsync.actors.graph.gradcomm import GradCommActor
+from paramsync.actors.graph.loader import DataLoaderActor, LoaderPosition
+from paramsync.actors.graph.messages import Backward
+from paramsync.actors.graph.optimizer import OptimizerActor
+from paramsync.runtime.testing.faults import PHASES, Fault, FaultyTransport
+from paramsync.runtime.transport.base import Transport
 
 __all__ = [
     "FaultyComputeActor",
@@ -155,5 +155,5 @@ def faulty_actors(fault: Fault) -> ActorFactory:
 
 def armed(fault: Fault) -> AbstractContextManager[ActorFactory]:
     """Within the block, every trainer built without ``actors=`` dies at ``fault`` (its
-    actors come from `faulty_actors`; `actors.graph.factory.actors_in_context`)."""
+    actors come from `faulty_actors`; `paramsync.actors.graph.factory.actors_in_context`)."""
     return actors_in_context(faulty_actors(fault))

@@ -5,7 +5,7 @@ operation, its reduce op or root, and the shape and dtype of every tensor it tak
 coordinator receives each rank's description as the bucket spec of a ``ready`` report (its
 first entry names the call, the others are the tensors) and sends the go only when every
 member described the same call; otherwise it stops the run naming the ranks and both calls
-(`runtime.coordinator.events.spec_text` prints a call entry as the call). Two ranks that
+(`paramsync.runtime.coordinator.events.spec_text` prints a call entry as the call). Two ranks that
 call ``all_reduce`` and ``broadcast`` at the same point, or all-reduce different shapes, are
 therefore stopped before any byte of data moves.
 """
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.coordinator.events import dtype_name
-from runtime.protocol.messages import CALL_PREFIX, BucketSpec
+from paramsync.runtime.coordinator.events import dtype_name
+from paramsync.runtime.protocol.messages import CALL_PREFIX, BucketSpec
 
 if TYPE_CHECKING:
     import torch

@@ -1,10 +1,10 @@
-"""torch.distributed's collectives written with paramsync's (`runtime.collectives`).
+"""torch.distributed's collectives written with paramsync's (`paramsync.runtime.collectives`).
 
 Each function runs one torch collective on a paramsync `Transport` (the group's own
 authenticated mesh), in the trio loop, and leaves the results where torch expects them (the
 caller's tensors, in place). Every rank ends with bitwise the same result:
 
-* sum and average go through the ring (`runtime.collectives.ring.all_reduce`: a fixed
+* sum and average go through the ring (`paramsync.runtime.collectives.ring.all_reduce`: a fixed
   summation order, the same on every rank);
 * the other reduce ops (product, min, max and the bitwise ones) gather every rank's tensor and
   fold them in rank order on every rank;
@@ -27,12 +27,12 @@ from contextlib import contextmanager
 
 import torch
 
-from actors.torchdist.calls import UnsupportedCall
-from runtime.collectives.p2p import recv as p2p_recv
-from runtime.collectives.p2p import send as p2p_send
-from runtime.collectives.ring import all_gather, all_reduce, barrier, broadcast
-from runtime.transport.base import Transport
-from runtime.transport.segments import SUPPORTED_DTYPES
+from paramsync.actors.torchdist.calls import UnsupportedCall
+from paramsync.runtime.collectives.p2p import recv as p2p_recv
+from paramsync.runtime.collectives.p2p import send as p2p_send
+from paramsync.runtime.collectives.ring import all_gather, all_reduce, barrier, broadcast
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.segments import SUPPORTED_DTYPES
 
 __all__ = [
     "allreduce_op",

@@ -2,15 +2,15 @@
 
 ``torch.distributed.init_process_group("paramsync")`` (and ``new_group(backend="paramsync")``)
 makes one per group through the factory `create_process_group`, registered at ``import torch``
-by `actors.torchdist.entry`. torch then runs everything on it: its DDP (parameter checks,
+by `paramsync.actors.torchdist.entry`. torch then runs everything on it: its DDP (parameter checks,
 the broadcast of rank 0's state, every gradient bucket), ``all_reduce`` and friends, and the
 frameworks built on them (Lightning, Accelerate, the transformers Trainer).
 
 Each collective returns a torch `Work` at once; the group's `GroupSession` runs it in the
 backend's trio loop after the coordinator has seen that every member calls the same thing
-(`actors.torchdist.calls`), and completes the work's future with the result or with one error
-naming what went wrong. An operation this backend does not run raises `UnsupportedCall`
-naming it.
+(`paramsync.actors.torchdist.calls`), and completes the work's future with the result or with one
+error naming what went wrong. An operation this backend does not run raises `UnsupportedCall` naming
+it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
-from actors.torchdist.ops import (
+from paramsync.actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
+from paramsync.actors.torchdist.ops import (
     allgather_op,
     allreduce_op,
     alltoall_op,
@@ -38,18 +38,18 @@ from actors.torchdist.ops import (
     reduce_scatter_op,
     send_op,
 )
-from actors.torchdist.proof import proof_enabled, watch_group
-from actors.torchdist.session import (
+from paramsync.actors.torchdist.proof import proof_enabled, watch_group
+from paramsync.actors.torchdist.session import (
     COORDINATOR_KEY,
     BackendError,
     GroupSession,
     SessionOptions,
     _Op,
 )
-from runtime.config import advertised_host, parse_address
-from runtime.errors import ConfigError
-from runtime.protocol.handshake import load_secret
-from runtime.transport.base import Transport
+from paramsync.runtime.config import advertised_host, parse_address
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.protocol.handshake import load_secret
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["ProcessGroupParamsync", "create_process_group", "BACKEND_NAME"]
 

@@ -6,7 +6,7 @@ after every optimizer step every rank holds bitwise the same module state and op
 state. The backend proves it: a global optimizer step post-hook (torch's
 ``register_optimizer_step_post_hook``) notices the optimizer that just stepped; when it steps
 parameters of a torch DDP module whose process group is a paramsync group, the module's
-parameters and buffers and the optimizer's state are hashed (`actors.state.digest`, in the
+parameters and buffers and the optimizer's state are hashed (`paramsync.actors.state.digest`, in the
 stepping thread) and reported to that group's coordinator as the end of the group's step
 (`GroupSession.end_step`). The coordinator compares the ranks' digests and stops the run at
 the first step where they differ, naming the ranks and the first tensor that differs.
@@ -34,13 +34,14 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from actors.state.digest import StateDigest, StateHasher
-from actors.torchdist.session import GroupSession
+from paramsync.actors.state.digest import StateDigest, StateHasher
+from paramsync.actors.torchdist.session import GroupSession
 
 
 class ProcessGroupParamsync(Protocol):
-    """What the proof needs of a paramsync process group (`actors.torchdist.process_group`):
-    its session, which takes the step's digest and knows whether the group failed."""
+    """What the proof needs of a paramsync process group
+    (`paramsync.actors.torchdist.process_group`): its session, which takes the step's digest and
+    knows whether the group failed."""
 
     session: GroupSession
 

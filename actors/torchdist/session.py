@@ -17,8 +17,8 @@ thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
   the report: Horovod's response cache), runs it and completes the caller's future.
 
 A step ends when an optimizer stepping a DDP module of this group has stepped
-(`actors.torchdist.proof`): its state digest is reported, and the coordinator compares every
-rank's (C-DDP-001) and commits the step, one step behind the collectives at most.
+(`paramsync.actors.torchdist.proof`): its state digest is reported, and the coordinator compares
+every rank's (C-DDP-001) and commits the step, one step behind the collectives at most.
 
 Failure: a collective that fails, a coordinator that aborts the run (a rank lost, stalled,
 a call that differs, a diverged state) or a lost coordinator fails the call in flight and
@@ -40,17 +40,17 @@ from typing import Any
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient, CoordinatorLost
-from actors.state.digest import StateDigest
-from actors.torchdist.calls import Call
-from runtime.coordinator.events import spec_hash
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import ConfigError, ParamsyncError, PeerClosed
-from runtime.protocol.handshake import Identity
-from runtime.protocol.messages import Go, StartRun
-from runtime.transport.base import Transport
-from runtime.transport.shm import attach_shared_memory
-from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
+from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
+from paramsync.actors.state.digest import StateDigest
+from paramsync.actors.torchdist.calls import Call
+from paramsync.runtime.coordinator.events import spec_hash
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.protocol.messages import Go, StartRun
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.shm import attach_shared_memory
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial_with_retry, form_mesh
 
 __all__ = ["BackendLoop", "GroupSession", "SessionOptions", "BackendError", "backend_loop"]
 
@@ -487,7 +487,7 @@ class GroupSession:
         pass (a torch DDP bucket) is completed with its tensors even on an error: torch's
         reducer cannot take a failed future from a Python process group (the process
         crashes), so the error is raised instead by the next call into the group and by the
-        next optimizer step (`actors.torchdist.proof`), before any gradient is applied."""
+        next optimizer step (`paramsync.actors.torchdist.proof`), before any gradient is applied."""
         self._pending.pop(id(op), None)
         if op.future.done():
             return

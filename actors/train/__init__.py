@@ -1,1 +1,1 @@
-"""actors.train."""
+"""paramsync.actors.train."""

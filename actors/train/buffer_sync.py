@@ -22,8 +22,13 @@ from typing import Literal, get_args
 
 import torch
 
-from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, THREADED_MIN_BYTES, all_reduce, broadcast
-from runtime.transport.base import Transport
+from paramsync.runtime.collectives.ring import (
+    DEFAULT_CHUNK_BYTES,
+    THREADED_MIN_BYTES,
+    all_reduce,
+    broadcast,
+)
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["BufferSync", "BUFFER_SYNC_MODES", "check_buffer_sync", "sync_buffers"]
 

@@ -1,5 +1,5 @@
-"""`CallerGate`: where the caller's own loop is (`actors.train.ddp_wrapper`), so that a new
-epoch's entry and the caller's thread never touch the model and optimizer at once.
+"""`CallerGate`: where the caller's own loop is (`paramsync.actors.train.ddp_wrapper`), so that a
+new epoch's entry and the caller's thread never touch the model and optimizer at once.
 
 A new epoch's entry (its state transfer, buffer synchronization and opening check) touches the
 model and optimizer, which the caller's thread also touches between its crossings into the

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import trio
 
-from actors.state.checkpoint import CheckpointStore
-from actors.state.training_state import TrainingState
+from paramsync.actors.state.checkpoint import CheckpointStore
+from paramsync.actors.state.training_state import TrainingState
 
 __all__ = ["CommittedCheckpoints"]
 

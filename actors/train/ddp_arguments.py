@@ -6,9 +6,9 @@ find_unused_parameters=False, check_reduction=False, gradient_as_bucket_view=Fal
 static_graph=False, delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
 mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None)` (torch 2.13): every
-argument is accepted by `actors.train.ddp_wrapper.DistributedDataParallel` in the same position.
-`torch_ddp_options` turns them into `TrainerOptions` and the device inputs go to; an argument that
-cannot apply raises one `ValueError` line naming it and why.
+argument is accepted by `paramsync.actors.train.ddp_wrapper.DistributedDataParallel` in the same
+position. `torch_ddp_options` turns them into `TrainerOptions` and the device inputs go to; an
+argument that cannot apply raises one `ValueError` line naming it and why.
 
 What each one does here:
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from actors.train.trainer import TrainerOptions
+    from paramsync.actors.train.trainer import TrainerOptions
 
 __all__ = ["DeviceArgs", "POWERSGD_DEFAULTS", "device_args", "torch_comm_hook", "torch_ddp_options"]
 
@@ -145,7 +145,7 @@ def torch_ddp_options(
         "device_mesh": (
             device_mesh,
             "paramsync's data-parallel group is the run's workers; build meshes with "
-            "runtime.collectives.mesh.init_device_mesh",
+            "paramsync.runtime.collectives.mesh.init_device_mesh",
         ),
         "bucket_cap_mb_list": (
             bucket_cap_mb_list,
@@ -194,7 +194,7 @@ def _check_process_group(process_group: Any, world_size: int | None) -> None:
         raise ValueError(
             "DistributedDataParallel: process_group must be None or torch.distributed's "
             "default group: paramsync all-reduces among the run's workers over its own "
-            "connections (subgroups: runtime.collectives.groups.new_group)"
+            "connections (subgroups: paramsync.runtime.collectives.groups.new_group)"
         )
     size = dist.get_world_size()
     if world_size is not None and size != world_size:
@@ -220,8 +220,8 @@ def torch_comm_hook(state: object, hook: Any) -> tuple[str, int, int]:
     """(comm_hook, powersgd_rank, powersgd_start_iter) for one of torch's own DDP comm hooks:
     ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook`` and
     ``powerSGD_hook.powerSGD_hook`` (with its `PowerSGDState`), which paramsync's bucket
-    reducers compute with torch's arithmetic (`runtime.collectives.compression`). Any other
-    hook is refused naming it: a Python hook calls torch.distributed collectives on a process
+    reducers compute with torch's arithmetic (`paramsync.runtime.collectives.compression`). Any
+    other hook is refused naming it: a Python hook calls torch.distributed collectives on a process
     group, which this wrapper does not hand out."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 

@@ -70,23 +70,23 @@ from typing import Any
 import torch
 import trio
 
-from actors.graph.precision import autocast_of
-from actors.state.digest import Scheduler
-from actors.train.ddp_arguments import (
+from paramsync.actors.graph.precision import autocast_of
+from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.ddp_arguments import (
     DeviceArgs,
     device_args,
     torch_comm_hook,
     torch_ddp_options,
 )
-from actors.train.loop_checks import LoopChecks
-from actors.train.optimizer_binding import OptimizerBinding, check_optimizer
-from actors.train.step_tracker import StepTracker
-from actors.train.sync import SyncTrainer
-from actors.train.trainer import DistributedTrainer, TrainerOptions
-from actors.train.trainer_link import TrainerLink
-from actors.train.unbound_optimizer import UnboundOptimizer
-from actors.train.uneven_inputs import uneven_inputs
-from runtime.coordinator.service import CoordinatorOptions
+from paramsync.actors.train.loop_checks import LoopChecks
+from paramsync.actors.train.optimizer_binding import OptimizerBinding, check_optimizer
+from paramsync.actors.train.step_tracker import StepTracker
+from paramsync.actors.train.sync import SyncTrainer
+from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.trainer_link import TrainerLink
+from paramsync.actors.train.unbound_optimizer import UnboundOptimizer
+from paramsync.actors.train.uneven_inputs import uneven_inputs
+from paramsync.runtime.coordinator.service import CoordinatorOptions
 
 __all__ = ["DistributedDataParallel", "DistributedOptimizer"]
 
@@ -140,7 +140,7 @@ class DistributedDataParallel(torch.nn.Module):
     """A model whose gradients are averaged over every worker by the user's own backward.
 
     The arguments are torch DDP's, in torch's order and with torch's meaning
-    (`actors.train.ddp_arguments` says what each does here and which are refused); then
+    (`paramsync.actors.train.ddp_arguments` says what each does here and which are refused); then
     paramsync's own, by keyword: ``options`` (`TrainerOptions`; see `check_own_loop_options`
     for the few refused), ``coordinator_options`` when this rank hosts the coordinator,
     configuration ``overrides``, the shared ``secret``, ``optimizer``/``scheduler``: the
@@ -360,7 +360,7 @@ class DistributedDataParallel(torch.nn.Module):
         ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``; ``powerSGD_hook``
         with its ``PowerSGDState``): each bucket is reduced with the hook's arithmetic, the
         same bits torch DDP gets; another hook is refused naming it (see
-        `actors.train.ddp_arguments.torch_comm_hook`). Once, before the first forward, on
+        `paramsync.actors.train.ddp_arguments.torch_comm_hook`). Once, before the first forward, on
         every rank (the hook is part of each bucket's spec: ranks that differ are stopped)."""
         if self._hooked:
             raise RuntimeError("register_comm_hook can only be called once (as with torch DDP)")

@@ -1,10 +1,10 @@
 """`EpochSupervisor`: the trio shell that runs a trainer's membership epochs.
 
 A supervisor task opens each epoch's data plane, brings its members to the epoch's starting
-state (`actors.train.state_moves.enter_epoch`), runs the epoch's actors, and when the
+state (`paramsync.actors.train.state_moves.enter_epoch`), runs the epoch's actors, and when the
 coordinator announces a new epoch or a hold, ends the live one: it stops the step in flight,
 applies it if every member was told to, and drops it otherwise. Which moves are legal is
-`actors.train.lifecycle.Lifecycle`'s to say; this module performs them.
+`paramsync.actors.train.lifecycle.Lifecycle`'s to say; this module performs them.
 """
 
 from __future__ import annotations
@@ -18,29 +18,29 @@ from typing import Protocol
 import torch
 import trio
 
-from actors.graph.compute import ComputeActor, LossFn
-from actors.graph.factory import ActorFactory
-from actors.graph.gradcomm import GradCommActor
-from actors.graph.messages import BucketReady, Verify
-from actors.graph.optimizer import (
+from paramsync.actors.graph.compute import ComputeActor, LossFn
+from paramsync.actors.graph.factory import ActorFactory
+from paramsync.actors.graph.gradcomm import GradCommActor
+from paramsync.actors.graph.messages import BucketReady, Verify
+from paramsync.actors.graph.optimizer import (
     OPTIMIZER_STEP_LOCK,
     CheckCost,
     OptimizerActor,
     clip_gradients,
     clip_settings,
 )
-from actors.state.buckets import Bucket
-from actors.state.digest import StateDigest
-from actors.train.caller_gate import CallerGate
-from actors.train.history import StepHistory
-from actors.train.lifecycle import Lifecycle
-from actors.train.state_moves import TrainerState, enter_epoch
-from runtime.actor.base import ActorSystem
-from runtime.config import DistributedConfig
-from runtime.errors import pick_error
-from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import Hold, StartRun
-from runtime.transport.base import Transport
+from paramsync.actors.state.buckets import Bucket
+from paramsync.actors.state.digest import StateDigest
+from paramsync.actors.train.caller_gate import CallerGate
+from paramsync.actors.train.history import StepHistory
+from paramsync.actors.train.lifecycle import Lifecycle
+from paramsync.actors.train.state_moves import TrainerState, enter_epoch
+from paramsync.runtime.actor.base import ActorSystem
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.errors import pick_error
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.protocol.messages import Hold, StartRun
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["Connect", "Epoch", "EpochSupervisor", "SupervisedTrainer", "fixed_connect"]
 

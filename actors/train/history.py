@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.observe.metrics import Metrics
+from paramsync.runtime.observe.metrics import Metrics
 
 __all__ = ["StepHistory"]
 

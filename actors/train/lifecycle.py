@@ -1,9 +1,9 @@
 """The trainer's epoch and step lifecycle as a sans-I/O state machine (pure).
 
-`Lifecycle` is fed what the trainer's trio shell (`actors.train.trainer`,
-`actors.train.epochs`, `actors.train.steps`, `actors.train.own_step`) does and answers what may
-happen next. It opens no socket, starts no task, reads no clock; the shell keeps the trio
-events that tasks wait on and sets them from the phases here.
+`Lifecycle` is fed what the trainer's trio shell (`paramsync.actors.train.trainer`,
+`paramsync.actors.train.epochs`, `paramsync.actors.train.steps`, `paramsync.actors.train.own_step`)
+does and answers what may happen next. It opens no socket, starts no task, reads no clock; the shell
+keeps the trio events that tasks wait on and sets them from the phases here.
 
 An epoch moves through `EPOCH_TRANSITIONS`: the supervisor takes up the coordinator's start
 (``start``) or hold (``hold``), enters the epoch (its data plane, its starting state, its
@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from runtime.errors import ParamsyncError
+from paramsync.runtime.errors import ParamsyncError
 
 __all__ = [
     "EPOCH_TRANSITIONS",

@@ -1,5 +1,5 @@
 """`LoopChecks`: what the user's own loop must keep while `DistributedDataParallel` wraps its
-module (`actors.train.ddp_wrapper`): one thread runs forward, backward and the optimizer
+module (`paramsync.actors.train.ddp_wrapper`): one thread runs forward, backward and the optimizer
 step, and the module keeps the parameters it was wrapped with (torch DDP's buckets are fixed
 too)."""
 
@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.trainer import DistributedTrainer
 
 __all__ = ["LoopChecks"]
 

@@ -1,5 +1,5 @@
 """`OptimizerBinding`: which optimizer steps the parameters `DistributedDataParallel` wraps
-(`actors.train.ddp_wrapper`), and torch's global optimizer step hooks that run the step's
+(`paramsync.actors.train.ddp_wrapper`), and torch's global optimizer step hooks that run the step's
 crossings around the user's own optimizer step.
 
 The optimizer is either the user's own, stepped by the user (named when wrapping, or found at
@@ -24,10 +24,10 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from actors.state.digest import Scheduler
-from actors.train.loop_checks import LoopChecks
-from actors.train.step_tracker import StepTracker
-from actors.train.trainer_link import TrainerLink
+from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.loop_checks import LoopChecks
+from paramsync.actors.train.step_tracker import StepTracker
+from paramsync.actors.train.trainer_link import TrainerLink
 
 __all__ = ["OptimizerBinding", "check_optimizer"]
 

@@ -1,4 +1,4 @@
-"""`TrainerOptions`: the knobs of one worker's training loop (`actors.train.trainer`).
+"""`TrainerOptions`: the knobs of one worker's training loop (`paramsync.actors.train.trainer`).
 
 Each field is checked when the options are built; a bad value is a ValueError naming the field.
 """
@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.graph.precision import check_precision_options
-from actors.state.buckets import DEFAULT_BUCKET_BYTES
-from actors.state.digest import Scheduler
-from actors.train.buffer_sync import BufferSync, check_buffer_sync
-from runtime.collectives.compression import check_comm_options
-from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, TRAINING_THREADED_MIN_BYTES
-from runtime.config import check_comm_backend
-from runtime.observe.metrics import check_port
-from runtime.protocol.messages import ParallelLayout
-from runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS
+from paramsync.actors.graph.precision import check_precision_options
+from paramsync.actors.state.buckets import DEFAULT_BUCKET_BYTES
+from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.buffer_sync import BufferSync, check_buffer_sync
+from paramsync.runtime.collectives.compression import check_comm_options
+from paramsync.runtime.collectives.ring import DEFAULT_CHUNK_BYTES, TRAINING_THREADED_MIN_BYTES
+from paramsync.runtime.config import check_comm_backend
+from paramsync.runtime.observe.metrics import check_port
+from paramsync.runtime.protocol.messages import ParallelLayout
+from paramsync.runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS
 
 __all__ = ["TrainerOptions", "check_scheduler"]
 
@@ -38,10 +38,10 @@ class TrainerOptions:
     """Buckets from this size all-reduce on blocking-socket threads (see `all_reduce`)."""
     threaded_shared_memory: bool = False
     """Run each shared-memory all-reduce on a worker thread rather than the event loop (see
-    `runtime.transport.shm.SharedMemoryPlane.all_reduce`): one thread hand-off per bucket instead of
-    event-loop wake-ups per step signal. Off: on this project's 2-core machine it made the
-    step 1-5 % longer with 2 and 4 workers (BENCHMARKS.md); it may pay where the event loop
-    is busier."""
+    `paramsync.runtime.transport.shm.SharedMemoryPlane.all_reduce`): one thread hand-off per bucket
+    instead of event-loop wake-ups per step signal. Off: on this project's 2-core machine it made
+    the step 1-5 % longer with 2 and 4 workers (BENCHMARKS.md); it may pay where the event loop is
+    busier."""
     response_cache: bool = True
     """After an epoch's first step has negotiated every bucket with the coordinator, reduce
     buckets without waiting for its go (see `GradCommActor`); the coordinator still checks
@@ -70,7 +70,7 @@ class TrainerOptions:
     data, so a rank whose data ended can keep stepping with zero gradients (`join`) until every
     rank's has; gradients stay averaged over all members (DDP's default
     ``divide_by_initial_world_size=True``). Every rank must set it alike."""
-    # Gradient compression (torch DDP's comm hooks; `runtime.collectives.compression`).
+    # Gradient compression (torch DDP's comm hooks; `paramsync.runtime.collectives.compression`).
     comm_hook: str = "none"
     """How float32/float64 buckets are averaged: "none" (exact), "fp16" / "bf16" (torch's
     fp16_compress_hook / bf16_compress_hook: half the bytes) or "powersgd" (torch's
@@ -82,7 +82,7 @@ class TrainerOptions:
     """PowerSGD's ``start_powerSGD_iter``: steps of each epoch averaged exactly before
     compression starts."""
 
-    # -- mixed precision (see `actors.graph.precision`)
+    # -- mixed precision (see `paramsync.actors.graph.precision`)
     autocast_dtype: str | None = None
     """Run the loss function under ``torch.autocast`` of this dtype ("bfloat16": on CPU and
     CUDA; "float16": on CUDA, and on CPU where this torch has it) on the model's device type;
@@ -101,14 +101,14 @@ class TrainerOptions:
     default)."""
     grad_scaler_growth_tracker: int = 0
     """Steps without an overflow the loss scaler starts having counted. A run resuming from a
-    checkpoint passes its scaler's (`actors.state.training_state.saved_grad_scaler`: its
+    checkpoint passes its scaler's (`paramsync.actors.state.training_state.saved_grad_scaler`: its
     ``_growth_tracker``, and its ``scale`` as ``grad_scaler_init_scale``)."""
 
     # -- buffers
     buffer_sync: BufferSync = "broadcast"
     """How the model's buffers (BatchNorm running statistics, any registered buffer) are kept
     identical on every rank, once per step after its forward and backward, before the
-    optimizer step (`actors.train.buffer_sync`): ``"broadcast"`` ring position 0's (torch
+    optimizer step (`paramsync.actors.train.buffer_sync`): ``"broadcast"`` ring position 0's (torch
     DDP's ``broadcast_buffers=True``, the default; the buffers each forward starts from are
     DDP's), ``"average"`` the mean of the ranks' floating-point buffers (integer and bool
     buffers such as ``num_batches_tracked`` are broadcast: a mean of counters is meaningless),
@@ -121,17 +121,17 @@ class TrainerOptions:
     """Which data plane carries the bulk data (bucket all-reduces, broadcasts, state transfer,
     point-to-point tensors): ``"paramsync"`` (its own TCP ring and shared-memory plane) or
     ``"torch"`` (torch.distributed process groups, a new one each epoch:
-    `runtime.transport.torch_dist`; gloo on CPU, NCCL for CUDA tensors). The coordinator's part
-    (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the same with both.
-    Every rank must use the same (``paramsync worker --comm-backend``,
-    ``PARAMSYNC_COMM_BACKEND``, TOML ``comm_backend``: `trainer_from_env` reads them)."""
+    `paramsync.runtime.transport.torch_dist`; gloo on CPU, NCCL for CUDA tensors). The coordinator's
+    part (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the same with both.
+    Every rank must use the same (``paramsync worker --comm-backend``, ``PARAMSYNC_COMM_BACKEND``,
+    TOML ``comm_backend``: `trainer_from_env` reads them)."""
     collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS
     """With ``comm_backend="torch"``: a collective's deadline (a stalled peer fails it)."""
 
     # -- metrics
     metrics_port: int | None = None
     """Serve this worker's Prometheus metrics at ``http://metrics_host:metrics_port/metrics``
-    while the trainer runs (`runtime.observe.metrics`; 0: a free port, see
+    while the trainer runs (`paramsync.runtime.observe.metrics`; 0: a free port, see
     `DistributedTrainer.metrics_address`). None: off, unless ``paramsync worker
     --metrics-port`` asked for them (``PARAMSYNC_METRICS_PORT``)."""
     metrics_host: str | None = None
@@ -140,11 +140,11 @@ class TrainerOptions:
 
     # -- 3D parallelism
     parallel_layout: ParallelLayout | None = None
-    """This worker's place in a 3D-parallel run (`runtime.parallel.run_layout.parallel_layout`:
-    the mesh, its coordinates, the pipeline schedule's digest), declared at its join
-    (`join_run`, `train_in_process`): the coordinator refuses a run whose ranks disagree on it
-    and compares state digests within each (tp, pp) shard's dp replicas only. None: a flat
-    data-parallel run."""
+    """This worker's place in a 3D-parallel run
+    (`paramsync.runtime.parallel.run_layout.parallel_layout`: the mesh, its coordinates, the
+    pipeline schedule's digest), declared at its join (`join_run`, `train_in_process`): the
+    coordinator refuses a run whose ranks disagree on it and compares state digests within each (tp,
+    pp) shard's dp replicas only. None: a flat data-parallel run."""
 
     def __post_init__(self) -> None:
         check_buffer_sync(self.buffer_sync)

@@ -1,5 +1,5 @@
-"""The caller's own training loop (torch DDP's shape, `actors.train.ddp_wrapper`): its step as
-an object of its own (`OwnStep`), and `OwnLoop`, the phases the caller's thread crosses into
+"""The caller's own training loop (torch DDP's shape, `paramsync.actors.train.ddp_wrapper`): its
+step as an object of its own (`OwnStep`), and `OwnLoop`, the phases the caller's thread crosses into
 the event loop for.
 
 A step of the caller's loop is begun (`OwnLoop.begin_own_step`, or prepared in the event loop
@@ -7,7 +7,7 @@ as the previous one finished: `OwnLoop.prepared_own_step`), reduced as the calle
 synchronizing backward ends (`reduce_own_step`), and applied, by the trainer's optimizer actor
 (`finish_own_step`) or by the caller's own optimizer step (`begin_caller_apply`,
 `caller_applied`, `end_caller_apply`). Each phase runs in the step's epoch; one the epoch
-ended under reports the step dropped (`actors.train.lifecycle.own_step_outcome`).
+ended under reports the step dropped (`paramsync.actors.train.lifecycle.own_step_outcome`).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from typing import Any
 import torch
 import trio
 
-from actors.graph.compute import ComputeActor
-from actors.graph.gradcomm import StepState
-from actors.graph.messages import Verify
-from actors.state.digest import Scheduler
-from actors.train.caller_gate import CallerGate
-from actors.train.epochs import Epoch, EpochSupervisor
-from actors.train.lifecycle import StepOutcome, own_step_outcome
-from actors.train.options import check_scheduler
-from actors.train.steps import StepAborted, StepRunner, StepTrainer
+from paramsync.actors.graph.compute import ComputeActor
+from paramsync.actors.graph.gradcomm import StepState
+from paramsync.actors.graph.messages import Verify
+from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.caller_gate import CallerGate
+from paramsync.actors.train.epochs import Epoch, EpochSupervisor
+from paramsync.actors.train.lifecycle import StepOutcome, own_step_outcome
+from paramsync.actors.train.options import check_scheduler
+from paramsync.actors.train.steps import StepAborted, StepRunner, StepTrainer
 
 __all__ = ["EarlyTermination", "OwnLoop", "OwnStep"]
 
@@ -83,8 +83,8 @@ class OwnLoop:
 
     def attach_caller(self, *, applies: bool) -> None:
         """A caller's own loop drives this trainer from its own thread from now on
-        (`actors.train.ddp_wrapper`), crossing into the event loop through `caller_crossing`;
-        ``applies``: it steps the optimizer itself. In the event loop."""
+        (`paramsync.actors.train.ddp_wrapper`), crossing into the event loop through
+        `caller_crossing`; ``applies``: it steps the optimizer itself. In the event loop."""
         if self.epochs.caller is None:
             self.epochs.caller = CallerGate()
         self.epochs.caller.applies = applies
@@ -108,7 +108,7 @@ class OwnLoop:
         self, optimizer: torch.optim.Optimizer, scheduler: Scheduler | None = None
     ) -> None:
         """Step, hash and transfer ``optimizer`` (and ``scheduler``, if given) from now on
-        instead of the ones the trainer was built with (`actors.train.ddp_wrapper`: the
+        instead of the ones the trainer was built with (`paramsync.actors.train.ddp_wrapper`: the
         caller's own optimizer, named once it is known). Call it between steps, in the event
         loop."""
         if scheduler is not None:
@@ -122,15 +122,15 @@ class OwnLoop:
 
     def watch_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Cover ``scaler``, a loss scaler the caller's own loop steps, in every state digest
-        from now on (`actors.train.ddp_wrapper`): ranks whose scalers decided differently are
-        caught at that step. In the event loop, between steps."""
+        from now on (`paramsync.actors.train.ddp_wrapper`): ranks whose scalers decided differently
+        are caught at that step. In the event loop, between steps."""
         self.trainer.watched_scaler = scaler
         if self.epochs.current is not None:
             self.epochs.current.optimizer.digest_grad_scaler(scaler)
 
     def use_comm_hook(self, comm_hook: str, powersgd_rank: int, powersgd_start_iter: int) -> None:
         """Average the buckets with ``comm_hook`` from now on, in this epoch and the next ones
-        (torch DDP's ``register_comm_hook``, `actors.train.ddp_wrapper`): before the first
+        (torch DDP's ``register_comm_hook``, `paramsync.actors.train.ddp_wrapper`): before the first
         step, in the event loop. Every member must choose the same hook (it is part of each
         bucket's spec, which the coordinator checks)."""
         if self.trainer.step > 0:
@@ -151,8 +151,8 @@ class OwnLoop:
 
     async def begin_own_step(self) -> OwnStep:
         """Start a step whose forward and backward the caller's own code runs, in its own
-        thread (torch DDP's shape: `actors.train.ddp_wrapper`): wait for a live epoch and expect
-        its buckets. Arm the epoch's compute hooks (``own.compute.expect_backward``) before
+        thread (torch DDP's shape: `paramsync.actors.train.ddp_wrapper`): wait for a live epoch and
+        expect its buckets. Arm the epoch's compute hooks (``own.compute.expect_backward``) before
         the step's last backward, then call `finish_own_step`."""
         if self.trainer.reached_max_steps:
             raise RuntimeError(f"max_steps={self.trainer.options.max_steps} already reached")
@@ -173,10 +173,10 @@ class OwnLoop:
         return OwnStep(step, epoch, state, time.perf_counter())
 
     def use_join(self, enabled: bool, *, throw_on_early_termination: bool = False) -> None:
-        """The caller's own loop runs inside torch's ``Join`` (`actors.train.ddp_wrapper`'s
-        ``join()``) from its next step on: each step first counts the members that still have
-        data, and a member whose data ended calls `join` (or, with
-        ``throw_on_early_termination``, `join_and_raise`). Every member enables it at the same
+        """The caller's own loop runs inside torch's ``Join``
+        (`paramsync.actors.train.ddp_wrapper`'s ``join()``) from its next step on: each step first
+        counts the members that still have data, and a member whose data ended calls `join` (or,
+        with ``throw_on_early_termination``, `join_and_raise`). Every member enables it at the same
         step. In the event loop, between steps."""
         self.trainer.options = dataclasses.replace(self.trainer.options, join=enabled)
         self.throw_on_early_termination = throw_on_early_termination and enabled
@@ -250,10 +250,10 @@ class OwnLoop:
 
     async def reduce_own_step(self, own: OwnStep) -> bool:
         """The caller's synchronizing backward of ``own.step`` is ending (autograd's final
-        callback, `actors.train.ddp_wrapper`): announce what its hooks could not and wait until
-        every bucket's average is in the gradients and the buffers are synchronized, as torch
-        DDP's reducer finalizes in backward. Returns False when a membership change dropped
-        the step (its gradients zeroed)."""
+        callback, `paramsync.actors.train.ddp_wrapper`): announce what its hooks could not and wait
+        until every bucket's average is in the gradients and the buffers are synchronized, as torch
+        DDP's reducer finalizes in backward. Returns False when a membership change dropped the step
+        (its gradients zeroed)."""
 
         async def reduce(epoch: Epoch) -> None:
             epoch.compute.backward_returned(own.step)

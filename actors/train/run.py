@@ -22,16 +22,16 @@ from typing import TypeVar
 import torch
 import trio
 
-from actors.state.digest import Scheduler
-from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
-from actors.train.worker import join_run
-from runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
-from runtime.config import DistributedConfig
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import ConfigError, configuration_error, one_line, pick_error
-from runtime.observe.trace import TraceRecorder
-from runtime.train_config import DistributedRole, DistributedTrainConfig, shared_secret
-from runtime.transport.tls import TlsConfig
+from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
+from paramsync.actors.train.worker import join_run
+from paramsync.runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.errors import ConfigError, configuration_error, one_line, pick_error
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.train_config import DistributedRole, DistributedTrainConfig, shared_secret
+from paramsync.runtime.transport.tls import TlsConfig
 
 __all__ = ["trainer_from_env", "run_script", "SUMMARY_ENV", "write_summary"]
 
@@ -77,7 +77,7 @@ async def trainer_from_env(
 
     Under torchrun (TORCHELASTIC_RUN_ID set) the coordinator listens on a free port of
     MASTER_ADDR, not on MASTER_PORT (torchrun's own store has it), and the ranks find it
-    through torchrun's store (`runtime.cli.torchrun`).
+    through torchrun's store (`paramsync.runtime.cli.torchrun`).
 
     ``resume_step``/``resume_committed``: the checkpoint this worker restored (`join_run`);
     ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`);

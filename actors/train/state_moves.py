@@ -13,19 +13,19 @@ from typing import Protocol
 
 import torch
 
-from actors.client.client import CoordinatorClient
-from actors.graph.precision import MixedPrecision
-from actors.multidevice import DataParallelCoordinator
-from actors.state.digest import Scheduler, named_state, state_digest
-from actors.train.buffer_sync import BufferSync, sync_buffers
-from actors.train.options import TrainerOptions
-from actors.train.state_transfer import receive_state, send_state, wire_view
-from actors.train.unbound_optimizer import check_can_receive_state
-from runtime.collectives.ring import all_reduce, broadcast
-from runtime.errors import ProtocolError
-from runtime.observe.metrics import Metrics
-from runtime.protocol.messages import ResyncOrder, StartRun, StateTensor
-from runtime.transport.base import Transport
+from paramsync.actors.client.client import CoordinatorClient
+from paramsync.actors.graph.precision import MixedPrecision
+from paramsync.actors.multidevice import DataParallelCoordinator
+from paramsync.actors.state.digest import Scheduler, named_state, state_digest
+from paramsync.actors.train.buffer_sync import BufferSync, sync_buffers
+from paramsync.actors.train.options import TrainerOptions
+from paramsync.actors.train.state_transfer import receive_state, send_state, wire_view
+from paramsync.actors.train.unbound_optimizer import check_can_receive_state
+from paramsync.runtime.collectives.ring import all_reduce, broadcast
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.observe.metrics import Metrics
+from paramsync.runtime.protocol.messages import ResyncOrder, StartRun, StateTensor
+from paramsync.runtime.transport.base import Transport
 
 __all__ = [
     "StartingStateDiffers",

@@ -1,10 +1,10 @@
 """Live state transfer: a healthy member (the donor) sends its whole training state to a joiner.
 
-The donor sends a ``state_manifest`` (`actors.state.training_state.manifest`), then one
+The donor sends a ``state_manifest`` (`paramsync.actors.state.training_state.manifest`), then one
 ``state`` frame per tensor. The joiner treats the manifest as untrusted input: it is checked
-against the joiner's own model and optimizer (`actors.state.manifest_guard`) before any buffer
-is allocated, and every refusal, before or after the data arrives, is a `ProtocolError` naming
-the donor.
+against the joiner's own model and optimizer (`paramsync.actors.state.manifest_guard`) before any
+buffer is allocated, and every refusal, before or after the data arrives, is a `ProtocolError`
+naming the donor.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from functools import partial
 import torch
 import trio
 
-from actors.state.manifest_guard import allocation_bound, check_manifest_fits
-from actors.state.training_state import (
+from paramsync.actors.state.manifest_guard import allocation_bound, check_manifest_fits
+from paramsync.actors.state.training_state import (
     TrainingState,
     allocate,
     capture_state,
     manifest,
     restore_state,
 )
-from runtime.errors import ProtocolError
-from runtime.protocol.messages import StateManifest, StateTensor
-from runtime.transport.base import Transport
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.messages import StateManifest, StateTensor
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["send_state", "receive_state"]
 

@@ -1,5 +1,5 @@
 """`StepTracker`: where the user's own loop is in its current step, as
-`DistributedDataParallel` (`actors.train.ddp_wrapper`) sees it, and the crossings into the
+`DistributedDataParallel` (`paramsync.actors.train.ddp_wrapper`) sees it, and the crossings into the
 trainer's event loop (`OwnLoop`) that move the step on.
 
 A step is begun by its first forward with gradients (`begin`), armed by its synchronizing
@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from actors.train.own_step import OwnStep
-from actors.train.trainer_link import TrainerLink
+from paramsync.actors.train.own_step import OwnStep
+from paramsync.actors.train.trainer_link import TrainerLink
 
 __all__ = ["StepTracker"]
 

@@ -1,10 +1,10 @@
 """`StepRunner`: how a trainer runs its own steps (`train_batch`, `join`, `fit`) through the
 live epoch's actors, and the phases of a step that the caller's own loop shares
-(`actors.train.own_step`): the reduction's end, the apply barrier, the optimizer step.
+(`paramsync.actors.train.own_step`): the reduction's end, the apply barrier, the optimizer step.
 
 A step runs in the live epoch under a cancel scope the end of the epoch cancels; a step the
-epoch ended under is dropped and, as `actors.train.lifecycle.attempt_outcome` says, run again
-in the next epoch, or not run at all when it was completed without it or the trainer was
+epoch ended under is dropped and, as `paramsync.actors.train.lifecycle.attempt_outcome` says, run
+again in the next epoch, or not run at all when it was completed without it or the trainer was
 rolled back.
 """
 
@@ -20,16 +20,16 @@ from typing import Any, Protocol
 import torch
 import trio
 
-from actors.graph.gradcomm import StepState
-from actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
-from actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
-from actors.train.epochs import Epoch, EpochSupervisor, SupervisedTrainer
-from actors.train.lifecycle import StepOutcome, attempt_outcome
-from actors.train.state_moves import sync_model_buffers
-from runtime.actor.base import ActorStopped, ActorSystem
-from runtime.collectives.ring import all_reduce
-from runtime.config import DistributedConfig
-from runtime.errors import ActorFailed, ProtocolError, pick_error
+from paramsync.actors.graph.gradcomm import StepState
+from paramsync.actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
+from paramsync.actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
+from paramsync.actors.train.epochs import Epoch, EpochSupervisor, SupervisedTrainer
+from paramsync.actors.train.lifecycle import StepOutcome, attempt_outcome
+from paramsync.actors.train.state_moves import sync_model_buffers
+from paramsync.runtime.actor.base import ActorStopped, ActorSystem
+from paramsync.runtime.collectives.ring import all_reduce
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.errors import ActorFailed, ProtocolError, pick_error
 
 __all__ = ["AllJoined", "StepAborted", "StepRunner", "StepTrainer"]
 

@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from actors.state.digest import Scheduler
-from actors.train.run import trainer_from_env
-from actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
-from runtime.config import DistributedConfig
-from runtime.coordinator.service import CoordinatorOptions
-from runtime.errors import pick_error
+from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.run import trainer_from_env
+from paramsync.actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.coordinator.service import CoordinatorOptions
+from paramsync.runtime.errors import pick_error
 
 __all__ = ["SyncTrainer"]
 
@@ -119,7 +119,8 @@ class SyncTrainer:
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await fn(*args)`` in the trainer's trio thread and return its result (an
         async method of `trainer`; what `train_batch` and the DDP-shaped wrapper,
-        `actors.train.ddp_wrapper`, cross into it with). Errors of the run surface here."""
+        `paramsync.actors.train.ddp_wrapper`, cross into it with). Errors of the run surface
+        here."""
         result: T = self._call(fn, *args)
         return result
 

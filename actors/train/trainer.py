@@ -1,23 +1,24 @@
 """`DistributedTrainer`: one worker's data-parallel training loop over its actor graph.
 
-A worker is a trio nursery of actors joined by bounded mailboxes (`actors.graph`): the compute
-actor runs forward and backward in a worker thread, the gradient-comm actor negotiates and
-all-reduces each gradient bucket while backward goes on, the optimizer actor applies the step
-and reports the state digest for the C-DDP-001 check, and the data loader actor feeds batches of
-this rank's shard. The trainer builds them for each membership epoch (through an
-`ActorFactory`), moves a step through them, and follows the coordinator's epochs.
+A worker is a trio nursery of actors joined by bounded mailboxes (`paramsync.actors.graph`): the
+compute actor runs forward and backward in a worker thread, the gradient-comm actor negotiates and
+all-reduces each gradient bucket while backward goes on, the optimizer actor applies the step and
+reports the state digest for the C-DDP-001 check, and the data loader actor feeds batches of this
+rank's shard. The trainer builds them for each membership epoch (through an `ActorFactory`), moves a
+step through them, and follows the coordinator's epochs.
 
-The trainer is the face of its parts, each a module of its own: `actors.train.lifecycle` (the
-epoch and step lifecycle, a sans-I/O state machine), `actors.train.epochs` (the supervisor
-that runs the epochs), `actors.train.state_moves` (an epoch's entry, state transfer,
-re-sync), `actors.train.steps` (`train_batch`, `join`, `fit`), `actors.train.own_step` (the
-caller's own loop, `DistributedTrainer.own_loop`), `actors.train.history` (what it keeps of
-its steps) and `actors.train.options` (`TrainerOptions`).
+The trainer is the face of its parts, each a module of its own: `paramsync.actors.train.lifecycle`
+(the epoch and step lifecycle, a sans-I/O state machine), `paramsync.actors.train.epochs` (the
+supervisor that runs the epochs), `paramsync.actors.train.state_moves` (an epoch's entry, state
+transfer, re-sync), `paramsync.actors.train.steps` (`train_batch`, `join`, `fit`),
+`paramsync.actors.train.own_step` (the caller's own loop, `DistributedTrainer.own_loop`),
+`paramsync.actors.train.history` (what it keeps of its steps) and `paramsync.actors.train.options`
+(`TrainerOptions`).
 
 Besides the parameters, the trainer keeps the model's buffers identical on every rank
-(`actors.train.buffer_sync`, ``TrainerOptions.buffer_sync``), steps an optional LR scheduler
-right after each optimizer step (its state travels with the training state and is part of the
-digest), and exports the trained model (`DistributedTrainer.state_dict`, `save_safetensors`).
+(`paramsync.actors.train.buffer_sync`, ``TrainerOptions.buffer_sync``), steps an optional LR
+scheduler right after each optimizer step (its state travels with the training state and is part of
+the digest), and exports the trained model (`DistributedTrainer.state_dict`, `save_safetensors`).
 """
 
 from __future__ import annotations
@@ -32,33 +33,33 @@ from typing import Any
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient
-from actors.graph.compute import LossFn
-from actors.graph.factory import ActorFactory, context_actors
-from actors.graph.loader import BatchSource
-from actors.graph.optimizer import CheckCost, OptimizerActor
-from actors.graph.precision import GradScalerDigests, MixedPrecision
-from actors.multidevice import DataParallelCoordinator, ReplicatedOptimizer
-from actors.state.buckets import plan_buckets
-from actors.state.digest import Scheduler, StateDigest, state_digest
-from actors.train.epochs import Connect, EpochSupervisor, fixed_connect
-from actors.train.export import export_state_dict, save_safetensors
-from actors.train.history import StepHistory
-from actors.train.options import TrainerOptions, check_scheduler
-from actors.train.own_step import EarlyTermination, OwnLoop, OwnStep
-from actors.train.state_moves import StartingStateDiffers, resync
-from actors.train.steps import StepRunner
-from runtime.config import DistributedConfig
-from runtime.observe.metrics import (
+from paramsync.actors.client.client import CoordinatorClient
+from paramsync.actors.graph.compute import LossFn
+from paramsync.actors.graph.factory import ActorFactory, context_actors
+from paramsync.actors.graph.loader import BatchSource
+from paramsync.actors.graph.optimizer import CheckCost, OptimizerActor
+from paramsync.actors.graph.precision import GradScalerDigests, MixedPrecision
+from paramsync.actors.multidevice import DataParallelCoordinator, ReplicatedOptimizer
+from paramsync.actors.state.buckets import plan_buckets
+from paramsync.actors.state.digest import Scheduler, StateDigest, state_digest
+from paramsync.actors.train.epochs import Connect, EpochSupervisor, fixed_connect
+from paramsync.actors.train.export import export_state_dict, save_safetensors
+from paramsync.actors.train.history import StepHistory
+from paramsync.actors.train.options import TrainerOptions, check_scheduler
+from paramsync.actors.train.own_step import EarlyTermination, OwnLoop, OwnStep
+from paramsync.actors.train.state_moves import StartingStateDiffers, resync
+from paramsync.actors.train.steps import StepRunner
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.observe.metrics import (
     Metrics,
     MetricsTrace,
     metrics_host_from_env,
     metrics_port_from_env,
     serve_metrics,
 )
-from runtime.observe.trace import TraceRecorder
-from runtime.protocol.messages import ResyncOrder
-from runtime.transport.base import Transport
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.protocol.messages import ResyncOrder
+from paramsync.runtime.transport.base import Transport
 
 __all__ = [
     "DistributedTrainer",
@@ -79,11 +80,10 @@ class DistributedTrainer:
     """Data-parallel training of one model replica, kept identical with its peers.
 
     Use it as an async context manager inside any trio application (``open``), or from a
-    synchronous script through `actors.train.sync.SyncTrainer`. Each `train_batch` runs one
-    optimizer
-    step: forward and backward over ``accumulation_steps`` micro-batches, bucketed all-reduce of
-    the trainable gradients (overlapping backward), optimizer step, and the coordinator's
-    identical-weights check.
+    synchronous script through `paramsync.actors.train.sync.SyncTrainer`. Each `train_batch` runs
+    one optimizer step: forward and backward over ``accumulation_steps`` micro-batches, bucketed
+    all-reduce of the trainable gradients (overlapping backward), optimizer step, and the
+    coordinator's identical-weights check.
 
     The trainer lives through membership epochs. A supervisor task opens each epoch's data
     plane, brings a joiner the whole training state, and runs the epoch's actors; when the
@@ -154,11 +154,11 @@ class DistributedTrainer:
         )
         """Autocast and the loss scaler (None: full precision), from the options."""
         self.supervisor = EpochSupervisor(self, connect)
-        """Runs this trainer's membership epochs (`actors.train.epochs`)."""
+        """Runs this trainer's membership epochs (`paramsync.actors.train.epochs`)."""
         self.steps = StepRunner(self, self.supervisor)
         """Runs its own steps (`train_batch`, `join`, `fit`)."""
         self.own_loop = OwnLoop(self, self.supervisor, self.steps)
-        """The trainer's side of a caller's own loop (`actors.train.ddp_wrapper`)."""
+        """The trainer's side of a caller's own loop (`paramsync.actors.train.ddp_wrapper`)."""
         client.on_epoch = self.supervisor.announce
         client.on_resync = self._resync
         client.resume_point = self.supervisor.resume_point
@@ -245,7 +245,7 @@ class DistributedTrainer:
 
     async def _resync(self, order: ResyncOrder) -> None:
         """The coordinator's re-sync order: copy the source rank's state to the diverged ranks
-        over the live epoch's data plane (`actors.train.state_moves.resync`)."""
+        over the live epoch's data plane (`paramsync.actors.train.state_moves.resync`)."""
         epoch = self.supervisor.current
         if epoch is not None:
             await resync(self, epoch.start, epoch.transport, order)
@@ -478,15 +478,16 @@ class DistributedTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's ``state_dict()`` as plain, contiguous CPU copies under the
-        model's own names, with no wrapper prefix (`actors.train.export.export_state_dict`).
-        Call it between steps (a step in flight is still changing the weights)."""
+        model's own names, with no wrapper prefix
+        (`paramsync.actors.train.export.export_state_dict`). Call it between steps (a step in flight
+        is still changing the weights)."""
         return export_state_dict(self.model)
 
     def save_safetensors(
         self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None
     ) -> Path:
         """Write `state_dict` to a safetensors file at ``path``, its metadata recording the
-        next step (`actors.train.export.save_safetensors`). Returns the path."""
+        next step (`paramsync.actors.train.export.save_safetensors`). Returns the path."""
         return save_safetensors(self.model, self.step, path, metadata)
 
 

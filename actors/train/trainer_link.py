@@ -1,4 +1,4 @@
-"""`TrainerLink`: how `DistributedDataParallel` (`actors.train.ddp_wrapper`) reaches its
+"""`TrainerLink`: how `DistributedDataParallel` (`paramsync.actors.train.ddp_wrapper`) reaches its
 trainer from the user's thread: the trainer, and the crossing that runs an async function of
 it in the trainer's trio loop while the user's thread is parked
 (`OwnLoop.caller_crossing`)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from actors.train.trainer import DistributedTrainer
+from paramsync.actors.train.trainer import DistributedTrainer
 
 __all__ = ["TrainerLink"]
 

@@ -1,11 +1,10 @@
 """`UnboundOptimizer`: what a trainer holds until the caller's own optimizer is known.
 
-`actors.train.ddp_wrapper.DistributedDataParallel` joins its run at construction, as torch's
-does, before the caller's loop names its optimizer (at its first step, or `wrap_optimizer`).
-Until then the trainer holds this: no state, no hyperparameters, every rank alike, never
-stepped. A state transfer cannot land in it (the donor's optimizer state has nowhere to go), so
-a worker that would receive one is refused with a line saying what to pass
-(`check_can_receive_state`).
+`paramsync.actors.train.ddp_wrapper.DistributedDataParallel` joins its run at construction, as
+torch's does, before the caller's loop names its optimizer (at its first step, or `wrap_optimizer`).
+Until then the trainer holds this: no state, no hyperparameters, every rank alike, never stepped. A
+state transfer cannot land in it (the donor's optimizer state has nowhere to go), so a worker that
+would receive one is refused with a line saying what to pass (`check_can_receive_state`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`uneven_inputs`: torch DDP's ``join()`` for the user's own loop
-(`DistributedDataParallel.join`, `actors.train.ddp_wrapper`).
+(`DistributedDataParallel.join`, `paramsync.actors.train.ddp_wrapper`).
 
 Inside it every step first counts the ranks that still have data (`OwnLoop.use_join`); a rank
 whose loop ended takes part in the others' steps with zero gradients (`DistributedTrainer.join`)
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from actors.train.optimizer_binding import OptimizerBinding
-from actors.train.step_tracker import StepTracker
-from actors.train.trainer_link import TrainerLink
+from paramsync.actors.train.optimizer_binding import OptimizerBinding
+from paramsync.actors.train.step_tracker import StepTracker
+from paramsync.actors.train.trainer_link import TrainerLink
 
 __all__ = ["uneven_inputs"]
 

@@ -17,24 +17,30 @@ from typing import Any
 import torch
 import trio
 
-from actors.client.client import CoordinatorClient
-from actors.graph.factory import ActorFactory
-from actors.state.digest import Scheduler, state_digest
-from actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
-from runtime.config import ADVERTISE_ENV, DistributedConfig, advertised_host
-from runtime.coordinator.events import model_signature
-from runtime.coordinator.service import Coordinator, CoordinatorOptions
-from runtime.errors import ConfigError
-from runtime.observe.trace import TraceRecorder
-from runtime.protocol.handshake import Identity
-from runtime.protocol.messages import ParallelLayout, StartRun
-from runtime.train_config import shared_secret
-from runtime.transport.base import InProcessTransport, Transport
-from runtime.transport.link import Link, MemoryLink
-from runtime.transport.shm import attach_shared_memory
-from runtime.transport.tcp import DEFAULT_GROUP, TcpTransport, dial, dial_with_retry, form_mesh
-from runtime.transport.tls import TlsConfig
-from runtime.transport.torch_dist import connect_torch_transport, create_local_group
+from paramsync.actors.client.client import CoordinatorClient
+from paramsync.actors.graph.factory import ActorFactory
+from paramsync.actors.state.digest import Scheduler, state_digest
+from paramsync.actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
+from paramsync.runtime.config import ADVERTISE_ENV, DistributedConfig, advertised_host
+from paramsync.runtime.coordinator.events import model_signature
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.protocol.messages import ParallelLayout, StartRun
+from paramsync.runtime.train_config import shared_secret
+from paramsync.runtime.transport.base import InProcessTransport, Transport
+from paramsync.runtime.transport.link import Link, MemoryLink
+from paramsync.runtime.transport.shm import attach_shared_memory
+from paramsync.runtime.transport.tcp import (
+    DEFAULT_GROUP,
+    TcpTransport,
+    dial,
+    dial_with_retry,
+    form_mesh,
+)
+from paramsync.runtime.transport.tls import TlsConfig
+from paramsync.runtime.transport.torch_dist import connect_torch_transport, create_local_group
 
 __all__ = ["join_run", "train_in_process", "WorkerBody", "Replica"]
 
@@ -118,15 +124,14 @@ async def join_run(
     starts from rank 0's weights. ``resume_step``: this worker restored a checkpoint whose
     next step is this; the run resumes there once every worker's state agrees.
     ``resume_committed``: that checkpoint was written only once its step was committed
-    (`actors.train.checkpointing`), which the coordinator's donor rule trusts over a majority
-    behind it (`runtime.coordinator.membership.resume_plan`).
-    ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays
-    silent past the heartbeat deadline), keep the state and redial it with backoff for this
-    long, then rejoin where the workers stand (None: losing the coordinator ends the run).
-    ``scheduler``: an LR scheduler of ``optimizer``, stepped after each optimizer step
-    (`DistributedTrainer.open`).
-    No secret, no coordinator answering within ``join_seconds``, or a run that does not start
-    within ``join_seconds`` of joining (ranks missing: WORLD_SIZE too large) is a `ConfigError`.
+    (`paramsync.actors.train.checkpointing`), which the coordinator's donor rule trusts over a
+    majority behind it (`paramsync.runtime.coordinator.membership.resume_plan`).
+    ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays silent
+    past the heartbeat deadline), keep the state and redial it with backoff for this long, then
+    rejoin where the workers stand (None: losing the coordinator ends the run). ``scheduler``: an LR
+    scheduler of ``optimizer``, stepped after each optimizer step (`DistributedTrainer.open`). No
+    secret, no coordinator answering within ``join_seconds``, or a run that does not start within
+    ``join_seconds`` of joining (ranks missing: WORLD_SIZE too large) is a `ConfigError`.
     """
     key = shared_secret(secret)
     chosen = options or TrainerOptions()
@@ -141,7 +146,7 @@ async def join_run(
             "(--coordinator) to where it listens"
         ) from None
     # Where the other workers dial this one: $PARAMSYNC_ADVERTISE_ADDR, else the interface
-    # that reaches the coordinator (runtime.config.advertised_host).
+    # that reaches the coordinator (paramsync.runtime.config.advertised_host).
     try:
         local_host = advertised_host() or conn.socket.getsockname()[0]
         with trio.fail_after(join_seconds):
@@ -250,7 +255,7 @@ async def train_in_process(
     scheduler of it, as a third item); ``body(trainer)`` trains.
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
     data plane; the default is `InProcessTransport`, or with ``options.comm_backend="torch"``
-    a gloo group per epoch (`runtime.transport.torch_dist.create_local_group`).
+    a gloo group per epoch (`paramsync.runtime.transport.torch_dist.create_local_group`).
     ``parallel_layout(rank)``: that rank's 3D-parallel layout (`TrainerOptions.parallel_layout`,
     which differs per rank). ``actors``: what every worker builds its actors with
     (`DistributedTrainer.open`; a harness passes wrapped ones).

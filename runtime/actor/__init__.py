@@ -1,1 +1,1 @@
-"""runtime.actor."""
+"""paramsync.runtime.actor."""

@@ -32,7 +32,7 @@ from typing import ClassVar, TypeVar
 
 import trio
 
-from runtime.errors import ActorFailed, ParamsyncError
+from paramsync.runtime.errors import ActorFailed, ParamsyncError
 
 __all__ = ["Actor", "ActorState", "ActorStopped", "ActorSystem", "run_in_thread"]
 

@@ -1,1 +1,1 @@
-"""runtime.cli."""
+"""paramsync.runtime.cli."""

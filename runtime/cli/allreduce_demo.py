@@ -14,7 +14,7 @@ import secrets
 import subprocess
 import sys
 
-from runtime.cli.launch import free_port
+from paramsync.runtime.cli.launch import free_port
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ def main(world_size: int = 4, size: str = "16MiB") -> int:
             [
                 sys.executable,
                 "-m",
-                "runtime.cli.main",
+                "paramsync.runtime.cli.main",
                 "--log-level",
                 "WARNING",
                 "allreduce",

@@ -8,21 +8,21 @@ import signal
 
 import trio
 
-from runtime.cli.jobs import WorkerJob
-from runtime.cli.torchrun import TorchrunEnv
-from runtime.config import parse_address
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
-from runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
-from runtime.observe.metrics import (
+from paramsync.runtime.cli.jobs import WorkerJob
+from paramsync.runtime.cli.torchrun import TorchrunEnv
+from paramsync.runtime.config import parse_address
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
+from paramsync.runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
+from paramsync.runtime.observe.metrics import (
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
     Metrics,
     check_port,
     serve_metrics,
 )
-from runtime.train_config import shared_secret
-from runtime.transport.admission import AdmissionLimits
+from paramsync.runtime.train_config import shared_secret
+from paramsync.runtime.transport.admission import AdmissionLimits
 
 __all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
 
@@ -84,7 +84,7 @@ def run_coordinator(
             nursery.start_soon(watch)
 
             async def serve(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
-                tls = getattr(args, "tls", None)  # set by runtime.cli.main from --tls-*
+                tls = getattr(args, "tls", None)  # set by paramsync.runtime.cli.main from --tls-*
                 await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
                 nursery.cancel_scope.cancel()  # served to the end: stop watching signals
 

@@ -1,6 +1,6 @@
 """``paramsync fuzz``: throw hostile peers at a live coordinator or worker listener.
 
-Runs `runtime.testing.hostile`'s state machine against ``--target HOST:PORT`` for at most
+Runs `paramsync.runtime.testing.hostile`'s state machine against ``--target HOST:PORT`` for at most
 ``--examples`` examples and about ``--seconds`` seconds, then prints a summary: examples run,
 the target's refusals by reason, its worst answer time to a legitimate hello and its memory,
 and any failure with the minimal reproducing example. Exit status 0: no failure; 1: a
@@ -19,8 +19,8 @@ from typing import Any
 
 __all__ = ["HARNESS", "add_fuzz_parser", "run_fuzz"]
 
-HARNESS = "runtime.testing.hostile"
-"""The hostile-peer harness the command runs, loaded by name: `runtime.testing` sits above
+HARNESS = "paramsync.runtime.testing.hostile"
+"""The hostile-peer harness the command runs, loaded by name: `paramsync.runtime.testing` sits above
 the command line in the engine's layers (docs/architecture.md), so the command names it the
 way ``paramsync worker`` names its job, and a plain install without hypothesis still has a
 working ``paramsync``."""
@@ -96,8 +96,8 @@ def add_fuzz_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run_fuzz(args: argparse.Namespace) -> int:
     """Run ``paramsync fuzz``; returns the exit status."""
-    from runtime.config import parse_address
-    from runtime.protocol.handshake import SECRET_FILE_ENV, load_secret
+    from paramsync.runtime.config import parse_address
+    from paramsync.runtime.protocol.handshake import SECRET_FILE_ENV, load_secret
 
     try:
         host, port = parse_address(args.target)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = ["DEMO_JOB", "JOB_ENV", "WorkerJob", "load_job", "job_name"]
 
-DEMO_JOB = "actors.demo_job.job"
+DEMO_JOB = "paramsync.actors.demo_job.job"
 """The built-in demo: a character-level transformer trained on CPython's sources."""
 JOB_ENV = "PARAMSYNC_JOB"
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.config import ADVERTISE_ENV, advertised_host, parse_address
-from runtime.errors import one_line
-from runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
-from runtime.train_config import DEFAULT_COORDINATOR_PORT, shared_secret
+from paramsync.runtime.config import ADVERTISE_ENV, advertised_host, parse_address
+from paramsync.runtime.errors import one_line
+from paramsync.runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
+from paramsync.runtime.train_config import DEFAULT_COORDINATOR_PORT, shared_secret
 
 __all__ = ["LaunchPlan", "RESTART_COUNT_ENV", "run_launch", "merge_summaries", "free_port"]
 
@@ -357,7 +357,7 @@ def _start_coordinator(
     """The coordinator daemon of the run, listening at the plan's host and ``port``."""
     bind = f"[{plan.host}]:{port}" if ":" in plan.host else f"{plan.host}:{port}"
     command = [
-        sys.executable, "-m", "runtime.cli.main",
+        sys.executable, "-m", "paramsync.runtime.cli.main",
         "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         "coordinator", "--world-size", str(plan.world_size), "--bind", bind,
         "--digest-interval", str(args.digest_interval),

@@ -12,13 +12,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from runtime.cli.fuzz import add_fuzz_parser
-from runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
-from runtime.config import COMM_BACKEND_ENV, add_comm_backend_flag
+from paramsync.runtime.cli.fuzz import add_fuzz_parser
+from paramsync.runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
+from paramsync.runtime.config import COMM_BACKEND_ENV, add_comm_backend_flag
 
 if TYPE_CHECKING:
-    from runtime.coordinator.core import CoordinatorCore
-    from runtime.transport.tls import TlsConfig
+    from paramsync.runtime.coordinator.core import CoordinatorCore
+    from paramsync.runtime.transport.tls import TlsConfig
 
 __all__ = ["main", "build_parser"]
 
@@ -316,10 +316,10 @@ def _run_allreduce(args: argparse.Namespace, tls: TlsConfig | None) -> int:
     import torch
     import trio
 
-    from runtime.collectives.ring import all_gather, all_reduce, barrier
-    from runtime.config import DistributedConfig
-    from runtime.protocol.wire import tensor_buffer
-    from runtime.transport.tcp import TcpTransport
+    from paramsync.runtime.collectives.ring import all_gather, all_reduce, barrier
+    from paramsync.runtime.config import DistributedConfig
+    from paramsync.runtime.protocol.wire import tensor_buffer
+    from paramsync.runtime.transport.tcp import TcpTransport
 
     config = DistributedConfig(args.world_size, args.rank, args.coordinator)
     numel = args.size // 4
@@ -377,7 +377,8 @@ def main(
     """Entry point of the ``paramsync`` console script; returns the exit code.
 
     ``coordinator_core``: the class of the core ``paramsync coordinator`` builds (default
-    `CoordinatorCore`; the fault harness passes a subclass, `runtime.testing.faulty_daemon`)."""
+    `CoordinatorCore`; the fault harness passes a subclass,
+    `paramsync.runtime.testing.faulty_daemon`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         job = load_job(job_name(argv)) if "worker" in argv else None
@@ -396,12 +397,12 @@ def main(
         parser.print_help()
         return 2
     if args.command == "secret":
-        from runtime.protocol.handshake import new_secret
+        from paramsync.runtime.protocol.handshake import new_secret
 
         print(new_secret(), flush=True)
         return 0
     if args.command in ("allreduce", "coordinator"):
-        from runtime.train_config import resolve_tls
+        from paramsync.runtime.train_config import resolve_tls
 
         try:
             args.tls = resolve_tls(_tls_flags(args))
@@ -411,14 +412,14 @@ def main(
     if args.command == "allreduce":
         return _run_allreduce(args, args.tls)
     if args.command == "coordinator":
-        from runtime.cli.daemons import run_coordinator
+        from paramsync.runtime.cli.daemons import run_coordinator
 
         if coordinator_core is None:
             return run_coordinator(args)
         return run_coordinator(args, core_type=coordinator_core)
     if args.command == "worker":
-        from runtime.cli.daemons import run_worker
-        from runtime.train_config import TLS_ENV_VARS
+        from paramsync.runtime.cli.daemons import run_worker
+        from paramsync.runtime.train_config import TLS_ENV_VARS
 
         for key, value in _tls_flags(args).items():  # read back by DistributedTrainConfig
             if value is not None:
@@ -429,11 +430,11 @@ def main(
         assert job is not None  # "worker" is in argv
         return run_worker(args, job)
     if args.command == "launch":
-        from runtime.cli.launch import run_launch
+        from paramsync.runtime.cli.launch import run_launch
 
         return run_launch(args)
     if args.command == "fuzz":
-        from runtime.cli.fuzz import run_fuzz
+        from paramsync.runtime.cli.fuzz import run_fuzz
 
         return run_fuzz(args)
     parser.error(f"unknown command {args.command}")

@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.errors import ConfigError
+from paramsync.runtime.errors import ConfigError
 
 __all__ = [
     "COORDINATOR_PORT_ENV",

@@ -1,1 +1,1 @@
-"""runtime.collectives."""
+"""paramsync.runtime.collectives."""

@@ -1,11 +1,11 @@
 """Gradient aggregators (seed 002): average a list of local gradients across the group.
 
-Thin uses of the collectives. `AllReduceAggregator` runs `runtime.collectives.ring.all_reduce`
-(no central bottleneck); `ParameterServerAggregator` sends every gradient to rank 0 with
-point-to-point messages (`runtime.collectives.p2p`), which sums in rank order and sends the
-average back (a star). Both flatten the gradients into one buffer per dtype
-(`runtime.collectives.flatten`), so each dtype costs one collective however many tensors there
-are, and both return new tensors, bitwise identical on every rank.
+Thin uses of the collectives. `AllReduceAggregator` runs
+`paramsync.runtime.collectives.ring.all_reduce` (no central bottleneck); `ParameterServerAggregator`
+sends every gradient to rank 0 with point-to-point messages (`paramsync.runtime.collectives.p2p`),
+which sums in rank order and sends the average back (a star). Both flatten the gradients into one
+buffer per dtype (`paramsync.runtime.collectives.flatten`), so each dtype costs one collective
+however many tensors there are, and both return new tensors, bitwise identical on every rank.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Protocol, runtime_checkable
 import torch
 import trio
 
-from runtime.collectives.flatten import dtype_groups, flatten, unflatten
-from runtime.collectives.p2p import recv, send
-from runtime.collectives.ring import DEFAULT_CHUNK_BYTES, all_reduce
-from runtime.config import DistributedConfig
-from runtime.errors import CollectiveError
-from runtime.transport.base import Transport
-from runtime.transport.segments import divide_in_place
+from paramsync.runtime.collectives.flatten import dtype_groups, flatten, unflatten
+from paramsync.runtime.collectives.p2p import recv, send
+from paramsync.runtime.collectives.ring import DEFAULT_CHUNK_BYTES, all_reduce
+from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.errors import CollectiveError
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.segments import divide_in_place
 
 __all__ = [
     "GradientAggregator",
@@ -110,8 +110,8 @@ class ParameterServerAggregator:
         return await _average_by_dtype(local_grads, self._average)
 
     async def _average(self, flat: torch.Tensor) -> None:
-        """The star, in point-to-point messages (`runtime.collectives.p2p`): every rank sends
-        ``flat`` to the root under `TO_ROOT`; the root sums them in rank order, divides, and
+        """The star, in point-to-point messages (`paramsync.runtime.collectives.p2p`): every rank
+        sends ``flat`` to the root under `TO_ROOT`; the root sums them in rank order, divides, and
         sends the average back under `FROM_ROOT`."""
         transport, root = self.transport, self.root
         n, rank = transport.world_size, transport.rank

@@ -40,7 +40,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.collectives.ring import ReduceOp
+from paramsync.runtime.collectives.ring import ReduceOp
 
 __all__ = [
     "COMM_HOOKS",

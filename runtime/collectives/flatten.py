@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from runtime.errors import CollectiveError
+from paramsync.runtime.errors import CollectiveError
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Collectives called from a compute thread: the synchronous bridge to the trio collectives.
 
-The engine's collectives (`runtime.collectives.ring`) are trio async functions over a
+The engine's collectives (`paramsync.runtime.collectives.ring`) are trio async functions over a
 `Transport` (a `ProcessGroup` is one). Autograd runs synchronously, on a worker thread that the
 trio side started with ``trio.to_thread.run_sync``; a tensor-parallel layer's forward or backward
 needs an all-reduce in the middle of that synchronous code. `ThreadCollectives` holds the group
@@ -13,9 +13,10 @@ layer issues wraps a `ThreadCollectives` in an object with the same methods (it 
 collectives). A group of one never enters trio: its collectives are the identity, so a
 tensor-parallel layer at tp=1 costs nothing and needs no trio run.
 
-Why here and not in `runtime.parallel`: the bridge knows transports and collectives only (no
-model, no parallelism plan), any thread-side code can use it (tensor-parallel layers, gradient
-clipping, a pipeline stage's compute thread), and `runtime.parallel` sits above this layer.
+Why here and not in `paramsync.runtime.parallel`: the bridge knows transports and collectives only
+(no model, no parallelism plan), any thread-side code can use it (tensor-parallel layers, gradient
+clipping, a pipeline stage's compute thread), and `paramsync.runtime.parallel` sits above this
+layer.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from typing import Protocol, runtime_checkable
 import torch
 import trio
 
-from runtime.collectives.ring import ReduceOp, all_gather, all_reduce, broadcast
-from runtime.errors import CollectiveError
-from runtime.transport.base import Transport
+from paramsync.runtime.collectives.ring import ReduceOp, all_gather, all_reduce, broadcast
+from paramsync.runtime.errors import CollectiveError
+from paramsync.runtime.transport.base import Transport
 
 __all__ = ["SyncCollectives", "ThreadCollectives"]
 

@@ -1,8 +1,8 @@
 """`derive_group_name`: a process group's name from its parent's, its number and its ranks.
 
 Pure (no transport, no torch), so that the coordinator, which checks the groups workers declare,
-names them exactly as `runtime.collectives.groups.new_group` does without importing the data
-planes."""
+names them exactly as `paramsync.runtime.collectives.groups.new_group` does without importing the
+data planes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Process groups: a subset of a world's ranks, with its own rank numbering and connections.
 
 A `ProcessGroup` IS a `Transport` over its member ranks, so every collective of
-`runtime.collectives.ring` (and point-to-point, `runtime.collectives.p2p`) runs on it unchanged:
-``await all_reduce(group, tensor)``. Group rank g is the g-th smallest member's world rank, as in
-torch's ``new_group``.
+`paramsync.runtime.collectives.ring` (and point-to-point, `paramsync.runtime.collectives.p2p`) runs
+on it unchanged: ``await all_reduce(group, tensor)``. Group rank g is the g-th smallest member's
+world rank, as in torch's ``new_group``.
 
 Creation is collective, like torch's ``new_group``: every rank of the world calls `new_group`
 with the same ranks, in the same order as every other rank, and not while a collective runs on
@@ -23,7 +23,7 @@ tp group may all-reduce in both at once):
   connections (``group_addr``, which also checks that all members create the same group), and
   the mesh forms with the usual dial/accept handshake whose `Identity` carries the group's name:
   a connection of one group is refused by every other. When the members share a host, the
-  group attaches its own shared-memory plane (`runtime.transport.shm`) on that mesh;
+  group attaches its own shared-memory plane (`paramsync.runtime.transport.shm`) on that mesh;
 - on torch's data plane (`TorchDistTransport` worlds, ``comm_backend = "torch"``), a gloo
   communicator of the members' own (and an NCCL one when the world has a CUDA device), formed
   through the epoch's store under a prefix named by the group
@@ -46,12 +46,12 @@ from typing import Any
 import torch
 import trio
 
-from runtime.collectives.group_names import derive_group_name
-from runtime.errors import CollectiveError, ProtocolError, StallError
-from runtime.protocol.handshake import Identity
-from runtime.protocol.messages import GroupAddr
-from runtime.transport.base import BulkRoute, InProcessTransport, Transport
-from runtime.transport.capabilities import (
+from paramsync.runtime.collectives.group_names import derive_group_name
+from paramsync.runtime.errors import CollectiveError, ProtocolError, StallError
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.protocol.messages import GroupAddr
+from paramsync.runtime.transport.base import BulkRoute, InProcessTransport, Transport
+from paramsync.runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
     BlockingLinkSet,
@@ -61,9 +61,9 @@ from runtime.transport.capabilities import (
     PrecodedFrames,
     SharedMemoryHolder,
 )
-from runtime.transport.shm import attach_shared_memory
-from runtime.transport.tcp import TcpTransport, form_mesh
-from runtime.transport.torch_dist import TorchDistTransport
+from paramsync.runtime.transport.shm import attach_shared_memory
+from paramsync.runtime.transport.tcp import TcpTransport, form_mesh
+from paramsync.runtime.transport.torch_dist import TorchDistTransport
 
 __all__ = [
     "ProcessGroup",
@@ -93,7 +93,7 @@ class ProcessGroup(Transport):
     Sends and receives go over ``members``, the group's own transport (its own channels, TCP
     connections or torch communicator); the parent's connections are never used after
     creation. `new_group` makes one of the two kinds below, which add the capabilities
-    (`runtime.transport.capabilities`) of their members' data plane.
+    (`paramsync.runtime.transport.capabilities`) of their members' data plane.
     """
 
     def __init__(
@@ -239,8 +239,8 @@ class ParamsyncProcessGroup(
 class NativeProcessGroup(ProcessGroup, NativeCollectives):
     """A group on torch's data plane: its members' transport (a `TorchDistTransport` over a
     communicator of the group's own) runs collectives natively, and
-    `runtime.collectives.ring` hands them over, as it does to the members' transport itself.
-    It lends no links and carries no shared-memory plane (torch's transport has neither)."""
+    `paramsync.runtime.collectives.ring` hands them over, as it does to the members' transport
+    itself. It lends no links and carries no shared-memory plane (torch's transport has neither)."""
 
     def __init__(
         self, parent: Transport, ranks: tuple[int, ...], name: str, members: Transport

@@ -13,10 +13,9 @@ dimension. Megatron's parallel_state docstring, 16 ranks with tp=2 and pp=4 (so 
 tp groups [0, 1], [2, 3], ...; dp groups [0, 2], [1, 3], [4, 6], [5, 7], ...; pp groups
 [0, 4, 8, 12], [1, 5, 9, 13], ... (`mesh_groups((4, 2, 2), ("pp", "dp", "tp"), "dp")`).
 
-`mesh_groups` and `mesh_coordinates` are pure (`runtime.collectives.mesh_layout`, re-exported
-here); `init_device_mesh` creates the groups (every rank
-of the world calls it alike: it calls `new_group` for every group of every dimension, in names
-order and in `mesh_groups` order).
+`mesh_groups` and `mesh_coordinates` are pure (`paramsync.runtime.collectives.mesh_layout`,
+re-exported here); `init_device_mesh` creates the groups (every rank of the world calls it alike: it
+calls `new_group` for every group of every dimension, in names order and in `mesh_groups` order).
 """
 
 from __future__ import annotations
@@ -27,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from runtime.collectives.mesh_layout import (
+from paramsync.runtime.collectives.mesh_layout import (
     check_layout,
     mesh_coordinates,
     mesh_groups,
     mesh_rank,
 )
-from runtime.errors import CollectiveError
-from runtime.transport.base import Transport
+from paramsync.runtime.errors import CollectiveError
+from paramsync.runtime.transport.base import Transport
 
 if TYPE_CHECKING:  # the pure layout functions (the coordinator's) need no groups, nor torch
-    from runtime.collectives.groups import ProcessGroup
+    from paramsync.runtime.collectives.groups import ProcessGroup
 
 __all__ = [
     "DeviceMesh",
@@ -140,7 +139,7 @@ async def init_device_mesh(
             f"a mesh of {dict(zip(names_t, sizes_t, strict=True))} holds {math.prod(sizes_t)} "
             f"ranks, the world has {world.world_size}"
         )
-    from runtime.collectives.groups import new_group
+    from paramsync.runtime.collectives.groups import new_group
 
     groups: dict[str, ProcessGroup] = {}
     try:

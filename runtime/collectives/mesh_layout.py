@@ -1,8 +1,8 @@
 """How ranks fill a device mesh, as pure functions (no I/O, no trio): the coordinator and the
-parallel layouts use them without the groups `runtime.collectives.mesh` creates.
+parallel layouts use them without the groups `paramsync.runtime.collectives.mesh` creates.
 
 The ordering rule (the only one): ranks fill the mesh in **row-major order, the last named
-dimension varying fastest** (see `runtime.collectives.mesh`).
+dimension varying fastest** (see `paramsync.runtime.collectives.mesh`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from runtime.errors import CollectiveError
+from paramsync.runtime.errors import CollectiveError
 
 __all__ = ["check_layout", "mesh_coordinates", "mesh_groups", "mesh_rank", "strides"]
 

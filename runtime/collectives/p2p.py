@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import trio
 
-from runtime.errors import CollectiveError, ProtocolError
-from runtime.protocol.messages import P2P, P2P_MAX_TAG
-from runtime.transport.base import Transport
-from runtime.transport.capabilities import BlockingLinkSet
-from runtime.transport.segments import SUPPORTED_DTYPES
+from paramsync.runtime.errors import CollectiveError, ProtocolError
+from paramsync.runtime.protocol.messages import P2P, P2P_MAX_TAG
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.capabilities import BlockingLinkSet
+from paramsync.runtime.transport.segments import SUPPORTED_DTYPES
 
 __all__ = [
     "MAX_TAG",

@@ -22,15 +22,15 @@ from typing import Any, Literal
 import torch
 import trio
 
-from runtime.errors import CollectiveError, ProtocolError, first_error
-from runtime.transport.base import Transport
-from runtime.transport.capabilities import (
+from paramsync.runtime.errors import CollectiveError, ProtocolError, first_error
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.capabilities import (
     BlockingLinkProvider,
     BlockingLinkSet,
     NativeCollectives,
     SharedMemoryHolder,
 )
-from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
+from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -288,14 +288,13 @@ async def all_reduce(
     ``threaded_min_bytes`` the ring runs on two OS threads with blocking sockets (TCP only):
     fastest for a lone all-reduce, but in training the compute thread wants those cores, so
     the trainer raises it. Integer averages round down. When the transport has a
-    shared-memory plane attached (`runtime.transport.shm`), tensors it accepts go through it
-    instead of
-    the ring, with bitwise the ring's result.
+    shared-memory plane attached (`paramsync.runtime.transport.shm`), tensors it accepts go through
+    it instead of the ring, with bitwise the ring's result.
 
     ``tensor`` is the collective's landing buffer: the all-gather hops land their parts in it
     uncopied, before their frame's tag is checked, and the reduce hops leave partial sums, so
     when all-reduce raises ``tensor`` holds unspecified bytes and must be rewritten before
-    any use (the trainer drops the step and zeroes the bucket: `actors.graph.gradcomm`).
+    any use (the trainer drops the step and zeroes the bucket: `paramsync.actors.graph.gradcomm`).
     Never all-reduce live model or optimizer state in place.
     """
     flat = _check_tensor(tensor, "all_reduce", transport)
@@ -315,7 +314,9 @@ async def all_reduce(
     if flat.numel() * flat.element_size() <= small_bytes:
         await _all_reduce_direct(transport, flat, op, op_id)
         return tensor
-    if isinstance(transport, SharedMemoryHolder):  # ranks on one host: `runtime.transport.shm`
+    if isinstance(
+        transport, SharedMemoryHolder
+    ):  # ranks on one host: `paramsync.runtime.transport.shm`
         plane = transport.shared_memory
         if plane is not None and plane.accepts(flat):
             await plane.all_reduce(transport, flat, op, op_id)

@@ -1,15 +1,15 @@
 """Whose data plane moves the tensors (``comm_backend``): defined once, for every configuration
-that names it (`runtime.train_config.DistributedTrainConfig`, `TrainerOptions`,
-`runtime.parallel.config.ParallelismConfig`), with its one variable and its one flag. Here, not
-in `runtime.transport.torch_dist`, so that naming one needs no torch."""
+that names it (`paramsync.runtime.train_config.DistributedTrainConfig`, `TrainerOptions`,
+`paramsync.runtime.parallel.config.ParallelismConfig`), with its one variable and its one flag.
+Here, not in `paramsync.runtime.transport.torch_dist`, so that naming one needs no torch."""
 
 from __future__ import annotations
 
 import argparse
 import enum
 
-from runtime.config.values import parse_enum
-from runtime.errors import ConfigError
+from paramsync.runtime.config.values import parse_enum
+from paramsync.runtime.errors import ConfigError
 
 __all__ = [
     "COMM_BACKENDS",
@@ -23,7 +23,7 @@ __all__ = [
 
 class CommBackend(enum.Enum):
     """Whose data plane moves the tensors: paramsync's own collectives (TCP ring, shared memory)
-    or torch.distributed's (`runtime.transport.torch_dist`)."""
+    or torch.distributed's (`paramsync.runtime.transport.torch_dist`)."""
 
     PARAMSYNC = "paramsync"
     TORCH = "torch"

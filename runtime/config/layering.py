@@ -8,8 +8,8 @@ arguments of the configuration's constructor, checked key by key by the configur
 key given by its alias in one layer and its name in another is one key: the higher layer wins;
 the two within one source, with different values, are an error. Every problem is a
 `ConfigError` naming the source: the file and table, the variable, or the flag.
-`runtime.train_config.DistributedTrainConfig` and `runtime.parallel.config.ParallelismConfig`
-both resolve through it.
+`paramsync.runtime.train_config.DistributedTrainConfig` and
+`paramsync.runtime.parallel.config.ParallelismConfig` both resolve through it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import ConfigError
+from paramsync.runtime.errors import ConfigError
 
 __all__ = ["Coerce", "Layering"]
 

@@ -8,7 +8,7 @@ import enum
 import re
 from typing import TypeVar
 
-from runtime.errors import ConfigError
+from paramsync.runtime.errors import ConfigError
 
 __all__ = ["TRUE_WORDS", "FALSE_WORDS", "parse_bool", "parse_enum", "parse_int"]
 

@@ -6,11 +6,12 @@ member's parameters and optimizer state hash the same) or ``step_done`` on the o
 :class:`Commits` checks each report against the step's :class:`StepState`, and once all are
 in, :func:`digest_verdict` says whether the step commits, commits after a resync of a
 minority, or stops the run naming the ranks and the first tensor that differs. In a run
-whose ranks declared a parallel layout (`runtime.coordinator.layouts`), :func:`sharded_verdict`
-compares each rank only with the data-parallel replicas of its (tp, pp, ...) shard and names
-the shard too: different shards hold different weights by design. :func:`divergence_of` reads
-a verdict's abort reason back (the step, the ranks grouped by state, the first tensor), which
-is how a worker raises a `runtime.errors.StateDiverged` from the reason it was sent.
+whose ranks declared a parallel layout (`paramsync.runtime.coordinator.layouts`),
+:func:`sharded_verdict` compares each rank only with the data-parallel replicas of its (tp, pp, ...)
+shard and names the shard too: different shards hold different weights by design.
+:func:`divergence_of` reads a verdict's abort reason back (the step, the ranks grouped by state, the
+first tensor), which is how a worker raises a `paramsync.runtime.errors.StateDiverged` from the
+reason it was sent.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.coordinator.events import Resync, first_tensor_difference
-from runtime.coordinator.layouts import Shards
-from runtime.coordinator.step_state import StepState
-from runtime.protocol.messages import Commit, Digest, StepDone, packed_size
+from paramsync.runtime.coordinator.events import Resync, first_tensor_difference
+from paramsync.runtime.coordinator.layouts import Shards
+from paramsync.runtime.coordinator.step_state import StepState
+from paramsync.runtime.protocol.messages import Commit, Digest, StepDone, packed_size
 
 __all__ = [
     "CommitRecord",

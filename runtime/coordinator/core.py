@@ -2,25 +2,27 @@
 
 The core is fed events (decoded messages, disconnects, clock ticks) and returns actions
 (messages to send, refusals, aborts); it opens no socket, starts no task and reads no clock, so
-the trio shell (`runtime.coordinator.service`) runs it and hypothesis drives it directly. This
-module only routes each event and composes the answers of the parts, each with one job:
+the trio shell (`paramsync.runtime.coordinator.service`) runs it and hypothesis drives it directly.
+This module only routes each event and composes the answers of the parts, each with one job:
 
-- :mod:`~runtime.coordinator.run_state`: the run's lifecycle, a table of legal transitions;
-- :mod:`~runtime.coordinator.membership`: joins, members and epochs;
-- :mod:`~runtime.coordinator.step_state`: what the step in flight gathered, replaced whole at
-  every step boundary;
-- :mod:`~runtime.coordinator.negotiation`: bucket-spec agreement and the response cache;
-- :mod:`~runtime.coordinator.group_negotiation`: the same per declared process group (a
+- :mod:`~paramsync.runtime.coordinator.run_state`: the run's lifecycle, a table of legal
+  transitions;
+- :mod:`~paramsync.runtime.coordinator.membership`: joins, members and epochs;
+- :mod:`~paramsync.runtime.coordinator.step_state`: what the step in flight gathered, replaced whole
+  at every step boundary;
+- :mod:`~paramsync.runtime.coordinator.negotiation`: bucket-spec agreement and the response cache;
+- :mod:`~paramsync.runtime.coordinator.group_negotiation`: the same per declared process group (a
   ``ready`` naming a ``group``; its ``go`` goes to that group's members only); the groups
-  themselves are declared at the join (:mod:`~runtime.coordinator.group_decl`, checked by
+  themselves are declared at the join (:mod:`~paramsync.runtime.coordinator.group_decl`, checked by
   membership) and each member's start lists its own;
-- :mod:`~runtime.coordinator.layouts`: the 3D-parallel layouts the joins declare (one mesh,
-  one schedule digest, each rank at its coordinates), checked when the first epoch's ranks
-  are in, and the (tp, pp) shards whose dp replicas the digest verdict compares;
-- :mod:`~runtime.coordinator.commits`: step ends, the C-DDP-001 digest verdict (per shard
+- :mod:`~paramsync.runtime.coordinator.layouts`: the 3D-parallel layouts the joins declare (one
+  mesh, one schedule digest, each rank at its coordinates), checked when the first epoch's ranks are
+  in, and the (tp, pp) shards whose dp replicas the digest verdict compares;
+- :mod:`~paramsync.runtime.coordinator.commits`: step ends, the C-DDP-001 digest verdict (per shard
   with a layout), commits;
-- :mod:`~runtime.coordinator.liveness`: heartbeats, hold and rendezvous deadlines, stalls;
-- :mod:`~runtime.coordinator.events`: the events that never travel, the actions, the helpers.
+- :mod:`~paramsync.runtime.coordinator.liveness`: heartbeats, hold and rendezvous deadlines, stalls;
+- :mod:`~paramsync.runtime.coordinator.events`: the events that never travel, the actions, the
+  helpers.
 
 One run, as the workers see it (worker -> coordinator kinds on the left)::
 
@@ -39,8 +41,8 @@ per ``go``), and sends nothing for step ``s + 1`` before it has received ``commi
 Every inconsistency is caught as soon as it is observable and becomes an :class:`Abort` whose
 reason names the ranks, the step and what differs; ``handle`` never raises on logic errors.
 
-The messages are declared in `runtime.protocol.messages`; malformed wire input raises
-:class:`~runtime.errors.ProtocolError` in its ``event_from_wire``, before an event exists.
+The messages are declared in `paramsync.runtime.protocol.messages`; malformed wire input raises
+:class:`~paramsync.runtime.errors.ProtocolError` in its ``event_from_wire``, before an event exists.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from runtime.coordinator.commits import CommitRecord, Commits
-from runtime.coordinator.events import (
+from paramsync.runtime.coordinator.commits import CommitRecord, Commits
+from paramsync.runtime.coordinator.events import (
     MAX_WORLD,
     Abort,
     Action,
@@ -67,19 +69,19 @@ from runtime.coordinator.events import (
     format_seconds,
     is_int,
 )
-from runtime.coordinator.group_negotiation import GroupGo, GroupNegotiation
-from runtime.coordinator.layouts import (
+from paramsync.runtime.coordinator.group_negotiation import GroupGo, GroupNegotiation
+from paramsync.runtime.coordinator.layouts import (
     AgreedLayout,
     Shards,
     layout_disagreement,
     sharded_resume_step,
 )
-from runtime.coordinator.liveness import Liveness
-from runtime.coordinator.membership import EpochRecord, Membership, resume_plan
-from runtime.coordinator.negotiation import Disagreement, Fault, Negotiation, Outcome
-from runtime.coordinator.run_state import DONE, RunState, Trigger, next_state
-from runtime.coordinator.step_state import StepState
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.liveness import Liveness
+from paramsync.runtime.coordinator.membership import EpochRecord, Membership, resume_plan
+from paramsync.runtime.coordinator.negotiation import Disagreement, Fault, Negotiation, Outcome
+from paramsync.runtime.coordinator.run_state import DONE, RunState, Trigger, next_state
+from paramsync.runtime.coordinator.step_state import StepState
+from paramsync.runtime.protocol.messages import (
     Apply,
     Digest,
     Finished,

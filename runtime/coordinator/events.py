@@ -1,6 +1,6 @@
 """The coordinator core's vocabulary: the events it is fed that never travel (a tick, a lost
 connection, a malformed frame), the actions it returns, and the helpers that describe models and
-bucket specs. The wire messages themselves are declared in `runtime.protocol.messages`."""
+bucket specs. The wire messages themselves are declared in `paramsync.runtime.protocol.messages`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import xxhash
 
-from runtime.errors import plain_or_quoted, quoted
-from runtime.protocol.messages import (
+from paramsync.runtime.errors import plain_or_quoted, quoted
+from paramsync.runtime.protocol.messages import (
     CALL_PREFIX,
     AbortRun,
     BucketSpec,
@@ -241,7 +241,7 @@ def spec_text(spec: BucketSpec) -> str:
     if isinstance(spec, str):
         return f"spec {quoted(spec)}"
     if spec and isinstance(spec[0][1], str) and spec[0][1].startswith(CALL_PREFIX):
-        # A torch.distributed call: its name, then its tensors (`actors.torchdist.calls`).
+        # A torch.distributed call: its name, then its tensors (`paramsync.actors.torchdist.calls`).
         call = plain_or_quoted(spec[0][1][len(CALL_PREFIX) :])
         tensors = "; ".join(f"{shape}, {_dtype_text(dtype)}" for shape, dtype in spec[1:])
         return f"{call} of [{tensors}]"

@@ -1,8 +1,8 @@
 """How large a frame a member of this run may send the coordinator, from the run's model.
 
 Before the first join the coordinator knows no model, and each kind's schema cap bounds a
-frame (`runtime.protocol.limits`: up to 64 MiB for a join). Once the reference model is known
-(the first join's signature, or the one the coordinator was given), every frame a member sends
+frame (`paramsync.runtime.protocol.limits`: up to 64 MiB for a join). Once the reference model is
+known (the first join's signature, or the one the coordinator was given), every frame a member sends
 (a later join, a bucket report, a digest with its tensor names) is bounded by what that model
 legitimately needs (`member_frame_cap`), checked from the frame's prefix before it is read:
 
@@ -18,7 +18,7 @@ one of 10,000 about 11 MiB.
 
 from __future__ import annotations
 
-from runtime.protocol.messages import Signature
+from paramsync.runtime.protocol.messages import Signature
 
 __all__ = ["MEMBER_FRAME_ALLOWANCE", "STATE_ENTRIES_PER_PARAM", "member_frame_cap"]
 

@@ -4,10 +4,10 @@ A join may declare its groups as a device mesh (``mesh: [names, sizes]``) or as 
 list of named rank sets (``groups: [[name, ranks], ...]``). Either becomes a
 :data:`Declaration`: every group of the world, in creation order, as ``(name, ranks)``.
 
-The naming rule (shared with `runtime.collectives.groups.group_name`): a mesh's groups are
-created as `runtime.collectives.mesh.init_device_mesh` creates them on a fresh world (for every
-dimension in ``names`` order, every group in `mesh_groups` order), and the ``i``-th one is named
-``derive_group_name("world", i, ranks)``, exactly what `new_group` names it. Explicit groups
+The naming rule (shared with `paramsync.runtime.collectives.groups.group_name`): a mesh's groups are
+created as `paramsync.runtime.collectives.mesh.init_device_mesh` creates them on a fresh world (for
+every dimension in ``names`` order, every group in `mesh_groups` order), and the ``i``-th one is
+named ``derive_group_name("world", i, ranks)``, exactly what `new_group` names it. Explicit groups
 keep the names their declaration gives.
 
 `declaration_of` checks a join's declaration against the world; `declaration_mismatch` names
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 
-from runtime.collectives.group_names import derive_group_name
-from runtime.collectives.mesh_layout import mesh_groups
-from runtime.errors import CollectiveError, plain_or_quoted, quoted
-from runtime.protocol.messages import GroupRanks, Joined
+from paramsync.runtime.collectives.group_names import derive_group_name
+from paramsync.runtime.collectives.mesh_layout import mesh_groups
+from paramsync.runtime.errors import CollectiveError, plain_or_quoted, quoted
+from paramsync.runtime.protocol.messages import GroupRanks, Joined
 
 __all__ = ["Declaration", "declaration_of", "declaration_mismatch", "describe", "rank_groups"]
 

@@ -9,8 +9,8 @@ is a :class:`Disagreement` naming the group and the ranks that differ. The agree
 the group's :class:`ResponseCache`, against which a later ``cached`` report of the group is
 checked (and, when every member of the group reported the bucket cached, no go is sent).
 
-The world's negotiation (`runtime.coordinator.negotiation`) is untouched: a ``ready`` without
-a group never reaches this part. A go for step ``s + 1`` is held until step ``s`` commits
+The world's negotiation (`paramsync.runtime.coordinator.negotiation`) is untouched: a ``ready``
+without a group never reaches this part. A go for step ``s + 1`` is held until step ``s`` commits
 (`advance`), as the world's is.
 """
 
@@ -18,11 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.coordinator.group_decl import Declaration
-from runtime.coordinator.negotiation import Disagreement, Fault, ResponseCache, spec_groups
-from runtime.coordinator.step_state import StepState
-from runtime.errors import quoted
-from runtime.protocol.messages import BucketSpec, Go, Ready
+from paramsync.runtime.coordinator.group_decl import Declaration
+from paramsync.runtime.coordinator.negotiation import (
+    Disagreement,
+    Fault,
+    ResponseCache,
+    spec_groups,
+)
+from paramsync.runtime.coordinator.step_state import StepState
+from paramsync.runtime.errors import quoted
+from paramsync.runtime.protocol.messages import BucketSpec, Go, Ready
 
 __all__ = ["GroupGo", "GroupNegotiation", "GroupOutcome"]
 

@@ -10,19 +10,20 @@ schedule. The coordinator holds the run to one layout:
 - `layout_disagreement`, once the first epoch's ranks are in: every rank declares a layout or
   none does, all declare the same mesh and the same schedule digest, no two claim the same
   coordinates, and each rank's coordinates are its rank's under the mesh's one ordering rule
-  (row-major, the last named dimension fastest: `runtime.collectives.mesh.mesh_coordinates`).
-  Any of these stops the run, naming the ranks on each side and the field that differs. (No
-  join comes after the start: a run with layouts is static, `CoordinatorCore` refuses an
-  elastic one, and a restarted coordinator checks its joins as a first epoch again.)
+  (row-major, the last named dimension fastest:
+  `paramsync.runtime.collectives.mesh.mesh_coordinates`). Any of these stops the run, naming the
+  ranks on each side and the field that differs. (No join comes after the start: a run with layouts
+  is static, `CoordinatorCore` refuses an elastic one, and a restarted coordinator checks its joins
+  as a first epoch again.)
 
 A restarted coordinator resumes a 3D-parallel run (`sharded_resume_step`) only where every
 shard's replicas hold one state at one step: states differ between shards by design, so the
-donor rule of flat runs (`runtime.coordinator.membership.resume_plan`), which hands one
+donor rule of flat runs (`paramsync.runtime.coordinator.membership.resume_plan`), which hands one
 rank's state to the others, does not apply, and no state moves between replicas yet.
 
 `Shards` then maps each rank to its shard, the ranks whose coordinates agree on every dimension
-but "dp" (`DATA_PARALLEL_DIM`): the digest check (`runtime.coordinator.commits`) compares a
-rank's state only with the other replicas of its shard. A run without layouts is one shard.
+but "dp" (`DATA_PARALLEL_DIM`): the digest check (`paramsync.runtime.coordinator.commits`) compares
+a rank's state only with the other replicas of its shard. A run without layouts is one shard.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from runtime.collectives.mesh_layout import mesh_coordinates
-from runtime.errors import plain_or_quoted
-from runtime.protocol.messages import DATA_PARALLEL_DIM, Joined, ParallelLayout
+from paramsync.runtime.collectives.mesh_layout import mesh_coordinates
+from paramsync.runtime.errors import plain_or_quoted
+from paramsync.runtime.protocol.messages import DATA_PARALLEL_DIM, Joined, ParallelLayout
 
 __all__ = [
     "AgreedLayout",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 ORDERING_RULE = "row-major, the last named dimension fastest"
-"""How ranks fill a mesh (`runtime.collectives.mesh`), as errors name it."""
+"""How ranks fill a mesh (`paramsync.runtime.collectives.mesh`), as errors name it."""
 
 _MAX_LISTED = 4
 """The most ranks with wrong coordinates an error lists one by one."""

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from runtime.coordinator.events import format_seconds
+from paramsync.runtime.coordinator.events import format_seconds
 
 __all__ = ["Liveness", "Stall"]
 

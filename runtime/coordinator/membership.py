@@ -14,16 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from runtime.coordinator.events import signature_mismatch
-from runtime.coordinator.group_decl import (
+from paramsync.runtime.coordinator.events import signature_mismatch
+from paramsync.runtime.coordinator.group_decl import (
     Declaration,
     declaration_mismatch,
     declaration_of,
     describe,
 )
-from runtime.coordinator.layouts import AgreedLayout, join_layout_problem
-from runtime.errors import plain_or_quoted
-from runtime.protocol.messages import Joined, Signature
+from paramsync.runtime.coordinator.layouts import AgreedLayout, join_layout_problem
+from paramsync.runtime.errors import plain_or_quoted
+from paramsync.runtime.protocol.messages import Joined, Signature
 
 __all__ = [
     "COMMITTED",

@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.coordinator.events import agreement_hash, spec_hash, spec_text
-from runtime.coordinator.step_state import (
+from paramsync.runtime.coordinator.events import agreement_hash, spec_hash, spec_text
+from paramsync.runtime.coordinator.step_state import (
     MAX_EARLY_READIES,
     MAX_EARLY_READY_BYTES,
     StepState,
     spec_bytes,
 )
-from runtime.protocol.messages import BucketSpec, Go, Ready
+from paramsync.runtime.protocol.messages import BucketSpec, Go, Ready
 
 __all__ = ["ResponseCache", "Negotiation", "Fault", "Disagreement", "Outcome", "spec_groups"]
 
@@ -92,9 +92,9 @@ class ResponseCache:
     def known(self, spec: BucketSpec) -> BucketSpec | None:
         """The spec, agreed at any bucket of the epoch, that ``spec`` (a spec or its hash)
         is (None: never agreed). A caller whose calls do not repeat at the same place every
-        step (a torch.distributed process group: `actors.torchdist`) reduces a call at once
-        when every member agreed on the very same call before; the members' reports of it
-        are still compared, here, and must all be that spec."""
+        step (a torch.distributed process group: `paramsync.actors.torchdist`) reduces a call at
+        once when every member agreed on the very same call before; the members' reports of it are
+        still compared, here, and must all be that spec."""
         if not self.by_spec:
             return None
         return self._known.get(spec if isinstance(spec, str) else spec_hash(spec))

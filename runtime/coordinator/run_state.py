@@ -11,7 +11,7 @@ import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from runtime.errors import ProtocolError
+from paramsync.runtime.errors import ProtocolError
 
 __all__ = ["RunState", "Trigger", "TRANSITIONS", "DONE", "IllegalTransition", "next_state"]
 

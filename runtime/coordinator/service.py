@@ -18,8 +18,8 @@ from typing import Any
 
 import trio
 
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import (
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import (
     Abort,
     Action,
     Broadcast,
@@ -33,12 +33,12 @@ from runtime.coordinator.events import (
     Send,
     Tick,
 )
-from runtime.coordinator.frame_caps import member_frame_cap
-from runtime.coordinator.run_state import RunState
-from runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
-from runtime.observe.metrics import Metrics
-from runtime.protocol.handshake import Identity, load_secret
-from runtime.protocol.messages import (
+from paramsync.runtime.coordinator.frame_caps import member_frame_cap
+from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
+from paramsync.runtime.observe.metrics import Metrics
+from paramsync.runtime.protocol.handshake import Identity, load_secret
+from paramsync.runtime.protocol.messages import (
     Commit,
     Digest,
     Hold,
@@ -48,11 +48,11 @@ from runtime.protocol.messages import (
     StartRun,
     event_from_wire,
 )
-from runtime.protocol.wire import DEFAULT_MAX_FRAME
-from runtime.transport.admission import AdmissionGate, HandshakeTicket
-from runtime.transport.link import Link
-from runtime.transport.tcp import DEFAULT_GROUP, accept
-from runtime.transport.tls import TlsConfig
+from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME
+from paramsync.runtime.transport.admission import AdmissionGate, HandshakeTicket
+from paramsync.runtime.transport.link import Link
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, accept
+from paramsync.runtime.transport.tls import TlsConfig
 
 __all__ = ["Coordinator", "CoordinatorOptions", "RunFailed"]
 
@@ -90,7 +90,7 @@ class CoordinatorOptions:
     cache_by_spec: bool = False
     """A cached bucket report may name any spec the members agreed on in the epoch, not only
     the one agreed at its bucket: for callers whose calls do not repeat at the same place
-    every step (a torch.distributed group, `actors.torchdist`). The members' reports are
+    every step (a torch.distributed group, `paramsync.actors.torchdist`). The members' reports are
     compared either way; a trainer keeps the stricter rule."""
     idle_stalls: bool = True
     """Whether a step in which no member has reported anything counts towards a stall. A
@@ -170,11 +170,11 @@ class Coordinator:
         core_type: type[CoordinatorCore] = CoordinatorCore,
     ) -> None:
         """``core_type``: the class of the core to build, a `CoordinatorCore` or a subclass
-        (the fault harness passes one that dies at a commit, `runtime.testing.faults`)."""
+        (the fault harness passes one that dies at a commit, `paramsync.runtime.testing.faults`)."""
         self.options = options or CoordinatorOptions()
         self.metrics = metrics
-        """Fed as the run goes (`runtime.observe.metrics`; None: off). Serve its registry
-        with `runtime.observe.metrics.serve_metrics`."""
+        """Fed as the run goes (`paramsync.runtime.observe.metrics`; None: off). Serve its registry
+        with `paramsync.runtime.observe.metrics.serve_metrics`."""
         self._last_commit_at: float | None = None
         self.core = core_type(
             world_size,
@@ -250,7 +250,8 @@ class Coordinator:
 
         ``task_status.started`` receives the bound address (port 0 picks a free port). A
         connection that fails its handshake is logged and dropped; serving goes on. With
-        ``tls``, every worker connection is TLS (`runtime.transport.tls`) under the handshake.
+        ``tls``, every worker connection is TLS (`paramsync.runtime.transport.tls`) under the
+        handshake.
         """
         key = load_secret(self._secret)
         listeners = await trio.open_tcp_listeners(port, host=host)

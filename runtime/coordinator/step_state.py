@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.protocol.messages import BucketSpec, Digest, Ready, StepDone
+from paramsync.runtime.protocol.messages import BucketSpec, Digest, Ready, StepDone
 
 __all__ = ["StepState", "MAX_EARLY_READIES", "MAX_EARLY_READY_BYTES", "spec_bytes"]
 

@@ -1,1 +1,1 @@
-"""runtime.observe."""
+"""paramsync.runtime.observe."""

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from runtime.observe.trace import Span, TraceRecorder
+from paramsync.runtime.observe.trace import Span, TraceRecorder
 
 __all__ = [
     "METRICS_HOST_ENV",

@@ -12,10 +12,10 @@ descriptions the workers execute and the coordinator checks.
   fraction, activations in flight, `ScheduleDeadlock`).
 
 Modules here know tensors and collectives, never models or optimizers: those are the worker's
-(`actors.parallel`).
+(`paramsync.actors.parallel`).
 """
 
-from runtime.parallel.actions import (
+from paramsync.runtime.parallel.actions import (
     TAG_MICROBATCH_LIMIT,
     TAG_STAGE_LIMIT,
     Action,
@@ -23,7 +23,7 @@ from runtime.parallel.actions import (
     Direction,
     p2p_tag,
 )
-from runtime.parallel.schedules import (
+from paramsync.runtime.parallel.schedules import (
     SCHEDULE_KINDS,
     Schedule,
     build_schedule,
@@ -32,7 +32,7 @@ from runtime.parallel.schedules import (
     compute_lists,
     schedule_digest,
 )
-from runtime.parallel.simulate import (
+from paramsync.runtime.parallel.simulate import (
     DEFAULT_COSTS,
     InvalidSchedule,
     ScheduleDeadlock,

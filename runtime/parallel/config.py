@@ -6,12 +6,13 @@ activation checkpointing.
 (a ``ValueError``) naming the field, and, when it came from a file, variable or flag, that source.
 It comes from a ``[parallelism]`` table in a TOML file, from ``PARAMSYNC_*`` environment variables
 (`ENV_VARS`) or from command-line flags (`add_arguments`), and `ParallelismConfig.resolve` layers
-them through `runtime.config.layering.Layering`, as `runtime.train_config.DistributedTrainConfig`
-does: flags > environment > TOML > defaults. ``comm_backend`` is `runtime.config.CommBackend`, with
-its one variable (``PARAMSYNC_COMM_BACKEND``) and its one flag (``--comm-backend``), which the
-worker's command line shares. ``tp_size`` is an alias of ``mp_size`` (the seed's name for
-tensor parallelism) in the constructor, the TOML table, the flags (``--tp-size``/``--mp-size``)
-and the environment (``PARAMSYNC_TP_SIZE``/``PARAMSYNC_MP_SIZE``).
+them through `paramsync.runtime.config.layering.Layering`, as
+`paramsync.runtime.train_config.DistributedTrainConfig` does: flags > environment > TOML > defaults.
+``comm_backend`` is `paramsync.runtime.config.CommBackend`, with its one variable
+(``PARAMSYNC_COMM_BACKEND``) and its one flag (``--comm-backend``), which the worker's command line
+shares. ``tp_size`` is an alias of ``mp_size`` (the seed's name for tensor parallelism) in the
+constructor, the TOML table, the flags (``--tp-size``/``--mp-size``) and the environment
+(``PARAMSYNC_TP_SIZE``/``PARAMSYNC_MP_SIZE``).
 
 The world size is not a field: it is checked where it is known, with `check_world` (or
 ``resolve(world_size=...)``), because it already has a source of truth (torchrun's WORLD_SIZE in
@@ -20,7 +21,8 @@ checked the same way, by `check_layers`, once the model is known.
 
 The ranks form a device mesh in Megatron's order, tensor parallel fastest: `mesh_names` is
 ``("pp", "dp", "tp")`` and `mesh_shape` the matching sizes, ready for
-``runtime.collectives.mesh.init_device_mesh(world, config.mesh_names(), config.mesh_shape())``.
+``paramsync.runtime.collectives.mesh.init_device_mesh(world, config.mesh_names(),
+config.mesh_shape())``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from runtime.config import (
+from paramsync.runtime.config import (
     COMM_BACKEND_ENV,
     CommBackend,
     Layering,
@@ -41,8 +43,8 @@ from runtime.config import (
     parse_enum,
     parse_int,
 )
-from runtime.errors import ConfigError
-from runtime.parallel.schedules import check_schedule_parameters
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.parallel.schedules import check_schedule_parameters
 
 __all__ = [
     "CommBackend",
@@ -266,8 +268,9 @@ class ParallelismConfig:
 def _check_schedule(schedule: PipelineSchedule, pp: int, m: int, v: int) -> None:
     """The micro-batch and chunk rules of each schedule (torch.distributed.pipelining's), in
     this config's field names; the schedule generator's own check
-    (`runtime.parallel.schedules.check_schedule_parameters`) runs last, so a layout the config
-    accepts is one `build_schedule` builds (tests/test_parallelism_config.py checks they agree)."""
+    (`paramsync.runtime.parallel.schedules.check_schedule_parameters`) runs last, so a layout the
+    config accepts is one `build_schedule` builds (tests/test_parallelism_config.py checks they
+    agree)."""
     _check_schedule_fields(schedule, pp, m, v)
     check_schedule_parameters(schedule.value, pp, m, v)
 
@@ -320,7 +323,7 @@ ENV_VARS: dict[str, str] = {
 
 
 def _coerce_value(key: str, value: object, label: str) -> object:
-    """One source's value of ``key``, checked (`runtime.config.layering.Coerce`)."""
+    """One source's value of ``key``, checked (`paramsync.runtime.config.layering.Coerce`)."""
     if key in _INT_FIELDS or key in FIELD_ALIASES:
         return parse_int(value, label)
     if key in _BOOL_FIELDS:

@@ -34,7 +34,7 @@ import bisect
 import heapq
 from collections.abc import Callable, Sequence
 
-from runtime.parallel.actions import Action, ActionKind
+from paramsync.runtime.parallel.actions import Action, ActionKind
 
 __all__ = ["lower_to_send_recv", "transfers_of", "counterpart", "LOWERING_COSTS"]
 

@@ -1,22 +1,22 @@
 """A worker's place in a 3D-parallel run, as it declares it to the coordinator at its join.
 
-`parallel_layout` builds a `ParallelLayout` (declared in `runtime.protocol.messages`, where it
-travels as the join's ``layout`` field): the run's mesh, e.g. ``{"pp": 2, "dp": 2, "tp": 2}``,
-the worker's coordinates on it, which are its rank's under the mesh's one ordering rule
-(row-major, the last named dimension fastest: `runtime.collectives.mesh.mesh_coordinates`),
-and the digest of the whole pipeline schedule (every pipeline rank's action list), which the
-coordinator only compares as bytes. The coordinator refuses a run whose ranks disagree on any
-of it and compares state digests within each shard's dp replicas only
-(`runtime.coordinator.layouts`).
+`parallel_layout` builds a `ParallelLayout` (declared in `paramsync.runtime.protocol.messages`,
+where it travels as the join's ``layout`` field): the run's mesh, e.g. ``{"pp": 2, "dp": 2, "tp":
+2}``, the worker's coordinates on it, which are its rank's under the mesh's one ordering rule
+(row-major, the last named dimension fastest:
+`paramsync.runtime.collectives.mesh.mesh_coordinates`), and the digest of the whole pipeline
+schedule (every pipeline rank's action list), which the coordinator only compares as bytes. The
+coordinator refuses a run whose ranks disagree on any of it and compares state digests within each
+shard's dp replicas only (`paramsync.runtime.coordinator.layouts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runtime.collectives.mesh_layout import mesh_coordinates
-from runtime.errors import CollectiveError
-from runtime.protocol.messages import DATA_PARALLEL_DIM, ParallelLayout
+from paramsync.runtime.collectives.mesh_layout import mesh_coordinates
+from paramsync.runtime.errors import CollectiveError
+from paramsync.runtime.protocol.messages import DATA_PARALLEL_DIM, ParallelLayout
 
 __all__ = ["ParallelLayout", "DATA_PARALLEL_DIM", "parallel_layout"]
 

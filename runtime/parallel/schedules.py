@@ -2,9 +2,9 @@
 model chunks per rank, every rank's list of actions for one training step.
 
 `build_schedule` gives the four kinds (GPipe, 1F1B, interleaved 1F1B, ZB-H1 zero bubble) as
-compute lists, then lowers them (`runtime.parallel.lowering`) so each rank's list also holds its
-sends and receives, with peers. Stage ``s`` of the ``p * v`` stages lives on rank ``s % p``
-(chunk ``s // p`` of that rank, Megatron's interleaving). `check_schedule_parameters` holds the
+compute lists, then lowers them (`paramsync.runtime.parallel.lowering`) so each rank's list also
+holds its sends and receives, with peers. Stage ``s`` of the ``p * v`` stages lives on rank ``s %
+p`` (chunk ``s // p`` of that rank, Megatron's interleaving). `check_schedule_parameters` holds the
 rules a configuration must meet (the configuration checks use the same function), and
 `schedule_digest` is the hash the coordinator compares across ranks.
 """
@@ -17,14 +17,14 @@ from typing import Final
 
 import cbor2
 
-from runtime.errors import ConfigError
-from runtime.parallel.actions import (
+from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.parallel.actions import (
     TAG_MICROBATCH_LIMIT,
     TAG_STAGE_LIMIT,
     Action,
     ActionKind,
 )
-from runtime.parallel.lowering import lower_to_send_recv
+from paramsync.runtime.parallel.lowering import lower_to_send_recv
 
 __all__ = [
     "SCHEDULE_KINDS",

@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from runtime.errors import ParamsyncError
-from runtime.parallel.actions import Action, ActionKind
-from runtime.parallel.lowering import counterpart
-from runtime.parallel.schedules import Schedule
+from paramsync.runtime.errors import ParamsyncError
+from paramsync.runtime.parallel.actions import Action, ActionKind
+from paramsync.runtime.parallel.lowering import counterpart
+from paramsync.runtime.parallel.schedules import Schedule
 
 __all__ = [
     "InvalidSchedule",

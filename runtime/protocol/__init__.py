@@ -1,1 +1,1 @@
-"""runtime.protocol."""
+"""paramsync.runtime.protocol."""

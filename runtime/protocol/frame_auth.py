@@ -2,7 +2,8 @@
 the stream (sans-I/O).
 
 The handshake leaves both ends of a connection with one 32-byte session key
-(`runtime.protocol.handshake.DialerHandshake.session_key`). Each direction gets its own key::
+(`paramsync.runtime.protocol.handshake.DialerHandshake.session_key`). Each direction gets its own
+key::
 
     k_dl = HMAC-SHA256(session_key, b"paramsync/frames/dialer->listener")
     k_ld = HMAC-SHA256(session_key, b"paramsync/frames/listener->dialer")
@@ -11,8 +12,8 @@ Frame ``n`` of a direction (``n = 0`` for the first frame after the handshake's 
 more per frame) is tagged with AES-256-GCM used as GMAC: empty plaintext, the frame's bytes
 (8-byte prefix, then the whole CBOR item, bulk included) as associated data, and the nonce
 ``4 zero bytes || n as u64 big-endian``. The 16-byte tag follows the item as a CBOR byte string
-(``0x50`` + tag, `runtime.protocol.wire.encode_tag_trailer`). The counter never travels: a frame
-dropped, replayed, reordered or slipped in is checked against the wrong ``n`` and fails like
+(``0x50`` + tag, `paramsync.runtime.protocol.wire.encode_tag_trailer`). The counter never travels: a
+frame dropped, replayed, reordered or slipped in is checked against the wrong ``n`` and fails like
 an altered one. A direction refuses to go on once its counter reaches ``2**64 - 1``.
 
 GMAC runs at memory speed (about 17 GiB/s on one core with AES-NI and carry-less multiply,
@@ -33,8 +34,8 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from runtime.errors import FrameAuthenticationError
-from runtime.protocol.wire import TAG_SIZE, encode_tag_trailer, parse_tag_trailer
+from paramsync.runtime.errors import FrameAuthenticationError
+from paramsync.runtime.protocol.wire import TAG_SIZE, encode_tag_trailer, parse_tag_trailer
 
 __all__ = [
     "DIALER_TO_LISTENER",

@@ -3,15 +3,15 @@
 A `FrameReader` is one connection's receiving side. It owns the receive buffer, is fed bytes
 and never does I/O itself: each call of `FrameReader.next` either returns a `Need` (where the
 next bytes go and how many at least) or a `Frame` (a whole frame, authenticated). The
-transports are shells around it that only move bytes (`runtime.transport.tcp`: a trio task, a
-worker thread on a blocking socket, a worker thread polling a non-blocking one).
+transports are shells around it that only move bytes (`paramsync.runtime.transport.tcp`: a trio
+task, a worker thread on a blocking socket, a worker thread polling a non-blocking one).
 
 The rules, in the order they apply (docs/protocol.md §1 and §5.4):
 
 1. the 8-byte prefix: an empty item, a bulk longer than its item and a head (item minus bulk)
-   over the receiver's limit are refused (`runtime.protocol.wire.parse_prefix`);
-2. a peek at the head's first bytes (`runtime.protocol.limits`): a head over its kind's cap,
-   a bulk announced where a control message is due or by a kind that carries none, and a bulk
+   over the receiver's limit are refused (`paramsync.runtime.protocol.wire.parse_prefix`);
+2. a peek at the head's first bytes (`paramsync.runtime.protocol.limits`): a head over its kind's
+   cap, a bulk announced where a control message is due or by a kind that carries none, and a bulk
    that does not fit where it would land are refused before the head is read;
 3. the head is read undecoded, then the bulk lands where the read's `Placement` says: the
    caller's destination (`Into`, a landing buffer of exactly the announced size) or a fresh
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.errors import FrameTooLarge, ProtocolError
-from runtime.protocol.frame_auth import FrameOpener
-from runtime.protocol.limits import PEEK_SIZE, check_bulk_kind, check_kind_size
-from runtime.protocol.wire import PREFIX_SIZE, TRAILER_SIZE, parse_prefix
+from paramsync.runtime.errors import FrameTooLarge, ProtocolError
+from paramsync.runtime.protocol.frame_auth import FrameOpener
+from paramsync.runtime.protocol.limits import PEEK_SIZE, check_bulk_kind, check_kind_size
+from paramsync.runtime.protocol.wire import PREFIX_SIZE, TRAILER_SIZE, parse_prefix
 
 __all__ = [
     "BUFFER_SIZE",
@@ -129,13 +129,13 @@ class Frame:
     """A whole frame read and, on an authenticated stream, its tag checked: nothing decoded.
 
     ``head`` is the item's bytes before its bulk (decode it with
-    `runtime.protocol.wire.decode_head` and ``bulk_len``), ``kind`` what the peek at the head
-    found (None: the head does not open with ``"v"`` and a known kind), ``bulk`` where the
-    bulk landed (the `Into` destination's view, or a scratch ``bytearray``; None without
-    bulk). ``misfit``: the bulk is not the `Into` destination's size and was read aside (the
-    caller refuses the frame once it has named what was sent). ``matched``: the frame is the
-    read's ``expected`` frame byte for byte (then ``head`` is empty). ``authenticated``: a tag
-    was checked (False before the handshake has keyed the stream)."""
+    `paramsync.runtime.protocol.wire.decode_head` and ``bulk_len``), ``kind`` what the peek at the
+    head found (None: the head does not open with ``"v"`` and a known kind), ``bulk`` where the bulk
+    landed (the `Into` destination's view, or a scratch ``bytearray``; None without bulk).
+    ``misfit``: the bulk is not the `Into` destination's size and was read aside (the caller refuses
+    the frame once it has named what was sent). ``matched``: the frame is the read's ``expected``
+    frame byte for byte (then ``head`` is empty). ``authenticated``: a tag was checked (False before
+    the handshake has keyed the stream)."""
 
     __slots__ = ("authenticated", "bulk", "bulk_len", "head", "kind", "matched", "misfit")
 

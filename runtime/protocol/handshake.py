@@ -8,20 +8,20 @@ Four messages, each one frame::
     dialer -> listener  auth       {proof}
     listener -> dialer  welcome    {group, world_size, rank, proof}      (or refuse)
 
-The shares are CPace's (`runtime.protocol.pake`): X25519 multiples of a generator derived from
-the secret (stretched by scrypt, `stretch_secret`), the group and the dialer's nonce. Both sides
-derive the intermediate session key (ISK) from the exchange, and every proof and the session
-key are HMACs keyed by the ISK: whoever watches a handshake (no TLS) or answers a dialer (a
-rogue listener) has nothing to test guesses of the secret against offline; an active attacker
-tests one guess per handshake. The dialer proves first: its proof covers both nonces and its
-own identity. The listener says nothing about itself (no identity, no proof) until that proof
-has verified and the dialer is admitted. The listener's proof, in the welcome, covers both
-nonces and both identities; the dialer checks it before trusting anything the welcome says.
-The two proofs and the session key use different labels, so none can stand for another, and a
-replayed handshake fails on the fresh nonces and shares. Once it has succeeded, both sides hold
-the same 32-byte session key (`DialerHandshake.session_key`, `ListenerHandshake.session_key`),
-from which every later frame's MAC key is derived (`runtime.protocol.frame_auth`). Both sides
-of a refusal get the same sentence: the listener raises it, the dialer receives it.
+The shares are CPace's (`paramsync.runtime.protocol.pake`): X25519 multiples of a generator derived
+from the secret (stretched by scrypt, `stretch_secret`), the group and the dialer's nonce. Both
+sides derive the intermediate session key (ISK) from the exchange, and every proof and the session
+key are HMACs keyed by the ISK: whoever watches a handshake (no TLS) or answers a dialer (a rogue
+listener) has nothing to test guesses of the secret against offline; an active attacker tests one
+guess per handshake. The dialer proves first: its proof covers both nonces and its own identity. The
+listener says nothing about itself (no identity, no proof) until that proof has verified and the
+dialer is admitted. The listener's proof, in the welcome, covers both nonces and both identities;
+the dialer checks it before trusting anything the welcome says. The two proofs and the session key
+use different labels, so none can stand for another, and a replayed handshake fails on the fresh
+nonces and shares. Once it has succeeded, both sides hold the same 32-byte session key
+(`DialerHandshake.session_key`, `ListenerHandshake.session_key`), from which every later frame's MAC
+key is derived (`paramsync.runtime.protocol.frame_auth`). Both sides of a refusal get the same
+sentence: the listener raises it, the dialer receives it.
 
 A secret with too little entropy is refused when it is loaded (`load_secret`,
 `secret_strength_bits`): one repeated letter, or a handful of distinct characters.
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.errors import (
+from paramsync.runtime.errors import (
     AuthenticationError,
     HandshakeError,
     ListenerBusy,
@@ -50,9 +50,9 @@ from runtime.errors import (
     plain_or_quoted,
     quoted,
 )
-from runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
-from runtime.protocol.pake import Cpace, generator
-from runtime.protocol.schema import PROTOCOL_VERSION
+from paramsync.runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
+from paramsync.runtime.protocol.pake import Cpace, generator
+from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
 
 __all__ = [
     "SECRET_ENV",
@@ -266,7 +266,7 @@ class DialerHandshake:
         base = generator(stretch_secret(secret), me.group, me.world_size, self._nonce)
         self._cpace = Cpace(base, scalar)
         self._key = b""
-        """The ISK (`runtime.protocol.pake`), once the listener's share has arrived."""
+        """The ISK (`paramsync.runtime.protocol.pake`), once the listener's share has arrived."""
         self._listener_nonce: bytes | None = None
         self.peer: Identity | None = None
         """The listener's identity, once its proof in the welcome has verified."""
@@ -358,7 +358,7 @@ class ListenerHandshake:
         """The CPace scalar (None: a fresh random one per handshake; given for test vectors)."""
         self._secret_key = stretch_secret(secret)
         self._key = b""
-        """The ISK (`runtime.protocol.pake`), once the hello's share has arrived."""
+        """The ISK (`paramsync.runtime.protocol.pake`), once the hello's share has arrived."""
         self.me = me
         self._admit = admit
         self._ledger = PROCESS_LEDGER if ledger is None else ledger

@@ -15,9 +15,9 @@ import functools
 import struct
 from typing import Any
 
-from runtime.errors import FrameTooLarge, ProtocolError
-from runtime.protocol.messages import KINDS
-from runtime.protocol.schema import (
+from paramsync.runtime.errors import FrameTooLarge, ProtocolError
+from paramsync.runtime.protocol.messages import KINDS
+from paramsync.runtime.protocol.schema import (
     Bool,
     Bytes,
     Either,
@@ -56,7 +56,7 @@ SCAN_THRESHOLD = 64 * 1024
 """Heads at most this long skip the item scan: they cannot hold more than this many items."""
 INLINE_TENSOR_MAX = 12 * 1024
 """Most bytes a tensor field may take inline (within the head). A tensor of any size travels
-as its frame's bulk, outside the head (`runtime.protocol.wire`): senders inline only empty
+as its frame's bulk, outside the head (`paramsync.runtime.protocol.wire`): senders inline only empty
 ones, so a kind whose only unbounded field is its tensor gets a control-sized head cap."""
 
 _HEAD = 9  # the longest CBOR head: initial byte + 8-byte argument

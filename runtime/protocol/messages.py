@@ -1,18 +1,18 @@
 """Every message kind of the paramsync wire protocol, declared once, and the closed kind table.
 
-Each kind is a frozen dataclass (a `runtime.protocol.schema.WireMessage`) whose fields carry
-their schema: type, range, length, nesting, whether the field may be absent. The one generic
-codec of `runtime.protocol.schema` encodes and decodes all of them; :data:`KINDS`, built
-explicitly at the end of this module, is the set of kinds a frame may carry (no import adds
-one). The kinds, by who sends them:
+Each kind is a frozen dataclass (a `paramsync.runtime.protocol.schema.WireMessage`) whose fields
+carry their schema: type, range, length, nesting, whether the field may be absent. The one generic
+codec of `paramsync.runtime.protocol.schema` encodes and decodes all of them; :data:`KINDS`, built
+explicitly at the end of this module, is the set of kinds a frame may carry (no import adds one).
+The kinds, by who sends them:
 
-- the connection handshake (`runtime.protocol.handshake`): `Hello`, `Challenge`, `Auth`,
+- the connection handshake (`paramsync.runtime.protocol.handshake`): `Hello`, `Challenge`, `Auth`,
   `Welcome`, `Refusal`;
-- the TCP rendezvous (`runtime.transport.tcp`): `RdvJoin`, `RdvTable`;
-- the shared-memory plane (`runtime.transport.shm`): `ShmHello`, `ShmOffer`, `ShmMapped`,
+- the TCP rendezvous (`paramsync.runtime.transport.tcp`): `RdvJoin`, `RdvTable`;
+- the shared-memory plane (`paramsync.runtime.transport.shm`): `ShmHello`, `ShmOffer`, `ShmMapped`,
   `ShmReady`, `ShmStep`;
-- collectives (`runtime.collectives.ring`): `Coll`; training-state transfer
-  (`actors.train.trainer`): `StateManifest`, `StateTensor`;
+- collectives (`paramsync.runtime.collectives.ring`): `Coll`; training-state transfer
+  (`paramsync.actors.train.trainer`): `StateManifest`, `StateTensor`;
 - the coordinator protocol, coordinator -> worker: `StartRun`, `Go`, `Apply`, `Commit`, `Hold`,
   `ResyncOrder`, `Shutdown`, `AbortRun`, `JoinRefused` (:func:`message_from_wire`);
   worker -> coordinator: `Joined`, `Ready`, `Reduced`, `Digest`, `StepDone`, `Heartbeat`,
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from runtime.errors import ProtocolError
-from runtime.protocol.schema import (
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.schema import (
     MAX_INT,
     Bool,
     Bytes,
@@ -126,7 +126,8 @@ Signature = tuple[ParamSpec, ...]
 BucketSpec = tuple[tuple[tuple[int, ...], str], ...] | str
 """A gradient bucket's layout, ((shape, dtype name), ...), or a hash string of it."""
 MeshLayout = tuple[tuple[str, ...], tuple[int, ...]]
-"""A device mesh: (dimension names, their sizes), row-major (`runtime.collectives.mesh`)."""
+"""A device mesh: (dimension names, their sizes), row-major
+(`paramsync.runtime.collectives.mesh`)."""
 GroupRanks = tuple[str, tuple[int, ...]]
 """A named process group: (name, its world ranks)."""
 
@@ -140,8 +141,8 @@ class ParallelLayout(NamedTuple):
     ``names`` and ``sizes``: the run's mesh, e.g. ``("pp", "dp", "tp")`` and ``(2, 2, 2)``;
     ``coordinates``: this worker's coordinate on each dimension, which must be its rank's under
     the mesh's one ordering rule (row-major, the last named dimension fastest:
-    `runtime.collectives.mesh.mesh_coordinates`); ``schedule_digest``: the hash of the whole
-    pipeline schedule (every pipeline rank's action list; empty: none), compared as bytes.
+    `paramsync.runtime.collectives.mesh.mesh_coordinates`); ``schedule_digest``: the hash of the
+    whole pipeline schedule (every pipeline rank's action list; empty: none), compared as bytes.
 
     The workers of one (tp, pp, ...) shard are those whose coordinates agree on every dimension
     but `DATA_PARALLEL_DIM` ("dp"): the data-parallel replicas of that shard, whose states the
@@ -185,7 +186,8 @@ MAX_DIGEST = 64
 """Longest digest (whole-state or per-tensor) a report may carry, in bytes."""
 NONCE_SIZE = 32
 SHARE_SIZE = 32
-"""Bytes of a CPace key share (an X25519 u-coordinate, `runtime.protocol.pake.SHARE_SIZE`)."""
+"""Bytes of a CPace key share (an X25519 u-coordinate,
+`paramsync.runtime.protocol.pake.SHARE_SIZE`)."""
 """Bytes of a handshake nonce."""
 _SHM_NONCE = 16
 
@@ -217,11 +219,12 @@ BUCKET_SPEC = Either(HASH, Seq(Record(("shape", SHAPE), ("dtype", DTYPE)), _MAX_
 CALL_PREFIX = "call:"
 """A spec entry whose dtype starts with this names a torch.distributed call rather than a
 tensor (its shape is empty): ``[[], "call:allreduce(sum)"], [[4, 3], "float32"]`` is an
-all-reduce of one tensor (`actors.torchdist.calls`)."""
+all-reduce of one tensor (`paramsync.actors.torchdist.calls`)."""
 CACHED = Str(256)
 """A folding report's response-cache agreement hash (empty: none)."""
 GROUP_NAME = Str(256, min_len=1)
-"""A process group's name (`runtime.coordinator.group_decl` says how a mesh's are derived)."""
+"""A process group's name (`paramsync.runtime.coordinator.group_decl` says how a mesh's are
+derived)."""
 MESH = Record(("names", Seq(Str(256, min_len=1), 16)), ("sizes", Seq(Int(1, _MAX_WORLD), 16)))
 """A device mesh declaration: [names, sizes]."""
 GROUP_PEERS = Seq(
@@ -302,7 +305,7 @@ class Hello(WireMessage):
     rank: int = wire(Int(-1, _MAX_WORLD))
     nonce: bytes = wire(Bytes(NONCE_SIZE))
     share: bytes = wire(Bytes(SHARE_SIZE))
-    """The dialer's CPace key share (`runtime.protocol.pake`)."""
+    """The dialer's CPace key share (`paramsync.runtime.protocol.pake`)."""
 
 
 @dataclass(frozen=True)
@@ -436,13 +439,13 @@ class Coll(WireMessage):
 
 
 P2P_MAX_TAG = (1 << 63) - 1
-"""The largest tag a point-to-point message may carry (`runtime.collectives.p2p`)."""
+"""The largest tag a point-to-point message may carry (`paramsync.runtime.collectives.p2p`)."""
 
 
 @dataclass(frozen=True)
 class P2P(WireMessage):
-    """A point-to-point message (`runtime.collectives.p2p`): ``tag`` chooses the posted receive
-    it is for; ``data`` (its dtype and shape included) travels as the frame's bulk."""
+    """A point-to-point message (`paramsync.runtime.collectives.p2p`): ``tag`` chooses the posted
+    receive it is for; ``data`` (its dtype and shape included) travels as the frame's bulk."""
 
     KIND: ClassVar[str] = "p2p"
     tag: int = wire(Int(0, P2P_MAX_TAG))
@@ -452,8 +455,8 @@ class P2P(WireMessage):
 @dataclass(frozen=True)
 class GroupAddr(WireMessage):
     """A member of a process group being formed -> every other member, over the parent's
-    connections (`runtime.collectives.groups`): the group's name and ranks, which must be the
-    same on every member, and the address this member listens on for the group's own mesh."""
+    connections (`paramsync.runtime.collectives.groups`): the group's name and ranks, which must be
+    the same on every member, and the address this member listens on for the group's own mesh."""
 
     KIND: ClassVar[str] = "group_addr"
     name: str = wire(Str(128))
@@ -465,7 +468,7 @@ class GroupAddr(WireMessage):
 @dataclass(frozen=True)
 class Probe(WireMessage):
     """A diagnostic message from ``src`` to ``dst`` (the transport conformance suite,
-    `runtime.testing.transport_conformance`, and debugging tools send it; workers and the
+    `paramsync.runtime.testing.transport_conformance`, and debugging tools send it; workers and the
     coordinator never do, and refuse it as any kind they do not expect)."""
 
     KIND: ClassVar[str] = "probe"
@@ -674,12 +677,12 @@ class Joined(WireMessage):
     that state is one the coordinator committed (its digest check of the step before
     ``step`` passed, and the worker's state still has the digest it reported there; False
     when absent), which the restart's donor rule trusts over a majority
-    (`runtime.coordinator.membership.resume_plan`). ``fold``: the
+    (`paramsync.runtime.coordinator.membership.resume_plan`). ``fold``: the
     worker folds its response-cache reports into its step reports when every member does.
     ``mesh`` (names, sizes) or ``groups`` ((name, ranks), ...): the process groups the worker
-    will use (`runtime.coordinator.group_decl`); every join must declare the same ones.
+    will use (`paramsync.runtime.coordinator.group_decl`); every join must declare the same ones.
     ``layout``: the worker's place in a 3D-parallel run (`ParallelLayout`; None: a flat
-    data-parallel run), checked by `runtime.coordinator.layouts`.
+    data-parallel run), checked by `paramsync.runtime.coordinator.layouts`.
     """
 
     KIND: ClassVar[str] = "join"

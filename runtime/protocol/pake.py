@@ -19,7 +19,8 @@ The construction, for a handshake between ``dialer`` and ``listener`` identities
 * each side picks a fresh X25519 scalar y and sends ``share = X25519(y, G)``;
 * both compute ``K = X25519(y, peer's share)`` (an all-zero K, a low-order share, is refused)
   and the intermediate session key ``ISK = SHA-256(ISK_LABEL || K || dialer's share ||
-  listener's share)``, which keys the proofs and the session key (`runtime.protocol.handshake`).
+  listener's share)``, which keys the proofs and the session key
+  (`paramsync.runtime.protocol.handshake`).
 
 X25519's clamping clears the cofactor, so a share on the twist or in a small subgroup yields
 either the all-zero K (refused) or a point the honest side's scalar maps into the prime-order
@@ -32,8 +33,8 @@ import hashlib
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from runtime.errors import AuthenticationError
-from runtime.protocol.messages import SHARE_SIZE
+from paramsync.runtime.errors import AuthenticationError
+from paramsync.runtime.protocol.messages import SHARE_SIZE
 
 __all__ = ["GENERATOR_LABEL", "ISK_LABEL", "SHARE_SIZE", "Cpace", "generator", "elligator2"]
 

@@ -7,7 +7,7 @@ nesting) and how it looks in CBOR. From that declaration alone:
 
 - :func:`encode` turns an instance into the ``(kind, fields)`` pair a frame carries;
 - :func:`decode` turns a decoded CBOR map into a validated instance, or raises
-  :class:`~runtime.errors.ProtocolError` naming the kind, the field (with its path inside
+  :class:`~paramsync.runtime.errors.ProtocolError` naming the kind, the field (with its path inside
   nested values) and the peer;
 - :func:`check_item` checks a map without building an instance (transports that hand maps
   around, such as the ring's data frames).
@@ -17,8 +17,8 @@ Fields that never travel (the rank a report came from, the clock at its arrival)
 Constraints between fields live in a message's ``invariants`` method, which raises
 :class:`Invalid` naming the field.
 
-Which kinds exist is not decided here: `runtime.protocol.messages` declares them and builds the
-closed kind table this codec is given.
+Which kinds exist is not decided here: `paramsync.runtime.protocol.messages` declares them and
+builds the closed kind table this codec is given.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeGuard
 
-from runtime.errors import ProtocolError
+from paramsync.runtime.errors import ProtocolError
 
 if TYPE_CHECKING:
     import torch

@@ -8,13 +8,12 @@ A frame is an 8-byte prefix followed by exactly one CBOR data item (RFC 8949)::
     +----------------+----------------+---------------------------------+
 
 The item is a map holding the protocol version ``v``, the message ``kind`` and that kind's
-fields, as `runtime.protocol.messages` declares them (every decoded frame is checked against
-that declaration).
-Tensors are RFC 8746 arrays: tag 40 ``[shape, typed-array]`` where the typed array is
-the little-endian tag of the element type around a byte string. When a frame carries one large
-tensor (the "bulk"), it is the map's last value, under the key ``data``, and its raw bytes are the
-last ``bulk length`` bytes of the item: the sender writes them straight from tensor memory and the
-receiver reads them straight into the destination tensor, never through the CBOR codec.
+fields, as `paramsync.runtime.protocol.messages` declares them (every decoded frame is checked
+against that declaration). Tensors are RFC 8746 arrays: tag 40 ``[shape, typed-array]`` where the
+typed array is the little-endian tag of the element type around a byte string. When a frame carries
+one large tensor (the "bulk"), it is the map's last value, under the key ``data``, and its raw bytes
+are the last ``bulk length`` bytes of the item: the sender writes them straight from tensor memory
+and the receiver reads them straight into the destination tensor, never through the CBOR codec.
 
 Everything here is pure: functions take bytes and return messages or buffers, so hypothesis can
 throw any bytes at them, and transports stay thin shells around them.
@@ -34,10 +33,20 @@ from typing import TYPE_CHECKING, Any
 
 import cbor2
 
-from runtime.errors import FrameAuthenticationError, FrameTooLarge, ProtocolError, plain_or_quoted
-from runtime.protocol.limits import SCAN_THRESHOLD, check_kind_size, count_items, peek_kind
-from runtime.protocol.messages import KINDS, validate_message
-from runtime.protocol.schema import PROTOCOL_VERSION, is_tensor
+from paramsync.runtime.errors import (
+    FrameAuthenticationError,
+    FrameTooLarge,
+    ProtocolError,
+    plain_or_quoted,
+)
+from paramsync.runtime.protocol.limits import (
+    SCAN_THRESHOLD,
+    check_kind_size,
+    count_items,
+    peek_kind,
+)
+from paramsync.runtime.protocol.messages import KINDS, validate_message
+from paramsync.runtime.protocol.schema import PROTOCOL_VERSION, is_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +84,7 @@ DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 HANDSHAKE_MAX_FRAME = 4096
 """Frame cap before a peer has authenticated: garbage cannot make us allocate more."""
 TAG_SIZE = 16
-"""Bytes of a frame's authentication tag (`runtime.protocol.frame_auth`)."""
+"""Bytes of a frame's authentication tag (`paramsync.runtime.protocol.frame_auth`)."""
 _TRAILER_HEADER = 0x40 | TAG_SIZE
 """The CBOR head of a 16-byte byte string (0x50): the trailer is a CBOR item of its own."""
 TRAILER_SIZE = 1 + TAG_SIZE

@@ -2,20 +2,19 @@
 
 A trial starts an elastic coordinator daemon and ``workers`` worker daemons of the built-in LM
 job, arms one worker with the fault ``phase:step`` (it runs through
-`runtime.testing.faulty_daemon`, which wraps its actors so it SIGKILLs itself there), and lets
-the run finish with the survivors. It then checks what the fault-tolerance contract promises:
+`paramsync.runtime.testing.faulty_daemon`, which wraps its actors so it SIGKILLs itself there), and
+lets the run finish with the survivors. It then checks what the fault-tolerance contract promises:
 the coordinator and every survivor exit 0, the survivors end bitwise identical (one digest), the
 membership history shows the loss, and the final model equals a reference run with the same
-membership history (the same worker killed before it touches the step the survivors resumed
-at). Detection and recovery times come from the coordinator's log.
+membership history (the same worker killed before it touches the step the survivors resumed at).
+Detection and recovery times come from the coordinator's log.
 
 `run_coordinator_restart_trial` kills the coordinator instead (``commit:step``: it has decided
 to commit the step, nobody has heard of it) and starts it again on the same port: every worker
 must keep its state, redial, rejoin, and finish with the model of an uninterrupted run.
 
-``python -m runtime.testing.fault_trials --trials 20`` runs trials at random points and prints
-figures;
-``--coordinator-restarts N`` adds N coordinator-restart trials.
+``python -m paramsync.runtime.testing.fault_trials --trials 20`` runs trials at random points and
+prints figures; ``--coordinator-restarts N`` adds N coordinator-restart trials.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runtime.testing.faults import PHASES
-from runtime.testing.faulty_daemon import command as faulty_command
+from paramsync.runtime.testing.faults import PHASES
+from paramsync.runtime.testing.faulty_daemon import command as faulty_command
 
 __all__ = [
     "TrialResult",
@@ -90,9 +89,10 @@ def _stamp(line: str) -> float | None:
 
 def _python(fault: str | None = None, stamp: Path | None = None) -> list[str]:
     """The command line of a ``paramsync`` daemon; armed with ``fault`` (``phase:step``), it
-    runs through `runtime.testing.faulty_daemon` and writes the time of its kill to ``stamp``."""
+    runs through `paramsync.runtime.testing.faulty_daemon` and writes the time of its kill to
+    ``stamp``."""
     if fault is None:
-        return [sys.executable, "-m", "runtime.cli.main"]
+        return [sys.executable, "-m", "paramsync.runtime.cli.main"]
     return [sys.executable, *faulty_command(fault, [], stamp=str(stamp) if stamp else None)]
 
 
@@ -263,7 +263,7 @@ def _start_coordinator(
     stamp: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """A coordinator daemon (heartbeat deadline 3 s) logging to ``log``; ``fault``: armed
-    to SIGKILL itself there (`runtime.testing.faulty_daemon`)."""
+    to SIGKILL itself there (`paramsync.runtime.testing.faulty_daemon`)."""
     command = [
         *_python(fault, stamp), "coordinator", "--world-size", str(workers), "--bind", bind,
         "--port-file", str(port_file), "--heartbeat-deadline", "3", *(extra or []),
@@ -284,7 +284,7 @@ def _start_worker(
     stamp: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """An LM worker daemon writing its summary to ``root``, its log to ``root / log``;
-    ``fault``: armed to SIGKILL itself there (`runtime.testing.faulty_daemon`)."""
+    ``fault``: armed to SIGKILL itself there (`paramsync.runtime.testing.faulty_daemon`)."""
     command = [*_python(fault, stamp), "worker", "--rank", str(rank), "--world-size", str(workers)]
     command += ["--coordinator", f"127.0.0.1:{port}"]
     command += ["--summary-json", str(root / f"summary-{rank}.json"), *flags]
@@ -410,7 +410,7 @@ def run_coordinator_restart_trial(
 
 def main(argv: list[str] | None = None) -> int:
     """Run random trials, check each against a reference run, print and save the figures."""
-    parser = argparse.ArgumentParser(prog="python -m runtime.testing.fault_trials")
+    parser = argparse.ArgumentParser(prog="python -m paramsync.runtime.testing.fault_trials")
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")

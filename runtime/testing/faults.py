@@ -5,11 +5,10 @@ faults: a fault is injected by wrapping what a process runs. Here are the engine
 `FaultyTransport` (a transport that dies right after a frame leaves, once armed) and
 `commit_fault_core` (a `CoordinatorCore` that dies when it decides to commit the step, before
 anyone hears of it); `forged_report_core` is a deliberately broken core (it acts on a report
-from a peer that never joined), the target `runtime.testing.hostile` must catch. The worker's
-phases are wrapped around its actors by
-`actors.testing.faults`; `runtime.testing.faulty_daemon` passes either side into a daemon
-process's normal ``paramsync`` main. The kill is a real SIGKILL of the process:
-no cleanup, no goodbye on any socket.
+from a peer that never joined), the target `paramsync.runtime.testing.hostile` must catch. The
+worker's phases are wrapped around its actors by `paramsync.actors.testing.faults`;
+`paramsync.runtime.testing.faulty_daemon` passes either side into a daemon process's normal
+``paramsync`` main. The kill is a real SIGKILL of the process: no cleanup, no goodbye on any socket.
 """
 
 from __future__ import annotations
@@ -21,11 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runtime.coordinator.core import CoordinatorCore
-from runtime.coordinator.events import Action, Broadcast, Event, Send
-from runtime.protocol.messages import WORKER_KINDS, Commit, Shutdown
-from runtime.transport.base import Transport
-from runtime.transport.capabilities import AllReducePlane, PrecodedFrames, SharedMemoryHolder
+from paramsync.runtime.coordinator.core import CoordinatorCore
+from paramsync.runtime.coordinator.events import Action, Broadcast, Event, Send
+from paramsync.runtime.protocol.messages import WORKER_KINDS, Commit, Shutdown
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.capabilities import (
+    AllReducePlane,
+    PrecodedFrames,
+    SharedMemoryHolder,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +107,7 @@ class FaultyTransport(SharedMemoryHolder):
     receives). It lends no blocking links, so the ring runs on trio tasks and every frame
     passes through `send`; the shared-memory plane's threaded mode signals its peers on a
     thread the wrapper does not see (the caller then kills after the collective, see
-    `actors.testing.faults`).
+    `paramsync.actors.testing.faults`).
     """
 
     def __init__(self, inner: Transport, fault: Fault) -> None:
@@ -197,9 +200,9 @@ def commit_fault_core(fault: Fault) -> type[CoordinatorCore]:
 def forged_report_core(kind: str = "finished") -> type[CoordinatorCore]:
     """A broken `CoordinatorCore` that acts on a ``kind`` report (one of the worker's kinds)
     from a rank that never joined: it tells the sender the run is over, where a correct core
-    refuses the sender. The fault the hostile-peer machine (`runtime.testing.hostile`) must
-    catch; pass it as a `runtime.coordinator.service.Coordinator`'s ``core_type`` (or to
-    `runtime.cli.main.main` as ``coordinator_core``)."""
+    refuses the sender. The fault the hostile-peer machine (`paramsync.runtime.testing.hostile`)
+    must catch; pass it as a `paramsync.runtime.coordinator.service.Coordinator`'s ``core_type`` (or
+    to `paramsync.runtime.cli.main.main` as ``coordinator_core``)."""
     if kind not in WORKER_KINDS or kind == "join":
         raise ValueError(
             f"forged report kind {kind!r}: expected one of "

@@ -1,13 +1,13 @@
 """A ``paramsync`` daemon armed with a fault: it SIGKILLs itself at ``phase:step``.
 
-``python -m runtime.testing.faulty_daemon --fault PHASE:STEP [--stamp FILE] -- ARGS...`` runs
-``paramsync ARGS...`` (`runtime.cli.main.main`) with the fault's wrapper passed in, nothing
-patched. A coordinator phase (``commit``) hands `runtime.testing.faults.commit_fault_core` to
-``main`` as the coordinator's core; a worker phase runs ``main`` inside ``armed(fault)`` of the
-module ``--worker-faults`` names (default `WORKER_FAULTS`, the wrappers around the worker's
-actors, a context manager the job's trainer picks up), imported by name like a job, so the
-engine imports no worker code. ``--stamp``: the killed process writes the wall-clock time of its
-kill there.
+``python -m paramsync.runtime.testing.faulty_daemon --fault PHASE:STEP [--stamp FILE] -- ARGS...``
+runs ``paramsync ARGS...`` (`paramsync.runtime.cli.main.main`) with the fault's wrapper passed in,
+nothing patched. A coordinator phase (``commit``) hands
+`paramsync.runtime.testing.faults.commit_fault_core` to ``main`` as the coordinator's core; a worker
+phase runs ``main`` inside ``armed(fault)`` of the module ``--worker-faults`` names (default
+`WORKER_FAULTS`, the wrappers around the worker's actors, a context manager the job's trainer picks
+up), imported by name like a job, so the engine imports no worker code. ``--stamp``: the killed
+process writes the wall-clock time of its kill there.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from runtime.cli.main import main as paramsync_main
-from runtime.testing.faults import COORDINATOR_PHASES, Fault, commit_fault_core
+from paramsync.runtime.cli.main import main as paramsync_main
+from paramsync.runtime.testing.faults import COORDINATOR_PHASES, Fault, commit_fault_core
 
 __all__ = ["WORKER_FAULTS", "arm", "command", "main"]
 
-WORKER_FAULTS = "actors.testing.faults"
+WORKER_FAULTS = "paramsync.actors.testing.faults"
 """The module whose ``armed(fault)`` arms a worker (the built-in worker's actors)."""
 
 
 def command(fault: str, args: Sequence[str], *, stamp: str | None = None) -> list[str]:
     """The arguments after ``python`` that run ``paramsync args`` armed with ``fault``."""
     extra = ["--stamp", stamp] if stamp else []
-    return ["-m", "runtime.testing.faulty_daemon", "--fault", fault, *extra, "--", *args]
+    return ["-m", "paramsync.runtime.testing.faulty_daemon", "--fault", fault, *extra, "--", *args]
 
 
 @contextmanager
@@ -39,9 +39,9 @@ def arm(
     fault: Fault, args: Sequence[str], worker_faults: str = WORKER_FAULTS
 ) -> Iterator[dict[str, Any]]:
     """Arm the daemon ``args`` start with ``fault`` for the block: yields the keyword
-    arguments of `runtime.cli.main.main` that carry a coordinator's fault (a worker's holds in
-    the block through its module's ``armed``). ValueError if the fault's phase belongs to the
-    other kind of daemon, or the module cannot arm a worker."""
+    arguments of `paramsync.runtime.cli.main.main` that carry a coordinator's fault (a worker's
+    holds in the block through its module's ``armed``). ValueError if the fault's phase belongs to
+    the other kind of daemon, or the module cannot arm a worker."""
     daemon = "coordinator" if fault.phase in COORDINATOR_PHASES else "worker"
     if daemon not in args:
         raise ValueError(
@@ -65,7 +65,7 @@ def arm(
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the fault, arm this process, run the daemon; returns its exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m runtime.testing.faulty_daemon",
+        prog="python -m paramsync.runtime.testing.faulty_daemon",
         description="run a paramsync daemon that SIGKILLs itself at PHASE:STEP",
     )
     parser.add_argument("--fault", required=True, help="PHASE:STEP")

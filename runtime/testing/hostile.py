@@ -4,7 +4,7 @@
 plays up to ``peers`` connections against the listener at ``host:port``:
 
 - without the secret, as strangers: raw bytes before any handshake (every frame of
-  `runtime.testing.strategies`, valid and hostile), hellos and forged proofs;
+  `paramsync.runtime.testing.strategies`, valid and hostile), hellos and forged proofs;
 - with the secret, also as authenticated but misbehaving members: handshakes claiming ranks
   (free, taken, out of range, another group or world size), then frames that are forged (a
   wrong tag, a flipped bit, a bad trailer, none), malformed, hostile CBOR, or valid reports
@@ -57,18 +57,18 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from runtime.errors import ProtocolError
-from runtime.protocol.frame_auth import FrameOpener, FrameSealer, frame_session
-from runtime.protocol.handshake import DialerHandshake, Identity
-from runtime.protocol.messages import WORKER_KINDS
-from runtime.protocol.wire import (
+from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol.frame_auth import FrameOpener, FrameSealer, frame_session
+from paramsync.runtime.protocol.handshake import DialerHandshake, Identity
+from paramsync.runtime.protocol.messages import WORKER_KINDS
+from paramsync.runtime.protocol.wire import (
     PREFIX_SIZE,
     TAG_SIZE,
     TRAILER_SIZE,
     encode_frame_bytes,
 )
-from runtime.testing.process_watch import PROBE_SOURCE, listening_pid, process_memory
-from runtime.testing.strategies import (
+from paramsync.runtime.testing.process_watch import PROBE_SOURCE, listening_pid, process_memory
+from paramsync.runtime.testing.strategies import (
     Frame,
     hostile_frames,
     seal_modes,
@@ -89,7 +89,8 @@ __all__ = [
 ]
 
 DEFAULT_GROUP = "paramsync"
-"""The group name a run uses unless told otherwise (`runtime.transport.tcp.DEFAULT_GROUP`)."""
+"""The group name a run uses unless told otherwise
+(`paramsync.runtime.transport.tcp.DEFAULT_GROUP`)."""
 JOIN_KINDS = frozenset({"join", "rdv_join"})
 """Kinds the machine never sends genuinely sealed: they make a peer a member of the run."""
 REPORT_KINDS = tuple(sorted(set(WORKER_KINDS) - JOIN_KINDS))
@@ -727,7 +728,7 @@ class HostileMachine(RuleBasedStateMachine):
     )
     def send_as_member(self, pick: int, frame: Frame, mode: str, tag: bytes, bit: int) -> None:
         """One frame on an authenticated connection, sealed, forged or unsealed
-        (`runtime.testing.strategies.SEAL_MODES`): a forged or malformed complete frame is
+        (`paramsync.runtime.testing.strategies.SEAL_MODES`): a forged or malformed complete frame is
         refused (the connection closed, nothing acted on); a valid report from a peer that
         never joined is refused or ignored."""
         if not self._step("send_as_member", pick=pick, frame=frame, mode=mode, tag=tag, bit=bit):

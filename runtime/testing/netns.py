@@ -13,7 +13,7 @@ when the context ends, on failure too.
 Processes run in a namespace through ``ip netns exec`` (`VirtualHost.command`): a namespace has
 its own network stack but shares the kernel, the file system and ``/dev/shm`` with the rest,
 which is what makes it a "host" for paramsync only by its network namespace
-(`runtime.transport.shm.host_identity`).
+(`paramsync.runtime.transport.shm.host_identity`).
 
 `unavailable_reason` says why this machine cannot do it (not root, no ``ip``, namespaces
 refused); tests skip with that reason.

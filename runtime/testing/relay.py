@@ -7,8 +7,8 @@ says what to forward instead: the frame, nothing (a drop), the frame twice (a re
 frame after the next one (a reorder), the frame with bytes flipped, or a forged frame before
 it (an injection). The relay finds frame boundaries from the 8-byte prefixes; past the
 handshake it tells by the first byte after an item whether frames carry a tag trailer
-(``0x50``, `runtime.protocol.wire.TRAILER_SIZE` bytes) and forwards trailers as it found them,
-so it works against a peer that authenticates frames and one that does not.
+(``0x50``, `paramsync.runtime.protocol.wire.TRAILER_SIZE` bytes) and forwards trailers as it found
+them, so it works against a peer that authenticates frames and one that does not.
 
 `relayed_pair` gives two ranks of a group of two whose connection runs through such a relay.
 Used by ``tests/test_frame_relay.py`` and ``benchmarks/hostile.py``.
@@ -25,9 +25,9 @@ from typing import Any
 
 import trio
 
-from runtime.protocol.handshake import Identity
-from runtime.protocol.wire import PREFIX_SIZE, TRAILER_SIZE, encode_frame_bytes
-from runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
+from paramsync.runtime.protocol.handshake import Identity
+from paramsync.runtime.protocol.wire import PREFIX_SIZE, TRAILER_SIZE, encode_frame_bytes
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, TcpTransport, accept, dial
 
 __all__ = [
     "TO_LISTENER",

@@ -1,8 +1,8 @@
 """Hypothesis strategies for paramsync's wire protocol: messages, frames and tensors.
 
 Everything here is drawn from the one declaration of the protocol: the message classes of
-`runtime.protocol.messages` (``KINDS``) and the field types of `runtime.protocol.schema`, so a
-new kind or field is covered without touching this module.
+`paramsync.runtime.protocol.messages` (``KINDS``) and the field types of
+`paramsync.runtime.protocol.schema`, so a new kind or field is covered without touching this module.
 
 Valid by construction:
 
@@ -20,7 +20,7 @@ authenticated connection, `seal_modes` says how the frame's authentication tag i
 Use them in your own tests::
 
     from hypothesis import given
-    from runtime.testing.strategies import hostile_frames
+    from paramsync.runtime.testing.strategies import hostile_frames
 
     @given(hostile_frames())
     def test_my_proxy_passes_refusals(frame): ...
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import cbor2
 from hypothesis import strategies as st
 
-from runtime.protocol import messages
-from runtime.protocol.schema import (
+from paramsync.runtime.protocol import messages
+from paramsync.runtime.protocol.schema import (
     PROTOCOL_VERSION,
     Bool,
     Bytes,
@@ -57,7 +57,7 @@ from runtime.protocol.schema import (
     WireType,
     schema,
 )
-from runtime.protocol.wire import MAX_DEPTH, PREFIX_SIZE, TAG_SIZE
+from paramsync.runtime.protocol.wire import MAX_DEPTH, PREFIX_SIZE, TAG_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,8 @@ DTYPE_NAMES = (
     "float64",
     "bfloat16",
 )
-"""Every element type a tensor travels as (torch's names; `runtime.protocol.wire`'s tags)."""
+"""Every element type a tensor travels as (torch's names; `paramsync.runtime.protocol.wire`'s
+tags)."""
 
 
 def random_tensor(dtype: torch.dtype | str, shape: Sequence[int], seed: int = 0) -> torch.Tensor:
@@ -303,7 +304,7 @@ class Frame:
     """Whether ``data`` is a whole frame: a receiver has everything it announced, so it must
     decide now (False: truncated or announcing more than it carries; a receiver may wait)."""
     valid: bool = False
-    """Whether the item is a valid message of ``kind`` (`runtime.protocol.messages`)."""
+    """Whether the item is a valid message of ``kind`` (`paramsync.runtime.protocol.messages`)."""
 
 
 def frame_bytes(item: bytes, bulk_len: int = 0) -> bytes:
@@ -339,7 +340,7 @@ def valid_frames(
 ) -> Frame:
     """A whole, valid frame of one of ``kinds`` (default: every kind `KINDS` declares); with
     ``tensors`` false, kinds whose fields hold a tensor are left out (torch is never imported)."""
-    from runtime.protocol.wire import encode_frame_bytes
+    from paramsync.runtime.protocol.wire import encode_frame_bytes
 
     names = tuple(kinds) if kinds is not None else _KIND_NAMES
     if not tensors:
@@ -394,7 +395,8 @@ def hostile_frames(draw: st.DrawFn, kinds: Sequence[str] | None = None) -> Frame
     - ``truncated``: a valid frame cut short (the receiver may wait for the rest);
     - ``oversized``: a prefix announcing more than any receiver accepts (up to 4 GiB);
     - ``unknown kind``, ``wrong version``, ``not a map``, ``garbage``;
-    - ``deep nesting``: arrays nested past `runtime.protocol.wire.MAX_DEPTH` (up to 10,000);
+    - ``deep nesting``: arrays nested past `paramsync.runtime.protocol.wire.MAX_DEPTH` (up to
+      10,000);
     - ``huge length``: an array, map, byte or text string announcing up to 2**64 - 1 elements;
     - ``forbidden tag``: a date, bignum, shared reference, IP address, set, typed array,
       self-describe marker or unknown tag as a field's value;

@@ -3,10 +3,10 @@ checks a stream.
 
 ``await check_transport(make_group)`` opens groups of connected transports with
 ``make_group(n)`` (an async context manager yielding ``n`` transports, rank 0 to n-1, closed on
-exit) and checks the contract of `runtime.transport.base.Transport` that the collectives rely
-on, then every capability of `runtime.transport.capabilities` the transports declare. A
-transport that breaks the contract fails with a `ConformanceError` saying which check and what
-was seen; a hang fails the same way at the check's deadline.
+exit) and checks the contract of `paramsync.runtime.transport.base.Transport` that the collectives
+rely on, then every capability of `paramsync.runtime.transport.capabilities` the transports declare.
+A transport that breaks the contract fails with a `ConformanceError` saying which check and what was
+seen; a hang fails the same way at the check's deadline.
 
 The contract checked:
 
@@ -14,16 +14,16 @@ The contract checked:
 - tensors of every supported dtype and of edge shapes (0-d, empty, multi-dimensional) arrive
   with their dtype, shape and bytes; a non-contiguous tensor is sent as its values; `recv_into`
   writes into the destination and returns it as ``data``, and refuses a non-contiguous one
-  with a `runtime.errors.CollectiveError` before reading, leaving the message for the next
+  with a `paramsync.runtime.errors.CollectiveError` before reading, leaving the message for the next
   receive;
 - concurrent sends and receives in both directions of every pair, with payloads larger than
   any socket buffer, finish (no deadlock) and arrive intact;
 - a peer that is not another rank of the group is a `CollectiveError`; a bulk of another
-  dtype or size than the destination, or no bulk at all, is a `runtime.errors.ProtocolError`
-  naming the sending peer;
-- after a peer closes, what it sent still arrives, then receiving is `runtime.errors.PeerClosed`
-  naming it, and so is sending, soon; a receive pending at the close fails the same way, as do
-  calls on a transport after its own close: never a hang;
+  dtype or size than the destination, or no bulk at all, is a
+  `paramsync.runtime.errors.ProtocolError` naming the sending peer;
+- after a peer closes, what it sent still arrives, then receiving is
+  `paramsync.runtime.errors.PeerClosed` naming it, and so is sending, soon; a receive pending at the
+  close fails the same way, as do calls on a transport after its own close: never a hang;
 - all_reduce (sum and avg, on the one-round, ring, threaded-ring and shared-memory paths that
   apply), broadcast from every root, all_gather, reduce_scatter and barrier give exact results,
   bitwise the same on every rank;
@@ -47,7 +47,7 @@ import torch
 import trio
 import trio.testing
 
-from runtime.collectives.ring import (
+from paramsync.runtime.collectives.ring import (
     THREADED_MIN_BYTES,
     all_gather,
     all_reduce,
@@ -55,10 +55,16 @@ from runtime.collectives.ring import (
     broadcast,
     reduce_scatter,
 )
-from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError, pick_error
-from runtime.protocol.wire import encode_frame_bytes
-from runtime.transport.base import Transport
-from runtime.transport.capabilities import (
+from paramsync.runtime.errors import (
+    CollectiveError,
+    PeerClosed,
+    ProtocolError,
+    StallError,
+    pick_error,
+)
+from paramsync.runtime.protocol.wire import encode_frame_bytes
+from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
     BlockingLinkSet,
@@ -67,7 +73,7 @@ from runtime.transport.capabilities import (
     PrecodedFrames,
     SharedMemoryHolder,
 )
-from runtime.transport.segments import SUPPORTED_DTYPES, segment_bounds
+from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, segment_bounds
 
 __all__ = [
     "CHECKS",
@@ -187,7 +193,7 @@ async def _group(make_group: MakeGroup, n: int, check: str) -> AsyncIterator[lis
 
 
 def _telling(group: BaseExceptionGroup) -> BaseException:
-    """A ConformanceError among the group's leaves, else `runtime.errors.pick_error`'s."""
+    """A ConformanceError among the group's leaves, else `paramsync.runtime.errors.pick_error`'s."""
     matched: BaseException | None = group.split(ConformanceError)[0]
     while isinstance(matched, BaseExceptionGroup):
         matched = matched.exceptions[0]

@@ -1,1 +1,1 @@
-"""runtime.transport."""
+"""paramsync.runtime.transport."""

@@ -1,9 +1,8 @@
 """Admission control for listeners: what a stranger may cost before it has authenticated.
 
 An unauthenticated connection costs a task, a file descriptor and a receive buffer (256 KiB,
-`runtime.transport.tcp.Connection`) until its handshake ends. An `AdmissionGate` bounds all three
-for one
-serving endpoint (the coordinator's listeners, or a worker's data-plane listener):
+`paramsync.runtime.transport.tcp.Connection`) until its handshake ends. An `AdmissionGate` bounds
+all three for one serving endpoint (the coordinator's listeners, or a worker's data-plane listener):
 
 * at most ``max_pending`` handshakes run at once, and at most ``max_pending_per_source`` from
   one source (`source_key`: an IPv4 address, or an IPv6 /64); a connection over either cap
@@ -105,13 +104,14 @@ newcomer from a source that has held less:
    of scope).
 
 Once the proof is checked, the rank claim is atomic (the listener's ``admit`` callback
-reserves the rank before the welcome is sent; see `runtime.coordinator.service` and
-`runtime.transport.tcp._admit_ranks`), so two dialers claiming one rank at once cannot both be
-welcomed (issue 18, row 9).
+reserves the rank before the welcome is sent; see `paramsync.runtime.coordinator.service` and
+`paramsync.runtime.transport.tcp._admit_ranks`), so two dialers claiming one rank at once cannot
+both be welcomed (issue 18, row 9).
 
-Frames stay capped at `runtime.protocol.wire.HANDSHAKE_MAX_FRAME` until the peer authenticates (the
-prefix is checked before any byte of the item is read), so pending handshakes cost at most
-``max_pending`` x 256 KiB of buffers. Counters (`AdmissionStats`) are exact whatever the logging.
+Frames stay capped at `paramsync.runtime.protocol.wire.HANDSHAKE_MAX_FRAME` until the peer
+authenticates (the prefix is checked before any byte of the item is read), so pending handshakes
+cost at most ``max_pending`` x 256 KiB of buffers. Counters (`AdmissionStats`) are exact whatever
+the logging.
 
 Usage, inside a listener's nursery::
 
@@ -145,7 +145,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import trio
 
-from runtime.errors import (
+from paramsync.runtime.errors import (
     AuthenticationError,
     FrameTooLarge,
     HandshakeError,
@@ -153,8 +153,8 @@ from runtime.errors import (
     ProtocolError,
     one_line,
 )
-from runtime.protocol.messages import Refusal
-from runtime.protocol.wire import encode_frame_bytes
+from paramsync.runtime.protocol.messages import Refusal
+from paramsync.runtime.protocol.wire import encode_frame_bytes
 
 __all__ = [
     "AdmissionGate",

@@ -5,8 +5,8 @@ the order they were sent. Collectives are the only users of the data path, one a
 same order on every rank, so a receiver always knows what the next frame from a peer must be.
 
 What a transport can do beyond this contract (lend links to threads, carry a shared-memory
-plane) it declares by inheriting the interfaces of `runtime.transport.capabilities`;
-`runtime.testing.transport_conformance` checks an implementation against both.
+plane) it declares by inheriting the interfaces of `paramsync.runtime.transport.capabilities`;
+`paramsync.runtime.testing.transport_conformance` checks an implementation against both.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from runtime.errors import CollectiveError, PeerClosed, ProtocolError
-from runtime.protocol.schema import is_tensor
-from runtime.protocol.wire import (
+from paramsync.runtime.errors import CollectiveError, PeerClosed, ProtocolError
+from paramsync.runtime.protocol.schema import is_tensor
+from paramsync.runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     decode_frame,
     encode_frame_bytes,
@@ -170,7 +170,8 @@ class InProcessTransport(Transport):
         self.max_frame = max_frame
         self.registry: dict[str, Any] = registry if registry is not None else {}
         """State shared by every rank of one `create_group` call: process groups built over
-        these transports (`runtime.collectives.groups`) find one another's channels here."""
+        these transports (`paramsync.runtime.collectives.groups`) find one another's channels
+        here."""
 
     @classmethod
     def create_group(

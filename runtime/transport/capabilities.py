@@ -3,7 +3,7 @@
 A transport that has a capability inherits its abstract class here, as trio's streams inherit
 ``HalfCloseableStream`` (``trio/_abc.py``); code that can use a capability asks
 ``isinstance(transport, Capability)``, never whether an attribute happens to exist. Each class
-says what its members must do, and `runtime.testing.transport_conformance` checks that a
+says what its members must do, and `paramsync.runtime.testing.transport_conformance` checks that a
 transport declaring one keeps that contract.
 
 - `BlockingLinkProvider`: lends connections to OS threads as a `BlockingLinkSet` (blocking
@@ -12,13 +12,14 @@ transport declaring one keeps that contract.
   waited for with poll(2) and a deadline; the threaded shared-memory plane signals this way).
 - `PrecodedFrames`: sends a frame encoded beforehand and recognises one by its bytes (step
   signals without a CBOR encode or decode per signal).
-- `SharedMemoryHolder`: carries an `AllReducePlane` (`runtime.transport.shm`) that all-reduce
-  uses instead of the connections for the tensors the plane accepts.
+- `SharedMemoryHolder`: carries an `AllReducePlane` (`paramsync.runtime.transport.shm`) that
+  all-reduce uses instead of the connections for the tensors the plane accepts.
 - `NativeCollectives`: runs the collectives on another engine (torch.distributed process
-  groups, `runtime.transport.torch_dist`); the ring's functions hand it the tensors it accepts.
+  groups, `paramsync.runtime.transport.torch_dist`); the ring's functions hand it the tensors it
+  accepts.
 
-Nothing here imports a concrete transport: the capabilities sit between `runtime.transport.base`
-and the transports (tcp.py, shm.py) that implement or use them.
+Nothing here imports a concrete transport: the capabilities sit between
+`paramsync.runtime.transport.base` and the transports (tcp.py, shm.py) that implement or use them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
-from runtime.transport.base import Transport
+from paramsync.runtime.transport.base import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +54,8 @@ class BlockingLinkSet(abc.ABC):
 
     One thread may send to a peer while another receives from it. Every call blocks the
     calling thread (never an event loop) until done; a peer that moves no byte within the
-    provider's stall deadline fails the call with `runtime.errors.StallError`, a peer that is
-    gone with `runtime.errors.PeerClosed`, both naming the peer.
+    provider's stall deadline fails the call with `paramsync.runtime.errors.StallError`, a peer that
+    is gone with `paramsync.runtime.errors.PeerClosed`, both naming the peer.
     """
 
     @abc.abstractmethod
@@ -67,12 +68,12 @@ class BlockingLinkSet(abc.ABC):
     @abc.abstractmethod
     def recv_into(self, peer: int, out: torch.Tensor) -> dict[str, Any]:
         """Receive the next message from ``peer``, its bulk written into ``out`` (contiguous,
-        CPU); a bulk of another dtype or size is a `runtime.errors.ProtocolError` naming the
-        peer. The returned message's ``data`` is ``out``, or, when the sender's tensor had
-        another shape of the same size, ``out`` viewed in that shape (the same storage), so that
-        a receiver that cares about shapes can tell. ``out`` is a landing buffer, as for
-        `Transport.recv_into`: the bulk lands before the frame's tag is checked, so when this
-        raises ``out`` holds unspecified bytes (never pass live state)."""
+        CPU); a bulk of another dtype or size is a `paramsync.runtime.errors.ProtocolError` naming
+        the peer. The returned message's ``data`` is ``out``, or, when the sender's tensor had
+        another shape of the same size, ``out`` viewed in that shape (the same storage), so that a
+        receiver that cares about shapes can tell. ``out`` is a landing buffer, as for
+        `Transport.recv_into`: the bulk lands before the frame's tag is checked, so when this raises
+        ``out`` holds unspecified bytes (never pass live state)."""
 
     @abc.abstractmethod
     def abort(self) -> None:
@@ -84,7 +85,7 @@ class PolledLinkSet(abc.ABC):
     """Connections to a few peers, lent to one OS thread for small, pre-encoded frames.
 
     Each wait is bounded: `send_frame` by ``stall_seconds``, `recv_matching` by the caller's
-    deadline; running past it is a `runtime.errors.StallError` naming the peer.
+    deadline; running past it is a `paramsync.runtime.errors.StallError` naming the peer.
     """
 
     stall_seconds: float
@@ -92,13 +93,14 @@ class PolledLinkSet(abc.ABC):
 
     @abc.abstractmethod
     def send_frame(self, peer: int, frame: bytes) -> None:
-        """Send ``frame`` (encoded with `runtime.protocol.wire.encode_frame_bytes`) to ``peer``."""
+        """Send ``frame`` (encoded with `paramsync.runtime.protocol.wire.encode_frame_bytes`) to
+        ``peer``."""
 
     @abc.abstractmethod
     def recv_matching(self, peer: int, expected: bytes, deadline: float) -> dict[str, Any] | None:
         """The next message from ``peer`` by ``deadline`` (``time.monotonic()``): None when its
         frame is byte for byte ``expected``, else the message, decoded and validated. A message
-        with a bulk is a `runtime.errors.ProtocolError` naming the peer."""
+        with a bulk is a `paramsync.runtime.errors.ProtocolError` naming the peer."""
 
     @abc.abstractmethod
     def abort(self) -> None:
@@ -112,15 +114,15 @@ class BlockingLinkProvider(Transport):
     """A transport that can lend its connections to OS threads (`BlockingLinkSet`).
 
     Threads moving whole parts with blocking system calls release the GIL, so a ring's sends
-    and receives run on two cores at once (`runtime.collectives.ring`).
+    and receives run on two cores at once (`paramsync.runtime.collectives.ring`).
     """
 
     @property
     @abc.abstractmethod
     def supports_blocking(self) -> bool:
         """Whether `blocking_links` can lend the connections now. False (TLS connections, whose
-        records live in trio): `blocking_links` raises `runtime.errors.CollectiveError`, and
-        callers take the trio path instead."""
+        records live in trio): `blocking_links` raises `paramsync.runtime.errors.CollectiveError`,
+        and callers take the trio path instead."""
 
     @abc.abstractmethod
     def blocking_links(self, peers: set[int]) -> AbstractAsyncContextManager[BlockingLinkSet]:
@@ -144,7 +146,7 @@ class PolledLinkProvider(Transport):
     @abc.abstractmethod
     def supports_polled(self) -> bool:
         """Whether `polled_links` can lend the connections now (False: it raises
-        `runtime.errors.CollectiveError`)."""
+        `paramsync.runtime.errors.CollectiveError`)."""
 
     @abc.abstractmethod
     def polled_links(self, peers: set[int]) -> AbstractAsyncContextManager[PolledLinkSet]:
@@ -161,19 +163,19 @@ class PrecodedFrames(Transport):
 
     @abc.abstractmethod
     async def send_frame(self, peer: int, frame: bytes) -> None:
-        """Send ``frame`` (from `runtime.protocol.wire.encode_frame_bytes`) to ``peer``, in
-        order with every other message to it."""
+        """Send ``frame`` (from `paramsync.runtime.protocol.wire.encode_frame_bytes`) to ``peer``,
+        in order with every other message to it."""
 
     @abc.abstractmethod
     async def recv_matching(self, peer: int, expected: bytes) -> dict[str, Any] | None:
         """The next message from ``peer``: None when its frame is byte for byte ``expected``,
         else the message, decoded and validated as `Transport.recv` does; a message with a
-        bulk is a `runtime.errors.ProtocolError` naming the peer."""
+        bulk is a `paramsync.runtime.errors.ProtocolError` naming the peer."""
 
 
 class AllReducePlane(abc.ABC):
     """A data path beside a transport's connections that all-reduces some tensors, with results
-    bitwise those of the ring (`runtime.collectives.ring.all_reduce`)."""
+    bitwise those of the ring (`paramsync.runtime.collectives.ring.all_reduce`)."""
 
     threaded: bool
     """Whether `all_reduce` runs its steps on a worker thread (through the transport's
@@ -203,14 +205,14 @@ class AllReducePlane(abc.ABC):
 
 class NativeCollectives(Transport):
     """A transport whose collectives run natively on another engine (torch.distributed process
-    groups: `runtime.transport.torch_dist`), not as rings of its frames.
+    groups: `paramsync.runtime.transport.torch_dist`), not as rings of its frames.
 
-    `runtime.collectives.ring`'s `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` and
-    `barrier` hand a tensor the transport `native_accepts` to these methods, after checking it
+    `paramsync.runtime.collectives.ring`'s `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`
+    and `barrier` hand a tensor the transport `native_accepts` to these methods, after checking it
     as they check any. Each method is collective (every rank calls it, in one order), exact
     (integers reduce exactly; every rank ends bitwise identical, as the ring promises), has a
-    deadline (a peer that stalls fails it with `runtime.errors.StallError` rather than hanging)
-    and fails at once when the transport is aborted.
+    deadline (a peer that stalls fails it with `paramsync.runtime.errors.StallError` rather than
+    hanging) and fails at once when the transport is aborted.
     """
 
     @abc.abstractmethod
@@ -245,12 +247,12 @@ class NativeCollectives(Transport):
 
 
 class SharedMemoryHolder(PrecodedFrames):
-    """A transport that can carry a shared-memory plane (`runtime.transport.shm`): the plane's
-    step signals travel as its pre-encoded frames.
+    """A transport that can carry a shared-memory plane (`paramsync.runtime.transport.shm`): the
+    plane's step signals travel as its pre-encoded frames.
 
-    ``shared_memory`` is None until `runtime.transport.shm.attach_shared_memory` sets it, and
-    again once the transport is closed or aborted (which closes the plane). While it is set,
-    `runtime.collectives.ring.all_reduce` sends the tensors it accepts through it.
+    ``shared_memory`` is None until `paramsync.runtime.transport.shm.attach_shared_memory` sets it,
+    and again once the transport is closed or aborted (which closes the plane). While it is set,
+    `paramsync.runtime.collectives.ring.all_reduce` sends the tensors it accepts through it.
     """
 
     shared_memory: AllReducePlane | None

@@ -1,9 +1,8 @@
 """Control links: one framed, ordered message stream between a worker and the coordinator.
 
-A TCP `runtime.transport.tcp.Connection` is a link; `MemoryLink.pair()` makes two connected
-in-process
-ends that carry the same encoded frames, so the coordinator and workers can run in one trio run
-(tests, the embedded form) and still refuse exactly what they refuse over TCP.
+A TCP `paramsync.runtime.transport.tcp.Connection` is a link; `MemoryLink.pair()` makes two
+connected in-process ends that carry the same encoded frames, so the coordinator and workers can run
+in one trio run (tests, the embedded form) and still refuse exactly what they refuse over TCP.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import trio
 
-from runtime.errors import PeerClosed, ProtocolError
-from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame_bytes
+from paramsync.runtime.errors import PeerClosed, ProtocolError
+from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -1,17 +1,17 @@
 """How a flat tensor is cut among the ranks of a group, and the element types summed there.
 
-Both the ring collectives (`runtime.collectives.ring`) and the shared-memory plane
-(`runtime.transport.shm`) split a tensor into the same ``world_size`` contiguous segments and
-average the same way; the plane's results are bitwise the ring's only because they share these
-definitions. They live here, below both, so the transport layer never imports the collectives
-above it.
+Both the ring collectives (`paramsync.runtime.collectives.ring`) and the shared-memory plane
+(`paramsync.runtime.transport.shm`) split a tensor into the same ``world_size`` contiguous segments
+and average the same way; the plane's results are bitwise the ring's only because they share these
+definitions. They live here, below both, so the transport layer never imports the collectives above
+it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from runtime.protocol.wire import DTYPE_TAGS
+from paramsync.runtime.protocol.wire import DTYPE_TAGS
 
 __all__ = ["SUPPORTED_DTYPES", "segment_bounds", "divide_in_place"]
 

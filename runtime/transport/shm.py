@@ -44,18 +44,24 @@ from typing import Any
 import torch
 import trio
 
-from runtime.config import parse_bool
-from runtime.errors import CollectiveError, ProtocolError, StallError
-from runtime.protocol.messages import ShmHello, ShmMapped, ShmOffer, ShmReady, decode_message
-from runtime.protocol.wire import encode_frame_bytes
-from runtime.transport.capabilities import (
+from paramsync.runtime.config import parse_bool
+from paramsync.runtime.errors import CollectiveError, ProtocolError, StallError
+from paramsync.runtime.protocol.messages import (
+    ShmHello,
+    ShmMapped,
+    ShmOffer,
+    ShmReady,
+    decode_message,
+)
+from paramsync.runtime.protocol.wire import encode_frame_bytes
+from paramsync.runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
     PolledLinkProvider,
     PolledLinkSet,
     SharedMemoryHolder,
 )
-from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
+from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place, segment_bounds
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -125,9 +131,9 @@ def host_identity(environ: Mapping[str, str] | None = None) -> str:
 
 def shared_memory_wanted(transport: SharedMemoryHolder) -> bool:
     """The default: on, unless ``PARAMSYNC_SHM`` is false (``0``, ``false``, ``no``, ``off``:
-    `runtime.config.parse_bool`, which refuses a value that is no boolean) or the connections
-    are TLS, which a `BlockingLinkProvider` says by lending no links (who asked for TLS gets
-    only the encrypted sockets unless they ask for the plane too)."""
+    `paramsync.runtime.config.parse_bool`, which refuses a value that is no boolean) or the
+    connections are TLS, which a `BlockingLinkProvider` says by lending no links (who asked for TLS
+    gets only the encrypted sockets unless they ask for the plane too)."""
     setting = os.environ.get("PARAMSYNC_SHM", "").strip()
     if setting and not parse_bool(setting, "environment variable PARAMSYNC_SHM"):
         return False
@@ -257,9 +263,9 @@ def _unlink(path: str) -> None:
 class SharedMemoryPlane(AllReducePlane):
     """One rank's mapping of its group's segment, and the all-reduce that runs on it.
 
-    Made by `attach_shared_memory`; `runtime.collectives.ring.all_reduce` uses it for CPU tensors
-    of at least ``min_bytes`` while it is the transport's ``shared_memory``
-    (`runtime.transport.capabilities.SharedMemoryHolder`).
+    Made by `attach_shared_memory`; `paramsync.runtime.collectives.ring.all_reduce` uses it for CPU
+    tensors of at least ``min_bytes`` while it is the transport's ``shared_memory``
+    (`paramsync.runtime.transport.capabilities.SharedMemoryHolder`).
     """
 
     def __init__(
@@ -561,7 +567,7 @@ async def attach_shared_memory(
     if not isinstance(transport, SharedMemoryHolder):
         raise CollectiveError(
             f"a {type(transport).__name__} cannot carry a shared-memory plane "
-            "(it is no runtime.transport.capabilities.SharedMemoryHolder)"
+            "(it is no paramsync.runtime.transport.capabilities.SharedMemoryHolder)"
         )
     if transport.shared_memory is not None:  # attaching again replaces the plane
         transport.shared_memory.close()

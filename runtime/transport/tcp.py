@@ -6,13 +6,13 @@ tensor. Small frames (prefix and head) come through one reusable receive buffer,
 message costs one system call.
 
 After the handshake, every frame in either direction carries a MAC bound to its place in the
-stream (`runtime.protocol.frame_auth`): a frame altered, forged, dropped, replayed or reordered on
-the way fails it, and the connection is closed with a `FrameAuthenticationError` naming the peer
-before the message reaches anyone.
+stream (`paramsync.runtime.protocol.frame_auth`): a frame altered, forged, dropped, replayed or
+reordered on the way fails it, and the connection is closed with a `FrameAuthenticationError` naming
+the peer before the message reaches anyone.
 
 With a `TlsConfig` every connection runs TLS first, then the same handshake inside it
-(`runtime.transport.tls`); such connections go through trio's ``SSLStream`` (one copy per received
-record) and cannot lend their sockets to the blocking thread path.
+(`paramsync.runtime.transport.tls`); such connections go through trio's ``SSLStream`` (one copy per
+received record) and cannot lend their sockets to the blocking thread path.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import stamina
 import trio
 
-from runtime.config import DistributedConfig, advertised_host
-from runtime.errors import (
+from paramsync.runtime.config import DistributedConfig, advertised_host
+from paramsync.runtime.errors import (
     CollectiveError,
     FrameAuthenticationError,
     HandshakeError,
@@ -45,8 +45,8 @@ from runtime.errors import (
     one_line,
     quoted,
 )
-from runtime.protocol.frame_auth import FrameSealer, frame_session
-from runtime.protocol.frame_reader import (
+from paramsync.runtime.protocol.frame_auth import FrameSealer, frame_session
+from paramsync.runtime.protocol.frame_reader import (
     BUFFER_SIZE,
     CONTROL_DUE,
     Frame,
@@ -56,9 +56,14 @@ from runtime.protocol.frame_reader import (
     Placement,
     Scratch,
 )
-from runtime.protocol.handshake import DialerHandshake, Identity, ListenerHandshake, load_secret
-from runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
-from runtime.protocol.wire import (
+from paramsync.runtime.protocol.handshake import (
+    DialerHandshake,
+    Identity,
+    ListenerHandshake,
+    load_secret,
+)
+from paramsync.runtime.protocol.messages import RdvJoin, RdvTable, Refusal, decode_message
+from paramsync.runtime.protocol.wire import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
     check_bulk_destination,
@@ -68,9 +73,9 @@ from runtime.protocol.wire import (
     landed_as_sent,
     tensor_buffer,
 )
-from runtime.transport.admission import AdmissionGate
-from runtime.transport.base import BulkRoute
-from runtime.transport.capabilities import (
+from paramsync.runtime.transport.admission import AdmissionGate
+from paramsync.runtime.transport.base import BulkRoute
+from paramsync.runtime.transport.capabilities import (
     AllReducePlane,
     BlockingLinkProvider,
     BlockingLinkSet,
@@ -78,7 +83,7 @@ from runtime.transport.capabilities import (
     PolledLinkSet,
     SharedMemoryHolder,
 )
-from runtime.transport.tls import TlsConfig, describe_tls_error
+from paramsync.runtime.transport.tls import TlsConfig, describe_tls_error
 
 if TYPE_CHECKING:
     # Connection's ``socket`` property hides the module in its methods' annotations.
@@ -86,7 +91,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from runtime.protocol.wire import BulkSpec
+    from paramsync.runtime.protocol.wire import BulkSpec
 
 
 def _tensor_over(landing: bytearray, spec: BulkSpec) -> torch.Tensor:
@@ -193,8 +198,8 @@ class Connection:
 
     def authenticate_frames(self, session_key: bytes, *, dialer: bool) -> None:
         """From now on, tag every frame sent and check every frame received with the keys of
-        ``session_key`` (`runtime.protocol.frame_auth`); ``dialer`` says which end this is.
-        Called by `dial` and `accept` right after the handshake's welcome."""
+        ``session_key`` (`paramsync.runtime.protocol.frame_auth`); ``dialer`` says which end this
+        is. Called by `dial` and `accept` right after the handshake's welcome."""
         session = frame_session(session_key, dialer=dialer)
         self._sealer, self._reader.opener = session.sealer, session.opener
 
@@ -252,8 +257,8 @@ class Connection:
         await self._send_locked(encode_frame(kind, fields, bulk))
 
     async def send_frame(self, frame: bytes) -> None:
-        """Send one frame encoded beforehand (`runtime.protocol.wire.encode_frame_bytes`): a message
-        sent often, such as a step signal, is encoded once."""
+        """Send one frame encoded beforehand (`paramsync.runtime.protocol.wire.encode_frame_bytes`):
+        a message sent often, such as a step signal, is encoded once."""
         await self._send_locked([frame])
 
     async def _send_locked(self, parts: Sequence[bytes | memoryview]) -> None:
@@ -344,7 +349,7 @@ class Connection:
     #
     # Every read rule (the prefix, the limits from it and a peek at the kind, the tag checked
     # before anything is decoded, where a bulk lands) is `FrameReader`'s
-    # (`runtime.protocol.frame_reader`). The three I/O modes below, a trio task, a worker
+    # (`paramsync.runtime.protocol.frame_reader`). The three I/O modes below, a trio task, a worker
     # thread on a blocking socket and a worker thread polling a non-blocking one, only move the
     # bytes it asks for and decode the heads it hands back.
 
@@ -1001,9 +1006,9 @@ class PolledLinks(PolledLinkSet):
 class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder):
     """A rank's authenticated TCP connections to every other rank of its group.
 
-    Declares every capability of `runtime.transport.capabilities`: blocking and polled links
-    (plaintext TCP only: under TLS `supports_blocking` and `supports_polled` are False), frames
-    encoded beforehand, and a shared-memory plane (`runtime.transport.shm`)."""
+    Declares every capability of `paramsync.runtime.transport.capabilities`: blocking and polled
+    links (plaintext TCP only: under TLS `supports_blocking` and `supports_polled` are False),
+    frames encoded beforehand, and a shared-memory plane (`paramsync.runtime.transport.shm`)."""
 
     def __init__(
         self,
@@ -1020,14 +1025,14 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         self.max_frame = max_frame
         self.secret = secret
         """The key the connections authenticated with, kept so that process groups
-        (`runtime.collectives.groups`) can form their own meshes; None if not given."""
+        (`paramsync.runtime.collectives.groups`) can form their own meshes; None if not given."""
         self.tls = tls
         """The TLS configuration of the connections (None: plain TCP), for the same purpose."""
         self.stall_seconds = 300.0
         """A blocking transfer that moves no byte for this long fails as a stall."""
         self.shared_memory: AllReducePlane | None = None
-        """The group's shared-memory plane (`runtime.transport.shm.attach_shared_memory`), if any:
-        all-reduce then moves large tensors through it instead of the sockets."""
+        """The group's shared-memory plane (`paramsync.runtime.transport.shm.attach_shared_memory`),
+        if any: all-reduce then moves large tensors through it instead of the sockets."""
 
     def _conn(self, peer: int) -> Connection:
         self.check_peer(peer)
@@ -1165,7 +1170,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
 
         Every pair of ranks is a real authenticated TCP connection (over TLS with ``tls``).
         With ``shared_memory``, the ranks attach a shared-memory plane (``shm_options`` go to
-        `runtime.transport.shm.attach_shared_memory`).
+        `paramsync.runtime.transport.shm.attach_shared_memory`).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"group size must be a positive int, got {n!r}")
@@ -1222,12 +1227,10 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         table of all ranks' addresses, then connects to the ranks below it. The whole formation
         must finish within ``join_seconds`` seconds. With ``tls``, every connection is TLS.
 
-        Then the ranks negotiate a shared-memory plane (`runtime.transport.shm`), used when every
-        rank
-        wants it and all run on one host. ``shared_memory`` None means on unless
-        ``PARAMSYNC_SHM=0`` or TLS (its results are bitwise those of the TCP ring, so only the
-        speed changes); True asks for it even under TLS; False opts this rank, and so the
-        group, out.
+        Then the ranks negotiate a shared-memory plane (`paramsync.runtime.transport.shm`), used
+        when every rank wants it and all run on one host. ``shared_memory`` None means on unless
+        ``PARAMSYNC_SHM=0`` or TLS (its results are bitwise those of the TCP ring, so only the speed
+        changes); True asks for it even under TLS; False opts this rank, and so the group, out.
         """
         key = load_secret(secret)
         me = Identity(group, config.world_size, config.rank)
@@ -1241,7 +1244,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
         transport = cls(config.rank, config.world_size, mesh, secret=key, tls=tls)
         try:
             if config.world_size > 1:
-                from runtime.transport.shm import attach_shared_memory
+                from paramsync.runtime.transport.shm import attach_shared_memory
 
                 await attach_shared_memory(transport, want=shared_memory, seconds=join_seconds)
             yield transport
@@ -1252,7 +1255,7 @@ class TcpTransport(BlockingLinkProvider, PolledLinkProvider, SharedMemoryHolder)
 
 async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -> None:
     """Attach a shared-memory plane on every rank of an in-process group, concurrently."""
-    from runtime.transport.shm import attach_shared_memory
+    from paramsync.runtime.transport.shm import attach_shared_memory
 
     async with trio.open_nursery() as nursery:
         for transport in transports:
@@ -1301,9 +1304,9 @@ async def _serve_until(
         granted: list[int] = []
         admit = _admit_ranks(me, claimed, expected, granted)
         try:
-            with (
-                ticket
-            ):  # deadline, pending slot; logs and counts a failure (runtime.transport.admission)
+            # deadline, pending slot; logs and counts a failure
+            # (paramsync.runtime.transport.admission)
+            with ticket:
                 conn, peer = await accept(
                     stream, secret, me, admit, handshake_seconds=ticket.seconds, tls=tls
                 )

@@ -2,10 +2,10 @@
 
 With a `TlsConfig`, every TCP connection (worker to coordinator, worker to worker) runs a TLS
 handshake right after connect/accept, inside the handshake deadline, and the HMAC handshake of
-`runtime.protocol.handshake` then runs unchanged inside the encrypted stream. Both layers must
-agree:
-TLS proves each end holds a certificate signed by the cluster's CA (and hides the bytes); the
-HMAC proves each end holds the group's shared secret and binds group, world size and rank.
+`paramsync.runtime.protocol.handshake` then runs unchanged inside the encrypted stream. Both layers
+must agree: TLS proves each end holds a certificate signed by the cluster's CA (and hides the
+bytes); the HMAC proves each end holds the group's shared secret and binds group, world size and
+rank.
 
 Policy:
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import trio
 
-from runtime.errors import HandshakeError
+from paramsync.runtime.errors import HandshakeError
 
 __all__ = ["TlsConfig", "describe_tls_error"]
 
@@ -212,7 +212,7 @@ class TlsConfig:
         """Run the dialing side's TLS handshake on ``stream``; see `wrap_server`.
 
         Under TLS 1.3 the listener checks this side's certificate after this returns: a
-        refusal shows up on the first read (`runtime.transport.tcp.dial` reports it as a
+        refusal shows up on the first read (`paramsync.runtime.transport.tcp.dial` reports it as a
         HandshakeError).
         """
         with _outgoing_of_the_next_wrap() as outgoing:

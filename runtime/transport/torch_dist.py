@@ -10,13 +10,13 @@ keyed by the run and the epoch, as torchft makes a group per quorum) or `create_
 (ranks in one process: a ``HashStore``), and destroyed by `TorchDistTransport.aclose`.
 
 - Collectives (all-reduce, broadcast, all-gather, reduce-scatter, barrier) run natively on the
-  group (`runtime.transport.capabilities.NativeCollectives`): `runtime.collectives.ring` hands
-  them over. Each has a deadline (gloo's per-operation timeout, ``collective_seconds``: past it
-  gloo closes the group's connections and the call is a `StallError`) and an abort path
-  (`TorchDistTransport.abort` fails every call in flight at once; the blocked thread is left to
-  gloo's deadline). A peer whose end is gone (its goodbye, or a broken connection) fails a
-  collective that has not finished 2 s later as a `PeerClosed` naming it: a peer that closed
-  without joining never hangs the survivors until the deadline (gloo keeps an in-process
+  group (`paramsync.runtime.transport.capabilities.NativeCollectives`):
+  `paramsync.runtime.collectives.ring` hands them over. Each has a deadline (gloo's per-operation
+  timeout, ``collective_seconds``: past it gloo closes the group's connections and the call is a
+  `StallError`) and an abort path (`TorchDistTransport.abort` fails every call in flight at once;
+  the blocked thread is left to gloo's deadline). A peer whose end is gone (its goodbye, or a broken
+  connection) fails a collective that has not finished 2 s later as a `PeerClosed` naming it: a peer
+  that closed without joining never hangs the survivors until the deadline (gloo keeps an in-process
   peer's connections open after its group is dropped, so they would wait for it).
 - Frames (control messages, state transfer, point-to-point tensors) travel as torch.distributed
   point-to-point sends of uint8 tensors: an int64 length, then the frame's bytes (one CBOR item
@@ -24,14 +24,14 @@ keyed by the run and the epoch, as torchft makes a group per quorum) or `create_
   collectives are never used). gloo sends only once the receiver has posted a matching
   receive, so one thread per peer keeps a receive posted and queues what arrives (up to
   ``inbox_frames`` frames: the buffering a socket gives).
-- Subgroups (`TorchDistTransport.open_subgroup`, which `runtime.collectives.groups.new_group`
-  calls on a torch-plane world): a subset of the ranks gets a gloo communicator of its own (and
-  an NCCL one when the transport has a device), formed through the epoch's store under a prefix
-  named by the group, so it is itself a `TorchDistTransport` with native collectives, frames,
-  deadlines, abort and the close handshake. Before forming, the members check over the store
-  that they all create the same group (same name, same ranks), and a member that creates
-  another is a `ProtocolError` naming it. A subgroup belongs to its parent's epoch: aborting the
-  parent aborts it and closing the parent closes it first.
+- Subgroups (`TorchDistTransport.open_subgroup`, which
+  `paramsync.runtime.collectives.groups.new_group` calls on a torch-plane world): a subset of the
+  ranks gets a gloo communicator of its own (and an NCCL one when the transport has a device),
+  formed through the epoch's store under a prefix named by the group, so it is itself a
+  `TorchDistTransport` with native collectives, frames, deadlines, abort and the close handshake.
+  Before forming, the members check over the store that they all create the same group (same name,
+  same ranks), and a member that creates another is a `ProtocolError` naming it. A subgroup belongs
+  to its parent's epoch: aborting the parent aborts it and closing the parent closes it first.
 - Closing is a handshake: a closing rank sends each peer a goodbye (length -1), which the
   peer's receiving thread answers with its own; once every thread has its goodbye (or a dead
   peer's connection error) the group is dropped and its connections close. A peer that dies
@@ -59,12 +59,18 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import AllgatherOptions
 
-from runtime.config import COMM_BACKENDS, check_comm_backend
-from runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError, one_line
-from runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame
-from runtime.transport.base import Transport, land_tensor
-from runtime.transport.capabilities import NativeCollectives
-from runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
+from paramsync.runtime.config import COMM_BACKENDS, check_comm_backend
+from paramsync.runtime.errors import (
+    CollectiveError,
+    PeerClosed,
+    ProtocolError,
+    StallError,
+    one_line,
+)
+from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame
+from paramsync.runtime.transport.base import Transport, land_tensor
+from paramsync.runtime.transport.capabilities import NativeCollectives
+from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
 
 __all__ = [
     "COMM_BACKENDS",
@@ -480,7 +486,7 @@ class TorchDistTransport(NativeCollectives):
         """This rank's transport in a new torch group of ``ranks`` (this transport's ranks,
         sorted, this rank among them), numbered 0..k-1 in that order. Collective among the
         members: each calls it with the same ``ranks`` and ``name``; ``parent`` names this
-        transport the same on every rank (`runtime.collectives.groups`: "world", or the
+        transport the same on every rank (`paramsync.runtime.collectives.groups`: "world", or the
         group's name).
 
         The members first check, through the epoch's store, that they all create ``name``

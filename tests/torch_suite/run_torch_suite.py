@@ -236,7 +236,7 @@ def _child_env() -> dict[str, str]:
     env.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", str(DEFAULT_TIMEOUT))
     if not env.get("PARAMSYNC_SECRET") and not env.get("PARAMSYNC_SECRET_FILE"):
         sys.path.insert(0, str(ROOT))
-        from runtime.protocol.handshake import new_secret
+        from paramsync.runtime.protocol.handshake import new_secret
 
         env["PARAMSYNC_SECRET"] = new_secret()
     return env

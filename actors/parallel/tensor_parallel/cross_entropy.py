@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from actors.parallel.tensor_parallel.layers import partition_range
-from runtime.collectives.from_thread import SyncCollectives
+from paramsync.actors.parallel.tensor_parallel.layers import partition_range
+from paramsync.runtime.collectives.from_thread import SyncCollectives
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

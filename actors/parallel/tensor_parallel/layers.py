@@ -15,8 +15,8 @@ As Megatron's ``tensor_parallel/layers.py``, each layer holds one tp rank's shar
 Every layer's ``from_dense`` slices the single-device layer's weights, so the shard is exactly
 (`torch.equal`) the dense layer's ``weight[shard_rows]`` (or ``[:, shard_cols]``). Sharded
 parameters carry ``tensor_model_parallel = True`` and ``partition_dim`` (Megatron's attributes),
-which global-norm clipping reads (`actors.parallel.grad_clip`); replicated ones (a row-parallel
-bias) carry neither.
+which global-norm clipping reads (`paramsync.actors.parallel.grad_clip`); replicated ones (a
+row-parallel bias) carry neither.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.parallel.tensor_parallel.mappings import (
+from paramsync.actors.parallel.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
-from runtime.collectives.from_thread import SyncCollectives
+from paramsync.runtime.collectives.from_thread import SyncCollectives
 
 __all__ = [
     "ColumnParallelLinear",

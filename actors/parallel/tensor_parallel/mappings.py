@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from runtime.collectives.from_thread import SyncCollectives
+from paramsync.runtime.collectives.from_thread import SyncCollectives
 
 __all__ = [
     "copy_to_tp_region",

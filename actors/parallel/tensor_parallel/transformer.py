@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.parallel.dense_transformer import (
+from paramsync.actors.parallel.dense_transformer import (
     DenseAttention,
     DenseBlock,
     DenseEmbedding,
@@ -38,15 +38,15 @@ from actors.parallel.dense_transformer import (
     DenseTransformer,
     causal_attention,
 )
-from actors.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from actors.parallel.tensor_parallel.layers import (
+from paramsync.actors.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from paramsync.actors.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from actors.parallel.tensor_parallel.mappings import copy_to_tp_region
-from actors.parallel.tensor_parallel.random import TensorParallelRNG
-from runtime.collectives.from_thread import SyncCollectives
+from paramsync.actors.parallel.tensor_parallel.mappings import copy_to_tp_region
+from paramsync.actors.parallel.tensor_parallel.random import TensorParallelRNG
+from paramsync.runtime.collectives.from_thread import SyncCollectives
 
 M = TypeVar("M", bound=nn.Module)
 
