@@ -329,8 +329,11 @@ def main() -> None:
         return
     if args.baseline is not None:
         args.baseline = args.baseline.resolve()
-        if not (args.baseline / "runtime" / "transport").is_dir():
-            raise SystemExit(f"--baseline {args.baseline}: not a paramsync checkout")
+        if not (args.baseline / "paramsync" / "runtime" / "transport").is_dir():
+            raise SystemExit(
+                f"--baseline {args.baseline}: not a paramsync checkout (no paramsync/runtime); "
+                "make one with benchmarks/baseline_checkout.py"
+            )
         args.systems += [s + BASELINE for s in args.systems if s != "gloo"]
     samples: dict = {}
     for world in args.worlds:

@@ -1449,8 +1449,11 @@ def main() -> None:
             raise SystemExit(f"--torchft: {torchft_peer.missing_reason()}")
         if args.comm_hook != "none":
             raise SystemExit("--torchft: torchft runs with --comm-hook none only")
-    if args.baseline and not (Path(args.baseline) / "actors" / "train").is_dir():
-        raise SystemExit(f"--baseline {args.baseline}: not a paramsync checkout (no actors/train)")
+    if args.baseline and not (Path(args.baseline) / "paramsync" / "actors" / "train").is_dir():
+        raise SystemExit(
+            f"--baseline {args.baseline}: not a paramsync checkout (no paramsync/actors/train); "
+            "make one with benchmarks/baseline_checkout.py"
+        )
     model_text = {
         "batchnorm": f"CharConvBatchNorm d_model {args.d_model}, {args.layers} layers, ",
         "mlp": f"CharMLP d_model {args.d_model}, ",

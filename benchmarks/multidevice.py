@@ -483,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
         ddp_worker(args.ddp_worker, args.port, args)
         return
     if args.threads_worker:
-        code = Path(sys.modules[DataParallelCoordinator.__module__].__file__ or "").parents[2]
+        # The checkout whose paramsync this process imported: the root package's folder's parent.
+        code = Path(sys.modules["paramsync"].__file__ or "").parents[1]
         print(json.dumps({**run_threads(args), "code": str(code)}), flush=True)
         return
     if args.batch < 2:
@@ -491,8 +492,11 @@ def main(argv: list[str] | None = None) -> None:
     systems = dict(SYSTEMS)
     if args.baseline is not None:
         baseline = args.baseline.resolve()
-        if not (baseline / "actors" / "multidevice").is_dir():
-            raise SystemExit(f"--baseline {args.baseline}: no actors/multidevice there")
+        if not (baseline / "paramsync" / "actors" / "multidevice").is_dir():
+            raise SystemExit(
+                f"--baseline {args.baseline}: no paramsync/actors/multidevice there; make one "
+                "with benchmarks/baseline_checkout.py"
+            )
         # Both threads systems in fresh processes, this code's and the baseline's alike.
         systems["threads"] = lambda args: run_threads_in(ROOT, args)
         systems[BASELINE] = lambda args: run_threads_in(baseline, args)

@@ -134,7 +134,7 @@ def test_the_baseline_column_is_paired_per_round_and_a_worker_imports_the_code_a
 
 def test_a_baseline_without_the_multidevice_package_is_refused(tmp_path: Path) -> None:
     bench = _module()
-    with pytest.raises(SystemExit, match="no actors/multidevice"):
+    with pytest.raises(SystemExit, match="no paramsync/actors/multidevice"):
         bench.main(["--baseline", str(tmp_path)])
 
 
