@@ -47,10 +47,10 @@ The messages are declared in `paramsync.runtime.protocol.messages`; malformed wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any
 
 from paramsync.runtime.coordinator.commits import CommitRecord, Commits
 from paramsync.runtime.coordinator.events import (
@@ -98,6 +98,7 @@ from paramsync.runtime.protocol.messages import (
     StepDone,
     normalize_signature,
 )
+from paramsync.runtime.protocol.state_machine import Row, Table
 
 __all__ = ["CoordinatorCore", "RunState", "EpochRecord", "CommitRecord"]
 
@@ -317,12 +318,8 @@ class CoordinatorCore:
         sent it), never an exception; once the run is FINISHED or ABORTED every event returns
         []. Raises TypeError only for an object that is no event.
         """
-        handler = self._handlers.get(type(event))
-        if handler is None:
-            raise TypeError(f"not a coordinator event: {type(event).__name__}")
-        if self._state is not RunState.RUNNING and self._state in DONE:
-            return []
-        return handler(self, event)
+        row = EVENTS.row(self._state, type(event))
+        return [] if row.handler is None else row.handler(self, event)
 
     def _move(self, trigger: Trigger) -> None:
         self._state = next_state(self._state, trigger)
@@ -821,15 +818,46 @@ class CoordinatorCore:
             return self._abort(f"rank {event.rank} {reason}")
         return [Evict(event.rank, reason), *self._lose(event.rank, reason)]
 
-    _handlers: ClassVar[dict[type, Any]] = {
-        Joined: _on_joined,
-        Ready: _on_ready,
-        Reduced: _on_reduced,
-        Digest: _on_step_end,
-        StepDone: _on_step_end,
-        Finished: _on_finished,
-        Heartbeat: _on_heartbeat,
-        Tick: _on_tick,
-        Disconnected: _on_disconnected,
-        Malformed: _on_malformed,
-    }
+
+# --------------------------------------------------------------------------- the table
+
+_Handler = Callable[[CoordinatorCore, Any], list[Action]]
+_C = CoordinatorCore
+
+_HANDLERS: dict[type, _Handler] = {
+    Joined: _C._on_joined,
+    Ready: _C._on_ready,
+    Reduced: _C._on_reduced,
+    Digest: _C._on_step_end,
+    StepDone: _C._on_step_end,
+    Finished: _C._on_finished,
+    Heartbeat: _C._on_heartbeat,
+    Tick: _C._on_tick,
+    Disconnected: _C._on_disconnected,
+    Malformed: _C._on_malformed,
+}
+
+
+def _not_an_event(state: RunState, kind: type) -> TypeError:
+    return TypeError(f"not a coordinator event: {kind.__name__}")
+
+
+EVENTS: Table[RunState, type, _Handler] = Table(
+    RunState,
+    [
+        # While the run lives, every event runs its handler, whose outcome moves the run
+        # through `run_state.TRANSITIONS` (a start, a hold, a finish, an abort).
+        *(
+            Row(state, kind, None, handler)
+            for state in RunState
+            if state not in DONE
+            for kind, handler in _HANDLERS.items()
+        ),
+        # A finished or aborted run ignores every event.
+        *(Row(state, kind, state) for state in DONE for kind in _HANDLERS),
+    ],
+    terminal=DONE,
+    refuse=_not_an_event,
+)
+"""(run state, event type) -> the handler that takes it; an object that is no event is a
+TypeError."""
