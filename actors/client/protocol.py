@@ -266,9 +266,8 @@ class WorkerProtocol:
         if isinstance(event, Received | HeartbeatReceived):
             return self._receive(event)
         if isinstance(event, ConnectionLost):
-            return self._run(
-                LINK_TABLE.row(self.phase, LOST if event.rejoin else LOST_FOR_GOOD), event
-            )
+            fate = LOST if event.rejoin else LOST_FOR_GOOD
+            return self._take(LINK_TABLE.row(self.phase, fate), event)
         if isinstance(event, Tick):
             return self._on_tick(event)
         request = _REQUESTS.get(type(event))
@@ -280,7 +279,7 @@ class WorkerProtocol:
                 f"rank {self.rank} asked to send {request} while {self.phase.value} "
                 f"(epoch {self.epoch}): not allowed in this phase"
             )
-        return self._run(row, event)
+        return self._take(row, event)
 
     def _receive(self, event: Received | HeartbeatReceived) -> list[WorkerAction]:
         message = event.message if isinstance(event, Received) else event
@@ -290,9 +289,9 @@ class WorkerProtocol:
         if event.now is not None:
             heard = self.last_heard
             self.last_heard = event.now if heard is None else max(heard, event.now)
-        return self._run(row, message)
+        return self._take(row, message)
 
-    def _run(self, row: _Row, event: Any) -> list[WorkerAction]:
+    def _take(self, row: _Row, event: Any) -> list[WorkerAction]:
         """Run ``row``'s handler on ``event``, then move to the row's phase (a handler that
         raises leaves the phase as it was)."""
         actions = [] if row.handler is None else row.handler(self, event)
