@@ -154,9 +154,9 @@ class SimulatedRun:
             join = Joined(rank, sig, ("10.0.0.1", 20_000 + rank), now=0.0, fold=self.fold)
             actions = self.feed(self._encoded(join) if self.wire else join, rank)
         start = [a for a in actions if isinstance(a, Broadcast) and isinstance(a.message, StartRun)]
-        if self.core.state is not RunState.RUNNING or not start:
+        if self.core.view.state is not RunState.RUNNING or not start:
             raise RuntimeError(f"the run did not start: {actions!r}")
-        self.epoch = self.core.epoch
+        self.epoch = self.core.view.epoch
 
     def reports(self, step: int) -> list[tuple[int, WireMessage | bytes]]:
         """Every report of ``step``, in arrival order: the buckets ready in backward order
@@ -174,7 +174,7 @@ class SimulatedRun:
             for rank in range(self.workers):
                 out.append((rank, self._encoded(Reduced(rank, step, self.epoch, folded))))
             folded = ""  # each rank's reduced report carried its folded buckets
-        digest_step = self.core.is_digest_step(step)
+        digest_step = self.core.view.is_digest_step(step)
         for rank in range(self.workers):
             end: WireMessage
             if digest_step:

@@ -52,8 +52,8 @@ def test_the_heap_stays_flat_over_300_steps_of_64_workers(elastic: bool, fold: b
         at_300 = _heap_after(run, 200)
     finally:
         tracemalloc.stop()
-    assert run.core.step == 300 and run.core.last_commit is not None
-    assert run.core.last_commit.step == 299
+    assert run.core.view.step == 300 and run.core.view.last_commit is not None
+    assert run.core.view.last_commit.step == 299
     # 200 steps of 64 workers are 89,600 reports: keeping even one small object per step
     # (a commit record, a go) would add more than 8 KiB.
     assert at_300 - at_100 < 8 * 1024, (at_100, at_300)
@@ -67,7 +67,7 @@ def test_a_run_that_keeps_per_step_history_is_caught() -> None:
 
     def step_and_keep() -> float:
         seconds = step()
-        kept.append(run.core.last_commit)
+        kept.append(run.core.view.last_commit)
         return seconds
 
     run.step = step_and_keep
@@ -87,5 +87,7 @@ def test_the_wire_path_decodes_every_report_and_commits(fold: bool) -> None:
     )
     for _ in range(4):
         assert run.step() >= 0
-    assert run.core.step == 4 and run.core.seq == 4  # one go per bucket, on step 0 only
-    assert run.core.last_commit is not None and run.core.last_commit.digests == ()  # step 3
+    assert run.core.view.step == 4 and run.core.view.seq == 4  # one go per bucket, on step 0 only
+    assert (
+        run.core.view.last_commit is not None and run.core.view.last_commit.digests == ()
+    )  # step 3

@@ -224,14 +224,14 @@ async def test_model_mismatch_is_refused_naming_the_first_difference(mismatch: s
                 {r: p[0] for r, p in enumerate(pairs)},
             )
             nursery.start_soon(outcomes.capture, "rank 0", join, 0, REFERENCE())
-            await wait_for(lambda: coordinator.core.members == (0,))
+            await wait_for(lambda: coordinator.core.view.members == (0,))
             await outcomes.capture("rank 1", join, 1, make_model())
             refused = outcomes["rank 1"]
             assert isinstance(refused, RunAborted), refused
             assert "rank 1" in str(refused) and expected in str(refused), str(refused)
             # The refusal leaves the run in rendezvous: rank 0 still waits for a rank 1.
             assert coordinator.state is RunState.RENDEZVOUS
-            assert coordinator.core.members == (0,)
+            assert coordinator.core.view.members == (0,)
             coordinator.stop("the test is over")
     assert isinstance(outcomes["coordinator"], RunFailed)
     assert isinstance(outcomes["rank 0"], RunAborted)
@@ -245,7 +245,7 @@ async def test_refused_worker_can_rejoin_with_the_right_model_over_tcp() -> None
         async with trio.open_nursery() as nursery:
             address = await nursery.start(coordinator.serve_tcp, "127.0.0.1", 0)
             nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 3)
-            await wait_for(lambda: coordinator.core.members == (0,))
+            await wait_for(lambda: coordinator.core.view.members == (0,))
             wrong = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 7))
             await outcomes.capture("wrong", tcp_worker, address, 1, 2, 3, wrong)
             await outcomes.capture("rank 1", tcp_worker, address, 1, 2, 3)
@@ -269,7 +269,7 @@ async def test_a_worker_waiting_in_rendezvous_keeps_heartbeating() -> None:
 
     async def late_worker(rank: int, delay: float) -> int:
         if delay:  # counted from rank 0's join
-            await wait_for(lambda: coordinator.core.members == (0,))
+            await wait_for(lambda: coordinator.core.view.members == (0,))
             await trio.sleep(delay)
         return await run_link_worker(pairs[rank][1], rank, 2, transports[rank], 2)
 
@@ -356,7 +356,7 @@ async def test_worker_dying_before_the_mesh_forms_does_not_strand_the_others() -
         async with trio.open_nursery() as nursery:
             address = await nursery.start(serve_tcp, coordinator, outcomes)
             nursery.start_soon(outcomes.capture, "rank 0", tcp_worker, address, 0, 2, 3)
-            await wait_for(lambda: coordinator.core.members == (0,))
+            await wait_for(lambda: coordinator.core.view.members == (0,))
             conn = await dial_coordinator(address, 1, 2)
             await conn.send("join", {"host": "127.0.0.1", "port": 9, "params": join_params(mlp())})
             start = await conn.recv()
@@ -370,7 +370,7 @@ async def test_worker_dying_before_the_mesh_forms_does_not_strand_the_others() -
             waited = trio.current_time() - died_at
             stranded = "rank 0" not in outcomes
             nursery.cancel_scope.cancel()
-    reason = coordinator.core.abort_reason or ""
+    reason = coordinator.core.view.abort_reason or ""
     assert coordinator.state is RunState.ABORTED and "rank 1 disconnected" in reason, reason
     assert not stranded, f"rank 0 still stuck in join_run {waited:.1f} s after rank 1 died"
     rank0 = find(outcomes["rank 0"], RunAborted)
@@ -437,7 +437,7 @@ async def test_coordinator_stop_tells_every_worker_the_reason() -> None:
                     transports[rank],
                     10**6,
                 )
-            await wait_for(lambda: coordinator.core.step >= 2)
+            await wait_for(lambda: coordinator.core.view.step >= 2)
             coordinator.stop("stopped by SIGTERM (test)")
     assert isinstance(outcomes["coordinator"], RunFailed)
     assert "stopped by SIGTERM (test)" in str(outcomes["coordinator"])
@@ -744,7 +744,7 @@ async def test_a_member_that_does_not_fold_keeps_everyone_reporting_each_bucket(
                     TrainerOptions(response_cache=rank != 1),
                 )
     assert [outcomes[rank] for rank in range(world_size)] == [steps] * world_size
-    assert coordinator.core.state is RunState.FINISHED
+    assert coordinator.core.view.state is RunState.FINISHED
 
 
 async def test_a_client_offering_to_fold_needs_the_response_cache() -> None:

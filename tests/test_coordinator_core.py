@@ -82,7 +82,7 @@ def started(n: int, **kwargs: Any) -> CoordinatorCore:
     core = CoordinatorCore(n, heartbeat_deadline=kwargs.pop("heartbeat_deadline", 5.0), **kwargs)
     for rank in range(n):
         actions = core.handle(Joined(rank, SIG, addr(rank), now=0.0))
-    assert core.state is RunState.RUNNING
+    assert core.view.state is RunState.RUNNING
     assert len(actions) == 1 and isinstance(actions[0].message, StartRun)
     return core
 
@@ -90,7 +90,7 @@ def started(n: int, **kwargs: Any) -> CoordinatorCore:
 def run_buckets(core: CoordinatorCore, step: int, buckets: int) -> list[Action]:
     """Every rank reports every bucket, each rank in its own (rotated) order."""
     actions: list[Action] = []
-    n = core.world_size
+    n = core.view.world_size
     for position in range(buckets):
         for rank in range(n):
             bucket = (position + rank) % buckets
@@ -100,8 +100,8 @@ def run_buckets(core: CoordinatorCore, step: int, buckets: int) -> list[Action]:
 
 def end_step(core: CoordinatorCore, step: int, bad: frozenset[int] = frozenset()) -> list[Action]:
     actions: list[Action] = []
-    for rank in range(core.world_size):
-        if core.is_digest_step(step):
+    for rank in range(core.view.world_size):
+        if core.view.is_digest_step(step):
             actions += core.handle(digest(rank, step, bad))
         else:
             actions += core.handle(StepDone(rank, step))
@@ -125,13 +125,13 @@ def the_refusal(actions: list[Action]) -> str:
 @pytest.mark.parametrize("interval", [1, 2])
 def test_happy_path(n: int, interval: int) -> None:
     core = CoordinatorCore(n, digest_interval=interval, heartbeat_deadline=5.0)
-    assert core.state is RunState.RENDEZVOUS
+    assert core.view.state is RunState.RENDEZVOUS
     for rank in reversed(range(n)):
         actions = core.handle(Joined(rank, SIG, addr(rank), now=0.0))
     assert actions == [
         Broadcast(StartRun(tuple(addr(r) for r in range(n)), tuple(range(n)), 0, interval, 5.0))
     ]
-    assert core.members == tuple(range(n))
+    assert core.view.members == tuple(range(n))
     seq = 0
     for step in range(4):
         actions = run_buckets(core, step, 3)
@@ -140,16 +140,16 @@ def test_happy_path(n: int, interval: int) -> None:
         assert [g.seq for g in gos] == list(range(seq, seq + 3))
         assert sorted(g.bucket for g in gos) == [0, 1, 2] and {g.step for g in gos} == {step}
         seq += 3
-        assert core.seq == seq
+        assert core.view.seq == seq
         for rank in range(n):
             assert core.handle(Heartbeat(rank, step + 1.0)) == []
         assert core.handle(Tick(step + 1.5)) == []
         assert end_step(core, step) == [Broadcast(Commit(step))]
-        assert core.step == step + 1
+        assert core.view.step == step + 1
     for rank in range(n):
         actions = core.handle(Finished(rank, 4))
     assert actions == [Broadcast(Shutdown("finished"))]
-    assert core.state is RunState.FINISHED
+    assert core.view.state is RunState.FINISHED
     assert core.handle(Tick(1000.0)) == []
     assert core.handle(Disconnected(0, "eof")) == []
 
@@ -160,7 +160,7 @@ def test_go_is_sent_when_the_last_rank_is_ready() -> None:
     assert core.handle(Ready(0, 0, 7, "h7")) == []
     assert core.handle(Ready(0, 0, 5, spec(5))) == []
     assert core.handle(Ready(1, 0, 5, spec(5))) == [Broadcast(Go(0, 5, 0))]
-    assert core.pending_buckets == {7: (0,)}
+    assert core.view.pending_buckets == {7: (0,)}
     assert core.handle(Ready(1, 0, 7, "h7")) == []
     assert core.handle(Ready(2, 0, 7, "h7")) == [Broadcast(Go(0, 7, 1))]
 
@@ -176,7 +176,7 @@ def test_start_run_custom_ring_and_start_step() -> None:
         actions = core.handle(Joined(rank, SIG, addr(rank)))
     start = actions[0].message
     assert start == StartRun((addr(0), addr(1), addr(2)), (2, 0, 1), 7, 1, 10.0)
-    assert core.step == 7
+    assert core.view.step == 7
     assert core.handle(Ready(0, 0, 0, spec(0)))[0].reason.startswith(
         "rank 0 reported bucket 0 ready for step 0, but the run is at step 7"
     )
@@ -198,7 +198,7 @@ def test_a_restart_at_step_0_opens_an_epoch_after_the_workers_latest(
     assert len(starts) == 1 and isinstance(starts[0], StartRun), actions
     start = starts[0]
     assert start.step == 0 and start.broadcast and start.donor == -1
-    assert start.epoch == max(epochs) + 1 and core.epoch == start.epoch
+    assert start.epoch == max(epochs) + 1 and core.view.epoch == start.epoch
     assert start.members == (0, 1, 2)
     epoch = start.epoch
     actions = [a for r in range(3) for a in core.handle(Ready(r, 0, 0, spec(0), epoch=epoch))]
@@ -229,8 +229,8 @@ def test_refuses_out_of_range_and_duplicate_ranks() -> None:
     assert the_refusal(core.handle(Joined(1, SIG, addr(5)))) == "rank 1 has already joined"
     reason = the_refusal(core.handle(Joined(2, SIG, addr(1))))
     assert reason == "rank 2's address 10.0.0.1:7001 is rank 1's"
-    assert core.members == (1,)
-    assert core.state is RunState.RENDEZVOUS
+    assert core.view.members == (1,)
+    assert core.view.state is RunState.RENDEZVOUS
 
 
 def _sig_with(index: int, **changes: Any) -> tuple:
@@ -288,7 +288,7 @@ def test_refuses_a_different_model_naming_the_first_mismatch(
     assert core.handle(Joined(0, SIG, addr(0))) == []
     assert the_refusal(core.handle(Joined(2, signature, addr(2)))) == expected
     assert core.handle(Joined(2, SIG, addr(2))) == []  # the fixed worker may come back
-    assert core.members == (0, 2)
+    assert core.view.members == (0, 2)
 
 
 def test_constructor_signature_is_the_reference() -> None:
@@ -298,7 +298,7 @@ def test_constructor_signature_is_the_reference() -> None:
         "rank 0's model differs from the reference model at parameter 'embed.w': "
         "shape (8, 16) vs (16, 8)"
     )
-    assert core.reference_signature == SIG
+    assert core.view.reference_signature == SIG
 
 
 def test_refuses_joins_once_running_and_non_members() -> None:
@@ -308,7 +308,7 @@ def test_refuses_joins_once_running_and_non_members() -> None:
     assert the_refusal(core.handle(Ready(2, 0, 0, spec(0)))) == (
         "rank 2 sent bucket 0 ready for step 0 but has not joined"
     )
-    assert core.state is RunState.RUNNING
+    assert core.view.state is RunState.RUNNING
 
 
 def test_rendezvous_protocol_violations() -> None:
@@ -320,7 +320,7 @@ def test_rendezvous_protocol_violations() -> None:
     assert core.handle(Heartbeat(1, 3.0)) == []
     reason = the_abort(core.handle(Ready(0, 0, 0, spec(0))))
     assert reason == "rank 0 sent bucket 0 ready for step 0 before the run started"
-    assert core.state is RunState.ABORTED
+    assert core.view.state is RunState.ABORTED
 
 
 # --------------------------------------------------------------------------- bucket aborts
@@ -335,8 +335,8 @@ def test_spec_mismatch_names_both_groups() -> None:
         "step 0 bucket 1: ranks [0, 2] report shapes [(10,), float32], "
         "ranks [1] report [(12,), float32]"
     )
-    assert core.state is RunState.ABORTED
-    assert core.abort_reason == reason
+    assert core.view.state is RunState.ABORTED
+    assert core.view.abort_reason == reason
 
 
 def test_spec_mismatch_is_detected_at_the_second_report() -> None:
@@ -384,7 +384,7 @@ def test_ready_for_the_next_step_is_held_until_the_commit() -> None:
         "Go",
     ]
     go = actions[-1].message
-    assert (go.step, go.bucket) == (1, 0) and core.step == 1
+    assert (go.step, go.bucket) == (1, 0) and core.view.step == 1
     core2 = started(2)
     run_buckets(core2, 0, 1)
     core2.handle(Ready(0, 1, 0, spec(0)))
@@ -411,9 +411,9 @@ def test_cached_reports_need_no_go_once_every_member_agreed() -> None:
         for rank in range(3):
             for bucket in (1, 0):
                 assert core.handle(cached(rank, step, bucket)) == []
-        assert core.pending_buckets == {}
+        assert core.view.pending_buckets == {}
         assert end_step(core, step) == [Broadcast(Commit(step))]
-    assert core.seq == 2  # the two gos of step 0, none since
+    assert core.view.seq == 2  # the two gos of step 0, none since
 
 
 def test_a_cached_report_may_trail_a_peers_step_end() -> None:
@@ -586,7 +586,7 @@ def test_diverged_minority_aborts_naming_step_ranks_and_tensor() -> None:
         "step 1: parameter digests diverged: ranks [2] differ from the majority (ranks [0, 1, 3]); "
         "rank 2 first differs from rank 0 at tensor 'layers.1.attn.w'"
     )
-    assert core.step == 1
+    assert core.view.step == 1
     assert core.handle(Ready(0, 2, 0, spec(0))) == []
 
 
@@ -635,7 +635,7 @@ def test_resync_policy_resyncs_the_minority_from_the_lowest_good_rank() -> None:
     assert actions == [Resync(0, 0, (1,)), Broadcast(Commit(0))]
     assert actions[0].message == ResyncOrder(0, 0, (1,))
     assert actions[0].recipients == (0, 1)
-    assert core.step == 1 and core.state is RunState.RUNNING
+    assert core.view.step == 1 and core.view.state is RunState.RUNNING
     core = started(5, resync=True)
     actions = end_step(core, 0, bad=frozenset({0, 3}))
     assert actions == [Resync(0, 1, (0, 3)), Broadcast(Commit(0))]
@@ -710,7 +710,7 @@ def test_heartbeat_deadline_names_the_silent_rank() -> None:
     for rank in range(3):
         core.handle(Heartbeat(rank, 104.0))
     core.handle(Heartbeat(3, 100.0))
-    assert core.last_heartbeat == {0: 104.0, 1: 104.0, 2: 104.0, 3: 100.0}
+    assert core.view.last_heartbeat == {0: 104.0, 1: 104.0, 2: 104.0, 3: 100.0}
     assert core.handle(Tick(105.0)) == []
     assert the_abort(core.handle(Tick(105.2))) == (
         "rank 3 missed heartbeats for 5.2 s (deadline 5.0 s)"
@@ -732,11 +732,11 @@ def test_heartbeat_deadline_names_every_silent_rank_and_counts_from_join() -> No
 def test_join_without_time_counts_from_the_next_clock_reading() -> None:
     core = CoordinatorCore(2, heartbeat_deadline=1.0)
     core.handle(Joined(0, SIG, addr(0)))
-    assert core.last_heartbeat == {0: None}
+    assert core.view.last_heartbeat == {0: None}
     assert core.handle(Tick(500.0)) == []
-    assert core.last_heartbeat == {0: 500.0}
+    assert core.view.last_heartbeat == {0: 500.0}
     assert core.handle(Heartbeat(0, 499.0)) == []  # out of order: never moves time back
-    assert core.last_heartbeat == {0: 500.0}
+    assert core.view.last_heartbeat == {0: 500.0}
     assert core.handle(Tick(501.0)) == []
     assert the_abort(core.handle(Tick(501.25))) == (
         "rank 0 missed heartbeats for 1.25 s (deadline 1.0 s)"
@@ -763,7 +763,7 @@ def test_a_static_rendezvous_abort_keeps_the_joined_ranks() -> None:
     assert the_abort(core.handle(Disconnected(0, "connection reset"))) == (
         "rank 0 disconnected: connection reset"
     )
-    assert core.members == (0,)
+    assert core.view.members == (0,)
 
 
 def test_after_abort_everything_is_ignored() -> None:
@@ -782,8 +782,8 @@ def test_after_abort_everything_is_ignored() -> None:
     ]
     for event in events:
         assert core.handle(event) == []
-    assert core.state is RunState.ABORTED
-    assert core.abort_reason == "rank 0 disconnected: eof"
+    assert core.view.state is RunState.ABORTED
+    assert core.view.abort_reason == "rank 0 disconnected: eof"
     with pytest.raises(TypeError):
         core.handle("ready")  # type: ignore[arg-type]
 
@@ -1277,17 +1277,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def core_agrees(self) -> None:
         if not hasattr(self, "core"):
             return
-        assert self.core.step == self.expected_step
-        assert self.core.seq == self.last_seq + 1
+        assert self.core.view.step == self.expected_step
+        assert self.core.view.seq == self.last_seq + 1
         if self.aborted:
-            assert self.core.state is RunState.ABORTED and self.core.abort_reason
+            assert self.core.view.state is RunState.ABORTED and self.core.view.abort_reason
         elif self.finished:
-            assert self.core.state is RunState.FINISHED
+            assert self.core.view.state is RunState.FINISHED
         elif self.started:
-            assert self.core.state is RunState.RUNNING
+            assert self.core.view.state is RunState.RUNNING
         else:
-            assert self.core.state is RunState.RENDEZVOUS
-        assert self.core.members == tuple(w.rank for w in self.workers if w.joined)
+            assert self.core.view.state is RunState.RENDEZVOUS
+        assert self.core.view.members == tuple(w.rank for w in self.workers if w.joined)
 
 
 CoordinatorMachine.TestCase.settings = settings(
@@ -1309,7 +1309,7 @@ def test_a_cached_report_may_carry_the_agreed_specs_hash() -> None:
     assert core.handle(cached(0, 1, 0, spec_hash(spec(0)))) == []
     assert core.handle(cached(1, 1, 0)) == []
     assert core.handle(cached(2, 1, 0, spec_hash(spec(0)))) == []
-    assert core.pending_buckets == {}
+    assert core.view.pending_buckets == {}
     assert end_step(core, 1) == [Broadcast(Commit(1))]
     wrong = spec_hash((((1, 4), "float16"), ((3,), "float32")))
     reason = the_abort(core.handle(cached(1, 2, 0, wrong)))
@@ -1435,7 +1435,7 @@ def test_folding_members_report_cached_buckets_in_their_step_report() -> None:
     for step in (1, 2):
         actions = [a for rank in range(3) for a in core.handle(folded(rank, step, agreement))]
         assert actions == [Broadcast(Commit(step))]
-    assert core.seq == 2  # step 0's gos only
+    assert core.view.seq == 2  # step 0's gos only
     done = StepDone(1, 3, cached=agreement)
     assert event_from_wire(roundtrip(*done.to_wire()), rank=1, now=0.0) == done
 

@@ -48,7 +48,7 @@ def started(actions: list[Any]) -> StartRun:
 
 def run_step(core: CoordinatorCore, step: int, members: tuple[int, ...]) -> list[Any]:
     """Every member reports the one bucket, reduces, and sends its digest."""
-    epoch = core.epoch
+    epoch = core.view.epoch
     out: list[Any] = []
     for r in members:
         out += core.handle(Ready(r, step, 0, SPEC, epoch))
@@ -99,10 +99,10 @@ def test_below_min_workers_the_run_holds_then_a_joiner_takes_a_members_state() -
     core.handle(Disconnected(2, "killed"))
     actions = core.handle(Disconnected(1, "killed"))
     holds = [a.message for a in actions if isinstance(a, Broadcast) and isinstance(a.message, Hold)]
-    assert holds and holds[0].step == 1 and core.state is RunState.HOLDING
+    assert holds and holds[0].step == 1 and core.view.state is RunState.HOLDING
     start = started(join(core, 2, 1.0))
     assert (start.step, start.members, start.donor, start.receivers) == (1, (0, 2), 0, (2,))
-    assert core.state is RunState.RUNNING
+    assert core.view.state is RunState.RUNNING
 
 
 def test_a_new_epoch_negotiates_its_buckets_afresh() -> None:
@@ -127,7 +127,7 @@ def test_a_new_epoch_negotiates_its_buckets_afresh() -> None:
 def test_cached_reports_in_an_elastic_epoch_skip_the_go_and_may_trail_reduced() -> None:
     core = elastic()
     run_step(core, 0, (0, 1, 2))
-    assert core.seq == 1
+    assert core.view.seq == 1
     out: list[Any] = []
     out += core.handle(Ready(0, 1, 0, SPEC, 1, cached=True))
     out += core.handle(Reduced(0, 1, 1))  # rank 0's ring ended before the others' reports
@@ -138,7 +138,7 @@ def test_cached_reports_in_an_elastic_epoch_skip_the_go_and_may_trail_reduced() 
     assert out == [Broadcast(Apply(1, 1))]
     for r in (0, 1, 2):
         out = core.handle(Digest(r, 1, b"d1", (), 1))
-    assert out == [Broadcast(Commit(1, 1))] and core.seq == 1
+    assert out == [Broadcast(Commit(1, 1))] and core.view.seq == 1
 
 
 def test_holding_past_the_rejoin_deadline_stops_the_run_clearly() -> None:
@@ -146,8 +146,8 @@ def test_holding_past_the_rejoin_deadline_stops_the_run_clearly() -> None:
     core.handle(Tick(0.0))
     core.handle(Disconnected(1, "killed"))  # one left: min 1, keeps going
     actions = core.handle(Disconnected(0, "killed"))
-    assert any(isinstance(a, Abort) for a in actions) or core.state is RunState.HOLDING
-    if core.state is RunState.HOLDING:
+    assert any(isinstance(a, Abort) for a in actions) or core.view.state is RunState.HOLDING
+    if core.view.state is RunState.HOLDING:
         actions = core.handle(Tick(10.0))
         assert isinstance(actions[-1], Abort) and "min_workers=1" in actions[-1].reason
 
@@ -155,7 +155,7 @@ def test_holding_past_the_rejoin_deadline_stops_the_run_clearly() -> None:
 def test_stale_messages_are_dropped_and_future_epochs_evict_the_sender() -> None:
     core = elastic()
     core.handle(Disconnected(2, "killed"))
-    assert core.handle(Ready(0, 0, 0, SPEC, 1)) == [] and core.stale_messages == 1
+    assert core.handle(Ready(0, 0, 0, SPEC, 1)) == [] and core.view.stale_messages == 1
     actions = core.handle(Ready(1, 0, 0, SPEC, 9))
     assert isinstance(actions[0], Evict) and actions[0].rank == 1 and "epoch 9" in actions[0].reason
 
@@ -232,16 +232,16 @@ class ElasticMachine(RuleBasedStateMachine):
     def feed(self, event: Any, sender: Sim | None = None) -> list[Any]:
         if sender is not None:
             sender.last = event
-        before = self.core.epoch
+        before = self.core.view.epoch
         actions = self.core.handle(event)
-        if isinstance(event, Reduced) and event.epoch == before == self.core.epoch:
+        if isinstance(event, Reduced) and event.epoch == before == self.core.view.epoch:
             self.reduced.setdefault((event.epoch, event.step), set()).add(event.rank)
         for action in actions:
             self.check(action)
             if isinstance(action, Evict):
                 self.sims.pop(action.rank, None)
             if isinstance(action, Broadcast):
-                for rank in self.core.members:
+                for rank in self.core.view.members:
                     if rank in self.sims:
                         self.deliver(self.sims[rank], action.message)
         return actions
@@ -257,9 +257,9 @@ class ElasticMachine(RuleBasedStateMachine):
                 self.applies.add(message.step)
                 self.applied_in[message.step] = message.epoch
             if isinstance(message, Commit):
-                record = self.core.last_commit
+                record = self.core.view.last_commit
                 assert record is not None and record.step == message.step
-                if self.core.is_digest_step(message.step) or record.digests:
+                if self.core.view.is_digest_step(message.step) or record.digests:
                     assert set(record.digests) == set(record.members), "commit without digests"
                 if message.step in self.trained_commits and record.digests == ():
                     raise AssertionError(f"step {message.step} committed twice")
@@ -311,7 +311,7 @@ class ElasticMachine(RuleBasedStateMachine):
             return None
         if sim.phase == "done":
             sim.phase = "wait_commit"
-            if self.core.is_digest_step(s):
+            if self.core.view.is_digest_step(s):
                 return Digest(sim.rank, s, b"d%d" % s, (), e)
             return StepDone(sim.rank, s, e)
         if sim.phase == "finish":
@@ -329,7 +329,7 @@ class ElasticMachine(RuleBasedStateMachine):
     def advance(self, index: int, moves: int) -> None:
         for _ in range(moves):
             sim = self.pick(index)
-            if sim is None or self.core.state not in (RunState.RUNNING, RunState.HOLDING):
+            if sim is None or self.core.view.state not in (RunState.RUNNING, RunState.HOLDING):
                 return
             event = self.honest_move(sim)
             if event is None:
@@ -347,7 +347,11 @@ class ElasticMachine(RuleBasedStateMachine):
 
     @rule(rank=st.integers(0, 3))
     def rejoin(self, rank: int) -> None:
-        if rank < self.n and rank not in self.sims and self.core.state is not RunState.FINISHED:
+        if (
+            rank < self.n
+            and rank not in self.sims
+            and self.core.view.state is not RunState.FINISHED
+        ):
             self.sims[rank] = Sim(rank)
             self.feed(Joined(rank, SIG, ("h", 2000 + rank), self.now))
 
@@ -356,7 +360,7 @@ class ElasticMachine(RuleBasedStateMachine):
         sim = self.pick(index)
         if sim is None or sim.last is None or not hasattr(sim.last, "epoch"):
             return
-        if sim.last.epoch < self.core.epoch:
+        if sim.last.epoch < self.core.view.epoch:
             actions = self.feed(sim.last)
             assert actions == [], "a stale message must be dropped"
 
@@ -371,7 +375,7 @@ class ElasticMachine(RuleBasedStateMachine):
         """A worker's next two messages arrive swapped: dropped as a protocol break or taken
         as they come, the run itself never aborts and the invariants hold."""
         sim = self.pick(index)
-        if sim is None or self.core.state is not RunState.RUNNING:
+        if sim is None or self.core.view.state is not RunState.RUNNING:
             return
         first = self.honest_move(sim)
         second = self.honest_move(sim) if first is not None else None
@@ -387,8 +391,8 @@ class ElasticMachine(RuleBasedStateMachine):
 
     @invariant()
     def epochs_only_grow(self) -> None:
-        assert self.core.epoch >= self.epochs_seen[-1]
-        assert self.core.state is not RunState.ABORTED or self.core.abort_reason
+        assert self.core.view.epoch >= self.epochs_seen[-1]
+        assert self.core.view.state is not RunState.ABORTED or self.core.view.abort_reason
 
 
 ElasticMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

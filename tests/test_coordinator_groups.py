@@ -50,7 +50,7 @@ def started(n: int, **declaration: Any) -> tuple[CoordinatorCore, list[Action]]:
     actions: list[Action] = []
     for rank in range(n):
         actions = core.handle(join(rank, **declaration))
-    assert core.state is RunState.RUNNING, actions
+    assert core.view.state is RunState.RUNNING, actions
     return core, actions
 
 
@@ -161,7 +161,7 @@ def test_a_group_go_needs_only_that_groups_members_and_goes_to_them() -> None:
     assert core.handle(Ready(0, 0, 5, spec(5), group="a")) == []
     actions = core.handle(Ready(1, 0, 5, spec(5), group="a"))
     assert sends(actions) == {0: [Go(0, 5, 0, 1, "a")], 1: [Go(0, 5, 0, 1, "a")]}
-    assert core.group_seq("a") == 1 and core.group_seq("b") == 0 and core.seq == 0
+    assert core.view.group_seq("a") == 1 and core.view.group_seq("b") == 0 and core.view.seq == 0
 
 
 def test_two_groups_interleave_independently() -> None:
@@ -192,7 +192,7 @@ def test_specs_are_compared_within_the_group_only() -> None:
     core.handle(Ready(1, 0, 3, spec(3), group="a"))
     core.handle(Ready(2, 0, 3, spec(3, width=9), group="b"))
     assert sends(core.handle(Ready(3, 0, 3, spec(3, width=9), group="b")))[2][0].group == "b"
-    assert core.state is RunState.RUNNING
+    assert core.view.state is RunState.RUNNING
 
 
 def test_the_response_cache_is_per_group() -> None:
@@ -202,7 +202,7 @@ def test_the_response_cache_is_per_group() -> None:
     # Group a agreed on bucket 3: a cached report of it is taken for a later step...
     for rank in range(4):
         core.handle(_step_done(rank))
-    assert core.step == 1
+    assert core.view.step == 1
     assert core.handle(Ready(0, 1, 3, spec(3), cached=True, group="a")) == []
     assert core.handle(Ready(1, 1, 3, spec(3), cached=True, group="a")) == []  # no go: cached
     # ...but group b agreed on nothing: its cached report is a fault.
@@ -313,7 +313,7 @@ def test_random_meshes_give_every_rank_its_groups_and_one_go_order_per_group(
         for rank, messages in sends(core.handle(report)).items():
             for go in messages:
                 received.setdefault((rank, go.group), []).append((go.bucket, go.seq))
-    members = {name: ranks for name, ranks in core.groups}
+    members = {name: ranks for name, ranks in core.view.groups}
     for name, ranks in members.items():
         orders = [received[(rank, name)] for rank in ranks]
         assert all(order == orders[0] for order in orders)

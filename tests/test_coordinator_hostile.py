@@ -44,7 +44,7 @@ def started(n: int, **kwargs: object) -> CoordinatorCore:
     core = CoordinatorCore(n, heartbeat_deadline=5.0, **kwargs)  # type: ignore[arg-type]
     for rank in range(n):
         core.handle(Joined(rank, SIG, addr(rank), now=0.0))
-    assert core.state is RunState.RUNNING
+    assert core.view.state is RunState.RUNNING
     return core
 
 

@@ -121,7 +121,7 @@ def started(shape: dict[str, int], **kwargs: Any) -> CoordinatorCore:
     world = math.prod(shape.values())
     core = CoordinatorCore(world, heartbeat_deadline=5.0, **kwargs)
     actions = join_all(core, {rank: layout(rank, shape) for rank in range(world)})
-    assert core.state is RunState.RUNNING, actions
+    assert core.view.state is RunState.RUNNING, actions
     assert isinstance(actions[0], Broadcast) and isinstance(actions[0].message, StartRun)
     return core
 
@@ -130,7 +130,7 @@ def end_step(core: CoordinatorCore, step: int, states: dict[int, bytes], **bad: 
     actions: list[Action] = []
     for rank in sorted(states):
         tensor = bad.get(f"r{rank}")
-        actions += core.handle(digest(rank, step, states[rank], tensor, core.epoch))
+        actions += core.handle(digest(rank, step, states[rank], tensor, core.view.epoch))
     return actions
 
 
@@ -145,14 +145,14 @@ def test_replicas_of_a_shard_agree_and_shards_may_differ(shape: dict[str, int], 
     core = started(shape)
     for step in range(3):
         states = {
-            rank: b"shard-%d-%d-%d" % (core.shard_of(rank), step, salt)
-            for rank in range(core.world_size)
+            rank: b"shard-%d-%d-%d" % (core.view.shard_of(rank), step, salt)
+            for rank in range(core.view.world_size)
         }
         actions = end_step(core, step, states)
         assert [type(a.message).__name__ for a in actions if isinstance(a, Broadcast)] == [
             "Commit"
         ], actions
-        assert core.last_commit is not None and core.last_commit.step == step
+        assert core.view.last_commit is not None and core.view.last_commit.step == step
 
 
 @SETTINGS
@@ -161,10 +161,10 @@ def test_a_single_diverging_replica_is_named_with_its_shard(
     shape: dict[str, int], data: st.DataObject
 ) -> None:
     core = started(shape)
-    world = core.world_size
+    world = core.view.world_size
     bad = data.draw(st.integers(0, world - 1), label="bad rank")
     tensor = data.draw(st.integers(0, len(TENSORS) - 1), label="bad tensor")
-    states = {rank: b"shard-%d" % core.shard_of(rank) for rank in range(world)}
+    states = {rank: b"shard-%d" % core.view.shard_of(rank) for rank in range(world)}
     reason = the_abort(end_step(core, 0, states, **{f"r{bad}": tensor}))
     replicas = next(group for group in dp_groups(shape) if bad in group)
     good = [rank for rank in replicas if rank != bad]
@@ -179,7 +179,7 @@ def test_a_single_diverging_replica_is_named_with_its_shard(
     assert f"rank {other} first differs from rank {ref} at tensor '{TENSORS[tensor]}'" in reason
     # Only the bad shard is named: no other shard's ranks appear.
     assert reason.count("shard (") == 1 or "(the whole model)" in reason, reason
-    assert core.state is RunState.ABORTED
+    assert core.view.state is RunState.ABORTED
 
 
 @SETTINGS
@@ -191,7 +191,7 @@ def test_resync_repairs_each_shards_minority_from_its_own_replicas(
     groups = dp_groups(shape)
     chosen = data.draw(st.lists(st.sampled_from(groups), min_size=1, unique_by=tuple))
     bad = {data.draw(st.sampled_from(group), label="bad replica"): 0 for group in chosen}
-    states = {rank: b"shard-%d" % core.shard_of(rank) for rank in range(core.world_size)}
+    states = {rank: b"shard-%d" % core.view.shard_of(rank) for rank in range(core.view.world_size)}
     actions = end_step(core, 0, states, **{f"r{rank}": t for rank, t in bad.items()})
     resyncs = [a for a in actions if isinstance(a, Resync)]
     assert len(resyncs) == len(chosen), actions
@@ -200,14 +200,14 @@ def test_resync_repairs_each_shards_minority_from_its_own_replicas(
         group = next(g for g in groups if target in g)
         assert target in bad
         assert resync.source_rank == min(r for r in group if r != target)
-    assert isinstance(actions[-1], Broadcast) and core.last_commit is not None
+    assert isinstance(actions[-1], Broadcast) and core.view.last_commit is not None
 
 
 def test_without_a_layout_every_rank_is_compared_with_all() -> None:
     """A flat run: one shard, today's verdict and text."""
     core = CoordinatorCore(4, heartbeat_deadline=5.0)
     join_all(core, {rank: None for rank in range(4)})
-    assert core.layout is None and {core.shard_of(r) for r in range(4)} == {0}
+    assert core.view.layout is None and {core.view.shard_of(r) for r in range(4)} == {0}
     states = {rank: b"same" for rank in range(4)}
     reason = the_abort(end_step(core, 0, states, r2=1))
     assert reason.startswith(
@@ -222,7 +222,7 @@ def test_packed_per_tensor_digests_name_the_tensor_within_the_shard() -> None:
 
     def packed(rank: int, bad: bool) -> Digest:
         per = b"a" * 16 + (b"x" if bad else b"b") * 16
-        base = b"shard-%d" % core.shard_of(rank)
+        base = b"shard-%d" % core.view.shard_of(rank)
         return Digest(rank, 0, base + (b"!" if bad else b""), (), packed=per, names=names)
 
     actions: list[Action] = []
@@ -267,7 +267,7 @@ def test_disagreeing_schedule_digests_stop_the_run_naming_both_sides(
         for rank in range(world)
     }
     reason = the_abort(join_all(core, layouts))
-    assert core.state is RunState.ABORTED
+    assert core.view.state is RunState.ABORTED
     same = sorted(set(range(world)) - set(others))
     assert reason.startswith("the run cannot start: the ranks disagree on the pipeline schedule")
 
@@ -381,7 +381,7 @@ def test_a_restart_resumes_where_every_shard_holds_one_state_and_checks_it_per_s
     assert isinstance(start, StartRun) and start.step == 6 and start.verify
     assert start.donor == -1 and start.receivers == () and start.epoch == 4
     commits = end_step(core, 5, {rank: b"shard-%d" % (rank % 2) for rank in range(4)})
-    assert core.last_commit is not None and core.last_commit.step == 5, commits
+    assert core.view.last_commit is not None and core.view.last_commit.step == 5, commits
 
 
 def test_a_restart_whose_replicas_differ_stops_naming_the_shard() -> None:
@@ -454,7 +454,7 @@ def test_the_sharded_check_keeps_no_state_per_step() -> None:
     """The per-shard verdict groups each step's reports afresh (O(members) once per step, O(1)
     per report) and keeps nothing of it: the heap is flat over 200 steps of 16 workers."""
     core = started({"pp": 2, "dp": 4, "tp": 2})
-    states = {rank: b"shard-%d" % core.shard_of(rank) for rank in range(16)}
+    states = {rank: b"shard-%d" % core.view.shard_of(rank) for rank in range(16)}
     reports = {rank: digest(rank, 0, states[rank]) for rank in range(16)}
 
     def run(first: int, count: int) -> int:
@@ -470,5 +470,5 @@ def test_the_sharded_check_keeps_no_state_per_step() -> None:
         at_250 = run(50, 200)
     finally:
         tracemalloc.stop()
-    assert core.last_commit is not None and core.last_commit.step == 249
+    assert core.view.last_commit is not None and core.view.last_commit.step == 249
     assert at_250 - at_50 < 8 * 1024, (at_50, at_250)

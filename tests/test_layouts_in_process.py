@@ -145,12 +145,17 @@ async def test_shards_train_apart_and_dp_replicas_commit_every_step() -> None:
     weights = [outcome[f"rank {rank}"] for rank in range(WORLD)]
     assert all(isinstance(w, torch.Tensor) for w in weights), outcome
     core = coordinator.core
-    assert core.last_commit is not None and core.last_commit.step == STEPS - 1
-    assert core.layout is not None and core.layout.schedule_digest == SCHEDULE
+    assert core.view.last_commit is not None and core.view.last_commit.step == STEPS - 1
+    assert core.view.layout is not None and core.view.layout.schedule_digest == SCHEDULE
     # dp replicas (ranks 0, 2: tp=0; ranks 1, 3: tp=1) are bitwise equal; the shards differ.
     assert torch.equal(weights[0], weights[2]) and torch.equal(weights[1], weights[3])
     assert not torch.equal(weights[0], weights[1])
-    assert core.shard_of(0) == core.shard_of(2) != core.shard_of(1) == core.shard_of(3)
+    assert (
+        core.view.shard_of(0)
+        == core.view.shard_of(2)
+        != core.view.shard_of(1)
+        == core.view.shard_of(3)
+    )
 
 
 async def test_a_perturbed_replica_is_named_with_its_shard() -> None:

@@ -174,7 +174,7 @@ async def test_stalls_refusals_and_rejoins_are_counted() -> None:
 
     for rank in range(3):
         feed(Joined(rank, SIG, ("127.0.0.1", 9000 + rank), now=0.0))
-    assert coordinator.core.epoch == 1
+    assert coordinator.core.view.epoch == 1
     assert sample("paramsync_epoch") == 1 and sample("paramsync_members") == 3
     feed(Joined(1, SIG, ("127.0.0.1", 9101), now=0.0))  # rank 1 has joined: refused
     assert sample("paramsync_refused_connections_total", reason="join") == 1

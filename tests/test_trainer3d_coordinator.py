@@ -89,10 +89,15 @@ async def test_the_coordinator_commits_every_step_comparing_replicas_per_shard()
     outcome, coordinator = await run()
     assert outcome["coordinator"] is None, outcome
     core = coordinator.core
-    assert core.last_commit is not None and core.last_commit.step == STEPS - 1
-    assert core.layout is not None
+    assert core.view.last_commit is not None and core.view.last_commit.step == STEPS - 1
+    assert core.view.layout is not None
     # mesh ("pp", "dp", "tp") = (2, 2, 1): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
-    assert core.shard_of(0) == core.shard_of(1) != core.shard_of(2) == core.shard_of(3)
+    assert (
+        core.view.shard_of(0)
+        == core.view.shard_of(1)
+        != core.view.shard_of(2)
+        == core.view.shard_of(3)
+    )
     for rank in range(WORLD):
         assert outcome[f"rank {rank}"] == {"pp": rank // 2, "dp": rank % 2, "tp": 0}
 
@@ -104,7 +109,7 @@ async def test_the_coordinator_commits_every_step_on_torchs_data_plane() -> None
     outcome, coordinator = await run(config=replace(CONFIG, comm_backend="torch"))
     assert outcome["coordinator"] is None, outcome
     core = coordinator.core
-    assert core.last_commit is not None and core.last_commit.step == STEPS - 1
+    assert core.view.last_commit is not None and core.view.last_commit.step == STEPS - 1
     for rank in range(WORLD):
         assert outcome[f"rank {rank}"] == {"pp": rank // 2, "dp": rank % 2, "tp": 0}
 

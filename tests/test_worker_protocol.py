@@ -439,7 +439,7 @@ class WiredMachine(RuleBasedStateMachine):
             if isinstance(action, Broadcast):
                 if isinstance(action.message, Commit):
                     self.commits.add((action.message.epoch, action.message.step))
-                for rank in self.core.members:
+                for rank in self.core.view.members:
                     self._tell(rank, action.message)
             elif isinstance(action, Abort):
                 assert self.dropped and not self.elastic, f"the run aborted: {action.reason}"
@@ -641,12 +641,12 @@ class WiredMachine(RuleBasedStateMachine):
     @invariant()
     def an_honest_run_never_aborts(self) -> None:
         if self.elastic or not self.dropped:
-            assert self.core.state is not RunState.ABORTED, self.core.abort_reason
+            assert self.core.view.state is not RunState.ABORTED, self.core.view.abort_reason
 
     @invariant()
     def a_finished_run_ends_everyone_at_the_same_state(self) -> None:
-        if self.core.state is RunState.FINISHED and not any(self.down):
-            members = self.core.members
+        if self.core.view.state is RunState.FINISHED and not any(self.down):
+            members = self.core.view.members
             assert {self.trainers[rank].step for rank in members} == {STEPS}
             assert all(self.protocols[rank].phase is Phase.ENDED for rank in members)
 
@@ -667,7 +667,7 @@ def test_an_uninterrupted_run_reaches_its_end(elastic: bool) -> None:
             machine.train(rank)
         machine.counters_follow_the_coordinators_commits()
         machine.an_honest_run_never_aborts()
-    assert machine.core.state is RunState.FINISHED
+    assert machine.core.view.state is RunState.FINISHED
     machine.a_finished_run_ends_everyone_at_the_same_state()
     assert machine.reported[(0, 1)] == list(range(STEPS))
     assert spec_hash(SPECS[0]).startswith("xxh3:")
@@ -696,12 +696,12 @@ def test_a_run_survives_a_coordinator_restart_and_a_lost_link_when_elastic(elast
     machine.restart_coordinator()
     assert machine.restarts == 1
     assert all(p.phase is Phase.LOST for p in machine.protocols)
-    run(400, lambda: machine.core.epoch >= 2 and min(t.step for t in machine.trainers) >= 3)
-    assert machine.core.epoch >= 2
+    run(400, lambda: machine.core.view.epoch >= 2 and min(t.step for t in machine.trainers) >= 3)
+    assert machine.core.view.epoch >= 2
     if elastic:
         machine.drop_worker_link(1)
         assert machine.dropped and machine.protocols[1].phase is Phase.LOST
     run(600)
-    assert machine.core.state is RunState.FINISHED
+    assert machine.core.view.state is RunState.FINISHED
     machine.a_finished_run_ends_everyone_at_the_same_state()
     assert {t.step for t in machine.trainers} == {STEPS}

@@ -7,11 +7,15 @@ hand-built dict) and results for the trainer. It opens no socket, starts no task
 clock: `paramsync.actors.client.client.CoordinatorClient` is the trio shell that moves the bytes,
 runs the timers and redials.
 
-Every transition is in two tables, `COORDINATOR_TRANSITIONS` (what the coordinator may send
-in each phase) and `TRAINER_TRANSITIONS` (what the trainer may ask in each phase). A
-coordinator message that is not in its phase's table is a :class:`ProtocolError` naming the
+Every transition is a row of one of three tables (`paramsync.runtime.protocol.state_machine`):
+`COORDINATOR_TABLE` (what the coordinator may send in each phase), `TRAINER_TABLE` (what the
+trainer may ask in each phase) and `LINK_TABLE` (the link lost, to rejoin or for good). Each
+row names the phase, the event, the handler and the phase it leads to: the handler runs, then
+the row moves the phase (a handler that raises leaves it as it was); no handler sets the phase.
+A coordinator message that is not in its phase's table is a :class:`ProtocolError` naming the
 coordinator, the message kind, its step and epoch, and the phase; a trainer request that is
 not in its table is a :class:`LocalProtocolError` (this worker's own bug, not the peer's).
+`COORDINATOR_TRANSITIONS` and `TRAINER_TRANSITIONS` list, per phase, the events it allows.
 
 Epochs decide within a transition: a run order (go, commit, apply) of an older epoch than the
 newest one announced raced a membership change and is dropped; one of a newer epoch is a
@@ -21,7 +25,7 @@ protocol error; a report of an older epoch is dropped here, as the coordinator w
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 from paramsync.actors.client.events import (
@@ -72,12 +76,16 @@ from paramsync.runtime.protocol.messages import (
     StartRun,
     StepDone,
 )
+from paramsync.runtime.protocol.state_machine import Row, Table
 
 __all__ = [
     "Phase",
     "WorkerProtocol",
     "LocalProtocolError",
     "EpochRegression",
+    "COORDINATOR_TABLE",
+    "TRAINER_TABLE",
+    "LINK_TABLE",
     "COORDINATOR_TRANSITIONS",
     "TRAINER_TRANSITIONS",
 ]
@@ -115,75 +123,15 @@ class Phase(enum.Enum):
     """The run is over for this worker (shut down, aborted, refused, or lost for good)."""
 
 
-# --------------------------------------------------------------------------- the tables
-
-_RUN_ENDS = {"shutdown": "_on_end", "abort": "_on_end", "join_refused": "_on_end"}
-_JOIN_ANSWERS = {"start_run": "_on_start", "heartbeat": "_on_heartbeat", **_RUN_ENDS}
-
-COORDINATOR_TRANSITIONS: dict[Phase, dict[str, str]] = {
-    Phase.UNJOINED: {},
-    Phase.JOINING: _JOIN_ANSWERS,
-    Phase.RUNNING: {
-        "go": "_on_go",
-        "commit": "_on_commit",
-        "apply": "_on_apply",
-        "resync": "_on_resync",
-        "start_run": "_on_announce",
-        "hold": "_on_announce",
-        "heartbeat": "_on_heartbeat",
-        **_RUN_ENDS,
-    },
-    Phase.HOLDING: {
-        # A hold's epoch runs nothing: only an older epoch's orders may still be on the way.
-        "go": "_on_stale_only",
-        "commit": "_on_stale_only",
-        "apply": "_on_stale_only",
-        "start_run": "_on_announce",
-        "hold": "_on_announce",
-        "heartbeat": "_on_heartbeat",
-        **_RUN_ENDS,
-    },
-    Phase.LOST: {},
-    Phase.REJOINING: _JOIN_ANSWERS,
-    Phase.ENDED: {},
-}
-"""Phase -> coordinator message kind -> transition; a kind not listed is a ProtocolError."""
+# --------------------------------------------------------------------------- the events
 
 _REPORTS = ("ready", "folded", "reduced", "digest", "step_done", "finished")
+_RUN_ENDS = ("shutdown", "abort", "join_refused")
 
-TRAINER_TRANSITIONS: dict[Phase, dict[str, str]] = {
-    Phase.UNJOINED: {"join": "_join", "enter": "_adopt", "heartbeat": "_nothing"},
-    Phase.JOINING: {"heartbeat": "_heartbeat"},
-    Phase.RUNNING: {
-        **dict.fromkeys(_REPORTS, "_report"),
-        "enter": "_enter",
-        "heartbeat": "_heartbeat",
-    },
-    Phase.HOLDING: {
-        **dict.fromkeys(_REPORTS, "_report"),
-        "enter": "_enter",
-        "heartbeat": "_heartbeat",
-    },
-    # Without a link, reports of the step in flight are dropped: the trainer holds, and a
-    # restarted coordinator opens a later epoch, whose run drops older reports anyway.
-    Phase.LOST: {
-        **dict.fromkeys(_REPORTS, "_report"),
-        "join": "_rejoin",
-        "enter": "_enter",
-        "heartbeat": "_nothing",
-    },
-    Phase.REJOINING: {
-        **dict.fromkeys(_REPORTS, "_report"),
-        "enter": "_enter",
-        "heartbeat": "_heartbeat",
-    },
-    Phase.ENDED: {
-        **dict.fromkeys(_REPORTS, "_nothing"),
-        "enter": "_enter",
-        "heartbeat": "_nothing",
-    },
-}
-"""Phase -> trainer request -> transition; a request not listed is a LocalProtocolError."""
+LOST = "lose the link, to rejoin"
+"""The link broke or went silent and the shell will dial the coordinator again."""
+LOST_FOR_GOOD = "lose the link for good"
+"""The link broke and the shell gives up: the run is over for this worker."""
 
 _REQUESTS: dict[type, str] = {
     Join: "join",
@@ -196,6 +144,9 @@ _REQUESTS: dict[type, str] = {
     EnterEpoch: "enter",
     HeartbeatDue: "heartbeat",
 }
+
+_Handler = Callable[["WorkerProtocol", Any], list[WorkerAction]]
+_Row = Row[Phase, str, _Handler]
 
 _CONNECTED = (Phase.JOINING, Phase.RUNNING, Phase.HOLDING, Phase.REJOINING)
 
@@ -315,31 +266,38 @@ class WorkerProtocol:
         if isinstance(event, Received | HeartbeatReceived):
             return self._receive(event)
         if isinstance(event, ConnectionLost):
-            return self._on_lost(event)
+            fate = LOST if event.rejoin else LOST_FOR_GOOD
+            return self._take(LINK_TABLE.row(self.phase, fate), event)
         if isinstance(event, Tick):
             return self._on_tick(event)
         request = _REQUESTS.get(type(event))
         if request is None:
             raise TypeError(f"not a worker protocol event: {type(event).__name__}")
-        name = TRAINER_TRANSITIONS[self.phase].get(request)
-        if name is None:
+        row = TRAINER_TABLE.find(self.phase, request)
+        if row is None:
             raise LocalProtocolError(
                 f"rank {self.rank} asked to send {request} while {self.phase.value} "
                 f"(epoch {self.epoch}): not allowed in this phase"
             )
-        handler: Callable[[Any], list[WorkerAction]] = getattr(self, name)
-        return handler(event)
+        return self._take(row, event)
 
     def _receive(self, event: Received | HeartbeatReceived) -> list[WorkerAction]:
         message = event.message if isinstance(event, Received) else event
-        name = COORDINATOR_TRANSITIONS[self.phase].get(message.KIND)
-        if name is None:
+        row = COORDINATOR_TABLE.find(self.phase, message.KIND)
+        if row is None:
             raise self._illegal(message, "not allowed in this phase")
         if event.now is not None:
             heard = self.last_heard
             self.last_heard = event.now if heard is None else max(heard, event.now)
-        handler: Callable[[Any], list[WorkerAction]] = getattr(self, name)
-        return handler(message)
+        return self._take(row, message)
+
+    def _take(self, row: _Row, event: Any) -> list[WorkerAction]:
+        """Run ``row``'s handler on ``event``, then move to the row's phase (a handler that
+        raises leaves the phase as it was)."""
+        actions = [] if row.handler is None else row.handler(self, event)
+        assert row.target is not None  # every row of the worker's tables names its phase
+        self.phase = row.target
+        return actions
 
     def _illegal(self, message: Message | HeartbeatReceived, why: str) -> ProtocolError:
         joining = self.phase in (Phase.JOINING, Phase.REJOINING)
@@ -351,9 +309,6 @@ class WorkerProtocol:
 
     # ------------------------------------------------------------------- coordinator
 
-    def _on_heartbeat(self, message: HeartbeatReceived) -> list[WorkerAction]:
-        return []
-
     def _on_start(self, start: StartRun) -> list[WorkerAction]:
         rejoined = self.phase is Phase.REJOINING
         if rejoined and start.epoch <= self.epoch:
@@ -362,7 +317,6 @@ class WorkerProtocol:
                 f"coordinator opened epoch {start.epoch}, not after {self.epoch}",
                 peer=COORDINATOR,
             )
-        self.phase = Phase.RUNNING
         self.epoch = start.epoch
         self.lost_reason = None
         actions: list[WorkerAction] = [Started(start, rejoined), *self._enter(EnterEpoch(start))]
@@ -371,9 +325,7 @@ class WorkerProtocol:
         return actions
 
     def _on_end(self, message: Shutdown | AbortRun | JoinRefused) -> list[WorkerAction]:
-        joining = self.phase in (Phase.JOINING, Phase.REJOINING)
-        self.phase = Phase.ENDED
-        if joining:
+        if self.phase in (Phase.JOINING, Phase.REJOINING):
             error: str | None = f"coordinator refused rank {self.rank}: {message.reason}"
         elif isinstance(message, Shutdown):
             clean = message.reason == "finished"
@@ -456,24 +408,18 @@ class WorkerProtocol:
                 message, f"epoch {message.epoch} announced after epoch {self.epoch}"
             )
         self.epoch = message.epoch
-        self.phase = Phase.RUNNING if isinstance(message, StartRun) else Phase.HOLDING
         return [Announce(message)]
 
     # ------------------------------------------------------------------- the link
 
     def _on_lost(self, event: ConnectionLost) -> list[WorkerAction]:
-        phase = self.phase
-        if phase in (Phase.RUNNING, Phase.HOLDING) and event.rejoin:
-            self.phase = Phase.LOST
-            self.lost_reason = event.reason
-            hold = Hold(self.applied + 1, self.epoch, f"coordinator lost: {event.reason}")
-            return [Announce(hold), Progress()]
-        if phase in (Phase.LOST, Phase.REJOINING) and event.rejoin:
-            self.phase = Phase.LOST
-            return []
-        if phase is not Phase.ENDED:
-            self.phase = Phase.ENDED
-            self.lost_reason = event.reason
+        """The link of a running or holding worker is lost: it holds until it rejoins."""
+        self.lost_reason = event.reason
+        hold = Hold(self.applied + 1, self.epoch, f"coordinator lost: {event.reason}")
+        return [Announce(hold), Progress()]
+
+    def _on_lost_for_good(self, event: ConnectionLost) -> list[WorkerAction]:
+        self.lost_reason = event.reason
         return []
 
     def _on_tick(self, event: Tick) -> list[WorkerAction]:
@@ -485,9 +431,6 @@ class WorkerProtocol:
         return [Silent(f"the coordinator sent nothing for {deadline:g} s (heartbeat deadline)")]
 
     # ------------------------------------------------------------------- the trainer
-
-    def _nothing(self, event: WorkerEvent) -> list[WorkerAction]:
-        return []
 
     def _heartbeat(self, event: HeartbeatDue) -> list[WorkerAction]:
         return [Send(Heartbeat(self.rank, event.now))]
@@ -523,7 +466,6 @@ class WorkerProtocol:
 
     def _join(self, event: Join) -> list[WorkerAction]:
         message = self._joined(event)
-        self.phase = Phase.JOINING
         self.last_heard = None
         return [Send(message)]
 
@@ -534,14 +476,12 @@ class WorkerProtocol:
                 f"epoch {self.epoch}: a rejoin presents the state it holds"
             )
         message = self._joined(event)
-        self.phase = Phase.REJOINING
         self.last_heard = None
         return [Send(message)]
 
     def _adopt(self, event: EnterEpoch) -> list[WorkerAction]:
         """A client handed its epoch's start without a join (a tool or test attached to a
         conversation already under way): run that epoch."""
-        self.phase = Phase.RUNNING
         self.epoch = event.start.epoch
         return self._enter(event)
 
@@ -724,3 +664,113 @@ class WorkerProtocol:
             packed = bytes(event.tensors)
             return Digest(rank, event.step, event.digest, (), epoch, packed, names, cached)
         return Digest(rank, event.step, event.digest, tuple(event.tensors), epoch, cached=cached)
+
+
+# --------------------------------------------------------------------------- the tables
+
+_P, _W = Phase, WorkerProtocol
+
+
+def _stay(phase: Phase, events: Iterable[str], handler: _Handler | None) -> list[_Row]:
+    """Rows of ``events`` that run ``handler`` and leave ``phase`` as it is."""
+    return [Row(phase, event, phase, handler) for event in events]
+
+
+def _joining(phase: Phase) -> list[_Row]:
+    """What the coordinator may answer a join (or a rejoin) with."""
+    return [
+        Row(phase, "start_run", _P.RUNNING, _W._on_start),
+        Row(phase, "heartbeat", phase),
+        *(Row(phase, kind, _P.ENDED, _W._on_end) for kind in _RUN_ENDS),
+    ]
+
+
+def _running(phase: Phase, orders: Mapping[str, _Handler]) -> list[_Row]:
+    """What the coordinator may send in an announced epoch (``orders``: the handlers of its
+    go, commit and apply, which run them or, while holding, only drop them as stale)."""
+    return [
+        *(Row(phase, kind, phase, handler) for kind, handler in orders.items()),
+        Row(phase, "start_run", _P.RUNNING, _W._on_announce),
+        Row(phase, "hold", _P.HOLDING, _W._on_announce),
+        Row(phase, "heartbeat", phase),
+        *(Row(phase, kind, _P.ENDED, _W._on_end) for kind in _RUN_ENDS),
+    ]
+
+
+def _reporting(phase: Phase) -> list[_Row]:
+    """What the trainer may ask while connected to an epoch (or holding, or rejoining)."""
+    return [
+        *_stay(phase, _REPORTS, _W._report),
+        Row(phase, "enter", phase, _W._enter),
+        Row(phase, "heartbeat", phase, _W._heartbeat),
+    ]
+
+
+COORDINATOR_TABLE: Table[Phase, str, _Handler] = Table(
+    Phase,
+    [
+        *_joining(_P.JOINING),
+        *_running(_P.RUNNING, {"go": _W._on_go, "commit": _W._on_commit, "apply": _W._on_apply}),
+        Row(_P.RUNNING, "resync", _P.RUNNING, _W._on_resync),
+        # A hold's epoch runs nothing: only an older epoch's orders may still be on the way.
+        *_running(_P.HOLDING, dict.fromkeys(("go", "commit", "apply"), _W._on_stale_only)),
+        *_joining(_P.REJOINING),
+    ],
+    terminal={_P.ENDED},
+)
+"""(phase, coordinator message kind) -> handler and next phase; a kind its phase does not
+list is a ProtocolError naming the coordinator."""
+
+TRAINER_TABLE: Table[Phase, str, _Handler] = Table(
+    Phase,
+    [
+        Row(_P.UNJOINED, "join", _P.JOINING, _W._join),
+        Row(_P.UNJOINED, "enter", _P.RUNNING, _W._adopt),
+        Row(_P.UNJOINED, "heartbeat", _P.UNJOINED),
+        Row(_P.JOINING, "heartbeat", _P.JOINING, _W._heartbeat),
+        *_reporting(_P.RUNNING),
+        *_reporting(_P.HOLDING),
+        *_reporting(_P.REJOINING),
+        # Without a link, reports of the step in flight are dropped: the trainer holds, and a
+        # restarted coordinator opens a later epoch, whose run drops older reports anyway.
+        *_stay(_P.LOST, _REPORTS, _W._report),
+        Row(_P.LOST, "join", _P.REJOINING, _W._rejoin),
+        Row(_P.LOST, "enter", _P.LOST, _W._enter),
+        Row(_P.LOST, "heartbeat", _P.LOST),
+        *_stay(_P.ENDED, _REPORTS, None),
+        Row(_P.ENDED, "enter", _P.ENDED, _W._enter),
+        Row(_P.ENDED, "heartbeat", _P.ENDED),
+    ],
+    terminal={_P.ENDED},
+)
+"""(phase, trainer request) -> handler and next phase; a request its phase does not list is
+a LocalProtocolError (this worker's own bug)."""
+
+LINK_TABLE: Table[Phase, str, _Handler] = Table(
+    Phase,
+    [
+        Row(_P.RUNNING, LOST, _P.LOST, _W._on_lost),
+        Row(_P.HOLDING, LOST, _P.LOST, _W._on_lost),
+        Row(_P.LOST, LOST, _P.LOST),
+        Row(_P.REJOINING, LOST, _P.LOST),
+        # Lost before a first start: there is no state to hold, the run is over.
+        Row(_P.UNJOINED, LOST, _P.ENDED, _W._on_lost_for_good),
+        Row(_P.JOINING, LOST, _P.ENDED, _W._on_lost_for_good),
+        *(
+            Row(phase, LOST_FOR_GOOD, _P.ENDED, _W._on_lost_for_good)
+            for phase in Phase
+            if phase is not _P.ENDED
+        ),
+        Row(_P.ENDED, LOST, _P.ENDED),
+        Row(_P.ENDED, LOST_FOR_GOOD, _P.ENDED),
+    ],
+    terminal={_P.ENDED},
+)
+"""(phase, the link's fate) -> handler and next phase: every phase takes both."""
+
+COORDINATOR_TRANSITIONS = COORDINATOR_TABLE.by_state()
+"""Phase -> the coordinator message kinds it allows (none: a kind it does not list is a
+ProtocolError)."""
+
+TRAINER_TRANSITIONS = TRAINER_TABLE.by_state()
+"""Phase -> the trainer requests it allows (a request not listed is a LocalProtocolError)."""

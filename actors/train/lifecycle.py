@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass
 
 from paramsync.runtime.errors import ParamsyncError
+from paramsync.runtime.protocol.state_machine import Row, Table
 
 __all__ = [
     "EPOCH_TRANSITIONS",
@@ -37,6 +38,17 @@ __all__ = [
     "attempt_outcome",
     "own_step_outcome",
 ]
+
+
+class IllegalLifecycleTransition(ParamsyncError):
+    """The trainer was asked to move along a transition that is not in its tables (a bug of
+    the trainer's shell, not of a peer)."""
+
+    def __init__(self, phase: EpochPhase | StepPhase, trigger: EpochTrigger | StepTrigger) -> None:
+        what = "the epoch" if isinstance(phase, EpochPhase) else "the step"
+        super().__init__(f"the trainer cannot {trigger.value} while {what} is {phase.value}")
+        self.phase = phase
+        self.trigger = trigger
 
 
 class EpochPhase(enum.Enum):
@@ -62,16 +74,22 @@ class EpochTrigger(enum.Enum):
     LEFT = "finish leaving the epoch"
 
 
-EPOCH_TRANSITIONS: dict[tuple[EpochPhase, EpochTrigger], EpochPhase] = {
-    (EpochPhase.WAITING, EpochTrigger.START): EpochPhase.ENTERING,
-    (EpochPhase.WAITING, EpochTrigger.HOLD): EpochPhase.HELD,
-    (EpochPhase.HELD, EpochTrigger.START): EpochPhase.ENTERING,
-    (EpochPhase.HELD, EpochTrigger.HOLD): EpochPhase.HELD,
-    (EpochPhase.ENTERING, EpochTrigger.GO_LIVE): EpochPhase.LIVE,
-    (EpochPhase.ENTERING, EpochTrigger.LEAVE): EpochPhase.LEAVING,
-    (EpochPhase.LIVE, EpochTrigger.LEAVE): EpochPhase.LEAVING,
-    (EpochPhase.LEAVING, EpochTrigger.LEFT): EpochPhase.WAITING,
-}
+_EP, _ET = EpochPhase, EpochTrigger
+
+EPOCH_TRANSITIONS: Table[EpochPhase, EpochTrigger, None] = Table(
+    EpochPhase,
+    [
+        Row(_EP.WAITING, _ET.START, _EP.ENTERING),
+        Row(_EP.WAITING, _ET.HOLD, _EP.HELD),
+        Row(_EP.HELD, _ET.START, _EP.ENTERING),
+        Row(_EP.HELD, _ET.HOLD, _EP.HELD),
+        Row(_EP.ENTERING, _ET.GO_LIVE, _EP.LIVE),
+        Row(_EP.ENTERING, _ET.LEAVE, _EP.LEAVING),
+        Row(_EP.LIVE, _ET.LEAVE, _EP.LEAVING),
+        Row(_EP.LEAVING, _ET.LEFT, _EP.WAITING),
+    ],
+    refuse=IllegalLifecycleTransition,
+)
 """Every legal move of the epoch phase; anything else is an `IllegalLifecycleTransition`."""
 
 
@@ -98,30 +116,25 @@ class StepTrigger(enum.Enum):
     END = "end a step"
 
 
-STEP_TRANSITIONS: dict[tuple[StepPhase, StepTrigger], StepPhase] = {
-    (StepPhase.IDLE, StepTrigger.PREPARE): StepPhase.PREPARED,
-    (StepPhase.IDLE, StepTrigger.BEGIN): StepPhase.RUNNING,
-    # The prepared step was not taken up (the caller crossed in to begin one): begun again.
-    (StepPhase.PREPARED, StepTrigger.BEGIN): StepPhase.RUNNING,
-    # The caller took the prepared step up and its backward ended.
-    (StepPhase.PREPARED, StepTrigger.REDUCED): StepPhase.REDUCED,
-    (StepPhase.RUNNING, StepTrigger.REDUCED): StepPhase.REDUCED,
-    (StepPhase.REDUCED, StepTrigger.APPLIED): StepPhase.APPLIED,
-    **{(phase, StepTrigger.END): StepPhase.IDLE for phase in StepPhase},
-}
+_SP, _ST = StepPhase, StepTrigger
+
+STEP_TRANSITIONS: Table[StepPhase, StepTrigger, None] = Table(
+    StepPhase,
+    [
+        Row(_SP.IDLE, _ST.PREPARE, _SP.PREPARED),
+        Row(_SP.IDLE, _ST.BEGIN, _SP.RUNNING),
+        # The prepared step was not taken up (the caller crossed in to begin one): begun again.
+        Row(_SP.PREPARED, _ST.BEGIN, _SP.RUNNING),
+        # The caller took the prepared step up and its backward ended.
+        Row(_SP.PREPARED, _ST.REDUCED, _SP.REDUCED),
+        Row(_SP.RUNNING, _ST.REDUCED, _SP.REDUCED),
+        Row(_SP.REDUCED, _ST.APPLIED, _SP.APPLIED),
+        *(Row(phase, _ST.END, _SP.IDLE) for phase in StepPhase),
+    ],
+    refuse=IllegalLifecycleTransition,
+)
 """Every legal move of the step in flight (in a live epoch); ``end`` is legal from every
 phase: a step ends taken, dropped or failed."""
-
-
-class IllegalLifecycleTransition(ParamsyncError):
-    """The trainer was asked to move along a transition that is not in its tables (a bug of
-    the trainer's shell, not of a peer)."""
-
-    def __init__(self, phase: EpochPhase | StepPhase, trigger: EpochTrigger | StepTrigger) -> None:
-        what = "the epoch" if isinstance(phase, EpochPhase) else "the step"
-        super().__init__(f"the trainer cannot {trigger.value} while {what} is {phase.value}")
-        self.phase = phase
-        self.trigger = trigger
 
 
 @dataclass
@@ -141,10 +154,7 @@ class Lifecycle:
     # -- epochs ------------------------------------------------------------------------------
 
     def _epoch(self, trigger: EpochTrigger) -> None:
-        try:
-            self.epoch_phase = EPOCH_TRANSITIONS[self.epoch_phase, trigger]
-        except KeyError:
-            raise IllegalLifecycleTransition(self.epoch_phase, trigger) from None
+        self.epoch_phase = EPOCH_TRANSITIONS.next(self.epoch_phase, trigger)
 
     def start(self) -> int:
         """The supervisor takes up an epoch's start; returns its generation."""
@@ -195,10 +205,7 @@ class Lifecycle:
     # -- the step in flight ------------------------------------------------------------------
 
     def _step(self, trigger: StepTrigger) -> None:
-        try:
-            self.step_phase = STEP_TRANSITIONS[self.step_phase, trigger]
-        except KeyError:
-            raise IllegalLifecycleTransition(self.step_phase, trigger) from None
+        self.step_phase = STEP_TRANSITIONS.next(self.step_phase, trigger)
 
     def begin(self, generation: int, step: int, *, prepared: bool = False) -> bool:
         """Step ``step`` begins in epoch ``generation`` (``prepared``: in advance, for the

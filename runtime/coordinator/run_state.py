@@ -1,17 +1,17 @@
 """The run's lifecycle as a table: every legal (state, trigger) pair and the state it leads to.
 
 The coordinator core moves the run only through :func:`next_state`; a pair that is not in
-:data:`TRANSITIONS` is a protocol error (:class:`IllegalTransition`), never a silent change.
-FINISHED and ABORTED are terminal: nothing leaves them.
+:data:`TRANSITIONS` (a `paramsync.runtime.protocol.state_machine.Table`) is a protocol error
+(:class:`IllegalTransition`), never a silent change. FINISHED and ABORTED are terminal: nothing
+leaves them.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from types import MappingProxyType
 
-from paramsync.runtime.errors import ProtocolError
+from paramsync.runtime.protocol import state_machine
+from paramsync.runtime.protocol.state_machine import Row, Table
 
 __all__ = ["RunState", "Trigger", "TRANSITIONS", "DONE", "IllegalTransition", "next_state"]
 
@@ -41,37 +41,38 @@ class Trigger(enum.Enum):
 
 _R, _T = RunState, Trigger
 
-TRANSITIONS: Mapping[tuple[RunState, Trigger], RunState] = MappingProxyType(
-    {
-        (_R.RENDEZVOUS, _T.START_EPOCH): _R.RUNNING,
-        (_R.RENDEZVOUS, _T.ABORT): _R.ABORTED,
-        (_R.RUNNING, _T.START_EPOCH): _R.RUNNING,
-        (_R.RUNNING, _T.HOLD): _R.HOLDING,
-        (_R.RUNNING, _T.FINISH): _R.FINISHED,
-        (_R.RUNNING, _T.ABORT): _R.ABORTED,
-        (_R.HOLDING, _T.START_EPOCH): _R.RUNNING,
-        (_R.HOLDING, _T.HOLD): _R.HOLDING,
-        (_R.HOLDING, _T.ABORT): _R.ABORTED,
-    }
-)
-"""Every legal transition of the run; anything else is an `IllegalTransition`."""
-
 DONE = frozenset({RunState.FINISHED, RunState.ABORTED})
 """The terminal states: the core ignores every event once the run is in one."""
 
 
-class IllegalTransition(ProtocolError):
+class IllegalTransition(state_machine.IllegalTransition):
     """The run was asked to move along a transition that is not in the table."""
 
     def __init__(self, state: RunState, trigger: Trigger) -> None:
-        super().__init__(f"the run cannot {trigger.value} while it is {state.value}")
-        self.state = state
+        text = f"the run cannot {trigger.value} while it is {state.value}"
+        super().__init__(state, trigger, text)
         self.trigger = trigger
+
+
+TRANSITIONS: Table[RunState, Trigger, None] = Table(
+    RunState,
+    [
+        Row(_R.RENDEZVOUS, _T.START_EPOCH, _R.RUNNING),
+        Row(_R.RENDEZVOUS, _T.ABORT, _R.ABORTED),
+        Row(_R.RUNNING, _T.START_EPOCH, _R.RUNNING),
+        Row(_R.RUNNING, _T.HOLD, _R.HOLDING),
+        Row(_R.RUNNING, _T.FINISH, _R.FINISHED),
+        Row(_R.RUNNING, _T.ABORT, _R.ABORTED),
+        Row(_R.HOLDING, _T.START_EPOCH, _R.RUNNING),
+        Row(_R.HOLDING, _T.HOLD, _R.HOLDING),
+        Row(_R.HOLDING, _T.ABORT, _R.ABORTED),
+    ],
+    terminal=DONE,
+    refuse=IllegalTransition,
+)
+"""Every legal transition of the run; anything else is an `IllegalTransition`."""
 
 
 def next_state(state: RunState, trigger: Trigger) -> RunState:
     """The state ``trigger`` leads to from ``state``; IllegalTransition if there is none."""
-    try:
-        return TRANSITIONS[state, trigger]
-    except KeyError:
-        raise IllegalTransition(state, trigger) from None
+    return TRANSITIONS.next(state, trigger)

@@ -62,7 +62,7 @@ _QUEUE = 1024
 _FLUSH_SECONDS = 5.0
 _HEARTBEAT: tuple[str, dict[str, Any]] = ("heartbeat", {})
 _STALL_PREFIX = "stall:"
-"""How the core's `Report` of a stalled step begins (`CoordinatorCore._check_stall`)."""
+"""How the core's `Report` of a stalled step begins (`paramsync.runtime.coordinator.clock`)."""
 
 
 class RunFailed(ParamsyncError):
@@ -214,7 +214,7 @@ class Coordinator:
     @property
     def state(self) -> RunState:
         """The run's state, as the core sees it."""
-        return self.core.state
+        return self.core.view.state
 
     # ------------------------------------------------------------------ serving
 
@@ -296,8 +296,8 @@ class Coordinator:
     def _raise_if_aborted(self) -> None:
         if self._stop_reason is not None:
             raise RunFailed(self._stop_reason)
-        if self.core.state is RunState.ABORTED:
-            raise RunFailed(self.core.abort_reason or "aborted")
+        if self.core.view.state is RunState.ABORTED:
+            raise RunFailed(self.core.view.abort_reason or "aborted")
 
     def stop(self, reason: str, grace_seconds: float | None = None) -> None:
         """End the run from outside (a signal) after the step in flight is committed.
@@ -308,13 +308,13 @@ class Coordinator:
         if self.finished.is_set() or self._stop_reason is not None:
             return
         self._stop_reason = reason
-        if self.core.state is not RunState.RUNNING:
+        if self.core.view.state is not RunState.RUNNING:
             self._apply([Abort(reason)])
             return
         grace = self.options.heartbeat_deadline if grace_seconds is None else grace_seconds
         self._stop_deadline = trio.current_time() + grace
         log.warning(
-            "stopping after the step in flight (step %d): %s", self.core.step, one_line(reason)
+            "stopping after the step in flight (step %d): %s", self.core.view.step, one_line(reason)
         )
 
     async def _ticker(self) -> None:
@@ -362,7 +362,7 @@ class Coordinator:
     def _member_max_frame(self) -> int:
         """The largest frame a member may send now: the run's model's need once the
         reference model is known (`frame_caps.member_frame_cap`), else the schema's."""
-        signature = self.core.reference_signature
+        signature = self.core.view.reference_signature
         if signature is None:
             return DEFAULT_MAX_FRAME
         if self._frame_cap is None or self._frame_cap[0] is not signature:
@@ -407,7 +407,7 @@ class Coordinator:
             if not joined and isinstance(event, Joined):
                 # Only a join the core took ends the deadline: any other first frame (a
                 # heartbeat) held the rank for ever (issue 31, row 5).
-                joined = rank in self.core.joined
+                joined = rank in self.core.view.joined
 
     async def _writer(self, member: _Member) -> None:
         """Drain the member's queue; once the member has heard its first answer (the start),
@@ -439,7 +439,7 @@ class Coordinator:
         that completes a step) and joins into a run already started (rejoins)."""
         metrics = self.metrics
         assert metrics is not None
-        running = self.core.epoch > 0
+        running = self.core.view.epoch > 0
         started = time.perf_counter()
         actions = self.core.handle(event)
         if isinstance(event, Digest) and any(
@@ -469,7 +469,7 @@ class Coordinator:
                 metrics.observe_epoch(message.epoch, len(message.members))
                 self._last_commit_at = None  # the first step of an epoch has no baseline
             elif isinstance(message, Hold):
-                metrics.observe_epoch(message.epoch, len(self.core.members))
+                metrics.observe_epoch(message.epoch, len(self.core.view.members))
         elif isinstance(action, Refuse):
             metrics.refused.labels(reason="join").inc()
         elif isinstance(action, Report) and action.text.startswith(_STALL_PREFIX):
@@ -499,13 +499,13 @@ class Coordinator:
             if isinstance(action, Send):
                 self._enqueue(action.rank, action.message)
             elif isinstance(action, Broadcast):
-                for rank in self.core.members:
+                for rank in self.core.view.members:
                     self._enqueue(rank, action.message)
-                if self.core.state is RunState.FINISHED:
+                if self.core.view.state is RunState.FINISHED:
                     self._finish()
                 elif self._stop_deadline is not None and isinstance(action.message, Commit):
                     self._stop_deadline = None
-                    for rank in self.core.members:
+                    for rank in self.core.view.members:
                         self._enqueue(rank, Shutdown(self._stop_reason or "stopped"))
                     self._finish()
             elif isinstance(action, Resync):

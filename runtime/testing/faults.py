@@ -212,7 +212,7 @@ def forged_report_core(kind: str = "finished") -> type[CoordinatorCore]:
 
     class ForgedReportCore(CoordinatorCore):
         def handle(self, event: Event) -> list[Action]:
-            if isinstance(event, report) and getattr(event, "rank", None) not in self.joined:
+            if isinstance(event, report) and getattr(event, "rank", None) not in self.view.joined:
                 rank = event.rank
                 return [Send(rank, Shutdown(f"finished (on a {kind} from rank {rank})"))]
             return super().handle(event)
