@@ -26,7 +26,7 @@ Design, decided here:
 * **Backward returns with the averaged gradients** (torch DDP's reducer finalizes in backward):
   the first hook of a synchronizing backward queues an autograd engine callback that runs when
   the whole backward is done and waits, in the event loop, until every bucket's average is in
-  the gradients and the buffers are synchronized (`DistributedTrainer.reduce_own_step`). Only
+  the gradients and the buffers are synchronized (`OwnLoop.reduce_own_step`). Only
   the wait for the buckets still running moves to the end of backward: the overlap stays.
   Clipping, ``GradScaler.unscale_``, gradient-norm logging and gradient surgery between
   ``backward()`` and ``step()`` see identical averaged gradients on every rank.
