@@ -108,11 +108,13 @@ async def main(out: Path, steps: int, until_rejoined: bool, step_sleep: float) -
         while not done():
             step = trainer.step
             try:
-                plane = getattr(trainer.transport, "shared_memory", None)
+                plane = getattr(trainer.supervisor.live_epoch().transport, "shared_memory", None)
                 planes.append(type(plane).__name__ if plane is not None else None)
             except RuntimeError:  # between epochs (the coordinator was lost): none to look at
                 pass
-            await trainer.train_batch(shard(batch(step), trainer.position, trainer.world_size))
+            await trainer.train_batch(
+                shard(batch(step), trainer.supervisor.position, trainer.world_size)
+            )
             (out / f"step{rank}").write_text(str(trainer.step))
             if restarted and not (out / "rejoined").exists():
                 (out / "rejoined").write_text(str(trainer.step))

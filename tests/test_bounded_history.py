@@ -1,9 +1,10 @@
 """A worker's per-step histories are bounded (security review row 12).
 
-`DistributedTrainer.losses` and `step_seconds` grew by one entry per step forever. They now keep
-the last `TrainerOptions.history_steps` steps; the summary still reports the first loss, the
-final loss and the throughput of the whole run (running totals), and the default bound keeps the
-demo job's whole loss curve (its plot reads `trainer.losses`) for any run up to that many steps.
+A trainer's `StepHistory` ``losses`` and ``step_seconds`` grew by one entry per step forever. They
+now keep the last `TrainerOptions.history_steps` steps; the summary still reports the first loss,
+the final loss and the throughput of the whole run (running totals), and the default bound keeps
+the demo job's whole loss curve (its plot reads ``trainer.run.history.losses``) for any run up to
+that many steps.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ async def test_histories_keep_the_last_steps_and_the_summary_the_whole_run() -> 
         await trainer.verified()
         return {
             "losses": losses,
-            "kept": list(trainer.losses),
-            "seconds": list(trainer.step_seconds),
+            "kept": list(trainer.run.history.losses),
+            "seconds": list(trainer.run.history.step_seconds),
             "summary": trainer.summary(),
         }
 

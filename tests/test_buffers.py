@@ -47,6 +47,7 @@ from paramsync.actors.state.digest import state_digest
 from paramsync.actors.train.buffer_sync import sync_buffers
 from paramsync.actors.train.state_moves import enter_epoch
 from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+from paramsync.actors.train.training_run import TrainingRun
 from paramsync.actors.train.worker import train_in_process
 from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.protocol.messages import StartRun
@@ -208,7 +209,7 @@ async def train_bn(world_size: int, mode: str) -> list[dict[str, Any]]:
         for batch in batches:
             await trainer.train_batch(shard(batch, rank))
         await trainer.verified()
-        return {"state": trainer.state_dict(), "digest": trainer.state_digest().digest}
+        return {"state": trainer.state_dict(), "digest": trainer.run.state_digest().digest}
 
     with trio.fail_after(RUN_SECONDS):
         return await train_in_process(
@@ -363,12 +364,12 @@ async def run_buffer_case(case: dict[str, Any]) -> None:
                 )
             )
             await trainer.verified()
-            digest = trainer.state_digest()
+            digest = trainer.run.state_digest()
             history.append(
                 {
                     "digest": digest.digest,
                     "names": digest.names,
-                    "reported": trainer.optimizer_actor.last_digest,
+                    "reported": trainer.supervisor.live_epoch().optimizer.last_digest,
                     "buffers": {k: raw(v) for k, v in trainer.model.named_buffers()},
                     "params": {k: raw(v) for k, v in trainer.model.named_parameters()},
                 }
@@ -437,24 +438,19 @@ async def test_c_ddp_001_fixed_case_with_every_kind_of_buffer(mode: str) -> None
 # --------------------------------------------------------------------------- epoch entry
 
 
-def entering_trainer(
-    rank: int, world_size: int, model: nn.Module, step: int, mode: str
-) -> DistributedTrainer:
-    """A trainer holding just what `enter_epoch` reads (no coordinator)."""
-    trainer = DistributedTrainer.__new__(DistributedTrainer)
-    trainer.model = model
-    trainer.optimizer = bn_optimizer(model)
-    trainer.scheduler = torch.optim.lr_scheduler.StepLR(trainer.optimizer, 2, gamma=0.5)
-    trainer.replicas = None  # one device in this process
-    trainer.metrics = None  # no Prometheus endpoint
-    trainer.options = TrainerOptions(buffer_sync=mode)  # type: ignore[arg-type]
-    trainer._config = DistributedConfig(world_size, rank)
-    trainer.step = step
-    trainer.epochs = []
-    trainer.precision = None
-    trainer.states_received = 0
-    trainer.client = SimpleNamespace(begin_epoch=lambda start: None)  # type: ignore[assignment]
-    return trainer
+def entering_run(rank: int, world_size: int, model: nn.Module, step: int, mode: str) -> TrainingRun:
+    """A training run holding just what `enter_epoch` reads (no coordinator)."""
+    optimizer = bn_optimizer(model)
+    return TrainingRun(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=mse,
+        config=DistributedConfig(world_size, rank),
+        client=SimpleNamespace(begin_epoch=lambda start: None),  # type: ignore[arg-type]
+        options=TrainerOptions(buffer_sync=mode),  # type: ignore[arg-type]
+        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5),
+        step=step,
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -478,9 +474,9 @@ async def test_a_live_rejoin_epoch_brings_buffers_and_scheduler_into_line(mode: 
         moved.norm.running_mean.add_(1.0)
         moved.norm.num_batches_tracked += 1
     trainers = [
-        entering_trainer(0, 3, donor_model, 5, mode),
-        entering_trainer(1, 3, moved, 5, mode),
-        entering_trainer(2, 3, bn_model(7), 0, mode),
+        entering_run(0, 3, donor_model, 5, mode),
+        entering_run(1, 3, moved, 5, mode),
+        entering_run(2, 3, bn_model(7), 0, mode),
     ]
     for _ in range(5):  # the donor's schedule has moved on
         trainers[0].optimizer.step()

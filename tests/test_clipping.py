@@ -82,7 +82,7 @@ async def test_clipping_parity_with_single_process_torch(
             await trainer.train_batch(split(batch, rank, PER_RANK))
         return {
             "params": clone_state(trainer.model),
-            "optim": optimizer_tensors(trainer.model, trainer.optimizer),
+            "optim": optimizer_tensors(trainer.model, trainer.run.optimizer),
             "norms": list(trainer.grad_norms),
             "summary": trainer.summary()["final_grad_norm"],
         }
@@ -152,7 +152,9 @@ async def test_the_norm_is_in_the_optimizer_span_of_the_trace() -> None:
         return model, OPTIMIZERS["adam"](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> list[tuple[int, float]]:
-        trainer.optimizer_actor.trace = traces.setdefault(trainer.rank, TraceRecorder())
+        trainer.supervisor.live_epoch().optimizer.trace = traces.setdefault(
+            trainer.run.rank, TraceRecorder()
+        )
         rank = trainer.dist_config.rank
         for batch in batches:
             await trainer.train_batch(split(batch, rank, PER_RANK))

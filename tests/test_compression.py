@@ -425,8 +425,8 @@ async def train(
         for _ in range(steps):
             losses.append(await trainer.train_batch(batch))
             await trainer.verified()  # the coordinator checked this step's digests
-            digest = state_digest(trainer.model, trainer.optimizer)
-            assert trainer.optimizer_actor.last_digest == digest.digest
+            digest = state_digest(trainer.model, trainer.run.optimizer)
+            assert trainer.supervisor.live_epoch().optimizer.last_digest == digest.digest
             digests.append(digest.digest)
         with torch.no_grad():
             full = float(mse(trainer.model, (inputs, targets)))
@@ -548,7 +548,7 @@ async def test_hooks_with_unused_parameters_keep_ranks_identical(hook: str) -> N
             )
             await trainer.train_batch((*batch, mask))
             await trainer.verified()
-            digests.append(state_digest(trainer.model, trainer.optimizer).digest)
+            digests.append(state_digest(trainer.model, trainer.run.optimizer).digest)
         return {"digests": digests, "unused": trainer.unused_parameters}
 
     options = TrainerOptions(

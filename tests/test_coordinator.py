@@ -325,7 +325,7 @@ async def test_hung_tcp_worker_stops_the_run_within_the_heartbeat_deadline() -> 
 
     async def hang(trainer: DistributedTrainer, step: int) -> None:
         if step == 1:
-            trainer.client.heartbeat_seconds = 3600.0  # at most one more heartbeat
+            trainer.run.client.heartbeat_seconds = 3600.0  # at most one more heartbeat
             hung_at.append(trio.current_time())
             await trio.sleep_forever()
 
@@ -572,7 +572,7 @@ async def test_resync_restores_a_diverged_minority_to_the_majoritys_exact_state(
                 await trainer.train_batch(batch(step + 10 * trainer.dist_config.rank))
                 if mode == "verified-each-step":
                     await trainer.verified()  # the re-sync (if any) is done: state is final
-                seen.append(state_digest(trainer.model, trainer.optimizer).digest.hex())
+                seen.append(state_digest(trainer.model, trainer.run.optimizer).digest.hex())
             return seen
 
         with trio.fail_after(RUN_SECONDS):

@@ -141,12 +141,12 @@ class Cluster:
                             model.body[0].weight.add_(1.0)
                             model.mask.logical_not_()
                         if self.ahead:
-                            trainer.step += 1
+                            trainer.run.step += 1
                         return await resume_point()
 
                     client.resume_point = damaged
                 while trainer.step < STEPS:
-                    await trainer.train_batch(batch(trainer.step, trainer.position))
+                    await trainer.train_batch(batch(trainer.step, trainer.supervisor.position))
                     if trainer.step != self.restart_at:
                         continue
                     if self.stray is None:
@@ -159,7 +159,7 @@ class Cluster:
                         self.reached.set()
                     await self.restarted.wait()
                 await trainer.finish()
-                self.epochs[rank] = list(trainer.epochs)
+                self.epochs[rank] = list(trainer.run.epochs)
         # The run is over for this worker: its end of the link closes, as a worker process's
         # does when it exits, and the coordinator stops at once instead of waiting out its
         # flush period (5 s) for members that would never leave.

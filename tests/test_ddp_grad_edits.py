@@ -85,9 +85,9 @@ async def run_case(world: int, plan: list[list[Edit]], momentum: bool) -> None:
         raise AssertionError("the loop runs its own forward")
 
     async def body(trainer: DistributedTrainer) -> list[list[bytes]]:
-        rank = trainer.rank
+        rank = trainer.run.rank
         wrapped = DistributedDataParallel.unwrapped_around(trainer, optimizer_known=False)
-        optimizer = trainer.optimizer
+        optimizer = trainer.run.optimizer
         params = list(trainer.model.parameters())
 
         def loop() -> list[list[bytes]]:

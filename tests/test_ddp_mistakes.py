@@ -47,7 +47,7 @@ async def run_loop(loop: Loop, world: int = 1) -> list[str]:
     async def body(trainer: DistributedTrainer) -> str:
         wrapped = DistributedDataParallel.unwrapped_around(trainer)
         return await trio.to_thread.run_sync(
-            loop, wrapped, trainer.optimizer, trainer.rank, abandon_on_cancel=True
+            loop, wrapped, trainer.run.optimizer, trainer.run.rank, abandon_on_cancel=True
         )
 
     with trio.fail_after(SECONDS):
@@ -141,12 +141,12 @@ async def test_a_rank_whose_loss_scaler_differs_is_caught_at_that_step() -> None
 
     async def body(trainer: DistributedTrainer) -> None:
         wrapped = DistributedDataParallel.unwrapped_around(trainer)
-        optimizer = trainer.optimizer
+        optimizer = trainer.run.optimizer
         amp = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=100)
 
         def loop() -> None:
             wrapped.register_grad_scaler(amp)
-            gen = torch.Generator().manual_seed(trainer.rank)
+            gen = torch.Generator().manual_seed(trainer.run.rank)
             for index in range(6):
                 optimizer.zero_grad()
                 x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
@@ -154,7 +154,7 @@ async def test_a_rank_whose_loss_scaler_differs_is_caught_at_that_step() -> None
                 amp.step(optimizer)
                 amp.update()
                 wrapped.verified()
-                if trainer.rank == 1 and index == 2:
+                if trainer.run.rank == 1 and index == 2:
                     amp._growth_tracker.fill_(7)  # type: ignore[union-attr]
 
         await trio.to_thread.run_sync(loop, abandon_on_cancel=True)

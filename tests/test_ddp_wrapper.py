@@ -119,7 +119,7 @@ async def test_parity_with_one_process_on_the_concatenated_batch(
         return model, OPTIMIZERS[optimizer_name](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
-        rank = trainer.rank
+        rank = trainer.run.rank
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
             history, taken = [], []
@@ -130,7 +130,7 @@ async def test_parity_with_one_process_on_the_concatenated_batch(
                 loss.backward()
                 taken.append(optimizer.step())
                 model.verified()  # this step's digests agreed on every rank
-                history.append(state_bytes(trainer.model, trainer.optimizer))
+                history.append(state_bytes(trainer.model, trainer.run.optimizer))
             return {"history": history, "taken": taken, "step": trainer.step}
 
         return await own_loop(trainer, loop)
@@ -174,7 +174,7 @@ async def test_no_sync_accumulation_matches_one_step_on_the_whole_batch() -> Non
         return model, OPTIMIZERS["adam"](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> dict[str, bytes]:
-        rank = trainer.rank
+        rank = trainer.run.rank
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
             for batch in data:
@@ -188,7 +188,7 @@ async def test_no_sync_accumulation_matches_one_step_on_the_whole_batch() -> Non
                 (nn.functional.mse_loss(model(x), y) / micro).backward()
                 assert optimizer.step()
             model.verified()
-            return state_bytes(trainer.model, trainer.optimizer)
+            return state_bytes(trainer.model, trainer.run.optimizer)
 
         return await own_loop(trainer, loop)
 
@@ -221,13 +221,13 @@ async def test_the_users_loop_takes_train_batchs_very_steps_buffers_included(
         return model, bn_optimizer(model)
 
     def final(trainer: DistributedTrainer) -> dict[str, bytes]:
-        out = state_bytes(trainer.model, trainer.optimizer)
+        out = state_bytes(trainer.model, trainer.run.optimizer)
         out.update({f"buffer/{k}": raw(v) for k, v in trainer.model.named_buffers()})
         return out
 
     async def by_train_batch(trainer: DistributedTrainer) -> dict[str, bytes]:
         for batch in data:
-            await trainer.train_batch(bn_shard(batch, trainer.rank))
+            await trainer.train_batch(bn_shard(batch, trainer.run.rank))
         await trainer.verified()
         return final(trainer)
 
@@ -235,7 +235,7 @@ async def test_the_users_loop_takes_train_batchs_very_steps_buffers_included(
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> None:
             for batch in data:
                 optimizer.zero_grad()
-                mse(model, bn_shard(batch, trainer.rank)).backward()
+                mse(model, bn_shard(batch, trainer.run.rank)).backward()
                 assert optimizer.step()
             model.verified()
 
@@ -270,7 +270,7 @@ async def test_a_bucket_is_all_reduced_while_the_users_backward_still_runs() -> 
         return model, OPTIMIZERS["sgd-momentum"](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> list[int]:
-        rank = trainer.rank
+        rank = trainer.run.rank
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> list[int]:
             seen = []
@@ -321,7 +321,7 @@ async def test_a_step_crosses_into_the_trio_thread_once_after_the_first() -> Non
         return model, OPTIMIZERS["adam"](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> list[int]:
-        rank = trainer.rank
+        rank = trainer.run.rank
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> list[int]:
             cross = model._link.cross
@@ -376,7 +376,7 @@ async def test_the_identical_weights_check_catches_a_rank_that_diverges() -> Non
         return model, OPTIMIZERS["sgd-momentum"](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> None:
-        rank = trainer.rank
+        rank = trainer.run.rank
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> None:
             for step, batch in enumerate(data):
@@ -429,7 +429,7 @@ async def test_unused_parameters_as_torch_ddp(find_unused: bool) -> None:
         return model, OPTIMIZERS["sgd-momentum"](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> dict[str, bytes]:
-        rank = trainer.rank
+        rank = trainer.run.rank
         spare = raw(trainer.model.spare.weight)
 
         def loop(model: DistributedDataParallel, optimizer: DistributedOptimizer) -> Any:
@@ -441,7 +441,7 @@ async def test_unused_parameters_as_torch_ddp(find_unused: bool) -> None:
             model.verified()
             assert sorted(trainer.unused_parameters) == ["spare.bias", "spare.weight"]
             assert raw(trainer.model.spare.weight) == spare  # as broadcast, never stepped
-            return state_bytes(trainer.model, trainer.optimizer)
+            return state_bytes(trainer.model, trainer.run.optimizer)
 
         return await own_loop(trainer, loop)
 

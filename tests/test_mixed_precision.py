@@ -158,10 +158,10 @@ async def run_job(
             tamper(trainer)
         losses, scales, weights = [], [], []
         for batch in data:
-            losses.append(await trainer.train_batch(shard(batch, trainer.position)))
+            losses.append(await trainer.train_batch(shard(batch, trainer.supervisor.position)))
             if verify_each_step:
                 await trainer.verified()
-            scaler = trainer.grad_scaler
+            scaler = trainer.run.grad_scaler
             scales.append(scaler.get_scale() if scaler is not None else None)
             weights.append(params(trainer.model))
         await trainer.verified()
@@ -173,7 +173,10 @@ async def run_job(
             "skipped": list(trainer.skipped_steps),
             "summary": trainer.summary(),
             "state": capture_state(
-                trainer.model, trainer.optimizer, trainer.step, grad_scaler=trainer.grad_scaler
+                trainer.model,
+                trainer.run.optimizer,
+                trainer.step,
+                grad_scaler=trainer.run.grad_scaler,
             ),
         }
 
@@ -432,15 +435,15 @@ async def test_a_worker_without_data_from_the_start_steps_with_the_scaler() -> N
         return model, sgd(model)
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
-        if trainer.rank == 0:
+        if trainer.run.rank == 0:
             for batch in data:
                 await trainer.train_batch(shard(batch, 0))
         await trainer.join()
         await trainer.verified()
-        assert trainer.grad_scaler is not None
+        assert trainer.run.grad_scaler is not None
         return {
             "params": params(trainer.model),
-            "scale": trainer.grad_scaler.get_scale(),
+            "scale": trainer.run.grad_scaler.get_scale(),
             "step": trainer.step,
         }
 
@@ -457,9 +460,9 @@ def overflow_on_rank_1(step: int) -> Callable[[DistributedTrainer], None]:
     overflow decision differs from its peers'."""
 
     def tamper(trainer: DistributedTrainer) -> None:
-        if trainer.rank != 1:
+        if trainer.run.rank != 1:
             return
-        precision = trainer.precision
+        precision = trainer.run.precision
         assert precision is not None
         original = precision.step
 
@@ -486,7 +489,7 @@ async def test_a_rank_deciding_alone_to_skip_is_caught_by_the_digest_check() -> 
     async def body(trainer: DistributedTrainer) -> None:
         tamper(trainer)
         for batch in batches(3, seed=3):
-            await trainer.train_batch(shard(batch, trainer.position))
+            await trainer.train_batch(shard(batch, trainer.supervisor.position))
         await trainer.verified()
 
     options = TrainerOptions(autocast_dtype="float16", grad_scaler=True)

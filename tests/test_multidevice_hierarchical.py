@@ -68,18 +68,18 @@ async def test_two_processes_of_two_devices_equal_one_process_on_the_whole_batch
         return dp.primary_pipeline, ReplicatedOptimizer(dp)
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
-        assert trainer.replicas is not None
+        assert trainer.run.replicas is not None
         losses = []
         for step in range(STEPS):
-            losses.append(await trainer.train_batch(data[step][trainer.rank]))
+            losses.append(await trainer.train_batch(data[step][trainer.run.rank]))
         await trainer.verified()
         return {
             "losses": losses,
             "replicas": [
                 {n: p.detach().clone() for n, p in m.named_parameters()}
-                for m in trainer.replicas.replicas
+                for m in trainer.run.replicas.replicas
             ],
-            "dp_step": trainer.replicas.step,
+            "dp_step": trainer.run.replicas.step,
         }
 
     # train_in_process builds the trainers with the one loss function it is given

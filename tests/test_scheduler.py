@@ -110,14 +110,14 @@ async def check_parity(world_size: int, schedule: str, transport: str = "inproc"
         for x, y in data:
             rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
             await trainer.train_batch((x[rows], y[rows]))
-            seen.append(lrs(trainer.optimizer))
+            seen.append(lrs(trainer.run.optimizer))
         await trainer.verified()
-        assert trainer.scheduler is not None
+        assert trainer.run.scheduler is not None
         return {
             "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()},
             "lrs": seen,
-            "scheduler": trainer.scheduler.state_dict(),
-            "digest": trainer.state_digest(),
+            "scheduler": trainer.run.scheduler.state_dict(),
+            "digest": trainer.run.state_digest(),
         }
 
     with trio.fail_after(RUN_SECONDS):
@@ -373,7 +373,7 @@ def test_sync_trainer_steps_its_scheduler_and_exports(tmp_path: Path) -> None:
         overrides=overrides,
         secret="scheduler-tests-secret",
     ) as trainer:
-        assert trainer.trainer.scheduler is scheduler
+        assert trainer.trainer.run.scheduler is scheduler
         for batch in data[:4]:
             trainer.train_batch(batch)
         trainer.verified()

@@ -60,7 +60,7 @@ async def test_a_rank_whose_broadcast_state_differs_stops_the_run_before_any_ste
     stepped: list[int] = []
 
     async def body(trainer: DistributedTrainer) -> None:
-        stepped.append(trainer.rank)
+        stepped.append(trainer.run.rank)
 
     with pytest.raises(BaseException) as info, trio.fail_after(SECONDS):
         await train_in_process(2, replica, mse, body, transports=transports)

@@ -183,7 +183,7 @@ async def check_parity(
             "started": started,
             "losses": losses,
             "params": clone_state(trainer.model),
-            "optim": optimizer_tensors(trainer.model, trainer.optimizer),
+            "optim": optimizer_tensors(trainer.model, trainer.run.optimizer),
         }
 
     with trio.fail_after(RUN_SECONDS):
@@ -354,14 +354,14 @@ def ddp_cases(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def snapshot(trainer: DistributedTrainer) -> dict[str, Any]:
-    model, optimizer = trainer.model, trainer.optimizer
+    model, optimizer = trainer.model, trainer.run.optimizer
     digest = state_digest(model, optimizer)
     tensors = {f"param/{k}": raw(v) for k, v in model.named_parameters()}
     tensors.update({f"optim/{k}": raw(v) for k, v in optimizer_tensors(model, optimizer).items()})
     return {
         "digest": digest.digest,
         "tensors": tensors,
-        "reported": trainer.optimizer_actor.last_digest,
+        "reported": trainer.supervisor.live_epoch().optimizer.last_digest,
     }
 
 
@@ -385,9 +385,9 @@ async def run_ddp_case(case: dict[str, Any]) -> None:
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
         rank = trainer.dist_config.rank
         trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
-        bucketed = [name for bucket in trainer.buckets for name in bucket.names]
+        bucketed = [name for bucket in trainer.run.buckets for name in bucket.names]
         assert sorted(bucketed) == sorted(trainable), "buckets must hold exactly the trainable"
-        for bucket in trainer.buckets:
+        for bucket in trainer.run.buckets:
             assert len({dict(trainer.model.named_parameters())[n].dtype for n in bucket.names}) == 1
         history = []
         for batch in batches:
@@ -479,7 +479,7 @@ async def test_the_shared_memory_plane_trains_identically_threaded_or_not(thread
         return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
-        planes.append(trainer.transport.shared_memory)  # type: ignore[attr-defined]
+        planes.append(trainer.supervisor.live_epoch().transport.shared_memory)  # type: ignore[attr-defined]
         rank = trainer.dist_config.rank
         for step in range(steps):
             gen = torch.Generator().manual_seed(step)
@@ -532,7 +532,7 @@ async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
         gos: list[int] = []
-        forward = trainer.client.on_go
+        forward = trainer.run.client.on_go
         assert forward is not None
 
         async def count(go: Any) -> None:
@@ -540,16 +540,16 @@ async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache
             await forward(go)
 
         readies: list[int] = []
-        report = trainer.client.ready
+        report = trainer.run.client.ready
 
         async def count_ready(step: int, *args: Any, **kwargs: Any) -> None:
             readies.append(step)
             await report(step, *args, **kwargs)
 
-        trainer.client.on_go = count
-        trainer.client.ready = count_ready  # type: ignore[method-assign]
-        assert trainer.client.start is not None
-        assert trainer.client.start.fold == trainer.options.response_cache
+        trainer.run.client.on_go = count
+        trainer.run.client.ready = count_ready  # type: ignore[method-assign]
+        assert trainer.run.client.start is not None
+        assert trainer.run.client.start.fold == trainer.run.options.response_cache
         rank = trainer.dist_config.rank
         for step in range(steps):
             gen = torch.Generator().manual_seed(step)
@@ -560,7 +560,7 @@ async def test_buckets_are_negotiated_once_per_epoch_then_reduced_from_the_cache
             "gos": gos,
             "readies": readies,
             "state": snapshot(trainer),
-            "buckets": len(trainer.buckets),
+            "buckets": len(trainer.run.buckets),
         }
 
     finals = []
@@ -711,7 +711,7 @@ async def test_only_trainable_parameters_are_bucketed_and_frozen_ones_never_chan
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
         rank = trainer.dist_config.rank
-        names = sorted(name for bucket in trainer.buckets for name in bucket.names)
+        names = sorted(name for bucket in trainer.run.buckets for name in bucket.names)
         for batch in batches:
             await trainer.train_batch(split(batch, rank, 2))
             for name in ("0.weight", "2.bias"):  # checked after every step
@@ -721,7 +721,7 @@ async def test_only_trainable_parameters_are_bucketed_and_frozen_ones_never_chan
         return (
             names,
             clone_state(trainer.model),
-            optimizer_tensors(trainer.model, trainer.optimizer),
+            optimizer_tensors(trainer.model, trainer.run.optimizer),
         )
 
     with trio.fail_after(RUN_SECONDS):
@@ -760,16 +760,16 @@ async def test_api_surface_max_steps_rank_world_size_and_config() -> None:
             "config": trainer.dist_config,
             "world_size": trainer.world_size,
             "is_coordinator": trainer.is_coordinator,
-            "reached_before": trainer.reached_max_steps,
+            "reached_before": trainer.run.reached_max_steps,
         }
         for step in range(3):
-            assert not trainer.reached_max_steps
+            assert not trainer.run.reached_max_steps
             await trainer.train_batch(tiny_batch(10 * step + rank))
-        seen["reached_after"] = trainer.reached_max_steps
+        seen["reached_after"] = trainer.run.reached_max_steps
         with pytest.raises(RuntimeError, match="max_steps=3"):
             await trainer.train_batch(tiny_batch(99))
         seen["step"] = trainer.step
-        seen["losses"] = list(trainer.losses)
+        seen["losses"] = list(trainer.run.history.losses)
         return seen
 
     with trio.fail_after(RUN_SECONDS):
@@ -800,7 +800,7 @@ def test_trainer_options_validation() -> None:
 
 async def test_max_steps_zero_takes_no_step() -> None:
     async def body(trainer: DistributedTrainer) -> Any:
-        assert trainer.reached_max_steps
+        assert trainer.run.reached_max_steps
         with pytest.raises(RuntimeError):
             await trainer.train_batch(tiny_batch(0))
         return trainer.summary()
@@ -903,7 +903,7 @@ async def test_summary_fields() -> None:
             "empty": empty,
             "summary": summary,
             "losses": losses,
-            "digest": state_digest(trainer.model, trainer.optimizer).digest.hex(),
+            "digest": state_digest(trainer.model, trainer.run.optimizer).digest.hex(),
         }
 
     with trio.fail_after(RUN_SECONDS):
@@ -945,7 +945,7 @@ async def test_summary_right_after_the_last_step_describes_the_final_state() -> 
         for step in range(3):
             await trainer.train_batch(tiny_batch(step))
         summary = trainer.summary()
-        return summary, state_digest(trainer.model, trainer.optimizer).digest.hex()
+        return summary, state_digest(trainer.model, trainer.run.optimizer).digest.hex()
 
     with trio.fail_after(RUN_SECONDS):
         results = await train_in_process(2, tiny_replica, mse_loss, body)

@@ -92,7 +92,7 @@ async def run_uneven(
         return model, OPTIMIZERS[optimizer_name](model.parameters())
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
-        losses = [await trainer.train_batch(batch) for batch in data[trainer.rank]]
+        losses = [await trainer.train_batch(batch) for batch in data[trainer.run.rank]]
         joined = await trainer.join()
         await trainer.verified()
         return {
@@ -100,7 +100,7 @@ async def run_uneven(
             "joined": joined,
             "step": trainer.step,
             "params": clone_state(trainer.model),
-            "optim": optimizer_tensors(trainer.model, trainer.optimizer),
+            "optim": optimizer_tensors(trainer.model, trainer.run.optimizer),
             "norms": list(trainer.grad_norms),
             "summary": trainer.summary(),
         }
@@ -185,12 +185,12 @@ async def test_fit_with_different_step_counts_ends_on_every_worker_at_the_same_s
     steps = {0: 2, 1: 5, 2: 3}
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
-        history = await trainer.fit(RecordingDataset(60), 2, steps=steps[trainer.rank])
+        history = await trainer.fit(RecordingDataset(60), 2, steps=steps[trainer.run.rank])
         await trainer.verified()
         return {
             "history": [s for s, _ in history],
             "step": trainer.step,
-            "joined": trainer.joined_steps,
+            "joined": trainer.run.history.joined_steps,
             "digest": trainer.summary()["digest"],
         }
 
@@ -207,9 +207,9 @@ async def test_fit_with_different_step_counts_ends_on_every_worker_at_the_same_s
 
 async def test_joined_workers_stop_at_max_steps() -> None:
     async def body(trainer: DistributedTrainer) -> tuple[int, int]:
-        gen = torch.Generator().manual_seed(trainer.rank)
-        for _ in range(1 if trainer.rank else 10):
-            if trainer.reached_max_steps:
+        gen = torch.Generator().manual_seed(trainer.run.rank)
+        for _ in range(1 if trainer.run.rank else 10):
+            if trainer.run.reached_max_steps:
                 break
             await trainer.train_batch(
                 (torch.randn(2, 3, generator=gen), torch.randn(2, 2, generator=gen))
@@ -229,8 +229,8 @@ async def test_without_join_a_worker_stopping_early_stalls_and_the_stall_deadlin
     run: a bounded failure (and the reason to use ``join``)."""
 
     async def body(trainer: DistributedTrainer) -> None:
-        gen = torch.Generator().manual_seed(trainer.rank)
-        for _ in range(1 if trainer.rank == 0 else 3):
+        gen = torch.Generator().manual_seed(trainer.run.rank)
+        for _ in range(1 if trainer.run.rank == 0 else 3):
             await trainer.train_batch(
                 (torch.randn(2, 3, generator=gen), torch.randn(2, 2, generator=gen))
             )

@@ -139,7 +139,7 @@ async def test_unused_parameters_parity_with_single_process_torch(
             unused.append(tuple(sorted(trainer.unused_parameters)))
         return {
             "params": clone_state(trainer.model),
-            "optim": optimizer_tensors(trainer.model, trainer.optimizer),
+            "optim": optimizer_tensors(trainer.model, trainer.run.optimizer),
             "unused": unused,
         }
 
@@ -272,7 +272,7 @@ async def test_without_the_option_the_step_fails_naming_the_parameters() -> None
 
     async def body(trainer: DistributedTrainer) -> None:
         for step in range(3):
-            await trainer.train_batch(batch(step, trainer.rank))
+            await trainer.train_batch(batch(step, trainer.run.rank))
 
     error = await run_expecting_failure(
         lambda: train_in_process(2, make_replica, branchy_loss, body), seconds=15
@@ -302,13 +302,13 @@ async def test_a_parameter_no_rank_uses_keeps_no_gradient_and_no_optimizer_state
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
         start = clone_state(trainer.model)
         for batch in batches:
-            await trainer.train_batch(shard(batch, trainer.rank, 2))
+            await trainer.train_batch(shard(batch, trainer.run.rank, 2))
             grads = {n: p.grad for n, p in trainer.model.named_parameters()}
             assert all(g is not None and not g.any() for g in grads.values())
         return {
             "start": start,
             "end": clone_state(trainer.model),
-            "optim": optimizer_tensors(trainer.model, trainer.optimizer),
+            "optim": optimizer_tensors(trainer.model, trainer.run.optimizer),
             "unused": trainer.unused_parameters,
         }
 
@@ -338,8 +338,8 @@ async def test_gradients_set_to_none_between_steps_are_packed_with_zeros_for_unu
 
     async def body(trainer: DistributedTrainer) -> dict[str, Any]:
         for batch in batches:
-            trainer.optimizer.zero_grad(set_to_none=True)
-            await trainer.train_batch(shard(batch, trainer.rank, PER_RANK))
+            trainer.run.optimizer.zero_grad(set_to_none=True)
+            await trainer.train_batch(shard(batch, trainer.run.rank, PER_RANK))
         return {"params": clone_state(trainer.model)}
 
     options = TrainerOptions(bucket_bytes=200, find_unused_parameters=True)

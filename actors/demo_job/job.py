@@ -178,8 +178,8 @@ async def run(args: argparse.Namespace) -> int:
                 writer = (
                     CommittedCheckpoints(
                         store,
-                        trainer.client.wait_commit,
-                        replaced=lambda: trainer.states_received,
+                        trainer.run.client.wait_commit,
+                        replaced=lambda: trainer.run.states_received,
                     )
                     if store is not None
                     else None
@@ -189,7 +189,7 @@ async def run(args: argparse.Namespace) -> int:
 
                 def save_checkpoint() -> None:
                     """Offer the state to the writer, which writes it once it is committed."""
-                    if writer is not None and trainer.position == 0:
+                    if writer is not None and trainer.supervisor.position == 0:
                         assert store is not None
                         if store.recorded_run_id() != store.run_id:
                             store.record_run_id()
@@ -264,10 +264,10 @@ def _exit_code(signum: int | None) -> int:
 
 
 async def _gather_and_plot(trainer: DistributedTrainer, args: argparse.Namespace) -> None:
-    losses = torch.tensor([loss for _, loss in trainer.losses], dtype=torch.float64)
-    curves = await all_gather(trainer.transport, losses)
+    losses = torch.tensor([loss for _, loss in trainer.run.history.losses], dtype=torch.float64)
+    curves = await all_gather(trainer.supervisor.live_epoch().transport, losses)
     if trainer.dist_config.rank == 0 and args.plot:
-        steps = [step for step, _ in trainer.losses]
+        steps = [step for step, _ in trainer.run.history.losses]
         series = {f"rank {r}": list(zip(steps, curves[r].tolist())) for r in range(curves.shape[0])}
         series["mean over ranks"] = list(zip(steps, curves.mean(0).tolist()))
         write_loss_plot(

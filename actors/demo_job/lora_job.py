@@ -140,9 +140,9 @@ async def run(args: argparse.Namespace) -> int:
             dp.loss_fn,
             options=TrainerOptions(max_steps=args.steps),
         ) as trainer:
-            rank = trainer.rank
+            rank = trainer.run.rank
             generator = torch.Generator().manual_seed(args.seed * 1000 + 17 + rank)
-            while not trainer.reached_max_steps:
+            while not trainer.run.reached_max_steps:
                 indices = torch.randint(split, len(data), (args.batch_size,), generator=generator)
                 losses.append(await trainer.train_batch(data.batch(indices.tolist())))
             await trainer.verified()

@@ -26,7 +26,7 @@ Design, decided here:
 * **Backward returns with the averaged gradients** (torch DDP's reducer finalizes in backward):
   the first hook of a synchronizing backward queues an autograd engine callback that runs when
   the whole backward is done and waits, in the event loop, until every bucket's average is in
-  the gradients and the buffers are synchronized (`DistributedTrainer.reduce_own_step`). Only
+  the gradients and the buffers are synchronized (`OwnLoop.reduce_own_step`). Only
   the wait for the buckets still running moves to the end of backward: the overlap stays.
   Clipping, ``GradScaler.unscale_``, gradient-norm logging and gradient surgery between
   ``backward()`` and ``step()`` see identical averaged gradients on every rank.
@@ -205,7 +205,7 @@ class DistributedDataParallel(torch.nn.Module):
         device = self._devices.input_device
         self.device_ids = None if device is None else [device]
         self.output_device = self._devices.output_device
-        base = _trainer.options if _trainer is not None else (options or TrainerOptions())
+        base = _trainer.run.options if _trainer is not None else (options or TrainerOptions())
         self._options = torch_ddp_options(
             base,
             broadcast_buffers=broadcast_buffers,
@@ -306,9 +306,9 @@ class DistributedDataParallel(torch.nn.Module):
         thread (``trio.to_thread.run_sync``), never from the trio thread itself, which they
         block on."""
         wrapper = cls.unwrapped_around(trainer)
-        wrapper._binding.wrapped, wrapper._binding.user_optimizer = trainer.optimizer, None
+        wrapper._binding.wrapped, wrapper._binding.user_optimizer = trainer.run.optimizer, None
         trainer.own_loop.attach_caller(applies=False)  # in the trio thread, as `around` is called
-        return wrapper, DistributedOptimizer(wrapper, trainer.optimizer)
+        return wrapper, DistributedOptimizer(wrapper, trainer.run.optimizer)
 
     @classmethod
     def unwrapped_around(
@@ -317,7 +317,7 @@ class DistributedDataParallel(torch.nn.Module):
         """As `around`, but the user's loop steps the trainer's optimizer itself (its step
         hooks report the digest); ``optimizer_known=False``: it is found at its first step,
         as a freshly constructed wrapper finds it."""
-        check_own_loop_options(trainer.options)
+        check_own_loop_options(trainer.run.options)
         wrapper = cls(trainer.model, _trainer=trainer)
         token = trio.lowlevel.current_trio_token()
 
@@ -327,7 +327,7 @@ class DistributedDataParallel(torch.nn.Module):
         wrapper._link.attach(trainer, cross)
         trainer.own_loop.attach_caller(applies=True)  # in the trio thread, as this is called
         if optimizer_known:
-            wrapper._binding.user_optimizer = trainer.optimizer
+            wrapper._binding.user_optimizer = trainer.run.optimizer
         return wrapper
 
     @property
@@ -352,7 +352,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._steps.begin(self.require_backward_grad_sync)
         if self._devices.input_device is not None:
             args, kwargs = _to_device((args, kwargs), self._devices.input_device)
-        with autocast_of(trainer.precision):
+        with autocast_of(trainer.run.precision):
             return self.module(*args, **kwargs)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
@@ -367,8 +367,8 @@ class DistributedDataParallel(torch.nn.Module):
         trainer = self.trainer
         if self._steps.own is not None or trainer.step > 0:
             raise RuntimeError(
-                f"rank {trainer.rank}, step {trainer.step}: register_comm_hook after training "
-                "started: register it before the first forward"
+                f"rank {trainer.run.rank}, step {trainer.step}: register_comm_hook after "
+                "training started: register it before the first forward"
             )
         comm_hook, rank, start = torch_comm_hook(state, hook)
 
@@ -444,7 +444,7 @@ class DistributedDataParallel(torch.nn.Module):
     @property
     def rank(self) -> int:
         """This worker's rank."""
-        return self.trainer.rank
+        return self.trainer.run.rank
 
     def close(self) -> None:
         """Leave the run (when the constructor joined it): tell the coordinator this worker

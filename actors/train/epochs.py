@@ -13,36 +13,29 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import torch
 import trio
 
-from paramsync.actors.graph.compute import ComputeActor, LossFn
-from paramsync.actors.graph.factory import ActorFactory
+from paramsync.actors.graph.compute import ComputeActor
 from paramsync.actors.graph.gradcomm import GradCommActor
 from paramsync.actors.graph.messages import BucketReady, Verify
 from paramsync.actors.graph.optimizer import (
     OPTIMIZER_STEP_LOCK,
-    CheckCost,
     OptimizerActor,
     clip_gradients,
     clip_settings,
 )
-from paramsync.actors.state.buckets import Bucket
-from paramsync.actors.state.digest import StateDigest
 from paramsync.actors.train.caller_gate import CallerGate
-from paramsync.actors.train.history import StepHistory
 from paramsync.actors.train.lifecycle import Lifecycle
-from paramsync.actors.train.state_moves import TrainerState, enter_epoch
+from paramsync.actors.train.state_moves import enter_epoch, resync
+from paramsync.actors.train.training_run import TrainingRun
 from paramsync.runtime.actor.base import ActorSystem
 from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.errors import pick_error
-from paramsync.runtime.observe.trace import TraceRecorder
-from paramsync.runtime.protocol.messages import Hold, StartRun
+from paramsync.runtime.protocol.messages import Hold, ResyncOrder, StartRun
 from paramsync.runtime.transport.base import Transport
 
-__all__ = ["Connect", "Epoch", "EpochSupervisor", "SupervisedTrainer", "fixed_connect"]
+__all__ = ["Connect", "Epoch", "EpochSupervisor", "fixed_connect"]
 
 log = logging.getLogger("paramsync.trainer")
 
@@ -79,25 +72,12 @@ class Epoch:
     """Set once the epoch is torn down (the supervisor then decides what comes next)."""
 
 
-class SupervisedTrainer(TrainerState, Protocol):
-    """What the supervisor reads of its trainer beyond the state it moves."""
-
-    loss_fn: LossFn
-    actors: ActorFactory
-    buckets: list[Bucket]
-    trace: TraceRecorder
-    check_cost: CheckCost
-    history: StepHistory
-    watched_scaler: torch.amp.GradScaler | None
-
-    def resume_digest(self) -> StateDigest: ...
-
-
 class EpochSupervisor:
-    """Runs one trainer's epochs, one after the other, as the coordinator announces them."""
+    """Runs one worker's epochs, one after the other, as the coordinator announces them,
+    on its `TrainingRun`."""
 
-    def __init__(self, trainer: SupervisedTrainer, connect: Connect) -> None:
-        self.trainer = trainer
+    def __init__(self, run: TrainingRun, connect: Connect) -> None:
+        self.run = run
         self.connect = connect
         self.owns_transports = True
         """Close each epoch's transport at its end (not a fixed one the caller passed in)."""
@@ -115,6 +95,24 @@ class EpochSupervisor:
         self._announced: list[StartRun | Hold] = []
         self._announced_event = trio.Event()
 
+    def live_epoch(self) -> Epoch:
+        """The live epoch (its data plane, its actors); RuntimeError between epochs."""
+        if self.current is None:
+            raise RuntimeError("no epoch is running")
+        return self.current
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers training together now (the current epoch's members)."""
+        start = self.current.start if self.current is not None else self.run.client.start
+        return len(start.members) if start is not None else self.run.config.world_size
+
+    @property
+    def position(self) -> int:
+        """This worker's ring position in the current epoch (its data shard)."""
+        start = self.current.start if self.current is not None else self.run.client.start
+        return start.position(self.run.rank) if start is not None else self.run.rank
+
     def announce(self, message: StartRun | Hold) -> None:
         """The coordinator announced a new epoch or a hold: end the live epoch now."""
         self._announced.append(message)
@@ -130,11 +128,18 @@ class EpochSupervisor:
         if epoch is not None:
             epoch.transport.abort()  # wake collective threads blocked on dead peers
 
+    async def resync(self, order: ResyncOrder) -> None:
+        """The coordinator's re-sync order: copy the source rank's state to the diverged ranks
+        over the live epoch's data plane (`paramsync.actors.train.state_moves.resync`)."""
+        epoch = self.current
+        if epoch is not None:
+            await resync(self.run, epoch.start, epoch.transport, order)
+
     async def _next_announcement(self, failure: BaseException | None) -> StartRun | Hold:
         """The coordinator's next epoch or hold; after a data-plane failure, within a deadline
         (the coordinator names the lost peer, or the failure stands)."""
         if not self._announced:
-            start = self.trainer.client.start
+            start = self.run.client.start
             seconds = (
                 2 * start.heartbeat_deadline + 5.0 if failure and start is not None else math.inf
             )
@@ -154,11 +159,11 @@ class EpochSupervisor:
         self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Run the epochs the coordinator announces, from the client's first start on."""
-        message: StartRun | Hold = self.trainer.client.start  # type: ignore[assignment]
+        message: StartRun | Hold = self.run.client.start  # type: ignore[assignment]
         status: trio.TaskStatus[None] | None = task_status
         while True:
             if isinstance(message, Hold):
-                log.warning("rank %d holds: %s", self.trainer.rank, message.reason)
+                log.warning("rank %d holds: %s", self.run.rank, message.reason)
                 self.lifecycle.hold()
                 self.held.set()
                 message = await self._next_announcement(None)
@@ -172,7 +177,7 @@ class EpochSupervisor:
     ) -> tuple[trio.TaskStatus[None] | None, BaseException | None]:
         """Run one epoch until the coordinator announces the next; returns a data-plane
         failure that ended it early (the coordinator then decides)."""
-        trainer = self.trainer
+        run = self.run
         failure: BaseException | None = None
         transport: Transport | None = None
         generation = self.lifecycle.start()
@@ -190,7 +195,7 @@ class EpochSupervisor:
                     transport = await self.connect(start)
                     if self.caller is not None:
                         await self.caller.parked()
-                    await enter_epoch(trainer, start, transport)
+                    await enter_epoch(run, start, transport)
                     async with ActorSystem() as system:
                         epoch = await self._start_actors(system, start, transport, generation)
                         if start.verify:
@@ -210,13 +215,13 @@ class EpochSupervisor:
             except Exception as exc:
                 if self._announced:
                     # Its actors failed while being stopped for the next epoch: no fault.
-                    log.debug("rank %d: epoch %d ended (%r)", trainer.rank, start.epoch, exc)
+                    log.debug("rank %d: epoch %d ended (%r)", run.rank, start.epoch, exc)
                 elif status is not None:
                     raise  # the first epoch never started: nothing to recover
                 else:
                     failure = exc
                     log.warning(
-                        "rank %d: epoch %d ended by %r", trainer.rank, start.epoch, pick_error(exc)
+                        "rank %d: epoch %d ended by %r", run.rank, start.epoch, pick_error(exc)
                     )
             finally:
                 # Leave the epoch: stop the step in flight, finish it if every member holds
@@ -232,13 +237,13 @@ class EpochSupervisor:
                 with trio.CancelScope(shield=True):
                     if transport is not None:
                         transport.abort()
-                        if start.apply_barrier and trainer.client.applied(trainer.step):
+                        if start.apply_barrier and run.client.applied(run.step):
                             gate = self.caller
                             if gate is not None and gate.applies:
-                                gate.must_apply = trainer.step  # its begin_caller_apply says so
+                                gate.must_apply = run.step  # its begin_caller_apply says so
                             else:
                                 await trio.to_thread.run_sync(self._apply_pending)
-                        trainer.optimizer.zero_grad(set_to_none=False)
+                        run.optimizer.zero_grad(set_to_none=False)
                         if self.owns_transports:
                             await transport.aclose()
                 if ending is not None:
@@ -255,41 +260,41 @@ class EpochSupervisor:
         """Once the supervisor holds, the next step and the state digest this worker rejoins
         a restarted coordinator with (its donor rule picks the state the run resumes from)."""
         await self.held.wait()
-        digest = await trio.to_thread.run_sync(self.trainer.resume_digest)
-        return self.trainer.step, digest.digest
+        digest = await trio.to_thread.run_sync(self.run.resume_digest)
+        return self.run.step, digest.digest
 
     def _apply_pending(self) -> None:
         """Apply the step every member was told to apply, as its epoch ends (in a thread)."""
-        trainer = self.trainer
-        step = trainer.step
-        clip = clip_settings(trainer.options)
+        run = self.run
+        step = run.step
+        clip = clip_settings(run.options)
         with OPTIMIZER_STEP_LOCK:
-            if trainer.step == step:
+            if run.step == step:
                 if clip is not None:  # as the optimizer actor would have
-                    if trainer.precision is not None:
-                        trainer.precision.unscale(trainer.optimizer)  # clip the true gradients
-                    trainer.history.record_norm(step, clip_gradients(trainer.model, *clip))
-                if trainer.precision is None:
-                    trainer.optimizer.step()
-                elif trainer.precision.step(trainer.optimizer):
-                    trainer.history.skipped(step)
-                if trainer.scheduler is not None:
-                    trainer.scheduler.step()
-                trainer.optimizer.zero_grad(set_to_none=False)
-                trainer.step = step + 1
-                log.info("rank %d applied step %d while leaving its epoch", trainer.rank, step)
+                    if run.precision is not None:
+                        run.precision.unscale(run.optimizer)  # clip the true gradients
+                    run.history.record_norm(step, clip_gradients(run.model, *clip))
+                if run.precision is None:
+                    run.optimizer.step()
+                elif run.precision.step(run.optimizer):
+                    run.history.skipped(step)
+                if run.scheduler is not None:
+                    run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=False)
+                run.step = step + 1
+                log.info("rank %d applied step %d while leaving its epoch", run.rank, step)
 
     async def _start_actors(
         self, system: ActorSystem, start: StartRun, transport: Transport, generation: int
     ) -> Epoch:
-        trainer = self.trainer
-        comm = trainer.actors.comm(
-            trainer.model,
-            trainer.buckets,
+        run = self.run
+        comm = run.actors.comm(
+            run.model,
+            run.buckets,
             transport,
-            trainer.client,
-            trainer.options,
-            trainer.trace,
+            run.client,
+            run.options,
+            run.trace,
             start.epoch,
             fold=start.fold,
         )
@@ -297,38 +302,38 @@ class EpochSupervisor:
         def on_bucket(step: int, bucket: int) -> None:
             comm.ready_soon(BucketReady(step, bucket))
 
-        compute = trainer.actors.compute(
-            trainer.model,
-            trainer.loss_fn,
-            trainer.buckets,
+        compute = run.actors.compute(
+            run.model,
+            run.loss_fn,
+            run.buckets,
             on_bucket,
-            trainer.trace,
-            find_unused=trainer.options.find_unused_parameters,
+            run.trace,
+            find_unused=run.options.find_unused_parameters,
             on_unused=comm.note_unused,
-            precision=trainer.precision,
-            **({"replicas": trainer.replicas} if trainer.replicas is not None else {}),
+            precision=run.precision,
+            **({"replicas": run.replicas} if run.replicas is not None else {}),
         )
 
         def applied(step: int) -> None:
-            trainer.step = step + 1
+            run.step = step + 1
 
-        optimizer = trainer.actors.optimizer(
-            trainer.model,
-            trainer.optimizer,
-            trainer.client,
-            trainer.options,
-            trainer.trace,
+        optimizer = run.actors.optimizer(
+            run.model,
+            run.optimizer,
+            run.client,
+            run.options,
+            run.trace,
             start.epoch,
             applied,
-            trainer.check_cost,
-            zero_grads=lambda: comm.zero_grads(trainer.optimizer),
-            precision=trainer.precision,
-            on_skipped=trainer.history.skipped,
-            scheduler=trainer.scheduler,
-            digest_buffers=trainer.options.buffer_sync != "local",
+            run.check_cost,
+            zero_grads=lambda: comm.zero_grads(run.optimizer),
+            precision=run.precision,
+            on_skipped=run.history.skipped,
+            scheduler=run.scheduler,
+            digest_buffers=run.options.buffer_sync != "local",
         )
-        if trainer.watched_scaler is not None:
-            optimizer.digest_grad_scaler(trainer.watched_scaler)
+        if run.watched_scaler is not None:
+            optimizer.digest_grad_scaler(run.watched_scaler)
         try:
             await system.start(compute)
             await system.start(comm)
@@ -336,5 +341,5 @@ class EpochSupervisor:
         except BaseException:
             compute.remove_hooks()
             raise
-        trainer.client.on_go = comm.tell
+        run.client.on_go = comm.tell
         return Epoch(start, transport, compute, comm, optimizer, generation)

@@ -50,7 +50,7 @@ class LoopChecks:
         if now != self.params:
             added = [n for n, p in self.module.named_parameters() if id(p) not in self.mine]
             raise RuntimeError(
-                f"rank {trainer.rank}, step {trainer.step}: the module's parameters "
+                f"rank {trainer.run.rank}, step {trainer.step}: the module's parameters "
                 f"changed after it was wrapped (new: {added or 'none'}; "
                 f"{len(self.params)} wrapped, {len(now)} now): add every parameter before "
                 "wrapping the module"

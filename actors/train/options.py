@@ -93,7 +93,7 @@ class TrainerOptions:
     meant for CUDA, torch runs it on the CPU too). A step whose averaged gradients hold an inf
     or nan is skipped on every rank, and the scale backs off identically; the scaler's state is
     covered by the state digest and carried by checkpoints and state transfers
-    (`DistributedTrainer.grad_scaler`)."""
+    (`TrainingRun.grad_scaler`)."""
     grad_scaler_init_scale: float = 2.0**16
     """The loss scaler's initial scale (torch's default)."""
     grad_scaler_growth_interval: int = 2000

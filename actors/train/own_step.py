@@ -30,7 +30,8 @@ from paramsync.actors.train.caller_gate import CallerGate
 from paramsync.actors.train.epochs import Epoch, EpochSupervisor
 from paramsync.actors.train.lifecycle import StepOutcome, own_step_outcome
 from paramsync.actors.train.options import check_scheduler
-from paramsync.actors.train.steps import StepAborted, StepRunner, StepTrainer
+from paramsync.actors.train.steps import StepAborted, StepRunner
+from paramsync.actors.train.training_run import TrainingRun
 
 __all__ = ["EarlyTermination", "OwnLoop", "OwnStep"]
 
@@ -70,8 +71,8 @@ class EarlyTermination(RuntimeError):
 class OwnLoop:
     """The trainer's side of the caller's own loop (`DistributedTrainer.own_loop`)."""
 
-    def __init__(self, trainer: StepTrainer, epochs: EpochSupervisor, steps: StepRunner) -> None:
-        self.trainer = trainer
+    def __init__(self, run: TrainingRun, epochs: EpochSupervisor, steps: StepRunner) -> None:
+        self.run = run
         self.epochs = epochs
         self.steps = steps
         self.throw_on_early_termination = False
@@ -113,8 +114,8 @@ class OwnLoop:
         loop."""
         if scheduler is not None:
             check_scheduler(scheduler, optimizer)
-            self.trainer.scheduler = scheduler
-        self.trainer.optimizer = optimizer
+            self.run.scheduler = scheduler
+        self.run.optimizer = optimizer
         if self.epochs.current is not None:
             self.epochs.current.optimizer.optimizer = optimizer
             if scheduler is not None:
@@ -124,7 +125,7 @@ class OwnLoop:
         """Cover ``scaler``, a loss scaler the caller's own loop steps, in every state digest
         from now on (`paramsync.actors.train.ddp_wrapper`): ranks whose scalers decided differently
         are caught at that step. In the event loop, between steps."""
-        self.trainer.watched_scaler = scaler
+        self.run.watched_scaler = scaler
         if self.epochs.current is not None:
             self.epochs.current.optimizer.digest_grad_scaler(scaler)
 
@@ -133,19 +134,19 @@ class OwnLoop:
         (torch DDP's ``register_comm_hook``, `paramsync.actors.train.ddp_wrapper`): before the first
         step, in the event loop. Every member must choose the same hook (it is part of each
         bucket's spec, which the coordinator checks)."""
-        if self.trainer.step > 0:
+        if self.run.step > 0:
             raise RuntimeError(
-                f"rank {self.trainer.rank}: the comm hook must be registered before the first step "
-                f"(the run is at step {self.trainer.step})"
+                f"rank {self.run.rank}: the comm hook must be registered before the first step "
+                f"(the run is at step {self.run.step})"
             )
-        self.trainer.options = dataclasses.replace(
-            self.trainer.options,
+        self.run.options = dataclasses.replace(
+            self.run.options,
             comm_hook=comm_hook,
             powersgd_rank=powersgd_rank,
             powersgd_start_iter=powersgd_start_iter,
         )
         if self.epochs.current is not None:
-            self.epochs.current.comm.use_comm_hook(self.trainer.options)
+            self.epochs.current.comm.use_comm_hook(self.run.options)
 
     # -- its steps ---------------------------------------------------------------------------
 
@@ -154,23 +155,23 @@ class OwnLoop:
         thread (torch DDP's shape: `paramsync.actors.train.ddp_wrapper`): wait for a live epoch and
         expect its buckets. Arm the epoch's compute hooks (``own.compute.expect_backward``) before
         the step's last backward, then call `finish_own_step`."""
-        if self.trainer.reached_max_steps:
-            raise RuntimeError(f"max_steps={self.trainer.options.max_steps} already reached")
+        if self.run.reached_max_steps:
+            raise RuntimeError(f"max_steps={self.run.options.max_steps} already reached")
         self.next_own = None
         await self.epochs.live.wait()
         epoch = self.epochs.current
         assert epoch is not None
-        if self.trainer.options.join:  # uneven inputs (`use_join`): count who still has data first
-            active = await self.steps.count_with_data(epoch, self.trainer.step, True)
-            if self.throw_on_early_termination and active < self.trainer.world_size:
-                raise EarlyTermination(self.trainer.step, self.trainer.world_size - active)
-        step = self.trainer.step
-        state = epoch.comm.begin_step(step)
+        if self.run.options.join:  # uneven inputs (`use_join`): count who still has data first
+            active = await self.steps.count_with_data(epoch, self.run.step, True)
+            if self.throw_on_early_termination and active < self.epochs.world_size:
+                raise EarlyTermination(self.run.step, self.epochs.world_size - active)
+        step = self.run.step
+        step_state = epoch.comm.begin_step(step)
         # Whatever step the caller had in flight is over; a stale begin (the epoch ended
         # during the count) is dropped by the step's first phase.
         self.epochs.lifecycle.abandon(epoch.generation)
         self.epochs.lifecycle.begin(epoch.generation, step)
-        return OwnStep(step, epoch, state, time.perf_counter())
+        return OwnStep(step, epoch, step_state, time.perf_counter())
 
     def use_join(self, enabled: bool, *, throw_on_early_termination: bool = False) -> None:
         """The caller's own loop runs inside torch's ``Join``
@@ -178,7 +179,7 @@ class OwnLoop:
         counts the members that still have data, and a member whose data ended calls `join` (or,
         with ``throw_on_early_termination``, `join_and_raise`). Every member enables it at the same
         step. In the event loop, between steps."""
-        self.trainer.options = dataclasses.replace(self.trainer.options, join=enabled)
+        self.run.options = dataclasses.replace(self.run.options, join=enabled)
         self.throw_on_early_termination = throw_on_early_termination and enabled
         self.next_own = None
 
@@ -188,8 +189,8 @@ class OwnLoop:
         await self.epochs.live.wait()
         epoch = self.epochs.current
         assert epoch is not None
-        await self.steps.count_with_data(epoch, self.trainer.step, False)
-        raise EarlyTermination(self.trainer.step, 1)
+        await self.steps.count_with_data(epoch, self.run.step, False)
+        raise EarlyTermination(self.run.step, 1)
 
     def prepared_own_step(self) -> OwnStep | None:
         """The step `finish_own_step` began for the caller's next forward, if it is still the
@@ -204,8 +205,8 @@ class OwnLoop:
             return None
         if (
             own.epoch is not self.epochs.current
-            or own.step != self.trainer.step
-            or self.trainer.reached_max_steps
+            or own.step != self.run.step
+            or self.run.reached_max_steps
         ):
             return None
         return own
@@ -214,17 +215,17 @@ class OwnLoop:
         """Begin the caller's next step now, in the event loop, while it waits here anyway
         (see `prepared_own_step`); nothing when no step may follow in this epoch."""
         self.next_own = None
-        if self.trainer.options.join:  # each step begins with the count (`begin_own_step`)
+        if self.run.options.join:  # each step begins with the count (`begin_own_step`)
             return
         if (
             self.epochs.live.is_set()
             and self.epochs.current is epoch
-            and not self.trainer.reached_max_steps
+            and not self.run.reached_max_steps
         ):
-            step = self.trainer.step
-            state = epoch.comm.begin_step(step)
+            step = self.run.step
+            step_state = epoch.comm.begin_step(step)
             self.epochs.lifecycle.begin(epoch.generation, step, prepared=True)
-            self.next_own = OwnStep(step, epoch, state, time.perf_counter())
+            self.next_own = OwnStep(step, epoch, step_state, time.perf_counter())
 
     async def finish_own_step(self, own: OwnStep) -> bool:
         """After `reduce_own_step`: apply ``own.step``'s averaged gradients through the
@@ -242,9 +243,9 @@ class OwnLoop:
         """The last phase of ``own`` ran (``ran``) or the epoch ended under it: whether the
         step was taken; a taken one is recorded and the next one begun in the event loop."""
         self.epochs.lifecycle.end(own.epoch.generation, own.step)
-        if own_step_outcome(own.step, self.trainer.step, ran=ran) is not StepOutcome.TAKEN:
+        if own_step_outcome(own.step, self.run.step, ran=ran) is not StepOutcome.TAKEN:
             return self._own_step_dropped(own.step)
-        self.trainer.history.record(own.step, None, time.perf_counter() - own.started)
+        self.run.history.record(own.step, None, time.perf_counter() - own.started)
         self._prepare_own_step(own.epoch)
         return True
 
@@ -271,8 +272,8 @@ class OwnLoop:
         epoch's apply barrier, as the optimizer actor would. False: the step was dropped."""
 
         async def barrier(epoch: Epoch) -> None:
-            with self.trainer.trace.span("commit-wait", actor="optimizer", step=own.step - 1):
-                await self.trainer.client.wait_commit(own.step - 1)
+            with self.run.trace.span("commit-wait", actor="optimizer", step=own.step - 1):
+                await self.run.client.wait_commit(own.step - 1)
             await self.steps.apply_barrier(epoch, own.step)
 
         if await self._own_phase(own, barrier):
@@ -280,7 +281,7 @@ class OwnLoop:
         # The epoch ended under it: a step every member was told to apply is still applied,
         # here by the caller (the supervisor does it for the trainer's own steps).
         gate = self.epochs.caller
-        return gate is not None and gate.must_apply == own.step == self.trainer.step
+        return gate is not None and gate.must_apply == own.step == self.run.step
 
     def caller_applied(self, own: OwnStep, *, skipped: bool = False) -> None:
         """The caller's thread has stepped its optimizer with ``own.step`` (or skipped the
@@ -296,7 +297,7 @@ class OwnLoop:
         ``verify_overlap``, wait for its check. Returns whether the step was taken."""
 
         async def report(epoch: Epoch) -> None:
-            wait = not self.trainer.options.verify_overlap
+            wait = not self.run.options.verify_overlap
             await epoch.optimizer.ask(Verify(own.step, wait=wait))
             self.epochs.lifecycle.applied(epoch.generation, own.step)
 
@@ -314,9 +315,7 @@ class OwnLoop:
         under it (or before it), True when it ran. The step's own errors propagate."""
         epoch = own.epoch
         self.next_own = None
-        if self.epochs.current is not epoch or self.trainer.step != (
-            own.step if at is None else at
-        ):
+        if self.epochs.current is not epoch or self.run.step != (own.step if at is None else at):
             return False
         scope = trio.CancelScope()
         try:
@@ -336,13 +335,13 @@ class OwnLoop:
     def _own_step_dropped(self, step: int) -> bool:
         """A step of the caller's own loop ended by a membership change: its gradients (some
         maybe backward wrote after the new epoch bound them) must not reach the next step."""
-        self.trainer.optimizer.zero_grad(set_to_none=False)
-        if own_step_outcome(step, self.trainer.step, ran=False) is StepOutcome.DONE:
+        self.run.optimizer.zero_grad(set_to_none=False)
+        if own_step_outcome(step, self.run.step, ran=False) is StepOutcome.DONE:
             return True  # taken while leaving the epoch, or received with a peer's state
         log.warning(
             "rank %d: step %d dropped by a membership change: its gradients are lost, the "
             "next step starts from the new epoch's state",
-            self.trainer.rank,
+            self.run.rank,
             step,
         )
         return False

@@ -1,35 +1,29 @@
 """How a trainer's state moves between ranks: an epoch's entry (the initial broadcast and its
 check, a joiner's state transfer, the buffers brought into line) and a re-sync of diverged ranks.
 
-Each function takes the trainer whose state it moves (`TrainerState`: the model, its
-optimizer and what travels with them) and the epoch's data plane; a receiver lands every
+Each function takes the worker's `TrainingRun` (the model, its optimizer and what travels
+with them), which it changes, and the epoch's data plane; a receiver lands every
 tensor in a buffer of its own and changes its state only once all of them arrived and verified.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
 
-from paramsync.actors.client.client import CoordinatorClient
-from paramsync.actors.graph.precision import MixedPrecision
-from paramsync.actors.multidevice import DataParallelCoordinator
-from paramsync.actors.state.digest import Scheduler, named_state, state_digest
+from paramsync.actors.state.digest import named_state, state_digest
 from paramsync.actors.train.buffer_sync import BufferSync, sync_buffers
-from paramsync.actors.train.options import TrainerOptions
 from paramsync.actors.train.state_transfer import receive_state, send_state, wire_view
+from paramsync.actors.train.training_run import TrainingRun
 from paramsync.actors.train.unbound_optimizer import check_can_receive_state
 from paramsync.runtime.collectives.ring import all_reduce, broadcast
 from paramsync.runtime.errors import ProtocolError
-from paramsync.runtime.observe.metrics import Metrics
 from paramsync.runtime.protocol.messages import ResyncOrder, StartRun, StateTensor
 from paramsync.runtime.transport.base import Transport
 
 __all__ = [
     "StartingStateDiffers",
-    "TrainerState",
     "check_starting_state",
     "enter_epoch",
     "receive_training_state",
@@ -40,28 +34,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("paramsync.trainer")
-
-
-class TrainerState(Protocol):
-    """What these functions read and change of a trainer (`DistributedTrainer`)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Scheduler | None
-    options: TrainerOptions
-    precision: MixedPrecision | None
-    replicas: DataParallelCoordinator | None
-    client: CoordinatorClient
-    metrics: Metrics | None
-    step: int
-    states_received: int
-    epochs: list[tuple[int, int, tuple[int, ...]]]
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def grad_scaler(self) -> torch.amp.GradScaler | None: ...
 
 
 class StartingStateDiffers(RuntimeError):
@@ -78,56 +50,56 @@ class StartingStateDiffers(RuntimeError):
         self.epoch, self.step, self.ranks, self.tensor = epoch, step, ranks, tensor
 
 
-async def enter_epoch(trainer: TrainerState, start: StartRun, transport: Transport) -> None:
+async def enter_epoch(run: TrainingRun, start: StartRun, transport: Transport) -> None:
     """Bring every member to the epoch's starting state before its first step."""
     if start.broadcast:
-        await sync_initial_weights(trainer, transport)
-        await check_starting_state(trainer, transport, start)
+        await sync_initial_weights(run, transport)
+        await check_starting_state(run, transport, start)
     elif start.donor >= 0:
-        if trainer.rank == start.donor:
+        if run.rank == start.donor:
             for receiver in start.receivers:
-                await send_training_state(trainer, transport, start.position(receiver))
-        elif trainer.rank in start.receivers:
+                await send_training_state(run, transport, start.position(receiver))
+        elif run.rank in start.receivers:
             await receive_training_state(
-                trainer, transport, start.position(start.donor), donor=f"rank {start.donor}"
+                run, transport, start.position(start.donor), donor=f"rank {start.donor}"
             )
-    if not start.broadcast and trainer.options.buffer_sync != "local":
+    if not start.broadcast and run.options.buffer_sync != "local":
         # Buffers a dropped step's forward moved on some ranks only: the epoch's opening
         # check covers them, so every member starts from position 0's.
-        await sync_model_buffers(trainer, transport, "broadcast")
-    if trainer.replicas is not None:  # the primary may have taken over a peer's state
-        trainer.replicas.adopt_primary_state()
-    if trainer.rank not in start.receivers:
+        await sync_model_buffers(run, transport, "broadcast")
+    if run.replicas is not None:  # the primary may have taken over a peer's state
+        run.replicas.adopt_primary_state()
+    if run.rank not in start.receivers:
         if start.broadcast:
-            trainer.step = start.step
-        elif trainer.step != start.step:
+            run.step = start.step
+        elif run.step != start.step:
             raise ProtocolError(
-                f"epoch {start.epoch} starts at step {start.step}, but rank {trainer.rank} "
-                f"is at step {trainer.step}",
+                f"epoch {start.epoch} starts at step {start.step}, but rank {run.rank} "
+                f"is at step {run.step}",
                 peer="coordinator",
             )
-    trainer.client.begin_epoch(start)
-    trainer.epochs.append((start.epoch, start.step, start.members))
-    if trainer.metrics is not None:
-        trainer.metrics.observe_epoch(start.epoch, len(start.members))
+    run.client.begin_epoch(start)
+    run.epochs.append((start.epoch, start.step, start.members))
+    if run.metrics is not None:
+        run.metrics.observe_epoch(start.epoch, len(start.members))
     log.info(
         "rank %d: epoch %d at step %d, ranks %s (position %d of %d)",
-        trainer.rank,
+        run.rank,
         start.epoch,
         start.step,
         list(start.members),
-        start.position(trainer.rank),
+        start.position(run.rank),
         len(start.members),
     )
 
 
-async def sync_initial_weights(trainer: TrainerState, transport: Transport) -> None:
+async def sync_initial_weights(run: TrainingRun, transport: Transport) -> None:
     """Broadcast position 0's parameters and buffers so every replica starts identical.
 
     A receiver lands every tensor in a host buffer of its own (never the live parameter,
     which ``.to("cpu")`` of a CPU tensor would alias) and copies them into the model only
     once all of them arrived and verified: a broadcast that fails changes nothing."""
-    tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
+    tensors = list(run.model.parameters()) + list(run.model.buffers())
     root = transport.rank == 0
     hosts = []
     for tensor in tensors:
@@ -139,7 +111,7 @@ async def sync_initial_weights(trainer: TrainerState, transport: Transport) -> N
             transport,
             wire_view(host),
             root=0,
-            chunk_bytes=trainer.options.chunk_bytes,
+            chunk_bytes=run.options.chunk_bytes,
             in_place=True,  # ``host`` is this call's own buffer, dropped on failure
         )
         hosts.append(host)
@@ -150,23 +122,19 @@ async def sync_initial_weights(trainer: TrainerState, transport: Transport) -> N
             tensor.copy_(host)
 
 
-async def check_starting_state(
-    trainer: TrainerState, transport: Transport, start: StartRun
-) -> None:
+async def check_starting_state(run: TrainingRun, transport: Transport, start: StartRun) -> None:
     """After a broadcast epoch's initial broadcast, before its first step: every member's
     parameters and buffers hash (per tensor, XXH3-128) to position 0's, or every member
     raises `StartingStateDiffers` naming the ranks that differ (and, on those ranks, the
     first tensor). What a state-transfer epoch's opening check (its digests of the step
     before) gives the coordinator, a broadcast epoch gets here, on its own data plane."""
-    mine = state_digest(trainer.model, None, buffers=True)
+    mine = state_digest(run.model, None, buffers=True)
     packed = torch.frombuffer(bytearray(mine.packed), dtype=torch.uint8)
     theirs = packed.clone()
-    await broadcast(
-        transport, theirs, root=0, chunk_bytes=trainer.options.chunk_bytes, in_place=True
-    )
+    await broadcast(transport, theirs, root=0, chunk_bytes=run.options.chunk_bytes, in_place=True)
     differs = torch.zeros(transport.world_size, dtype=torch.float64)
     differs[transport.rank] = float(not torch.equal(packed, theirs))
-    await all_reduce(transport, differs, "sum", chunk_bytes=trainer.options.chunk_bytes)
+    await all_reduce(transport, differs, "sum", chunk_bytes=run.options.chunk_bytes)
     ranks = [start.members[p] for p in range(len(differs)) if differs[p]]
     if not ranks:
         return
@@ -182,66 +150,66 @@ async def check_starting_state(
 
 
 async def sync_model_buffers(
-    trainer: TrainerState, transport: Transport, mode: BufferSync | None = None
+    run: TrainingRun, transport: Transport, mode: BufferSync | None = None
 ) -> None:
     """Make the model's buffers identical across the epoch's members (``mode``, default
     ``options.buffer_sync``)."""
     await sync_buffers(
         transport,
-        list(trainer.model.buffers()),
-        mode if mode is not None else trainer.options.buffer_sync,
-        chunk_bytes=trainer.options.chunk_bytes,
-        threaded_min_bytes=trainer.options.threaded_min_bytes,
+        list(run.model.buffers()),
+        mode if mode is not None else run.options.buffer_sync,
+        chunk_bytes=run.options.chunk_bytes,
+        threaded_min_bytes=run.options.threaded_min_bytes,
     )
 
 
-async def send_training_state(trainer: TrainerState, transport: Transport, peer: int) -> None:
+async def send_training_state(run: TrainingRun, transport: Transport, peer: int) -> None:
     """Send this worker's whole training state to ring position ``peer`` (a joiner)."""
     await send_state(
         transport,
         peer,
-        trainer.model,
-        trainer.optimizer,
-        trainer.step,
-        trainer.scheduler,
-        grad_scaler=trainer.grad_scaler,
+        run.model,
+        run.optimizer,
+        run.step,
+        run.scheduler,
+        grad_scaler=run.grad_scaler,
     )
 
 
 async def receive_training_state(
-    trainer: TrainerState, transport: Transport, peer: int, donor: object = None
+    run: TrainingRun, transport: Transport, peer: int, donor: object = None
 ) -> None:
     """Receive a healthy member's whole training state and take it over; its manifest is
     checked against this model before anything is allocated (`receive_state`)."""
-    check_can_receive_state(trainer.optimizer, trainer.rank)
-    state = await receive_state(
+    check_can_receive_state(run.optimizer, run.rank)
+    received = await receive_state(
         transport,
         peer,
-        trainer.model,
-        trainer.optimizer,
+        run.model,
+        run.optimizer,
         donor=donor,
-        scheduler=trainer.scheduler,
-        grad_scaler=trainer.grad_scaler,
+        scheduler=run.scheduler,
+        grad_scaler=run.grad_scaler,
     )
-    if state.step < trainer.step:
-        log.warning("rank %d rolls back from step %d", trainer.rank, trainer.step)
-    trainer.step = state.step
-    trainer.states_received += 1
-    log.info("rank %d received the training state at step %d", trainer.rank, state.step)
+    if received.step < run.step:
+        log.warning("rank %d rolls back from step %d", run.rank, run.step)
+    run.step = received.step
+    run.states_received += 1
+    log.info("rank %d received the training state at step %d", run.rank, received.step)
 
 
 async def resync(
-    trainer: TrainerState, start: StartRun, transport: Transport, order: ResyncOrder
+    run: TrainingRun, start: StartRun, transport: Transport, order: ResyncOrder
 ) -> None:
     """Copy the source rank's parameters, optimizer state and loss scaler state to the
     diverged ranks, over the data plane of the epoch ``start`` began."""
-    rank = trainer.rank
+    rank = run.rank
     if rank != order.source and rank not in order.targets:
         return
-    local = trainer.options.buffer_sync == "local"
-    state = named_state(trainer.model, trainer.optimizer, buffers=not local)
-    tensors = [tensor for _, tensor in state]
-    scaler = trainer.precision.scaler_tensors() if trainer.precision is not None else []
+    local = run.options.buffer_sync == "local"
+    named = named_state(run.model, run.optimizer, buffers=not local)
+    tensors = [tensor for _, tensor in named]
+    scaler = run.precision.scaler_tensors() if run.precision is not None else []
     tensors += scaler  # the loss scaler's scale and growth tracker travel last
     log.warning(
         "step %d: re-syncing ranks %s from rank %d",
@@ -277,9 +245,9 @@ async def resync(
             for tensor, host in zip(tensors, received, strict=True):
                 tensor.copy_(host)
     if scaler and rank != order.source:
-        assert trainer.precision is not None
-        trainer.precision.load_scaler_tensors(scaler)
+        assert run.precision is not None
+        run.precision.load_scaler_tensors(scaler)
     if rank != order.source:
-        trainer.states_received += 1
-        if trainer.replicas is not None:
-            trainer.replicas.adopt_primary_state()
+        run.states_received += 1
+        if run.replicas is not None:
+            run.replicas.adopt_primary_state()

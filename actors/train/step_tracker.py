@@ -59,7 +59,7 @@ class StepTracker:
         own = self.own
         if self.armed and (not sync or self.reduced or own.compute.sync_backward_started):
             raise RuntimeError(
-                f"step {own.step}, rank {trainer.rank}: a forward after the step's "
+                f"step {own.step}, rank {trainer.run.rank}: a forward after the step's "
                 "synchronizing one and before its backward ended: call optimizer.step() "
                 "first (or run the earlier forwards and backwards under "
                 "`with model.no_sync():`)"
@@ -93,14 +93,14 @@ class StepTracker:
         its gradients (waiting for it here when no hook fired)."""
         if not self.armed:
             raise RuntimeError(
-                f"step {own.step}, rank {self.link.trainer.rank}: {what} after forwards all "
+                f"step {own.step}, rank {self.link.trainer.run.rank}: {what} after forwards all "
                 "under no_sync() (or require_backward_grad_sync=False): the last forward and "
                 "backward of a step must synchronize"
             )
         if not self.reduced:  # no hook fired in the backward (or it has not run yet)
             if not self.find_unused_parameters and not own.compute.sync_backward_started:
                 raise RuntimeError(
-                    f"step {own.step}, rank {self.link.trainer.rank}: {what} after a forward "
+                    f"step {own.step}, rank {self.link.trainer.run.rank}: {what} after a forward "
                     "with no backward (no parameter received a gradient since the step's "
                     "synchronizing forward): call loss.backward() first"
                 )
@@ -130,7 +130,7 @@ class StepTracker:
         own = self.own
         if own is None:
             raise RuntimeError(
-                f"rank {trainer.rank}, step {trainer.step}: optimizer.step() with no "
+                f"rank {trainer.run.rank}, step {trainer.step}: optimizer.step() with no "
                 "forward and backward of the wrapped model since the last step: every step "
                 "must synchronize its gradients first"
             )

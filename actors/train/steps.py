@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import trio
@@ -23,15 +23,15 @@ import trio
 from paramsync.actors.graph.gradcomm import StepState
 from paramsync.actors.graph.loader import BatchSource, DataLoaderActor, LoaderPosition, LoadNext
 from paramsync.actors.graph.messages import Backward, BucketReady, OptimizerStep, Verify
-from paramsync.actors.train.epochs import Epoch, EpochSupervisor, SupervisedTrainer
+from paramsync.actors.train.epochs import Epoch, EpochSupervisor
 from paramsync.actors.train.lifecycle import StepOutcome, attempt_outcome
 from paramsync.actors.train.state_moves import sync_model_buffers
+from paramsync.actors.train.training_run import TrainingRun
 from paramsync.runtime.actor.base import ActorStopped, ActorSystem
 from paramsync.runtime.collectives.ring import all_reduce
-from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.errors import ActorFailed, ProtocolError, pick_error
 
-__all__ = ["AllJoined", "StepAborted", "StepRunner", "StepTrainer"]
+__all__ = ["AllJoined", "StepAborted", "StepRunner"]
 
 log = logging.getLogger("paramsync.trainer")
 
@@ -44,29 +44,11 @@ class AllJoined(Exception):
     """Every rank's data has ended (``join``): the ranks stop together, before the step."""
 
 
-class StepTrainer(SupervisedTrainer, Protocol):
-    """What the step runner reads of its trainer beyond what its supervisor does."""
-
-    unused_parameters: tuple[str, ...]
-
-    @property
-    def reached_max_steps(self) -> bool: ...
-
-    @property
-    def position(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def dist_config(self) -> DistributedConfig: ...
-
-
 class StepRunner:
-    """Runs a trainer's steps in the epochs its supervisor keeps live."""
+    """Runs a worker's steps on its `TrainingRun`, in the epochs its supervisor keeps live."""
 
-    def __init__(self, trainer: StepTrainer, epochs: EpochSupervisor) -> None:
-        self.trainer = trainer
+    def __init__(self, run: TrainingRun, epochs: EpochSupervisor) -> None:
+        self.run = run
         self.epochs = epochs
         self._last: tuple[int, float] = (-1, math.nan)
         """(step, loss) of the last step this worker computed a loss for."""
@@ -77,39 +59,39 @@ class StepRunner:
 
     async def train_batch(self, batch: Any) -> float:
         """`DistributedTrainer.train_batch`."""
-        step = self.trainer.step
+        step = self.run.step
         while True:
             try:
                 return await self.attempt(batch, step)
             except StepAborted:
-                outcome = attempt_outcome(step, self.trainer.step)
+                outcome = attempt_outcome(step, self.run.step)
                 if outcome is StepOutcome.DONE:  # never run this batch on a later step
                     return self.loss_of(step)
                 if outcome is StepOutcome.ROLLED_BACK:  # nor on an earlier one
                     log.warning(
                         "rank %d: step %d's batch not run: rolled back to step %d",
-                        self.trainer.rank,
+                        self.run.rank,
                         step,
-                        self.trainer.step,
+                        self.run.step,
                     )
                     return math.nan
 
     async def join(self) -> int:
         """`DistributedTrainer.join`."""
-        if not self.trainer.options.join:
+        if not self.run.options.join:
             raise RuntimeError(
                 "join needs TrainerOptions(join=True) on every worker: without it a worker "
                 "cannot step with zero gradients while its peers still train"
             )
         taken = 0
-        while not self.trainer.reached_max_steps:
-            step = self.trainer.step
+        while not self.run.reached_max_steps:
+            step = self.run.step
             try:
                 await self.attempt(None, step, has_data=False)
             except AllJoined:
                 break
             except StepAborted:
-                if self.trainer.step > step:  # done without this attempt finishing
+                if self.run.step > step:  # done without this attempt finishing
                     taken += 1
                 continue
             taken += 1
@@ -118,9 +100,9 @@ class StepRunner:
     async def count_with_data(self, epoch: Epoch, step: int, has_data: bool) -> int:
         """All-reduce how many members still have data at ``step`` (``join``)."""
         count = torch.tensor([1.0 if has_data else 0.0])
-        with self.trainer.trace.span("join-count", actor="trainer", step=step):
+        with self.run.trace.span("join-count", actor="trainer", step=step):
             await all_reduce(
-                epoch.transport, count, "sum", chunk_bytes=self.trainer.options.chunk_bytes
+                epoch.transport, count, "sum", chunk_bytes=self.run.options.chunk_bytes
             )
         return round(float(count[0]))
 
@@ -131,13 +113,13 @@ class StepRunner:
         the worker is no longer at ``step`` (or ring ``position``) when the epoch is live.
         Without data (``join``) the step reduces zero gradients, or raises AllJoined when no
         member has data left."""
-        if self.trainer.reached_max_steps:
-            raise RuntimeError(f"max_steps={self.trainer.options.max_steps} already reached")
+        if self.run.reached_max_steps:
+            raise RuntimeError(f"max_steps={self.run.options.max_steps} already reached")
         if self.epochs.live.is_set():  # the usual case: no task switch here (the compute's is one)
             await trio.lowlevel.checkpoint_if_cancelled()
         else:
             await self.epochs.live.wait()
-        if self.trainer.step != step or position not in (None, self.trainer.position):
+        if self.run.step != step or position not in (None, self.epochs.position):
             raise StepAborted
         epoch = self.epochs.current
         assert epoch is not None
@@ -147,11 +129,9 @@ class StepRunner:
         try:
             with scope:
                 self.epochs.step_scope = scope
-                if self.trainer.options.join and not await self.count_with_data(
-                    epoch, step, has_data
-                ):
+                if self.run.options.join and not await self.count_with_data(epoch, step, has_data):
                     raise AllJoined
-                state = epoch.comm.begin_step(step)
+                step_state = epoch.comm.begin_step(step)
                 if not self.epochs.lifecycle.begin(epoch.generation, step):
                     raise StepAborted  # the epoch ended as the step began
                 if has_data:
@@ -159,41 +139,41 @@ class StepRunner:
                     self._last = (step, loss)
                 else:
                     self._reduce_zeros(epoch, step)
-                await self._reduce_and_apply(epoch, state, step)
+                await self._reduce_and_apply(epoch, step_state, step)
         except Exception as exc:
             await self.step_failed(exc, scope, epoch)
             raise
         finally:
             self.epochs.step_scope = None
             self.epochs.lifecycle.end(epoch.generation, step)
-        if scope.cancelled_caught or self.trainer.step != step + 1:
+        if scope.cancelled_caught or self.run.step != step + 1:
             raise StepAborted
         if has_data:
-            self.trainer.history.record(step, loss, time.perf_counter() - started)
+            self.run.history.record(step, loss, time.perf_counter() - started)
         else:
-            self.trainer.history.joined_steps += 1
+            self.run.history.joined_steps += 1
         return loss
 
-    async def _reduce_and_apply(self, epoch: Epoch, state: StepState, step: int) -> None:
+    async def _reduce_and_apply(self, epoch: Epoch, step_state: StepState, step: int) -> None:
         """The rest of ``step`` once its backward has handed its buckets over: wait for their
         all-reduce, synchronize the buffers, apply the optimizer step, report the digest."""
-        await self.await_reduced(epoch, state, step)
+        await self.await_reduced(epoch, step_state, step)
         await self.apply_reduced(epoch, step)
 
-    async def await_reduced(self, epoch: Epoch, state: StepState, step: int) -> None:
+    async def await_reduced(self, epoch: Epoch, step_state: StepState, step: int) -> None:
         """Wait until every bucket of ``step`` is averaged into the gradients (raising the
         step's error if one was lost), then synchronize the buffers."""
-        with self.trainer.trace.span("grad-wait", actor="trainer", step=step):
-            await state.all_reduced.wait()
-        if state.error is not None:
-            raise state.error
-        self.trainer.unused_parameters = state.unused_everywhere
-        if self.trainer.options.buffer_sync != "local":
+        with self.run.trace.span("grad-wait", actor="trainer", step=step):
+            await step_state.all_reduced.wait()
+        if step_state.error is not None:
+            raise step_state.error
+        self.run.unused_parameters = step_state.unused_everywhere
+        if self.run.options.buffer_sync != "local":
             # After every bucket's all-reduce (one collective at a time on the
             # transport), before this step is reported reduced: a step applied while
             # leaving the epoch (`_apply_pending`) has its buffers synchronized too.
-            with self.trainer.trace.span("buffer-sync", actor="trainer", step=step):
-                await sync_model_buffers(self.trainer, epoch.transport)
+            with self.run.trace.span("buffer-sync", actor="trainer", step=step):
+                await sync_model_buffers(self.run, epoch.transport)
         self.epochs.lifecycle.reduced(epoch.generation, step)
 
     async def apply_barrier(self, epoch: Epoch, step: int) -> None:
@@ -202,10 +182,10 @@ class StepRunner:
         if epoch.start.apply_barrier:
             # A cached all-reduce may finish before the previous step is committed;
             # the coordinator takes this step's report only after that commit.
-            await self.trainer.client.wait_commit(step - 1)
-            await self.trainer.client.reduced(step, epoch.start.epoch)
-            with self.trainer.trace.span("apply-wait", actor="trainer", step=step):
-                await self.trainer.client.wait_apply(step)
+            await self.run.client.wait_commit(step - 1)
+            await self.run.client.reduced(step, epoch.start.epoch)
+            with self.run.trace.span("apply-wait", actor="trainer", step=step):
+                await self.run.client.wait_apply(step)
 
     async def apply_reduced(self, epoch: Epoch, step: int) -> None:
         """Apply ``step``'s averaged gradients through the optimizer actor and report the
@@ -213,11 +193,11 @@ class StepRunner:
         await self.apply_barrier(epoch, step)
         # Overlapped: the optimizer reports the step's digest as soon as it has applied it,
         # within the same message (its check finishes during the next step).
-        overlap = self.trainer.options.verify_overlap
+        overlap = self.run.options.verify_overlap
         await epoch.optimizer.ask(OptimizerStep(step, verify=overlap))
         norm = epoch.optimizer.grad_norm
         if norm is not None and norm[0] == step:
-            self.trainer.history.record_norm(step, norm[1])
+            self.run.history.record_norm(step, norm[1])
         if not overlap:
             await epoch.optimizer.ask(Verify(step, wait=True))
         self.epochs.lifecycle.applied(epoch.generation, step)
@@ -237,11 +217,11 @@ class StepRunner:
     async def _compute(self, epoch: Epoch, batch: Any, step: int) -> float:
         """Forward and backward of ``batch``'s micro-batches (the buckets go out as backward
         finishes them); returns the mean loss."""
-        micro_batches = _split(batch, self.trainer.options.accumulation_steps)
+        micro_batches = _split(batch, self.run.options.accumulation_steps)
         total = 0.0
         # Once every bucket is agreed, the compute needs nothing from the coordinator:
         # its messages (the last step's commit) wait until the compute is done.
-        with self.trainer.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
+        with self.run.client.reads_deferred() if epoch.comm.cache_ready else nullcontext():
             for index, micro in enumerate(micro_batches):
                 last = index == len(micro_batches) - 1
                 part = await epoch.compute.ask(Backward(step, micro, last))
@@ -256,11 +236,11 @@ class StepRunner:
     def _reduce_zeros(self, epoch: Epoch, step: int) -> None:
         """A joined worker's step: every bucket goes out holding zeros, and (with
         ``find_unused_parameters``) no parameter counts as used by this worker."""
-        epoch.comm.zero_grads(self.trainer.optimizer)
-        if self.trainer.options.find_unused_parameters:
-            names = frozenset(name for bucket in self.trainer.buckets for name in bucket.names)
+        epoch.comm.zero_grads(self.run.optimizer)
+        if self.run.options.find_unused_parameters:
+            names = frozenset(name for bucket in self.run.buckets for name in bucket.names)
             epoch.comm.note_unused(step, names)
-        for bucket in self.trainer.buckets:
+        for bucket in self.run.buckets:
             epoch.comm.ready_soon(BucketReady(step, bucket.index))
 
     async def fit(
@@ -275,21 +255,21 @@ class StepRunner:
         should_stop: Callable[[], bool] | None = None,
     ) -> list[tuple[int, float]]:
         """`DistributedTrainer.fit`."""
-        if steps is None and self.trainer.options.max_steps is None:
+        if steps is None and self.run.options.max_steps is None:
             raise ValueError("fit needs steps= or TrainerOptions(max_steps=...)")
         history: list[tuple[int, float]] = []
-        slots = self.trainer.dist_config.world_size
+        slots = self.run.config.world_size
         async with ActorSystem() as system:
             loader: DataLoaderActor | None = None
-            while not self.trainer.reached_max_steps and (steps is None or len(history) < steps):
+            while not self.run.reached_max_steps and (steps is None or len(history) < steps):
                 if should_stop is not None and should_stop():
                     break
                 await self.epochs.live.wait()
-                step, position = self.trainer.step, self.trainer.position
+                step, position = self.run.step, self.epochs.position
                 if loader is None or loader.expects != (step, position):
                     if loader is not None:
                         await loader.stop()
-                    loader = self.trainer.actors.loader(
+                    loader = self.run.actors.loader(
                         dataset,
                         batch_size,
                         position,
@@ -302,7 +282,7 @@ class StepRunner:
                     await system.start(loader)
                     for _ in range(prefetch):
                         await loader.tell(LoadNext())
-                with self.trainer.trace.span("load", actor="data-loader", step=step):
+                with self.run.trace.span("load", actor="data-loader", step=step):
                     _, batch = await loader.next_batch()
                 await loader.tell(LoadNext())
                 loader.expects = (step + 1, position)
@@ -310,7 +290,7 @@ class StepRunner:
                     loss = await self.attempt(batch, step, position)
                 except StepAborted:
                     loader.expects = None
-                    if self.trainer.step > step:  # done without this attempt finishing
+                    if self.run.step > step:  # done without this attempt finishing
                         done = self.loss_of(step)
                         history.append((step, done))
                     continue
@@ -319,9 +299,7 @@ class StepRunner:
                     on_step(step, loss)
             if loader is not None:
                 await loader.stop()
-        if (
-            self.trainer.options.join
-        ):  # this worker's steps are done: follow its peers' to their end
+        if self.run.options.join:  # this worker's steps are done: follow its peers' to their end
             await self.join()
         return history
 

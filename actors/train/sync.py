@@ -151,7 +151,7 @@ class SyncTrainer:
     @property
     def reached_max_steps(self) -> bool:
         """Whether ``max_steps`` optimizer steps have been taken."""
-        return self.trainer.reached_max_steps
+        return self.trainer.run.reached_max_steps
 
     @property
     def is_coordinator(self) -> bool:

@@ -7,7 +7,9 @@ reports the state digest for the C-DDP-001 check, and the data loader actor feed
 rank's shard. The trainer builds them for each membership epoch (through an `ActorFactory`), moves a
 step through them, and follows the coordinator's epochs.
 
-The trainer is the face of its parts, each a module of its own: `paramsync.actors.train.lifecycle`
+The trainer builds what its parts share once (`paramsync.actors.train.training_run.TrainingRun`:
+the model, the optimizer and what steps them, the next step, the options, what it kept of its
+steps) and hands it to its parts, each a module of its own: `paramsync.actors.train.lifecycle`
 (the epoch and step lifecycle, a sans-I/O state machine), `paramsync.actors.train.epochs` (the
 supervisor that runs the epochs), `paramsync.actors.train.state_moves` (an epoch's entry, state
 transfer, re-sync), `paramsync.actors.train.steps` (`train_batch`, `join`, `fit`),
@@ -37,18 +39,19 @@ from paramsync.actors.client.client import CoordinatorClient
 from paramsync.actors.graph.compute import LossFn
 from paramsync.actors.graph.factory import ActorFactory, context_actors
 from paramsync.actors.graph.loader import BatchSource
-from paramsync.actors.graph.optimizer import CheckCost, OptimizerActor
-from paramsync.actors.graph.precision import GradScalerDigests, MixedPrecision
+from paramsync.actors.graph.optimizer import CheckCost
+from paramsync.actors.graph.precision import MixedPrecision
 from paramsync.actors.multidevice import DataParallelCoordinator, ReplicatedOptimizer
 from paramsync.actors.state.buckets import plan_buckets
-from paramsync.actors.state.digest import Scheduler, StateDigest, state_digest
+from paramsync.actors.state.digest import Scheduler
 from paramsync.actors.train.epochs import Connect, EpochSupervisor, fixed_connect
 from paramsync.actors.train.export import export_state_dict, save_safetensors
 from paramsync.actors.train.history import StepHistory
 from paramsync.actors.train.options import TrainerOptions, check_scheduler
 from paramsync.actors.train.own_step import EarlyTermination, OwnLoop, OwnStep
-from paramsync.actors.train.state_moves import StartingStateDiffers, resync
+from paramsync.actors.train.state_moves import StartingStateDiffers
 from paramsync.actors.train.steps import StepRunner
+from paramsync.actors.train.training_run import TrainingRun
 from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.observe.metrics import (
     Metrics,
@@ -58,7 +61,6 @@ from paramsync.runtime.observe.metrics import (
     serve_metrics,
 )
 from paramsync.runtime.observe.trace import TraceRecorder
-from paramsync.runtime.protocol.messages import ResyncOrder
 from paramsync.runtime.transport.base import Transport
 
 __all__ = [
@@ -107,60 +109,45 @@ class DistributedTrainer:
         check_scheduler(scheduler, optimizer)
         _check_client(client, options)
         assert client.start is not None
-        self.replicas = _replicas_of(model, optimizer, loss_fn, options, scheduler)
-        """The process's devices' replicas when ``optimizer`` is a `ReplicatedOptimizer`
-        (hierarchical data parallelism), else None."""
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        """The LR scheduler stepped right after each optimizer step (None: none)."""
-        self.loss_fn = loss_fn
-        self._config = config
-        self.client = client
-        self.options = options
-        self.watched_scaler: torch.amp.GradScaler | None = None
-        """A loss scaler of the caller's own loop, covered by the digests (`watch_grad_scaler`)."""
-        self.trace = trace
-        self.metrics: Metrics | None = None
-        """This worker's Prometheus metrics (None: off; `TrainerOptions.metrics_port`)."""
+        replicas = _replicas_of(model, optimizer, loss_fn, options, scheduler)
+        self.run = TrainingRun(
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            config=config,
+            client=client,
+            options=options,
+            trace=trace,
+            actors=actors if actors is not None else context_actors(),
+            scheduler=scheduler,
+            replicas=replicas,
+            buckets=plan_buckets(list(model.named_parameters()), options.bucket_bytes),
+            precision=MixedPrecision.for_model(
+                model,
+                options.autocast_dtype,
+                options.grad_scaler,
+                init_scale=options.grad_scaler_init_scale,
+                growth_interval=options.grad_scaler_growth_interval,
+                growth_tracker=options.grad_scaler_growth_tracker,
+            ),
+            step=client.start.step,
+            history=StepHistory(options.history_steps),
+        )
+        """What this trainer's parts share: the model, the optimizer and what steps them, the
+        next step, the options and what it kept of its steps
+        (`paramsync.actors.train.training_run`)."""
         self.metrics_address: tuple[str, int] | None = None
-        """Where they are served, once the trainer started (None: off)."""
-        self.actors = actors if actors is not None else context_actors()
-        """The constructors of this trainer's actors (see `ActorFactory`)."""
+        """Where its Prometheus metrics are served, once the trainer started (None: off)."""
         self.parallel_layout = client.layout
         """The 3D-parallel layout this worker joined with (None: a flat data-parallel run)."""
-        self.step = client.start.step
-        self.history = StepHistory(options.history_steps)
-        """The last ``options.history_steps`` steps' losses, times, gradient norms and skips,
-        and the whole run's totals."""
-        self.unused_parameters: tuple[str, ...] = ()
-        """The parameters no rank gave a gradient in the last step this worker took part in
-        (``find_unused_parameters``; the same on every rank)."""
-        self.check_cost = CheckCost()
-        """The identical-weights check's cost to this worker so far (all epochs)."""
-        self.epochs: list[tuple[int, int, tuple[int, ...]]] = []
-        """(epoch, first step, members) of every epoch this worker took part in."""
-        self.states_received = 0
-        """How many times a peer's state replaced this worker's (a donor's whole state, a
-        re-sync): a state captured before then is not the one a later commit checked."""
-        self.buckets = plan_buckets(list(model.named_parameters()), options.bucket_bytes)
-        self.precision = MixedPrecision.for_model(
-            model,
-            options.autocast_dtype,
-            options.grad_scaler,
-            init_scale=options.grad_scaler_init_scale,
-            growth_interval=options.grad_scaler_growth_interval,
-            growth_tracker=options.grad_scaler_growth_tracker,
-        )
-        """Autocast and the loss scaler (None: full precision), from the options."""
-        self.supervisor = EpochSupervisor(self, connect)
+        self.supervisor = EpochSupervisor(self.run, connect)
         """Runs this trainer's membership epochs (`paramsync.actors.train.epochs`)."""
-        self.steps = StepRunner(self, self.supervisor)
+        self.steps = StepRunner(self.run, self.supervisor)
         """Runs its own steps (`train_batch`, `join`, `fit`)."""
-        self.own_loop = OwnLoop(self, self.supervisor, self.steps)
+        self.own_loop = OwnLoop(self.run, self.supervisor, self.steps)
         """The trainer's side of a caller's own loop (`paramsync.actors.train.ddp_wrapper`)."""
         client.on_epoch = self.supervisor.announce
-        client.on_resync = self._resync
+        client.on_resync = self.supervisor.resync
         client.resume_point = self.supervisor.resume_point
 
     @classmethod
@@ -222,7 +209,7 @@ class DistributedTrainer:
             scheduler=scheduler,
         )
         trainer.supervisor.owns_transports = transport is None
-        trainer.metrics = trainer.history.metrics = metrics
+        trainer.run.metrics = trainer.run.history.metrics = metrics
         async with trio.open_nursery() as nursery:
             if metrics is not None:
                 assert metrics_port is not None
@@ -239,94 +226,38 @@ class DistributedTrainer:
             yield trainer
             nursery.cancel_scope.cancel()
 
-    # ------------------------------------------------------------------ epochs
-
-    # ------------------------------------------------------------------ epochs
-
-    async def _resync(self, order: ResyncOrder) -> None:
-        """The coordinator's re-sync order: copy the source rank's state to the diverged ranks
-        over the live epoch's data plane (`paramsync.actors.train.state_moves.resync`)."""
-        epoch = self.supervisor.current
-        if epoch is not None:
-            await resync(self, epoch.start, epoch.transport, order)
-
-    def resume_digest(self) -> StateDigest:
-        """The digest a worker rejoins with, here and in `join_run` (no loss scaler entry)."""
-        return state_digest(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            buffers=self.options.buffer_sync != "local",
-        )
-
-    def state_digest(self) -> StateDigest:
-        """The digest of this worker's training state now, as the C-DDP-001 check computes it:
-        parameters, buffers (unless kept local), optimizer and LR scheduler state, and the loss
-        scaler's state in a mixed-precision run."""
-        digest = self.resume_digest()
-        scaler = self.precision.scaler if self.precision is not None else None
-        return GradScalerDigests(scaler).extend(digest) if scaler is not None else digest
+    # ------------------------------------------------------------------ where it stands
 
     @property
-    def grad_scaler(self) -> torch.amp.GradScaler | None:
-        """The loss scaler (None without ``TrainerOptions(grad_scaler=True)``): pass it as
-        ``grad_scaler`` to `capture_state` with the model and optimizer to checkpoint it (a
-        resumed run starts its scaler from `saved_grad_scaler`, through the options)."""
-        return self.precision.scaler if self.precision is not None else None
+    def model(self) -> torch.nn.Module:
+        """The model replica this worker trains."""
+        return self.run.model
 
     @property
-    def rank(self) -> int:
-        """This worker's rank (its slot, stable across epochs)."""
-        return self._config.rank
+    def step(self) -> int:
+        """The next optimizer step this worker takes."""
+        return self.run.step
 
     @property
-    def transport(self) -> Transport:
-        """The current epoch's data plane (its rank is this worker's ring position)."""
-        if self.supervisor.current is None:
-            raise RuntimeError("no epoch is running")
-        return self.supervisor.current.transport
+    def unused_parameters(self) -> tuple[str, ...]:
+        """The parameters no rank gave a gradient in the last step this worker took part in
+        (``find_unused_parameters``; the same on every rank)."""
+        return self.run.unused_parameters
 
     @property
     def dist_config(self) -> DistributedConfig:
         """This worker's rank, world size and coordinator address."""
-        return self._config
+        return self.run.config
 
     @property
     def world_size(self) -> int:
         """Number of workers training together now (the current epoch's members)."""
-        start = (
-            self.supervisor.current.start
-            if self.supervisor.current is not None
-            else self.client.start
-        )
-        return len(start.members) if start is not None else self._config.world_size
-
-    @property
-    def position(self) -> int:
-        """This worker's ring position in the current epoch (its data shard)."""
-        start = (
-            self.supervisor.current.start
-            if self.supervisor.current is not None
-            else self.client.start
-        )
-        return start.position(self.rank) if start is not None else self.rank
+        return self.supervisor.world_size
 
     @property
     def is_coordinator(self) -> bool:
         """Whether this worker is rank 0, the one that reports for the group."""
-        return self._config.rank == 0
-
-    @property
-    def optimizer_actor(self) -> OptimizerActor:
-        """The current epoch's optimizer actor."""
-        if self.supervisor.current is None:
-            raise RuntimeError("no epoch is running")
-        return self.supervisor.current.optimizer
-
-    @property
-    def reached_max_steps(self) -> bool:
-        """Whether ``max_steps`` optimizer steps have been taken."""
-        return self.options.max_steps is not None and self.step >= self.options.max_steps
+        return self.run.rank == 0
 
     # ------------------------------------------------------------------ running steps
 
@@ -398,7 +329,7 @@ class DistributedTrainer:
             await epochs.live.wait()
             with trio.CancelScope() as scope:
                 epochs.step_scope = scope
-                await self.client.wait_commit(self.step - 1)
+                await self.run.client.wait_commit(self.step - 1)
             epochs.step_scope = None
             if not scope.cancelled_caught:
                 return
@@ -408,70 +339,56 @@ class DistributedTrainer:
         membership change, take part in the new epoch's check and say it again."""
         self.own_loop.caller_left()
         epochs = self.supervisor
-        while not self.client.done.is_set():
+        while not self.run.client.done.is_set():
             await epochs.live.wait()
             epoch = epochs.current
             assert epoch is not None
             with trio.CancelScope() as scope:
                 epochs.step_scope = scope
-                await self.client.wait_commit(self.step - 1)
-                await self.client.finished(self.step, epoch.start.epoch)
-                await self.client.done.wait()
+                await self.run.client.wait_commit(self.step - 1)
+                await self.run.client.finished(self.step, epoch.start.epoch)
+                await self.run.client.done.wait()
             epochs.step_scope = None
 
     # ------------------------------------------------------------------ what it kept
 
     @property
-    def losses(self) -> list[tuple[int, float]]:
-        """(step, loss) of the last ``options.history_steps`` steps this worker ran."""
-        return self.history.losses
-
-    @property
-    def step_seconds(self) -> list[float]:
-        """Wall time of the last ``options.history_steps`` steps this worker ran."""
-        return self.history.step_seconds
-
-    @property
     def grad_norms(self) -> list[tuple[int, float]]:
         """(step, total gradient norm before clipping) of the last ``options.history_steps``
         steps, with ``clip_grad_norm`` set (the averaged gradients': the same on every rank)."""
-        return self.history.grad_norms
+        return self.run.history.grad_norms
 
     @property
     def skipped_steps(self) -> list[int]:
         """The last ``options.history_steps`` steps the loss scaler skipped (inf or nan in the
         averaged gradients: every rank skips the same ones)."""
-        return self.history.skipped_steps
-
-    @property
-    def joined_steps(self) -> int:
-        """Steps this worker took part in with zero gradients, its data ended (`join`)."""
-        return self.history.joined_steps
+        return self.run.history.skipped_steps
 
     def summary(self) -> dict[str, Any]:
         """Final step and loss, the digest of this rank's state after its last step (None before
         the first), the throughput and the membership epochs it saw. First loss and steps per
         second cover the whole run; the median step time the kept history (the last
         ``options.history_steps`` steps)."""
-        history = self.history
+        run = self.run
+        history = run.history
         stepped = bool(history.step_seconds) or history.joined_steps > 0
-        digest = self.state_digest().digest if stepped else None
+        digest = run.state_digest().digest if stepped else None
         return {
-            "rank": self._config.rank,
-            "world_size": self._config.world_size,
-            "final_step": self.step,
+            "rank": run.config.rank,
+            "world_size": run.config.world_size,
+            "final_step": run.step,
             "first_loss": history.first_loss,
             "final_loss": history.losses[-1][1] if history.losses else None,
             "digest": digest.hex() if digest is not None else None,
             "steps_per_second": history.steps_per_second,
             "median_step_seconds": history.median_step_seconds,
-            "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in self.epochs],
-            "hash_cpu_seconds": self.check_cost.hash_cpu_seconds,
-            "digests": self.check_cost.digests,
+            "epochs": [{"epoch": e, "step": s, "members": list(m)} for e, s, m in run.epochs],
+            "hash_cpu_seconds": run.check_cost.hash_cpu_seconds,
+            "digests": run.check_cost.digests,
             "skipped_steps": history.skipped_total,
             "final_grad_norm": history.grad_norms[-1][1] if history.grad_norms else None,
             "joined_steps": history.joined_steps,
-            "comm_backend": self.options.comm_backend,
+            "comm_backend": run.options.comm_backend,
         }
 
     # ------------------------------------------------------------------ export

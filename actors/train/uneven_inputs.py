@@ -51,7 +51,7 @@ def uneven_inputs(
         binding.flush_skipped()
         if steps.own is not None:
             raise RuntimeError(
-                f"rank {trainer.rank}, step {steps.own.step}: the join context ended in "
+                f"rank {trainer.run.rank}, step {steps.own.step}: the join context ended in "
                 "the middle of a step (a forward without its optimizer step)"
             )
         link.run(trainer.own_loop.join_and_raise if throw_on_early_termination else trainer.join)
