@@ -1,4 +1,4 @@
-"""Who this training process is: role, rank, device backend and where the coordinator listens.
+"""Who this training process is: role, rank, device and where the coordinator listens.
 
 `DistributedTrainConfig` is what a training entry point builds first. It can come from torchrun's
 environment variables, from a ``[distributed]`` table in a TOML file, or from command-line flags;
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # torch is imported where a device is resolved: the launcher 
 __all__ = [
     "DEFAULT_COORDINATOR_HOST",
     "DEFAULT_COORDINATOR_PORT",
-    "DistributedBackend",
+    "Device",
     "DistributedRole",
     "DistributedTrainConfig",
     "ENV_VARS",
@@ -71,7 +71,7 @@ ENV_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "PARAMSYNC_ROLE",
-    "PARAMSYNC_BACKEND",
+    "PARAMSYNC_DEVICE",
     "PARAMSYNC_TLS_CERT",
     "PARAMSYNC_TLS_KEY",
     "PARAMSYNC_TLS_CA",
@@ -104,7 +104,7 @@ class DistributedRole(enum.Enum):
         return parse_enum(cls, value, "role")
 
 
-class DistributedBackend(enum.Enum):
+class Device(enum.Enum):
     """Which torch device a process computes on; ``AUTO`` takes CUDA when there is one."""
 
     CPU = "cpu"
@@ -112,9 +112,9 @@ class DistributedBackend(enum.Enum):
     AUTO = "auto"
 
     @classmethod
-    def parse(cls, value: object) -> DistributedBackend:
-        """Return the backend named by ``value`` (a backend or its name, any case)."""
-        return parse_enum(cls, value, "backend")
+    def parse(cls, value: object) -> Device:
+        """Return the device named by ``value`` (a device or its name, any case)."""
+        return parse_enum(cls, value, "device")
 
     def resolve(self, local_rank: int = 0) -> torch.device:
         """The device to use: ``cpu``, or ``cuda:<local_rank>`` (one GPU per local process).
@@ -124,14 +124,14 @@ class DistributedBackend(enum.Enum):
         """
         import torch
 
-        if self is DistributedBackend.CPU:
+        if self is Device.CPU:
             return torch.device("cpu")
         if not torch.cuda.is_available():
-            if self is DistributedBackend.AUTO:
+            if self is Device.AUTO:
                 return torch.device("cpu")
             raise RuntimeError(
-                f"backend 'cuda' was requested but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use backend 'cpu' "
+                f"device 'cuda' was requested but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use device 'cpu' "
                 f"or 'auto'"
             )
         count = torch.cuda.device_count()
@@ -160,7 +160,7 @@ def _check_int(name: str, value: object) -> int:
 class DistributedTrainConfig:
     """This process's place in a data-parallel training group; validated on construction.
 
-    ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``backend``
+    ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``device``
     also accept their names as strings. ``coordinator_addr`` is ``host:port``. ``tls_cert``,
     ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none. ``comm_backend``: the
     data plane, ``"paramsync"`` or ``"torch"``.
@@ -171,7 +171,7 @@ class DistributedTrainConfig:
     local_rank: int = 0
     role: DistributedRole | None = None
     coordinator_addr: str = f"{DEFAULT_COORDINATOR_HOST}:{DEFAULT_COORDINATOR_PORT}"
-    backend: DistributedBackend = DistributedBackend.AUTO
+    device: Device = Device.AUTO
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -195,7 +195,7 @@ class DistributedTrainConfig:
         else:
             role = DistributedRole.parse(self.role)
         object.__setattr__(self, "role", role)
-        object.__setattr__(self, "backend", DistributedBackend.parse(self.backend))
+        object.__setattr__(self, "device", Device.parse(self.device))
         if not isinstance(self.coordinator_addr, str):
             raise ValueError(f"coordinator_addr must be a str, got {self.coordinator_addr!r}")
         try:
@@ -226,9 +226,9 @@ class DistributedTrainConfig:
         """The coordinator address as a (host, port) pair."""
         return parse_address(self.coordinator_addr)
 
-    def device(self) -> torch.device:
-        """The torch device this process computes on (see `DistributedBackend.resolve`)."""
-        return self.backend.resolve(self.local_rank)
+    def torch_device(self) -> torch.device:
+        """The torch device this process computes on (see `Device.resolve`)."""
+        return self.device.resolve(self.local_rank)
 
     def tls_config(self) -> TlsConfig | None:
         """The TLS of every connection (`paramsync.runtime.transport.tls`), or None for plaintext
@@ -249,7 +249,7 @@ class DistributedTrainConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedTrainConfig:
         """Build from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_BACKEND); unset ones take defaults."""
+        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_DEVICE); unset ones take defaults."""
         return cls(**_LAYERING.from_env(os.environ if environ is None else environ))
 
     @classmethod
@@ -285,8 +285,8 @@ def _coerce(key: str, value: object, label: str) -> object:
         return parse_int(value, label)
     if key == "role":
         return parse_enum(DistributedRole, value, label)
-    if key == "backend":
-        return parse_enum(DistributedBackend, value, label)
+    if key == "device":
+        return parse_enum(Device, value, label)
     if key in TLS_ENV_VARS:
         return _check_path(label, value)
     if key == "comm_backend":
@@ -347,7 +347,7 @@ _LAYERING = Layering(
         "world_size": "WORLD_SIZE",
         "local_rank": "LOCAL_RANK",
         "role": "PARAMSYNC_ROLE",
-        "backend": "PARAMSYNC_BACKEND",
+        "device": "PARAMSYNC_DEVICE",
         **TLS_ENV_VARS,
         "comm_backend": COMM_BACKEND_ENV,
     },
