@@ -4,7 +4,7 @@ torch.distributed on gloo, same run.
 One OS process per worker for every system, on this machine's loopback. ``paramsync`` is the
 TCP data path (shared memory switched off), ``paramsync-shm`` the same transport with the
 shared-memory plane attached (`paramsync.runtime.transport.shm`), ``paramsync-torch`` paramsync's
-``all_reduce`` over its torch.distributed data plane (``comm_backend = "torch"``:
+``all_reduce`` over its torch.distributed data plane (``data_plane = "torch"``:
 `paramsync.runtime.transport.torch_dist`, a gloo group formed through a TCP mesh), ``gloo``
 torch.distributed called directly. For each world size and float32 message
 size it

@@ -11,10 +11,10 @@ given (flags ``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/K
 keys; a relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
 checks the files and returns the `TlsConfig`.
 
-``comm_backend`` picks the data plane: ``"paramsync"`` (its own TCP ring and shared memory, the
-default) or ``"torch"`` (torch.distributed process groups,
-`paramsync.runtime.transport.torch_dist`); flag ``--comm-backend``, variable
-``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend`` (`paramsync.runtime.config.comm`).
+``data_plane`` picks the data plane, a `DataPlane`: ``PARAMSYNC`` (its own TCP ring and shared
+memory, the default) or ``TORCH`` (torch.distributed process groups,
+`paramsync.runtime.transport.torch_dist`); flag ``--data-plane``, variable
+``PARAMSYNC_DATA_PLANE``, TOML key ``data_plane`` (`paramsync.runtime.config.data_plane`).
 
 The command line (`paramsync.runtime.cli`) and the library (`paramsync.actors.train.run`,
 `paramsync.actors.train.worker`) both build it from here; the sources are layered by
@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paramsync.runtime.config import (
-    COMM_BACKEND_ENV,
-    CommBackend,
+    DATA_PLANE_ENV,
+    DataPlane,
     DistributedConfig,
     Layering,
-    check_comm_backend,
+    check_data_plane,
     parse_address,
     parse_enum,
     parse_int,
@@ -75,7 +75,7 @@ ENV_VARS = (
     "PARAMSYNC_TLS_CERT",
     "PARAMSYNC_TLS_KEY",
     "PARAMSYNC_TLS_CA",
-    "PARAMSYNC_COMM_BACKEND",
+    "PARAMSYNC_DATA_PLANE",
     "PARAMSYNC_COORDINATOR_ADDR",
 )
 
@@ -162,8 +162,8 @@ class DistributedTrainConfig:
 
     ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``device``
     also accept their names as strings. ``coordinator_addr`` is ``host:port``. ``tls_cert``,
-    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none. ``comm_backend``: the
-    data plane, ``"paramsync"`` or ``"torch"``.
+    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none. ``data_plane``: the
+    data plane, a `DataPlane` or its name (``"paramsync"`` or ``"torch"``).
     """
 
     world_size: int = 1
@@ -175,10 +175,10 @@ class DistributedTrainConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
-    comm_backend: str = "paramsync"
+    data_plane: DataPlane = DataPlane.PARAMSYNC
 
     def __post_init__(self) -> None:
-        check_comm_backend(self.comm_backend)
+        object.__setattr__(self, "data_plane", check_data_plane(self.data_plane))
         world_size = _check_int("world_size", self.world_size)
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -289,8 +289,8 @@ def _coerce(key: str, value: object, label: str) -> object:
         return parse_enum(Device, value, label)
     if key in TLS_ENV_VARS:
         return _check_path(label, value)
-    if key == "comm_backend":
-        return CommBackend.parse(value, label).value
+    if key == "data_plane":
+        return DataPlane.parse(value, label)
     if not isinstance(value, str):
         raise ConfigError(f"{label} must be a host:port string, got {value!r}")
     try:
@@ -349,7 +349,7 @@ _LAYERING = Layering(
         "role": "PARAMSYNC_ROLE",
         "device": "PARAMSYNC_DEVICE",
         **TLS_ENV_VARS,
-        "comm_backend": COMM_BACKEND_ENV,
+        "data_plane": DATA_PLANE_ENV,
     },
     paths=tuple(TLS_ENV_VARS),
     flag_source="override",

@@ -1,4 +1,4 @@
-"""The torch.distributed data plane (paramsync.runtime.transport.torch_dist, ``comm_backend =
+"""The torch.distributed data plane (paramsync.runtime.transport.torch_dist, ``data_plane =
 "torch"``).
 
 The conformance suite runs it in tests/test_transport_conformance.py and the parity with one
@@ -28,14 +28,14 @@ from paramsync.actors.train.state_transfer import receive_state, send_state
 from paramsync.actors.train.trainer import TrainerOptions
 from paramsync.runtime.cli.main import build_parser
 from paramsync.runtime.collectives.ring import all_reduce, barrier, broadcast
-from paramsync.runtime.config import COMM_BACKEND_ENV
+from paramsync.runtime.config import DATA_PLANE_ENV, DataPlane
 from paramsync.runtime.errors import PeerClosed, StallError
 from paramsync.runtime.protocol.wire import decode_frame
 from paramsync.runtime.testing.fault_trials import JOB_FLAGS, run_trial
 from paramsync.runtime.train_config import DistributedTrainConfig
 from paramsync.runtime.transport import torch_dist
 from paramsync.runtime.transport.torch_dist import (
-    COMM_BACKENDS,
+    DATA_PLANES,
     TorchDistTransport,
     create_local_group,
     open_local_group,
@@ -44,33 +44,33 @@ from paramsync.runtime.transport.torch_dist import (
 # --------------------------------------------------------------------------- choosing it
 
 
-def test_trainer_options_take_the_backend_and_refuse_others() -> None:
-    assert TrainerOptions().comm_backend == "paramsync"
-    assert TrainerOptions(comm_backend="torch").comm_backend == "torch"
-    with pytest.raises(ValueError, match="comm_backend must be one of 'paramsync', 'torch'"):
-        TrainerOptions(comm_backend="nccl")
+def test_trainer_options_take_the_data_plane_and_refuse_others() -> None:
+    assert TrainerOptions().data_plane is DataPlane.PARAMSYNC
+    assert TrainerOptions(data_plane="torch").data_plane is DataPlane.TORCH
+    with pytest.raises(ValueError, match="data_plane must be one of 'paramsync', 'torch'"):
+        TrainerOptions(data_plane="nccl")
     with pytest.raises(ValueError, match="collective_seconds"):
-        TrainerOptions(comm_backend="torch", collective_seconds=0)
+        TrainerOptions(data_plane="torch", collective_seconds=0)
 
 
-def test_the_config_reads_the_backend_from_toml_environment_and_flags(tmp_path: Path) -> None:
+def test_the_config_reads_the_data_plane_from_toml_environment_and_flags(tmp_path: Path) -> None:
     toml = tmp_path / "train.toml"
-    toml.write_text('[distributed]\ncomm_backend = "torch"\n')
-    assert DistributedTrainConfig().comm_backend == "paramsync"
-    assert DistributedTrainConfig.resolve(toml, environ={}).comm_backend == "torch"
-    env = {COMM_BACKEND_ENV: "Paramsync"}
-    assert DistributedTrainConfig.resolve(toml, environ=env).comm_backend == "paramsync"
-    overrides = {"comm_backend": "torch"}
-    assert DistributedTrainConfig.resolve(None, env, overrides).comm_backend == "torch"
-    with pytest.raises(ValueError, match=f"environment variable {COMM_BACKEND_ENV}"):
-        DistributedTrainConfig.from_env({COMM_BACKEND_ENV: "mpi"})
-    toml.write_text("[distributed]\ncomm_backend = 3\n")
-    with pytest.raises(ValueError, match="comm_backend must be one of"):
+    toml.write_text('[distributed]\ndata_plane = "torch"\n')
+    assert DistributedTrainConfig().data_plane is DataPlane.PARAMSYNC
+    assert DistributedTrainConfig.resolve(toml, environ={}).data_plane is DataPlane.TORCH
+    env = {DATA_PLANE_ENV: "Paramsync"}
+    assert DistributedTrainConfig.resolve(toml, environ=env).data_plane is DataPlane.PARAMSYNC
+    overrides = {"data_plane": "torch"}
+    assert DistributedTrainConfig.resolve(None, env, overrides).data_plane is DataPlane.TORCH
+    with pytest.raises(ValueError, match=f"environment variable {DATA_PLANE_ENV}"):
+        DistributedTrainConfig.from_env({DATA_PLANE_ENV: "mpi"})
+    toml.write_text("[distributed]\ndata_plane = 3\n")
+    with pytest.raises(ValueError, match="data_plane must be one of"):
         DistributedTrainConfig.from_toml(toml)
-    args = build_parser().parse_args(["worker", "--comm-backend", "torch"])
-    assert args.comm_backend == "torch"
-    assert build_parser().parse_args(["worker"]).comm_backend is None
-    assert COMM_BACKENDS == ("paramsync", "torch")
+    args = build_parser().parse_args(["worker", "--data-plane", "torch"])
+    assert args.data_plane == "torch"
+    assert build_parser().parse_args(["worker"]).data_plane is None
+    assert DATA_PLANES == ("paramsync", "torch")
 
 
 # --------------------------------------------------------------------------- frames
@@ -202,15 +202,13 @@ async def test_a_live_rejoins_state_transfer_goes_through_the_torch_group() -> N
 
 
 def test_a_worker_killed_mid_run_is_survived_over_the_torch_data_plane() -> None:
-    """Three worker processes train the LM demo with ``--comm-backend torch``; rank 2 is
+    """Three worker processes train the LM demo with ``--data-plane torch``; rank 2 is
     SIGKILLed in step 2's backward (its peers are in, or about to enter, that step's gloo
     all-reduce). The survivors must not hang: the coordinator starts epoch 2 with ranks 0 and
     1, each forms a new torch group, reruns step 2 and finishes, bitwise identical. ~40 s."""
-    result = run_trial(
-        "backward", 2, job_flags=[*JOB_FLAGS, "--comm-backend", "torch"], timeout=180
-    )
+    result = run_trial("backward", 2, job_flags=[*JOB_FLAGS, "--data-plane", "torch"], timeout=180)
     assert result.ok, result.problems
-    assert {rank: s["comm_backend"] for rank, s in result.summaries.items()} == {
+    assert {rank: s["data_plane"] for rank, s in result.summaries.items()} == {
         0: "torch",
         1: "torch",
     }

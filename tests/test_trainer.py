@@ -1120,7 +1120,7 @@ async def test_unused_trainable_parameter_is_an_error_not_a_hang() -> None:
 async def test_parity_with_the_torch_distributed_data_plane(
     world_size: int, bucket_bytes: int, optimizer_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """comm_backend="torch": the buckets, the initial broadcast and the step's other collectives
+    """data_plane="torch": the buckets, the initial broadcast and the step's other collectives
     go through a gloo group, and the run still matches one plain-torch process, bitwise
     identical across ranks."""
     native: list[str] = []
@@ -1132,7 +1132,7 @@ async def test_parity_with_the_torch_distributed_data_plane(
             return await _f(self, *args)
 
         monkeypatch.setattr(TorchDistTransport, name, counted)
-    options = TrainerOptions(bucket_bytes=bucket_bytes, accumulation_steps=2, comm_backend="torch")
+    options = TrainerOptions(bucket_bytes=bucket_bytes, accumulation_steps=2, data_plane="torch")
     await check_parity(
         world_size,
         lambda rank: mlp(100 + rank),

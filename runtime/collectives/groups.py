@@ -24,7 +24,7 @@ tp group may all-reduce in both at once):
   the mesh forms with the usual dial/accept handshake whose `Identity` carries the group's name:
   a connection of one group is refused by every other. When the members share a host, the
   group attaches its own shared-memory plane (`paramsync.runtime.transport.shm`) on that mesh;
-- on torch's data plane (`TorchDistTransport` worlds, ``comm_backend = "torch"``), a gloo
+- on torch's data plane (`TorchDistTransport` worlds, ``data_plane = "torch"``), a gloo
   communicator of the members' own (and an NCCL one when the world has a CUDA device), formed
   through the epoch's store under a prefix named by the group
   (`TorchDistTransport.open_subgroup`): the group is a `NativeProcessGroup`, whose collectives

@@ -1,4 +1,4 @@
-"""A data plane on torch.distributed process groups (``comm_backend = "torch"``).
+"""A data plane on torch.distributed process groups (``data_plane = "torch"``).
 
 `TorchDistTransport` is a `Transport` whose bulk data goes through a torch.distributed process
 group: gloo for CPU tensors and, when a CUDA device is given, NCCL for that device's tensors
@@ -59,7 +59,7 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import AllgatherOptions
 
-from paramsync.runtime.config import COMM_BACKENDS, check_comm_backend
+from paramsync.runtime.config import DATA_PLANES, check_data_plane
 from paramsync.runtime.errors import (
     CollectiveError,
     PeerClosed,
@@ -73,11 +73,11 @@ from paramsync.runtime.transport.capabilities import NativeCollectives
 from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
 
 __all__ = [
-    "COMM_BACKENDS",
+    "DATA_PLANES",
     "DEFAULT_COLLECTIVE_SECONDS",
     "GLOO_DTYPES",
     "TorchDistTransport",
-    "check_comm_backend",
+    "check_data_plane",
     "connect_torch_transport",
     "create_local_group",
     "open_local_group",
