@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from paramsync.runtime.config import (
     DATA_PLANE_ENV,
+    RENAMED_DATA_PLANE_ENV,
     DataPlane,
     DistributedConfig,
     Layering,
@@ -54,7 +55,9 @@ __all__ = [
     "Device",
     "DistributedRole",
     "DistributedTrainConfig",
+    "DEVICE_ENV",
     "ENV_VARS",
+    "RENAMED_ENV_VARS",
     "TLS_ENV_VARS",
     "resolve_tls",
     "shared_secret",
@@ -62,6 +65,13 @@ __all__ = [
 
 DEFAULT_COORDINATOR_HOST = "127.0.0.1"
 DEFAULT_COORDINATOR_PORT = 29500  # torchrun's default MASTER_PORT
+
+DEVICE_ENV = "PARAMSYNC_DEVICE"
+"""The variable naming the device (`Device`)."""
+
+RENAMED_ENV_VARS = {"PARAMSYNC_BACKEND": DEVICE_ENV, **RENAMED_DATA_PLANE_ENV}
+"""Variables `DistributedTrainConfig.from_env` no longer reads, each with its new name: one that
+is set is a `ConfigError` saying so."""
 
 #: Environment variables `DistributedTrainConfig.from_env` reads. The first five are torchrun's.
 ENV_VARS = (
@@ -71,7 +81,7 @@ ENV_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "PARAMSYNC_ROLE",
-    "PARAMSYNC_DEVICE",
+    DEVICE_ENV,
     "PARAMSYNC_TLS_CERT",
     "PARAMSYNC_TLS_KEY",
     "PARAMSYNC_TLS_CA",
@@ -249,7 +259,8 @@ class DistributedTrainConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedTrainConfig:
         """Build from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_DEVICE); unset ones take defaults."""
+        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_DEVICE); unset ones take defaults. A variable
+        of `RENAMED_ENV_VARS` still set is a `ConfigError` naming its new name."""
         return cls(**_LAYERING.from_env(os.environ if environ is None else environ))
 
     @classmethod
@@ -347,10 +358,11 @@ _LAYERING = Layering(
         "world_size": "WORLD_SIZE",
         "local_rank": "LOCAL_RANK",
         "role": "PARAMSYNC_ROLE",
-        "device": "PARAMSYNC_DEVICE",
+        "device": DEVICE_ENV,
         **TLS_ENV_VARS,
         "data_plane": DATA_PLANE_ENV,
     },
+    renamed_env=RENAMED_ENV_VARS,
     paths=tuple(TLS_ENV_VARS),
     flag_source="override",
     env_extra=_address_from_env,

@@ -30,7 +30,7 @@ from paramsync.runtime.config import (
 from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.parallel import config as parallel_config
 from paramsync.runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
-from paramsync.runtime.train_config import DistributedTrainConfig
+from paramsync.runtime.train_config import Device, DistributedTrainConfig
 from paramsync.runtime.transport import shm, torch_dist
 
 # --------------------------------------------------------------------------- the engine
@@ -109,6 +109,32 @@ def test_one_data_plane_one_variable() -> None:
     env = {DATA_PLANE_ENV: "torch"}
     assert DistributedTrainConfig.from_env(env).data_plane is DataPlane.TORCH
     assert ParallelismConfig.from_env(env).data_plane is DataPlane.TORCH
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("PARAMSYNC_BACKEND", "PARAMSYNC_DEVICE", "cpu"),
+        ("PARAMSYNC_COMM_BACKEND", DATA_PLANE_ENV, "torch"),
+    ],
+)
+def test_a_renamed_variable_still_set_is_refused_naming_its_new_name(
+    old: str, new: str, value: str
+) -> None:
+    refusal = f"environment variable {old} was renamed {new}: set {new} instead"
+    for env in ({old: value}, {old: value, new: value}):
+        with pytest.raises(ConfigError, match=refusal):
+            DistributedTrainConfig.from_env(env)
+        with pytest.raises(ConfigError, match=refusal):  # a flag given does not hide it
+            DistributedTrainConfig.resolve(None, env, {"rank": 0})
+    read = DistributedTrainConfig.from_env({new: value})
+    assert (read.device, read.data_plane) != (Device.AUTO, DataPlane.PARAMSYNC)  # the new one
+    if new == DATA_PLANE_ENV:  # the parallelism configuration reads the data plane's too
+        with pytest.raises(ConfigError, match=refusal):
+            ParallelismConfig.from_env({old: value})
+        assert ParallelismConfig.from_env({new: value}).data_plane is DataPlane.TORCH
+    else:
+        assert ParallelismConfig.from_env({old: value}) == ParallelismConfig()
 
 
 def test_one_data_plane_flag_for_the_worker_and_the_parallelism_flags() -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "DATA_PLANES",
     "DATA_PLANE_ENV",
     "DATA_PLANE_FLAG",
+    "RENAMED_DATA_PLANE_ENV",
     "DataPlane",
     "add_data_plane_flag",
     "check_data_plane",
@@ -40,6 +41,10 @@ DATA_PLANES = tuple(plane.value for plane in DataPlane)
 
 DATA_PLANE_ENV = "PARAMSYNC_DATA_PLANE"
 """The variable naming the data plane (``paramsync worker --data-plane`` sets it)."""
+
+RENAMED_DATA_PLANE_ENV = {"PARAMSYNC_COMM_BACKEND": DATA_PLANE_ENV}
+"""The data plane's variable's former name, refused (with its new name) by every configuration
+that reads `DATA_PLANE_ENV` (`paramsync.runtime.config.layering.Layering`'s ``renamed_env``)."""
 
 DATA_PLANE_FLAG = "--data-plane"
 """The flag naming the data plane, added by `add_data_plane_flag` (dest ``data_plane``)."""

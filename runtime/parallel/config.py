@@ -36,6 +36,7 @@ from typing import Any
 
 from paramsync.runtime.config import (
     DATA_PLANE_ENV,
+    RENAMED_DATA_PLANE_ENV,
     DataPlane,
     Layering,
     add_data_plane_flag,
@@ -335,6 +336,7 @@ _LAYERING = Layering(
     coerce=_coerce_value,
     env_vars=ENV_VARS,
     aliases=FIELD_ALIASES,
+    renamed_env=RENAMED_DATA_PLANE_ENV,
 )
 """`ParallelismConfig`'s sources: the ``[parallelism]`` TOML table, `ENV_VARS`, flags."""
 
