@@ -17,9 +17,10 @@ one intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   the first step and after the last only): what the machine allows, so that both systems'
   overhead over the physical limit is printed, paired round by round;
 - paramsync over torch.distributed (``data_plane = "torch"``,
-  `paramsync.runtime.transport.torch_dist`): the same paramsync workers and coordinator, the buckets
-  reduced by a gloo group instead of paramsync's own TCP ring and shared-memory plane; its step time
-  against DDP's and plain paramsync's, round by round (``--no-torch-plane`` leaves it out);
+  `paramsync.runtime.transport.torch_plane`): the same paramsync workers and coordinator, the
+  buckets reduced by a gloo group instead of paramsync's own TCP ring and shared-memory plane; its
+  step time against DDP's and plain paramsync's, round by round (``--no-torch-plane`` leaves it
+  out);
 - with ``--own-loop``, paramsync's DDP-shaped entry (`paramsync.actors.DistributedDataParallel`: the
   user's own ``loss.backward(); optimizer.step()`` loop in the main thread, the trainer's trio
   loop in a background thread, as a torchrun script runs it), against ``train_batch`` round by

@@ -13,7 +13,7 @@ checks the files and returns the `TlsConfig`.
 
 ``data_plane`` picks the data plane, a `DataPlane`: ``PARAMSYNC`` (its own TCP ring and shared
 memory, the default) or ``TORCH`` (torch.distributed process groups,
-`paramsync.runtime.transport.torch_dist`); flag ``--data-plane``, variable
+`paramsync.runtime.transport.torch_plane`); flag ``--data-plane``, variable
 ``PARAMSYNC_DATA_PLANE``, TOML key ``data_plane`` (`paramsync.runtime.config.data_plane`).
 
 The command line (`paramsync.runtime.cli`) and the library (`paramsync.actors.train.run`,

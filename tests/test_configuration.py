@@ -31,7 +31,7 @@ from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.parallel import config as parallel_config
 from paramsync.runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
 from paramsync.runtime.train_config import Device, DistributedTrainConfig
-from paramsync.runtime.transport import shm, torch_dist
+from paramsync.runtime.transport import shm, torch_plane
 
 # --------------------------------------------------------------------------- the engine
 
@@ -97,8 +97,8 @@ def test_both_configurations_resolve_through_the_engine() -> None:
 
 def test_one_data_plane_one_variable() -> None:
     assert parallel_config.DataPlane is DataPlane
-    assert torch_dist.DATA_PLANES is DATA_PLANES == ("paramsync", "torch")
-    assert torch_dist.check_data_plane is check_data_plane
+    assert torch_plane.DATA_PLANES is DATA_PLANES == ("paramsync", "torch")
+    assert torch_plane.check_data_plane is check_data_plane
     assert parallel_config.ENV_VARS["data_plane"] == DATA_PLANE_ENV
     assert DataPlane.parse(" Torch ") is DataPlane.TORCH
     assert check_data_plane("torch") is DataPlane.TORCH

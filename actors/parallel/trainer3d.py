@@ -74,7 +74,7 @@ from paramsync.runtime.parallel.schedules import Schedule, build_schedule, sched
 from paramsync.runtime.transport.base import InProcessTransport, Transport
 from paramsync.runtime.transport.capabilities import NativeCollectives
 from paramsync.runtime.transport.tcp import TcpTransport
-from paramsync.runtime.transport.torch_dist import TorchDistTransport, connect_torch_transport
+from paramsync.runtime.transport.torch_plane import TorchPlaneTransport, connect_torch_transport
 
 __all__ = ["Trainer3D", "OptimizerFactory", "StepHooks"]
 
@@ -118,7 +118,7 @@ class Trainer3D:
         check_every: int,
         activation_shape: list[tuple[int, ...]],
         hooks: StepHooks | None = None,
-        plane: TorchDistTransport | None = None,
+        plane: TorchPlaneTransport | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -496,10 +496,10 @@ class Trainer3D:
 
 async def _data_plane(
     world: Transport, config: ParallelismConfig
-) -> tuple[Transport, TorchDistTransport | None]:
+) -> tuple[Transport, TorchPlaneTransport | None]:
     """The transport the mesh's groups are built on, and the one this rank formed for it (to
     close with them), if any. ``DataPlane.PARAMSYNC``: ``world`` itself. ``TORCH``: a
-    world already on torch's data plane (a `TorchDistTransport`, or a group of one), else a
+    world already on torch's data plane (a `TorchPlaneTransport`, or a group of one), else a
     torch group formed over ``world`` (`connect_torch_transport`: rank 0 hosts a fresh store),
     so every group's collectives and pipeline sends go through torch.distributed."""
     if config.data_plane is DataPlane.PARAMSYNC or isinstance(world, NativeCollectives):
@@ -527,7 +527,7 @@ def _hosts(world: Transport) -> tuple[str, str]:
     raise ValueError(
         f"data_plane='torch' over a {type(base).__name__}: Trainer3D forms torch's data "
         "plane over an InProcessTransport or TcpTransport world, or takes one on it "
-        "(paramsync.runtime.transport.torch_dist)"
+        "(paramsync.runtime.transport.torch_plane)"
     )
 
 

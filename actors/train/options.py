@@ -18,7 +18,7 @@ from paramsync.runtime.collectives.ring import DEFAULT_CHUNK_BYTES, TRAINING_THR
 from paramsync.runtime.config import DataPlane, check_data_plane
 from paramsync.runtime.observe.metrics import check_port
 from paramsync.runtime.protocol.messages import ParallelLayout
-from paramsync.runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS
+from paramsync.runtime.transport.torch_plane import DEFAULT_COLLECTIVE_SECONDS
 
 __all__ = ["TrainerOptions", "check_scheduler"]
 
@@ -121,8 +121,9 @@ class TrainerOptions:
     """Which data plane carries the bulk data (bucket all-reduces, broadcasts, state transfer,
     point-to-point tensors), a `DataPlane` or its name: ``PARAMSYNC`` (its own TCP ring and
     shared-memory plane) or ``TORCH`` (torch.distributed process groups, a new one each epoch:
-    `paramsync.runtime.transport.torch_dist`; gloo on CPU, NCCL for CUDA tensors). The coordinator's
-    part (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the same with both.
+    `paramsync.runtime.transport.torch_plane`; gloo on CPU, NCCL for CUDA tensors). The
+    coordinator's part (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the
+    same with both.
     Every rank must use the same (``paramsync worker --data-plane``, ``PARAMSYNC_DATA_PLANE``,
     TOML ``data_plane``: `trainer_from_env` reads them)."""
     collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS

@@ -40,7 +40,7 @@ from paramsync.runtime.transport.tcp import (
     form_mesh,
 )
 from paramsync.runtime.transport.tls import TlsConfig
-from paramsync.runtime.transport.torch_dist import connect_torch_transport, create_local_group
+from paramsync.runtime.transport.torch_plane import connect_torch_transport, create_local_group
 
 __all__ = ["join_run", "train_in_process", "WorkerBody", "Replica"]
 
@@ -255,7 +255,7 @@ async def train_in_process(
     scheduler of it, as a third item); ``body(trainer)`` trains.
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
     data plane; the default is `InProcessTransport`, or with ``options.data_plane=DataPlane.TORCH``
-    a gloo group per epoch (`paramsync.runtime.transport.torch_dist.create_local_group`).
+    a gloo group per epoch (`paramsync.runtime.transport.torch_plane.create_local_group`).
     ``parallel_layout(rank)``: that rank's 3D-parallel layout (`TrainerOptions.parallel_layout`,
     which differs per rank). ``actors``: what every worker builds its actors with
     (`DistributedTrainer.open`; a harness passes wrapped ones).

@@ -1,7 +1,7 @@
 """Whose data plane moves the tensors (``data_plane``): defined once, for every configuration
 that names it (`paramsync.runtime.train_config.DistributedTrainConfig`, `TrainerOptions`,
 `paramsync.runtime.parallel.config.ParallelismConfig`), with its one variable and its one flag.
-Here, not in `paramsync.runtime.transport.torch_dist`, so that naming one needs no torch."""
+Here, not in `paramsync.runtime.transport.torch_plane`, so that naming one needs no torch."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ __all__ = [
 
 class DataPlane(enum.Enum):
     """Whose data plane moves the tensors: paramsync's own collectives (TCP ring, shared memory)
-    or torch.distributed's (`paramsync.runtime.transport.torch_dist`)."""
+    or torch.distributed's (`paramsync.runtime.transport.torch_plane`)."""
 
     PARAMSYNC = "paramsync"
     TORCH = "torch"

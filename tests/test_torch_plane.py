@@ -1,4 +1,4 @@
-"""The torch.distributed data plane (paramsync.runtime.transport.torch_dist, ``data_plane =
+"""The torch.distributed data plane (paramsync.runtime.transport.torch_plane, ``data_plane =
 "torch"``).
 
 The conformance suite runs it in tests/test_transport_conformance.py and the parity with one
@@ -33,10 +33,10 @@ from paramsync.runtime.errors import PeerClosed, StallError
 from paramsync.runtime.protocol.wire import decode_frame
 from paramsync.runtime.testing.fault_trials import JOB_FLAGS, run_trial
 from paramsync.runtime.train_config import DistributedTrainConfig
-from paramsync.runtime.transport import torch_dist
-from paramsync.runtime.transport.torch_dist import (
+from paramsync.runtime.transport import torch_plane
+from paramsync.runtime.transport.torch_plane import (
     DATA_PLANES,
-    TorchDistTransport,
+    TorchPlaneTransport,
     create_local_group,
     open_local_group,
 )
@@ -82,14 +82,14 @@ async def test_frames_travel_as_cbor_bytes_in_uint8_tensors(
     """What gloo carries is the frame paramsync's codec made: a uint8 tensor that decodes
     (as any frame) to the message sent; its length goes first as one int64."""
     sent: list[torch.Tensor] = []
-    original = torch_dist._frame_tensor
+    original = torch_plane._frame_tensor
 
     def spy(*args: Any) -> torch.Tensor:
         frame = original(*args)
         sent.append(frame.clone())
         return frame
 
-    monkeypatch.setattr(torch_dist, "_frame_tensor", spy)
+    monkeypatch.setattr(torch_plane, "_frame_tensor", spy)
     payload = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     async with open_local_group(2) as (a, b):
         await a.send(1, "probe_data", {"src": 0, "seq": 4}, payload)
@@ -155,11 +155,11 @@ async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None
     """Every dtype gloo reduces goes to the group; int16, which it does not, takes the ring
     over the transport's frames; both exact, and a barrier holds every rank."""
     async with open_local_group(3) as group:
-        assert all(isinstance(t, TorchDistTransport) for t in group)
+        assert all(isinstance(t, TorchPlaneTransport) for t in group)
         for dtype in (torch.int16, torch.int32, torch.bfloat16):
             inputs = [torch.full((5000,), rank + 1, dtype=dtype) for rank in range(3)]
 
-            async def reduce(t: TorchDistTransport, ins: list[torch.Tensor] = inputs) -> None:
+            async def reduce(t: TorchPlaneTransport, ins: list[torch.Tensor] = inputs) -> None:
                 await all_reduce(t, ins[t.rank], "avg")
 
             async with trio.open_nursery() as nursery:
@@ -169,7 +169,7 @@ async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None
         assert [t.native_accepts(torch.zeros(1, dtype=torch.int16)) for t in group] == [False] * 3
         values = [torch.full((3,), float(rank)) for rank in range(3)]
 
-        async def cast_then_wait(t: TorchDistTransport) -> None:
+        async def cast_then_wait(t: TorchPlaneTransport) -> None:
             await broadcast(t, values[t.rank], 2)
             await barrier(t)  # collectives run one at a time, in one order on every rank
 
@@ -226,7 +226,7 @@ _EXIT_ATTEMPTS = 8
 _OPEN_REDUCE_CLOSE_EXIT = """
 import os, sys
 import torch, trio
-from paramsync.runtime.transport.torch_dist import open_local_group
+from paramsync.runtime.transport.torch_plane import open_local_group
 
 async def main() -> None:
     async with open_local_group(2) as group:
