@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torchdist bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
+.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
 
 setup: $(STAMP)
 
@@ -51,8 +51,8 @@ bench-groups: $(STAMP)
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp.py --rounds 4 --steps 60 --check-cost --check-split 3 --json out/ddp.json
 
-bench-torchdist: $(STAMP)
-	$(BIN)/python benchmarks/torchdist.py --rounds 3 --proof-cost --json out/torchdist.json
+bench-torch-backend: $(STAMP)
+	$(BIN)/python benchmarks/torch_backend.py --rounds 3 --proof-cost --json out/torch_backend.json
 
 bench-multidevice: $(STAMP)
 	$(BIN)/python benchmarks/multidevice.py --rounds 15 --steps 30 --json out/multidevice.json

@@ -4,13 +4,13 @@ The layers below, lowest first (``docs/architecture.md``): ``paramsync.actors.st
 C-DDP-001 digest, checkpoints), ``paramsync.actors.multidevice`` (one process, one replica per
 device, C-DP-002), ``paramsync.actors.client`` (the worker's side of the coordinator protocol),
 ``paramsync.actors.graph`` (the actors of one worker), ``paramsync.actors.train`` (the trainers
-built from them), ``paramsync.actors.torchdist`` (paramsync as a torch.distributed backend);
+built from them), ``paramsync.actors.torch_backend`` (paramsync as a torch.distributed backend);
 ``paramsync.actors.demo_job`` is the built-in demo, a user of all this. Only what a training script
 uses is exported here; everything else stays importable from its module.
 
 The names load on first use (PEP 562), so that importing one part of ``actors`` costs only
-that part: torch imports ``paramsync.actors.torchdist.entry`` at ``import torch``, which must stay
-cheap.
+that part: torch imports ``paramsync.actors.torch_backend.entry`` at ``import torch``, which
+must stay cheap.
 """
 
 import importlib as _importlib

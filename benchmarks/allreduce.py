@@ -4,8 +4,8 @@ torch.distributed on gloo, same run.
 One OS process per worker for every system, on this machine's loopback. ``paramsync`` is the
 TCP data path (shared memory switched off), ``paramsync-shm`` the same transport with the
 shared-memory plane attached (`paramsync.runtime.transport.shm`), ``paramsync-torch`` paramsync's
-``all_reduce`` over its torch.distributed data plane (``comm_backend = "torch"``:
-`paramsync.runtime.transport.torch_dist`, a gloo group formed through a TCP mesh), ``gloo``
+``all_reduce`` over its torch.distributed data plane (``data_plane = "torch"``:
+`paramsync.runtime.transport.torch_plane`, a gloo group formed through a TCP mesh), ``gloo``
 torch.distributed called directly. For each world size and float32 message
 size it
 times back-to-back all-reduces (after a barrier) and reports the median over repeats of: time per
@@ -104,7 +104,7 @@ def _worker_paramsync(
     from paramsync.runtime import DistributedConfig, TcpTransport, all_reduce, barrier
     from paramsync.runtime.transport.base import Transport
     from paramsync.runtime.transport.shm import attach_shared_memory
-    from paramsync.runtime.transport.torch_dist import connect_torch_transport
+    from paramsync.runtime.transport.torch_plane import connect_torch_transport
 
     rows: list[dict] = []
 

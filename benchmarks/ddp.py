@@ -16,10 +16,11 @@ one intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
 - the limit: N processes training their replicas with no communication at all (a barrier before
   the first step and after the last only): what the machine allows, so that both systems'
   overhead over the physical limit is printed, paired round by round;
-- paramsync over torch.distributed (``comm_backend = "torch"``,
-  `paramsync.runtime.transport.torch_dist`): the same paramsync workers and coordinator, the buckets
-  reduced by a gloo group instead of paramsync's own TCP ring and shared-memory plane; its step time
-  against DDP's and plain paramsync's, round by round (``--no-torch-backend`` leaves it out);
+- paramsync over torch.distributed (``data_plane = "torch"``,
+  `paramsync.runtime.transport.torch_plane`): the same paramsync workers and coordinator, the
+  buckets reduced by a gloo group instead of paramsync's own TCP ring and shared-memory plane; its
+  step time against DDP's and plain paramsync's, round by round (``--no-torch-plane`` leaves it
+  out);
 - with ``--own-loop``, paramsync's DDP-shaped entry (`paramsync.actors.DistributedDataParallel`: the
   user's own ``loss.backward(); optimizer.step()`` loop in the main thread, the trainer's trio
   loop in a background thread, as a torchrun script runs it), against ``train_batch`` round by
@@ -97,7 +98,7 @@ in the same rounds, paired with the plain paramsync run of each round)."""
 TORCHFT = "torchft"
 """torchft's Manager, DistributedDataParallel and Optimizer on ProcessGroupGloo (``--torchft``)."""
 TORCH = "paramsync-torch"
-"""paramsync with ``comm_backend = "torch"``: its data plane a torch.distributed gloo group."""
+"""paramsync with ``data_plane = "torch"``: its data plane a torch.distributed gloo group."""
 SPLIT = "paramsync-split"
 """paramsync checking every ``--check-split`` steps (``K``): the check's cost measured within
 one run, each checked step against its unchecked neighbours (`_split_check_cost`)."""
@@ -767,7 +768,7 @@ def _launch(system: str, world: int, args: argparse.Namespace) -> dict:
         if system == SPLIT:
             variant.append("--record-phases")
         if system == TORCH:
-            variant.append("--option=comm_backend=torch")
+            variant.append("--option=data_plane=torch")
         if lighthouse is not None:
             variant.append(f"--lighthouse={lighthouse.address}")
         with open(out_path, "w") as out:
@@ -939,15 +940,15 @@ def _summarise(
             )
         if TORCH in row:
             torch_runs = runs[(TORCH, world)]
-            row["torch_backend_ddp_ratio_rounds"] = _round_ratios(torch_runs, runs[("ddp", world)])
-            row["torch_backend_ddp_ratio_paired"] = statistics.median(
-                row["torch_backend_ddp_ratio_rounds"]
+            row["torch_plane_ddp_ratio_rounds"] = _round_ratios(torch_runs, runs[("ddp", world)])
+            row["torch_plane_ddp_ratio_paired"] = statistics.median(
+                row["torch_plane_ddp_ratio_rounds"]
             )
-            row["torch_backend_paramsync_ratio_paired"] = statistics.median(
+            row["torch_plane_paramsync_ratio_paired"] = statistics.median(
                 _round_ratios(torch_runs, checked_runs)
             )
             over = [ratio - 1 for ratio in _round_ratios(torch_runs, runs[(LIMIT, world)])]
-            row["torch_backend_over_limit"] = statistics.median(over)
+            row["torch_plane_over_limit"] = statistics.median(over)
         if TORCHFT in row:
             torchft_runs = runs[(TORCHFT, world)]
             row["torchft_ratio_rounds"] = _round_ratios(checked_runs, torchft_runs)
@@ -1207,14 +1208,14 @@ def _print_table(table: list[dict]) -> None:
                 )
         if TORCH in row:
             over_torch = row[TORCH]
-            rounds = " ".join(f"{ratio:.3f}" for ratio in row["torch_backend_ddp_ratio_rounds"])
+            rounds = " ".join(f"{ratio:.3f}" for ratio in row["torch_plane_ddp_ratio_rounds"])
             print(
-                f"n={row['world_size']}: paramsync over torch.distributed (comm_backend torch, "
+                f"n={row['world_size']}: paramsync over torch.distributed (data_plane torch, "
                 f"gloo): {over_torch['median_step_seconds'] * 1e3:.1f} ms a step, "
                 f"{over_torch['steps_per_second']:.2f} steps/s; round by round "
-                f"{row['torch_backend_ddp_ratio_paired']:.3f}x DDP (rounds: {rounds}), "
-                f"{row['torch_backend_paramsync_ratio_paired']:.3f}x paramsync's own data "
-                f"plane, {row['torch_backend_over_limit'] * 100:+.1f} % over the limit"
+                f"{row['torch_plane_ddp_ratio_paired']:.3f}x DDP (rounds: {rounds}), "
+                f"{row['torch_plane_paramsync_ratio_paired']:.3f}x paramsync's own data "
+                f"plane, {row['torch_plane_over_limit'] * 100:+.1f} % over the limit"
             )
         if TORCHFT in row:
             peer = row[TORCHFT]
@@ -1321,7 +1322,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="where every worker's model and batches live: the CPU (default), or GPU "
         "rank %% device_count (2 workers on one GPU share it); DDP's gradients go through gloo "
-        "either way, paramsync's through its own plane (host-staged) or, with comm_backend "
+        "either way, paramsync's through its own plane (host-staged) or, with data_plane "
         "torch, NCCL",
     )
     parser.add_argument(
@@ -1414,9 +1415,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     parser.add_argument(
-        "--no-torch-backend",
+        "--no-torch-plane",
         action="store_true",
-        help="leave out paramsync over torch.distributed (comm_backend torch)",
+        help="leave out paramsync over torch.distributed (data_plane torch)",
     )
     parser.add_argument(
         "--trace",
@@ -1482,7 +1483,7 @@ def main() -> None:
                 systems = (*systems, OWN_LOOP)
             if args.baseline:
                 systems = (*systems, *(system + BASELINE for system in _compared(args)))
-            if not args.no_torch_backend:
+            if not args.no_torch_plane:
                 systems = (*systems, TORCH)
             if args.torchft:
                 systems = (*systems, TORCHFT)

@@ -46,7 +46,7 @@ benchmark starts 12 processes that import peft and transformers: most of its tim
 H200 machine, 16 cores)."""
 MULTIDEVICE = ["--device", "cuda", "--rounds", "3", "--warmup", "3", "--steps", "20"]
 DDP = ["--device", "cuda", "--worlds", "2", "--rounds", "2", "--warmup", "5", "--steps", "30"]
-DDP_ONLY = ["--no-torch-backend"]
+DDP_ONLY = ["--no-torch-plane"]
 """NCCL takes one rank per GPU: two ranks on one GPU cannot form paramsync's torch plane, so
 the ddp part compares DDP with paramsync's own (host-staged) plane; the device plane has its
 test (tests/test_torch_groups.py, one rank)."""

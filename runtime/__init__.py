@@ -49,7 +49,7 @@ if _typing.TYPE_CHECKING:
     from paramsync.runtime.parallel.config import ParallelismConfig
     from paramsync.runtime.protocol.wire import PROTOCOL_VERSION
     from paramsync.runtime.train_config import (
-        DistributedBackend,
+        Device,
         DistributedRole,
         DistributedTrainConfig,
     )
@@ -61,7 +61,7 @@ __all__ = [
     # configuration
     "DistributedConfig",
     "DistributedTrainConfig",
-    "DistributedBackend",
+    "Device",
     "DistributedRole",
     "ParallelismConfig",
     # transports
@@ -104,7 +104,7 @@ __all__ = [
 ]
 
 _WHERE = {
-    "DistributedBackend": "paramsync.runtime.train_config",
+    "Device": "paramsync.runtime.train_config",
     "DistributedRole": "paramsync.runtime.train_config",
     "DistributedTrainConfig": "paramsync.runtime.train_config",
     "AllReduceAggregator": "paramsync.runtime.collectives.aggregators",

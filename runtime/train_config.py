@@ -1,4 +1,4 @@
-"""Who this training process is: role, rank, device backend and where the coordinator listens.
+"""Who this training process is: role, rank, device and where the coordinator listens.
 
 `DistributedTrainConfig` is what a training entry point builds first. It can come from torchrun's
 environment variables, from a ``[distributed]`` table in a TOML file, or from command-line flags;
@@ -11,10 +11,10 @@ given (flags ``--tls-cert/--tls-key/--tls-ca``, variables ``PARAMSYNC_TLS_CERT/K
 keys; a relative path in a TOML file is relative to that file); `DistributedTrainConfig.tls_config`
 checks the files and returns the `TlsConfig`.
 
-``comm_backend`` picks the data plane: ``"paramsync"`` (its own TCP ring and shared memory, the
-default) or ``"torch"`` (torch.distributed process groups,
-`paramsync.runtime.transport.torch_dist`); flag ``--comm-backend``, variable
-``PARAMSYNC_COMM_BACKEND``, TOML key ``comm_backend`` (`paramsync.runtime.config.comm`).
+``data_plane`` picks the data plane, a `DataPlane`: ``PARAMSYNC`` (its own TCP ring and shared
+memory, the default) or ``TORCH`` (torch.distributed process groups,
+`paramsync.runtime.transport.torch_plane`); flag ``--data-plane``, variable
+``PARAMSYNC_DATA_PLANE``, TOML key ``data_plane`` (`paramsync.runtime.config.data_plane`).
 
 The command line (`paramsync.runtime.cli`) and the library (`paramsync.actors.train.run`,
 `paramsync.actors.train.worker`) both build it from here; the sources are layered by
@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paramsync.runtime.config import (
-    COMM_BACKEND_ENV,
-    CommBackend,
+    DATA_PLANE_ENV,
+    RENAMED_DATA_PLANE_ENV,
+    DataPlane,
     DistributedConfig,
     Layering,
-    check_comm_backend,
+    check_data_plane,
     parse_address,
     parse_enum,
     parse_int,
@@ -51,10 +52,12 @@ if TYPE_CHECKING:  # torch is imported where a device is resolved: the launcher 
 __all__ = [
     "DEFAULT_COORDINATOR_HOST",
     "DEFAULT_COORDINATOR_PORT",
-    "DistributedBackend",
+    "Device",
     "DistributedRole",
     "DistributedTrainConfig",
+    "DEVICE_ENV",
     "ENV_VARS",
+    "RENAMED_ENV_VARS",
     "TLS_ENV_VARS",
     "resolve_tls",
     "shared_secret",
@@ -62,6 +65,13 @@ __all__ = [
 
 DEFAULT_COORDINATOR_HOST = "127.0.0.1"
 DEFAULT_COORDINATOR_PORT = 29500  # torchrun's default MASTER_PORT
+
+DEVICE_ENV = "PARAMSYNC_DEVICE"
+"""The variable naming the device (`Device`)."""
+
+RENAMED_ENV_VARS = {"PARAMSYNC_BACKEND": DEVICE_ENV, **RENAMED_DATA_PLANE_ENV}
+"""Variables `DistributedTrainConfig.from_env` no longer reads, each with its new name: one that
+is set is a `ConfigError` saying so."""
 
 #: Environment variables `DistributedTrainConfig.from_env` reads. The first five are torchrun's.
 ENV_VARS = (
@@ -71,11 +81,11 @@ ENV_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "PARAMSYNC_ROLE",
-    "PARAMSYNC_BACKEND",
+    DEVICE_ENV,
     "PARAMSYNC_TLS_CERT",
     "PARAMSYNC_TLS_KEY",
     "PARAMSYNC_TLS_CA",
-    "PARAMSYNC_COMM_BACKEND",
+    "PARAMSYNC_DATA_PLANE",
     "PARAMSYNC_COORDINATOR_ADDR",
 )
 
@@ -104,7 +114,7 @@ class DistributedRole(enum.Enum):
         return parse_enum(cls, value, "role")
 
 
-class DistributedBackend(enum.Enum):
+class Device(enum.Enum):
     """Which torch device a process computes on; ``AUTO`` takes CUDA when there is one."""
 
     CPU = "cpu"
@@ -112,9 +122,9 @@ class DistributedBackend(enum.Enum):
     AUTO = "auto"
 
     @classmethod
-    def parse(cls, value: object) -> DistributedBackend:
-        """Return the backend named by ``value`` (a backend or its name, any case)."""
-        return parse_enum(cls, value, "backend")
+    def parse(cls, value: object) -> Device:
+        """Return the device named by ``value`` (a device or its name, any case)."""
+        return parse_enum(cls, value, "device")
 
     def resolve(self, local_rank: int = 0) -> torch.device:
         """The device to use: ``cpu``, or ``cuda:<local_rank>`` (one GPU per local process).
@@ -124,14 +134,14 @@ class DistributedBackend(enum.Enum):
         """
         import torch
 
-        if self is DistributedBackend.CPU:
+        if self is Device.CPU:
             return torch.device("cpu")
         if not torch.cuda.is_available():
-            if self is DistributedBackend.AUTO:
+            if self is Device.AUTO:
                 return torch.device("cpu")
             raise RuntimeError(
-                f"backend 'cuda' was requested but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use backend 'cpu' "
+                f"device 'cuda' was requested but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use device 'cpu' "
                 f"or 'auto'"
             )
         count = torch.cuda.device_count()
@@ -160,10 +170,10 @@ def _check_int(name: str, value: object) -> int:
 class DistributedTrainConfig:
     """This process's place in a data-parallel training group; validated on construction.
 
-    ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``backend``
+    ``role`` defaults to COORDINATOR on rank 0 and WORKER elsewhere. ``role`` and ``device``
     also accept their names as strings. ``coordinator_addr`` is ``host:port``. ``tls_cert``,
-    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none. ``comm_backend``: the
-    data plane, ``"paramsync"`` or ``"torch"``.
+    ``tls_key`` and ``tls_ca`` (paths) turn TLS on: all three or none. ``data_plane``: the
+    data plane, a `DataPlane` or its name (``"paramsync"`` or ``"torch"``).
     """
 
     world_size: int = 1
@@ -171,14 +181,14 @@ class DistributedTrainConfig:
     local_rank: int = 0
     role: DistributedRole | None = None
     coordinator_addr: str = f"{DEFAULT_COORDINATOR_HOST}:{DEFAULT_COORDINATOR_PORT}"
-    backend: DistributedBackend = DistributedBackend.AUTO
+    device: Device = Device.AUTO
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
-    comm_backend: str = "paramsync"
+    data_plane: DataPlane = DataPlane.PARAMSYNC
 
     def __post_init__(self) -> None:
-        check_comm_backend(self.comm_backend)
+        object.__setattr__(self, "data_plane", check_data_plane(self.data_plane))
         world_size = _check_int("world_size", self.world_size)
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -195,7 +205,7 @@ class DistributedTrainConfig:
         else:
             role = DistributedRole.parse(self.role)
         object.__setattr__(self, "role", role)
-        object.__setattr__(self, "backend", DistributedBackend.parse(self.backend))
+        object.__setattr__(self, "device", Device.parse(self.device))
         if not isinstance(self.coordinator_addr, str):
             raise ValueError(f"coordinator_addr must be a str, got {self.coordinator_addr!r}")
         try:
@@ -226,9 +236,9 @@ class DistributedTrainConfig:
         """The coordinator address as a (host, port) pair."""
         return parse_address(self.coordinator_addr)
 
-    def device(self) -> torch.device:
-        """The torch device this process computes on (see `DistributedBackend.resolve`)."""
-        return self.backend.resolve(self.local_rank)
+    def torch_device(self) -> torch.device:
+        """The torch device this process computes on (see `Device.resolve`)."""
+        return self.device.resolve(self.local_rank)
 
     def tls_config(self) -> TlsConfig | None:
         """The TLS of every connection (`paramsync.runtime.transport.tls`), or None for plaintext
@@ -249,7 +259,8 @@ class DistributedTrainConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedTrainConfig:
         """Build from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_BACKEND); unset ones take defaults."""
+        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_DEVICE); unset ones take defaults. A variable
+        of `RENAMED_ENV_VARS` still set is a `ConfigError` naming its new name."""
         return cls(**_LAYERING.from_env(os.environ if environ is None else environ))
 
     @classmethod
@@ -285,12 +296,12 @@ def _coerce(key: str, value: object, label: str) -> object:
         return parse_int(value, label)
     if key == "role":
         return parse_enum(DistributedRole, value, label)
-    if key == "backend":
-        return parse_enum(DistributedBackend, value, label)
+    if key == "device":
+        return parse_enum(Device, value, label)
     if key in TLS_ENV_VARS:
         return _check_path(label, value)
-    if key == "comm_backend":
-        return CommBackend.parse(value, label).value
+    if key == "data_plane":
+        return DataPlane.parse(value, label)
     if not isinstance(value, str):
         raise ConfigError(f"{label} must be a host:port string, got {value!r}")
     try:
@@ -347,10 +358,11 @@ _LAYERING = Layering(
         "world_size": "WORLD_SIZE",
         "local_rank": "LOCAL_RANK",
         "role": "PARAMSYNC_ROLE",
-        "backend": "PARAMSYNC_BACKEND",
+        "device": DEVICE_ENV,
         **TLS_ENV_VARS,
-        "comm_backend": COMM_BACKEND_ENV,
+        "data_plane": DATA_PLANE_ENV,
     },
+    renamed_env=RENAMED_ENV_VARS,
     paths=tuple(TLS_ENV_VARS),
     flag_source="override",
     env_extra=_address_from_env,

@@ -17,14 +17,14 @@ import trio
 
 from paramsync.runtime.transport.base import InProcessTransport, Transport
 from paramsync.runtime.transport.tcp import TcpTransport
-from paramsync.runtime.transport.torch_dist import open_local_group
+from paramsync.runtime.transport.torch_plane import open_local_group
 
 TRANSPORT_KINDS = ("inproc", "tcp")
 """Both transports every group test runs over."""
 
 GROUP_KINDS = (*TRANSPORT_KINDS, "torch")
 """The worlds the process-group tests (groups, mesh, point-to-point) run over: both transports
-and torch's data plane (a gloo group in this process, `paramsync.runtime.transport.torch_dist`)."""
+and torch's data plane (a gloo group in this process, `paramsync.runtime.transport.torch_plane`)."""
 
 GROUP_SECONDS = 60.0
 """Deadline for one whole group run: far beyond any healthy run on a 2-core machine."""

@@ -1,4 +1,4 @@
-"""One configuration: one layering engine for every configuration's sources, one `CommBackend`
+"""One configuration: one layering engine for every configuration's sources, one `DataPlane`
 with one variable and one flag, one boolean parser, and `DistributedTrainConfig` in a
 configuration module that the command line and the library both use."""
 
@@ -18,20 +18,20 @@ from paramsync.runtime import config as config_module
 from paramsync.runtime.cli.jobs import WorkerJob
 from paramsync.runtime.cli.main import build_parser
 from paramsync.runtime.config import (
-    COMM_BACKEND_ENV,
-    COMM_BACKENDS,
-    CommBackend,
+    DATA_PLANE_ENV,
+    DATA_PLANES,
+    DataPlane,
     Layering,
-    add_comm_backend_flag,
-    check_comm_backend,
+    add_data_plane_flag,
+    check_data_plane,
     parse_bool,
     parse_int,
 )
 from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.parallel import config as parallel_config
 from paramsync.runtime.parallel.config import ParallelismConfig, add_arguments, overrides_from_args
-from paramsync.runtime.train_config import DistributedTrainConfig
-from paramsync.runtime.transport import shm, torch_dist
+from paramsync.runtime.train_config import Device, DistributedTrainConfig
+from paramsync.runtime.transport import shm, torch_plane
 
 # --------------------------------------------------------------------------- the engine
 
@@ -92,26 +92,52 @@ def test_both_configurations_resolve_through_the_engine() -> None:
     assert "tomllib" not in source and "_TRUE" not in source
 
 
-# --------------------------------------------------------------------------- one CommBackend
+# --------------------------------------------------------------------------- one DataPlane
 
 
-def test_one_comm_backend_one_variable() -> None:
-    assert parallel_config.CommBackend is CommBackend
-    assert torch_dist.COMM_BACKENDS is COMM_BACKENDS == ("paramsync", "torch")
-    assert torch_dist.check_comm_backend is check_comm_backend
-    assert parallel_config.ENV_VARS["comm_backend"] == COMM_BACKEND_ENV
-    assert CommBackend.parse(" Torch ") is CommBackend.TORCH
-    assert check_comm_backend("torch") == "torch"
-    assert check_comm_backend(CommBackend.TORCH) == "torch"
+def test_one_data_plane_one_variable() -> None:
+    assert parallel_config.DataPlane is DataPlane
+    assert torch_plane.DATA_PLANES is DATA_PLANES == ("paramsync", "torch")
+    assert torch_plane.check_data_plane is check_data_plane
+    assert parallel_config.ENV_VARS["data_plane"] == DATA_PLANE_ENV
+    assert DataPlane.parse(" Torch ") is DataPlane.TORCH
+    assert check_data_plane("torch") is DataPlane.TORCH
+    assert check_data_plane(DataPlane.TORCH) is DataPlane.TORCH
     for bad in ("Torch", "nccl", 3, None):  # values in code are taken as written
-        with pytest.raises(ConfigError, match="comm_backend must be one of 'paramsync', 'torch'"):
-            check_comm_backend(bad)
-    env = {COMM_BACKEND_ENV: "torch"}
-    assert DistributedTrainConfig.from_env(env).comm_backend == "torch"
-    assert ParallelismConfig.from_env(env).comm_backend is CommBackend.TORCH
+        with pytest.raises(ConfigError, match="data_plane must be one of 'paramsync', 'torch'"):
+            check_data_plane(bad)
+    env = {DATA_PLANE_ENV: "torch"}
+    assert DistributedTrainConfig.from_env(env).data_plane is DataPlane.TORCH
+    assert ParallelismConfig.from_env(env).data_plane is DataPlane.TORCH
 
 
-def test_one_comm_backend_flag_for_the_worker_and_the_parallelism_flags() -> None:
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("PARAMSYNC_BACKEND", "PARAMSYNC_DEVICE", "cpu"),
+        ("PARAMSYNC_COMM_BACKEND", DATA_PLANE_ENV, "torch"),
+    ],
+)
+def test_a_renamed_variable_still_set_is_refused_naming_its_new_name(
+    old: str, new: str, value: str
+) -> None:
+    refusal = f"environment variable {old} was renamed {new}: set {new} instead"
+    for env in ({old: value}, {old: value, new: value}):
+        with pytest.raises(ConfigError, match=refusal):
+            DistributedTrainConfig.from_env(env)
+        with pytest.raises(ConfigError, match=refusal):  # a flag given does not hide it
+            DistributedTrainConfig.resolve(None, env, {"rank": 0})
+    read = DistributedTrainConfig.from_env({new: value})
+    assert (read.device, read.data_plane) != (Device.AUTO, DataPlane.PARAMSYNC)  # the new one
+    if new == DATA_PLANE_ENV:  # the parallelism configuration reads the data plane's too
+        with pytest.raises(ConfigError, match=refusal):
+            ParallelismConfig.from_env({old: value})
+        assert ParallelismConfig.from_env({new: value}).data_plane is DataPlane.TORCH
+    else:
+        assert ParallelismConfig.from_env({old: value}) == ParallelismConfig()
+
+
+def test_one_data_plane_flag_for_the_worker_and_the_parallelism_flags() -> None:
     def job_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         add_arguments(parser)  # a 3D job's flags, on the worker's command line
         return parser
@@ -120,22 +146,22 @@ def test_one_comm_backend_flag_for_the_worker_and_the_parallelism_flags() -> Non
         return 0
 
     parser = build_parser(WorkerJob("tests.a_3d_job", job_flags, run))
-    args = parser.parse_args(["worker", "--comm-backend", "torch", "--pp-size", "2"])
-    assert args.comm_backend == "torch"
+    args = parser.parse_args(["worker", "--data-plane", "torch", "--pp-size", "2"])
+    assert args.data_plane == "torch"
     config = ParallelismConfig.resolve(None, {}, overrides_from_args(args))
-    assert config.comm_backend is CommBackend.TORCH and config.pp_size == 2
+    assert config.data_plane is DataPlane.TORCH and config.pp_size == 2
     flags = [
         action
         for action in parser._subparsers._group_actions[0].choices["worker"]._actions  # type: ignore[union-attr]
-        if "--comm-backend" in action.option_strings
+        if "--data-plane" in action.option_strings
     ]
     assert len(flags) == 1
     alone = argparse.ArgumentParser()
     add_arguments(alone)
-    add_comm_backend_flag(alone)  # a second call adds nothing
-    assert alone.parse_args([]).comm_backend is None
+    add_data_plane_flag(alone)  # a second call adds nothing
+    assert alone.parse_args([]).data_plane is None
     assert (
-        overrides_from_args(alone.parse_args(["--comm-backend", "paramsync"]))["comm_backend"]
+        overrides_from_args(alone.parse_args(["--data-plane", "paramsync"]))["data_plane"]
         == "paramsync"
     )
 
@@ -185,4 +211,4 @@ def test_the_train_config_lives_below_the_command_line() -> None:
     assert "paramsync.runtime.train_config" in graph.find_modules_directly_imported_by(
         "paramsync.runtime.cli.main"
     )
-    assert config_module.CommBackend is CommBackend
+    assert config_module.DataPlane is DataPlane

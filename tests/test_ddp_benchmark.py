@@ -134,7 +134,7 @@ def test_a_tiny_run_of_the_own_loop_and_a_baseline_checkout(tmp_path: Path) -> N
     """The DDP-shaped entry, and the paramsync systems again with a baseline's code (this
     checkout), in the same rounds as the others."""
     out = tmp_path / "ddp.json"
-    command = [*_tiny_command(out), "--no-torch-backend", "--own-loop", "--baseline", str(ROOT)]
+    command = [*_tiny_command(out), "--no-torch-plane", "--own-loop", "--baseline", str(ROOT)]
     command += ["--clip-grad-norm", "0.5"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -166,9 +166,9 @@ def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) ->
     for system in ("ddp", "paramsync", "limit", "paramsync-torch"):
         assert row[system]["median_step_seconds"] > 0
     # The torch.distributed data plane's column, paired with DDP and plain paramsync.
-    assert "paramsync over torch.distributed (comm_backend torch, gloo)" in done.stdout
-    assert len(row["torch_backend_ddp_ratio_rounds"]) == 1
-    assert row["torch_backend_paramsync_ratio_paired"] > 0
+    assert "paramsync over torch.distributed (data_plane torch, gloo)" in done.stdout
+    assert len(row["torch_plane_ddp_ratio_rounds"]) == 1
+    assert row["torch_plane_paramsync_ratio_paired"] > 0
     # The limit column: the same processes with no communication; each system's overhead over it.
     assert "over the limit (the same processes with no communication" in done.stdout
     for system in ("paramsync", "ddp"):

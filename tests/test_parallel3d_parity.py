@@ -17,7 +17,7 @@ once, on pp=2 alone and combined with tp or dp; activation checkpointing, ZeRO-1
 accumulation (2 batches per step), a tied embedding and global-norm clipping each on and off,
 alone and combined (tp x pp x dp with all of them). Worlds run in one process
 (InProcessTransport) and, for two layouts, over TCP (`TcpTransport`: every group its own
-authenticated sockets) and on torch's data plane (``comm_backend="torch"``: dp=2 x pp=2 on a
+authenticated sockets) and on torch's data plane (``data_plane="torch"``: dp=2 x pp=2 on a
 torch world, tp=2 x pp=2 and dp=2 x tp=2 (ZeRO-1) on a torch plane the trainer forms over an
 in-process or a TCP world; every group its own gloo communicator; each also bitwise equal to
 the same run on paramsync's plane); the plain 8-rank 1F1B case is marked ``soak`` (run by
@@ -46,7 +46,7 @@ from paramsync.actors.parallel.shard_model import ModelSpec
 from paramsync.actors.parallel.tensor_parallel.layers import is_tensor_parallel, partition_range
 from paramsync.actors.parallel.trainer3d import Trainer3D
 from paramsync.runtime.collectives.groups import NativeProcessGroup
-from paramsync.runtime.parallel.config import ParallelismConfig
+from paramsync.runtime.parallel.config import DataPlane, ParallelismConfig
 from paramsync.runtime.transport.base import Transport
 
 STEPS = 5
@@ -88,7 +88,7 @@ class Case:
     tied: bool = False
     clip: float | None = None
     kind: str = "inproc"
-    backend: str = "paramsync"
+    data_plane: DataPlane = DataPlane.PARAMSYNC
     dropout: float = 0.0
     seed: int = SPEC.seed
     adamw: bool = False
@@ -113,7 +113,7 @@ class Case:
             memory_optimization="zero1" if self.zero1 else "none",
             gradient_accumulation=self.accumulation > 1,
             accumulation_steps=self.accumulation,
-            comm_backend=self.backend,
+            data_plane=self.data_plane,
         )
 
     def spec(self) -> ModelSpec:
@@ -136,7 +136,7 @@ class Case:
         ):
             if flag:
                 parts.append(label)
-        if self.backend == "torch":
+        if self.data_plane is DataPlane.TORCH:
             parts.append("torch" if self.kind == "torch" else f"torch-over-{self.kind}")
         if self.adamw:
             parts.append(f"adamw-seed{self.seed}")
@@ -177,11 +177,11 @@ CASES = [
     # real sockets
     Case(dp=2, pp=2, schedule="1f1b", m=2, tied=True, kind="tcp"),
     Case(tp=2, pp=2, schedule="gpipe", m=2, clip=0.05, kind="tcp"),
-    # torch's data plane (comm_backend="torch"): a world on it (a gloo group in this process)
+    # torch's data plane (data_plane="torch"): a world on it (a gloo group in this process)
     # or formed by the trainer over a paramsync world; every group its own gloo communicator
-    Case(dp=2, pp=2, schedule="1f1b", m=2, tied=True, kind="torch", backend="torch"),
-    Case(tp=2, pp=2, schedule="gpipe", m=2, clip=0.05, backend="torch"),
-    Case(dp=2, tp=2, schedule="gpipe", m=2, zero1=True, kind="tcp", backend="torch"),
+    Case(dp=2, pp=2, schedule="1f1b", m=2, tied=True, kind="torch", data_plane=DataPlane.TORCH),
+    Case(tp=2, pp=2, schedule="gpipe", m=2, clip=0.05, data_plane=DataPlane.TORCH),
+    Case(dp=2, tp=2, schedule="gpipe", m=2, zero1=True, kind="tcp", data_plane=DataPlane.TORCH),
 ]
 assert {case.schedule for case in CASES} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
 
@@ -277,7 +277,7 @@ def _compare(case: Case, reference: DenseTransformer, losses: list[float], resul
     expected = dict(reference.named_parameters(remove_duplicate=False))
     covered: set[str] = set()
     for trainer, rank_losses in results:
-        if case.backend == "torch":  # every group ran on a gloo communicator of its own
+        if case.data_plane is DataPlane.TORCH:  # every group ran on a gloo communicator of its own
             groups = [trainer.mesh.group(dim) for dim in ("pp", "dp", "tp")]
             assert all(isinstance(group, NativeProcessGroup) for group in groups), groups
             assert (trainer.plane is None) == (case.kind == "torch")
@@ -334,13 +334,13 @@ def test_3d_layouts_match_one_process_with_adamw_across_seeds(seed: int) -> None
 
 
 @pytest.mark.parametrize(
-    "torch_case", [c for c in CASES if c.backend == "torch"], ids=lambda c: c.name
+    "torch_case", [c for c in CASES if c.data_plane is DataPlane.TORCH], ids=lambda c: c.name
 )
 def test_torch_data_plane_matches_paramsync_plane_bitwise(torch_case: Case) -> None:
     """Every torch-plane layout above, on torch's data plane and on paramsync's: the same
     weights and losses, bit for bit (gloo sums two ranks' values as the ring does: a + b, then the
     division; pipeline sends carry the same bytes)."""
-    own_case = Case(**{**torch_case.__dict__, "kind": "inproc", "backend": "paramsync"})
+    own_case = Case(**{**torch_case.__dict__, "kind": "inproc", "data_plane": DataPlane.PARAMSYNC})
     data = _data(torch_case)
     on_torch = _run(torch_case, data)
     on_own = _run(own_case, data)

@@ -15,7 +15,7 @@ from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.parallel.config import (
     DEFAULT_INTERLEAVED_CHUNKS,
     ENV_VARS,
-    CommBackend,
+    DataPlane,
     MemoryOptimization,
     ParallelismConfig,
     PipelineSchedule,
@@ -106,7 +106,7 @@ def test_check_layers_needs_equal_stages(pp: int, v: int, layers: int) -> None:
         ({"accumulation_steps": 4}, "accumulation_steps"),
         ({"gradient_accumulation": "yes"}, "gradient_accumulation"),
         ({"activation_checkpointing": 1}, "activation_checkpointing"),
-        ({"comm_backend": "nccl"}, "comm_backend"),
+        ({"data_plane": "nccl"}, "data_plane"),
         ({"pipeline_schedule": "pipedream"}, "pipeline_schedule"),
         ({"memory_optimization": "zero3"}, "memory_optimization"),
         ({"virtual_chunks": 0}, "virtual_chunks"),
@@ -124,16 +124,16 @@ def test_every_bad_field_is_a_config_error_naming_it(kwargs: dict[str, object], 
 def test_defaults_alias_enums_and_mesh() -> None:
     config = ParallelismConfig()
     assert config.world_size == 1 and config.tp_size == 1 and not config.zero1
-    assert config.comm_backend is CommBackend.PARAMSYNC
+    assert config.data_plane is DataPlane.PARAMSYNC
     config = ParallelismConfig(
-        dp_size=2, tp_size=4, pp_size=3, comm_backend="torch", memory_optimization="ZERO1"
+        dp_size=2, tp_size=4, pp_size=3, data_plane="torch", memory_optimization="ZERO1"
     )
     assert config.mp_size == 4 and config.tp_size == 4
     same = ParallelismConfig(
-        dp_size=2, mp_size=4, pp_size=3, comm_backend="torch", memory_optimization="zero1"
+        dp_size=2, mp_size=4, pp_size=3, data_plane="torch", memory_optimization="zero1"
     )
     assert config == same and same.memory_optimization is MemoryOptimization.ZERO1
-    assert config.zero1 and config.comm_backend is CommBackend.TORCH
+    assert config.zero1 and config.data_plane is DataPlane.TORCH
     assert config.mesh_names() == ("pp", "dp", "tp")
     assert config.mesh_shape() == (3, 2, 4)
     assert ParallelismConfig(mp_size=2, tp_size=2).mp_size == 2
@@ -260,7 +260,7 @@ def test_every_field_has_an_environment_variable() -> None:
             ENV_VARS["pipeline_schedule"]: "interleaved-1f1b",
             ENV_VARS["gradient_accumulation"]: "true",
             ENV_VARS["accumulation_steps"]: "3",
-            ENV_VARS["comm_backend"]: "torch",
+            ENV_VARS["data_plane"]: "torch",
             ENV_VARS["memory_optimization"]: "zero1",
         }
     )

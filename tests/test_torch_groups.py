@@ -1,5 +1,5 @@
 """Process groups on torch's data plane (`paramsync.runtime.collectives.groups.new_group` over a
-`TorchDistTransport` world): each group its own torch communicator, a lost member named to the
+`TorchPlaneTransport` world): each group its own torch communicator, a lost member named to the
 survivors within the deadline, the world's epoch owning its groups, and the NCCL plumbing.
 
 The group, mesh, point-to-point and conformance tests run on this plane too (``torch`` in
@@ -21,10 +21,10 @@ from conftest import run_ranks
 from paramsync.runtime.collectives.groups import NativeProcessGroup, ProcessGroup, new_group
 from paramsync.runtime.collectives.ring import all_reduce, barrier
 from paramsync.runtime.errors import CollectiveError, PeerClosed, ProtocolError, StallError
-from paramsync.runtime.transport import torch_dist
+from paramsync.runtime.transport import torch_plane
 from paramsync.runtime.transport.base import InProcessTransport, Transport
-from paramsync.runtime.transport.torch_dist import (
-    TorchDistTransport,
+from paramsync.runtime.transport.torch_plane import (
+    TorchPlaneTransport,
     connect_torch_transport,
     open_local_group,
 )
@@ -113,9 +113,9 @@ async def test_closing_the_world_closes_its_groups_and_aborting_it_ends_their_co
 
 async def test_every_group_has_a_communicator_of_its_own() -> None:
     """Two overlapping groups and a group of a group: each member's transport is a
-    TorchDistTransport of the group's size, distinct from the world's and each other's."""
+    TorchPlaneTransport of the group's size, distinct from the world's and each other's."""
 
-    async def rank_fn(world: Transport) -> list[TorchDistTransport]:
+    async def rank_fn(world: Transport) -> list[TorchPlaneTransport]:
         made = [await new_group(world, ranks) for ranks in ([0, 1, 2], [1, 2, 3])]
         inner = None
         if made[1] is not None:
@@ -124,7 +124,7 @@ async def test_every_group_has_a_communicator_of_its_own() -> None:
         transports = []
         for group in mine:
             assert isinstance(group, NativeProcessGroup)
-            assert isinstance(group.members, TorchDistTransport)
+            assert isinstance(group.members, TorchPlaneTransport)
             assert group.members.world_size == len(group.ranks)
             total = torch.tensor([world.rank], dtype=torch.int64)
             await all_reduce(group, total)
@@ -176,7 +176,7 @@ async def test_a_subgroup_of_a_cuda_world_gets_an_nccl_communicator_of_its_own(
         built.append((rank, world_size))
         return FakeNccl()
 
-    monkeypatch.setattr(torch_dist, "_nccl_group", fake_nccl)
+    monkeypatch.setattr(torch_plane, "_nccl_group", fake_nccl)
     device = torch.device("cuda", 0)
     async with open_local_group(3, collective_seconds=DEADLINE) as world:
         for transport in world:  # as connect_torch_transport makes it for a CUDA device

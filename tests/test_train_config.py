@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.train_config import (
-    DistributedBackend,
+    Device,
     DistributedRole,
     DistributedTrainConfig,
 )
@@ -42,15 +42,15 @@ def test_defaults_are_a_single_coordinator_on_auto() -> None:
     assert (cfg.world_size, cfg.rank, cfg.local_rank) == (1, 0, 0)
     assert cfg.role is DistributedRole.COORDINATOR
     assert cfg.is_coordinator
-    assert cfg.backend is DistributedBackend.AUTO
+    assert cfg.device is Device.AUTO
     assert cfg.address == ("127.0.0.1", 29500)
 
 
 def test_role_defaults_from_rank_and_accepts_names() -> None:
     assert DistributedTrainConfig(world_size=3, rank=1).role is DistributedRole.WORKER
-    cfg = DistributedTrainConfig(world_size=3, rank=1, role="Coordinator", backend="CPU")
+    cfg = DistributedTrainConfig(world_size=3, rank=1, role="Coordinator", device="CPU")
     assert cfg.role is DistributedRole.COORDINATOR
-    assert cfg.backend is DistributedBackend.CPU
+    assert cfg.device is Device.CPU
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_role_defaults_from_rank_and_accepts_names() -> None:
         ({"local_rank": -1}, "local_rank"),
         ({"world_size": 2, "local_rank": 2}, "local_rank"),
         ({"role": "boss"}, "role"),
-        ({"backend": "tpu"}, "backend"),
+        ({"device": "tpu"}, "device"),
         ({"coordinator_addr": "no-port"}, "coordinator_addr"),
         ({"coordinator_addr": "h:99999"}, "coordinator_addr"),
         ({"coordinator_addr": 5}, "coordinator_addr"),
@@ -100,11 +100,11 @@ def test_from_env_reads_torchrun_variables() -> None:
 
 
 def test_from_env_extra_variables_and_ipv6() -> None:
-    env = {"MASTER_ADDR": "::1", "PARAMSYNC_ROLE": "worker", "PARAMSYNC_BACKEND": "cpu"}
+    env = {"MASTER_ADDR": "::1", "PARAMSYNC_ROLE": "worker", "PARAMSYNC_DEVICE": "cpu"}
     cfg = DistributedTrainConfig.from_env(env)
     assert cfg.coordinator_addr == "[::1]:29500"
     assert cfg.role is DistributedRole.WORKER
-    assert cfg.backend is DistributedBackend.CPU
+    assert cfg.device is Device.CPU
 
 
 def test_from_env_empty_gives_defaults() -> None:
@@ -128,7 +128,7 @@ def test_from_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> Non
         ("MASTER_ADDR", "a b"),
         ("MASTER_ADDR", ""),
         ("PARAMSYNC_ROLE", "chief"),
-        ("PARAMSYNC_BACKEND", "metal"),
+        ("PARAMSYNC_DEVICE", "metal"),
     ],
 )
 def test_from_env_errors_name_the_variable_and_value(var: str, value: str) -> None:
@@ -150,11 +150,11 @@ def test_from_toml(tmp_path: Path) -> None:
     path = write_toml(
         tmp_path,
         '[model]\nd_model = 128\n\n[distributed]\nworld_size = 5\nrank = 0\nrole = "coordinator"\n'
-        'coordinator_addr = "localhost:4000"\nbackend = "cpu"\n',
+        'coordinator_addr = "localhost:4000"\ndevice = "cpu"\n',
     )
     cfg = DistributedTrainConfig.from_toml(path)
     assert cfg == DistributedTrainConfig(
-        world_size=5, rank=0, coordinator_addr="localhost:4000", backend="cpu"
+        world_size=5, rank=0, coordinator_addr="localhost:4000", device="cpu"
     )
 
 
@@ -169,7 +169,7 @@ def test_from_toml_without_table_gives_defaults(tmp_path: Path) -> None:
         ("[distributed]\nwordl_size = 4\n", "wordl_size"),
         ("[distributed]\nrank = 'x'\n", "rank"),
         ("[distributed]\nworld_size = 2\nrank = 2\n", "rank 2 is out of range"),
-        ("[distributed]\nbackend = 3\n", "backend"),
+        ("[distributed]\ndevice = 3\n", "device"),
         ("[distributed]\ncoordinator_addr = 'x:y'\n", "coordinator_addr"),
         ("distributed = 3\n", "must be a table"),
         ("[distributed\n", "not valid TOML"),
@@ -193,14 +193,14 @@ def test_from_toml_invalid_utf8_is_value_error(tmp_path: Path) -> None:
 def test_resolve_precedence_flags_over_env_over_toml_over_defaults(tmp_path: Path) -> None:
     path = write_toml(
         tmp_path,
-        "[distributed]\nworld_size = 8\nrank = 1\nlocal_rank = 1\nbackend = 'cpu'\n"
+        "[distributed]\nworld_size = 8\nrank = 1\nlocal_rank = 1\ndevice = 'cpu'\n"
         "coordinator_addr = 'toml-host:1'\n",
     )
     env = {"RANK": "3", "MASTER_ADDR": "env-host"}
-    cfg = DistributedTrainConfig.resolve(path, env, {"rank": "5", "backend": None})
+    cfg = DistributedTrainConfig.resolve(path, env, {"rank": "5", "device": None})
     assert cfg.world_size == 8  # TOML
     assert cfg.local_rank == 1  # TOML
-    assert cfg.backend is DistributedBackend.CPU  # TOML; a None flag does not mask it
+    assert cfg.device is Device.CPU  # TOML; a None flag does not mask it
     assert cfg.coordinator_addr == "env-host:29500"  # env over TOML
     assert cfg.rank == 5  # flag over env
     assert cfg.role is DistributedRole.WORKER  # derived from the final rank
@@ -215,26 +215,26 @@ def test_resolve_rejects_unknown_override() -> None:
         DistributedTrainConfig.resolve(environ={}, overrides={"ranks": 1})
 
 
-# --- backends ---------------------------------------------------------------------------------
+# --- devices ----------------------------------------------------------------------------------
 
 
-def test_backend_cpu_and_auto_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_cpu_and_auto_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert DistributedBackend.CPU.resolve() == torch.device("cpu")
-    assert DistributedBackend.AUTO.resolve() == torch.device("cpu")
-    with pytest.raises(RuntimeError, match="backend 'cuda' was requested"):
-        DistributedBackend.CUDA.resolve()
-    assert DistributedTrainConfig(backend="cpu").device() == torch.device("cpu")
+    assert Device.CPU.resolve() == torch.device("cpu")
+    assert Device.AUTO.resolve() == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="device 'cuda' was requested"):
+        Device.CUDA.resolve()
+    assert DistributedTrainConfig(device="cpu").torch_device() == torch.device("cpu")
 
 
-def test_backend_auto_and_cuda_with_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_auto_and_cuda_with_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert DistributedBackend.AUTO.resolve(1) == torch.device("cuda", 1)
-    cfg = DistributedTrainConfig(world_size=4, rank=1, local_rank=1, backend="cuda")
-    assert cfg.device() == torch.device("cuda", 1)
+    assert Device.AUTO.resolve(1) == torch.device("cuda", 1)
+    cfg = DistributedTrainConfig(world_size=4, rank=1, local_rank=1, device="cuda")
+    assert cfg.torch_device() == torch.device("cuda", 1)
     with pytest.raises(RuntimeError, match="only 2 GPU"):
-        DistributedBackend.CUDA.resolve(3)
+        Device.CUDA.resolve(3)
 
 
 # --- property tests: every bad value is a ValueError ------------------------------------------
@@ -247,10 +247,10 @@ anything = st.one_of(
     st.text(max_size=30),
     st.binary(max_size=8),
     st.lists(st.integers(), max_size=3),
-    st.sampled_from(list(DistributedRole) + list(DistributedBackend)),
+    st.sampled_from(list(DistributedRole) + list(Device)),
 )
 field_names = st.sampled_from(
-    ["world_size", "rank", "local_rank", "role", "coordinator_addr", "backend"]
+    ["world_size", "rank", "local_rank", "role", "coordinator_addr", "device"]
 )
 
 
@@ -281,7 +281,7 @@ env_text = st.one_of(
                 "MASTER_ADDR",
                 "MASTER_PORT",
                 "PARAMSYNC_ROLE",
-                "PARAMSYNC_BACKEND",
+                "PARAMSYNC_DEVICE",
             ]
         ),
         env_text,

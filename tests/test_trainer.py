@@ -43,7 +43,7 @@ from paramsync.runtime.errors import ActorFailed, pick_error
 from paramsync.runtime.observe.trace import TraceRecorder
 from paramsync.runtime.transport.shm import SharedMemoryPlane
 from paramsync.runtime.transport.tcp import TcpTransport
-from paramsync.runtime.transport.torch_dist import TorchDistTransport
+from paramsync.runtime.transport.torch_plane import TorchPlaneTransport
 
 RUN_SECONDS = 30.0
 """Deadline of one whole run: far beyond a healthy run of these tiny models on 2 cores."""
@@ -1120,19 +1120,19 @@ async def test_unused_trainable_parameter_is_an_error_not_a_hang() -> None:
 async def test_parity_with_the_torch_distributed_data_plane(
     world_size: int, bucket_bytes: int, optimizer_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """comm_backend="torch": the buckets, the initial broadcast and the step's other collectives
+    """data_plane="torch": the buckets, the initial broadcast and the step's other collectives
     go through a gloo group, and the run still matches one plain-torch process, bitwise
     identical across ranks."""
     native: list[str] = []
     for name in ("native_all_reduce", "native_broadcast"):
-        original = getattr(TorchDistTransport, name)
+        original = getattr(TorchPlaneTransport, name)
 
         async def counted(self: Any, *args: Any, _name: str = name, _f: Any = original) -> Any:
             native.append(_name)
             return await _f(self, *args)
 
-        monkeypatch.setattr(TorchDistTransport, name, counted)
-    options = TrainerOptions(bucket_bytes=bucket_bytes, accumulation_steps=2, comm_backend="torch")
+        monkeypatch.setattr(TorchPlaneTransport, name, counted)
+    options = TrainerOptions(bucket_bytes=bucket_bytes, accumulation_steps=2, data_plane="torch")
     await check_parity(
         world_size,
         lambda rank: mlp(100 + rank),

@@ -17,7 +17,7 @@ from paramsync.actors.parallel.shard_model import ModelSpec
 from paramsync.actors.parallel.trainer3d import Trainer3D
 from paramsync.runtime.collectives.groups import NativeProcessGroup
 from paramsync.runtime.coordinator.service import Coordinator, RunFailed
-from paramsync.runtime.parallel.config import CommBackend, ParallelismConfig
+from paramsync.runtime.parallel.config import DataPlane, ParallelismConfig
 from paramsync.runtime.transport.base import Transport
 from paramsync.runtime.transport.link import MemoryLink
 from tests.coordinated_run import run_with_coordinator
@@ -70,7 +70,7 @@ async def worker(
                         trainer.parameters()[0].view(-1)[0] += 1e-3
                 await trainer.train_step(*batch(step, trainer.dp))
             await hooks.finish(STEPS)
-        if config.comm_backend is CommBackend.TORCH:  # its groups were torch communicators
+        if config.data_plane is DataPlane.TORCH:  # its groups were torch communicators
             assert trainer.plane is not None
             assert isinstance(trainer.mesh.group("dp"), NativeProcessGroup)
         return trainer.coordinates
@@ -103,10 +103,10 @@ async def test_the_coordinator_commits_every_step_comparing_replicas_per_shard()
 
 
 async def test_the_coordinator_commits_every_step_on_torchs_data_plane() -> None:
-    """comm_backend="torch": each trainer forms a torch plane over its world and builds its
+    """data_plane="torch": each trainer forms a torch plane over its world and builds its
     dp and pp groups on it; the coordinator's sequencing, go per dp group and per-shard
     digests are unchanged, and it commits every step."""
-    outcome, coordinator = await run(config=replace(CONFIG, comm_backend="torch"))
+    outcome, coordinator = await run(config=replace(CONFIG, data_plane="torch"))
     assert outcome["coordinator"] is None, outcome
     core = coordinator.core
     assert core.view.last_commit is not None and core.view.last_commit.step == STEPS - 1

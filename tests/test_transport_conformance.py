@@ -40,7 +40,7 @@ from paramsync.runtime.transport.capabilities import (
 from paramsync.runtime.transport.shm import SharedMemoryPlane
 from paramsync.runtime.transport.tcp import TcpTransport
 from paramsync.runtime.transport.tls import TlsConfig
-from paramsync.runtime.transport.torch_dist import open_local_group
+from paramsync.runtime.transport.torch_plane import open_local_group
 
 KINDS = ("inproc", "tcp", "tls", "tcp+shm", "torch", "torch-group")
 
@@ -153,9 +153,9 @@ async def test_transports_declare_their_capabilities(tls_config: TlsConfig) -> N
         assert all(isinstance(secure, capability) for capability in capabilities)
         assert not secure.supports_blocking and not secure.supports_polled
         assert not isinstance(secure, NativeCollectives)
-    async with open_local_group(2) as (torch_dist, _):
-        assert isinstance(torch_dist, NativeCollectives)
-        assert not any(isinstance(torch_dist, capability) for capability in capabilities)
+    async with open_local_group(2) as (torch_plane, _):
+        assert isinstance(torch_plane, NativeCollectives)
+        assert not any(isinstance(torch_plane, capability) for capability in capabilities)
 
 
 # --------------------------------------------------------------------------- the suite can fail

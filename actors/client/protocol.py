@@ -221,8 +221,8 @@ class WorkerProtocol:
         self.cache_by_spec = False
         """Whether a cached ready may name any spec agreed in the epoch, not only the one
         agreed at its bucket (a torch.distributed group, whose calls do not repeat at the
-        same place every step: `paramsync.actors.torchdist`; the coordinator compares the members'
-        reports either way). A trainer's buckets repeat: it keeps the stricter rule."""
+        same place every step: `paramsync.actors.torch_backend`; the coordinator compares the
+        members' reports either way). A trainer's buckets repeat: it keeps the stricter rule."""
         self._awaiting: dict[tuple[int, int], tuple[Any, bool]] = {}
         """(step, bucket) -> (spec, cached) of a ready report a go may still answer."""
         """(epoch, step) -> the agreement its buckets were reduced under without a report."""

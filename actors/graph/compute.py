@@ -14,11 +14,12 @@ can agree with its peers which ones no rank used.
 With mixed precision (`paramsync.actors.graph.precision`), the loss function runs under autocast and
 backward runs on the scaled loss when there is a loss scaler; the loss it answers is unscaled.
 
-The "replicas" backend (hierarchical data parallelism): a worker process holding several devices
-in a `DataParallelCoordinator` has the compute actor run `primary_backward` instead of the loss
-function: every device's shard runs forward and backward in parallel, and only once their
-weighted in-process average is in the primary replica's gradients are all the buckets announced
-(in order, when it returns), so the all-reduce across processes sends the process's average.
+Several replicas in one process (hierarchical data parallelism): a worker process holding
+several devices in a `DataParallelCoordinator` has the compute actor run `primary_backward`
+instead of the loss function: every device's shard runs forward and backward in parallel, and
+only once their weighted in-process average is in the primary replica's gradients are all the
+buckets announced (in order, when it returns), so the all-reduce across processes sends the
+process's average.
 """
 
 from __future__ import annotations

@@ -69,12 +69,12 @@ from paramsync.runtime.collectives.groups import ProcessGroup
 from paramsync.runtime.collectives.mesh import DeviceMesh, init_device_mesh
 from paramsync.runtime.collectives.ring import all_reduce, broadcast
 from paramsync.runtime.observe.trace import TraceRecorder
-from paramsync.runtime.parallel.config import CommBackend, ParallelismConfig
+from paramsync.runtime.parallel.config import DataPlane, ParallelismConfig
 from paramsync.runtime.parallel.schedules import Schedule, build_schedule, schedule_digest
 from paramsync.runtime.transport.base import InProcessTransport, Transport
 from paramsync.runtime.transport.capabilities import NativeCollectives
 from paramsync.runtime.transport.tcp import TcpTransport
-from paramsync.runtime.transport.torch_dist import TorchDistTransport, connect_torch_transport
+from paramsync.runtime.transport.torch_plane import TorchPlaneTransport, connect_torch_transport
 
 __all__ = ["Trainer3D", "OptimizerFactory", "StepHooks"]
 
@@ -118,7 +118,7 @@ class Trainer3D:
         check_every: int,
         activation_shape: list[tuple[int, ...]],
         hooks: StepHooks | None = None,
-        plane: TorchDistTransport | None = None,
+        plane: TorchPlaneTransport | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -134,7 +134,7 @@ class Trainer3D:
         self._activation_shape = activation_shape
         self.hooks = hooks
         self.plane = plane
-        """The torch data plane this trainer formed over its world (``comm_backend="torch"``
+        """The torch data plane this trainer formed over its world (``data_plane=DataPlane.TORCH``
         on a paramsync world; None otherwise): its groups live on it, and it closes with them."""
         self.tp = mesh.coordinate("tp")
         self.pp = mesh.coordinate("pp")
@@ -496,13 +496,13 @@ class Trainer3D:
 
 async def _data_plane(
     world: Transport, config: ParallelismConfig
-) -> tuple[Transport, TorchDistTransport | None]:
+) -> tuple[Transport, TorchPlaneTransport | None]:
     """The transport the mesh's groups are built on, and the one this rank formed for it (to
-    close with them), if any. ``comm_backend="paramsync"``: ``world`` itself. ``"torch"``: a
-    world already on torch's data plane (a `TorchDistTransport`, or a group of one), else a
+    close with them), if any. ``DataPlane.PARAMSYNC``: ``world`` itself. ``TORCH``: a
+    world already on torch's data plane (a `TorchPlaneTransport`, or a group of one), else a
     torch group formed over ``world`` (`connect_torch_transport`: rank 0 hosts a fresh store),
     so every group's collectives and pipeline sends go through torch.distributed."""
-    if config.comm_backend is CommBackend.PARAMSYNC or isinstance(world, NativeCollectives):
+    if config.data_plane is DataPlane.PARAMSYNC or isinstance(world, NativeCollectives):
         return world, None
     store_host, local_host = _hosts(world)
     plane = await connect_torch_transport(
@@ -525,9 +525,9 @@ def _hosts(world: Transport) -> tuple[str, str]:
     if isinstance(base, InProcessTransport) or base.world_size == 1:
         return "127.0.0.1", "127.0.0.1"
     raise ValueError(
-        f"comm_backend='torch' over a {type(base).__name__}: Trainer3D forms torch's data "
+        f"data_plane='torch' over a {type(base).__name__}: Trainer3D forms torch's data "
         "plane over an InProcessTransport or TcpTransport world, or takes one on it "
-        "(paramsync.runtime.transport.torch_dist)"
+        "(paramsync.runtime.transport.torch_plane)"
     )
 
 

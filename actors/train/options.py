@@ -15,10 +15,10 @@ from paramsync.actors.state.digest import Scheduler
 from paramsync.actors.train.buffer_sync import BufferSync, check_buffer_sync
 from paramsync.runtime.collectives.compression import check_comm_options
 from paramsync.runtime.collectives.ring import DEFAULT_CHUNK_BYTES, TRAINING_THREADED_MIN_BYTES
-from paramsync.runtime.config import check_comm_backend
+from paramsync.runtime.config import DataPlane, check_data_plane
 from paramsync.runtime.observe.metrics import check_port
 from paramsync.runtime.protocol.messages import ParallelLayout
-from paramsync.runtime.transport.torch_dist import DEFAULT_COLLECTIVE_SECONDS
+from paramsync.runtime.transport.torch_plane import DEFAULT_COLLECTIVE_SECONDS
 
 __all__ = ["TrainerOptions", "check_scheduler"]
 
@@ -117,16 +117,17 @@ class TrainerOptions:
     they legitimately differ."""
 
     # -- data plane
-    comm_backend: str = "paramsync"
+    data_plane: DataPlane = DataPlane.PARAMSYNC
     """Which data plane carries the bulk data (bucket all-reduces, broadcasts, state transfer,
-    point-to-point tensors): ``"paramsync"`` (its own TCP ring and shared-memory plane) or
-    ``"torch"`` (torch.distributed process groups, a new one each epoch:
-    `paramsync.runtime.transport.torch_dist`; gloo on CPU, NCCL for CUDA tensors). The coordinator's
-    part (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the same with both.
-    Every rank must use the same (``paramsync worker --comm-backend``, ``PARAMSYNC_COMM_BACKEND``,
-    TOML ``comm_backend``: `trainer_from_env` reads them)."""
+    point-to-point tensors), a `DataPlane` or its name: ``PARAMSYNC`` (its own TCP ring and
+    shared-memory plane) or ``TORCH`` (torch.distributed process groups, a new one each epoch:
+    `paramsync.runtime.transport.torch_plane`; gloo on CPU, NCCL for CUDA tensors). The
+    coordinator's part (sequencing, agreement, the C-DDP-001 digest, membership, epochs) is the
+    same with both.
+    Every rank must use the same (``paramsync worker --data-plane``, ``PARAMSYNC_DATA_PLANE``,
+    TOML ``data_plane``: `trainer_from_env` reads them)."""
     collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS
-    """With ``comm_backend="torch"``: a collective's deadline (a stalled peer fails it)."""
+    """With ``data_plane=DataPlane.TORCH``: a collective's deadline (a stalled peer fails it)."""
 
     # -- metrics
     metrics_port: int | None = None
@@ -148,7 +149,7 @@ class TrainerOptions:
 
     def __post_init__(self) -> None:
         check_buffer_sync(self.buffer_sync)
-        check_comm_backend(self.comm_backend)
+        object.__setattr__(self, "data_plane", check_data_plane(self.data_plane))
         if not self.collective_seconds > 0:
             raise ValueError(f"collective_seconds must be positive, got {self.collective_seconds}")
         if self.metrics_port is not None:

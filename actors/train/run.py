@@ -26,7 +26,7 @@ from paramsync.actors.state.digest import Scheduler
 from paramsync.actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from paramsync.actors.train.worker import join_run
 from paramsync.runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
-from paramsync.runtime.config import DistributedConfig
+from paramsync.runtime.config import DataPlane, DistributedConfig
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, configuration_error, one_line, pick_error
 from paramsync.runtime.observe.trace import TraceRecorder
@@ -114,8 +114,8 @@ async def trainer_from_env(
                 config.rank,
                 f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
             )
-            if config.comm_backend != "paramsync":  # the environment, TOML or a flag chose it
-                options = replace(options or TrainerOptions(), comm_backend=config.comm_backend)
+            if config.data_plane is not DataPlane.PARAMSYNC:  # the environment, TOML or a flag
+                options = replace(options or TrainerOptions(), data_plane=config.data_plane)
             async with join_run(
                 model,
                 optimizer,

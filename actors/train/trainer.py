@@ -388,7 +388,7 @@ class DistributedTrainer:
             "skipped_steps": history.skipped_total,
             "final_grad_norm": history.grad_norms[-1][1] if history.grad_norms else None,
             "joined_steps": history.joined_steps,
-            "comm_backend": run.options.comm_backend,
+            "data_plane": run.options.data_plane.value,
         }
 
     # ------------------------------------------------------------------ export

@@ -21,7 +21,7 @@ from paramsync.actors.client.client import CoordinatorClient
 from paramsync.actors.graph.factory import ActorFactory
 from paramsync.actors.state.digest import Scheduler, state_digest
 from paramsync.actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
-from paramsync.runtime.config import ADVERTISE_ENV, DistributedConfig, advertised_host
+from paramsync.runtime.config import ADVERTISE_ENV, DataPlane, DistributedConfig, advertised_host
 from paramsync.runtime.coordinator.events import model_signature
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError
@@ -40,7 +40,7 @@ from paramsync.runtime.transport.tcp import (
     form_mesh,
 )
 from paramsync.runtime.transport.tls import TlsConfig
-from paramsync.runtime.transport.torch_dist import connect_torch_transport, create_local_group
+from paramsync.runtime.transport.torch_plane import connect_torch_transport, create_local_group
 
 __all__ = ["join_run", "train_in_process", "WorkerBody", "Replica"]
 
@@ -179,7 +179,7 @@ async def join_run(
         with trio.fail_after(join_seconds):
             mesh = await form_mesh(ident, listeners[0], list(start.addresses), key, tls=tls)
         transport = TcpTransport(position, len(start.members), mesh)
-        if chosen.comm_backend == "torch":
+        if chosen.data_plane is DataPlane.TORCH:
             # The authenticated mesh carries only the torch store's port; the epoch's data
             # goes through its own torch.distributed group, named by the run and the epoch.
             try:
@@ -254,8 +254,8 @@ async def train_in_process(
     ``make_replica(rank)`` builds that rank's model and optimizer (and optionally an LR
     scheduler of it, as a third item); ``body(trainer)`` trains.
     Pass ``transports`` (e.g. from ``TcpTransport.open_group``) to use real sockets for the
-    data plane; the default is `InProcessTransport`, or with ``options.comm_backend="torch"``
-    a gloo group per epoch (`paramsync.runtime.transport.torch_dist.create_local_group`).
+    data plane; the default is `InProcessTransport`, or with ``options.data_plane=DataPlane.TORCH``
+    a gloo group per epoch (`paramsync.runtime.transport.torch_plane.create_local_group`).
     ``parallel_layout(rank)``: that rank's 3D-parallel layout (`TrainerOptions.parallel_layout`,
     which differs per rank). ``actors``: what every worker builds its actors with
     (`DistributedTrainer.open`; a harness passes wrapped ones).
@@ -273,7 +273,7 @@ async def train_in_process(
             forming[start.epoch] = trio.Event()
             try:
                 size = len(start.members)
-                if chosen.comm_backend == "torch":
+                if chosen.data_plane is DataPlane.TORCH:
                     groups[start.epoch] = list(
                         await create_local_group(
                             size,

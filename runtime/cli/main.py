@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from paramsync.runtime.cli.fuzz import add_fuzz_parser
 from paramsync.runtime.cli.jobs import DEMO_JOB, JOB_ENV, WorkerJob, job_name, load_job
-from paramsync.runtime.config import COMM_BACKEND_ENV, add_comm_backend_flag
+from paramsync.runtime.config import DATA_PLANE_ENV, add_data_plane_flag
 
 if TYPE_CHECKING:
     from paramsync.runtime.coordinator.core import CoordinatorCore
@@ -202,7 +202,7 @@ def build_parser(
     )
     _add_tls_flags(worker)
     _add_metrics_flags(worker)
-    add_comm_backend_flag(worker)
+    add_data_plane_flag(worker)
     worker.add_argument(
         "--job",
         default=job.name if job is not None else job_name([]),
@@ -424,8 +424,8 @@ def main(
         for key, value in _tls_flags(args).items():  # read back by DistributedTrainConfig
             if value is not None:
                 os.environ[TLS_ENV_VARS[key]] = value
-        if args.comm_backend is not None:  # read back the same way
-            os.environ[COMM_BACKEND_ENV] = args.comm_backend
+        if args.data_plane is not None:  # read back the same way
+            os.environ[DATA_PLANE_ENV] = args.data_plane
 
         assert job is not None  # "worker" is in argv
         return run_worker(args, job)

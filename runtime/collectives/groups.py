@@ -24,10 +24,10 @@ tp group may all-reduce in both at once):
   the mesh forms with the usual dial/accept handshake whose `Identity` carries the group's name:
   a connection of one group is refused by every other. When the members share a host, the
   group attaches its own shared-memory plane (`paramsync.runtime.transport.shm`) on that mesh;
-- on torch's data plane (`TorchDistTransport` worlds, ``comm_backend = "torch"``), a gloo
+- on torch's data plane (`TorchPlaneTransport` worlds, ``data_plane = "torch"``), a gloo
   communicator of the members' own (and an NCCL one when the world has a CUDA device), formed
   through the epoch's store under a prefix named by the group
-  (`TorchDistTransport.open_subgroup`): the group is a `NativeProcessGroup`, whose collectives
+  (`TorchPlaneTransport.open_subgroup`): the group is a `NativeProcessGroup`, whose collectives
   run natively on that communicator.
 
 Groups may be built over groups (ranks are then the parent group's ranks). A group is closed
@@ -63,7 +63,7 @@ from paramsync.runtime.transport.capabilities import (
 )
 from paramsync.runtime.transport.shm import attach_shared_memory
 from paramsync.runtime.transport.tcp import TcpTransport, form_mesh
-from paramsync.runtime.transport.torch_dist import TorchDistTransport
+from paramsync.runtime.transport.torch_plane import TorchPlaneTransport
 
 __all__ = [
     "ProcessGroup",
@@ -237,7 +237,7 @@ class ParamsyncProcessGroup(
 
 
 class NativeProcessGroup(ProcessGroup, NativeCollectives):
-    """A group on torch's data plane: its members' transport (a `TorchDistTransport` over a
+    """A group on torch's data plane: its members' transport (a `TorchPlaneTransport` over a
     communicator of the group's own) runs collectives natively, and
     `paramsync.runtime.collectives.ring` hands them over, as it does to the members' transport
     itself. It lends no links and carries no shared-memory plane (torch's transport has neither)."""
@@ -354,14 +354,14 @@ async def new_group(
                 )
             elif _is_in_process(world):
                 transport = _in_process_members(world, members, name, index)
-            elif isinstance(base := _base(world), TorchDistTransport):
+            elif isinstance(base := _base(world), TorchPlaneTransport):
                 transport = await base.open_subgroup(
                     members, name, parent=_parent_name(world), seconds=seconds
                 )
             else:
                 raise CollectiveError(
                     f"cannot build process groups over a {type(world).__name__}: only over "
-                    "InProcessTransport, TcpTransport, TorchDistTransport and groups of them"
+                    "InProcessTransport, TcpTransport, TorchPlaneTransport and groups of them"
                 )
     except trio.TooSlowError:
         raise StallError(

@@ -2,7 +2,8 @@
 TOML file > defaults.
 
 A `Layering` describes one configuration's sources (its TOML table, each key's environment
-variable, its aliases, the flags' name in errors) and turns each source into the keyword
+variable, its aliases, the variables it refuses because they were renamed, the flags' name in
+errors) and turns each source into the keyword
 arguments of the configuration's constructor, checked key by key by the configuration's own
 ``coerce``. ``None`` among the flags means "not given" (argparse's default) and masks nothing. A
 key given by its alias in one layer and its name in another is one key: the higher layer wins;
@@ -33,8 +34,10 @@ Coerce = Callable[[str, object, str], object]
 class Layering:
     """One configuration's sources. ``fields``: the keys a source may give (the constructor's
     keyword arguments); ``aliases``: other names of some of them (alias -> field); ``env_vars``:
-    each key's (or alias's) environment variable; ``paths``: keys holding file paths, which a
-    TOML file gives relative to itself; ``flag_source``: how errors name the flags' layer;
+    each key's (or alias's) environment variable; ``renamed_env``: variables no longer read,
+    each with the variable that replaced it (one that is set is a `ConfigError` saying so, not
+    silently ignored); ``paths``: keys holding file paths, which a TOML file gives relative to
+    itself; ``flag_source``: how errors name the flags' layer;
     ``env_extra``: values the environment gives in other ways than one variable per key (read
     after those, so they win)."""
 
@@ -46,6 +49,7 @@ class Layering:
         coerce: Coerce,
         env_vars: Mapping[str, str],
         aliases: Mapping[str, str] | None = None,
+        renamed_env: Mapping[str, str] | None = None,
         paths: Collection[str] = (),
         flag_source: str = "flag",
         env_extra: Callable[[Mapping[str, str]], dict[str, Any]] | None = None,
@@ -55,6 +59,7 @@ class Layering:
         self.coerce = coerce
         self.env_vars = dict(env_vars)
         self.aliases = dict(aliases or {})
+        self.renamed_env = dict(renamed_env or {})
         self.paths = frozenset(paths)
         self.flag_source = flag_source
         self.env_extra = env_extra
@@ -81,7 +86,14 @@ class Layering:
         return out
 
     def from_env(self, environ: Mapping[str, str]) -> dict[str, Any]:
-        """The environment's layer: each key's variable that is set, then ``env_extra``."""
+        """The environment's layer: each key's variable that is set, then ``env_extra``. A
+        renamed variable that is still set is a `ConfigError` naming its new name."""
+        for old, new in self.renamed_env.items():
+            if old in environ:
+                raise ConfigError(
+                    f"environment variable {old} was renamed {new}: set {new} instead and "
+                    f"unset {old}"
+                )
         out: dict[str, Any] = {}
         seen: dict[str, str] = {}
         for key, var in self.env_vars.items():

@@ -241,7 +241,8 @@ def spec_text(spec: BucketSpec) -> str:
     if isinstance(spec, str):
         return f"spec {quoted(spec)}"
     if spec and isinstance(spec[0][1], str) and spec[0][1].startswith(CALL_PREFIX):
-        # A torch.distributed call: its name, then its tensors (`paramsync.actors.torchdist.calls`).
+        # A torch.distributed call: its name, then its tensors
+        # (`paramsync.actors.torch_backend.calls`).
         call = plain_or_quoted(spec[0][1][len(CALL_PREFIX) :])
         tensors = "; ".join(f"{shape}, {_dtype_text(dtype)}" for shape, dtype in spec[1:])
         return f"{call} of [{tensors}]"

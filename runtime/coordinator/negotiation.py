@@ -92,7 +92,7 @@ class ResponseCache:
     def known(self, spec: BucketSpec) -> BucketSpec | None:
         """The spec, agreed at any bucket of the epoch, that ``spec`` (a spec or its hash)
         is (None: never agreed). A caller whose calls do not repeat at the same place every
-        step (a torch.distributed process group: `paramsync.actors.torchdist`) reduces a call at
+        step (a torch.distributed process group: `paramsync.actors.torch_backend`) reduces a call at
         once when every member agreed on the very same call before; the members' reports of it are
         still compared, here, and must all be that spec."""
         if not self.by_spec:

@@ -90,8 +90,8 @@ class CoordinatorOptions:
     cache_by_spec: bool = False
     """A cached bucket report may name any spec the members agreed on in the epoch, not only
     the one agreed at its bucket: for callers whose calls do not repeat at the same place
-    every step (a torch.distributed group, `paramsync.actors.torchdist`). The members' reports are
-    compared either way; a trainer keeps the stricter rule."""
+    every step (a torch.distributed group, `paramsync.actors.torch_backend`). The members' reports
+    are compared either way; a trainer keeps the stricter rule."""
     idle_stalls: bool = True
     """Whether a step in which no member has reported anything counts towards a stall. A
     torch.distributed group may sit idle between calls for as long as its program likes; only

@@ -8,8 +8,8 @@ It comes from a ``[parallelism]`` table in a TOML file, from ``PARAMSYNC_*`` env
 (`ENV_VARS`) or from command-line flags (`add_arguments`), and `ParallelismConfig.resolve` layers
 them through `paramsync.runtime.config.layering.Layering`, as
 `paramsync.runtime.train_config.DistributedTrainConfig` does: flags > environment > TOML > defaults.
-``comm_backend`` is `paramsync.runtime.config.CommBackend`, with its one variable
-(``PARAMSYNC_COMM_BACKEND``) and its one flag (``--comm-backend``), which the worker's command line
+``data_plane`` is `paramsync.runtime.config.DataPlane`, with its one variable
+(``PARAMSYNC_DATA_PLANE``) and its one flag (``--data-plane``), which the worker's command line
 shares. ``tp_size`` is an alias of ``mp_size`` (the seed's name for tensor parallelism) in the
 constructor, the TOML table, the flags (``--tp-size``/``--mp-size``) and the environment
 (``PARAMSYNC_TP_SIZE``/``PARAMSYNC_MP_SIZE``).
@@ -35,10 +35,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from paramsync.runtime.config import (
-    COMM_BACKEND_ENV,
-    CommBackend,
+    DATA_PLANE_ENV,
+    RENAMED_DATA_PLANE_ENV,
+    DataPlane,
     Layering,
-    add_comm_backend_flag,
+    add_data_plane_flag,
     parse_bool,
     parse_enum,
     parse_int,
@@ -47,7 +48,7 @@ from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.parallel.schedules import check_schedule_parameters
 
 __all__ = [
-    "CommBackend",
+    "DataPlane",
     "PipelineSchedule",
     "MemoryOptimization",
     "ParallelismConfig",
@@ -126,7 +127,7 @@ class ParallelismConfig:
     gradient_accumulation: bool = False
     accumulation_steps: int = 1
     activation_checkpointing: bool = False
-    comm_backend: CommBackend = CommBackend.PARAMSYNC
+    data_plane: DataPlane = DataPlane.PARAMSYNC
     pipeline_schedule: PipelineSchedule = PipelineSchedule.GPIPE
     virtual_chunks: int = None  # type: ignore[assignment]  # None: the schedule's default
     memory_optimization: MemoryOptimization = MemoryOptimization.NONE
@@ -155,9 +156,7 @@ class ParallelismConfig:
                 "turn it on, or leave accumulation_steps at 1"
             )
         _check_bool("activation_checkpointing", self.activation_checkpointing)
-        object.__setattr__(
-            self, "comm_backend", parse_enum(CommBackend, self.comm_backend, "comm_backend")
-        )
+        object.__setattr__(self, "data_plane", parse_enum(DataPlane, self.data_plane, "data_plane"))
         schedule = parse_enum(PipelineSchedule, self.pipeline_schedule, "pipeline_schedule")
         object.__setattr__(self, "pipeline_schedule", schedule)
         if self.virtual_chunks is None:
@@ -306,7 +305,7 @@ _INT_FIELDS = frozenset(
 )
 _BOOL_FIELDS = frozenset({"gradient_accumulation", "activation_checkpointing"})
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
-    "comm_backend": CommBackend,
+    "data_plane": DataPlane,
     "pipeline_schedule": PipelineSchedule,
     "memory_optimization": MemoryOptimization,
 }
@@ -314,7 +313,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
 ENV_VARS: dict[str, str] = {
     **{name: f"PARAMSYNC_{name.upper()}" for name in _FIELDS},
     "num_micro_batches": "PARAMSYNC_MICRO_BATCHES",
-    "comm_backend": COMM_BACKEND_ENV,
+    "data_plane": DATA_PLANE_ENV,
     "tp_size": "PARAMSYNC_TP_SIZE",
 }
 """Each field's (and alias's) environment variable: ``PARAMSYNC_DP_SIZE``, ``PARAMSYNC_TP_SIZE``
@@ -337,6 +336,7 @@ _LAYERING = Layering(
     coerce=_coerce_value,
     env_vars=ENV_VARS,
     aliases=FIELD_ALIASES,
+    renamed_env=RENAMED_DATA_PLANE_ENV,
 )
 """`ParallelismConfig`'s sources: the ``[parallelism]`` TOML table, `ENV_VARS`, flags."""
 
@@ -397,11 +397,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallelism")
     for names, dest, options in _FLAGS:
         group.add_argument(*names, dest=f"parallel_{dest}", default=None, **options)
-    add_comm_backend_flag(group)  # the worker's one --comm-backend, when the parser has it
+    add_data_plane_flag(group)  # the worker's one --data-plane, when the parser has it
 
 
 def overrides_from_args(namespace: argparse.Namespace) -> dict[str, object]:
     """The flags `add_arguments` added, as ``resolve``'s overrides (None: not given)."""
     overrides = {dest: getattr(namespace, f"parallel_{dest}", None) for _, dest, _ in _FLAGS}
-    overrides["comm_backend"] = getattr(namespace, "comm_backend", None)
+    overrides["data_plane"] = getattr(namespace, "data_plane", None)
     return overrides

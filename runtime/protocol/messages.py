@@ -219,7 +219,7 @@ BUCKET_SPEC = Either(HASH, Seq(Record(("shape", SHAPE), ("dtype", DTYPE)), _MAX_
 CALL_PREFIX = "call:"
 """A spec entry whose dtype starts with this names a torch.distributed call rather than a
 tensor (its shape is empty): ``[[], "call:allreduce(sum)"], [[4, 3], "float32"]`` is an
-all-reduce of one tensor (`paramsync.actors.torchdist.calls`)."""
+all-reduce of one tensor (`paramsync.actors.torch_backend.calls`)."""
 CACHED = Str(256)
 """A folding report's response-cache agreement hash (empty: none)."""
 GROUP_NAME = Str(256, min_len=1)

@@ -15,7 +15,7 @@ transport declaring one keeps that contract.
 - `SharedMemoryHolder`: carries an `AllReducePlane` (`paramsync.runtime.transport.shm`) that
   all-reduce uses instead of the connections for the tensors the plane accepts.
 - `NativeCollectives`: runs the collectives on another engine (torch.distributed process
-  groups, `paramsync.runtime.transport.torch_dist`); the ring's functions hand it the tensors it
+  groups, `paramsync.runtime.transport.torch_plane`); the ring's functions hand it the tensors it
   accepts.
 
 Nothing here imports a concrete transport: the capabilities sit between
@@ -205,7 +205,7 @@ class AllReducePlane(abc.ABC):
 
 class NativeCollectives(Transport):
     """A transport whose collectives run natively on another engine (torch.distributed process
-    groups: `paramsync.runtime.transport.torch_dist`), not as rings of its frames.
+    groups: `paramsync.runtime.transport.torch_plane`), not as rings of its frames.
 
     `paramsync.runtime.collectives.ring`'s `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`
     and `barrier` hand a tensor the transport `native_accepts` to these methods, after checking it

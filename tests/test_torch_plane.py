@@ -1,4 +1,4 @@
-"""The torch.distributed data plane (paramsync.runtime.transport.torch_dist, ``comm_backend =
+"""The torch.distributed data plane (paramsync.runtime.transport.torch_plane, ``data_plane =
 "torch"``).
 
 The conformance suite runs it in tests/test_transport_conformance.py and the parity with one
@@ -28,15 +28,15 @@ from paramsync.actors.train.state_transfer import receive_state, send_state
 from paramsync.actors.train.trainer import TrainerOptions
 from paramsync.runtime.cli.main import build_parser
 from paramsync.runtime.collectives.ring import all_reduce, barrier, broadcast
-from paramsync.runtime.config import COMM_BACKEND_ENV
+from paramsync.runtime.config import DATA_PLANE_ENV, DataPlane
 from paramsync.runtime.errors import PeerClosed, StallError
 from paramsync.runtime.protocol.wire import decode_frame
 from paramsync.runtime.testing.fault_trials import JOB_FLAGS, run_trial
 from paramsync.runtime.train_config import DistributedTrainConfig
-from paramsync.runtime.transport import torch_dist
-from paramsync.runtime.transport.torch_dist import (
-    COMM_BACKENDS,
-    TorchDistTransport,
+from paramsync.runtime.transport import torch_plane
+from paramsync.runtime.transport.torch_plane import (
+    DATA_PLANES,
+    TorchPlaneTransport,
     create_local_group,
     open_local_group,
 )
@@ -44,33 +44,33 @@ from paramsync.runtime.transport.torch_dist import (
 # --------------------------------------------------------------------------- choosing it
 
 
-def test_trainer_options_take_the_backend_and_refuse_others() -> None:
-    assert TrainerOptions().comm_backend == "paramsync"
-    assert TrainerOptions(comm_backend="torch").comm_backend == "torch"
-    with pytest.raises(ValueError, match="comm_backend must be one of 'paramsync', 'torch'"):
-        TrainerOptions(comm_backend="nccl")
+def test_trainer_options_take_the_data_plane_and_refuse_others() -> None:
+    assert TrainerOptions().data_plane is DataPlane.PARAMSYNC
+    assert TrainerOptions(data_plane="torch").data_plane is DataPlane.TORCH
+    with pytest.raises(ValueError, match="data_plane must be one of 'paramsync', 'torch'"):
+        TrainerOptions(data_plane="nccl")
     with pytest.raises(ValueError, match="collective_seconds"):
-        TrainerOptions(comm_backend="torch", collective_seconds=0)
+        TrainerOptions(data_plane="torch", collective_seconds=0)
 
 
-def test_the_config_reads_the_backend_from_toml_environment_and_flags(tmp_path: Path) -> None:
+def test_the_config_reads_the_data_plane_from_toml_environment_and_flags(tmp_path: Path) -> None:
     toml = tmp_path / "train.toml"
-    toml.write_text('[distributed]\ncomm_backend = "torch"\n')
-    assert DistributedTrainConfig().comm_backend == "paramsync"
-    assert DistributedTrainConfig.resolve(toml, environ={}).comm_backend == "torch"
-    env = {COMM_BACKEND_ENV: "Paramsync"}
-    assert DistributedTrainConfig.resolve(toml, environ=env).comm_backend == "paramsync"
-    overrides = {"comm_backend": "torch"}
-    assert DistributedTrainConfig.resolve(None, env, overrides).comm_backend == "torch"
-    with pytest.raises(ValueError, match=f"environment variable {COMM_BACKEND_ENV}"):
-        DistributedTrainConfig.from_env({COMM_BACKEND_ENV: "mpi"})
-    toml.write_text("[distributed]\ncomm_backend = 3\n")
-    with pytest.raises(ValueError, match="comm_backend must be one of"):
+    toml.write_text('[distributed]\ndata_plane = "torch"\n')
+    assert DistributedTrainConfig().data_plane is DataPlane.PARAMSYNC
+    assert DistributedTrainConfig.resolve(toml, environ={}).data_plane is DataPlane.TORCH
+    env = {DATA_PLANE_ENV: "Paramsync"}
+    assert DistributedTrainConfig.resolve(toml, environ=env).data_plane is DataPlane.PARAMSYNC
+    overrides = {"data_plane": "torch"}
+    assert DistributedTrainConfig.resolve(None, env, overrides).data_plane is DataPlane.TORCH
+    with pytest.raises(ValueError, match=f"environment variable {DATA_PLANE_ENV}"):
+        DistributedTrainConfig.from_env({DATA_PLANE_ENV: "mpi"})
+    toml.write_text("[distributed]\ndata_plane = 3\n")
+    with pytest.raises(ValueError, match="data_plane must be one of"):
         DistributedTrainConfig.from_toml(toml)
-    args = build_parser().parse_args(["worker", "--comm-backend", "torch"])
-    assert args.comm_backend == "torch"
-    assert build_parser().parse_args(["worker"]).comm_backend is None
-    assert COMM_BACKENDS == ("paramsync", "torch")
+    args = build_parser().parse_args(["worker", "--data-plane", "torch"])
+    assert args.data_plane == "torch"
+    assert build_parser().parse_args(["worker"]).data_plane is None
+    assert DATA_PLANES == ("paramsync", "torch")
 
 
 # --------------------------------------------------------------------------- frames
@@ -82,14 +82,14 @@ async def test_frames_travel_as_cbor_bytes_in_uint8_tensors(
     """What gloo carries is the frame paramsync's codec made: a uint8 tensor that decodes
     (as any frame) to the message sent; its length goes first as one int64."""
     sent: list[torch.Tensor] = []
-    original = torch_dist._frame_tensor
+    original = torch_plane._frame_tensor
 
     def spy(*args: Any) -> torch.Tensor:
         frame = original(*args)
         sent.append(frame.clone())
         return frame
 
-    monkeypatch.setattr(torch_dist, "_frame_tensor", spy)
+    monkeypatch.setattr(torch_plane, "_frame_tensor", spy)
     payload = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     async with open_local_group(2) as (a, b):
         await a.send(1, "probe_data", {"src": 0, "seq": 4}, payload)
@@ -155,11 +155,11 @@ async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None
     """Every dtype gloo reduces goes to the group; int16, which it does not, takes the ring
     over the transport's frames; both exact, and a barrier holds every rank."""
     async with open_local_group(3) as group:
-        assert all(isinstance(t, TorchDistTransport) for t in group)
+        assert all(isinstance(t, TorchPlaneTransport) for t in group)
         for dtype in (torch.int16, torch.int32, torch.bfloat16):
             inputs = [torch.full((5000,), rank + 1, dtype=dtype) for rank in range(3)]
 
-            async def reduce(t: TorchDistTransport, ins: list[torch.Tensor] = inputs) -> None:
+            async def reduce(t: TorchPlaneTransport, ins: list[torch.Tensor] = inputs) -> None:
                 await all_reduce(t, ins[t.rank], "avg")
 
             async with trio.open_nursery() as nursery:
@@ -169,7 +169,7 @@ async def test_collectives_run_natively_and_int16_falls_back_to_frames() -> None
         assert [t.native_accepts(torch.zeros(1, dtype=torch.int16)) for t in group] == [False] * 3
         values = [torch.full((3,), float(rank)) for rank in range(3)]
 
-        async def cast_then_wait(t: TorchDistTransport) -> None:
+        async def cast_then_wait(t: TorchPlaneTransport) -> None:
             await broadcast(t, values[t.rank], 2)
             await barrier(t)  # collectives run one at a time, in one order on every rank
 
@@ -202,15 +202,13 @@ async def test_a_live_rejoins_state_transfer_goes_through_the_torch_group() -> N
 
 
 def test_a_worker_killed_mid_run_is_survived_over_the_torch_data_plane() -> None:
-    """Three worker processes train the LM demo with ``--comm-backend torch``; rank 2 is
+    """Three worker processes train the LM demo with ``--data-plane torch``; rank 2 is
     SIGKILLed in step 2's backward (its peers are in, or about to enter, that step's gloo
     all-reduce). The survivors must not hang: the coordinator starts epoch 2 with ranks 0 and
     1, each forms a new torch group, reruns step 2 and finishes, bitwise identical. ~40 s."""
-    result = run_trial(
-        "backward", 2, job_flags=[*JOB_FLAGS, "--comm-backend", "torch"], timeout=180
-    )
+    result = run_trial("backward", 2, job_flags=[*JOB_FLAGS, "--data-plane", "torch"], timeout=180)
     assert result.ok, result.problems
-    assert {rank: s["comm_backend"] for rank, s in result.summaries.items()} == {
+    assert {rank: s["data_plane"] for rank, s in result.summaries.items()} == {
         0: "torch",
         1: "torch",
     }
@@ -228,7 +226,7 @@ _EXIT_ATTEMPTS = 8
 _OPEN_REDUCE_CLOSE_EXIT = """
 import os, sys
 import torch, trio
-from paramsync.runtime.transport.torch_dist import open_local_group
+from paramsync.runtime.transport.torch_plane import open_local_group
 
 async def main() -> None:
     async with open_local_group(2) as group:

@@ -1,6 +1,7 @@
-"""One rank of a torch.distributed script on the ``paramsync`` backend (tests/test_torchdist.py).
+"""One rank of a torch.distributed script on the ``paramsync`` backend
+(tests/test_torch_backend.py).
 
-    python torchdist_worker.py SCENARIO RANK WORLD STORE OUT
+    python torch_backend_worker.py SCENARIO RANK WORLD STORE OUT
 
 Plain torch code: ``init_process_group("paramsync")`` after ``import torch``, nothing
 imported from paramsync. Each rank writes what it saw to OUT (``rank<r>.pt``: the results;

@@ -20,8 +20,8 @@ rounds of each round's ratio of median step times (steadier than a ratio of pool
 the machine's speed drifts), for the all-reduce the ratio of the medians. The systems alternate
 round by round (the order reversed every other round) so that drift in load hits all alike.
 
-    python benchmarks/torchdist.py --json out/torchdist.json
-    python benchmarks/torchdist.py --quick
+    python benchmarks/torch_backend.py --json out/torch_backend.json
+    python benchmarks/torch_backend.py --quick
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _launch_once(system: str, world: int, args: argparse.Namespace, port: int) -
     code = Path(args.baseline).resolve() if system == BASELINE else ROOT
     env = dict(
         os.environ,
-        # The code first (its paramsync.actors.torchdist is the backend torch loads), then what
+        # The code first (its paramsync.actors.torch_backend is the backend torch loads), then what
         # PYTHONPATH already held.
         PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
@@ -232,7 +232,7 @@ def _launch_once(system: str, world: int, args: argparse.Namespace, port: int) -
     if system == NO_PROOF:
         env["PARAMSYNC_STATE_PROOF"] = "0"
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="paramsync-torchdist-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="paramsync-torch-backend-bench-") as tmp:
         logs = [Path(tmp) / f"rank{rank}.err" for rank in range(world)]
         out_path = Path(tmp) / "rank0.out"
         with open(out_path, "w") as out:
@@ -455,10 +455,10 @@ def main() -> None:
         raise SystemExit("--sizes: every size must be a positive multiple of 4 bytes (float32)")
     if any(world < 2 for world in args.worlds):
         raise SystemExit("--worlds: every world size must be at least 2")
-    if args.baseline and not (Path(args.baseline) / "actors" / "torchdist").is_dir():
+    if args.baseline and not (Path(args.baseline) / "actors" / "torch_backend").is_dir():
         raise SystemExit(
             f"--baseline {args.baseline}: not a paramsync checkout with the torch backend "
-            "(no actors/torchdist)"
+            "(no actors/torch_backend)"
         )
     systems = [GLOO, PARAMSYNC] + ([NO_PROOF] if args.proof_cost else [])
     systems += [BASELINE] if args.baseline else []

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from paramsync.actors.torchdist.calls import UnsupportedCall
+from paramsync.actors.torch_backend.calls import UnsupportedCall
 from paramsync.runtime.collectives.p2p import recv as p2p_recv
 from paramsync.runtime.collectives.p2p import send as p2p_send
 from paramsync.runtime.collectives.ring import all_gather, all_reduce, barrier, broadcast

@@ -12,7 +12,7 @@ from test_worker_protocol import joined
 
 from paramsync.actors.client.events import Received, ReportReady
 from paramsync.actors.client.protocol import LocalProtocolError, WorkerProtocol
-from paramsync.actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
+from paramsync.actors.torch_backend.calls import Call, UnsupportedCall, reduce_op_name
 from paramsync.runtime.coordinator.core import CoordinatorCore
 from paramsync.runtime.coordinator.events import Broadcast, spec_hash
 from paramsync.runtime.coordinator.negotiation import spec_groups

@@ -17,7 +17,7 @@ thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
   the report: Horovod's response cache), runs it and completes the caller's future.
 
 A step ends when an optimizer stepping a DDP module of this group has stepped
-(`paramsync.actors.torchdist.proof`): its state digest is reported, and the coordinator compares
+(`paramsync.actors.torch_backend.proof`): its state digest is reported, and the coordinator compares
 every rank's (C-DDP-001) and commits the step, one step behind the collectives at most.
 
 Failure: a collective that fails, a coordinator that aborts the run (a rank lost, stalled,
@@ -42,7 +42,7 @@ import trio
 
 from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
 from paramsync.actors.state.digest import StateDigest
-from paramsync.actors.torchdist.calls import Call
+from paramsync.actors.torch_backend.calls import Call
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed
@@ -487,7 +487,8 @@ class GroupSession:
         pass (a torch DDP bucket) is completed with its tensors even on an error: torch's
         reducer cannot take a failed future from a Python process group (the process
         crashes), so the error is raised instead by the next call into the group and by the
-        next optimizer step (`paramsync.actors.torchdist.proof`), before any gradient is applied."""
+        next optimizer step (`paramsync.actors.torch_backend.proof`), before any gradient is
+        applied."""
         self._pending.pop(id(op), None)
         if op.future.done():
             return

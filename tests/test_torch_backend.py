@@ -1,4 +1,4 @@
-"""paramsync as a torch.distributed backend: plain torch scripts (tests/torchdist_worker.py).
+"""paramsync as a torch.distributed backend: plain torch scripts (tests/torch_backend_worker.py).
 
 * every collective torch's API offers gives bitwise the same result on every rank, and the
   value a single process computes (the reduce ops, dtypes, async works, groups, objects);
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchdist_worker import REDUCE_OPS, values
+from torch_backend_worker import REDUCE_OPS, values
 
-WORKER = Path(__file__).with_name("torchdist_worker.py")
+WORKER = Path(__file__).with_name("torch_backend_worker.py")
 PER_RANK = ("recv", "subgroup", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single")
 """Results that differ by rank by design (each rank's own part)."""
-SECRET = "torchdist-tests-Secret-0123456789-abcdefghij"
+SECRET = "torch-backend-tests-Secret-0123456789-abcdefghij"
 
 
 def launch(
@@ -66,7 +66,7 @@ def error_line(out: Path, rank: int) -> tuple[float, str]:
 
 @pytest.fixture(scope="module")
 def collective_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    out = tmp_path_factory.mktemp("torchdist-collectives")
+    out = tmp_path_factory.mktemp("torch-backend-collectives")
     world = 3
     results = launch("collectives", world, out)
     for rank, (code, output) in enumerate(results):
@@ -251,7 +251,7 @@ def test_import_torch_registers_the_backend_and_stays_cheap() -> None:
         "import torch, torch.distributed as dist\n"
         "print('paramsync' in dist.Backend.backend_list)\n"
         "print(sorted(m for m in sys.modules if m.startswith(('paramsync', 'trio'))))\n"
-        "from paramsync.actors.torchdist import entry\n"
+        "from paramsync.actors.torch_backend import entry\n"
         "t = time.perf_counter()\n"
         "for _ in range(100):\n"
         "    importlib.reload(entry)\n"
@@ -264,8 +264,8 @@ def test_import_torch_registers_the_backend_and_stays_cheap() -> None:
     registered, modules, seconds = done.stdout.splitlines()
     assert registered == "True"
     assert modules == (
-        "['paramsync', 'paramsync.actors', 'paramsync.actors.torchdist', "
-        "'paramsync.actors.torchdist.entry']"
+        "['paramsync', 'paramsync.actors', 'paramsync.actors.torch_backend', "
+        "'paramsync.actors.torch_backend.entry']"
     )
     assert float(seconds) < 0.005  # importing and running the registration
 
@@ -281,7 +281,7 @@ def test_autoload_off_leaves_the_backend_out() -> None:
 def test_a_broken_registration_never_breaks_import_torch() -> None:
     code = (
         "import torch.distributed as dist\n"
-        "from paramsync.actors.torchdist import entry\n"
+        "from paramsync.actors.torch_backend import entry\n"
         "dist.Backend.backend_list.remove('paramsync')\n"
         "def boom(*a, **k): raise RuntimeError('broken')\n"
         "dist.Backend.register_backend = boom\n"

@@ -35,12 +35,12 @@ from torch.optim.optimizer import (
 )
 
 from paramsync.actors.state.digest import StateDigest, StateHasher
-from paramsync.actors.torchdist.session import GroupSession
+from paramsync.actors.torch_backend.session import GroupSession
 
 
 class ProcessGroupParamsync(Protocol):
     """What the proof needs of a paramsync process group
-    (`paramsync.actors.torchdist.process_group`): its session, which takes the step's digest and
+    (`paramsync.actors.torch_backend.process_group`): its session, which takes the step's digest and
     knows whether the group failed."""
 
     session: GroupSession

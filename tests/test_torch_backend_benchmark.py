@@ -1,4 +1,4 @@
-"""benchmarks/torchdist.py: its summary's ratios, and a quick run of both backends that must
+"""benchmarks/torch_backend.py: its summary's ratios, and a quick run of both backends that must
 train, all-reduce and print its tables (no figure is asserted: the machine is shared)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "torchdist.py"
+SCRIPT = ROOT / "benchmarks" / "torch_backend.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("torchdist_benchmark", SCRIPT)
+    spec = importlib.util.spec_from_file_location("torch_backend_benchmark", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -62,7 +62,7 @@ def test_bad_sizes_and_worlds_are_refused_before_any_run() -> None:
     for flags, message in (
         (["--sizes", "6"], "multiple of 4"),
         (["--worlds", "1"], "at least 2"),
-        (["--baseline", str(ROOT / "docs")], "no actors/torchdist"),
+        (["--baseline", str(ROOT / "docs")], "no actors/torch_backend"),
     ):
         done = subprocess.run(
             [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=60
@@ -72,7 +72,7 @@ def test_bad_sizes_and_worlds_are_refused_before_any_run() -> None:
 
 @pytest.mark.soak  # two backends' processes, 20-60 s on the shared 2-core machine: make soak
 def test_a_quick_run_trains_and_all_reduces_on_both_backends(tmp_path: Path) -> None:
-    out = tmp_path / "torchdist.json"
+    out = tmp_path / "torch_backend.json"
     command = [sys.executable, str(SCRIPT), "--quick", "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

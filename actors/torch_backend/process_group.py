@@ -2,15 +2,15 @@
 
 ``torch.distributed.init_process_group("paramsync")`` (and ``new_group(backend="paramsync")``)
 makes one per group through the factory `create_process_group`, registered at ``import torch``
-by `paramsync.actors.torchdist.entry`. torch then runs everything on it: its DDP (parameter checks,
-the broadcast of rank 0's state, every gradient bucket), ``all_reduce`` and friends, and the
+by `paramsync.actors.torch_backend.entry`. torch then runs everything on it: its DDP (parameter
+checks, the broadcast of rank 0's state, every gradient bucket), ``all_reduce`` and friends, and the
 frameworks built on them (Lightning, Accelerate, the transformers Trainer).
 
 Each collective returns a torch `Work` at once; the group's `GroupSession` runs it in the
 backend's trio loop after the coordinator has seen that every member calls the same thing
-(`paramsync.actors.torchdist.calls`), and completes the work's future with the result or with one
-error naming what went wrong. An operation this backend does not run raises `UnsupportedCall` naming
-it.
+(`paramsync.actors.torch_backend.calls`), and completes the work's future with the result or with
+one error naming what went wrong. An operation this backend does not run raises `UnsupportedCall`
+naming it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paramsync.actors.torchdist.calls import Call, UnsupportedCall, reduce_op_name
-from paramsync.actors.torchdist.ops import (
+from paramsync.actors.torch_backend.calls import Call, UnsupportedCall, reduce_op_name
+from paramsync.actors.torch_backend.ops import (
     allgather_op,
     allreduce_op,
     alltoall_op,
@@ -38,8 +38,8 @@ from paramsync.actors.torchdist.ops import (
     reduce_scatter_op,
     send_op,
 )
-from paramsync.actors.torchdist.proof import proof_enabled, watch_group
-from paramsync.actors.torchdist.session import (
+from paramsync.actors.torch_backend.proof import proof_enabled, watch_group
+from paramsync.actors.torch_backend.session import (
     COORDINATOR_KEY,
     BackendError,
     GroupSession,

@@ -1,19 +1,19 @@
-"""A data plane on torch.distributed process groups (``comm_backend = "torch"``).
+"""A data plane on torch.distributed process groups (``data_plane = "torch"``).
 
-`TorchDistTransport` is a `Transport` whose bulk data goes through a torch.distributed process
+`TorchPlaneTransport` is a `Transport` whose bulk data goes through a torch.distributed process
 group: gloo for CPU tensors and, when a CUDA device is given, NCCL for that device's tensors
 (the NCCL path is written for torch's API but untested here: this project's machines have no
 GPU). Paramsync's coordinator keeps everything else (sequencing, agreement checks, the
 C-DDP-001 digest, membership, epochs); each epoch gets a group of its own, built by
 `connect_torch_transport` (processes: a fresh ``TCPStore`` hosted by the epoch's position 0,
 keyed by the run and the epoch, as torchft makes a group per quorum) or `create_local_group`
-(ranks in one process: a ``HashStore``), and destroyed by `TorchDistTransport.aclose`.
+(ranks in one process: a ``HashStore``), and destroyed by `TorchPlaneTransport.aclose`.
 
 - Collectives (all-reduce, broadcast, all-gather, reduce-scatter, barrier) run natively on the
   group (`paramsync.runtime.transport.capabilities.NativeCollectives`):
   `paramsync.runtime.collectives.ring` hands them over. Each has a deadline (gloo's per-operation
   timeout, ``collective_seconds``: past it gloo closes the group's connections and the call is a
-  `StallError`) and an abort path (`TorchDistTransport.abort` fails every call in flight at once;
+  `StallError`) and an abort path (`TorchPlaneTransport.abort` fails every call in flight at once;
   the blocked thread is left to gloo's deadline). A peer whose end is gone (its goodbye, or a broken
   connection) fails a collective that has not finished 2 s later as a `PeerClosed` naming it: a peer
   that closed without joining never hangs the survivors until the deadline (gloo keeps an in-process
@@ -24,11 +24,11 @@ keyed by the run and the epoch, as torchft makes a group per quorum) or `create_
   collectives are never used). gloo sends only once the receiver has posted a matching
   receive, so one thread per peer keeps a receive posted and queues what arrives (up to
   ``inbox_frames`` frames: the buffering a socket gives).
-- Subgroups (`TorchDistTransport.open_subgroup`, which
+- Subgroups (`TorchPlaneTransport.open_subgroup`, which
   `paramsync.runtime.collectives.groups.new_group` calls on a torch-plane world): a subset of the
   ranks gets a gloo communicator of its own (and an NCCL one when the transport has a device),
   formed through the epoch's store under a prefix named by the group, so it is itself a
-  `TorchDistTransport` with native collectives, frames, deadlines, abort and the close handshake.
+  `TorchPlaneTransport` with native collectives, frames, deadlines, abort and the close handshake.
   Before forming, the members check over the store that they all create the same group (same name,
   same ranks), and a member that creates another is a `ProtocolError` naming it. A subgroup belongs
   to its parent's epoch: aborting the parent aborts it and closing the parent closes it first.
@@ -59,7 +59,7 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import AllgatherOptions
 
-from paramsync.runtime.config import COMM_BACKENDS, check_comm_backend
+from paramsync.runtime.config import DATA_PLANES, check_data_plane
 from paramsync.runtime.errors import (
     CollectiveError,
     PeerClosed,
@@ -73,11 +73,11 @@ from paramsync.runtime.transport.capabilities import NativeCollectives
 from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
 
 __all__ = [
-    "COMM_BACKENDS",
+    "DATA_PLANES",
     "DEFAULT_COLLECTIVE_SECONDS",
     "GLOO_DTYPES",
-    "TorchDistTransport",
-    "check_comm_backend",
+    "TorchPlaneTransport",
+    "check_data_plane",
     "connect_torch_transport",
     "create_local_group",
     "open_local_group",
@@ -142,7 +142,7 @@ def _frame_tensor(kind: str, fields: Mapping[str, Any], bulk: torch.Tensor | Non
     return frame
 
 
-class TorchDistTransport(NativeCollectives):
+class TorchPlaneTransport(NativeCollectives):
     """One rank of an epoch's torch.distributed group (see the module docstring).
 
     Build it inside the trio run that uses it (its receiving threads hand frames to that run);
@@ -188,7 +188,7 @@ class TorchDistTransport(NativeCollectives):
         self._keep: list[object] = list(keep)
         self._store = store
         self._host = host
-        self._subgroups: list[TorchDistTransport] = []
+        self._subgroups: list[TorchPlaneTransport] = []
         self._pair_counts: dict[int, int] = {}
         """Per peer, how many subgroups holding it this rank has opened (`open_subgroup`)."""
         """The subgroups made by `open_subgroup`: aborted and closed with this transport."""
@@ -482,7 +482,7 @@ class TorchDistTransport(NativeCollectives):
 
     async def open_subgroup(
         self, ranks: Sequence[int], name: str, *, parent: str, seconds: float = 60.0
-    ) -> TorchDistTransport:
+    ) -> TorchPlaneTransport:
         """This rank's transport in a new torch group of ``ranks`` (this transport's ranks,
         sorted, this rank among them), numbered 0..k-1 in that order. Collective among the
         members: each calls it with the same ``ranks`` and ``name``; ``parent`` names this
@@ -533,7 +533,7 @@ class TorchDistTransport(NativeCollectives):
             raise StallError(
                 f"group {name!r} (ranks {list(members)}) did not form within {seconds:g} s"
             )
-        subgroup = TorchDistTransport(
+        subgroup = TorchPlaneTransport(
             position,
             size,
             group,
@@ -749,11 +749,11 @@ async def create_local_group(
     collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
     seconds: float = 60.0,
     close_seconds: float = 10.0,
-) -> list[TorchDistTransport]:
+) -> list[TorchPlaneTransport]:
     """``n`` transports, rank 0 to n-1, of one gloo group whose ranks all live in this process
     (a ``HashStore`` rendezvous, gloo on loopback); for tests and in-process runs. The caller
     closes them. Forming the group takes longer than ``seconds``: a `CollectiveError`.
-    ``close_seconds``: how long each rank's `~TorchDistTransport.aclose` waits for its threads
+    ``close_seconds``: how long each rank's `~TorchPlaneTransport.aclose` waits for its threads
     (an operation abandoned on a silent peer ends at its deadline, on a thread left behind)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"group size must be a positive int, got {n!r}")
@@ -775,7 +775,7 @@ async def create_local_group(
     for rank, group in enumerate(groups):
         assert group is not None
         made.append(
-            TorchDistTransport(
+            TorchPlaneTransport(
                 rank,
                 n,
                 group,
@@ -790,7 +790,7 @@ async def create_local_group(
 
 
 @asynccontextmanager
-async def open_local_group(n: int, **kwargs: Any) -> AsyncIterator[list[TorchDistTransport]]:
+async def open_local_group(n: int, **kwargs: Any) -> AsyncIterator[list[TorchPlaneTransport]]:
     """`create_local_group` as an async context manager that closes every rank on exit."""
     group = await create_local_group(n, **kwargs)
     try:
@@ -811,7 +811,7 @@ async def connect_torch_transport(
     seconds: float = 120.0,
     device: torch.device | None = None,
     collective_seconds: float = DEFAULT_COLLECTIVE_SECONDS,
-) -> TorchDistTransport:
+) -> TorchPlaneTransport:
     """Form this epoch's torch group among the ranks of ``bootstrap`` (an authenticated
     paramsync transport among the same ranks, in the same order; the caller closes it).
 
@@ -860,7 +860,7 @@ async def connect_torch_transport(
             f"rank {rank}: the torch group {prefix!r} of {world_size} did not form within "
             f"{seconds:g} s"
         )
-    return TorchDistTransport(
+    return TorchPlaneTransport(
         rank,
         world_size,
         group,

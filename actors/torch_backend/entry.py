@@ -20,7 +20,7 @@ BACKEND_NAME = "paramsync"
 
 def _create(options: Any, backend_options: Any = None) -> Any:
     """torch's factory for a ``paramsync`` group (loads the backend on first use)."""
-    from paramsync.actors.torchdist.process_group import create_process_group
+    from paramsync.actors.torch_backend.process_group import create_process_group
 
     return create_process_group(options, backend_options)
 
