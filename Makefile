@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup
+.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup api-docs
 
 setup: $(STAMP)
 
@@ -14,7 +14,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,lora,frameworks]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# The wheel tests' venv (tests/test_wheel.py): this tree's wheel with torch and the rest of its
+# dependencies, made once; the tests reinstall the wheel of the tree as it is at each run.
+WHEEL_ENV := $(VENV)/wheel-env
+WHEEL_STAMP := $(WHEEL_ENV)/.installed
+
+$(WHEEL_STAMP): $(STAMP)
+	rm -rf $(WHEEL_ENV) out/wheel
+	$(BIN)/python -m venv $(WHEEL_ENV)
+	$(BIN)/python -m pip wheel -q --no-deps -w out/wheel .
+	$(WHEEL_ENV)/bin/python -m pip install -q -c constraints.txt out/wheel/paramsync-*.whl
+	touch $(WHEEL_STAMP)
+
+test: $(STAMP) $(WHEEL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
@@ -65,6 +77,9 @@ gpu-check: $(STAMP)
 
 reliability-hostile: $(STAMP)
 	$(BIN)/python benchmarks/hostile.py --count 200 --flood 200 --baseline --json out/hostile.json
+
+api-docs: $(STAMP)
+	$(BIN)/python docs/api_page.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,9 +8,8 @@ built from them), ``paramsync.actors.torch_backend`` (paramsync as a torch.distr
 ``paramsync.actors.demo_job`` is the built-in demo, a user of all this. Only what a training script
 uses is exported here; everything else stays importable from its module.
 
-The names load on first use (PEP 562), so that importing one part of ``actors`` costs only
-that part: torch imports ``paramsync.actors.torch_backend.entry`` at ``import torch``, which
-must stay cheap.
+The names load on first use (PEP 562), so that importing one part of ``paramsync.actors``
+costs only that part.
 """
 
 import importlib as _importlib

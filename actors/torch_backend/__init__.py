@@ -3,7 +3,7 @@
 Lowest first: `calls` (what one torch call is, as the coordinator compares it; pure), `ops`
 (torch's collectives written with paramsync's), `session` (a group's coordinator, client,
 meshes and executor in the backend's trio loop), `proof` (the identical-state proof for torch
-DDP modules), `process_group` (the `torch.distributed.ProcessGroup` subclass), and `entry`
-(the ``torch.backends`` entry point that registers the backend at ``import torch``; it
-imports nothing else until a group is made). This package imports nothing on its own.
+DDP modules) and `process_group` (the `torch.distributed.ProcessGroup` subclass, whose
+factory `paramsync.torch_entry` registers at ``import torch`` and imports at the first group).
+This package imports nothing on its own.
 """

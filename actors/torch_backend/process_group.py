@@ -2,9 +2,10 @@
 
 ``torch.distributed.init_process_group("paramsync")`` (and ``new_group(backend="paramsync")``)
 makes one per group through the factory `create_process_group`, registered at ``import torch``
-by `paramsync.actors.torch_backend.entry`. torch then runs everything on it: its DDP (parameter
-checks, the broadcast of rank 0's state, every gradient bucket), ``all_reduce`` and friends, and the
-frameworks built on them (Lightning, Accelerate, the transformers Trainer).
+by `paramsync.torch_entry` (which imports this module at the first group). torch then runs
+everything on it: its DDP (parameter checks, the broadcast of rank 0's state, every gradient
+bucket), ``all_reduce`` and friends, and the frameworks built on them (Lightning, Accelerate, the
+transformers Trainer).
 
 Each collective returns a torch `Work` at once; the group's `GroupSession` runs it in the
 backend's trio loop after the coordinator has seen that every member calls the same thing

@@ -26,7 +26,7 @@ import torch
 from skip_groups import GLOO_GATED_RUN, accelerator_skips
 from torch.testing._internal.common_distributed import DistTestCases
 
-import paramsync.actors.torch_backend.entry as entry
+import paramsync.torch_entry as entry
 
 entry.register()
 BACKEND = os.environ["BACKEND"]
