@@ -181,3 +181,44 @@ def _hello(host: str) -> tuple[str, dict]:
     message = ShmHello(host=host, want=True)
     wire = message.to_wire()
     return wire[0], wire[1]
+
+
+def test_section_1s_limits_are_the_code_s() -> None:
+    """Every row of section 1's table of limits names a constant of the wire or the limits
+    module and gives its value (the number before any parenthesis, spaces as thousands
+    separators); the limits the readers enforce are all in the table."""
+    from paramsync.runtime.protocol import limits, wire
+
+    table = section(PROTOCOL, "### Limits").split("\n\n")[1]
+    rows = re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, re.M)
+    documented = {}
+    for name, value in rows:
+        number = value.split("(")[0].replace(" ", "")
+        documented[name] = int(number)
+    code = {
+        name: getattr(wire, name, None) if hasattr(wire, name) else getattr(limits, name)
+        for name in documented
+    }
+    assert documented == code
+    enforced = {"PREFIX_SIZE", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "MAX_DEPTH"}
+    enforced |= {"TAG_SIZE", "TRAILER_SIZE", "CONTROL_MAX_FRAME", "BULK_MAX_FRAME"}
+    enforced |= {"INLINE_TENSOR_MAX", "PEEK_SIZE", "SCAN_THRESHOLD", "MAX_ITEMS"}
+    assert set(documented) == enforced
+
+
+def test_section_1s_bulk_kinds_and_unbounded_kinds_are_the_code_s() -> None:
+    from paramsync.runtime.protocol import limits
+
+    text = section(PROTOCOL, "### Limits")
+    bulk = re.search(r"The kinds whose tensor is their bulk \(([^:]+):", text)
+    assert bulk is not None
+    assert set(re.findall(r"`(\w+)`", bulk.group(1))) == set(limits.BULK_KINDS)
+    unbounded = re.search(r"for kinds with an unbounded map or list \(([^)]+)\)", text)
+    assert unbounded is not None
+    named = set(re.findall(r"`(\w+)`", unbounded.group(1)))
+    big = {
+        kind
+        for kind in limits.KINDS
+        if limits.kind_max_frame(kind) == limits.BULK_MAX_FRAME and kind not in limits.BULK_KINDS
+    }
+    assert named == big and len(big) >= 5
