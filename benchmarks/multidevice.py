@@ -181,10 +181,10 @@ def run_phases(args: argparse.Namespace) -> dict[str, float]:
     marks: list[tuple[str, int, float, float]] = []
 
     def timed(name: str, index: int, method: Any) -> Any:
-        def call(*a: Any) -> Any:
+        def call(*a: Any, **options: Any) -> Any:
             started = time.perf_counter()
             try:
-                return method(*a)
+                return method(*a, **options)
             finally:
                 marks.append((name, index, started, time.perf_counter()))
 

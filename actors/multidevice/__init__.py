@@ -3,7 +3,9 @@
 One process holds one model replica per device and trains them in parallel, one OS thread per
 replica, averaging only the trainable (e.g. LoRA) gradients: `DataParallelCoordinator`. Modules:
 ``sharding`` (balanced shards), ``threads`` (the persistent replica threads), ``replica`` (one
-device's model, optimizer, gradient buffers and stream), ``coordinator`` (the step),
+device's model, optimizer, gradient buffers and stream), ``marker`` (CUDA events ordering the
+streams), ``averaging`` (the weighted average, on the devices or on the host), ``coordinator``
+(the step),
 ``replicated`` (the seam to a multi-process `DistributedTrainer`: hierarchical data parallelism).
 """
 

@@ -7,11 +7,13 @@ Per step (contract C-DP-002):
    fall-back to fewer devices);
 2. every replica runs forward and backward on its shard on its own OS thread, at the same time
    (`paramsync.actors.multidevice.threads`);
-3. the trainable gradients are averaged on the host, each weighted by its shard's share of the
-   batch and summed in device order (so the result does not depend on which thread finished
-   first; element by element the same sums whether one thread sums the whole buffer or each
-   thread a slice of it); with a ``loss_fn`` that returns its shard's mean loss this is exactly
-   the gradient of the whole batch's mean loss;
+3. the trainable gradients are averaged, each weighted by its shard's share of the batch and
+   summed in device order (so the result does not depend on which thread finished first;
+   element by element the same sums whether one thread sums the whole buffer or each thread a
+   slice of it); with a ``loss_fn`` that returns its shard's mean loss this is exactly the
+   gradient of the whole batch's mean loss. With every replica on a CUDA device the average is
+   taken on replica 0's device, ordered by CUDA events, without a host round trip; otherwise on
+   the host (`paramsync.actors.multidevice.averaging`);
 4. every replica loads that same averaged gradient and takes its own optimizer step (no weight
    is ever copied from one replica to another after the start);
 5. every ``check_interval`` steps each replica's whole state (trainable and frozen parameters,
@@ -27,6 +29,13 @@ replica's own optimizer, the same averaged gradient); replicas that update at on
 CPU ones on an interpreter without a GIL) sum a slice of the average each and step their own
 optimizers on their own threads, with barriers between the phases.
 
+On CUDA devices a step queues its work and returns without waiting for the device, as a plain
+torch loop does: the host waits only to read each shard's loss (and, when due, for the digest);
+the calling thread's stream waits on the replicas' updates, so what it reads next sees them.
+Each replica's optimizer is the one ``optimizer_factory`` built, never replaced: torch's foreach
+kernels when built with ``foreach=None`` on CUDA, its fused ones with ``fused=True``, its
+for-loop with ``foreach=False`` (`update_kernels` says which each replica runs).
+
 Frozen parameters (``requires_grad=False``, a LoRA model's base weights) are never averaged,
 copied or sent. At construction replica 0's initial parameters and buffers are loaded into the
 others (as torch DDP broadcasts rank 0's at the start), and all digests are checked equal before
@@ -36,7 +45,6 @@ the first step.
 from __future__ import annotations
 
 import copy
-import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +53,7 @@ from typing import Any
 
 import torch
 
+from paramsync.actors.multidevice.averaging import AveragingKind, averaging_kind, make_average
 from paramsync.actors.multidevice.relay import UpdateRelay
 from paramsync.actors.multidevice.replica import LossFn, Replica
 from paramsync.actors.multidevice.sharding import batch_size, shard_sizes, split_batch
@@ -95,11 +104,13 @@ class BatchResult:
     shard_sizes: tuple[int, ...]
     """Each device's shard size, in device order."""
     compute_seconds: float
-    """Wall time of the parallel forward and backward (gradients on the host)."""
+    """Wall time of the parallel forward and backward (on CUDA: until every replica's was
+    queued)."""
     averaging_seconds: float
-    """Wall time of the weighted gradient average."""
+    """Wall time of the weighted gradient average (on CUDA: of queueing it)."""
     update_seconds: float
-    """Wall time of the replicas' optimizer steps and, when due, the digest check."""
+    """Wall time of the replicas' optimizer steps (on CUDA: of queueing them, and of reading
+    the losses) and, when due, the digest check."""
     checked: bool
     """Whether the replicas' digests were checked after this step."""
 
@@ -123,7 +134,11 @@ class DataParallelCoordinator:
     their digests at once, each on its own thread (True), or one after another on the thread
     that finished its backward last (False); by default at once when a device is a GPU or the
     interpreter runs without a GIL, one after another otherwise (see
-    `paramsync.actors.multidevice.relay`; both give the same bits).
+    `paramsync.actors.multidevice.relay`; both give the same bits). ``averaging``: where the
+    gradients are averaged, ``"device"`` (on replica 0's device, ordered by CUDA events) or
+    ``"host"``; by default on the device when every replica is on a CUDA device, on the host
+    otherwise (`paramsync.actors.multidevice.averaging`; on CPU replicas ``"device"`` runs the
+    same steps with no events, and gives the same bits as ``"host"``).
     """
 
     def __init__(
@@ -137,12 +152,22 @@ class DataParallelCoordinator:
         check_buffers: bool = True,
         intra_op_threads: int = 1,
         concurrent_update: bool | None = None,
+        averaging: AveragingKind | None = None,
     ) -> None:
         if not devices:
             raise ValueError("DataParallelCoordinator needs at least one device")
         if check_interval < 0:
             raise ValueError(f"check_interval must be >= 0, not {check_interval}")
         self.devices = [torch.device(device) for device in devices]
+        kind = averaging_kind(self.devices) if averaging is None else averaging
+        if kind not in ("host", "device"):
+            raise ValueError(f"averaging must be 'host' or 'device', not {averaging!r}")
+        if kind == "device" and len({device.type for device in self.devices}) > 1:
+            raise ValueError(
+                "averaging 'device' needs every replica on CUDA devices or every one on the CPU "
+                "(a mix averages on the host)"
+            )
+        self.averaging: AveragingKind = kind
         self.loss_fn = loss_fn
         self.check_interval = check_interval
         self._step = 0
@@ -156,7 +181,14 @@ class DataParallelCoordinator:
             model.to(device)
             optimizer = optimizer_factory(model)
             self._replicas.append(
-                Replica(index, device, model, optimizer, check_buffers=check_buffers)
+                Replica(
+                    index,
+                    device,
+                    model,
+                    optimizer,
+                    check_buffers=check_buffers,
+                    stage_on_host=kind == "host",
+                )
             )
         first = self._replicas[0]
         names = [name for name, _ in first.trainable]
@@ -170,10 +202,7 @@ class DataParallelCoordinator:
         self.trainable_names: tuple[str, ...] = tuple(names)
         self._threads = ReplicaThreads(len(self.devices), intra_op_threads=intra_op_threads)
         self._labels = [str(device) for device in self.devices]
-        pinned = any(device.type == "cuda" for device in self.devices)
-        self._averaged = torch.zeros(first.numel, dtype=first.dtype, pin_memory=pinned)
-        self._slices = _slices(first.numel, len(self.devices))
-        self._sources = [replica.host_grad for replica in self._replicas]
+        self._average = make_average(kind, self._replicas)
         self._indices = range(len(self.devices))
         if concurrent_update is None:
             concurrent_update = _gil_free() or any(d.type != "cpu" for d in self.devices)
@@ -203,6 +232,13 @@ class DataParallelCoordinator:
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [replica.optimizer for replica in self._replicas]
+
+    @property
+    def update_kernels(self) -> list[str]:
+        """Which of torch's optimizer implementations each replica's optimizer runs
+        (``"foreach"``, ``"fused"``, ``"for-loop"``…: `paramsync.actors.multidevice.replica.
+        update_kernels`), in device order."""
+        return [replica.update_kernels for replica in self._replicas]
 
     @property
     def primary_pipeline(self) -> torch.nn.Module:
@@ -258,12 +294,19 @@ class DataParallelCoordinator:
 
     def compute_gradients(self, samples: Any) -> tuple[list[float], list[int]]:
         """Forward and backward of every shard, in parallel: each replica's gradient ends in its
-        host buffer. Returns the shard losses and sizes in device order."""
+        gradient buffer (and its host copy, when averaged on the host). Returns the shard losses
+        and sizes in device order."""
         sizes = shard_sizes(batch_size(samples), self.num_devices)
         shards = split_batch(samples, self.num_devices)
         loss_fn = self.loss_fn
+        self._follow_caller()
+
+        def compute(replica: Replica, shard: Any) -> float:
+            replica.compute(loss_fn, shard)
+            return replica.loss_value()
+
         jobs = [
-            (lambda replica=replica, shard=shard: replica.compute(loss_fn, shard))
+            (lambda replica=replica, shard=shard: compute(replica, shard))
             for replica, shard in zip(self._replicas, shards)
         ]
         losses = self._threads.run(jobs, phase="forward/backward", devices=self._labels)
@@ -273,18 +316,16 @@ class DataParallelCoordinator:
     def averaged_gradient(self) -> torch.Tensor:
         """The host buffer `average_gradients` writes (trainable parameters, flat, in
         ``trainable_names`` order)."""
-        return self._averaged
+        return self._average.host
 
     def average_gradients(self, weights: Sequence[float]) -> torch.Tensor:
         """``sum(weights[i] * gradient[i])`` over the replicas in device order, into
-        `averaged_gradient`; each replica thread sums one slice of it."""
-        jobs = [(lambda index=index: self._sum_slice(index, weights)) for index in self._indices]
+        `averaged_gradient`: on the host, each replica thread sums one slice of it; on the
+        devices, replica 0's thread queues it, and it is then copied to the host buffer."""
+        average = self._average
+        jobs = [(lambda index=index: average.part(index, weights)) for index in self._indices]
         self._threads.run(jobs, phase="gradient averaging", devices=self._labels)
-        return self._averaged
-
-    def _sum_slice(self, index: int, weights: Sequence[float]) -> None:
-        """Slice ``index`` of the weighted average, summed in device order."""
-        _weighted_sum(self._sources, weights, self._averaged, *self._slices[index])
+        return average.on_host()
 
     def adopt_primary_state(self) -> None:
         """Load the primary replica's parameters, buffers and optimizer state into every other
@@ -317,7 +358,18 @@ class DataParallelCoordinator:
                 f"an averaged gradient of shape {tuple(averaged.shape)} for "
                 f"{self._replicas[0].numel} trainable elements"
             )
-        return self._run_step(None, None, {}, gradient=averaged)[1]
+        checked = self._run_step(None, None, {}, gradient=averaged)[1]
+        for replica in self._replicas:
+            # The caller may overwrite ``averaged`` once this returns: every copy out of it must
+            # be done (a host wait on each copy's own event; the optimizer steps go on).
+            replica.loaded.synchronize()
+        return checked
+
+    def _follow_caller(self) -> None:
+        """Order every replica's next work after what this thread queued on its own streams,
+        and have those streams wait on the replicas' updates."""
+        for replica in self._replicas:
+            replica.follow(replica.caller_stream())
 
     def _run_step(
         self,
@@ -337,7 +389,11 @@ class DataParallelCoordinator:
         `UpdateRelay`). A failing replica is named with the phase it failed in; the step counts
         as taken once its gradients were computed. Returns the shard losses (empty without
         ``shards``) and whether the digests were checked."""
-        gradient = self._averaged if gradient is None else gradient
+        average = self._average
+        source, after = average.source() if gradient is None else (gradient, None)
+        # The fused step's compute has just pointed every .grad at the flat buffer.
+        attach = shards is None
+        self._follow_caller()
         step = self._step + 1
         due = self.check_interval > 0 and step % self.check_interval == 0
         relay = UpdateRelay(self.num_devices)
@@ -356,12 +412,12 @@ class DataParallelCoordinator:
                 marks["computed"] = time.perf_counter()
             if weights is not None:
                 phases[index] = "gradient averaging"
-                self._sum_all(weights)
+                average.whole(weights)
                 marks["averaged"] = time.perf_counter()
             for replica in replicas:
                 acting[index] = replica.index
                 phases[replica.index] = _STEPPING
-                replica.apply(gradient)
+                replica.apply(source, after, attach=attach)
             if not due:
                 return []
             digests = []
@@ -382,26 +438,30 @@ class DataParallelCoordinator:
                     marks["computed"] = time.perf_counter()
             if weights is not None:
                 phases[index] = "gradient averaging"
-                self._sum_slice(index, weights)
+                average.part(index, weights)
                 if not relay.wait_all():
                     return None
                 if index == 0:
                     marks["averaged"] = time.perf_counter()
             phases[index] = _STEPPING
-            replica.apply(gradient)
+            replica.apply(source, after, attach=attach)
             if not due:
                 return []
             phases[index] = _HASHING
             return [replica.digest()]
 
         def job(index: int) -> tuple[float, list[StateDigest] | None]:
-            loss = 0.0
             try:
                 if shards is not None:
-                    loss = replicas[index].compute(loss_fn, shards[index])
+                    replicas[index].compute(loss_fn, shards[index])
                 if concurrent:
-                    return loss, update_own(index)
-                return loss, (update_all(index) if relay.arrive() else None)
+                    digests = update_own(index)
+                else:
+                    digests = update_all(index) if relay.arrive() else None
+                # Read after the update is queued: on CUDA the device is never left idle
+                # while the host waits for the loss.
+                loss = replicas[index].loss_value() if shards is not None else 0.0
+                return loss, digests
             except BaseException:
                 relay.abort()
                 raise
@@ -424,11 +484,6 @@ class DataParallelCoordinator:
             self._compare(digests)
         return ([loss for loss, _ in results] if shards is not None else []), due
 
-    def _sum_all(self, weights: Sequence[float]) -> None:
-        """The whole weighted average at once, summed in device order: element by element the
-        same arithmetic as `_sum_slice` over every slice, in fewer calls."""
-        _weighted_sum(self._sources, weights, self._averaged, 0, len(self._averaged))
-
     def _compare(self, digests: list[StateDigest]) -> None:
         first = digests[0]
         for index, digest in enumerate(digests[1:], start=1):
@@ -442,20 +497,6 @@ class DataParallelCoordinator:
                     LAYOUT_DIFFERS,
                 )
                 raise ReplicaDivergedError(self._step, index, self._labels[index], entry)
-
-
-def _weighted_sum(
-    sources: Sequence[torch.Tensor],
-    weights: Sequence[float],
-    target: torch.Tensor,
-    lo: int,
-    hi: int,
-) -> None:
-    """``target[lo:hi] = sum(weights[i] * sources[i][lo:hi])``, summed in the sources' order."""
-    out = target[lo:hi]
-    torch.mul(sources[0][lo:hi], weights[0], out=out)
-    for source, weight in zip(sources[1:], weights[1:]):
-        out.add_(source[lo:hi], alpha=weight)
 
 
 _STEPPING = "optimizer step"
@@ -480,12 +521,3 @@ def _check_unshared(models: list[torch.nn.Module]) -> None:
                     f"replica {index}'s parameter {name!r} is replica {seen[0]}'s {seen[1]!r}: "
                     "model_factory must build a new model each call (deep-copy a shared base)"
                 )
-
-
-def _slices(length: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous slices covering ``range(length)`` (some empty when length < parts)."""
-    base, extra = divmod(length, parts)
-    bounds = [0]
-    for index in range(parts):
-        bounds.append(bounds[-1] + base + (1 if index < extra else 0))
-    return list(itertools.pairwise(bounds))
