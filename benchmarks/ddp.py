@@ -1,4 +1,4 @@
-"""Training benchmark: paramsync against torch DistributedDataParallel (gloo), same run.
+"""Training benchmark: paramsync against torch DistributedDataParallel, same run.
 
 Both systems train the same model (the built-in `CharTransformer`: d_model 128, 2 layers,
 4 heads, context 64, tied embeddings) from the same initial weights on the same data (the
@@ -11,8 +11,12 @@ one intra-op thread per worker (OMP_NUM_THREADS=1 and torch.set_num_threads(1)).
   and N worker processes that join it through `paramsync.actors.train.worker.join_run` and call
   `DistributedTrainer.train_batch` once per step (the identical-weights digest check included, every
   ``--digest-interval`` steps, 1 by default);
-- DDP: N processes in a gloo process group, the model wrapped in
+- DDP: N processes in a gloo process group (``--ddp-backend nccl``: NCCL, with ``--device cuda``;
+  NCCL takes one rank per GPU, so N GPUs for N ranks), the model wrapped in
   ``torch.nn.parallel.DistributedDataParallel``;
+- with ``--plain``, a plain torch loop: N processes each training the same model with the same
+  loop, with no process group and no DDP at all (``--worlds 1 --plain``: the fixed cost a step of
+  DDP and of paramsync over a plain loop, with one worker; rank 0's CPU time a step for each);
 - the limit: N processes training their replicas with no communication at all (a barrier before
   the first step and after the last only): what the machine allows, so that both systems'
   overhead over the physical limit is printed, paired round by round;
@@ -81,6 +85,10 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 here: the driver imports no torch)."""
 SYSTEMS = ("ddp", "paramsync", "limit")
 LIMIT = "limit"
+PLAIN = "plain"
+"""A plain torch loop (``--plain``): the same processes, model, data and loop as DDP's, with no
+process group and no DDP."""
+DDP_BACKENDS = ("gloo", "nccl")
 OWN_LOOP = "own-loop"
 """paramsync's DDP-shaped entry (``--own-loop``): `paramsync.actors.DistributedDataParallel` with
 the user's loop in the main thread, the trainer in its background trio thread."""
@@ -103,7 +111,8 @@ SPLIT = "paramsync-split"
 """paramsync checking every ``--check-split`` steps (``K``): the check's cost measured within
 one run, each checked step against its unchecked neighbours (`_split_check_cost`)."""
 LABELS = {
-    "ddp": "DDP (gloo)",
+    "ddp": "DDP",
+    PLAIN: "plain torch loop",
     "paramsync": "paramsync",
     LIMIT: "no communication (limit)",
     UNCHECKED: "paramsync, check off",
@@ -283,17 +292,26 @@ _KEEP_ALIVE: list[object] = []
 """torch objects a DDP rank must not destroy before it exits (see `_run_worker`)."""
 
 
-def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
-    """One rank of torch DDP; with ``communicate=False``, of the limit: the same process and
-    loop training its own replica, nothing crossing between ranks but a barrier before the
-    first step and one after the last (so the ranks compete for the cores as DDP's do)."""
+def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True, group: bool = True) -> dict:
+    """One rank of torch DDP (on ``--ddp-backend``); with ``communicate=False``, of the limit:
+    the same process and loop training its own replica, nothing crossing between ranks but a
+    gloo barrier before the first step and one after the last (so the ranks compete for the
+    cores as DDP's do); with ``group=False`` too, of the plain loop: no process group at all."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     model, optimizer, batch, info = _setup(args)
+    if not group:
+        return _plain_loop(args, model, optimizer, batch, info)
+    backend = args.ddp_backend if communicate else "gloo"
+    if backend == "nccl" and args.world > torch.cuda.device_count():
+        raise SystemExit(
+            f"--ddp-backend nccl: NCCL refuses two ranks on one device; {args.world} ranks need "
+            f"{args.world} GPUs, this machine has {torch.cuda.device_count()}"
+        )
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{args.port}",
         rank=args.rank,
         world_size=args.world,
@@ -331,6 +349,7 @@ def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
     finally:
         dist.destroy_process_group()
     result = _result(ends, losses, args.warmup, overall, info, cpu)
+    result["ddp_backend"] = backend
     if not communicate:
         result["allreduce_bytes_per_step"] = 0
     elif args.comm_hook == "none":  # the C++ reducer all-reduces every gradient in float32
@@ -338,6 +357,33 @@ def _worker_ddp(args: argparse.Namespace, *, communicate: bool = True) -> dict:
         result["allreduce_bytes_per_step"] = grads
     else:
         result["allreduce_bytes_per_step"] = counter[0] / args.steps
+    return result
+
+
+def _plain_loop(args: argparse.Namespace, model, optimizer, batch, info: dict) -> dict:
+    """The plain loop's rank: DDP's loop over the bare model, no process group."""
+    import torch
+
+    ends: list[float] = []
+    losses: list[float] = []
+    for step in range(args.warmup + args.steps):
+        inputs, targets = batch(step)
+        optimizer.zero_grad()
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+        loss.backward()
+        if args.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        optimizer.step()
+        losses.append(float(loss.detach()))  # reads the loss: the step's kernels are done
+        ends.append(time.perf_counter())
+        if step == args.warmup - 1:
+            cpu_start = time.process_time()
+    overall = ends[-1] - ends[args.warmup - 1]
+    result = _result(ends, losses, args.warmup, overall, info, (cpu_start, time.process_time()))
+    result["allreduce_bytes_per_step"] = 0
     return result
 
 
@@ -618,13 +664,14 @@ def _run_worker(args: argparse.Namespace) -> None:
     worker = {
         "ddp": _worker_ddp,
         LIMIT: functools.partial(_worker_ddp, communicate=False),
+        PLAIN: functools.partial(_worker_ddp, communicate=False, group=False),
         OWN_LOOP: _worker_own_loop,
         TORCHFT: _worker_torchft,
     }.get(args.worker, _worker_paramsync)
     result = worker(args)
     if args.rank == 0:
         print(json.dumps(result), flush=True)
-    if args.worker in ("ddp", LIMIT, TORCHFT):
+    if args.worker in ("ddp", LIMIT, PLAIN, TORCHFT):
         # Never let torch tear the DDP rank's gloo group down: its destructor joins gloo's
         # worker thread while holding the GIL, and that thread can need the GIL to free its
         # last work (seen: a rank hung in ~ProcessGroupGloo after its result was out).
@@ -650,6 +697,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
         "seed",
         "corpus_bytes",
         "device",
+        "ddp_backend",
         "bucket_bytes",
         "bucket_cap_mb",
         "comm_hook",
@@ -859,7 +907,7 @@ def _summarise(
     table = []
     for world in worlds:
         row: dict = {"world_size": world}
-        for system in (*SYSTEMS, UNCHECKED, VARIANT, SPLIT, TORCH, TORCHFT):
+        for system in (*SYSTEMS, PLAIN, UNCHECKED, VARIANT, SPLIT, TORCH, TORCHFT):
             if (system, world) not in runs:
                 continue
             results = runs[(system, world)]
@@ -901,6 +949,12 @@ def _summarise(
                 ),
             }
         row["comm_hook"] = comm_hook
+        if PLAIN in row:
+            # Each system's fixed cost a step over the plain loop, round by round.
+            for system in ("ddp", "paramsync"):
+                over = _round_ratios(runs[(system, world)], runs[(PLAIN, world)])
+                row[f"{system}_over_plain"] = statistics.median(ratio - 1 for ratio in over)
+        row["ddp_backend"] = runs[("ddp", world)][0].get("ddp_backend", "gloo")
         row["parameters"] = runs[("ddp", world)][0]["parameters"]
         row["vocab_size"] = runs[("ddp", world)][0]["vocab_size"]
         row["step_time_ratio"] = (
@@ -1175,6 +1229,18 @@ def _print_table(table: list[dict]) -> None:
             f"{row['ddp_over_limit'] * 100:+.1f} %"
             f"{_interval_text(row['ddp_over_limit_interval'], percent=True)}"
         )
+        if PLAIN in row:
+            plain = row[PLAIN]
+            cpu = ", ".join(
+                f"{LABELS[system]} {row[system]['cpu_seconds_per_step'] * 1e3:.1f} ms"
+                for system in (PLAIN, "ddp", "paramsync")
+            )
+            print(
+                f"n={row['world_size']}: plain torch loop (no process group, no DDP) "
+                f"{plain['median_step_seconds'] * 1e3:.2f} ms a step; over it, round by round: "
+                f"DDP {row['ddp_over_plain'] * 100:+.1f} %, paramsync "
+                f"{row['paramsync_over_plain'] * 100:+.1f} %; rank 0's CPU a step: {cpu}"
+            )
         if UNCHECKED in row:
             off = row[UNCHECKED]["median_step_seconds"]
             print(
@@ -1333,6 +1399,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument(
+        "--ddp-backend",
+        choices=DDP_BACKENDS,
+        default="gloo",
+        help="torch DDP's process group backend (default gloo; nccl needs --device cuda and one "
+        "GPU per rank: NCCL refuses two ranks on one device)",
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="also run a plain torch loop (the same model and loop, no process group, no DDP) "
+        "in the same rounds, and report each system's cost over it",
+    )
+    parser.add_argument(
         "--comm-hook",
         choices=COMM_HOOKS,
         default="none",
@@ -1424,7 +1503,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the paramsync ranks' Chrome traces (actors' spans; the last round "
         "of each world size is kept)",
     )
-    parser.add_argument("--worker", choices=(*SYSTEMS, OWN_LOOP, TORCHFT), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=(*SYSTEMS, PLAIN, OWN_LOOP, TORCHFT), help=argparse.SUPPRESS
+    )
     parser.add_argument("--lighthouse", help=argparse.SUPPRESS)
     parser.add_argument("--record-phases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -1442,6 +1523,11 @@ def main() -> None:
     if args.worker:
         _run_worker(args)
         return
+    if min(args.worlds) < 1:
+        raise SystemExit("--worlds: every world size must be at least 1")
+    if args.ddp_backend == "nccl" and args.device != "cuda":
+        raise SystemExit("--ddp-backend nccl needs --device cuda")
+    LABELS["ddp"] = f"DDP ({args.ddp_backend})"
     _trainer_options(args.option + args.variant)  # refuse a misspelt field before any run
     if args.torchft:
         import torchft_peer
@@ -1475,6 +1561,8 @@ def main() -> None:
     for world in args.worlds:
         for round_index in range(args.rounds):
             systems = (*SYSTEMS, UNCHECKED) if args.check_cost else SYSTEMS
+            if args.plain:
+                systems = (*systems, PLAIN)
             if args.variant:
                 systems = (*systems, VARIANT)
             if args.check_split:

@@ -258,3 +258,42 @@ def test_clip_grad_norm_goes_to_train_batch_as_an_option_and_stays_in_the_own_lo
     assert ddp._paramsync_options(args, clip=False).clip_grad_norm is None
     flags = ddp._model_flags(args)
     assert flags[flags.index("--clip-grad-norm") + 1] == "0.5"
+
+
+def test_world_size_one_runs_a_plain_loop_beside_ddp_and_paramsync(tmp_path: Path) -> None:
+    """``--worlds 1 --plain``: one worker of each system and the plain torch loop (no process
+    group, no DDP) in the same rounds; each system's cost over it and rank 0's CPU a step."""
+    out = tmp_path / "ddp.json"
+    command = [sys.executable, str(SCRIPT), "--worlds", "1", "--plain", "--no-torch-plane"]
+    command += ["--rounds", "1", "--steps", "4", "--warmup", "1", "--model", "mlp"]
+    command += ["--d-model", "16", "--context", "16", "--corpus-bytes", "50000"]
+    command += ["--json", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["world_size"] == 1 and row["ddp_backend"] == "gloo"
+    for system in ("plain", "ddp", "paramsync"):
+        assert row[system]["median_step_seconds"] > 0
+        assert row[system]["cpu_seconds_per_step"] > 0
+    # The same model, data and loop: the same first loss in every system.
+    assert row["plain"]["first_loss"] == pytest.approx(row["ddp"]["first_loss"], abs=1e-5)
+    assert row["plain"]["first_loss"] == pytest.approx(row["paramsync"]["first_loss"], abs=1e-5)
+    assert {"ddp_over_plain", "paramsync_over_plain", "step_time_ratio"} <= set(row)
+    assert "plain torch loop (no process group, no DDP)" in done.stdout
+    assert "paramsync / DDP round by round" in done.stdout
+
+
+def test_the_ddp_backend_reaches_the_workers_and_nccl_needs_the_gpu() -> None:
+    bench = _module()
+    parser = bench.build_parser()
+    assert parser.parse_args([]).ddp_backend == "gloo"
+    flags = bench._model_flags(parser.parse_args(["--device", "cuda", "--ddp-backend", "nccl"]))
+    assert flags[flags.index("--ddp-backend") + 1] == "nccl"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--ddp-backend", "nccl", "--worlds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "--ddp-backend nccl needs --device cuda" in done.stderr
