@@ -1,21 +1,35 @@
 """GPU check (``make gpu-check``): everything in this project that needs an NVIDIA GPU, in one
-run of at most 8 minutes, as a table of pass, fail or skip lines.
+run of at most 8 minutes, as a table of pass, fail or skip lines, each with the command that
+produced it.
 
 1. every CUDA-gated test (``pytest -m cuda``: each test that needs a GPU carries the ``cuda``
    marker, so a new one is picked up), one line per test: the CUDA compute actor and the
    host-staged data plane (C-STREAMSYNC-001, tests/test_cuda_training.py), multi-device replicas
-   on the GPU, NCCL's device data plane, the digest of device state, autocast on CUDA;
-2. ``benchmarks/multidevice.py --device cuda``: two replicas in threads on the GPU against one
-   replica and torch DDP (gloo) with its 2 ranks on the GPU; the figures in the line;
-3. ``benchmarks/ddp.py --device cuda --worlds 2``: torch DDP (gloo) against paramsync, 2
-   processes sharing the GPU (paramsync's gradients staged through the host); the figures in
-   the line.
+   on the GPU (their device averaging and stream ordering), NCCL's device data plane, the digest
+   of device state, autocast on CUDA;
+2. the benchmarks, one line each with its figures and each figure's target (met or missed):
+
+   (a) ``benchmarks/ddp.py --worlds 1 --ddp-backend nccl --plain``: one worker on the GPU, a
+       plain torch loop, torch DDP on NCCL and paramsync checking its weights every step: each
+       one's step time and rank 0's CPU time a step; paramsync / torch DDP, target <= 1.05x;
+   (b) ``benchmarks/ddp.py --worlds 2``: 2 ranks sharing the GPU, torch DDP on gloo against
+       paramsync (its gradients staged through the host); target <= 1.05x;
+   (c) ``benchmarks/digest.py --device cuda``: the state digest computed on the device, for the
+       417 k-parameter demo model and a ~100 M-parameter one: its time a step and the bytes it
+       moves to the host; target for the large model: <= 2 % of its step;
+   (d) ``benchmarks/multidevice.py --device cuda``: seed 003's two replicas in threads on the
+       GPU against one replica and torch DDP; target: speed-up over one replica >= 1.3x;
+   (b') ``benchmarks/ddp.py --worlds 2 --ddp-backend nccl``: 2 ranks on 2 GPUs, torch DDP and
+       paramsync over NCCL. NCCL refuses two ranks on one device, so with one GPU this line is
+       a skip saying so.
 
 Each part runs in its own process under its own deadline, all within ``--budget`` seconds (480
 by default). Exit status 1 if any line failed, else 0. On a machine where CUDA is not usable
 every line is a skip naming the reason (``torch.cuda.is_available() is False``), and the exit
-status is 0. It runs with the interpreter that runs it (``python3 benchmarks/gpu_check.py``
-from a checkout whose dependencies that interpreter has; ``make gpu-check`` uses the .venv).
+status is 0. A benchmark whose script lacks an option the line needs (another part of the
+project still adding it) is a skip naming the option. It runs with the interpreter that runs
+it (``python3 benchmarks/gpu_check.py`` from a checkout whose dependencies that interpreter has;
+``make gpu-check`` uses the .venv).
 
     python benchmarks/gpu_check.py --logs out/gpu-check --json out/gpu_check.json
 """
@@ -33,23 +47,47 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 480.0
 """The whole run's bound (8 minutes); each part gets its own share of what is left."""
-PART_SECONDS = {"tests": 120.0, "multidevice": 200.0, "ddp": 150.0}
-"""Each part's own deadline (cut to what is left of the budget when it starts). The multidevice
-benchmark starts 12 processes that import peft and transformers: most of its time (123 s on an
-H200 machine, 16 cores)."""
+PART_SECONDS = {
+    "tests": 80.0,
+    "world one": 100.0,
+    "shared": 80.0,
+    "digest": 40.0,
+    "digest large": 60.0,
+    "multidevice": 110.0,
+    "two gpus": 120.0,
+}
+"""Each part's own deadline (cut to what is left of the budget when it starts). A benchmark's
+time is mostly its processes starting (each imports torch and initializes CUDA; 2026-11-27 on an
+H200 machine with 16 cores: 60 s for 6 launches of ddp.py; 92 s for multidevice.py, whose 12
+processes import peft and transformers). The line that needs two GPUs comes last: on one GPU it
+is skipped, on two it takes what is left."""
+MIN_PART_SECONDS = 10.0
+"""A benchmark with less than this left of the budget is skipped (it could not even start)."""
+TARGET_RATIO = 1.05
+"""paramsync / torch DDP, step time: at most this."""
+TARGET_DIGEST_SHARE = 0.02
+"""The digest of the ~100 M-parameter model on the device: at most this share of its step."""
+TARGET_SPEEDUP = 1.3
+"""Seed 003's two replicas in threads on the GPU over one replica: at least this."""
+TIMING = ("--rounds", "2", "--warmup", "5", "--steps", "30")
 MULTIDEVICE = ["--device", "cuda", "--rounds", "3", "--warmup", "3", "--steps", "20"]
-DDP = ["--device", "cuda", "--worlds", "2", "--rounds", "2", "--warmup", "5", "--steps", "30"]
+DDP = ["--device", "cuda", "--worlds", "2", *TIMING]
 DDP_ONLY = ["--no-torch-plane"]
 """NCCL takes one rank per GPU: two ranks on one GPU cannot form paramsync's torch plane, so
-the ddp part compares DDP with paramsync's own (host-staged) plane; the device plane has its
-test (tests/test_torch_groups.py, one rank)."""
+the shared-GPU line compares DDP with paramsync's own (host-staged) plane; the device plane has
+its test (tests/test_torch_groups.py, one rank) and its line on two GPUs."""
+WORLD_ONE = ["--device", "cuda", "--worlds", "1", "--ddp-backend", "nccl", "--plain", *TIMING]
+TWO_GPUS = ["--device", "cuda", "--worlds", "2", "--ddp-backend", "nccl", *TIMING]
+DIGEST = ["--device", "cuda", "--steps", "60"]
+DIGEST_LARGE = ["--device", "cuda", "--params", "100M", "--steps", "30"]
 PROBE = """
 import importlib.util, json, platform
 info = {"python": platform.python_version(), "peft": importlib.util.find_spec("peft") is not None}
@@ -75,6 +113,8 @@ class Line:
     result: str  # "pass", "fail" or "skip"
     seconds: float
     detail: str = ""
+    command: str = ""
+    """What ran (or would have run) for this line, from the checkout's root."""
 
 
 @dataclass
@@ -164,7 +204,12 @@ def collect(paths: list[str], seconds: float) -> tuple[list[str], Line | None]:
 
 
 def skipped_tests(ids: list[str], reason: str) -> list[Line]:
-    return [Line(node, "skip", 0.0, reason) for node in ids]
+    return [Line(node, "skip", 0.0, reason, pytest_command(node)) for node in ids]
+
+
+def pytest_command(node: str) -> str:
+    """The command that runs one CUDA-gated test on its own."""
+    return f"python -m pytest -m cuda '{node}'"
 
 
 def junit_lines(xml_text: str) -> list[Line]:
@@ -184,12 +229,12 @@ def junit_lines(xml_text: str) -> list[Line]:
             text = message[0] if message else ""
             if not classname and problem.text:  # "collection failure": the error's own line
                 text = f"{text}: {_last_line(problem.text)}"
-            lines.append(Line(node, "fail", seconds, text[:200]))
+            lines.append(Line(node, "fail", seconds, text[:200], pytest_command(node)))
         elif skipped is not None:
             message = (skipped.get("message") or "").removeprefix("Skipped: ")
-            lines.append(Line(node, "skip", seconds, message[:200]))
+            lines.append(Line(node, "skip", seconds, message[:200], pytest_command(node)))
         else:
-            lines.append(Line(node, "pass", seconds))
+            lines.append(Line(node, "pass", seconds, "", pytest_command(node)))
     return lines
 
 
@@ -252,6 +297,183 @@ def ddp_detail(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def target(value: float, bound: float, *, at_most: bool, unit: str = "x") -> str:
+    """``value`` against its target, said beside the figure: met or missed."""
+    met = value <= bound if at_most else value >= bound
+    sign = "<=" if at_most else ">="
+    shown = f"{bound * 100:g} %" if unit == "%" else f"{bound:g}x"
+    return f"target {sign} {shown}: {'met' if met else 'missed'}"
+
+
+def ratio_detail(rows: list[dict[str, Any]]) -> str:
+    """`ddp_detail` with the paramsync / torch DDP target."""
+    return f"{ddp_detail(rows)}; {target(rows[0]['step_time_ratio'], TARGET_RATIO, at_most=True)}"
+
+
+def world_one_detail(rows: list[dict[str, Any]]) -> str:
+    """benchmarks/ddp.py ``--worlds 1 --plain``: each system's step time and rank 0's CPU time
+    a step, and paramsync / torch DDP against its target."""
+    row = rows[0]
+    backend = row.get("ddp_backend", "gloo")
+    parts = []
+    for system, label in (("plain", "plain torch"), ("ddp", f"DDP {backend}"), ("paramsync", "")):
+        figures = row[system]
+        parts.append(
+            f"{label or 'paramsync'} {figures['median_step_seconds'] * 1e3:.2f} ms/step "
+            f"(CPU {figures['cpu_seconds_per_step'] * 1e3:.1f} ms)"
+        )
+    ratio = row["step_time_ratio"]
+    return (
+        f"1 worker: {', '.join(parts)}; paramsync / DDP {ratio:.2f}x, "
+        f"{target(ratio, TARGET_RATIO, at_most=True)}"
+    )
+
+
+DIGEST_FIGURES = ("step_seconds", "digest_seconds", "host_bytes")
+"""The figures a line reads from benchmarks/digest.py ``--device cuda``'s JSON: a training
+step's median time, the digest's median time a step, and the bytes the digest copies to the
+host a step."""
+
+
+def digest_detail(result: dict[str, Any], *, share_target: float | None = None) -> str:
+    """benchmarks/digest.py ``--device cuda``'s figures in one line: the digest's time a step,
+    its share of the step (against ``share_target`` if given) and its bytes to the host. A JSON
+    without those figures: its numbers as they are."""
+    if not all(key in result for key in DIGEST_FIGURES):
+        numbers = [
+            f"{key} {value:.4g}" for key, value in _numbers(result) if not isinstance(value, bool)
+        ]
+        missing = ", ".join(key for key in DIGEST_FIGURES if key not in result)
+        return f"no {missing} in its JSON; its figures: {'; '.join(numbers)}"[:400]
+    step, digest = result["step_seconds"], result["digest_seconds"]
+    share = digest / step
+    text = (
+        f"digest {digest * 1e3:.3f} ms a step, {share * 100:.2f} % of a {step * 1e3:.2f} ms "
+        f"step; {int(result['host_bytes'])} bytes to the host"
+    )
+    if share_target is not None:
+        text += f"; {target(share, share_target, at_most=True, unit='%')}"
+    return text
+
+
+def _numbers(value: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every number in a JSON object, by its dotted key."""
+    if isinstance(value, dict):
+        found = []
+        for key, inner in value.items():
+            found += _numbers(inner, f"{prefix}{key}.")
+        return found
+    if isinstance(value, int | float):
+        return [(prefix.rstrip("."), float(value))]
+    return []
+
+
+def speedup_detail(table: dict[str, Any]) -> str:
+    """`multidevice_detail` with the speed-up's target."""
+    speedup = table["speedup_over_one"]
+    return f"{multidevice_detail(table)}; {target(speedup, TARGET_SPEEDUP, at_most=False)}"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark line: ``benchmarks/<script> <options> --json PATH``, and how its JSON
+    becomes the line's figures."""
+
+    name: str
+    script: str
+    options: tuple[str, ...]
+    part: str
+    """Its deadline's key in `PART_SECONDS`."""
+    detail: Callable[[Any], str] = field(compare=False)
+    gpus: int = 1
+    """The GPUs it needs (NCCL takes one rank per GPU)."""
+    needs_peft: bool = False
+
+    @property
+    def command(self) -> str:
+        return " ".join(["python", f"benchmarks/{self.script}", *self.options])
+
+
+BENCHMARKS = (
+    Benchmark(
+        "(a) world size 1: plain torch loop, torch DDP on NCCL, paramsync checking every step",
+        "ddp.py",
+        (*WORLD_ONE, *DDP_ONLY),
+        "world one",
+        lambda result: world_one_detail(result["rows"]),
+    ),
+    Benchmark(
+        "(b) 2 ranks sharing one GPU: torch DDP (gloo) against paramsync",
+        "ddp.py",
+        (*DDP, *DDP_ONLY),
+        "shared",
+        lambda result: ratio_detail(result["rows"]),
+    ),
+    Benchmark(
+        "(c) the digest on the device: the 417 k-parameter demo model",
+        "digest.py",
+        tuple(DIGEST),
+        "digest",
+        digest_detail,
+    ),
+    Benchmark(
+        "(c) the digest on the device: a ~100 M-parameter model",
+        "digest.py",
+        tuple(DIGEST_LARGE),
+        "digest large",
+        lambda result: digest_detail(result, share_target=TARGET_DIGEST_SHARE),
+    ),
+    Benchmark(
+        "(d) seed 003: 2 replicas in threads on the GPU against one",
+        "multidevice.py",
+        tuple(MULTIDEVICE),
+        "multidevice",
+        lambda result: speedup_detail(result["table"]),
+        needs_peft=True,
+    ),
+    Benchmark(
+        "(b') 2 ranks on 2 GPUs: torch DDP on NCCL against paramsync (and over NCCL)",
+        "ddp.py",
+        tuple(TWO_GPUS),
+        "two gpus",
+        lambda result: ratio_detail(result["rows"]),
+        gpus=2,
+    ),
+)
+MULTIDEVICE_NAME = BENCHMARKS[4].name
+DDP_NAME = BENCHMARKS[1].name
+
+
+def missing_options(script: str, options: tuple[str, ...]) -> list[str]:
+    """The ``--options`` that ``benchmarks/<script>``'s argument parser does not define (read
+    from its source: the script is not run)."""
+    source = (ROOT / "benchmarks" / script).read_text()
+    return [
+        option
+        for option in options
+        if option.startswith("--") and f'"{option}"' not in source and f"'{option}'" not in source
+    ]
+
+
+def benchmark_skip(bench: Benchmark, info: dict[str, Any]) -> str | None:
+    """Why ``bench`` cannot run here, or None."""
+    reason = skip_reason(info)
+    if reason is not None:
+        return reason
+    count = int(info.get("count", 0))
+    if bench.gpus > count:
+        return (
+            f"needs {bench.gpus} GPUs (NCCL refuses two ranks on one device); this machine "
+            f"has {count}"
+        )
+    if bench.needs_peft and not info.get("peft"):
+        return "peft is not installed (its LoRA model)"
+    missing = missing_options(bench.script, bench.options)
+    if missing:
+        return f"benchmarks/{bench.script} has no {' '.join(missing)} option yet"
+    return None
+
+
 def run_benchmark(
     name: str, script: str, options: list[str], seconds: float, logs: Path | None, detail: Any
 ) -> Line:
@@ -260,23 +482,25 @@ def run_benchmark(
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, str(ROOT / "benchmarks" / script), *options, "--json", str(out)]
-        log = logs / f"{Path(script).stem}.log" if logs else None
+        log = logs / f"{_log_name(name, script)}.log" if logs else None
         finished = run_part(command, seconds, log)
         if finished.returncode != 0 or not out.exists():
             return _failed(name, finished, seconds)
         return Line(name, "pass", finished.seconds, detail(json.loads(out.read_text())))
 
 
-MULTIDEVICE_NAME = "benchmarks/multidevice.py " + " ".join(MULTIDEVICE)
-DDP_NAME = "benchmarks/ddp.py " + " ".join(DDP + DDP_ONLY)
+def _log_name(name: str, script: str) -> str:
+    """A line's log file's name: its script's and its letter's, ``ddp-a``."""
+    letter = name[1 : name.index(")")] if name.startswith("(") else ""
+    return f"{Path(script).stem}-{letter.replace(chr(39), 'p')}" if letter else Path(script).stem
 
 
 # ----------------------------------------------------------------------------- the run
 
 
 def check(args: argparse.Namespace, info: dict[str, Any]) -> list[Line]:
-    """Every line: the tests, then the two benchmarks (each skipped with the reason when CUDA
-    is not usable here)."""
+    """Every line: the tests, then the benchmarks (each skipped with the reason when it cannot
+    run here)."""
     deadline = time.monotonic() + args.budget
 
     def left(part: str) -> float:
@@ -286,33 +510,22 @@ def check(args: argparse.Namespace, info: dict[str, Any]) -> list[Line]:
     if reason is not None:
         ids, failure = collect(args.tests, left("tests"))
         lines = [failure] if failure else skipped_tests(ids, reason)
-        lines.append(Line(MULTIDEVICE_NAME, "skip", 0.0, reason))
-        lines.append(Line(DDP_NAME, "skip", 0.0, reason))
-        return lines
-    lines = run_tests(args.tests, left("tests"), args.logs)
-    if info.get("peft"):
-        lines.append(
-            run_benchmark(
-                MULTIDEVICE_NAME,
-                "multidevice.py",
-                MULTIDEVICE,
-                left("multidevice"),
-                args.logs,
-                lambda result: multidevice_detail(result["table"]),
-            )
-        )
     else:
-        lines.append(Line(MULTIDEVICE_NAME, "skip", 0.0, "peft is not installed (its LoRA model)"))
-    lines.append(
-        run_benchmark(
-            DDP_NAME,
-            "ddp.py",
-            DDP + DDP_ONLY,
-            left("ddp"),
-            args.logs,
-            lambda result: ddp_detail(result["rows"]),
-        )
-    )
+        lines = run_tests(args.tests, left("tests"), args.logs)
+    for bench in BENCHMARKS:
+        why = benchmark_skip(bench, info)
+        seconds = left(bench.part)
+        if why is None and seconds < MIN_PART_SECONDS:
+            why = f"the {args.budget:.0f} s budget was spent before it started"
+        if why is not None:
+            line = Line(bench.name, "skip", 0.0, why)
+        else:
+            options = list(bench.options)
+            line = run_benchmark(
+                bench.name, bench.script, options, seconds, args.logs, bench.detail
+            )
+        line.command = bench.command
+        lines.append(line)
     return lines
 
 
@@ -328,6 +541,8 @@ def table(lines: list[Line]) -> str:
     rows = [f"{'part':<{width}}  result  seconds  detail"]
     for line in lines:
         rows.append(f"{line.name:<{width}}  {line.result:<6}  {line.seconds:7.1f}  {line.detail}")
+        if line.command:
+            rows.append(f"  $ {line.command}")
     counts = {result: sum(line.result == result for line in lines) for result in RESULTS}
     rows.append(", ".join(f"{count} {result}" for result, count in counts.items()))
     return "\n".join(rows)

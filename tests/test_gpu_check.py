@@ -35,12 +35,16 @@ def test_without_cuda_every_line_is_a_skip_naming_the_reason() -> None:
         "tests/test_cuda_training.py::test_workers_sharing_a_gpu_train_like_one_cpu_process[inproc]",
         "tests/test_cuda_training.py::test_workers_sharing_a_gpu_train_like_one_cpu_process[tcp]",
         "tests/test_digest.py::test_cuda_state_digests_like_its_host_copy",
-        check.MULTIDEVICE_NAME,
-        check.DDP_NAME,
+        *[bench.name for bench in check.BENCHMARKS],
     ]
+    assert check.MULTIDEVICE_NAME in [line.name for line in lines]
+    assert check.DDP_NAME in [line.name for line in lines]
     assert all(line.result == "skip" and line.detail == reason for line in lines)
     assert check.exit_status(lines) == 0
-    assert check.table(lines).splitlines()[-1] == "0 pass, 0 fail, 5 skip"
+    assert check.table(lines).splitlines()[-1] == "0 pass, 0 fail, 9 skip"
+    # Every line is printed with its command: each test's, each benchmark's.
+    assert all(f"  $ {line.command}" in check.table(lines) for line in lines)
+    assert [line.command for line in lines[3:]] == [b.command for b in check.BENCHMARKS]
     assert check.skip_reason({"error": "torch is not importable: boom"}) == (
         "torch is not importable: boom"
     )
@@ -126,3 +130,89 @@ def test_every_cuda_gated_test_carries_the_cuda_marker() -> None:
             if gated.search(text):
                 before = "\n".join(lines[max(0, number - 3) : number])
                 assert "pytest.mark.cuda" in before, f"{path.name}:{number + 1} has no cuda mark"
+
+
+def test_the_benchmark_lines_cover_world_one_shared_gpu_digest_and_seed_003() -> None:
+    check = _module()
+    commands = [bench.command for bench in check.BENCHMARKS]
+    assert any(
+        "ddp.py" in c and "--worlds 1" in c and "--ddp-backend nccl" in c and "--plain" in c
+        for c in commands
+    )
+    assert any("ddp.py" in c and "--worlds 2" in c and "--ddp-backend" not in c for c in commands)
+    assert any("digest.py --device cuda" in c and "--params" not in c for c in commands)
+    assert any("digest.py --device cuda --params 100M" in c for c in commands)
+    assert any("multidevice.py --device cuda" in c for c in commands)
+    # What every script is asked for, its parser defines (digest.py's own options may still be
+    # on their way: the line then says which is missing).
+    for bench in check.BENCHMARKS:
+        missing = check.missing_options(bench.script, bench.options)
+        assert not missing or bench.script == "digest.py", (bench.command, missing)
+    # The whole run fits the budget: the parts that run on one GPU, deadlines added up.
+    one_gpu = [bench.part for bench in check.BENCHMARKS if bench.gpus == 1]
+    spent = check.PART_SECONDS["tests"] + sum(check.PART_SECONDS[part] for part in one_gpu)
+    assert spent <= check.BUDGET_SECONDS == 480
+
+
+def test_lines_needing_two_gpus_or_a_missing_option_are_skipped_saying_why(
+    tmp_path: Path,
+) -> None:
+    check = _module()
+    one_gpu = {"available": True, "count": 1, "name": "GPU", "peft": True}
+    (two_gpus,) = [bench for bench in check.BENCHMARKS if bench.gpus == 2]
+    assert check.benchmark_skip(two_gpus, one_gpu) == (
+        "needs 2 GPUs (NCCL refuses two ranks on one device); this machine has 1"
+    )
+    assert check.benchmark_skip(two_gpus, {**one_gpu, "count": 2}) is None
+    (seed_003,) = [bench for bench in check.BENCHMARKS if bench.needs_peft]
+    assert check.benchmark_skip(seed_003, {**one_gpu, "peft": False}) == (
+        "peft is not installed (its LoRA model)"
+    )
+    assert check.benchmark_skip(seed_003, {"available": False}) == (
+        "torch.cuda.is_available() is False"
+    )
+    absent = check.Benchmark("x", "ddp.py", ("--device", "cuda", "--no-such-flag"), "digest", str)
+    assert check.benchmark_skip(absent, one_gpu) == (
+        "benchmarks/ddp.py has no --no-such-flag option yet"
+    )
+
+
+def test_each_figure_is_printed_beside_its_target() -> None:
+    check = _module()
+    row = {
+        "world_size": 1,
+        "ddp_backend": "nccl",
+        "plain": {"median_step_seconds": 0.004, "cpu_seconds_per_step": 0.0035},
+        "ddp": {"median_step_seconds": 0.005, "cpu_seconds_per_step": 0.004, "final_loss": 2.5},
+        "paramsync": {
+            "median_step_seconds": 0.0051,
+            "cpu_seconds_per_step": 0.0045,
+            "final_loss": 2.5,
+        },
+        "step_time_ratio": 1.02,
+    }
+    assert check.world_one_detail([row]) == (
+        "1 worker: plain torch 4.00 ms/step (CPU 3.5 ms), DDP nccl 5.00 ms/step (CPU 4.0 ms), "
+        "paramsync 5.10 ms/step (CPU 4.5 ms); paramsync / DDP 1.02x, target <= 1.05x: met"
+    )
+    assert check.ratio_detail([{**row, "step_time_ratio": 2.83}]).endswith(
+        "ratio 2.83; final loss 2.5000 / 2.5000; target <= 1.05x: missed"
+    )
+    digest = {"step_seconds": 0.1, "digest_seconds": 0.0015, "host_bytes": 16}
+    assert check.digest_detail(digest, share_target=0.02) == (
+        "digest 1.500 ms a step, 1.50 % of a 100.00 ms step; 16 bytes to the host; "
+        "target <= 2 %: met"
+    )
+    assert check.digest_detail({"state_bytes": 2048, "median_cpu_seconds": {"hasher": 5e-4}}) == (
+        "no step_seconds, digest_seconds, host_bytes in its JSON; its figures: "
+        "state_bytes 2048; median_cpu_seconds.hasher 0.0005"
+    )
+    table = {
+        "threads": {"step_seconds": 0.008},
+        "one": {"step_seconds": 0.012},
+        "ddp": {"step_seconds": 0.008},
+        "speedup_over_one": 1.5,
+        "step_ratio_to_ddp": 1.0,
+    }
+    assert check.speedup_detail(table).endswith("speed-up over one 1.50x, threads / DDP 1.00; "
+                                                "target >= 1.3x: met")  # fmt: skip
