@@ -278,10 +278,11 @@ def test_cuda_tensors_are_reduced_bitwise_alike(tmp_path: Path) -> None:
 def test_ranks_calling_different_collectives_are_named(tmp_path: Path, inner: str) -> None:
     results = launch("mismatch_op", 2, tmp_path, seconds=60, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [3, 3], results
+    on = " on gloo" if inner == "gloo" else ""  # the plane is part of the call
     for rank in range(2):
         _, line = error_line(tmp_path, rank)
-        assert "ranks [0] report 'allreduce(sum)' of [(4,), float32]" in line, line
-        assert "ranks [1] report 'broadcast(root 0)' of [(4,), float32]" in line, line
+        assert f"ranks [0] report 'allreduce(sum){on}' of [(4,), float32]" in line, line
+        assert f"ranks [1] report 'broadcast(root 0){on}' of [(4,), float32]" in line, line
 
 
 @INNER_SOAK
@@ -293,7 +294,10 @@ def test_cached_calls_in_different_orders_are_refused_and_named(tmp_path: Path, 
     assert [code for code, _ in results] == [3, 3], results
     assert not list(tmp_path.glob("rank*.pt"))
     lines = [error_line(tmp_path, rank)[1] for rank in range(2)]
-    named = ["'allreduce(sum)'" in line and "'broadcast(root 0)'" in line for line in lines]
+    on = " on gloo" if inner == "gloo" else ""
+    named = [
+        f"'allreduce(sum){on}'" in line and f"'broadcast(root 0){on}'" in line for line in lines
+    ]
     assert any(named), lines
 
 
@@ -302,8 +306,28 @@ def test_ranks_calling_different_shapes_are_named(tmp_path: Path, inner: str) ->
     results = launch("mismatch_shape", 2, tmp_path, seconds=60, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [3, 3], results
     _, line = error_line(tmp_path, 0)
-    assert "ranks [0] report 'allreduce(sum)' of [(4,), float32]" in line, line
-    assert "ranks [1] report 'allreduce(sum)' of [(5,), float32]" in line, line
+    on = " on gloo" if inner == "gloo" else ""
+    assert f"ranks [0] report 'allreduce(sum){on}' of [(4,), float32]" in line, line
+    assert f"ranks [1] report 'allreduce(sum){on}' of [(5,), float32]" in line, line
+
+
+def test_ranks_asking_for_different_inner_groups_are_refused_at_joining(tmp_path: Path) -> None:
+    """Rank 1 asks for the native plane where rank 0 asks for gloo inside: the coordinator
+    refuses rank 1 at joining, naming the setting; rank 0 stops at the group's timeout."""
+    results = launch(
+        "idle",
+        2,
+        tmp_path,
+        seconds=60,
+        TORCHDIST_TIMEOUT="2",
+        PARAMSYNC_TORCH_INNER="gloo",
+        TORCHDIST_RANK1_INNER="native",
+    )
+    assert results[0][0] not in (0, None, -9) and results[1][0] not in (0, None, -9), results
+    assert (
+        "at parameter 'torch.distributed group 0: inner torch group (PARAMSYNC_TORCH_INNER)': "
+        "dtype native vs gloo" in results[1][1]
+    ), results[1][1][-2000:]
 
 
 @INNER

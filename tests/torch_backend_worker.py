@@ -149,6 +149,8 @@ def main() -> None:
     rank_i, world_i = int(rank), int(world)
     out = Path(out_dir)
     timeout = timedelta(seconds=float(os.environ.get("TORCHDIST_TIMEOUT", "60")))
+    if rank_i == 1 and "TORCHDIST_RANK1_INNER" in os.environ:  # rank 1 asks for another
+        os.environ["PARAMSYNC_TORCH_INNER"] = os.environ["TORCHDIST_RANK1_INNER"]
     if DEVICE == "cuda" and torch.cuda.device_count() > rank_i:
         torch.cuda.set_device(rank_i)  # one GPU a rank where there are enough
     dist.init_process_group(

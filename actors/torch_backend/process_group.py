@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -134,6 +135,7 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
         timeout_seconds=_seconds(options.timeout),
         heartbeat_deadline=heartbeat_deadline,
         host=_coordinator_host(),
+        inner=kind,
     )
     hosted: tuple[str, int] | None = None
     launched = os.environ.get(COORDINATOR_ENV, "").strip()
@@ -151,7 +153,6 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
         secret=secret,
         options=session_options,
         coordinator=hosted,
-        inner=kind,
     )
 
 
@@ -210,7 +211,6 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         secret: bytes,
         options: SessionOptions,
         coordinator: tuple[str, int] | None = None,
-        inner: str = "native",
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form
         self._rank, self._size = rank, size
@@ -234,9 +234,9 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             host, port_text = store.get(key).decode().rsplit(" ", 1)
             address = (host, int(port_text))
         self.session.open(address)
-        if inner != "native":
+        if options.inner != "native":
             self.session.inner = InnerGroups(
-                inner,
+                options.inner,
                 store,
                 rank,
                 size,
@@ -276,20 +276,25 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         result: Any,
         *,
         p2p: bool = False,
-        inner: Callable[[], None] | None = None,
+        inner: tuple[str, Callable[[], None]] | None = None,
     ) -> Any:
-        """Queue ``call``: ``run`` on paramsync's mesh, or ``inner`` (from `_inner`) on the
-        inner torch group."""
+        """Queue ``call``: ``run`` on paramsync's mesh, or, with ``inner`` (from `_inner`: the
+        plane and the call on it), on the inner torch group, the plane named in the call the
+        members must agree on."""
         future: torch.futures.Future[Any] = torch.futures.Future()
-        self.session.submit(_Op(call, run, future, result, p2p=p2p, inner=inner))
+        on_inner = None
+        if inner is not None:
+            plane, on_inner = inner
+            call = replace(call, plane=plane)
+        self.session.submit(_Op(call, run, future, result, p2p=p2p, inner=on_inner))
         return _work(future)
 
     def _inner(
         self, tensors: Sequence[torch.Tensor], run: Callable[[Any, str], None]
-    ) -> Callable[[], None] | None:
+    ) -> tuple[str, Callable[[], None]] | None:
         """``run(torch_group, route)`` as a call on the inner group that takes ``tensors``
-        (issued on the caller's current CUDA stream), or None: the call runs on the native
-        plane."""
+        (issued on the caller's current CUDA stream), with its route ("nccl", "gloo"), or
+        None: the call runs on the native plane."""
         groups = self.session.inner
         route = groups.route(tensors) if groups is not None else None
         self.calls_by_plane[route or "native"] += 1
@@ -301,7 +306,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             with on_stream(stream):
                 run(groups.group(route), route)
 
-        return call
+        return route, call
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
         for tensor in tensors:

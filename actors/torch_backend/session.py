@@ -45,7 +45,7 @@ import trio
 from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
 from paramsync.actors.state.digest import StateDigest
 from paramsync.actors.torch_backend.calls import Call
-from paramsync.actors.torch_backend.inner import InnerGroups
+from paramsync.actors.torch_backend.inner import INNER_ENV, InnerGroups
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed
@@ -83,6 +83,9 @@ class SessionOptions:
     at the same place of an earlier step (the coordinator still checks every report)."""
     host: str = "127.0.0.1"
     """The address rank 0's coordinator listens on."""
+    inner: str = "native"
+    """The inner torch group kind (`paramsync.actors.torch_backend.inner`): part of the group's
+    signature at joining, so ranks that asked for different kinds are refused, named."""
 
 
 @dataclass(eq=False)
@@ -327,8 +330,11 @@ class GroupSession:
         self.client = client
         try:
             with trio.fail_after(seconds):
+                group = f"torch.distributed group {self.name}"
                 signature = (
-                    (f"torch.distributed group {self.name}", (self.size,), "group", False),
+                    (group, (self.size,), "group", False),
+                    # Ranks that asked for different inner groups are refused here, named.
+                    (f"{group}: inner torch group ({INNER_ENV})", (), self.options.inner, False),
                 )
                 joined = await client.join(signature, (local_host, port))
                 start = joined.start
