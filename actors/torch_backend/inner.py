@@ -16,7 +16,9 @@ and ``new_group``: the same words, as a string or a mapping ``{"inner": ...}``):
 * ``native``: every byte on paramsync's mesh (CUDA tensors staged through host memory).
 
 A call whose tensors the inner group does not take (mixed devices, a dtype torch's group does
-not reduce, such as int16 on gloo) runs on the native plane, as do barriers.
+not reduce, such as int16 on gloo) runs on the native plane, as do barriers and, with gloo,
+point-to-point messages (gloo sends only once the receiver has posted its receive, which would
+hold the group's executor between an ``isend`` and its ``irecv``).
 """
 
 from __future__ import annotations

@@ -67,11 +67,11 @@ def capture_stream(tensors: Sequence[torch.Tensor]) -> Any:
 
 @contextmanager
 def on_stream(stream: Any) -> Iterator[None]:
-    """Make ``stream`` current in this thread (nothing for None)."""
+    """Make ``stream`` and its device current in this thread (nothing for None)."""
     if stream is None:
         yield
         return
-    with torch.cuda.stream(stream):  # pragma: no cover - needs CUDA
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):  # pragma: no cover
         yield
 
 

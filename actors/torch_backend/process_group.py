@@ -235,14 +235,21 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             address = (host, int(port_text))
         self.session.open(address)
         if options.inner != "native":
-            self.session.inner = InnerGroups(
-                options.inner,
-                store,
-                rank,
-                size,
-                timedelta(seconds=options.timeout_seconds),
-                prefix=f"{key}/inner/",
-            )
+            try:
+                self.session.inner = InnerGroups(
+                    options.inner,
+                    store,
+                    rank,
+                    size,
+                    timedelta(seconds=options.timeout_seconds),
+                    prefix=f"{key}/inner/",
+                )
+            except RuntimeError as exc:  # gloo's connections, within the group's timeout
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise BackendError(
+                    f"paramsync group {name}, rank {rank}: its inner {options.inner} group did "
+                    f"not form within {options.timeout_seconds:g} s: {first}"
+                ) from None
         watch_group(self, prove=proof_enabled())
 
     # ------------------------------------------------------------------ identity
@@ -290,13 +297,18 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         return _work(future)
 
     def _inner(
-        self, tensors: Sequence[torch.Tensor], run: Callable[[Any, str], None]
+        self,
+        tensors: Sequence[torch.Tensor],
+        run: Callable[[Any, str], None],
+        planes: tuple[str, ...] = ("nccl", "gloo"),
     ) -> tuple[str, Callable[[], None]] | None:
         """``run(torch_group, route)`` as a call on the inner group that takes ``tensors``
-        (issued on the caller's current CUDA stream), with its route ("nccl", "gloo"), or
+        (issued on the caller's current CUDA stream), with its route (one of ``planes``), or
         None: the call runs on the native plane."""
         groups = self.session.inner
         route = groups.route(tensors) if groups is not None else None
+        if route not in planes:
+            route = None
         self.calls_by_plane[route or "native"] += 1
         if groups is None or route is None:
             return None
@@ -523,7 +535,10 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             for tensor in tensors:
                 await send_op(group, tensor, dst, tag)
 
-        inner = self._inner(tensors, lambda group, _: inner_send(group, tensors, dst, tag))
+        # gloo sends once the receiver has posted its receive, which would hold the executor
+        # (an isend before its irecv): point-to-point stays on the native plane but on NCCL.
+        run_inner = partial(inner_send, tensors=tensors, dst=dst, tag=tag)
+        inner = self._inner(tensors, lambda group, _: run_inner(group), planes=("nccl",))
         return self._submit(call, run, tensors, p2p=True, inner=inner)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
@@ -534,7 +549,8 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             for tensor in tensors:
                 await recv_op(group, tensor, src, tag)
 
-        inner = self._inner(tensors, lambda group, _: inner_recv(group, tensors, src, tag))
+        run_inner = partial(inner_recv, tensors=tensors, src=src, tag=tag)
+        inner = self._inner(tensors, lambda group, _: run_inner(group), planes=("nccl",))
         return self._submit(call, run, tensors, p2p=True, inner=inner)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
