@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -62,3 +66,27 @@ def test_cuda_tensors_go_to_nccl_unless_native() -> None:
     assert route_for("native", on_gpu, nccl=True) is None
     assert route_for("auto", on_gpu, nccl=False) is None
     assert route_for("auto", [*on_gpu, torch.ones(3)], nccl=True) is None
+
+
+def test_pg_options_choose_the_inner_group_of_each_group() -> None:
+    """torch hands ``pg_options`` of ``init_process_group`` and ``new_group`` to the backend:
+    each group takes the kind it names (one rank; the calls counted by plane)."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "store = dist.TCPStore('127.0.0.1', 0, 1, True)\n"
+        "dist.init_process_group('paramsync', store=store, rank=0, world_size=1,\n"
+        "                        pg_options={'inner': 'gloo'})\n"
+        "t = torch.ones(4)\n"
+        "dist.all_reduce(t)\n"
+        "sub = dist.new_group([0], pg_options='native')\n"
+        "dist.all_reduce(t, group=sub)\n"
+        "print(dict(dist.group.WORLD.calls_by_plane), dict(sub.calls_by_plane), t.tolist())\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = dict(os.environ, PARAMSYNC_SECRET="inner-tests-Secret-0123456789-abcdefghijklmn")
+    env.pop(INNER_ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "{'gloo': 1} {'native': 1} [1.0, 1.0, 1.0, 1.0]"
