@@ -9,14 +9,21 @@
 * a rank SIGKILLed in the middle of training, or one that stalls, is named to every survivor
   within the deadline: nothing hangs;
 * the backend's registration at ``import torch`` costs little and never breaks it.
+
+The collectives and DDP also run in wrapper mode (``PARAMSYNC_TORCH_INNER=gloo``: the bytes
+through an inner gloo group, the coordinator's agreement and proof unchanged); the soak run
+(``-m soak``) runs the other scenarios in wrapper mode too: the mismatches, the nudged replica,
+the killed ranks, the stall and the idle group.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +34,25 @@ WORKER = Path(__file__).with_name("torch_backend_worker.py")
 PER_RANK = ("recv", "subgroup", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single")
 """Results that differ by rank by design (each rank's own part)."""
 SECRET = "torch-backend-tests-Secret-0123456789-abcdefghij"
+
+INNER = pytest.mark.parametrize("inner", ["native", pytest.param("gloo", id="gloo-inside")])
+"""Run on the native plane and in wrapper mode (an inner gloo group carries the bytes)."""
+INNER_SOAK = pytest.mark.parametrize(
+    "inner", ["native", pytest.param("gloo", id="gloo-inside", marks=pytest.mark.soak)]
+)
+"""As `INNER`, wrapper mode in the soak run only."""
+
+FLOAT_SUMS = (
+    "allreduce/big",
+    "allreduce/bfloat16",
+    "allreduce/complex64",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "async",
+)
+"""Results that sum floating point values of 3 ranks (besides ``allreduce/{sum,avg,product}``
+of a float dtype): gloo sums in another order than paramsync's ring, so they agree with the
+native plane's within rounding, and bitwise across ranks."""
 
 
 def launch(
@@ -64,14 +90,42 @@ def error_line(out: Path, rank: int) -> tuple[float, str]:
     return float(seconds), line
 
 
+def planes(out: Path, rank: int) -> dict[str, int]:
+    """How many of the world group's calls each plane ran on ``rank``."""
+    counts: dict[str, int] = json.loads((out / f"rank{rank}.planes.json").read_text())
+    return counts
+
+
+Run = tuple[list[dict[str, torch.Tensor]], list[dict[str, int]]]
+
+
 @pytest.fixture(scope="module")
-def collective_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    out = tmp_path_factory.mktemp("torch-backend-collectives")
-    world = 3
-    results = launch("collectives", world, out)
-    for rank, (code, output) in enumerate(results):
-        assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+def collective_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """The collectives scenario on 3 ranks with an inner group (run once per kind): each
+    rank's results and calls by plane."""
+    runs: dict[str, Run] = {}
+
+    def run(inner: str) -> Run:
+        if inner not in runs:
+            out = tmp_path_factory.mktemp(f"torch-backend-collectives-{inner}")
+            world = 3
+            results = launch("collectives", world, out, PARAMSYNC_TORCH_INNER=inner)
+            for rank, (code, output) in enumerate(results):
+                assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
+            runs[inner] = (
+                [torch.load(out / f"rank{rank}.pt") for rank in range(world)],
+                [planes(out, rank) for rank in range(world)],
+            )
+        return runs[inner]
+
+    return run
+
+
+@pytest.fixture(scope="module", params=["native", pytest.param("gloo", id="gloo-inside")])
+def collective_results(
+    request: pytest.FixtureRequest, collective_runs: Callable[[str], Run]
+) -> list[dict[str, torch.Tensor]]:
+    return collective_runs(request.param)[0]
 
 
 def test_every_rank_gets_bitwise_the_same_results(
@@ -139,12 +193,80 @@ def test_results_are_the_single_process_values(
     )
 
 
+def test_gloo_inside_carries_the_bytes_alike_with_the_native_plane(
+    collective_runs: Callable[[str], Run],
+) -> None:
+    """In wrapper mode the inner gloo group carries every collective but the barrier, and each
+    result is bitwise the native plane's, floating point sums aside (another summation
+    order: equal within rounding)."""
+    native, _ = collective_runs("native")
+    wrapped, counts = collective_runs("gloo")
+    for rank, count in enumerate(counts):
+        # The barrier, and rank 0's send and rank 1's receive: gloo's point-to-point waits
+        # for the receiver, so it stays on the native plane.
+        assert count["gloo"] >= 35 and count["native"] == (2 if rank < 2 else 1), (rank, count)
+    for rank in range(len(native)):
+        for key, expected in native[rank].items():
+            got = wrapped[rank][key]
+            sums = key.endswith(("/torch.float32", "/torch.float64")) and key.startswith(
+                ("allreduce/sum/", "allreduce/avg/", "allreduce/product/")
+            )
+            if key == "allreduce/bfloat16":
+                # Each order rounds twice to bfloat16, by at most half a step (2**-5 for the
+                # partial sums here, all below 8): the two sums are within 2**-4.
+                difference = (got.float() - expected.float()).abs().max().item()
+                assert difference <= 2**-4, f"rank {rank}: {key} differs by {difference}"
+            elif sums or key in FLOAT_SUMS:
+                torch.testing.assert_close(got, expected, msg=f"rank {rank}: {key}")
+            else:
+                assert torch.equal(got, expected), f"rank {rank}: {key}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_tensors_go_through_nccl_inside(tmp_path: Path) -> None:
+    """On one GPU (NCCL refuses two ranks on one device): every collective on CUDA tensors
+    runs on the inner NCCL group, the tensors never leaving the device, with the single
+    process's values; DDP trains on it and the proof runs every step."""
+    results = launch("collectives", 1, tmp_path, TORCHDIST_DEVICE="cuda")
+    assert results[0][0] == 0, results[0][1][-3000:]
+    got = torch.load(tmp_path / "rank0.pt")
+    for name in ("sum", "max", "bxor"):
+        dtype = torch.int64
+        assert torch.equal(got[f"allreduce/{name}/{dtype}"], values(0, dtype)), name
+    assert torch.equal(got["allgather"], values(0, torch.float32).view(1, -1))
+    assert torch.equal(got["all_to_all_single"], torch.arange(4, dtype=torch.float32))
+    assert planes(tmp_path, 0)["nccl"] >= 30, planes(tmp_path, 0)
+    trained = launch("train", 1, tmp_path / "train", TORCHDIST_DEVICE="cuda")
+    assert trained[0][0] == 0, trained[0][1][-3000:]
+    assert planes(tmp_path / "train", 0)["nccl"] > 6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+def test_cuda_tensors_through_nccl_are_bitwise_alike(tmp_path: Path) -> None:
+    """The collectives on CUDA tensors, 2 ranks on 2 GPUs through the inner NCCL group: every
+    rank gets bitwise the same results, and the point-to-point message."""
+    results = launch("collectives", 2, tmp_path, TORCHDIST_DEVICE="cuda")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
+    ours = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for key in ours[0]:
+        if key not in PER_RANK:
+            assert torch.equal(ours[0][key], ours[1][key]), key
+    assert torch.equal(ours[1]["recv"], torch.full((5,), 7.0))
+    assert all(planes(tmp_path, rank)["nccl"] >= 30 for rank in range(2))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_tensors_are_reduced_bitwise_alike(tmp_path: Path) -> None:
     """The same collectives on CUDA tensors (2 ranks sharing the GPU, staged through host
-    memory): every rank gets bitwise the same results, and the point-to-point message."""
-    results = launch("collectives", 2, tmp_path, TORCHDIST_DEVICE="cuda")
+    memory on the native plane): every rank gets bitwise the same results, and the
+    point-to-point message."""
+    results = launch(
+        "collectives", 2, tmp_path, TORCHDIST_DEVICE="cuda", PARAMSYNC_TORCH_INNER="native"
+    )
     for rank, (code, output) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
     ours = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
@@ -154,65 +276,111 @@ def test_cuda_tensors_are_reduced_bitwise_alike(tmp_path: Path) -> None:
     assert torch.equal(ours[1]["recv"], torch.full((5,), 7.0))
 
 
-def test_ranks_calling_different_collectives_are_named(tmp_path: Path) -> None:
-    results = launch("mismatch_op", 2, tmp_path, seconds=60)
+@INNER_SOAK
+def test_ranks_calling_different_collectives_are_named(tmp_path: Path, inner: str) -> None:
+    results = launch("mismatch_op", 2, tmp_path, seconds=60, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [3, 3], results
+    on = " on gloo" if inner == "gloo" else ""  # the plane is part of the call
     for rank in range(2):
         _, line = error_line(tmp_path, rank)
-        assert "ranks [0] report 'allreduce(sum)' of [(4,), float32]" in line, line
-        assert "ranks [1] report 'broadcast(root 0)' of [(4,), float32]" in line, line
+        assert f"ranks [0] report 'allreduce(sum){on}' of [(4,), float32]" in line, line
+        assert f"ranks [1] report 'broadcast(root 0){on}' of [(4,), float32]" in line, line
 
 
-def test_cached_calls_in_different_orders_are_refused_and_named(tmp_path: Path) -> None:
+@INNER_SOAK
+def test_cached_calls_in_different_orders_are_refused_and_named(tmp_path: Path, inner: str) -> None:
     """Calls the members agreed on before start at once (the response cache); ranks that then
     call them in different orders are still refused before any result is returned (each
     call's frames carry its hash) and stopped with both calls named."""
-    results = launch("mismatch_cached", 2, tmp_path, seconds=60)
+    results = launch("mismatch_cached", 2, tmp_path, seconds=60, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [3, 3], results
     assert not list(tmp_path.glob("rank*.pt"))
     lines = [error_line(tmp_path, rank)[1] for rank in range(2)]
-    named = ["'allreduce(sum)'" in line and "'broadcast(root 0)'" in line for line in lines]
+    on = " on gloo" if inner == "gloo" else ""
+    named = [
+        f"'allreduce(sum){on}'" in line and f"'broadcast(root 0){on}'" in line for line in lines
+    ]
     assert any(named), lines
 
 
-def test_ranks_calling_different_shapes_are_named(tmp_path: Path) -> None:
-    results = launch("mismatch_shape", 2, tmp_path, seconds=60)
+@INNER_SOAK
+def test_ranks_calling_different_shapes_are_named(tmp_path: Path, inner: str) -> None:
+    results = launch("mismatch_shape", 2, tmp_path, seconds=60, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [3, 3], results
     _, line = error_line(tmp_path, 0)
-    assert "ranks [0] report 'allreduce(sum)' of [(4,), float32]" in line, line
-    assert "ranks [1] report 'allreduce(sum)' of [(5,), float32]" in line, line
+    on = " on gloo" if inner == "gloo" else ""
+    assert f"ranks [0] report 'allreduce(sum){on}' of [(4,), float32]" in line, line
+    assert f"ranks [1] report 'allreduce(sum){on}' of [(5,), float32]" in line, line
 
 
-def test_ddp_replicas_end_bitwise_identical(tmp_path: Path) -> None:
-    results = launch("train", 2, tmp_path)
+def test_ranks_asking_for_different_inner_groups_are_refused_at_joining(tmp_path: Path) -> None:
+    """Rank 1 asks for the native plane where rank 0 asks for gloo inside: the coordinator
+    refuses rank 1 at joining, naming the setting; rank 0 stops at the group's timeout."""
+    results = launch(
+        "idle",
+        2,
+        tmp_path,
+        seconds=60,
+        TORCHDIST_TIMEOUT="2",
+        PARAMSYNC_TORCH_INNER="gloo",
+        TORCHDIST_RANK1_INNER="native",
+    )
+    assert results[0][0] not in (0, None, -9) and results[1][0] not in (0, None, -9), results
+    assert (
+        "at parameter 'torch.distributed group 0: inner torch group (PARAMSYNC_TORCH_INNER)': "
+        "dtype native vs gloo" in results[1][1]
+    ), results[1][1][-2000:]
+
+
+@INNER
+def test_ddp_replicas_end_bitwise_identical(tmp_path: Path, inner: str) -> None:
+    results = launch("train", 2, tmp_path, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [0, 0], results
+    # Every gradient bucket of the 6 steps went through the plane asked for.
+    assert all(planes(tmp_path, rank).get(inner, 0) >= 6 for rank in range(2))
     states = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for key in states[0]:
         assert torch.equal(states[0][key], states[1][key]), key
 
 
-def test_state_ddp_does_not_replicate_is_never_flagged(tmp_path: Path) -> None:
+@INNER_SOAK
+def test_state_ddp_does_not_replicate_is_never_flagged(tmp_path: Path, inner: str) -> None:
     """A rank-local head, different on every rank, stepped by the DDP module's optimizer:
     the proof compares the module and its part of the optimizer only."""
-    results = launch("local_head", 2, tmp_path)
+    results = launch("local_head", 2, tmp_path, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [0, 0], results
 
 
-def test_a_nudged_replica_is_caught_at_that_step(tmp_path: Path) -> None:
-    results = launch("nudge", 2, tmp_path)
+@INNER_SOAK
+def test_a_nudged_replica_is_caught_at_that_step(tmp_path: Path, inner: str) -> None:
+    results = launch("nudge", 2, tmp_path, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [3, 3], results
     for rank in range(2):
         _, line = error_line(tmp_path, rank)
         assert "step 4" in line and "rank 1" in line and "2.bias" in line, line
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["a member", "the coordinator's host"])
-def test_a_killed_rank_is_named_to_every_survivor(tmp_path: Path, killed: int) -> None:
+@pytest.mark.parametrize(
+    ("killed", "inner"),
+    [
+        pytest.param(1, "native", id="a member"),
+        pytest.param(0, "native", id="the coordinator's host"),
+        pytest.param(1, "gloo", id="a member, gloo inside", marks=pytest.mark.soak),
+        pytest.param(0, "gloo", id="the coordinator's host, gloo inside", marks=pytest.mark.soak),
+    ],
+)
+def test_a_killed_rank_is_named_to_every_survivor(tmp_path: Path, killed: int, inner: str) -> None:
     """3 ranks train under torch DDP; one is SIGKILLed after a backward. Every survivor exits
     with one line naming it, well within the deadline (the heartbeat deadline, 10 s)."""
     started = time.monotonic()
     results = launch(
-        "kill", 3, tmp_path, seconds=90, TORCHDIST_TIMEOUT="30", TORCHDIST_KILL_RANK=str(killed)
+        "kill",
+        3,
+        tmp_path,
+        seconds=90,
+        TORCHDIST_TIMEOUT="30",
+        TORCHDIST_KILL_RANK=str(killed),
+        PARAMSYNC_TORCH_INNER=inner,
     )
     assert results[killed][0] == -9, results[killed]
     for rank in {0, 1, 2} - {killed}:
@@ -223,18 +391,24 @@ def test_a_killed_rank_is_named_to_every_survivor(tmp_path: Path, killed: int) -
     assert time.monotonic() - started < 90
 
 
-def test_a_stalled_rank_is_named_within_the_deadline(tmp_path: Path) -> None:
-    results = launch("stall", 2, tmp_path, seconds=60, TORCHDIST_TIMEOUT="4")
+@INNER_SOAK
+def test_a_stalled_rank_is_named_within_the_deadline(tmp_path: Path, inner: str) -> None:
+    results = launch(
+        "stall", 2, tmp_path, seconds=60, TORCHDIST_TIMEOUT="4", PARAMSYNC_TORCH_INNER=inner
+    )
     assert [code for code, _ in results] == [3, 3], results
     seconds, line = error_line(tmp_path, 0)
     assert "[1]" in line or "rank 1" in line, line
     assert seconds < 4 + 6, seconds
 
 
-def test_a_group_idle_past_its_timeout_is_not_stalled(tmp_path: Path) -> None:
+@INNER_SOAK
+def test_a_group_idle_past_its_timeout_is_not_stalled(tmp_path: Path, inner: str) -> None:
     """Only a call some ranks made and others did not counts as a stall: ranks that all sit
     between calls longer than the group's timeout go on."""
-    results = launch("idle", 2, tmp_path, seconds=90, TORCHDIST_TIMEOUT="3")
+    results = launch(
+        "idle", 2, tmp_path, seconds=90, TORCHDIST_TIMEOUT="3", PARAMSYNC_TORCH_INNER=inner
+    )
     assert [code for code, _ in results] == [0, 0], results
 
 

@@ -5,12 +5,14 @@
 
 Plain torch code: ``init_process_group("paramsync")`` after ``import torch``, nothing
 imported from paramsync. Each rank writes what it saw to OUT (``rank<r>.pt``: the results;
-``rank<r>.err``: the one error line a failed collective raised) and exits 0 unless the
-scenario says otherwise.
+``rank<r>.err``: the one error line a failed collective raised; ``rank<r>.planes.json``: how
+many of the world group's calls each plane ran) and exits 0 unless the scenario says otherwise.
+``PARAMSYNC_TORCH_INNER`` (the launcher's environment) chooses the inner torch group.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -37,7 +39,8 @@ REDUCE_OPS = {
 KILL_RANK = int(os.environ.get("TORCHDIST_KILL_RANK", "1"))
 """The rank the ``kill`` scenario SIGKILLs after its backward."""
 DEVICE = os.environ.get("TORCHDIST_DEVICE", "cpu")
-"""Where the collectives' tensors live (``cuda``: staged through host memory by the backend)."""
+"""Where the collectives' tensors live (``cuda``: NCCL inside by default, staged through host
+memory with ``PARAMSYNC_TORCH_INNER=native``)."""
 
 
 def values(rank: int, dtype: torch.dtype, n: int = 37, device: str = "cpu") -> torch.Tensor:
@@ -122,11 +125,13 @@ def train(
 ) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model.to(DEVICE)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = x.to(DEVICE), y.to(DEVICE)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -144,6 +149,10 @@ def main() -> None:
     rank_i, world_i = int(rank), int(world)
     out = Path(out_dir)
     timeout = timedelta(seconds=float(os.environ.get("TORCHDIST_TIMEOUT", "60")))
+    if rank_i == 1 and "TORCHDIST_RANK1_INNER" in os.environ:  # rank 1 asks for another
+        os.environ["PARAMSYNC_TORCH_INNER"] = os.environ["TORCHDIST_RANK1_INNER"]
+    if DEVICE == "cuda" and torch.cuda.device_count() > rank_i:
+        torch.cuda.set_device(rank_i)  # one GPU a rank where there are enough
     dist.init_process_group(
         "paramsync",
         init_method=f"file://{store}",  # torch's FileStore: no port to race for
@@ -176,7 +185,8 @@ def main() -> None:
         elif scenario == "mismatch_shape":
             dist.all_reduce(torch.ones(4 + rank_i))
         elif scenario == "train":
-            torch.save(train(rank_i, 6).state_dict(), out / f"rank{rank}.pt")
+            state = train(rank_i, 6).state_dict()
+            torch.save({key: value.cpu() for key, value in state.items()}, out / f"rank{rank}.pt")
         elif scenario == "local_head":
             # DDP replicates the body; a head kept per rank (different on each) is stepped by
             # the same optimizer: only the body and its optimizer state are compared.
@@ -205,6 +215,8 @@ def main() -> None:
             dist.all_reduce(torch.ones(4))
         else:
             raise SystemExit(f"unknown scenario {scenario}")
+        planes = dict(getattr(dist.group.WORLD, "calls_by_plane", {}))
+        (out / f"rank{rank}.planes.json").write_text(json.dumps(planes))
         dist.barrier()
     except Exception as exc:
         line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

@@ -1,9 +1,11 @@
 """paramsync as a torch.distributed backend: ``init_process_group("paramsync")``.
 
 Lowest first: `calls` (what one torch call is, as the coordinator compares it; pure), `ops`
-(torch's collectives written with paramsync's), `session` (a group's coordinator, client,
-meshes and executor in the backend's trio loop), `proof` (the identical-state proof for torch
-DDP modules) and `process_group` (the `torch.distributed.ProcessGroup` subclass, whose
-factory `paramsync.torch_entry` registers at ``import torch`` and imports at the first group).
+(torch's collectives written with paramsync's), `inner` and `inner_ops` (the inner torch group
+a group hands bytes to in the wrapper mode, and the collectives on it), `session` (a group's
+coordinator, client, meshes and executor in the backend's trio loop), `proof` (the
+identical-state proof for torch DDP modules) and `process_group` (the
+`torch.distributed.ProcessGroup` subclass, whose factory `paramsync.torch_entry` registers at
+``import torch`` and imports at the first group).
 This package imports nothing on its own.
 """

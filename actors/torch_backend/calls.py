@@ -7,7 +7,9 @@ first entry names the call, the others are the tensors) and sends the go only wh
 member described the same call; otherwise it stops the run naming the ranks and both calls
 (`paramsync.runtime.coordinator.events.spec_text` prints a call entry as the call). Two ranks that
 call ``all_reduce`` and ``broadcast`` at the same point, or all-reduce different shapes, are
-therefore stopped before any byte of data moves.
+therefore stopped before any byte of data moves. A call whose bytes go through the group's
+inner torch group names it (``allreduce(sum) on nccl``): ranks that would run the same call on
+different planes (a CUDA tensor on one, a CPU tensor on another) are stopped the same way.
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ def reduce_op_name(op: object) -> str:
 @dataclass(frozen=True)
 class Call:
     """One collective as its callers see it: ``op`` ("allreduce", "broadcast", ...),
-    ``detail`` (its reduce op, root or other arguments that must agree, as text) and the
-    (shape, dtype) of each tensor in the order the call takes them."""
+    ``detail`` (its reduce op, root or other arguments that must agree, as text), the
+    (shape, dtype) of each tensor in the order the call takes them, and ``plane``: the inner
+    torch group that carries its bytes ("nccl", "gloo"; empty: paramsync's own mesh)."""
 
     op: str
     detail: str
     tensors: tuple[tuple[tuple[int, ...], str], ...]
+    plane: str = ""
 
     @classmethod
     def of(cls, op: str, tensors: Sequence[torch.Tensor], detail: str = "") -> Call:
@@ -69,8 +73,10 @@ class Call:
 
     @property
     def name(self) -> str:
-        """The call as text: ``allreduce(sum)``."""
-        return f"{self.op}({self.detail})"
+        """The call as text: ``allreduce(sum)``, or ``allreduce(sum) on gloo`` on an inner
+        group."""
+        text = f"{self.op}({self.detail})"
+        return f"{text} on {self.plane}" if self.plane else text
 
     def spec(self) -> BucketSpec:
         """The call as a bucket spec: a first entry naming it, then one per tensor."""

@@ -44,6 +44,7 @@ __all__ = [
     "send_op",
     "recv_op",
     "check_dtype",
+    "check_reduce",
 ]
 
 
@@ -58,6 +59,20 @@ def check_dtype(tensor: torch.Tensor, op: str) -> None:
             f"{op}: dtype {str(tensor.dtype).removeprefix('torch.')} is not supported by the "
             f"paramsync backend (supported: {supported})"
         )
+
+
+def check_reduce(dtype: torch.dtype, op: str) -> None:
+    """Refuse a reduction the backend does not run on ``dtype`` (a tensor as the wire carries
+    it: complex as its real view), naming it and what to do instead."""
+    name = str(dtype).removeprefix("torch.")
+    if op == "avg" and not dtype.is_floating_point:
+        raise UnsupportedCall(
+            f"allreduce(avg) of {name}: average floating point tensors, or sum and divide"
+        )
+    if op in ("sum", "avg") and dtype == torch.bool:
+        raise UnsupportedCall("allreduce(sum) of bool: use MAX (any) or MIN (all)")
+    if op in ("band", "bor", "bxor") and dtype.is_floating_point:
+        raise UnsupportedCall(f"allreduce({op}) of {dtype}: bitwise ops take integers")
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -143,21 +158,13 @@ async def _reduce(
     """``flat`` reduced across the group by ``op``: sum and average in ``work`` (a buffer of
     ``flat``'s size that no caller holds, or ``flat`` itself when it is such a buffer; ``flat``
     is copied into it), the other ops in a new tensor."""
+    check_reduce(flat.dtype, op)
     if op in ("sum", "avg"):
-        if op == "avg" and not flat.is_floating_point():
-            raise UnsupportedCall(
-                f"allreduce(avg) of {str(flat.dtype).removeprefix('torch.')}: average floating "
-                "point tensors, or sum and divide"
-            )
-        if flat.dtype == torch.bool:
-            raise UnsupportedCall("allreduce(sum) of bool: use MAX (any) or MIN (all)")
         # The ring leaves unspecified bytes on failure: never in the caller's memory.
         if work.data_ptr() != flat.data_ptr():
             work.copy_(flat)
         await all_reduce(group, work, op)  # type: ignore[arg-type]
         return work
-    if op in ("band", "bor", "bxor") and flat.is_floating_point():
-        raise UnsupportedCall(f"allreduce({op}) of {flat.dtype}: bitwise ops take integers")
     rows = await all_gather(group, flat)
     return _fold(rows, op)
 

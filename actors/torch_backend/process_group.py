@@ -12,14 +12,21 @@ backend's trio loop after the coordinator has seen that every member calls the s
 (`paramsync.actors.torch_backend.calls`), and completes the work's future with the result or with
 one error naming what went wrong. An operation this backend does not run raises `UnsupportedCall`
 naming it.
+
+The bytes of a call move on paramsync's own mesh (`paramsync.actors.torch_backend.ops`), or,
+for the calls the group's inner torch group takes (`paramsync.actors.torch_backend.inner`: NCCL
+for CUDA tensors by default, gloo for CPU tensors when asked), through that group
+(`paramsync.actors.torch_backend.inner_ops`), after the same agreement.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -28,6 +35,18 @@ import torch
 import torch.distributed as dist
 
 from paramsync.actors.torch_backend.calls import Call, UnsupportedCall, reduce_op_name
+from paramsync.actors.torch_backend.inner import InnerGroups, inner_kind
+from paramsync.actors.torch_backend.inner_ops import (
+    capture_stream,
+    inner_allgather,
+    inner_allreduce,
+    inner_alltoall,
+    inner_broadcast,
+    inner_recv,
+    inner_reduce_scatter,
+    inner_send,
+    on_stream,
+)
 from paramsync.actors.torch_backend.ops import (
     allgather_op,
     allreduce_op,
@@ -96,7 +115,10 @@ def _seconds(timeout: Any) -> float:
 
 def create_process_group(options: Any, backend_options: Any = None) -> ProcessGroupParamsync:
     """torch's factory for the ``paramsync`` backend (``extended_api=True``): ``options``
-    carries the group's store, rank, size, timeout, name and global ranks."""
+    carries the group's store, rank, size, timeout, name and global ranks; ``backend_options``
+    is the ``pg_options`` of ``init_process_group``/``new_group``: the inner torch group to
+    use (`paramsync.actors.torch_backend.inner.inner_kind`)."""
+    kind = inner_kind(backend_options)
     try:
         secret = load_secret()
     except ValueError as exc:
@@ -113,6 +135,7 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
         timeout_seconds=_seconds(options.timeout),
         heartbeat_deadline=heartbeat_deadline,
         host=_coordinator_host(),
+        inner=kind,
     )
     hosted: tuple[str, int] | None = None
     launched = os.environ.get(COORDINATOR_ENV, "").strip()
@@ -193,21 +216,40 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._group_name = name
         self.global_ranks = tuple(global_ranks) or tuple(range(size))
+        self.calls_by_plane: collections.Counter[str] = collections.Counter()
+        """How many calls went to each plane: ``native`` (paramsync's mesh), ``gloo``,
+        ``nccl`` (the inner torch group)."""
         self.session = GroupSession(
             name, rank, size, secret, options, launched=coordinator is not None
         )
+        key = _coordinator_key(name)
         if coordinator is not None:  # ``paramsync launch`` runs the world's coordinator
             address = coordinator
         elif rank == 0:
             host, port = self.session.host_coordinator()
-            store.set(_coordinator_key(name), f"{host} {port}")
+            store.set(key, f"{host} {port}")
             address = (host, port)
         else:
-            key = _coordinator_key(name)
             store.wait([key], timedelta(seconds=options.timeout_seconds))
             host, port_text = store.get(key).decode().rsplit(" ", 1)
             address = (host, int(port_text))
         self.session.open(address)
+        if options.inner != "native":
+            try:
+                self.session.inner = InnerGroups(
+                    options.inner,
+                    store,
+                    rank,
+                    size,
+                    timedelta(seconds=options.timeout_seconds),
+                    prefix=f"{key}/inner/",
+                )
+            except RuntimeError as exc:  # gloo's connections, within the group's timeout
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise BackendError(
+                    f"paramsync group {name}, rank {rank}: its inner {options.inner} group did "
+                    f"not form within {options.timeout_seconds:g} s: {first}"
+                ) from None
         watch_group(self, prove=proof_enabled())
 
     # ------------------------------------------------------------------ identity
@@ -241,10 +283,42 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         result: Any,
         *,
         p2p: bool = False,
+        inner: tuple[str, Callable[[], None]] | None = None,
     ) -> Any:
+        """Queue ``call``: ``run`` on paramsync's mesh, or, with ``inner`` (from `_inner`: the
+        plane and the call on it), on the inner torch group, the plane named in the call the
+        members must agree on."""
         future: torch.futures.Future[Any] = torch.futures.Future()
-        self.session.submit(_Op(call, run, future, result, p2p=p2p))
+        on_inner = None
+        if inner is not None:
+            plane, on_inner = inner
+            call = replace(call, plane=plane)
+        self.session.submit(_Op(call, run, future, result, p2p=p2p, inner=on_inner))
         return _work(future)
+
+    def _inner(
+        self,
+        tensors: Sequence[torch.Tensor],
+        run: Callable[[Any, str], None],
+        planes: tuple[str, ...] = ("nccl", "gloo"),
+    ) -> tuple[str, Callable[[], None]] | None:
+        """``run(torch_group, route)`` as a call on the inner group that takes ``tensors``
+        (issued on the caller's current CUDA stream), with its route (one of ``planes``), or
+        None: the call runs on the native plane."""
+        groups = self.session.inner
+        route = groups.route(tensors) if groups is not None else None
+        if route not in planes:
+            route = None
+        self.calls_by_plane[route or "native"] += 1
+        if groups is None or route is None:
+            return None
+        stream = capture_stream(tensors)
+
+        def call() -> None:
+            with on_stream(stream):
+                run(groups.group(route), route)
+
+        return route, call
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -258,13 +332,15 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
         self._check("allreduce", tensors)
         call = Call.of("allreduce", tensors, op)
-        return self._submit(call, partial(_allreduce, tensors, op), tensors)
+        inner = self._inner(tensors, lambda group, _: inner_allreduce(group, tensors, op))
+        return self._submit(call, partial(_allreduce, tensors, op), tensors, inner=inner)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
         self._check("allreduce_coalesced", tensors)
         call = Call.of("allreduce_coalesced", tensors, op)
-        return self._submit(call, partial(_allreduce, tensors, op), tensors)
+        inner = self._inner(tensors, lambda group, _: inner_allreduce(group, tensors, op))
+        return self._submit(call, partial(_allreduce, tensors, op), tensors, inner=inner)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = int(opts.rootRank) if opts is not None else 0
@@ -272,7 +348,8 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             raise UnsupportedCall("broadcast: only root_tensor=0 is supported")
         self._check("broadcast", tensors)
         call = Call.of("broadcast", tensors, f"root {root}")
-        return self._submit(call, partial(_broadcast, tensors, root), tensors)
+        inner = self._inner(tensors, lambda group, _: inner_broadcast(group, tensors, root))
+        return self._submit(call, partial(_broadcast, tensors, root), tensors, inner=inner)
 
     def allgather(
         self,
@@ -285,7 +362,11 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         outputs = output_lists[0]
         self._check_gather("allgather", outputs, inputs[0])
         call = Call.of("allgather", inputs)
-        return self._submit(call, partial(_allgather, outputs, inputs[0]), output_lists)
+        inner = self._inner(
+            [inputs[0], *outputs], lambda group, _: inner_allgather(group, outputs, inputs[0])
+        )
+        run = partial(_allgather, outputs, inputs[0])
+        return self._submit(call, run, output_lists, inner=inner)
 
     def _check_gather(self, op: str, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
         self._check(op, [tensor])
@@ -307,7 +388,9 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         rows = list(output.view(-1).chunk(self._size)) if output.numel() else []
         self._check("all_gather_into_tensor", [tensor])
         call = Call.of("allgather_into_tensor", [tensor])
-        return self._submit(call, partial(_allgather_flat, output, rows, tensor), output)
+        inner = self._inner([tensor, output], lambda group, _: inner_allgather(group, rows, tensor))
+        run = partial(_allgather_flat, output, rows, tensor)
+        return self._submit(call, run, output, inner=inner)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -320,7 +403,13 @@ class ProcessGroupParamsync(dist.ProcessGroup):
                 rows = list(output.view(-1).chunk(self._size))
                 await _allgather_flat(output, rows, tensor, group)
 
-        return self._submit(call, run, outputs)
+        def run_inner(group: Any, route: str) -> None:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                if output.numel():
+                    inner_allgather(group, list(output.view(-1).chunk(self._size)), tensor)
+
+        inner = self._inner([*inputs, *outputs], run_inner)
+        return self._submit(call, run, outputs, inner=inner)
 
     def reduce_scatter(
         self,
@@ -336,7 +425,12 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter: {len(inputs)} inputs for a group of {self._size}")
         self._check("reduce_scatter", [*inputs, outputs[0]])
         call = Call.of("reduce_scatter", inputs, op)
-        return self._submit(call, partial(_reduce_scatter, outputs[0], inputs, op), outputs)
+        inner = self._inner(
+            [*inputs, outputs[0]],
+            lambda group, route: inner_reduce_scatter(group, route, outputs[0], inputs, op),
+        )
+        run = partial(_reduce_scatter, outputs[0], inputs, op)
+        return self._submit(call, run, outputs, inner=inner)
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None
@@ -350,7 +444,12 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         self._check("reduce_scatter_tensor", [tensor, output])
         inputs = list(tensor.reshape(-1).chunk(self._size)) if tensor.numel() else []
         call = Call.of("reduce_scatter_tensor", [tensor], op)
-        return self._submit(call, partial(_reduce_scatter, output, inputs, op), output)
+        inner = self._inner(
+            [tensor, output],
+            lambda group, route: inner_reduce_scatter(group, route, output, inputs, op),
+        )
+        run = partial(_reduce_scatter, output, inputs, op)
+        return self._submit(call, run, output, inner=inner)
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -364,7 +463,14 @@ class ProcessGroupParamsync(dist.ProcessGroup):
                 parts = list(tensor.reshape(-1).chunk(self._size))
                 await _reduce_scatter(output, parts, op, group)
 
-        return self._submit(call, run, outputs)
+        def run_inner(group: Any, route: str) -> None:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                if tensor.numel():
+                    parts = list(tensor.reshape(-1).chunk(self._size))
+                    inner_reduce_scatter(group, route, output, parts, op)
+
+        inner = self._inner([*inputs, *outputs], run_inner)
+        return self._submit(call, run, outputs, inner=inner)
 
     def alltoall_base(
         self,
@@ -377,7 +483,11 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         self._check("all_to_all_single", [tensor, output])
         call = Call.of("alltoall", [tensor], f"splits {list(input_splits)}->{list(output_splits)}")
         run = partial(_alltoall, output, tensor, list(output_splits), list(input_splits))
-        return self._submit(call, run, output)
+        inner = self._inner(
+            [tensor, output],
+            lambda group, _: inner_alltoall(group, output, tensor, output_splits, input_splits),
+        )
+        return self._submit(call, run, output, inner=inner)
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -399,11 +509,22 @@ class ProcessGroupParamsync(dist.ProcessGroup):
                     out.copy_(dest[offset : offset + out.numel()].view(out.shape))
                 offset += out.numel()
 
-        return self._submit(call, run, outputs)
+        def run_inner(group: Any, route: str) -> None:
+            source = torch.cat([t.reshape(-1) for t in inputs])
+            dest = source.new_empty(sum(o.numel() for o in outputs))
+            sizes_out, sizes_in = [o.numel() for o in outputs], [t.numel() for t in inputs]
+            inner_alltoall(group, dest, source, sizes_out, sizes_in)
+            for out, part in zip(outputs, dest.split(sizes_out), strict=True):
+                with torch.no_grad():
+                    out.copy_(part.view(out.shape))
+
+        inner = self._inner([*inputs, *outputs], run_inner)
+        return self._submit(call, run, outputs, inner=inner)
 
     def barrier(self, opts: Any = None) -> Any:
         if self.session.failure is not None:
             raise self.session.failure
+        self.calls_by_plane["native"] += 1  # no bytes: the native plane's own barrier
         return self._submit(Call("barrier", "", ()), barrier_op, None)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
@@ -414,7 +535,11 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             for tensor in tensors:
                 await send_op(group, tensor, dst, tag)
 
-        return self._submit(call, run, tensors, p2p=True)
+        # gloo sends once the receiver has posted its receive, which would hold the executor
+        # (an isend before its irecv): point-to-point stays on the native plane but on NCCL.
+        run_inner = partial(inner_send, tensors=tensors, dst=dst, tag=tag)
+        inner = self._inner(tensors, lambda group, _: run_inner(group), planes=("nccl",))
+        return self._submit(call, run, tensors, p2p=True, inner=inner)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         self._check("recv", tensors)
@@ -424,7 +549,9 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             for tensor in tensors:
                 await recv_op(group, tensor, src, tag)
 
-        return self._submit(call, run, tensors, p2p=True)
+        run_inner = partial(inner_recv, tensors=tensors, src=src, tag=tag)
+        inner = self._inner(tensors, lambda group, _: run_inner(group), planes=("nccl",))
+        return self._submit(call, run, tensors, p2p=True, inner=inner)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedCall(
@@ -442,7 +569,8 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         async def run(group: Transport) -> None:
             await allreduce_op(group, keep, op)
 
-        return self._submit(call, run, tensors)
+        inner = self._inner(keep, lambda group, _: inner_allreduce(group, keep, op))
+        return self._submit(call, run, tensors, inner=inner)
 
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -456,12 +584,21 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         async def run(group: Transport) -> None:
             rows = [torch.empty_like(tensor) for _ in range(self._size)]
             await allgather_op(group, rows, tensor)
+            keep(rows)
+
+        def run_inner(group: Any, route: str) -> None:
+            rows = [torch.empty_like(tensor) for _ in range(self._size)]
+            inner_allgather(group, rows, tensor)
+            keep(rows)
+
+        def keep(rows: list[torch.Tensor]) -> None:
             if self._rank == root:
                 for out, row in zip(outputs, rows, strict=True):
                     with torch.no_grad():
                         out.copy_(row)
 
-        return self._submit(call, run, output_lists)
+        inner = self._inner([tensor, *outputs], run_inner)
+        return self._submit(call, run, output_lists, inner=inner)
 
     def scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
@@ -472,18 +609,28 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         output = outputs[0]
         inputs = input_lists[0] if input_lists else []
 
-        async def run(group: Transport) -> None:
-            parts = (
-                torch.cat([t.reshape(-1) for t in inputs])
-                if self._rank == root
-                else torch.empty(output.numel() * self._size, dtype=output.dtype)
-            )
-            await broadcast_op(group, [parts], root)
+        def parts() -> torch.Tensor:
+            if self._rank == root:
+                return torch.cat([t.reshape(-1) for t in inputs])
+            return output.new_empty(output.numel() * self._size)
+
+        def keep(parts: torch.Tensor) -> None:
             mine = parts[self._rank * output.numel() : (self._rank + 1) * output.numel()]
             with torch.no_grad():
                 output.copy_(mine.view(output.shape))
 
-        return self._submit(call, run, outputs)
+        async def run(group: Transport) -> None:
+            flat = parts().cpu()
+            await broadcast_op(group, [flat], root)
+            keep(flat)
+
+        def run_inner(group: Any, route: str) -> None:
+            flat = parts()
+            inner_broadcast(group, [flat], root)
+            keep(flat)
+
+        inner = self._inner([*outputs, *inputs], run_inner)
+        return self._submit(call, run, outputs, inner=inner)
 
     def allgather_coalesced(
         self,
@@ -512,7 +659,12 @@ class ProcessGroupParamsync(dist.ProcessGroup):
             for outputs, tensor in zip(per_input, inputs, strict=True):
                 await allgather_op(group, outputs, tensor)
 
-        return self._submit(call, run, output_lists)
+        def run_inner(group: Any, route: str) -> None:
+            for outputs, tensor in zip(per_input, inputs, strict=True):
+                inner_allgather(group, outputs, tensor)
+
+        inner = self._inner([*inputs, *(o for outs in per_input for o in outs)], run_inner)
+        return self._submit(call, run, output_lists, inner=inner)
 
     # torch 2.13's names for the tensor forms (older torch calls the names above).
     all_gather_single = _allgather_base
@@ -526,9 +678,13 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Finish this rank's part of the group (``destroy_process_group`` calls it)."""
         self.session.close()
+        if self.session.inner is not None:
+            self.session.inner.shutdown()
 
     def abort(self) -> None:
         self.session.close()
+        if self.session.inner is not None:
+            self.session.inner.abort()
 
 
 async def _allreduce(tensors: list[torch.Tensor], op: str, group: Transport) -> None:

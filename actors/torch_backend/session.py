@@ -14,7 +14,9 @@ thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
   each collective a (step, bucket) number and reports its `Call` to the coordinator as a
   ``ready``; the *runner* waits for the coordinator's ``go`` for it (or, for a call the
   members already agreed on at that number, runs it at once and lets the coordinator check
-  the report: Horovod's response cache), runs it and completes the caller's future.
+  the report: Horovod's response cache), runs it and completes the caller's future. A call on
+  the group's inner torch group (`paramsync.actors.torch_backend.inner`) always waits for the
+  go and runs on a worker thread; the group's failure aborts the inner group.
 
 A step ends when an optimizer stepping a DDP module of this group has stepped
 (`paramsync.actors.torch_backend.proof`): its state digest is reported, and the coordinator compares
@@ -43,6 +45,7 @@ import trio
 from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
 from paramsync.actors.state.digest import StateDigest
 from paramsync.actors.torch_backend.calls import Call
+from paramsync.actors.torch_backend.inner import INNER_ENV, InnerGroups
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed
@@ -80,6 +83,9 @@ class SessionOptions:
     at the same place of an earlier step (the coordinator still checks every report)."""
     host: str = "127.0.0.1"
     """The address rank 0's coordinator listens on."""
+    inner: str = "native"
+    """The inner torch group kind (`paramsync.actors.torch_backend.inner`): part of the group's
+    signature at joining, so ranks that asked for different kinds are refused, named."""
 
 
 @dataclass(eq=False)
@@ -94,6 +100,9 @@ class _Op:
     cached: bool = False
     in_backward: bool = False
     op_id: int = 0
+    inner: Callable[[], None] | None = None
+    """The call on the group's inner torch group (run on a worker thread), instead of ``run``
+    on paramsync's mesh."""
 
 
 @dataclass(eq=False)
@@ -233,6 +242,9 @@ class GroupSession:
         self.p2p: Transport | None = None
         self.client: CoordinatorClient | None = None
         self.coordinator: Coordinator | None = None
+        self.inner: InnerGroups | None = None
+        """The group's inner torch groups (`paramsync.actors.torch_backend.inner`), aborted
+        when the group fails."""
         self.step = 0
         """The step collectives are numbered in (one per optimizer step of a DDP module)."""
         self._bucket = 0
@@ -318,8 +330,11 @@ class GroupSession:
         self.client = client
         try:
             with trio.fail_after(seconds):
+                group = f"torch.distributed group {self.name}"
                 signature = (
-                    (f"torch.distributed group {self.name}", (self.size,), "group", False),
+                    (group, (self.size,), "group", False),
+                    # Ranks that asked for different inner groups are refused here, named.
+                    (f"{group}: inner torch group ({INNER_ENV})", (), self.options.inner, False),
                 )
                 joined = await client.join(signature, (local_host, port))
                 start = joined.start
@@ -415,7 +430,13 @@ class GroupSession:
             await client.wait_commit(self.step - 1)
         spec = op.call.spec()
         digest = spec_hash(spec)
-        op.cached = self.options.response_cache and protocol.may_cache(op.bucket, digest, epoch)
+        # A call on an inner torch group always waits for the go: torch's group cannot refuse
+        # another call's bytes, so the members must have agreed on it before it runs.
+        op.cached = (
+            self.options.response_cache
+            and op.inner is None
+            and protocol.may_cache(op.bucket, digest, epoch)
+        )
         op.op_id = (int(digest[-10:], 16) << 23) | ((self._calls & 0xFFFF) << 7)
         self._calls += 1
         await client.ready(op.step, op.bucket, digest if op.cached else spec, cached=op.cached)
@@ -429,6 +450,12 @@ class GroupSession:
                     while (op.step, op.bucket) not in self._gos:
                         await self._go_arrived.wait()
                 self._gos.discard((op.step, op.bucket))  # a go may answer a cached call too
+                if op.inner is not None:
+                    # Blocks a worker thread, within the inner group's timeout; a failure of
+                    # the group meanwhile cancels this wait and aborts the inner group.
+                    await trio.to_thread.run_sync(op.inner, abandon_on_cancel=True)
+                    self._complete(op)
+                    continue
                 group = self.p2p if op.p2p else self.transport
                 assert group is not None
                 if not op.p2p:
@@ -476,6 +503,8 @@ class GroupSession:
         ended the link to the coordinator."""
         if self._failure is None:
             self._failure = _as_backend_error(self, exc, op, from_coordinator)
+            if self.inner is not None:
+                self.inner.abort()
         for pending in (
             [op, *self._pending.values()] if op is not None else [*self._pending.values()]
         ):
