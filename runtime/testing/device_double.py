@@ -41,13 +41,15 @@ class RecordedEvent:
 @dataclass(frozen=True)
 class DeviceCall:
     """One call made to the double: ``op`` (the `DeviceOps` method's name), the stream it
-    concerns, the event it records or uses, and for a copy its bytes and purpose."""
+    concerns, the event it records or uses, and for a copy its bytes, purpose and the address
+    of its host tensor (``data_ptr``: which host buffer it fills or reads)."""
 
     op: str
     stream: str | None = None
     event: int | None = None
     nbytes: int = 0
     purpose: str = ""
+    address: int = 0
 
 
 class RecordingDeviceOps:
@@ -60,7 +62,9 @@ class RecordingDeviceOps:
         self._sides = itertools.count(1)
         self._compute = RecordedStream("compute")
 
-    def _note(self, call: DeviceCall) -> None:
+    def note(self, call: DeviceCall) -> None:
+        """Append ``call`` to the record: the double's own calls, and a test's marks of what
+        the host does between them (where it reads a buffer)."""
         with self._lock:
             self.calls.append(call)
 
@@ -82,35 +86,35 @@ class RecordingDeviceOps:
 
     def new_stream(self, device: torch.device) -> RecordedStream:
         stream = RecordedStream(f"side-{next(self._sides)}")
-        self._note(DeviceCall("new_stream", stream.name))
+        self.note(DeviceCall("new_stream", stream.name))
         return stream
 
     @contextmanager
     def use_stream(self, stream: RecordedStream) -> Iterator[None]:
-        self._note(DeviceCall("use_stream", stream.name))
+        self.note(DeviceCall("use_stream", stream.name))
         yield
 
     def record_event(self, stream: RecordedStream) -> RecordedEvent:
         event = RecordedEvent(next(self._numbers), stream.name)
-        self._note(DeviceCall("record_event", stream.name, event.number))
+        self.note(DeviceCall("record_event", stream.name, event.number))
         return event
 
     def wait_event(self, stream: RecordedStream, event: RecordedEvent) -> None:
-        self._note(DeviceCall("wait_event", stream.name, event.number))
+        self.note(DeviceCall("wait_event", stream.name, event.number))
 
     def query(self, event: RecordedEvent) -> bool:
-        self._note(DeviceCall("query", event.stream, event.number))
+        self.note(DeviceCall("query", event.stream, event.number))
         return True  # the CPU did each copy when it was asked
 
     def wait_host(self, event: RecordedEvent) -> None:
-        self._note(DeviceCall("wait_host", event.stream, event.number))
+        self.note(DeviceCall("wait_host", event.stream, event.number))
 
     def synchronize(self, device: torch.device) -> None:
-        self._note(DeviceCall("synchronize"))
+        self.note(DeviceCall("synchronize"))
 
     def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(numel, dtype=dtype)
-        self._note(DeviceCall("pinned_empty", nbytes=numel * buffer.element_size()))
+        self.note(DeviceCall("pinned_empty", nbytes=numel * buffer.element_size()))
         return buffer
 
     def copy_to_host(
@@ -133,5 +137,6 @@ class RecordingDeviceOps:
         dst.copy_(src.reshape(dst.shape))
         event = RecordedEvent(next(self._numbers), stream.name)
         nbytes = src.numel() * src.element_size()
-        self._note(DeviceCall(op, stream.name, event.number, nbytes, purpose))
+        host = dst if op == "copy_to_host" else src
+        self.note(DeviceCall(op, stream.name, event.number, nbytes, purpose, host.data_ptr()))
         return event
