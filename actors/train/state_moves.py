@@ -174,7 +174,6 @@ async def send_training_state(run: TrainingRun, transport: Transport, peer: int)
         run.step,
         run.scheduler,
         grad_scaler=run.grad_scaler,
-        device_ops=run.device_ops,
     )
 
 

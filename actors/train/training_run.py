@@ -48,8 +48,9 @@ class TrainingRun:
     actors: ActorFactory = field(default_factory=context_actors)
     """The constructors of the trainer's actors (see `ActorFactory`)."""
     device_ops: DeviceOps = field(default_factory=context_device_ops)
-    """The device operations of the gradient, buffer and state copies (see
-    `paramsync.runtime.transport.device_ops`): the context's when the run was made."""
+    """The device operations of the gradient and buffer copies (see
+    `paramsync.runtime.transport.device_ops`): the context's when the run was made (a state
+    capture for a rejoin uses the context's, `capture_state`)."""
     scheduler: Scheduler | None = None
     """The LR scheduler stepped right after each optimizer step (None: none)."""
     replicas: DataParallelCoordinator | None = None
