@@ -2,15 +2,19 @@
 these on a machine with one).
 
 Two workers in one trio run, both models on ``cuda:0`` (one GPU is enough: they share it), each
-step's backward run by the compute actor on the device, the gradient buckets copied to the host
-only once the device finished them (C-STREAMSYNC-001) and all-reduced over paramsync's own data
-plane (host-staged: in-process channels, or TCP), the digest check (C-DDP-001) reading the
-device state every step. The result must be one CPU process's training of the whole batch,
-within float32 tolerance, and the ranks bitwise identical.
+step's backward run by the compute actor on the device, the gradient buckets copied to pinned
+host buffers only once the device finished them (C-STREAMSYNC-001: a side stream waits on the
+bucket's ready event, the host on the copy's event, nothing synchronizes the device) and
+all-reduced over paramsync's own data plane (host-staged: in-process channels, or TCP), the
+digest check (C-DDP-001) reading the device state every step. The result must be one CPU
+process's training of the whole batch, within float32 tolerance, and the ranks bitwise
+identical. `tests/test_device_path.py` runs the same device path on the CPU in every run.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -18,8 +22,14 @@ import torch
 import trio
 from torch import nn
 
+from paramsync.actors.state.buckets import plan_buckets
 from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
 from paramsync.actors.train.worker import train_in_process
+from paramsync.runtime.transport.device_ops import (
+    CudaDeviceOps,
+    DeviceOps,
+    device_ops_in_context,
+)
 from paramsync.runtime.transport.tcp import TcpTransport
 
 pytestmark = [
@@ -29,6 +39,7 @@ pytestmark = [
 
 WORLD, PER_RANK, STEPS = 2, 4, 5
 RUN_SECONDS = 60.0
+BUCKET_BYTES = 256  # several buckets, each its own host copy
 
 
 def _model(seed: int) -> nn.Module:
@@ -44,9 +55,15 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-async def train_on(device: torch.device, transport: str) -> list[dict[str, torch.Tensor]]:
+async def train_on(
+    device: torch.device, transport: str, device_ops: DeviceOps | None = None
+) -> list[dict[str, torch.Tensor]]:
     """Each rank's parameters (on the host) after `STEPS` steps of ``WORLD`` workers whose
-    models live on ``device``; rank ``r`` starts from other weights than rank 0."""
+    models live on ``device`` (their device operations ``device_ops``, default CUDA's); rank
+    ``r`` starts from other weights than rank 0."""
+    if device_ops is not None:
+        with device_ops_in_context(device_ops):
+            return await train_on(device, transport)
     batches = _batches()
 
     def make_replica(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -66,7 +83,7 @@ async def train_on(device: torch.device, transport: str) -> list[dict[str, torch
         assert all(p.device == device for p in trainer.model.parameters())
         return {name: p.detach().cpu() for name, p in trainer.model.named_parameters()}
 
-    options = TrainerOptions(bucket_bytes=256)  # several buckets, each its own host copy
+    options = TrainerOptions(bucket_bytes=BUCKET_BYTES)
     runs: Any
     with trio.fail_after(RUN_SECONDS):
         if transport == "tcp":
@@ -99,6 +116,35 @@ def check(results: list[dict[str, torch.Tensor]]) -> None:
             torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)
 
 
+class CountingCudaOps(CudaDeviceOps):
+    """CUDA's device operations, counting device synchronizes and the bytes copied to the host
+    (by purpose)."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+        self.to_host: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def synchronize(self, device: torch.device) -> None:
+        with self._lock:
+            self.synchronized += 1
+        super().synchronize(device)
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any, purpose: str) -> Any:
+        with self._lock:
+            self.to_host.append((purpose, src.numel() * src.element_size()))
+        return super().copy_to_host(src, dst, stream, purpose)
+
+
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])
 async def test_workers_sharing_a_gpu_train_like_one_cpu_process(transport: str) -> None:
-    check(await train_on(torch.device("cuda", 0), transport))
+    """Training on the GPU is one CPU process's training, and no step synchronizes the device:
+    the bytes copied to the host are the gradient buckets, once a step each (the digest's own
+    copies do not go through the device operations)."""
+    ops = CountingCudaOps()
+    check(await train_on(torch.device("cuda", 0), transport, ops))
+    assert ops.synchronized == 0
+    assert {purpose for purpose, _ in ops.to_host} == {"gradients"}
+    buckets = plan_buckets(list(_model(0).named_parameters()), BUCKET_BYTES)
+    sizes = [b.numel * torch.empty((), dtype=b.dtype).element_size() for b in buckets]
+    assert Counter(n for _, n in ops.to_host) == Counter(sizes * (WORLD * STEPS))

@@ -70,6 +70,10 @@ class ComputeActor(Actor):
     With ``find_unused``, buckets the last backward left incomplete are announced when it
     returns, after ``on_unused(step, names)`` has named the parameters no backward of the step
     gave a gradient.
+
+    ``on_gradients(bucket)`` runs in backward's thread, inside the autograd engine, the moment
+    a synchronizing backward has enqueued a bucket's last gradient, before the bucket is
+    announced (where a device bucket records the event its reads wait on).
     """
 
     accepts = (Backward,)
@@ -86,6 +90,7 @@ class ComputeActor(Actor):
         on_unused: Callable[[int, frozenset[str]], None] | None = None,
         precision: MixedPrecision | None = None,
         replicas: DataParallelCoordinator | None = None,
+        on_gradients: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__("compute", mailbox_size=2)
         if replicas is not None and precision is not None:
@@ -100,6 +105,7 @@ class ComputeActor(Actor):
         self.loss_fn = loss_fn
         self.trace = trace
         self._on_bucket = on_bucket
+        self._on_gradients = on_gradients
         self._params = dict(model.named_parameters())
         self._bucket_of = {name: b.index for b in buckets for name in b.names}
         self._pending: list[int] = [len(b.names) for b in buckets]
@@ -140,6 +146,8 @@ class ComputeActor(Actor):
             self._fired.add(name)
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
+                if self._on_gradients is not None:
+                    self._on_gradients(bucket)
                 self._left -= 1
                 if self._left or self._hand_over_last:
                     self._token.run_sync_soon(self._on_bucket, self._sync_step, bucket)

@@ -12,12 +12,18 @@ parameters each used (a flag per parameter, summed): a parameter some rank used 
 averaged gradient (zeros from the ranks that did not use it), one that no rank used gets no
 gradient for the step (``.grad`` None until the optimizer has stepped, as torch DDP leaves a
 globally unused parameter's gradient untouched), identically on every rank.
+
+Buckets whose gradients live on a device (the `paramsync.runtime.transport.device_ops.DeviceOps`
+the actor is given says which) keep their flat buffer on that device; `DeviceStaging`
+(`paramsync.actors.graph.device_staging`) orders their reads after backward by events and
+stages them through pinned host buffers where the transport cannot reduce them on the device,
+with no device synchronize.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,15 +31,17 @@ import torch
 import trio
 
 from paramsync.actors.client.client import CoordinatorClient, Go
+from paramsync.actors.graph.device_staging import DeviceStaging
 from paramsync.actors.graph.messages import BucketReady
 from paramsync.actors.state.buckets import Bucket
 from paramsync.runtime.actor.base import Actor, ActorStopped
-from paramsync.runtime.collectives.compression import make_reducer, tag_spec
+from paramsync.runtime.collectives.compression import PowerSGDReducer, make_reducer, tag_spec
 from paramsync.runtime.collectives.ring import ReduceOp, all_reduce
 from paramsync.runtime.coordinator.events import agreement_hash, spec_hash
 from paramsync.runtime.observe.trace import TraceRecorder
 from paramsync.runtime.transport.base import Transport
-from paramsync.runtime.transport.capabilities import SharedMemoryHolder
+from paramsync.runtime.transport.capabilities import NativeCollectives, SharedMemoryHolder
+from paramsync.runtime.transport.device_ops import DeviceOps, context_device_ops
 
 __all__ = ["CommOptions", "GradCommActor", "StepState"]
 
@@ -89,6 +97,9 @@ class GradCommActor(Actor):
     report against the agreement and stops the run naming the rank that differs, and the ring
     refuses a peer whose collective differs (ProtocolError), so nothing is reduced silently
     wrong. A new epoch (new members, a new ring) starts a new actor, hence a fresh negotiation.
+
+    ``device_ops``: the device operations its device buckets use (default: the context's,
+    `paramsync.runtime.transport.device_ops.context_device_ops`).
     """
 
     accepts = (BucketReady, Go)
@@ -103,6 +114,7 @@ class GradCommActor(Actor):
         trace: TraceRecorder,
         epoch: int = 1,
         fold: bool = False,
+        device_ops: DeviceOps | None = None,
     ) -> None:
         super().__init__("gradient-comm", mailbox_size=2 * len(buckets) + 4)
         self.buckets = buckets
@@ -115,7 +127,14 @@ class GradCommActor(Actor):
             transport.shared_memory.threaded = options.threaded_shared_memory
         params = dict(model.named_parameters())
         self._params = [[params[name] for name in bucket.names] for bucket in buckets]
-        self._flats = [torch.empty(bucket.numel, dtype=bucket.dtype) for bucket in buckets]
+        ops = device_ops or context_device_ops()
+        self.staging = DeviceStaging(ops, [_device_of(ops, ps) for ps in self._params])
+        """The device buckets' events and host buffers."""
+        self._flats = [
+            torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+            for bucket, device in zip(buckets, self.staging.devices)
+        ]
+        """Per bucket: the flat buffer its gradients are views of (on their device)."""
         self._views = [_grad_views(ps, flat) for ps, flat in zip(self._params, self._flats)]
         for index in range(len(buckets)):
             self._bind(index)
@@ -157,6 +176,15 @@ class GradCommActor(Actor):
         self._spec_hashes = [spec_hash(spec) for spec in self._specs]
         """What a cached report carries instead of the whole spec."""
         self._agreement = agreement_hash(dict(enumerate(self._spec_hashes)))
+        for index, (flat, reducer) in enumerate(zip(self._flats, self._reducers)):
+            if self.staging.on_device(index):
+                # PowerSGD keeps its matrices on the host: its buckets are reduced there.
+                native = (
+                    isinstance(self.transport, NativeCollectives)
+                    and self.transport.native_accepts(flat)
+                    and not isinstance(reducer, PowerSGDReducer)
+                )
+                self.staging.place(index, flat, native)
 
     def use_comm_hook(self, options: CommOptions) -> None:
         """Average the buckets with ``options``' comm hook from now on (torch DDP's
@@ -234,6 +262,12 @@ class GradCommActor(Actor):
         """Whether buckets skip the round trip: every bucket has been agreed this epoch."""
         return self.options.response_cache and len(self._order) == len(self.buckets)
 
+    def gradients_done(self, bucket: int) -> None:
+        """Backward has enqueued the last gradient of ``bucket`` (called by the autograd hook,
+        in backward's thread, before the bucket is announced): a device bucket records the
+        event its reads wait on."""
+        self.staging.gradients_done(bucket)
+
     def ready_soon(self, message: BucketReady) -> None:
         """Queue a bucket that backward finished (run by the event loop: must not raise). The
         mailbox holds every bucket and go of a step, so it is never full; if the actor is
@@ -255,6 +289,7 @@ class GradCommActor(Actor):
         """Expect ``len(buckets)`` reductions for ``step``."""
         self._restore_released()  # a step that was never applied: the gradients come back
         self.current = StepState(step)
+        self.staging.clear()
         self._cached = set()
         self._next = 0
         if not self.buckets:
@@ -271,6 +306,7 @@ class GradCommActor(Actor):
     async def _ready(self, message: BucketReady) -> None:
         bucket = self.buckets[message.bucket]
         flat = self._flats[message.bucket]
+        fill: Callable[[], None] | None = None
         if self._bound(message.bucket):
             self._packed[message.bucket] = False  # backward wrote into the buffer itself
         else:
@@ -278,13 +314,20 @@ class GradCommActor(Actor):
                 if param.grad is None:  # unused by this rank (find_unused_parameters)
                     param.grad = torch.zeros_like(param)
             grads = [param.grad for param in self._params[message.bucket]]
-            with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
-                if grads and grads[0] is not None and grads[0].device.type == "cuda":
-                    # C-STREAMSYNC-001: gradients must be complete before the host copy.
-                    torch.cuda.current_stream(grads[0].device).synchronize()
-                bucket.pack([g for g in grads if g is not None], flat)
+
+            def pack() -> None:
+                with self.trace.span("pack", actor="gradient-comm", bucket=bucket.index):
+                    bucket.pack([g for g in grads if g is not None], flat)
+
+            fill = pack
             self._packed[message.bucket] = True
-        if self.options.accumulation_steps > 1:
+        if self.staging.on_device(bucket.index):
+            # C-STREAMSYNC-001: the bucket is read (packed, copied, reduced) only after the
+            # event recorded once backward enqueued its last gradient.
+            self.staging.send_out(bucket.index, flat, fill)
+        elif fill is not None:
+            fill()
+        if self.options.accumulation_steps > 1 and not self.staging.staged(bucket.index):
             flat.div_(self.options.accumulation_steps)
         spec = self._specs[bucket.index]
         if self.cache_ready:  # a bucket's spec is fixed: the agreed one
@@ -339,17 +382,23 @@ class GradCommActor(Actor):
         bucket = self.buckets[index]
         flat = self._flats[index]
         reducer = self._reducers[index]
+        staged = self.staging.staged(index)
         with self.trace.span(
             "all-reduce", actor="gradient-comm", bucket=index, bytes=reducer.payload_bytes()
         ):
             try:
-                await reducer.reduce(flat, self.transport.world_size, self._all_reduce_flat)
+                wire = await self.staging.host_buffer(index) if staged else flat
+                if staged and self.options.accumulation_steps > 1:
+                    wire.div_(self.options.accumulation_steps)
+                await reducer.reduce(wire, self.transport.world_size, self._all_reduce_flat)
             except BaseException:
                 # A failed all-reduce leaves unchecked bytes (and partial sums) in the bucket,
                 # whose gradients are its views: poison it, never applied nor carried over.
                 with torch.no_grad():
                     flat.zero_()
                 raise
+        if staged:
+            self.staging.bring_back(index, flat)
         if self._packed[index]:
             grads = [param.grad for param in self._params[index]]
             bucket.unpack(flat, [g for g in grads if g is not None])
@@ -393,9 +442,18 @@ class GradCommActor(Actor):
         state.unused_everywhere = tuple(unused)
 
 
+def _device_of(ops: DeviceOps, params: Sequence[torch.Tensor]) -> torch.device | None:
+    """The device a bucket's parameters live on, as ``ops`` sees them (None: the host, or
+    several devices: its buffer is then on the host)."""
+    devices = {param.device for param in params if ops.on_device(param)}
+    if len(devices) != 1 or len(devices) != len({param.device for param in params}):
+        return None
+    return devices.pop()
+
+
 def _grad_views(params: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor] | None:
     """One view of ``flat`` per parameter, shaped like it, in bucket order; None where the
-    gradients cannot live in the host buffer (a parameter on an accelerator, another dtype)."""
+    gradients cannot live in the buffer (a parameter on another device, another dtype)."""
     views = []
     offset = 0
     for param in params:

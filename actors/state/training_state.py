@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from paramsync.runtime.transport.device_ops import DeviceOps, context_device_ops
+
 __all__ = [
     "STATE_FORMAT",
     "TrainingState",
@@ -135,27 +137,33 @@ def capture_state(
     extra: Mapping[str, Any] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    device_ops: DeviceOps | None = None,
 ) -> TrainingState:
     """Snapshot the model, the optimizer, the LR scheduler, the RNGs and ``step`` (the next
     step to run).
 
     Every tensor is a fresh contiguous CPU *copy* (never a view), so the snapshot stays valid
     while training goes on, can be written to a checkpoint or sent over the network as is, and
-    shares no storage between entries. CUDA tensors are copied after their device's current
-    stream is synchronized. ``extra`` must be CBOR-able (tuples become lists); it comes back
-    unchanged in ``meta["extra"]``. ``grad_scaler``: the run's loss scaler, if it has one.
+    shares no storage between entries. A tensor on a device (``device_ops`` says which; default:
+    the context's, `paramsync.runtime.transport.device_ops.context_device_ops`) is copied to the
+    host on its current stream (purpose ``"state"``) and read once that copy's event has
+    completed. ``extra`` must be CBOR-able (tuples become lists); it comes back unchanged in
+    ``meta["extra"]``. ``grad_scaler``: the run's loss scaler, if it has one.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
+    ops = device_ops or context_device_ops()
     tensors = [
-        (f"param.{name}", _host_copy(f"param.{name}", p)) for name, p in model.named_parameters()
+        (f"param.{name}", _host_copy(f"param.{name}", p, ops))
+        for name, p in model.named_parameters()
     ]
     tensors += [
-        (f"buffer.{name}", _host_copy(f"buffer.{name}", b)) for name, b in model.named_buffers()
+        (f"buffer.{name}", _host_copy(f"buffer.{name}", b, ops))
+        for name, b in model.named_buffers()
     ]
     optimizer_meta = None
     if optimizer is not None:
-        optimizer_meta, optimizer_tensors = _capture_optimizer(optimizer)
+        optimizer_meta, optimizer_tensors = _capture_optimizer(optimizer, ops)
         tensors += optimizer_tensors
     tensors.append(("rng.torch", torch.get_rng_state()))
     if torch.cuda.is_available():
@@ -173,20 +181,22 @@ def capture_state(
     return TrainingState(step, tensors, meta)
 
 
-def _host_copy(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _host_copy(name: str, tensor: torch.Tensor, ops: DeviceOps) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.layout != torch.strided:
         raise TypeError(f"tensor {name!r}: layout {tensor.layout} is not supported")
     dtype_name(tensor.dtype)
-    if tensor.device.type == "cuda":
-        torch.cuda.current_stream(tensor.device).synchronize()
     host = torch.empty(tensor.shape, dtype=tensor.dtype)
-    host.copy_(tensor)
+    if ops.on_device(tensor):
+        copied = ops.copy_to_host(tensor, host, ops.current_stream(tensor.device), "state")
+        ops.wait_host(copied)  # this copy's event, not the whole device
+    else:
+        host.copy_(tensor)
     return host
 
 
 def _capture_optimizer(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer, ops: DeviceOps
 ) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
     packed = optimizer.state_dict()
     groups = [
@@ -203,7 +213,7 @@ def _capture_optimizer(
             value = packed["state"][index][key]
             name = f"optim.{index}.{key}"
             if isinstance(value, torch.Tensor):
-                tensors.append((name, _host_copy(name, value)))
+                tensors.append((name, _host_copy(name, value, ops)))
             else:
                 values[key] = _cborable(value, f"optimizer state {name}")
         state_meta[str(index)] = values

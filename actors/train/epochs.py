@@ -297,6 +297,7 @@ class EpochSupervisor:
             run.trace,
             start.epoch,
             fold=start.fold,
+            device_ops=run.device_ops,
         )
 
         def on_bucket(step: int, bucket: int) -> None:
@@ -311,6 +312,7 @@ class EpochSupervisor:
             find_unused=run.options.find_unused_parameters,
             on_unused=comm.note_unused,
             precision=run.precision,
+            on_gradients=comm.gradients_done,
             **({"replicas": run.replicas} if run.replicas is not None else {}),
         )
 

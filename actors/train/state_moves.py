@@ -160,6 +160,7 @@ async def sync_model_buffers(
         mode if mode is not None else run.options.buffer_sync,
         chunk_bytes=run.options.chunk_bytes,
         threaded_min_bytes=run.options.threaded_min_bytes,
+        device_ops=run.device_ops,
     )
 
 

@@ -25,6 +25,7 @@ from paramsync.actors.state.training_state import (
 from paramsync.runtime.errors import ProtocolError
 from paramsync.runtime.protocol.messages import StateManifest, StateTensor
 from paramsync.runtime.transport.base import Transport
+from paramsync.runtime.transport.device_ops import DeviceOps
 
 __all__ = ["send_state", "receive_state"]
 
@@ -43,10 +44,19 @@ async def send_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     *,
     grad_scaler: torch.amp.GradScaler | None = None,
+    device_ops: DeviceOps | None = None,
 ) -> None:
     """Send this worker's whole training state (next step ``step``, the LR scheduler's state
-    and the loss scaler's, if it has them) to ring position ``peer``."""
-    state = capture_state(model, optimizer, step, scheduler=scheduler, grad_scaler=grad_scaler)
+    and the loss scaler's, if it has them) to ring position ``peer``; ``device_ops`` copies
+    device tensors to the host (`capture_state`)."""
+    state = capture_state(
+        model,
+        optimizer,
+        step,
+        scheduler=scheduler,
+        grad_scaler=grad_scaler,
+        device_ops=device_ops,
+    )
     await transport.send(peer, *StateManifest(manifest(state)).to_wire())
     for index, (_, tensor) in enumerate(state.tensors):
         part = StateTensor(state.step, index, wire_view(tensor))

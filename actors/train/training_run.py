@@ -26,6 +26,7 @@ from paramsync.actors.train.options import TrainerOptions
 from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.observe.metrics import Metrics
 from paramsync.runtime.observe.trace import TraceRecorder
+from paramsync.runtime.transport.device_ops import DeviceOps, context_device_ops
 
 __all__ = ["TrainingRun"]
 
@@ -46,6 +47,10 @@ class TrainingRun:
     trace: TraceRecorder = field(default_factory=TraceRecorder.disabled)
     actors: ActorFactory = field(default_factory=context_actors)
     """The constructors of the trainer's actors (see `ActorFactory`)."""
+    device_ops: DeviceOps = field(default_factory=context_device_ops)
+    """The device operations of the gradient and buffer copies (see
+    `paramsync.runtime.transport.device_ops`): the context's when the run was made (a state
+    capture for a rejoin uses the context's, `capture_state`)."""
     scheduler: Scheduler | None = None
     """The LR scheduler stepped right after each optimizer step (None: none)."""
     replicas: DataParallelCoordinator | None = None

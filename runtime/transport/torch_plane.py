@@ -70,6 +70,7 @@ from paramsync.runtime.errors import (
 from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame
 from paramsync.runtime.transport.base import Transport, land_tensor
 from paramsync.runtime.transport.capabilities import NativeCollectives
+from paramsync.runtime.transport.device_ops import DeviceOps, context_device_ops
 from paramsync.runtime.transport.segments import SUPPORTED_DTYPES, divide_in_place
 
 __all__ = [
@@ -151,6 +152,8 @@ class TorchPlaneTransport(NativeCollectives):
     device whose tensors it reduces (None: CPU only). ``keep``: objects to keep alive as long
     as the group (the store). ``store`` and ``host``: the epoch's store and the address gloo's
     connections bind to, for `open_subgroup` (None: this transport makes no subgroups).
+    ``device_ops``: how the NCCL collectives' completion is waited for
+    (`paramsync.runtime.transport.device_ops`; default: the context's).
     """
 
     def __init__(
@@ -168,6 +171,7 @@ class TorchPlaneTransport(NativeCollectives):
         keep: Sequence[object] = (),
         store: dist.Store | None = None,
         host: str | None = None,
+        device_ops: DeviceOps | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         if not collective_seconds > 0 or not close_seconds > 0:
@@ -181,6 +185,8 @@ class TorchPlaneTransport(NativeCollectives):
         self._device_group = device_group
         self.device = device
         """The CUDA device whose tensors reduce through NCCL (None: CPU only)."""
+        self._device_ops = device_ops or context_device_ops()
+        """How the NCCL collectives' completion is waited for (an event on the device)."""
         self.collective_seconds = collective_seconds
         self.close_seconds = close_seconds
         self.max_frame = max_frame
@@ -433,12 +439,18 @@ class TorchPlaneTransport(NativeCollectives):
             await self._wait([work], None, what)
 
     async def _wait_device(self, work: Any, what: str) -> None:
-        """NCCL (untested here): order the current stream after the collective, then wait for
-        that stream on a thread within the deadline; past it, abort the NCCL group."""
+        """NCCL (untested here): order the current stream after the collective (a stream wait),
+        then wait within the deadline for an event recorded there after it (that event alone,
+        queried, else waited for on a thread; never a device synchronize); past the deadline,
+        abort the NCCL group."""
         work.wait()
-        stream = torch.cuda.current_stream(self.device)
+        ops = self._device_ops
+        assert self.device is not None
+        done = ops.record_event(ops.current_stream(self.device))
+        if ops.query(done):
+            return
         with trio.move_on_after(self.collective_seconds) as deadline:
-            await self._wait([_StreamWork(stream)], None, what)
+            await self._wait([_EventWork(ops, done)], None, what)
         if deadline.cancelled_caught:
             self.abort()
             raise StallError(f"{what}: no result within {self.collective_seconds:g} s")
@@ -650,14 +662,15 @@ class _Goodbye(PeerClosed):
     """The peer closed its end cleanly (its goodbye arrived after its last frame)."""
 
 
-class _StreamWork:
-    """A CUDA stream as a waitable: ``wait`` blocks the calling thread until it drains."""
+class _EventWork:
+    """A device event as a waitable: ``wait`` blocks the calling thread until it completes."""
 
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
+    def __init__(self, ops: DeviceOps, event: Any) -> None:
+        self._ops = ops
+        self._event = event
 
     def wait(self) -> None:
-        self._stream.synchronize()
+        self._ops.wait_host(self._event)
 
 
 # ---------------------------------------------------------------------- building groups
