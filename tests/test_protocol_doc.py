@@ -12,9 +12,11 @@ the shared-memory plane's ``shm_hello.host`` is what shared_memory.md says it is
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 import socket
+import stat
 import struct
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from paramsync.runtime.protocol.frame_auth import FrameSealer, direction_keys
 from paramsync.runtime.protocol.handshake import Identity
 from paramsync.runtime.protocol.messages import ShmHello
 from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
-from paramsync.runtime.transport import shm
+from paramsync.runtime.transport import keylog, shm
 from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, accept, dial
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +128,70 @@ def test_section_8_reads_both_directions_of_a_real_connection(monkeypatch) -> No
         assert frames[0]["kind"] == "coll"
         assert np.array_equal(doc["to_array"](frames[0]["data"]), np.array(bulk))
     assert doc["direction_key"](session_key, True) == direction_keys(session_key)[0]
+
+
+def verify_with_key_log(keylog: str, to_listener: bytes, to_dialer: bytes) -> int:
+    """The key log's reader (section 5.5), written from the document: find the connection's
+    line by the nonces of its hello and challenge, then check every later frame's tag in both
+    directions with section 8's code. Returns the number of tags checked; raises on any
+    mismatch."""
+    doc = reader()
+    keys = {}
+    for line in keylog.splitlines():
+        label, nonce_d, nonce_l, k_dl, k_ld = line.split(" ")
+        assert label == "PARAMSYNC_FRAME_KEYS"
+        keys[nonce_d, nonce_l] = (bytes.fromhex(k_dl), bytes.fromhex(k_ld))
+    from_dialer, from_listener = io.BytesIO(to_listener), io.BytesIO(to_dialer)
+    hello, challenge = doc["read_frame"](from_dialer), doc["read_frame"](from_listener)
+    k_dl, k_ld = keys[hello["nonce"].hex(), challenge["nonce"].hex()]
+    checked = 0
+    for stream, data, key in ((from_dialer, to_listener, k_dl), (from_listener, to_dialer, k_ld)):
+        doc["read_frame"](stream)  # auth, welcome: the handshake's second frame, no trailer
+        check = doc["TagCheck"](key)
+        while stream.tell() < len(data):
+            doc["read_frame"](stream, check)
+        checked += check.n
+    return checked
+
+
+def test_the_key_log_lets_a_reader_check_every_tag_of_a_captured_connection(
+    monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """Third security review, row 10: a capture and the secret do not give the session keys,
+    and nothing logged them. With PARAMSYNC_KEYLOG_FILE, both ends append the connection's
+    line (mode 0600, one warning), and the verifier above checks every tag of the capture."""
+    path = tmp_path / "keys.log"
+    monkeypatch.setenv("PARAMSYNC_KEYLOG_FILE", str(path))
+    with caplog.at_level(logging.WARNING, logger="paramsync.keylog"):
+        to_listener, to_dialer, _ = trio.run(capture, monkeypatch)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    lines = path.read_text(encoding="ascii").splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], lines  # both ends, one line each
+    assert re.fullmatch(r"PARAMSYNC_FRAME_KEYS( [0-9a-f]{64}){4}", lines[0])
+    assert verify_with_key_log(path.read_text(), to_listener, to_dialer) == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "paramsync.keylog"]
+    assert len(warned) == 1 and "PARAMSYNC_KEYLOG_FILE" in warned[0] and str(path) in warned[0]
+    tampered = bytearray(to_dialer)
+    tampered[-20] ^= 1  # a bit of the listener's last frame
+    with pytest.raises(ValueError, match="frame 0: the tag does not match"):
+        verify_with_key_log(path.read_text(), to_listener, bytes(tampered))
+
+
+def test_no_key_log_unless_asked_and_a_readable_one_is_warned_about(
+    monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("PARAMSYNC_KEYLOG_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="paramsync.keylog"):
+        trio.run(capture, monkeypatch)
+    assert not [r for r in caplog.records if r.name == "paramsync.keylog"]
+    assert list(tmp_path.iterdir()) == []
+    shared = tmp_path / "shared.log"
+    shared.touch(mode=0o644)
+    shared.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="paramsync.keylog"):
+        keylog.log_connection((b"d" * 32, b"l" * 32), bytes(32), {keylog.KEYLOG_ENV: str(shared)})
+    assert "has mode 0644" in caplog.text and shared.read_text().count("\n") == 1
 
 
 def test_a_frame_read_without_its_trailer_loses_the_stream(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -347,6 +347,13 @@ class DialerHandshake:
             raise HandshakeError(_NOT_COMPLETED)
         return derive_session_key(self._key, self._nonce, self._listener_nonce, self.me, self.peer)
 
+    def nonces(self) -> tuple[bytes, bytes]:
+        """(the dialer's nonce, the listener's): the connection's name in a key log
+        (`paramsync.runtime.transport.keylog`), after `on_verdict` returned."""
+        if self._listener_nonce is None:
+            raise HandshakeError(_NOT_COMPLETED)
+        return self._nonce, self._listener_nonce
+
 
 Admit = Callable[[Identity], str | None]
 """Admission policy: given an authenticated dialer, return a refusal reason or None."""
@@ -458,6 +465,13 @@ class ListenerHandshake:
         if not self._welcomed or self.peer is None:
             raise HandshakeError(_NOT_COMPLETED)
         return derive_session_key(self._key, self._dialer_nonce, self._nonce, self.peer, self.me)
+
+    def nonces(self) -> tuple[bytes, bytes]:
+        """(the dialer's nonce, the listener's): the connection's name in a key log
+        (`paramsync.runtime.transport.keylog`), after the hello."""
+        if self._claimed is None:
+            raise HandshakeError(_NOT_COMPLETED)
+        return self._dialer_nonce, self._nonce
 
     def _admit_reason(self, peer: Identity) -> str | None:
         if peer.group != self.me.group:
