@@ -126,6 +126,7 @@ from typing import Any
 import cbor2
 import torch
 import trio
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -142,7 +143,6 @@ from paramsync.runtime.errors import (  # noqa: E402
 from paramsync.runtime.protocol.handshake import (  # noqa: E402
     DialerHandshake,
     Identity,
-    stretch_secret,
 )
 from paramsync.runtime.protocol.wire import (  # noqa: E402
     HANDSHAKE_MAX_FRAME,
@@ -368,7 +368,9 @@ async def forged_auth(target: Target, index: int) -> list[Attempt]:
         if challenge["kind"] != "challenge":  # refused before the challenge (busy)
             attempt.outcome = f"{challenge['kind']}: {challenge.get('reason', '')}"
             return [attempt]
-        await conn.send("auth", {"proof": random.Random(index).randbytes(32)})
+        forged = random.Random(index)
+        share = X25519PrivateKey.from_private_bytes(forged.randbytes(32)).public_key()
+        await conn.send("auth", {"share": share.public_bytes_raw(), "proof": forged.randbytes(32)})
         attempt.outcome = await _answer(conn, target.handshake_seconds + 2)
     except ProtocolError as exc:
         attempt.outcome = f"{type(exc).__name__}: {exc}"
@@ -393,6 +395,13 @@ def _transcript(
     return out
 
 
+def _version_2_key(secret: bytes) -> bytes:
+    """Version 2's handshake key: scrypt under its one constant salt."""
+    return hashlib.scrypt(
+        secret, salt=b"paramsync/secret/v2", n=2**14, r=8, p=1, maxmem=64 * 2**20, dklen=32
+    )
+
+
 def guess_tester(hello: dict[str, Any], reply: dict[str, Any]) -> Callable[[bytes], bool] | None:
     """What one reply to ``hello`` lets an offline guesser test candidate secrets against:
     a check of a candidate, or None when the reply holds nothing to test against.
@@ -411,7 +420,7 @@ def guess_tester(hello: dict[str, Any], reply: dict[str, Any]) -> Callable[[byte
     )
 
     def check(candidate: bytes) -> bool:
-        key = candidate if reply["v"] == 1 else stretch_secret(candidate)
+        key = candidate if reply["v"] == 1 else _version_2_key(candidate)
         return hmac.compare_digest(hmac.new(key, transcript, hashlib.sha256).digest(), proof)
 
     return check

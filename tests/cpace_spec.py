@@ -24,7 +24,7 @@ def elligator2(u: int) -> int:
 def generator(key: bytes, group: str, world_size: int, nonce_d: bytes) -> bytes:
     name = group.encode("utf-8")
     digest = hashlib.sha512(
-        b"paramsync/cpace/generator/v3"
+        b"paramsync/cpace/generator/v4"
         + (32).to_bytes(2, "big")
         + key
         + len(name).to_bytes(2, "big")
@@ -42,7 +42,7 @@ def x25519(scalar: bytes, point: bytes) -> bytes:
 
 
 def isk(z: bytes, share_d: bytes, share_l: bytes) -> bytes:
-    return hashlib.sha256(b"paramsync/cpace/isk/v3" + z + share_d + share_l).digest()
+    return hashlib.sha256(b"paramsync/cpace/isk/v4" + z + share_d + share_l).digest()
 
 
 def exchange(

@@ -107,7 +107,7 @@ async def dialer_says(answer: Callable[[tcp.Connection], Awaitable[None]]) -> st
 
 async def challenge_with(conn: tcp.Connection, field: str, value: Any) -> None:
     await conn.recv(HANDSHAKE_MAX_FRAME)  # the hello
-    fields: dict[str, Any] = {"nonce": b"\x22" * 32, "share": b"\x09" * 32}
+    fields: dict[str, Any] = {"nonce": b"\x22" * 32, "salt": b"\x33" * 16, "share": b"\x09" * 32}
     fields[field] = value
     await conn.stream.send_all(frame("challenge", fields))
 

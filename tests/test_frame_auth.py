@@ -25,6 +25,7 @@ from paramsync.runtime.protocol.frame_auth import (
     frame_session,
 )
 from paramsync.runtime.protocol.handshake import (
+    PROCESS_SALT,
     DialerHandshake,
     Identity,
     ListenerHandshake,
@@ -87,7 +88,7 @@ def test_both_sides_derive_the_same_session_key_as_the_spec_says() -> None:
     )
     # The session key is keyed by the key exchange's ISK (section 5.1), recomputed from the
     # document: the generator from the stretched secret, the dialer's group and nonce.
-    *_, isk = cpace_spec.exchange(stretch_secret(SECRET), "g", 4, b"d" * 32, Y_D, Y_L)
+    *_, isk = cpace_spec.exchange(stretch_secret(SECRET, PROCESS_SALT), "g", 4, b"d" * 32, Y_D, Y_L)
     assert key == hmac.new(isk, transcript, hashlib.sha256).digest()
 
 
@@ -123,7 +124,7 @@ def test_no_session_key_before_the_handshake_completes() -> None:
     kind, fields = refusing.on_hello(
         {"kind": "hello", **DialerHandshake(SECRET, DIALER).hello()[1]}
     )
-    refusing.on_auth({"kind": "auth", "proof": b"x" * 32})
+    refusing.on_auth({"kind": "auth", "share": b"\x09" * 32, "proof": b"x" * 32})
     with pytest.raises(HandshakeError, match="has not completed"):
         refusing.session_key()
 

@@ -52,6 +52,8 @@ from paramsync.runtime.transport import tcp
 
 SECRET = b"correct horse battery staple"
 OTHER_SECRET = b"incorrect donkey battery staple"
+SHARE = b"\x09" * 32
+"""A key share (a point of no low order) for forged auth messages."""
 GROUP = "test-group"
 LISTENER = Identity(GROUP, 4, 0)
 DIALER = Identity(GROUP, 4, 2)
@@ -73,7 +75,7 @@ def run_sans_io(
 ) -> tuple[Identity | Exception, Exception | str | None]:
     """Play the four messages. Returns (the dialer's outcome, the listener's error)."""
     challenge = over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello())))
-    assert set(challenge) == {"v", "kind", "nonce", "share"}  # nothing about the listener yet
+    assert set(challenge) == {"v", "kind", "nonce", "salt", "share"}  # nothing about the listener
     auth = over_the_wire(*dialer.on_challenge(challenge))
     kind, fields, error = listener.on_auth(auth)
     assert (kind == "welcome") == (error is None)
@@ -156,7 +158,11 @@ def test_a_rogue_listener_without_the_secret_fails_the_dialers_check() -> None:
         auth = over_the_wire(*dialer.on_challenge(challenge))
         if forge == "other-secret":  # a listener that skips the dialer's check
             proof = listener_proof(
-                stretch_secret(OTHER_SECRET), dialer._nonce, challenge["nonce"], DIALER, LISTENER
+                stretch_secret(OTHER_SECRET, challenge["salt"]),
+                dialer._nonce,
+                challenge["nonce"],
+                DIALER,
+                LISTENER,
             )
         elif forge == "reflected":
             proof = auth["proof"]
@@ -175,7 +181,7 @@ def test_a_forged_proof_is_refused(proof: bytes) -> None:
     dialer = DialerHandshake(SECRET, DIALER)
     listener = ListenerHandshake(SECRET, LISTENER, admit_all)
     dialer.on_challenge(over_the_wire(*listener.on_hello(over_the_wire(*dialer.hello()))))
-    kind, fields, error = listener.on_auth(over_the_wire("auth", {"proof": proof}))
+    kind, fields, error = listener.on_auth(over_the_wire("auth", {"share": SHARE, "proof": proof}))
     assert kind == "refuse" and isinstance(error, AuthenticationError)
     assert "secret" in fields["reason"]
 
@@ -245,7 +251,9 @@ def test_a_reflected_proof_is_refused() -> None:
         SECRET, LISTENER, admit_all, nonce=challenge["nonce"], ledger=NonceLedger()
     )
     other.on_hello(over_the_wire(*dialer.hello()))
-    kind, _, error = other.on_auth(over_the_wire("auth", {"proof": fields["proof"]}))
+    kind, _, error = other.on_auth(
+        over_the_wire("auth", {"share": auth["share"], "proof": fields["proof"]})
+    )
     assert kind == "refuse" and isinstance(error, AuthenticationError)
 
 
@@ -272,11 +280,11 @@ def test_out_of_order_messages_are_handshake_errors() -> None:
     dialer = DialerHandshake(SECRET, DIALER)
     listener = ListenerHandshake(SECRET, LISTENER, admit_all)
     with pytest.raises(HandshakeError):
-        listener.on_hello(over_the_wire("auth", {"proof": b"x"}))
-    short = {**DIALER.fields(), "nonce": b"\x00" * (NONCE_SIZE - 1), "share": b"\x09" * 32}
+        listener.on_hello(over_the_wire("auth", {"share": SHARE, "proof": b"x"}))
+    short = {**DIALER.fields(), "nonce": b"\x00" * (NONCE_SIZE - 1)}
     with pytest.raises(HandshakeError, match="nonce"):
         listener.on_hello(over_the_wire("hello", short))
-    kind, _, error = listener.on_auth(over_the_wire("auth", {"proof": b"x" * 32}))
+    kind, _, error = listener.on_auth(over_the_wire("auth", {"share": SHARE, "proof": b"x" * 32}))
     assert kind == "refuse" and type(error) is HandshakeError  # auth before any hello
     welcome = {**LISTENER.fields(), "proof": b"\x00" * 32}
     with pytest.raises(HandshakeError):
@@ -482,7 +490,7 @@ def hostile_clients(draw: st.DrawFn) -> tuple[list[bytes | str], bool]:
                 st.sampled_from(
                     [
                         frame("welcome", {**LISTENER.fields(), "proof": b"\x00" * 32}),
-                        frame("auth", {"proof": b"\x00" * 32}),
+                        frame("auth", {"share": SHARE, "proof": b"\x00" * 32}),
                         frame("refuse", {"reason": "x"}),
                         frame("rdv_join", {"host": "h", "port": 1}),
                         frame("coll", {"op": 0, "hop": 0, "part": 0, "data": torch.zeros(2)}),
@@ -495,7 +503,7 @@ def hostile_clients(draw: st.DrawFn) -> tuple[list[bytes | str], bool]:
         steps = [hello_frame(), "read", draw(garbage)]
     elif style == "hello-then-forged-auth":
         proof = draw(st.binary(max_size=64))
-        steps = [hello_frame(), "read", frame("auth", {"proof": proof}), "read"]
+        steps = [hello_frame(), "read", frame("auth", {"share": SHARE, "proof": proof}), "read"]
     elif style == "hello-then-reflected-auth":
         steps = [hello_frame(), "read", "reflect", "read"]
     elif style == "hello-then-hello":
@@ -530,7 +538,7 @@ async def play_hostile_client(
                         return
             elif step == "reflect":  # the listener's own nonce, as if it were a proof
                 proof = challenge["nonce"] if challenge and "nonce" in challenge else b"\x00"
-                await stream.send_all(frame("auth", {"proof": proof}))
+                await stream.send_all(frame("auth", {"share": SHARE, "proof": proof}))
             else:
                 assert isinstance(step, bytes)
                 await stream.send_all(step)
@@ -616,7 +624,14 @@ async def test_serve_until_survives_garbage_and_admits_the_real_rank() -> None:
         ([os.urandom(200)], False),
         ([struct.pack(">II", 2**32 - 1, 0)], False),
         ([hello_frame(Identity(GROUP, 2, 1))[:20]], True),
-        ([hello_frame(Identity(GROUP, 2, 1)), "read", frame("auth", {"proof": b"x" * 32})], False),
+        (
+            [
+                hello_frame(Identity(GROUP, 2, 1)),
+                "read",
+                frame("auth", {"share": SHARE, "proof": b"x" * 32}),
+            ],
+            False,
+        ),
         ([b"\x00\x00\x00\x0b\x00\x00\x00\x00" + b"\x81" * 10 + b"\x00"], False),
         ([frame("welcome", {**LISTENER.fields(), "proof": b"\x00" * 32}), "read"], True),
         ([bulk_head(1000) + b"\x00" * 10], False),

@@ -34,6 +34,8 @@ from paramsync.runtime.coordinator.service import Coordinator
 from paramsync.runtime.errors import AuthenticationError, HandshakeError
 from paramsync.runtime.protocol.handshake import (
     NONCE_SIZE,
+    PROCESS_SALT,
+    SALT_SIZE,
     SECRET_FILE_ENV,
     SECRET_MIN_BITS,
     DialerHandshake,
@@ -80,10 +82,11 @@ def spec_transcript(
     return out
 
 
-def spec_key(secret: bytes) -> bytes:
-    """docs/protocol.md section 5.1's key: scrypt with the documented parameters."""
+def spec_key(secret: bytes, salt: bytes) -> bytes:
+    """docs/protocol.md section 5.1's key: scrypt with the documented parameters, salted with
+    the label and the listener's salt."""
     return hashlib.scrypt(
-        secret, salt=b"paramsync/secret/v2", n=16384, r=8, p=1, maxmem=64 << 20, dklen=32
+        secret, salt=b"paramsync/secret/v4" + salt, n=16384, r=8, p=1, maxmem=64 << 20, dklen=32
     )
 
 
@@ -113,7 +116,7 @@ def guess_test(hello: dict[str, Any], reply: dict[str, Any]) -> Callable[[bytes]
     def is_the_secret(candidate: bytes) -> bool:
         return any(
             hmac.compare_digest(spec_mac(key, transcript), proof)
-            for key in (candidate, spec_key(candidate))
+            for key in (candidate, spec_key(candidate, reply.get("salt", b"")))
         )
 
     return is_the_secret
@@ -173,8 +176,9 @@ def test_one_hello_gives_an_offline_guesser_nothing_to_test_guesses_against(daem
     recovered = crack(guess_test(hello, reply), DICTIONARY)
     assert recovered is None, f"recovered the secret {recovered!r} from one hello's reply"
     assert reply["kind"] == "challenge", reply
-    assert set(reply) == {"v", "kind", "nonce", "share"}, f"the reply discloses {sorted(reply)}"
+    assert set(reply) == {"v", "kind", "nonce", "salt", "share"}, f"it discloses {sorted(reply)}"
     assert len(reply["nonce"]) == NONCE_SIZE
+    assert reply["salt"] == PROCESS_SALT and len(PROCESS_SALT) == SALT_SIZE  # this process's
 
 
 def rogue_listener(guess: bytes) -> tuple[bytes, bytes]:
@@ -184,14 +188,14 @@ def rogue_listener(guess: bytes) -> tuple[bytes, bytes]:
     dialer = DialerHandshake(WEAK_SECRET, Identity(GROUP, 2, 1))
     hello = decode_frame(encode_frame_bytes(*dialer.hello()))
     me = Identity(hello["group"], hello["world_size"], hello["rank"])
-    y_l, nonce_l = os.urandom(32), os.urandom(NONCE_SIZE)
+    y_l, nonce_l, salt = os.urandom(32), os.urandom(NONCE_SIZE), os.urandom(SALT_SIZE)
     share_l = cpace_spec.x25519(
-        y_l, cpace_spec.generator(spec_key(guess), GROUP, 2, hello["nonce"])
+        y_l, cpace_spec.generator(spec_key(guess, salt), GROUP, 2, hello["nonce"])
     )
-    challenge = {"kind": "challenge", "nonce": nonce_l, "share": share_l}
+    challenge = {"kind": "challenge", "nonce": nonce_l, "salt": salt, "share": share_l}
     auth = decode_frame(encode_frame_bytes(*dialer.on_challenge(challenge)))
-    isk = cpace_spec.isk(cpace_spec.x25519(y_l, hello["share"]), hello["share"], share_l)
-    transcript = spec_transcript(b"paramsync/dialer", 3, nonce_l, hello["nonce"], me)
+    isk = cpace_spec.isk(cpace_spec.x25519(y_l, auth["share"]), auth["share"], share_l)
+    transcript = spec_transcript(b"paramsync/dialer", 4, nonce_l, hello["nonce"], me)
     return auth["proof"], spec_mac(isk, transcript)
 
 
@@ -202,7 +206,9 @@ def test_a_rogue_listener_tests_one_guess_per_handshake() -> None:
     or refutes the one guess its share was built on, and nothing it holds tests any other."""
     proof, expected = rogue_listener(b"letmein12345678")
     assert proof != expected  # its guess was wrong: that is all it learns
-    assert proof != spec_mac(spec_key(WEAK_SECRET), b"")  # (nothing under K alone either)
+    assert proof != spec_mac(
+        spec_key(WEAK_SECRET, PROCESS_SALT), b""
+    )  # (nothing under K alone either)
     proof, expected = rogue_listener(WEAK_SECRET)
     assert proof == expected  # the right guess: confirmed, online, for this one handshake
 
@@ -222,11 +228,11 @@ def test_a_passive_observer_has_nothing_to_guess_against() -> None:
     kind, fields, _ = listener.on_auth(auth)
     welcome = decode_frame(encode_frame_bytes(kind, fields))
     n_d, n_l = hello["nonce"], challenge["nonce"]
-    transcript = spec_transcript(b"paramsync/dialer", 3, n_l, n_d, dialer_id)
+    transcript = spec_transcript(b"paramsync/dialer", 4, n_l, n_d, dialer_id)
     for candidate in DICTIONARY:
-        k = spec_key(candidate)
+        k = spec_key(candidate, challenge["salt"])
         g = cpace_spec.generator(k, GROUP, 2, n_d)
-        for key in (candidate, k, cpace_spec.isk(g, hello["share"], challenge["share"])):
+        for key in (candidate, k, cpace_spec.isk(g, auth["share"], challenge["share"])):
             assert spec_mac(key, transcript) != auth["proof"], candidate
     assert welcome["kind"] == "welcome"
 
@@ -234,25 +240,67 @@ def test_a_passive_observer_has_nothing_to_guess_against() -> None:
 # --------------------------------------------------------------------------- the KDF
 
 
-def test_the_handshake_key_is_scrypt_of_the_secret_as_documented() -> None:
-    assert stretch_secret(SECRET) == spec_key(SECRET)
-    assert len(stretch_secret(SECRET)) == 32
-    assert stretch_secret(bytearray(SECRET)) == stretch_secret(SECRET)
-    assert stretch_secret(SECRET + b"!") != stretch_secret(SECRET)
+SALT = b"\x5a" * SALT_SIZE
 
 
-def test_one_guess_costs_at_least_10_ms_and_a_process_pays_it_once_per_secret() -> None:
+def test_the_handshake_key_is_scrypt_of_the_secret_and_the_listeners_salt_as_documented() -> None:
+    assert stretch_secret(SECRET, SALT) == spec_key(SECRET, SALT)
+    assert len(stretch_secret(SECRET, SALT)) == 32
+    assert stretch_secret(bytearray(SECRET), SALT) == stretch_secret(SECRET, SALT)
+    assert stretch_secret(SECRET + b"!", SALT) != stretch_secret(SECRET, SALT)
+    assert stretch_secret(SECRET, b"\x5b" * SALT_SIZE) != stretch_secret(SECRET, SALT)
+    with pytest.raises(ValueError, match=f"salt is {SALT_SIZE} bytes"):
+        stretch_secret(SECRET, b"short")
+
+
+def test_one_guess_costs_at_least_10_ms_and_is_paid_once_per_secret_and_salt() -> None:
     costs = []
     for _ in range(3):
         fresh = os.urandom(32)  # never stretched before: no cache
         started = time.perf_counter()
-        first = stretch_secret(fresh)
+        first = stretch_secret(fresh, SALT)
         costs.append(time.perf_counter() - started)
         started = time.perf_counter()
-        assert stretch_secret(fresh) == first
+        assert stretch_secret(fresh, SALT) == first
         again = time.perf_counter() - started
         assert again < min(costs) / 10, (again, costs)  # cached
+        started = time.perf_counter()
+        stretch_secret(fresh, os.urandom(SALT_SIZE))  # another listener's salt: paid again
+        costs.append(time.perf_counter() - started)
     assert min(costs) >= 0.010, costs
+
+
+def test_a_dictionary_stretched_for_one_listener_is_worthless_against_another() -> None:
+    """Third security review, row 4: the scrypt salt was one constant for every deployment, so
+    one stretched dictionary served all of them. Now each listener process draws its own salt
+    and sends it in its challenge: a rogue dialer holding the right secret's key stretched
+    under another salt fails the proof; stretched under this listener's salt, it succeeds."""
+
+    def dial_with(key_for: Callable[[bytes], bytes]) -> tuple[str, Exception | None]:
+        listener = ListenerHandshake(
+            WEAK_SECRET, LISTENER, lambda _p: None, ledger=NonceLedger(), salt=SALT
+        )
+        nonce_d, y_d = os.urandom(NONCE_SIZE), os.urandom(32)
+        challenge = decode_frame(
+            encode_frame_bytes(
+                *listener.on_hello({"kind": "hello", **DIALER.fields(), "nonce": nonce_d})
+            )
+        )
+        g = cpace_spec.generator(key_for(challenge["salt"]), GROUP, 4, nonce_d)
+        share_d = cpace_spec.x25519(y_d, g)
+        isk = cpace_spec.isk(
+            cpace_spec.x25519(y_d, challenge["share"]), share_d, challenge["share"]
+        )
+        proof = spec_mac(
+            isk, spec_transcript(b"paramsync/dialer", 4, challenge["nonce"], nonce_d, DIALER)
+        )
+        kind, _, error = listener.on_auth({"kind": "auth", "share": share_d, "proof": proof})
+        return kind, error
+
+    precomputed = spec_key(WEAK_SECRET, b"\x00" * SALT_SIZE)  # another deployment's dictionary
+    kind, error = dial_with(lambda _salt: precomputed)
+    assert kind == "refuse" and isinstance(error, AuthenticationError)
+    assert dial_with(lambda salt: spec_key(WEAK_SECRET, salt)) == ("welcome", None)
 
 
 def test_every_proof_is_keyed_by_the_key_exchange() -> None:
@@ -272,10 +320,11 @@ def test_every_proof_is_keyed_by_the_key_exchange() -> None:
     welcome = decode_frame(encode_frame_bytes(kind, fields))
     assert dialer.on_verdict(welcome) == listener_id
     n_d, n_l = hello["nonce"], challenge["nonce"]
-    _, share_d, share_l, key = cpace_spec.exchange(spec_key(SECRET), GROUP, 4, n_d, y_d, y_l)
-    assert (hello["share"], challenge["share"]) == (share_d, share_l)
+    k = spec_key(SECRET, challenge["salt"])
+    _, share_d, share_l, key = cpace_spec.exchange(k, GROUP, 4, n_d, y_d, y_l)
+    assert (auth["share"], challenge["share"]) == (share_d, share_l)
     v = welcome["v"]
-    assert v == 3
+    assert v == 4
     assert auth["proof"] == spec_mac(
         key, spec_transcript(b"paramsync/dialer", v, n_l, n_d, dialer_id)
     )
@@ -292,12 +341,14 @@ def test_a_low_order_share_is_refused() -> None:
     """A share whose exchange gives the all-zero point (u = 0, or the order-2 point u = 1 is
     not: u = 0 is) is an AuthenticationError, on either side."""
     dialer = DialerHandshake(SECRET, DIALER)
+    challenge = {"kind": "challenge", "nonce": b"\x01" * 32, "salt": SALT, "share": bytes(32)}
     with pytest.raises(AuthenticationError, match="low-order point"):
-        dialer.on_challenge({"kind": "challenge", "nonce": b"\x01" * 32, "share": bytes(32)})
+        dialer.on_challenge(challenge)
     listener = ListenerHandshake(SECRET, LISTENER, lambda _p: None, ledger=NonceLedger())
-    hello = {**DIALER.fields(), "kind": "hello", "nonce": b"\x02" * 32, "share": bytes(32)}
-    with pytest.raises(AuthenticationError, match="low-order point"):
-        listener.on_hello(hello)
+    listener.on_hello({**DIALER.fields(), "kind": "hello", "nonce": b"\x02" * 32})
+    kind, fields, error = listener.on_auth({"kind": "auth", "share": bytes(32), "proof": b""})
+    assert kind == "refuse" and isinstance(error, AuthenticationError)
+    assert "low-order point" in fields["reason"] and fields["reason"] == error.reason
 
 
 # --------------------------------------------------------------------------- the session key
@@ -313,6 +364,7 @@ def handshake(
     *,
     dialer_scalar: bytes | None = None,
     listener_scalar: bytes | None = None,
+    salt: bytes | None = None,
 ) -> tuple[DialerHandshake, ListenerHandshake]:
     """A completed handshake (no codec: the sans-I/O machines only)."""
     dialer = DialerHandshake(dialer_secret, dialer_id, nonce=dialer_nonce, scalar=dialer_scalar)
@@ -323,6 +375,7 @@ def handshake(
         nonce=listener_nonce,
         ledger=NonceLedger(),
         scalar=listener_scalar,
+        salt=salt,
     )
     auth = dialer.on_challenge(
         {"kind": "challenge", **listener.on_hello({"kind": "hello", **dialer.hello()[1]})[1]}
@@ -450,11 +503,19 @@ def test_the_test_vector_in_the_protocol_document_is_what_the_code_computes() ->
     secret = b"example-secret-0123456789abcdef!"
     dialer_id, listener_id = Identity("paramsync", 2, 1), Identity("paramsync", 2, -1)
     n_d, n_l = b"\x11" * NONCE_SIZE, b"\x22" * NONCE_SIZE
-    y_d, y_l = b"\x33" * 32, b"\x44" * 32
+    y_d, y_l, salt_l = b"\x33" * 32, b"\x44" * 32, b"\x55" * SALT_SIZE
     dialer, listener = handshake(
-        secret, secret, dialer_id, listener_id, n_d, n_l, dialer_scalar=y_d, listener_scalar=y_l
+        secret,
+        secret,
+        dialer_id,
+        listener_id,
+        n_d,
+        n_l,
+        dialer_scalar=y_d,
+        listener_scalar=y_l,
+        salt=salt_l,
     )
-    key = stretch_secret(secret)
+    key = stretch_secret(secret, salt_l)
     assert key.hex() == values["K"]
     g, share_d, share_l, isk = cpace_spec.exchange(key, "paramsync", 2, n_d, y_d, y_l)
     assert (g.hex(), share_d.hex(), share_l.hex()) == (

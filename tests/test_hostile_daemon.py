@@ -95,8 +95,8 @@ EXPECTED_OUTCOMES = {
     "oversized": "refuse: frame of 4294967295 bytes exceeds this receiver's limit of 4096",
     "wrong_secret": "AuthenticationError: refused: 'authentication failed: wrong shared secret'",
     "forged_auth": "refuse: authentication failed: wrong shared secret",
-    # one hello's reply holds a nonce and a CPace share: nothing to test guesses against
-    "offline_guess": "challenge ['nonce', 'share']: nothing to test guesses against",
+    # one hello's reply holds a nonce, a salt and a CPace share: nothing to test guesses against
+    "offline_guess": "challenge ['nonce', 'salt', 'share']: nothing to test guesses against",
     "taken_rank": "refuse: rank 0 is already taken",
     "replay": "refuse: replayed handshake: this hello's nonce was sent by an earlier connection",
     "slow_drip": "closed after ",

@@ -31,10 +31,9 @@ PRE_AUTH = {
         "world_size": 2,
         "rank": 0,
         "nonce": b"\x01" * 32,
-        "share": b"\x05" * 32,
     },
-    "challenge": {"nonce": b"\x02" * 32, "share": b"\x06" * 32},
-    "auth": {"proof": b"\x03" * 32},
+    "challenge": {"nonce": b"\x02" * 32, "salt": b"\x07" * 16, "share": b"\x06" * 32},
+    "auth": {"share": b"\x05" * 32, "proof": b"\x03" * 32},
     "welcome": {"group": "g", "world_size": 2, "rank": -1, "proof": b"\x04" * 32},
     "refuse": {"reason": "no"},
 }

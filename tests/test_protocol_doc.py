@@ -11,24 +11,32 @@ the shared-memory plane's ``shm_hello.host`` is what shared_memory.md says it is
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import io
+import logging
 import os
 import re
 import socket
+import stat
 import struct
 from pathlib import Path
 
 import cbor2
+import cpace_spec
 import numpy as np
 import pytest
 import torch
 import trio
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from paramsync.runtime.errors import PeerClosed
 from paramsync.runtime.protocol.frame_auth import FrameSealer, direction_keys
 from paramsync.runtime.protocol.handshake import Identity
 from paramsync.runtime.protocol.messages import ShmHello
 from paramsync.runtime.protocol.wire import PROTOCOL_VERSION, encode_frame_bytes
-from paramsync.runtime.transport import shm
+from paramsync.runtime.transport import keylog, shm
 from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, accept, dial
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,6 +136,70 @@ def test_section_8_reads_both_directions_of_a_real_connection(monkeypatch) -> No
     assert doc["direction_key"](session_key, True) == direction_keys(session_key)[0]
 
 
+def verify_with_key_log(keylog: str, to_listener: bytes, to_dialer: bytes) -> int:
+    """The key log's reader (section 5.5), written from the document: find the connection's
+    line by the nonces of its hello and challenge, then check every later frame's tag in both
+    directions with section 8's code. Returns the number of tags checked; raises on any
+    mismatch."""
+    doc = reader()
+    keys = {}
+    for line in keylog.splitlines():
+        label, nonce_d, nonce_l, k_dl, k_ld = line.split(" ")
+        assert label == "PARAMSYNC_FRAME_KEYS"
+        keys[nonce_d, nonce_l] = (bytes.fromhex(k_dl), bytes.fromhex(k_ld))
+    from_dialer, from_listener = io.BytesIO(to_listener), io.BytesIO(to_dialer)
+    hello, challenge = doc["read_frame"](from_dialer), doc["read_frame"](from_listener)
+    k_dl, k_ld = keys[hello["nonce"].hex(), challenge["nonce"].hex()]
+    checked = 0
+    for stream, data, key in ((from_dialer, to_listener, k_dl), (from_listener, to_dialer, k_ld)):
+        doc["read_frame"](stream)  # auth, welcome: the handshake's second frame, no trailer
+        check = doc["TagCheck"](key)
+        while stream.tell() < len(data):
+            doc["read_frame"](stream, check)
+        checked += check.n
+    return checked
+
+
+def test_the_key_log_lets_a_reader_check_every_tag_of_a_captured_connection(
+    monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """Third security review, row 10: a capture and the secret do not give the session keys,
+    and nothing logged them. With PARAMSYNC_KEYLOG_FILE, both ends append the connection's
+    line (mode 0600, one warning), and the verifier above checks every tag of the capture."""
+    path = tmp_path / "keys.log"
+    monkeypatch.setenv("PARAMSYNC_KEYLOG_FILE", str(path))
+    with caplog.at_level(logging.WARNING, logger="paramsync.keylog"):
+        to_listener, to_dialer, _ = trio.run(capture, monkeypatch)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    lines = path.read_text(encoding="ascii").splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], lines  # both ends, one line each
+    assert re.fullmatch(r"PARAMSYNC_FRAME_KEYS( [0-9a-f]{64}){4}", lines[0])
+    assert verify_with_key_log(path.read_text(), to_listener, to_dialer) == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "paramsync.keylog"]
+    assert len(warned) == 1 and "PARAMSYNC_KEYLOG_FILE" in warned[0] and str(path) in warned[0]
+    tampered = bytearray(to_dialer)
+    tampered[-20] ^= 1  # a bit of the listener's last frame
+    with pytest.raises(ValueError, match="frame 0: the tag does not match"):
+        verify_with_key_log(path.read_text(), to_listener, bytes(tampered))
+
+
+def test_no_key_log_unless_asked_and_a_readable_one_is_warned_about(
+    monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("PARAMSYNC_KEYLOG_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="paramsync.keylog"):
+        trio.run(capture, monkeypatch)
+    assert not [r for r in caplog.records if r.name == "paramsync.keylog"]
+    assert list(tmp_path.iterdir()) == []
+    shared = tmp_path / "shared.log"
+    shared.touch(mode=0o644)
+    shared.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="paramsync.keylog"):
+        keylog.log_connection((b"d" * 32, b"l" * 32), bytes(32), {keylog.KEYLOG_ENV: str(shared)})
+    assert "has mode 0644" in caplog.text and shared.read_text().count("\n") == 1
+
+
 def test_a_frame_read_without_its_trailer_loses_the_stream(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Why section 8 reads the trailer: read as a handshake frame, the next prefix is the
     trailer's bytes, and the reader stops there."""
@@ -222,3 +294,199 @@ def test_section_1s_bulk_kinds_and_unbounded_kinds_are_the_code_s() -> None:
         if limits.kind_max_frame(kind) == limits.BULK_MAX_FRAME and kind not in limits.BULK_KINDS
     }
     assert named == big and len(big) >= 5
+
+
+# --------------------------------------------------------------------------- section 5's text
+
+
+def example_values(text: str) -> dict[str, bytes]:
+    """Section 5.1's example vector: name -> 32 bytes."""
+    return {
+        name: bytes.fromhex(value)
+        for name, value in re.findall(r"^(\w+) +([0-9a-f]{64})$", text, re.M)
+    }
+
+
+def repeated(text: str, name: str) -> bytes:
+    """An example input written as ``<name> <count> bytes of `0x<byte>```."""
+    found = re.search(rf"{name} (\d+)\s+bytes\s+of\s+`0x([0-9a-f]{{2}})`", text)
+    assert found is not None, name
+    return bytes.fromhex(found[2]) * int(found[1])
+
+
+def identity(text: str, who: str) -> Identity:
+    found = re.search(rf"{who}\s+`\(\"(\w+)\", (-?\d+), (-?\d+)\)`", text)
+    assert found is not None, who
+    return Identity(found[1], int(found[2]), int(found[3]))
+
+
+def doc_transcript(text: str, label: bytes, first: bytes, second: bytes, *ids: Identity) -> bytes:
+    """Section 5.1's transcript, its version the ``u16be(n)`` the document writes."""
+    version = int(re.search(r"label\s+\|\|\s+u16be\((\d+)\)", text)[1])
+    out = label + version.to_bytes(2, "big") + first + second
+    for ident in ids:
+        group = ident.group.encode()
+        out += len(group).to_bytes(2, "big") + group
+        out += ident.world_size.to_bytes(4, "big") + (ident.rank + 1).to_bytes(4, "big")
+    return out
+
+
+def lv(value: bytes) -> bytes:
+    return len(value).to_bytes(2, "big") + value
+
+
+def test_section_5_1s_vector_is_built_from_the_documents_own_text() -> None:
+    """Third security review, row 11: every label, parameter and input of section 5.1's example
+    is read from the document, and the vector is recomputed from them alone."""
+    text = section(PROTOCOL, "### 5.1 ")
+    values = example_values(text)
+    secret = re.search(r"secret\s+`([^`]+)`", text)[1].encode()
+    salt_l, nonce_d, nonce_l = (repeated(text, name) for name in ("salt_l", "nonce_d", "nonce_l"))
+    y_d, y_l = repeated(text, "y_d"), repeated(text, "y_l")
+    dialer, listener = identity(text, "dialer"), identity(text, "listener")
+    scrypt = re.search(
+        r'salt = "([^"]+)" \|\| salt_l,\s+N = (\d+), r = (\d+), p = (\d+), dkLen = (\d+)', text
+    )
+    assert scrypt is not None, "section 5.1 gives K's scrypt salt and parameters"
+    label, n, r, p, dklen = scrypt[1].encode(), *map(int, scrypt.groups()[1:])
+    k = hashlib.scrypt(secret, salt=label + salt_l, n=n, r=r, p=p, maxmem=64 << 20, dklen=dklen)
+    assert k == values["K"]
+    generator_label = re.search(r'SHA-512\( "([^"]+)"', text)[1].encode()
+    name = dialer.group.encode()
+    digest = hashlib.sha512(
+        generator_label + lv(k) + lv(name) + dialer.world_size.to_bytes(4, "big") + lv(nonce_d)
+    ).digest()
+    g = cpace_spec.elligator2(int.from_bytes(digest, "little")).to_bytes(32, "little")
+    assert g == values["G"]
+    share_d, share_l = cpace_spec.x25519(y_d, g), cpace_spec.x25519(y_l, g)
+    assert (share_d, share_l) == (values["share_d"], values["share_l"])
+    isk_label = re.search(r'SHA-256\( "([^"]+)"', text)[1].encode()
+    isk = hashlib.sha256(isk_label + cpace_spec.x25519(y_d, share_l) + share_d + share_l).digest()
+    assert isk == values["ISK"]
+    nonces = {"nonce_d": nonce_d, "nonce_l": nonce_l}
+    who = {"dialer": dialer, "listener": listener}
+    rows = re.findall(
+        r"^\| `?([\w ]+?)`?(?:, in `\w+`| \(never sent\)) \| `([^`]+)` \| \((\w+), (\w+)\) \| "
+        r"([\w, ]+) \|$",
+        text,
+        re.M,
+    )
+    names = {"proof_d": "proof_d", "proof_l": "proof_l", "session key": "session"}
+    assert {row[0] for row in rows} == set(names), rows
+    for value, mac_label, first, second, ids in rows:
+        transcript = doc_transcript(
+            text,
+            mac_label.encode(),
+            nonces[first],
+            nonces[second],
+            *(who[i.strip()] for i in ids.split(",")),
+        )
+        assert hmac.new(isk, transcript, hashlib.sha256).digest() == values[names[value]], value
+
+
+def test_section_5_4s_session_key_and_vector_are_built_from_the_documents_own_text() -> None:
+    """Row 11: section 5.4 gave the session key as HMAC(K, ...) while the code keys it by the
+    ISK. Its formula, read here, must give section 5.1's session key from 5.1's values, and
+    its direction keys and trailers follow from its own labels and nonce layout."""
+    first = section(PROTOCOL, "### 5.1 ")
+    values = example_values(first)
+    text = section(PROTOCOL, "### 5.4 ")
+    formula = re.search(
+        r'session_key = HMAC-SHA256\((\w+), transcript\("([^"]+)", (\w+), (\w+), (\w+), (\w+)\)\)',
+        text,
+    )
+    assert formula is not None
+    key, label, n1, n2, i1, i2 = formula.groups()
+    nonces = {"nonce_d": repeated(first, "nonce_d"), "nonce_l": repeated(first, "nonce_l")}
+    who = {"dialer": identity(first, "dialer"), "listener": identity(first, "listener")}
+    transcript = doc_transcript(first, label.encode(), nonces[n1], nonces[n2], who[i1], who[i2])
+    session_key = hmac.new(values[key], transcript, hashlib.sha256).digest()
+    assert session_key == values["session"], f"5.4's session key, keyed by {key}"
+    assert re.search(r"session key\s*`([0-9a-f]{64})`", text)[1] == session_key.hex()
+    direction = dict(re.findall(r'(k_\w\w) = HMAC-SHA256\(session_key, "([^"]+)"\)', text))
+    keys = {
+        name: hmac.new(session_key, label.encode(), hashlib.sha256).digest()
+        for name, label in direction.items()
+    }
+    assert sorted(keys) == ["k_dl", "k_ld"]
+    for name, digest in keys.items():
+        assert re.search(rf"`{name} = ([0-9a-f]{{64}})`", text)[1] == digest.hex()
+    assert "`00 00 00 00 || u64be(n)`" in text
+    frame = bytes.fromhex(re.search(r"```\n([0-9a-f]+)\n```", text)[1])
+    trailers = re.findall(r"`(50[0-9a-f]{32})`", text)
+
+    def trailer(key: bytes, n: int) -> str:
+        return "50" + AESGCM(key).encrypt(bytes(4) + n.to_bytes(8, "big"), b"", frame).hex()
+
+    expected = [trailer(keys["k_dl"], 0), trailer(keys["k_dl"], 1), trailer(keys["k_ld"], 0)]
+    assert trailers == expected
+
+
+def test_the_handshake_messages_in_section_3_and_5_are_the_codes() -> None:
+    """Row 11: the challenge's `share` was in no table or diagram. Section 3's table and
+    section 5's diagram name exactly the fields of each handshake kind."""
+    from paramsync.runtime.protocol.messages import Auth, Challenge, Hello, Welcome
+
+    code = {m.KIND: [f.name for f in dataclasses.fields(m)] for m in (Hello, Challenge, Auth)}
+    code["welcome"] = [f.name for f in dataclasses.fields(Welcome)]
+    table = section(PROTOCOL, "## 3. Message kinds")
+    diagram = re.search(r"```\n(dialer -> listener +hello.*?)```", PROTOCOL, re.S)[1]
+    for kind, fields in code.items():
+        row = re.search(rf"^\| `{kind}` \| [^|]+ \| (.+) \|$", table, re.M)[1]
+        assert re.findall(r"`(\w+)`(?::|,| as in)", row) == fields, kind
+        drawn = re.search(rf"\b{kind} +\{{([^}}]*)\}}", diagram)[1]
+        assert [part.split(":")[0].strip() for part in drawn.split(",")] == fields, kind
+
+
+def test_section_5_states_the_deviations_and_no_version_2_label() -> None:
+    text = section(PROTOCOL, "## 5. The handshake")
+    deviations = text[text.index("**Where this differs from the CPace draft**") :]
+    deviations = deviations[: deviations.index("\n\n**Transcripts.**")]
+    for point in (
+        "`sid` is the dialer's nonce",
+        "no zero padding",
+        "64-byte SHA-512 digest, read little-endian, is reduced mod p",
+        "ISK leaves out `sid`",
+        "confirmation MACs are keyed by the ISK",
+    ):
+        assert point in " ".join(deviations.split()), point
+    assert "paramsync/secret/v2" not in text
+    assert "version 2" not in section(PROTOCOL, "### 5.3 ")
+    low_order = text[text.index("**Low-order shares.**") :]
+    assert "on_challenge" in low_order and "on_auth" in low_order
+
+
+async def low_order_challenge() -> BaseException:
+    """A listener that answers a hello with a low-order share: the dialer's error."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    address = listeners[0].socket.getsockname()[:2]
+
+    async def answer() -> None:
+        conn = Connection(await listeners[0].accept())
+        await conn.recv(4096)
+        fields = {"nonce": b"\x01" * 32, "salt": b"\x02" * 16, "share": bytes(32)}
+        await conn.send("challenge", fields)
+        with trio.fail_after(5), pytest.raises(PeerClosed):
+            await conn.recv(4096)  # no auth: the dialer hangs up
+
+    errors: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer)
+        try:
+            await dial(address, SECRET, Identity(DEFAULT_GROUP, 2, 1))
+        except Exception as exc:  # returned to the test
+            errors.append(exc)
+    await listeners[0].aclose()
+    assert errors, "the dialer accepted a low-order share"
+    return errors[0]
+
+
+def test_what_the_worker_prints_for_a_low_order_share_is_what_section_5_1_says() -> None:
+    from paramsync.runtime.errors import AuthenticationError, configuration_error
+
+    text = " ".join(section(PROTOCOL, "### 5.1 ").split())
+    sentence = re.search(r"with the sentence `([^`]+)`", text)[1]
+    error = trio.run(low_order_challenge)
+    assert isinstance(error, AuthenticationError) and sentence in str(error)
+    line = configuration_error(error)
+    assert line is not None and sentence in line and "\n" not in line

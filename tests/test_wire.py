@@ -343,13 +343,14 @@ def test_frame_length_must_match_its_prefix() -> None:
 @pytest.mark.parametrize(
     ("item", "match"),
     [
-        ({"v": 4, "kind": "heartbeat"}, "version 4"),
+        ({"v": 5, "kind": "heartbeat"}, "version 5"),
+        ({"v": 3, "kind": "heartbeat"}, "version 3"),  # the version before the salted handshake
         ({"v": 2, "kind": "heartbeat"}, "version 2"),  # the version before the v3 handshake
         ({"v": 1, "kind": "heartbeat"}, "version 1"),  # the version before the v2 handshake
         ({"v": 0, "kind": "heartbeat"}, "version 0"),
-        ({"v": "3", "kind": "heartbeat"}, "version"),
+        ({"v": "4", "kind": "heartbeat"}, "version"),
         ({"v": True, "kind": "heartbeat"}, "version"),  # a bool is no version on the wire
-        ({"v": 3.0, "kind": "heartbeat"}, "version"),  # a float is not the integer 3
+        ({"v": 4.0, "kind": "heartbeat"}, "version"),  # a float is not the integer 4
         ({"kind": "heartbeat"}, "version"),
         ({"v": V}, "kind"),
         ({"v": V, "kind": 7}, "kind"),
@@ -593,9 +594,9 @@ def structural_mutations(draw: st.DrawFn) -> tuple[str, bytes]:
         key, _ = draw(st.sampled_from(pairs[:-1] if bulk else pairs))
         pairs.insert(draw(st.integers(0, len(pairs) - (1 if bulk else 0))), (key, enc(2)))
     elif mutation == "wrong-version":
-        # (3.0, which compares equal to 3, has its own test above)
+        # (4.0, which compares equal to 4, has its own test above)
         value = draw(
-            st.sampled_from([0, 1, 2, 4, -1, 2**64 - 1, "3", 1.5, False, None, b"\x03", [3]])
+            st.sampled_from([0, 1, 2, 3, 5, -1, 2**64 - 1, "4", 1.5, False, None, b"\x04", [4]])
         )
         pairs[0] = (enc("v"), enc(value))
     elif mutation == "no-version":

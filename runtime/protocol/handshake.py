@@ -3,13 +3,15 @@ challenge-response proofs (sans-I/O).
 
 Four messages, each one frame::
 
-    dialer -> listener  hello      {group, world_size, rank, nonce, share}
-    listener -> dialer  challenge  {nonce, share}                        (or refuse: busy, replay)
-    dialer -> listener  auth       {proof}
+    dialer -> listener  hello      {group, world_size, rank, nonce}
+    listener -> dialer  challenge  {nonce, salt, share}                  (or refuse: busy, replay)
+    dialer -> listener  auth       {share, proof}
     listener -> dialer  welcome    {group, world_size, rank, proof}      (or refuse)
 
 The shares are CPace's (`paramsync.runtime.protocol.pake`): X25519 multiples of a generator derived
-from the secret (stretched by scrypt, `stretch_secret`), the group and the dialer's nonce. Both
+from the secret (stretched by scrypt with the listener's salt, `stretch_secret`), the group and
+the dialer's nonce. The salt is the listener process's own random one (`PROCESS_SALT`), so a
+dictionary stretched for one listener is worthless against any other. Both
 sides derive the intermediate session key (ISK) from the exchange, and every proof and the session
 key are HMACs keyed by the ISK: whoever watches a handshake (no TLS) or answers a dialer (a rogue
 listener) has nothing to test guesses of the secret against offline; an active attacker tests one
@@ -50,7 +52,15 @@ from paramsync.runtime.errors import (
     plain_or_quoted,
     quoted,
 )
-from paramsync.runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
+from paramsync.runtime.protocol.messages import (
+    NONCE_SIZE,
+    SALT_SIZE,
+    Auth,
+    Challenge,
+    Hello,
+    Refusal,
+    Welcome,
+)
 from paramsync.runtime.protocol.pake import Cpace, generator
 from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
 
@@ -60,7 +70,9 @@ __all__ = [
     "SECRET_MIN_BYTES",
     "SECRET_MIN_BITS",
     "secret_strength_bits",
-    "KDF_SALT",
+    "KDF_SALT_LABEL",
+    "SALT_SIZE",
+    "PROCESS_SALT",
     "KDF_N",
     "KDF_R",
     "KDF_P",
@@ -89,14 +101,19 @@ SECRET_MIN_BITS = 48.0
 The handshake is a balanced PAKE, so a secret can only be guessed online, one handshake a
 guess: 48 bits is some 10^14 handshakes. `paramsync secret` makes 256-bit ones."""
 
-KDF_SALT = b"paramsync/secret/v2"
+KDF_SALT_LABEL = b"paramsync/secret/v4"
 KDF_N = 2**14
 KDF_R = 8
 KDF_P = 1
 KDF_MAXMEM = 64 * 2**20
 KEY_SIZE = 32
-"""scrypt's parameters: the handshake key is ``scrypt(secret, KDF_SALT, N, r, p)``, 32 bytes
-(16 MiB of memory and about 50 ms of one core per derivation)."""
+"""scrypt's parameters: the handshake key is ``scrypt(secret, KDF_SALT_LABEL || salt, N, r, p)``,
+32 bytes (16 MiB of memory and about 50 ms of one core per derivation), ``salt`` being the
+listener's (`PROCESS_SALT`, carried in its challenge)."""
+PROCESS_SALT = secrets.token_bytes(SALT_SIZE)
+"""This process's listeners' scrypt salt: random, drawn once per process and sent in every
+challenge, so a coordinator's salt is its deployment's and a precomputed (stretched)
+dictionary serves one listener at most."""
 
 
 def new_secret() -> str:
@@ -175,18 +192,28 @@ def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | Non
     return bytes(secret)
 
 
-@functools.lru_cache(maxsize=32)
-def _stretch(secret: bytes) -> bytes:
+@functools.lru_cache(maxsize=256)
+def _stretch(secret: bytes, salt: bytes) -> bytes:
     return hashlib.scrypt(
-        secret, salt=KDF_SALT, n=KDF_N, r=KDF_R, p=KDF_P, maxmem=KDF_MAXMEM, dklen=KEY_SIZE
+        secret,
+        salt=KDF_SALT_LABEL + salt,
+        n=KDF_N,
+        r=KDF_R,
+        p=KDF_P,
+        maxmem=KDF_MAXMEM,
+        dklen=KEY_SIZE,
     )
 
 
-def stretch_secret(secret: bytes) -> bytes:
-    """The handshake's HMAC key: the shared secret stretched by scrypt (`KDF_SALT`, N=2^14,
-    r=8, p=1, 32 bytes). Memory-hard and slow on purpose, so every guess of the secret costs
-    one derivation; cached per process and secret, so a process pays it once."""
-    return _stretch(bytes(secret))
+def stretch_secret(secret: bytes, salt: bytes) -> bytes:
+    """The key the CPace generator is derived from: the shared secret stretched by scrypt
+    (salt `KDF_SALT_LABEL` || ``salt``, N=2^14, r=8, p=1, 32 bytes), ``salt`` being a
+    listener's (`SALT_SIZE` bytes). Memory-hard and slow on purpose, so every guess of the
+    secret costs one derivation per listener; cached per process, secret and salt, so a
+    listener pays it once and a dialer once per listener it dials."""
+    if len(salt) != SALT_SIZE:
+        raise ValueError(f"a scrypt salt is {SALT_SIZE} bytes, got {len(salt)}")
+    return _stretch(bytes(secret), bytes(salt))
 
 
 @dataclass(frozen=True)
@@ -262,9 +289,9 @@ class DialerHandshake:
         """``nonce`` and ``scalar`` (the CPace scalar) are fresh random ones unless given
         (test vectors only)."""
         self.me = me
+        self._secret = bytes(secret)
+        self._scalar = scalar
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_SIZE)
-        base = generator(stretch_secret(secret), me.group, me.world_size, self._nonce)
-        self._cpace = Cpace(base, scalar)
         self._key = b""
         """The ISK (`paramsync.runtime.protocol.pake`), once the listener's share has arrived."""
         self._listener_nonce: bytes | None = None
@@ -273,10 +300,11 @@ class DialerHandshake:
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
-        return Hello(**self.me.fields(), nonce=self._nonce, share=self._cpace.share).to_wire()
+        return Hello(**self.me.fields(), nonce=self._nonce).to_wire()
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Take the listener's nonce; return the auth message (this side's proof) to send."""
+        """Take the listener's nonce, salt and share; return the auth message (this side's
+        share and proof) to send. The secret is stretched here, with the listener's salt."""
         if message["kind"] == "refuse":
             error = ListenerBusy if message.get("busy") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
@@ -285,10 +313,16 @@ class DialerHandshake:
         nonce = message["nonce"]
         if len(nonce) != NONCE_SIZE:
             raise HandshakeError(f"challenge nonce must be {NONCE_SIZE} bytes")
+        salt = message["salt"]
+        if len(salt) != SALT_SIZE:
+            raise HandshakeError(f"challenge salt must be {SALT_SIZE} bytes")
+        key = stretch_secret(self._secret, salt)
+        cpace = Cpace(generator(key, self.me.group, self.me.world_size, self._nonce), self._scalar)
         share = message["share"]
-        self._key = self._cpace.isk(share, dialer_share=self._cpace.share, listener_share=share)
+        self._key = cpace.isk(share, dialer_share=cpace.share, listener_share=share)
         self._listener_nonce = nonce
-        return Auth(dialer_proof(self._key, self._nonce, nonce, self.me)).to_wire()
+        proof = dialer_proof(self._key, self._nonce, nonce, self.me)
+        return Auth(share=cpace.share, proof=proof).to_wire()
 
     def on_verdict(self, message: dict[str, Any]) -> Identity:
         """The listener's last word: a welcome whose proof verifies (returns the listener's
@@ -312,6 +346,13 @@ class DialerHandshake:
         if self.peer is None or self._listener_nonce is None:
             raise HandshakeError(_NOT_COMPLETED)
         return derive_session_key(self._key, self._nonce, self._listener_nonce, self.me, self.peer)
+
+    def nonces(self) -> tuple[bytes, bytes]:
+        """(the dialer's nonce, the listener's): the connection's name in a key log
+        (`paramsync.runtime.transport.keylog`), after `on_verdict` returned."""
+        if self._listener_nonce is None:
+            raise HandshakeError(_NOT_COMPLETED)
+        return self._nonce, self._listener_nonce
 
 
 Admit = Callable[[Identity], str | None]
@@ -353,12 +394,17 @@ class ListenerHandshake:
         ledger: NonceLedger | None = None,
         *,
         scalar: bytes | None = None,
+        salt: bytes | None = None,
     ) -> None:
+        """``salt`` is this listener's scrypt salt (default `PROCESS_SALT`); ``scalar`` the
+        CPace scalar (default a fresh random one per handshake): both given for test vectors."""
         self._scalar = scalar
-        """The CPace scalar (None: a fresh random one per handshake; given for test vectors)."""
-        self._secret_key = stretch_secret(secret)
+        self._salt = PROCESS_SALT if salt is None else salt
+        self._secret_key = stretch_secret(secret, self._salt)
+        self._cpace: Cpace | None = None
+        """This side of the exchange, once the hello has arrived."""
         self._key = b""
-        """The ISK (`paramsync.runtime.protocol.pake`), once the hello's share has arrived."""
+        """The ISK (`paramsync.runtime.protocol.pake`), once the auth's share has arrived."""
         self.me = me
         self._admit = admit
         self._ledger = PROCESS_LEDGER if ledger is None else ledger
@@ -370,7 +416,8 @@ class ListenerHandshake:
         self._welcomed = False
 
     def on_hello(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Answer a hello with a challenge: this side's nonce, and nothing else."""
+        """Answer a hello with a challenge: this side's nonce, salt and share, and nothing
+        about this side."""
         if message["kind"] != "hello":
             raise HandshakeError(f"expected hello, got a {_kind(message)} message")
         if len(message["nonce"]) != NONCE_SIZE:
@@ -383,21 +430,24 @@ class ListenerHandshake:
         # The generator is the dialer's claimed group's: a group that is not this one fails
         # the proof (or admission), never earlier, so a stranger learns nothing.
         base = generator(self._secret_key, claimed.group, claimed.world_size, message["nonce"])
-        cpace = Cpace(base, self._scalar)
-        share = message["share"]
-        self._key = cpace.isk(share, dialer_share=share, listener_share=cpace.share)
+        self._cpace = Cpace(base, self._scalar)
         self._claimed = claimed
         self._dialer_nonce = message["nonce"]
-        return Challenge(nonce=self._nonce, share=cpace.share).to_wire()
+        return Challenge(nonce=self._nonce, salt=self._salt, share=self._cpace.share).to_wire()
 
     def on_auth(self, message: dict[str, Any]) -> tuple[str, dict[str, Any], Exception | None]:
         """Check the dialer's proof and admission: the verdict to send (a welcome carrying
         this side's identity and proof, or a refusal), and the error to raise on this side
         after sending it (None when welcome)."""
-        claimed = self._claimed
-        if message["kind"] != "auth" or claimed is None:
+        claimed, cpace = self._claimed, self._cpace
+        if message["kind"] != "auth" or claimed is None or cpace is None:
             reason = f"expected auth, got a {_kind(message)} message"
             return (*Refusal(reason).to_wire(), HandshakeError(reason))
+        share = message["share"]
+        try:
+            self._key = cpace.isk(share, dialer_share=share, listener_share=cpace.share)
+        except AuthenticationError as exc:
+            return (*Refusal(exc.reason).to_wire(), exc)
         expected = dialer_proof(self._key, self._dialer_nonce, self._nonce, claimed)
         if not hmac.compare_digest(expected, message["proof"]):
             failed = "authentication failed: wrong shared secret"
@@ -415,6 +465,13 @@ class ListenerHandshake:
         if not self._welcomed or self.peer is None:
             raise HandshakeError(_NOT_COMPLETED)
         return derive_session_key(self._key, self._dialer_nonce, self._nonce, self.peer, self.me)
+
+    def nonces(self) -> tuple[bytes, bytes]:
+        """(the dialer's nonce, the listener's): the connection's name in a key log
+        (`paramsync.runtime.transport.keylog`), after the hello."""
+        if self._claimed is None:
+            raise HandshakeError(_NOT_COMPLETED)
+        return self._dialer_nonce, self._nonce
 
     def _admit_reason(self, peer: Identity) -> str | None:
         if peer.group != self.me.group:

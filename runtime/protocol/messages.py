@@ -70,6 +70,7 @@ __all__ = [
     "GroupPeers",
     "MAX_DIGEST",
     "NONCE_SIZE",
+    "SALT_SIZE",
     # handshake
     "Hello",
     "Challenge",
@@ -185,10 +186,12 @@ _MAX_ITEMS = 1 << 20
 MAX_DIGEST = 64
 """Longest digest (whole-state or per-tensor) a report may carry, in bytes."""
 NONCE_SIZE = 32
+"""Bytes of a handshake nonce."""
 SHARE_SIZE = 32
 """Bytes of a CPace key share (an X25519 u-coordinate,
 `paramsync.runtime.protocol.pake.SHARE_SIZE`)."""
-"""Bytes of a handshake nonce."""
+SALT_SIZE = 16
+"""Bytes of a listener's scrypt salt (`paramsync.runtime.protocol.handshake.PROCESS_SALT`)."""
 _SHM_NONCE = 16
 
 COUNT = Int(0, None)
@@ -304,25 +307,27 @@ class Hello(WireMessage):
     world_size: int = wire(Int(1, _MAX_WORLD))
     rank: int = wire(Int(-1, _MAX_WORLD))
     nonce: bytes = wire(Bytes(NONCE_SIZE))
-    share: bytes = wire(Bytes(SHARE_SIZE))
-    """The dialer's CPace key share (`paramsync.runtime.protocol.pake`)."""
 
 
 @dataclass(frozen=True)
 class Challenge(WireMessage):
-    """Listener -> dialer: the listener's nonce and CPace key share, and nothing about the
-    listener (the dialer has not proven the secret yet)."""
+    """Listener -> dialer: the listener's nonce, its scrypt salt and its CPace key share, and
+    nothing about the listener (the dialer has not proven the secret yet)."""
 
     KIND: ClassVar[str] = "challenge"
     nonce: bytes = wire(Bytes(NONCE_SIZE))
+    salt: bytes = wire(Bytes(SALT_SIZE))
+    """The listener's scrypt salt: the dialer stretches the secret with it."""
     share: bytes = wire(Bytes(SHARE_SIZE))
 
 
 @dataclass(frozen=True)
 class Auth(WireMessage):
-    """Dialer -> listener: the dialer's proof of the secret."""
+    """Dialer -> listener: the dialer's CPace key share and its proof of the secret."""
 
     KIND: ClassVar[str] = "auth"
+    share: bytes = wire(Bytes(SHARE_SIZE))
+    """The dialer's CPace key share (`paramsync.runtime.protocol.pake`)."""
     proof: bytes = wire(Bytes(64))
 
 

@@ -14,9 +14,10 @@ The construction, for a handshake between ``dialer`` and ``listener`` identities
 
 * the generator G: the Montgomery u-coordinate that Elligator 2 (RFC 9380, section 6.7.1,
   curve25519, Z = 2) maps ``SHA-512(GENERATOR_LABEL || key || channel)`` reduced mod p to,
-  where ``key`` is the scrypt-stretched secret and ``channel`` the group name, the world size
-  and the dialer's nonce (the session id, fresh per connection);
-* each side picks a fresh X25519 scalar y and sends ``share = X25519(y, G)``;
+  where ``key`` is the secret stretched by scrypt with the listener's salt and ``channel`` the
+  group name, the world size and the dialer's nonce (the session id, fresh per connection);
+* each side picks a fresh X25519 scalar y and sends ``share = X25519(y, G)`` (the listener in
+  its challenge, the dialer in its auth: it learns the salt from the challenge);
 * both compute ``K = X25519(y, peer's share)`` (an all-zero K, a low-order share, is refused)
   and the intermediate session key ``ISK = SHA-256(ISK_LABEL || K || dialer's share ||
   listener's share)``, which keys the proofs and the session key
@@ -38,8 +39,8 @@ from paramsync.runtime.protocol.messages import SHARE_SIZE
 
 __all__ = ["GENERATOR_LABEL", "ISK_LABEL", "SHARE_SIZE", "Cpace", "generator", "elligator2"]
 
-GENERATOR_LABEL = b"paramsync/cpace/generator/v3"
-ISK_LABEL = b"paramsync/cpace/isk/v3"
+GENERATOR_LABEL = b"paramsync/cpace/generator/v4"
+ISK_LABEL = b"paramsync/cpace/isk/v4"
 _P = 2**255 - 19
 _A = 486662
 _Z = 2

@@ -73,7 +73,7 @@ def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The version every frame carries in ``v``; a peer speaking another is refused."""
 MAX_INT = 2**63 - 1
 """Upper bound of counters (steps, epochs, sequence numbers): a signed 64-bit integer."""

@@ -73,6 +73,7 @@ from paramsync.runtime.protocol.wire import (
     landed_as_sent,
     tensor_buffer,
 )
+from paramsync.runtime.transport import keylog
 from paramsync.runtime.transport.admission import AdmissionGate
 from paramsync.runtime.transport.base import BulkRoute
 from paramsync.runtime.transport.capabilities import (
@@ -840,6 +841,7 @@ async def dial(
             await conn.send(*state.on_challenge(reply))
             peer = state.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
             conn.authenticate_frames(state.session_key(), dialer=True)
+            keylog.log_connection(state.nonces(), state.session_key())
             conn.tensors = True
     except trio.TooSlowError:
         await _close(conn, stream)
@@ -914,6 +916,7 @@ async def accept(
             if error is not None:
                 raise error
             conn.authenticate_frames(state.session_key(), dialer=False)
+            keylog.log_connection(state.nonces(), state.session_key())
             conn.tensors = True
     except trio.TooSlowError:
         await _close(conn, stream)
