@@ -69,9 +69,11 @@ def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-host",
-        default="0.0.0.0",
+        default="127.0.0.1",  # paramsync.runtime.observe.metrics.DEFAULT_METRICS_HOST
         metavar="HOST",
-        help="the address the metrics endpoint listens on (default %(default)s)",
+        help="the address the metrics endpoint listens on (default %(default)s, loopback: the "
+        "endpoint is unauthenticated; name another address, e.g. 0.0.0.0, to be scraped from "
+        "other hosts)",
     )
 
 
