@@ -24,7 +24,8 @@ key is derived (`paramsync.runtime.protocol.frame_auth`). Both sides of a refusa
 sentence: the listener raises it, the dialer receives it.
 
 A secret with too little entropy is refused when it is loaded (`load_secret`,
-`secret_strength_bits`): one repeated letter, or a handful of distinct characters.
+`secret_strength_bits`): one a guesser finds among its first tries (common words and passwords,
+keyboard and alphabet runs, years, repetition; `paramsync.runtime.protocol.secret_strength`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import math
 import os
 import secrets
 import stat
@@ -53,6 +53,7 @@ from paramsync.runtime.errors import (
 from paramsync.runtime.protocol.messages import NONCE_SIZE, Auth, Challenge, Hello, Refusal, Welcome
 from paramsync.runtime.protocol.pake import Cpace, generator
 from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
+from paramsync.runtime.protocol.secret_strength import strength_bits
 
 __all__ = [
     "SECRET_ENV",
@@ -105,18 +106,12 @@ def new_secret() -> str:
 
 
 def secret_strength_bits(secret: bytes) -> float:
-    """An estimate of a secret's entropy: its length times the Shannon entropy of its byte
-    distribution. It catches what no random secret looks like (one repeated letter: 0 bits; a
-    few distinct characters over and over), not a dictionary word, which only `paramsync
-    secret`'s random bytes avoid for sure."""
-    if not secret:
-        return 0.0
-    counts: dict[int, int] = {}
-    for byte in secret:
-        counts[byte] = counts.get(byte, 0) + 1
-    total = len(secret)
-    per_byte = -sum(c / total * math.log2(c / total) for c in counts.values())
-    return total * per_byte
+    """An estimate of a secret's entropy in bits, as a guesser who tries what people choose
+    first sees it (`paramsync.runtime.protocol.secret_strength`): common words and passwords
+    (whatever their case, reversed or with common substitutions), keyboard walks, alphabet and
+    digit runs, years, dates and repetition are rated by the few guesses they take, anything
+    else as random characters. Only `paramsync secret`'s random bytes are strong for sure."""
+    return strength_bits(bytes(secret))
 
 
 def _how_to_make_one() -> str:
@@ -169,8 +164,8 @@ def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | Non
     if bits < SECRET_MIN_BITS:
         raise ValueError(
             f"the shared secret has too little entropy (about {bits:.0f} bits, at least "
-            f"{SECRET_MIN_BITS:.0f} needed: too few distinct characters, or too much "
-            "repetition); " + _how_to_make_one()
+            f"{SECRET_MIN_BITS:.0f} needed: common words, keyboard or alphabet runs, years "
+            "and repetition are among a guesser's first tries); " + _how_to_make_one()
         )
     return bytes(secret)
 
