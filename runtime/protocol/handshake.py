@@ -44,8 +44,10 @@ from typing import Any
 
 from paramsync.runtime.errors import (
     AuthenticationError,
+    HandshakeAbandoned,
     HandshakeError,
     ListenerBusy,
+    ProofUnanswered,
     ReplayedHandshake,
     plain_or_quoted,
     quoted,
@@ -263,6 +265,9 @@ class DialerHandshake:
         self._key = b""
         """The ISK (`paramsync.runtime.protocol.pake`), once the listener's share has arrived."""
         self._listener_nonce: bytes | None = None
+        self.proof_sent = False
+        """Whether `on_challenge` has handed out this side's proof (the listener may test one
+        guess of the secret against it)."""
         self.peer: Identity | None = None
         """The listener's identity, once its proof in the welcome has verified."""
 
@@ -271,28 +276,39 @@ class DialerHandshake:
         return Hello(**self.me.fields(), nonce=self._nonce, share=self._cpace.share).to_wire()
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Take the listener's nonce; return the auth message (this side's proof) to send."""
+        """Take the listener's nonce; return the auth message (this side's proof) to send.
+
+        Raises, sending no proof: `ListenerBusy` or `HandshakeError` for a refusal,
+        `HandshakeAbandoned` for an answer that is no challenge, `InvalidKeyShare` for a share
+        no honest listener sends."""
         if message["kind"] == "refuse":
             error = ListenerBusy if message.get("busy") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "challenge":
-            raise HandshakeError(f"expected a challenge, got a {_kind(message)} message")
+            raise HandshakeAbandoned(
+                f"the peer answered the hello with a {_kind(message)} message, not a challenge"
+            )
         nonce = message["nonce"]
         if len(nonce) != NONCE_SIZE:
-            raise HandshakeError(f"challenge nonce must be {NONCE_SIZE} bytes")
+            raise HandshakeAbandoned(f"the challenge's nonce is not {NONCE_SIZE} bytes")
         share = message["share"]
         self._key = self._cpace.isk(share, dialer_share=self._cpace.share, listener_share=share)
         self._listener_nonce = nonce
+        self.proof_sent = True
         return Auth(dialer_proof(self._key, self._nonce, nonce, self.me)).to_wire()
 
     def on_verdict(self, message: dict[str, Any]) -> Identity:
         """The listener's last word: a welcome whose proof verifies (returns the listener's
-        identity), or a refusal (raises)."""
+        identity), or a refusal (raises). Only a failed proof, the listener's or its refusal of
+        this side's, is an `AuthenticationError`; another answer is `ProofUnanswered`."""
         if message["kind"] == "refuse":
             error = AuthenticationError if message.get("auth") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "welcome" or self._listener_nonce is None:
-            raise HandshakeError(f"expected welcome or refuse, got a {_kind(message)} message")
+            raise ProofUnanswered(
+                f"the listener answered this side's proof with a {_kind(message)} message, "
+                "not a welcome with its own proof"
+            )
         peer = Identity(message["group"], message["world_size"], message["rank"])
         expected = listener_proof(self._key, self._nonce, self._listener_nonce, self.me, peer)
         if not hmac.compare_digest(expected, message["proof"]):
