@@ -294,8 +294,8 @@ def build_parser(
     )
     launch.add_argument(
         "--run-id",
-        help="the run id every rank records (default: $PARAMSYNC_RUN_ID; one node: random; "
-        "several: derived from the secret and the coordinator's address)",
+        help="the run id every rank records (default: $PARAMSYNC_RUN_ID; else a random one: "
+        "on one node the launcher's, on several the coordinator's, which it tells every worker)",
     )
     launch.add_argument("--summary-json", help="write every rank's summary here")
     launch.add_argument("--digest-interval", type=int, default=1)
