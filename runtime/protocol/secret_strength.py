@@ -18,8 +18,8 @@ programming), in bits. The pieces, and what each costs:
 - any other character: drawn at random from the classes the secret uses (26 lowercase, 26
   uppercase, 10 digits, 33 ASCII symbols and space, 128 other bytes): log2 of their sizes' sum.
 
-Every piece after the first adds a bit (which kind comes next). A random secret is rated at
-about its true entropy (`paramsync secret`'s 43 characters at some 190 bits); a human one at what
+Every piece after the first adds a bit (which kind comes next). A random secret is rated at its
+true entropy or above (`paramsync secret`'s 43 characters at some 265 bits); a human one at what
 its structure gives away (``Summer2024!team1``: under 40). A word outside the list counts as
 random letters, so the estimate errs high for rare words: it refuses what guessers try first,
 and only random bytes are sure to be strong. The first `MAX_ANALYSED` bytes are read.
