@@ -111,7 +111,7 @@ def _worker_paramsync(
     async def main() -> None:
         config = DistributedConfig(world, rank, f"127.0.0.1:{port}")
         async with TcpTransport.connect(
-            config, secret="benchmark-secret", shared_memory=False
+            config, secret="benchmark-secret-7Hq2vX9pLm", shared_memory=False
         ) as tcp:
             if shared_memory and world > 1:
                 steps = {"step_bytes": shm_step_bytes} if shm_step_bytes else {}

@@ -95,7 +95,7 @@ def _worker_paramsync(
     async def main() -> None:
         config = DistributedConfig(WORLD, rank, f"127.0.0.1:{port}")
         async with TcpTransport.connect(
-            config, secret="benchmark-secret", shared_memory=False
+            config, secret="benchmark-secret-7Hq2vX9pLm", shared_memory=False
         ) as world:
             groups = [
                 await new_group(world, ranks, shared_memory=shared_memory) for ranks in GROUPS

@@ -110,7 +110,7 @@ def worker_paramsync(args: argparse.Namespace, rank: int, shared_memory: bool) -
     async def main() -> None:
         config = DistributedConfig(TP, rank, f"127.0.0.1:{args.port}")
         async with TcpTransport.connect(
-            config, secret="benchmark-secret", shared_memory=shared_memory
+            config, secret="benchmark-secret-7Hq2vX9pLm", shared_memory=shared_memory
         ) as world:
             if shared_memory and world.shared_memory is None:
                 raise RuntimeError("the world's shared-memory plane could not be attached")

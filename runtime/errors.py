@@ -22,6 +22,10 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeError",
     "AuthenticationError",
+    "InvalidKeyShare",
+    "PeerLacksSecret",
+    "HandshakeAbandoned",
+    "ProofUnanswered",
     "ListenerBusy",
     "ReplayedHandshake",
     "FrameAuthenticationError",
@@ -119,7 +123,33 @@ class HandshakeError(ProtocolError):
 
 
 class AuthenticationError(HandshakeError):
-    """The peer failed the HMAC challenge: it does not hold the shared secret."""
+    """The peer failed to authenticate. A failed proof (its own, or its refusal of this side's)
+    means it does not hold this side's shared secret; `InvalidKeyShare` says nothing about the
+    secret."""
+
+
+class InvalidKeyShare(AuthenticationError):
+    """The peer's CPace key share is not one an honest peer sends (the wrong size, or a
+    low-order point): whatever answered is not a paramsync peer, and no proof was exchanged, so
+    nothing is known about its secret."""
+
+
+class PeerLacksSecret(AuthenticationError):
+    """A listener failed authentication once in this run (its proof failed, it refused this
+    side's, or it took this side's proof and gave none back), so this worker gives it no
+    further proof: every proof would be one more guess of the secret for whoever listens
+    there."""
+
+
+class HandshakeAbandoned(HandshakeError):
+    """The peer closed the connection, went silent or answered out of protocol in the middle of
+    a handshake, before any proof was exchanged: nothing says it holds another secret."""
+
+
+class ProofUnanswered(HandshakeAbandoned):
+    """The listener took this side's proof, then closed, went silent or answered out of
+    protocol instead of proving the secret itself (`PeerLacksSecret` in a worker's reconnect
+    loop: one proof was all such a listener gets)."""
 
 
 class ReplayedHandshake(AuthenticationError):
@@ -232,13 +262,18 @@ def configuration_error(error: BaseException) -> str | None:
     """The one-line message to print when ``error`` (or the most telling leaf of its exception
     group, `pick_error`) is a configuration problem, else None.
 
-    Configuration problems: a `ConfigError`, and a join the other end refused or could not
-    authenticate (`HandshakeError` other than `ListenerBusy`: wrong secret, world size, group,
-    protocol version or a rank already taken), each with what to set.
+    Configuration problems: a `ConfigError`, a listener this worker stopped giving proofs
+    (`PeerLacksSecret`), and a join the other end refused or could not authenticate
+    (`HandshakeError` other than `ListenerBusy`: wrong secret, world size, group, protocol
+    version or a rank already taken), each with what to set. The secret is named only when a
+    proof failed: a peer that sent an invalid key share (`InvalidKeyShare`) or broke the
+    handshake off (`HandshakeAbandoned`) is no configuration problem of this side's (None).
     """
     leaf = pick_error(error)
-    if isinstance(leaf, ConfigError):
+    if isinstance(leaf, ConfigError | PeerLacksSecret):
         return one_line(leaf)
+    if isinstance(leaf, InvalidKeyShare | HandshakeAbandoned):
+        return None  # what the peer did, said as it is: no proof failed, no setting to blame
     if isinstance(leaf, AuthenticationError) and not isinstance(leaf, ReplayedHandshake):
         return one_line(
             f"{leaf}: set the same PARAMSYNC_SECRET (or PARAMSYNC_SECRET_FILE) on every process"

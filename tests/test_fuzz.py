@@ -34,7 +34,8 @@ from paramsync.runtime.protocol.wire import (
     encode_frame_bytes,
     parse_prefix,
 )
-from paramsync.runtime.testing.hostile import check_deployment, check_target
+from paramsync.runtime.testing import hostile
+from paramsync.runtime.testing.hostile import Deployment, check_deployment, check_target
 from paramsync.runtime.testing.strategies import (
     DTYPE_NAMES,
     Frame,
@@ -144,6 +145,39 @@ def test_only_loopback_or_a_named_host_is_fuzzed() -> None:
     result = _fuzz_cli("--target", "10.9.9.9:29500")
     assert result.returncode == 2
     assert "is not loopback" in result.stdout
+
+
+def test_ipv4_mapped_loopback_is_loopback() -> None:
+    """``::ffff:127.0.0.1`` is 127.0.0.1 (checked and dialled as its IPv4 form); a mapped
+    address outside loopback is not."""
+    assert check_target("::ffff:127.0.0.1") == "127.0.0.1"
+    assert check_target("::ffff:127.8.9.10") == "127.8.9.10"
+    assert check_target("::1") == "::1"
+    with pytest.raises(ValueError, match="not loopback"):
+        check_target("::ffff:10.9.9.9")
+
+
+def test_the_fuzzer_dials_the_address_it_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name is resolved once, when the target is checked: a resolver that answers with
+    another host later (DNS rebinding) never gets the hostile traffic, every connection goes to
+    the address that was checked."""
+    answers = iter(["127.0.0.1"])
+    resolved: list[str] = []
+
+    def rebinding(host: str, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        resolved.append(host)
+        address = next(answers, "203.0.113.7")  # loopback once, then somewhere else
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, 0))]
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        monkeypatch.setattr(hostile.socket, "getaddrinfo", rebinding)
+        deployment = Deployment("target.invalid", port, deadline=5.0)
+        assert deployment.address == ("127.0.0.1", port)
+        sock = hostile._dial(deployment)
+        with sock:
+            assert sock.getpeername() == ("127.0.0.1", port)
+    assert resolved == ["target.invalid"]
 
 
 def _env() -> dict[str, str]:

@@ -24,9 +24,11 @@ from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.coordinator.events import Disconnected, Tick
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.observe.metrics import (
+    METRICS_HOST_ENV,
     METRICS_PORT_ENV,
     Metrics,
     MetricsTrace,
+    metrics_host_from_env,
     metrics_port_from_env,
     serve_metrics,
 )
@@ -228,11 +230,35 @@ def test_the_flag_is_off_by_default_and_checked() -> None:
     args = parser.parse_args(["coordinator", "--world-size", "2"])
     assert args.metrics_port is None
     args = parser.parse_args(["coordinator", "--world-size", "2", "--metrics-port", "9400"])
-    assert args.metrics_port == 9400 and args.metrics_host == "0.0.0.0"
+    assert args.metrics_port == 9400 and args.metrics_host == "127.0.0.1"
     with pytest.raises(ValueError, match="metrics_port must be a port number"):
         TrainerOptions(metrics_port=70000)
     with pytest.raises(ValueError, match="role"):
         Metrics("observer")
+
+
+def test_the_endpoint_binds_loopback_unless_another_address_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The endpoint is unauthenticated HTTP: it listens on 127.0.0.1 by default (the flag, the
+    environment and `serve_metrics` alike), and on another address only when one is named."""
+    parser = build_parser()
+    for command in (["coordinator", "--world-size", "2"], ["worker"]):
+        assert parser.parse_args([*command, "--metrics-port", "0"]).metrics_host == "127.0.0.1"
+    named = parser.parse_args(["worker", "--metrics-port", "0", "--metrics-host", "0.0.0.0"])
+    assert named.metrics_host == "0.0.0.0"
+    monkeypatch.delenv(METRICS_HOST_ENV, raising=False)
+    assert metrics_host_from_env() == "127.0.0.1"
+    monkeypatch.setenv(METRICS_HOST_ENV, "::")
+    assert metrics_host_from_env() == "::"
+
+    async def main() -> tuple[str, int]:
+        async with trio.open_nursery() as nursery:
+            bound: tuple[str, int] = await nursery.start(serve_metrics, Metrics("worker"), 0)
+            nursery.cancel_scope.cancel()
+        return bound
+
+    assert trio.run(main)[0] == "127.0.0.1"
 
 
 def test_the_worker_flag_reaches_the_trainer_through_the_environment(

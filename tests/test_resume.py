@@ -20,7 +20,7 @@ JOB += ["--context", "16", "--corpus-bytes", "65536", "--no-progress"]
 
 def launch(tmp: Path, name: str, *flags: str) -> dict[str, object]:
     merged = tmp / f"{name}.json"
-    env = dict(os.environ, PARAMSYNC_SECRET="resume-test-secret")
+    env = dict(os.environ, PARAMSYNC_SECRET="resume-test-secret-7Hq2vX9pLm")
     result = subprocess.run(
         [
             *(sys.executable, "-m", "paramsync.runtime.cli.main", "launch", "--nproc", "2"),

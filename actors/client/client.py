@@ -60,10 +60,15 @@ from paramsync.actors.client.protocol import (
 from paramsync.runtime.coordinator.commits import divergence_of
 from paramsync.runtime.coordinator.events import Message
 from paramsync.runtime.errors import (
+    AuthenticationError,
     FrameAuthenticationError,
+    InvalidKeyShare,
     ParamsyncError,
     PeerClosed,
+    PeerLacksSecret,
+    ProofUnanswered,
     ProtocolError,
+    ReplayedHandshake,
     StateDiverged,
 )
 from paramsync.runtime.protocol.messages import (
@@ -146,7 +151,21 @@ def _redial_again(exc: Exception) -> bool:
     or cut off again (not: it restarted into an epoch this worker cannot follow)."""
     if isinstance(exc, ExceptionGroup):
         return all(_redial_again(inner) for inner in exc.exceptions)
-    return isinstance(exc, OSError | ProtocolError) and not isinstance(exc, EpochRegression)
+    return isinstance(exc, OSError | ProtocolError) and not isinstance(
+        exc, EpochRegression | PeerLacksSecret
+    )
+
+
+def failed_authentication(exc: BaseException) -> bool:
+    """Whether a failed redial means the listener failed authentication: it had this worker's
+    proof and then failed its own, refused this worker's, or gave none back (closed, went
+    silent, answered out of protocol). An invalid key share or a refusal for admission (a rank
+    still taken) is not: no proof failed."""
+    if isinstance(exc, ProofUnanswered):
+        return True
+    return isinstance(exc, AuthenticationError) and not isinstance(
+        exc, InvalidKeyShare | ReplayedHandshake | PeerLacksSecret
+    )
 
 
 class CoordinatorClient:
@@ -160,6 +179,7 @@ class CoordinatorClient:
         *,
         redial: Redial | None = None,
         reconnect_seconds: float = 60.0,
+        address: str = "the coordinator's address",
     ) -> None:
         self.link = link
         self.rank = rank
@@ -168,6 +188,8 @@ class CoordinatorClient:
         """Reconnects to a coordinator that was lost (None: losing it ends the run)."""
         self.reconnect_seconds = reconnect_seconds
         """How long to keep redialing a lost coordinator before giving up."""
+        self.address = address
+        """Where ``redial`` dials (HOST:PORT), as the worker's lines name it."""
         self.resume_point: ResumePoint | None = None
         """Set by the trainer: what to rejoin with after the coordinator was lost."""
         self.reconnects = 0
@@ -556,6 +578,13 @@ class CoordinatorClient:
                 epoch=self.epoch,
             )
         except Exception as exc:
+            if failed_authentication(exc):
+                # One proof is all a listener that fails authentication gets: each would be
+                # another guess of the secret for whoever listens at the coordinator's address.
+                raise PeerLacksSecret(
+                    f"the peer at {self.address} does not know the shared secret ({exc}); this "
+                    "worker gives it no further proof and stops"
+                ) from exc
             if not _redial_again(exc):
                 raise
             self._redial_failure = exc

@@ -80,8 +80,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     group.add_argument(
         "--run-id",
         help="the run id recorded in every checkpoint (default: $PARAMSYNC_RUN_ID, set by "
-        "paramsync launch, else torchrun's $TORCHELASTIC_RUN_ID, else random; with --resume: "
-        "the one recorded in --checkpoint-dir)",
+        "paramsync launch on one node, else torchrun's $TORCHELASTIC_RUN_ID, else the "
+        "coordinator's, random; with --resume: the one recorded in --checkpoint-dir)",
     )
     group.add_argument(
         "--reconnect-seconds",
@@ -120,9 +120,10 @@ async def run(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint_dir:
         log.error("--resume needs --checkpoint-dir")
         return EXIT_USAGE
+    store_run_id_given = False
     if args.checkpoint_dir:
         try:
-            store = _open_store(args, rank)
+            store, store_run_id_given = _open_store(args, rank)
             state = store.load_latest_valid(committed_only=True) if args.resume else None
         except (CheckpointError, ValueError) as exc:
             log.error("rank %d: %s", rank, exc)
@@ -169,6 +170,13 @@ async def run(args: argparse.Namespace) -> int:
                 reconnect_seconds=args.reconnect_seconds or None,
             ) as trainer:
                 rank = trainer.dist_config.rank
+                if store is not None and not store_run_id_given and trainer.run_id:
+                    # No run id given (a multi-node launch): the coordinator's, which every
+                    # worker of the run receives alike.
+                    store = CheckpointStore(args.checkpoint_dir, run_id=trainer.run_id)
+                    log.info(
+                        "rank %d: checkpoints of run %r (the coordinator's)", rank, store.run_id
+                    )
                 bar = (
                     ProgressBar(args.steps, description=f"training ({trainer.world_size} workers)")
                     if rank == 0 and args.progress
@@ -235,24 +243,26 @@ async def run(args: argparse.Namespace) -> int:
     return _exit_code(stop["signal"])
 
 
-def _open_store(args: argparse.Namespace, rank: int) -> CheckpointStore:
-    """The checkpoint store of this run: on --resume, bound to the run id recorded in the
-    directory (or --run-id); on a fresh run, to --run-id, $PARAMSYNC_RUN_ID, torchrun's
-    $TORCHELASTIC_RUN_ID or a random one."""
+def _open_store(args: argparse.Namespace, rank: int) -> tuple[CheckpointStore, bool]:
+    """The checkpoint store of this run, and whether its run id was given: on --resume, the
+    one recorded in the directory (or --run-id); on a fresh run, --run-id, $PARAMSYNC_RUN_ID or
+    torchrun's $TORCHELASTIC_RUN_ID. With none given, a random one until the coordinator's
+    arrives (`run` takes it then)."""
     found = CheckpointStore(args.checkpoint_dir)
+    given = args.run_id or run_id_from_env()
     if args.resume:
-        run_id = args.run_id or found.recorded_run_id()
-        if run_id is None:
-            if found.checkpoints():
-                raise CheckpointError(
-                    f"{args.checkpoint_dir}: no run id recorded for its checkpoints; pass "
-                    "--run-id to say which run to resume"
-                )
-            run_id = run_id_from_env() or new_run_id()
+        recorded = args.run_id or found.recorded_run_id()
+        if recorded is None and found.checkpoints():
+            raise CheckpointError(
+                f"{args.checkpoint_dir}: no run id recorded for its checkpoints; pass "
+                "--run-id to say which run to resume"
+            )
+        given = recorded or given
+    if given is not None:
+        log.info("rank %d: checkpoints of run %r in %s", rank, given, args.checkpoint_dir)
     else:
-        run_id = args.run_id or run_id_from_env() or new_run_id()
-    log.info("rank %d: checkpoints of run %r in %s", rank, run_id, args.checkpoint_dir)
-    return CheckpointStore(args.checkpoint_dir, run_id=run_id)
+        log.info("rank %d: checkpoints in %s, of the coordinator's run", rank, args.checkpoint_dir)
+    return CheckpointStore(args.checkpoint_dir, run_id=given or new_run_id()), given is not None
 
 
 def _exit_code(signum: int | None) -> int:

@@ -137,7 +137,7 @@ class TrainerOptions:
     --metrics-port`` asked for them (``PARAMSYNC_METRICS_PORT``)."""
     metrics_host: str | None = None
     """The address the metrics endpoint listens on (None: ``PARAMSYNC_METRICS_HOST`` or
-    0.0.0.0)."""
+    127.0.0.1, loopback: the endpoint is unauthenticated)."""
 
     # -- 3D parallelism
     parallel_layout: ParallelLayout | None = None

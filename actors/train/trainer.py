@@ -255,6 +255,13 @@ class DistributedTrainer:
         return self.supervisor.world_size
 
     @property
+    def run_id(self) -> str | None:
+        """The run's id as the coordinator tells it (its ``start_run``'s ``run``: random unless
+        it was given one); None before the first start, or when it named none."""
+        start = self.run.client.start
+        return (start.run or None) if start is not None else None
+
+    @property
     def is_coordinator(self) -> bool:
         """Whether this worker is rank 0, the one that reports for the group."""
         return self.run.rank == 0

@@ -169,6 +169,7 @@ async def join_run(
         config.rank,
         redial=None if reconnect_seconds is None else redial,
         reconnect_seconds=reconnect_seconds or 0.0,
+        address=config.coordinator_addr,
     )
 
     async def connect(start: StartRun) -> Transport:

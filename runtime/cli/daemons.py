@@ -9,7 +9,7 @@ import signal
 import trio
 
 from paramsync.runtime.cli.jobs import WorkerJob
-from paramsync.runtime.cli.torchrun import TorchrunEnv
+from paramsync.runtime.cli.torchrun import TorchrunEnv, run_id_from_env
 from paramsync.runtime.config import parse_address
 from paramsync.runtime.coordinator.core import CoordinatorCore
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
@@ -50,6 +50,7 @@ def run_coordinator(
             rendezvous_seconds=args.rendezvous_seconds,
             stall_seconds=args.stall_seconds,
             stall_deadline=args.stall_deadline,
+            run_id=run_id_from_env(),  # $PARAMSYNC_RUN_ID (launch, --run-id), else random
         )
         metrics_port = getattr(args, "metrics_port", None)
         if metrics_port is not None:

@@ -6,9 +6,12 @@ the target's refusals by reason, its worst answer time to a legitimate hello and
 and any failure with the minimal reproducing example. Exit status 0: no failure; 1: a
 failure; 2: bad arguments (or hypothesis missing).
 
-The rule on targets: loopback addresses (127.0.0.0/8, ::1, or a name resolving only to them)
-are fuzzed; any other host only when named with ``--allow-host`` exactly as in ``--target``,
-saying it is yours. Hostile traffic must never reach a host by a typo.
+The rule on targets: loopback addresses (127.0.0.0/8, ::1, their IPv4-mapped forms such as
+``::ffff:127.0.0.1``, or a name resolving only to them) are fuzzed; any other host only when
+named with ``--allow-host`` exactly as in ``--target``, saying it is yours. Hostile traffic must
+never reach a host by a typo. The target's name is resolved once, when it is checked, and every
+connection dials the address checked, never the name again (a resolver that answers otherwise
+later cannot turn the traffic elsewhere).
 """
 
 from __future__ import annotations
@@ -119,8 +122,7 @@ def run_fuzz(args: argparse.Namespace) -> int:
         print(INSTALL_HINT)
         return 2
     try:
-        harness.check_target(host, args.allow_host)
-        deployment = harness.Deployment(
+        deployment = harness.Deployment(  # checks the target and pins the address it resolved
             host,
             port,
             secret,

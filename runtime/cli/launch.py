@@ -22,7 +22,6 @@ a lost member, and the node's healthy workers keep the state a restart needs.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ipaddress
 import json
 import logging
@@ -200,18 +199,15 @@ class LaunchPlan:
         )
 
 
-def _run_id(plan: LaunchPlan, given_secret: bool) -> str:
-    """One run id for every rank of every node: $PARAMSYNC_RUN_ID (or --run-id); one node: a
-    random one; several: derived from the shared secret and the coordinator's address, which
-    every node holds alike (nothing to agree on, and another secret is another run)."""
+def _run_id(plan: LaunchPlan) -> str | None:
+    """The run id to give every process of this node: $PARAMSYNC_RUN_ID (or --run-id); one
+    node: a random one (its coordinator and workers share it); several: None, and the
+    coordinator picks a random one and tells every worker in its ``start_run``, so the nodes
+    agree without anything derived from the secret."""
     given = os.environ.get("PARAMSYNC_RUN_ID")
     if given:
         return given
-    if plan.nnodes == 1 or not given_secret:
-        return secrets.token_hex(8)
-    digest = hashlib.sha256(b"paramsync-run-id\0" + shared_secret())
-    digest.update(f"{plan.host}:{plan.port}".encode())
-    return digest.hexdigest()[:16]
+    return secrets.token_hex(8) if plan.nnodes == 1 else None
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -241,10 +237,12 @@ def run_launch(args: argparse.Namespace) -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     if not given_secret:  # a fresh one for this run; the user's own (variable or file) as it is
         base[SECRET_ENV] = secrets.token_hex(16)
-    base.update(
+    run_id = _run_id(plan)
+    if run_id is not None:
         # One run id for every rank: jobs record it in their checkpoints (a resume refuses
-        # another run's).
-        PARAMSYNC_RUN_ID=_run_id(plan, given_secret),
+        # another run's). Without one, workers take the coordinator's.
+        base["PARAMSYNC_RUN_ID"] = run_id
+    base.update(
         MASTER_ADDR=plan.host,
         # One node: MASTER_PORT is left to torch.distributed (a script that calls
         # init_process_group binds its store there), the coordinator has its own variable.

@@ -69,9 +69,11 @@ def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-host",
-        default="0.0.0.0",
+        default="127.0.0.1",  # paramsync.runtime.observe.metrics.DEFAULT_METRICS_HOST
         metavar="HOST",
-        help="the address the metrics endpoint listens on (default %(default)s)",
+        help="the address the metrics endpoint listens on (default %(default)s, loopback: the "
+        "endpoint is unauthenticated; name another address, e.g. 0.0.0.0, to be scraped from "
+        "other hosts)",
     )
 
 
@@ -292,8 +294,8 @@ def build_parser(
     )
     launch.add_argument(
         "--run-id",
-        help="the run id every rank records (default: $PARAMSYNC_RUN_ID; one node: random; "
-        "several: derived from the secret and the coordinator's address)",
+        help="the run id every rank records (default: $PARAMSYNC_RUN_ID; else a random one: "
+        "on one node the launcher's, on several the coordinator's, which it tells every worker)",
     )
     launch.add_argument("--summary-json", help="write every rank's summary here")
     launch.add_argument("--digest-interval", type=int, default=1)

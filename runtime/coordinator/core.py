@@ -115,6 +115,7 @@ class CoordinatorCore:
         stall_deadline: float | None = None,
         cache_by_spec: bool = False,
         idle_stalls: bool = True,
+        run_id: str = "",
     ) -> None:
         self._run = Run(
             world_size,
@@ -131,6 +132,7 @@ class CoordinatorCore:
             stall_deadline=stall_deadline,
             cache_by_spec=cache_by_spec,
             idle_stalls=idle_stalls,
+            run_id=run_id,
         )
         self.view = CoordinatorView(self._run)
         """The run, read-only: its state, members, epochs, step, commits, liveness."""

@@ -76,6 +76,7 @@ class Run:
         stall_deadline: float | None = None,
         cache_by_spec: bool = False,
         idle_stalls: bool = True,
+        run_id: str = "",
     ) -> None:
         if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be in [1, {MAX_WORLD}], got {world_size!r}")
@@ -103,6 +104,8 @@ class Run:
         reference = None
         if signature is not None:
             reference = normalize_signature(tuple(signature))
+        self.run_id = run_id
+        """The run's id, told to every member in each start (empty: none)."""
         self.min_workers = min_workers
         self.elastic = min_workers < world_size
         self.start_step = start_step
@@ -294,6 +297,7 @@ class Run:
             broadcast=broadcast,
             apply_barrier=self.elastic,
             fold=opening.fold,
+            run=self.run_id,
         )
         starts = self._starts(start)
         if opening.first:

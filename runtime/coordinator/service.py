@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,6 +70,10 @@ class RunFailed(ParamsyncError):
     """The coordinator aborted the run; the message is the core's reason."""
 
 
+MAX_RUN_ID = 128
+"""The longest run id a ``start_run`` carries."""
+
+
 @dataclass(frozen=True)
 class CoordinatorOptions:
     """How the coordinator checks the run."""
@@ -96,6 +101,10 @@ class CoordinatorOptions:
     """Whether a step in which no member has reported anything counts towards a stall. A
     torch.distributed group may sit idle between calls for as long as its program likes; only
     a call some members made and others did not is a stall there."""
+    run_id: str | None = None
+    """The run's id, sent to every worker in each ``start_run`` (workers record it in their
+    checkpoints). None: a random one, chosen when the coordinator is made; never derived from
+    the secret."""
 
 
 class _Member:
@@ -172,6 +181,10 @@ class Coordinator:
         """``core_type``: the class of the core to build, a `CoordinatorCore` or a subclass
         (the fault harness passes one that dies at a commit, `paramsync.runtime.testing.faults`)."""
         self.options = options or CoordinatorOptions()
+        self.run_id = self.options.run_id or secrets.token_hex(8)
+        """This run's id: the options', else a random one (never derived from the secret)."""
+        if len(self.run_id) > MAX_RUN_ID:
+            raise ValueError(f"a run id has at most {MAX_RUN_ID} characters, got {self.run_id!r}")
         self.metrics = metrics
         """Fed as the run goes (`paramsync.runtime.observe.metrics`; None: off). Serve its registry
         with `paramsync.runtime.observe.metrics.serve_metrics`."""
@@ -189,6 +202,7 @@ class Coordinator:
             stall_deadline=self.options.stall_deadline,
             cache_by_spec=self.options.cache_by_spec,
             idle_stalls=self.options.idle_stalls,
+            run_id=self.run_id,
         )
         self.world_size = world_size
         self.group = group

@@ -1,6 +1,7 @@
 """Prometheus metrics of one paramsync process (the coordinator, or one worker).
 
-Off by default. `Metrics` holds a registry of its own (so a coordinator and workers sharing a
+Off by default, and on loopback unless another address is named (`DEFAULT_METRICS_HOST`).
+`Metrics` holds a registry of its own (so a coordinator and workers sharing a
 process, as in tests, each expose theirs) with every metric declared once here, under
 Prometheus names (``paramsync_`` prefix, base units, ``_total`` counters). `serve_metrics` is
 a trio task that serves the registry over HTTP (prometheus-client's server, on a thread of its
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from paramsync.runtime.observe.trace import Span, TraceRecorder
 
 __all__ = [
+    "DEFAULT_METRICS_HOST",
     "METRICS_HOST_ENV",
     "METRICS_PORT_ENV",
     "Metrics",
@@ -40,6 +42,9 @@ METRICS_PORT_ENV = "PARAMSYNC_METRICS_PORT"
 """Set by ``paramsync worker --metrics-port``: the port a worker's trainer serves metrics on."""
 METRICS_HOST_ENV = "PARAMSYNC_METRICS_HOST"
 """Set by ``paramsync worker --metrics-host``: the address it listens on."""
+DEFAULT_METRICS_HOST = "127.0.0.1"
+"""Where the metrics endpoint listens unless another address is named: loopback, because the
+endpoint is plain, unauthenticated HTTP (a scraper on another host needs ``--metrics-host``)."""
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets (seconds): a control message's half a millisecond to a slow step's 10 s."""
@@ -255,8 +260,8 @@ def metrics_port_from_env() -> int | None:
     return port
 
 
-def metrics_host_from_env(default: str = "0.0.0.0") -> str:
-    """The address ``paramsync worker --metrics-host`` asked for."""
+def metrics_host_from_env(default: str = DEFAULT_METRICS_HOST) -> str:
+    """The address ``paramsync worker --metrics-host`` asked for (``default``: loopback)."""
     return os.environ.get(METRICS_HOST_ENV, "").strip() or default
 
 
@@ -268,7 +273,7 @@ def check_port(port: int, what: str = "metrics port") -> None:
 async def serve_metrics(
     metrics: Metrics,
     port: int,
-    host: str = "0.0.0.0",
+    host: str = DEFAULT_METRICS_HOST,
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:

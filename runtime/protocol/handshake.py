@@ -26,7 +26,8 @@ key is derived (`paramsync.runtime.protocol.frame_auth`). Both sides of a refusa
 sentence: the listener raises it, the dialer receives it.
 
 A secret with too little entropy is refused when it is loaded (`load_secret`,
-`secret_strength_bits`): one repeated letter, or a handful of distinct characters.
+`secret_strength_bits`): one a guesser finds among its first tries (common words and passwords,
+keyboard and alphabet runs, years, repetition; `paramsync.runtime.protocol.secret_strength`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import math
 import os
 import secrets
 import stat
@@ -46,8 +46,10 @@ from typing import Any
 
 from paramsync.runtime.errors import (
     AuthenticationError,
+    HandshakeAbandoned,
     HandshakeError,
     ListenerBusy,
+    ProofUnanswered,
     ReplayedHandshake,
     plain_or_quoted,
     quoted,
@@ -63,6 +65,7 @@ from paramsync.runtime.protocol.messages import (
 )
 from paramsync.runtime.protocol.pake import Cpace, generator
 from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
+from paramsync.runtime.protocol.secret_strength import strength_bits
 
 __all__ = [
     "SECRET_ENV",
@@ -122,18 +125,12 @@ def new_secret() -> str:
 
 
 def secret_strength_bits(secret: bytes) -> float:
-    """An estimate of a secret's entropy: its length times the Shannon entropy of its byte
-    distribution. It catches what no random secret looks like (one repeated letter: 0 bits; a
-    few distinct characters over and over), not a dictionary word, which only `paramsync
-    secret`'s random bytes avoid for sure."""
-    if not secret:
-        return 0.0
-    counts: dict[int, int] = {}
-    for byte in secret:
-        counts[byte] = counts.get(byte, 0) + 1
-    total = len(secret)
-    per_byte = -sum(c / total * math.log2(c / total) for c in counts.values())
-    return total * per_byte
+    """An estimate of a secret's entropy in bits, as a guesser who tries what people choose
+    first sees it (`paramsync.runtime.protocol.secret_strength`): common words and passwords
+    (whatever their case, reversed or with common substitutions), keyboard walks, alphabet and
+    digit runs, years, dates and repetition are rated by the few guesses they take, anything
+    else as random characters. Only `paramsync secret`'s random bytes are strong for sure."""
+    return strength_bits(bytes(secret))
 
 
 def _how_to_make_one() -> str:
@@ -186,8 +183,8 @@ def load_secret(secret: bytes | str | None = None, environ: dict[str, str] | Non
     if bits < SECRET_MIN_BITS:
         raise ValueError(
             f"the shared secret has too little entropy (about {bits:.0f} bits, at least "
-            f"{SECRET_MIN_BITS:.0f} needed: too few distinct characters, or too much "
-            "repetition); " + _how_to_make_one()
+            f"{SECRET_MIN_BITS:.0f} needed: common words, keyboard or alphabet runs, years "
+            "and repetition are among a guesser's first tries); " + _how_to_make_one()
         )
     return bytes(secret)
 
@@ -295,6 +292,9 @@ class DialerHandshake:
         self._key = b""
         """The ISK (`paramsync.runtime.protocol.pake`), once the listener's share has arrived."""
         self._listener_nonce: bytes | None = None
+        self.proof_sent = False
+        """Whether `on_challenge` has handed out this side's proof (the listener may test one
+        guess of the secret against it)."""
         self.peer: Identity | None = None
         """The listener's identity, once its proof in the welcome has verified."""
 
@@ -304,34 +304,45 @@ class DialerHandshake:
 
     def on_challenge(self, message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Take the listener's nonce, salt and share; return the auth message (this side's
-        share and proof) to send. The secret is stretched here, with the listener's salt."""
+        share and proof) to send. The secret is stretched here, with the listener's salt.
+
+        Raises, sending no proof: `ListenerBusy` or `HandshakeError` for a refusal,
+        `HandshakeAbandoned` for an answer that is no challenge, `InvalidKeyShare` for a share
+        no honest listener sends."""
         if message["kind"] == "refuse":
             error = ListenerBusy if message.get("busy") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "challenge":
-            raise HandshakeError(f"expected a challenge, got a {_kind(message)} message")
+            raise HandshakeAbandoned(
+                f"the peer answered the hello with a {_kind(message)} message, not a challenge"
+            )
         nonce = message["nonce"]
         if len(nonce) != NONCE_SIZE:
-            raise HandshakeError(f"challenge nonce must be {NONCE_SIZE} bytes")
+            raise HandshakeAbandoned(f"the challenge's nonce is not {NONCE_SIZE} bytes")
         salt = message["salt"]
         if len(salt) != SALT_SIZE:
-            raise HandshakeError(f"challenge salt must be {SALT_SIZE} bytes")
+            raise HandshakeAbandoned(f"the challenge's salt is not {SALT_SIZE} bytes")
         key = stretch_secret(self._secret, salt)
         cpace = Cpace(generator(key, self.me.group, self.me.world_size, self._nonce), self._scalar)
         share = message["share"]
         self._key = cpace.isk(share, dialer_share=cpace.share, listener_share=share)
         self._listener_nonce = nonce
+        self.proof_sent = True
         proof = dialer_proof(self._key, self._nonce, nonce, self.me)
         return Auth(share=cpace.share, proof=proof).to_wire()
 
     def on_verdict(self, message: dict[str, Any]) -> Identity:
         """The listener's last word: a welcome whose proof verifies (returns the listener's
-        identity), or a refusal (raises)."""
+        identity), or a refusal (raises). Only a failed proof, the listener's or its refusal of
+        this side's, is an `AuthenticationError`; another answer is `ProofUnanswered`."""
         if message["kind"] == "refuse":
             error = AuthenticationError if message.get("auth") else HandshakeError
             raise error(f"refused: {quoted(message['reason'])}")
         if message["kind"] != "welcome" or self._listener_nonce is None:
-            raise HandshakeError(f"expected welcome or refuse, got a {_kind(message)} message")
+            raise ProofUnanswered(
+                f"the listener answered this side's proof with a {_kind(message)} message, "
+                "not a welcome with its own proof"
+            )
         peer = Identity(message["group"], message["world_size"], message["rank"])
         expected = listener_proof(self._key, self._nonce, self._listener_nonce, self.me, peer)
         if not hmac.compare_digest(expected, message["proof"]):

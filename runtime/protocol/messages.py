@@ -531,7 +531,8 @@ class StartRun(WireMessage):
     ``members`` left empty means ``0 .. len(addresses) - 1``. ``groups``: when the joins
     declared process groups, each member gets its own start listing its groups in this epoch,
     each as [name, ranks, addresses] (``addresses[i]``: the listen address of world rank
-    ``ranks[i]``, from the address table; only ranks that are members of the epoch).
+    ``ranks[i]``, from the address table; only ranks that are members of the epoch). ``run``:
+    the run's id.
     """
 
     KIND: ClassVar[str] = "start_run"
@@ -548,6 +549,10 @@ class StartRun(WireMessage):
     apply_barrier: bool = wire(Bool(), default=False)
     fold: bool = wire(Bool(), default=False, omit=False)
     groups: tuple[GroupPeers, ...] = wire(GROUP_PEERS, default=(), omit=())
+    run: str = wire(Str(128), default="", omit="")
+    """The run's id, the coordinator's (random unless it was given one; empty: none said):
+    what workers record in their checkpoints. Chosen by the coordinator, never derived from
+    the secret."""
 
     def __post_init__(self) -> None:
         if not self.members:

@@ -34,7 +34,7 @@ import hashlib
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from paramsync.runtime.errors import AuthenticationError
+from paramsync.runtime.errors import InvalidKeyShare
 from paramsync.runtime.protocol.messages import SHARE_SIZE
 
 __all__ = ["GENERATOR_LABEL", "ISK_LABEL", "SHARE_SIZE", "Cpace", "generator", "elligator2"]
@@ -97,14 +97,16 @@ class Cpace:
 
     def isk(self, peer_share: bytes, *, dialer_share: bytes, listener_share: bytes) -> bytes:
         """The intermediate session key from the peer's share (the shares in transcript
-        order). Raises `AuthenticationError` for a share of the wrong size or one that makes
-        K all zero (a low-order point)."""
+        order). Raises `InvalidKeyShare` (an `AuthenticationError` that blames no secret) for a
+        share of the wrong size or one that makes K all zero (a low-order point)."""
         if len(peer_share) != SHARE_SIZE:
-            raise AuthenticationError(f"the peer's key share must be {SHARE_SIZE} bytes")
+            raise InvalidKeyShare(
+                f"the peer's key share is invalid: {len(peer_share)} bytes, not {SHARE_SIZE}"
+            )
         try:
             shared = self._scalar.exchange(X25519PublicKey.from_public_bytes(peer_share))
         except ValueError:
-            raise AuthenticationError(
-                "the peer's key share is a low-order point (refused)"
+            raise InvalidKeyShare(
+                "the peer's key share is invalid: a low-order point (refused)"
             ) from None
         return hashlib.sha256(ISK_LABEL + shared + dialer_share + listener_share).digest()

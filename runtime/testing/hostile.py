@@ -112,19 +112,38 @@ class DeploymentFault(AssertionError):
     """The target did something wrong; the message says what, after which step."""
 
 
-def check_target(host: str, allowed_hosts: Sequence[str] = ()) -> None:
-    """Refuse to fuzz ``host`` unless it is loopback (an address in 127.0.0.0/8 or ::1, or a
-    name resolving to one) or named in ``allowed_hosts`` exactly as given: the caller's own
-    hosts, named on purpose. ValueError says which rule refused it."""
-    if host in allowed_hosts:
-        return
+def _connectable(address: str) -> str:
+    """``address`` as a socket connects to it: an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``)
+    as its IPv4 form, anything else as it is."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped) if mapped is not None else address
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(_connectable(address).split("%")[0]).is_loopback
+
+
+def check_target(host: str, allowed_hosts: Sequence[str] = ()) -> str:
+    """Refuse to fuzz ``host`` unless it is loopback (an address in 127.0.0.0/8 or ::1, their
+    IPv4-mapped forms such as ``::ffff:127.0.0.1``, or a name resolving only to them) or named in
+    ``allowed_hosts`` exactly as given: the caller's own hosts, named on purpose. ValueError
+    says which rule refused it.
+
+    Returns the address checked, which every connection of the fuzz run then dials: the name
+    is resolved once, here, so a resolver that answers differently later (DNS rebinding) never
+    turns the hostile traffic elsewhere. An IPv4-mapped address is returned in its IPv4 form; of
+    a name's addresses, its first IPv4 one, else its first."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise ValueError(f"target host {host!r} does not resolve: {exc}") from None
-    addresses = {str(info[4][0]) for info in infos}
-    if addresses and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
-        return
+    addresses = list(dict.fromkeys(_connectable(str(info[4][0])) for info in infos))
+    if addresses and (host in allowed_hosts or all(_is_loopback(a) for a in addresses)):
+        return next((a for a in addresses if ":" not in a), addresses[0])
     raise ValueError(
         f"target host {host!r} ({', '.join(sorted(addresses))}) is not loopback: fuzzing sends "
         "hostile traffic, so only loopback targets are fuzzed unless you name the host as "
@@ -134,7 +153,9 @@ def check_target(host: str, allowed_hosts: Sequence[str] = ()) -> None:
 
 @dataclass(frozen=True)
 class Deployment:
-    """The listener under test and the bounds it is held to."""
+    """The listener under test and the bounds it is held to. Making one checks ``host``
+    (`check_target`, a ValueError when refused) and pins the address it resolved to: every
+    connection dials `ip`, never ``host`` again."""
 
     host: str
     port: int
@@ -154,10 +175,16 @@ class Deployment:
     """Hostile connections open at once, at most."""
     allowed_hosts: tuple[str, ...] = ()
     """Non-loopback hosts the caller names as its own (`check_target`)."""
+    ip: str = field(init=False, default="")
+    """The address ``host`` was checked as (`check_target`): the one every connection dials."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ip", check_target(self.host, self.allowed_hosts))
 
     @property
     def address(self) -> tuple[str, int]:
-        return self.host, self.port
+        """Where every connection goes: the checked address and the port."""
+        return self.ip, self.port
 
 
 @dataclass
@@ -349,7 +376,7 @@ def _frame(kind: str, fields: dict[str, Any]) -> bytes:
 
 
 def _dial(deployment: Deployment, source: str | None = None) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in deployment.host else socket.AF_INET)
+    sock = socket.socket(socket.AF_INET6 if ":" in deployment.ip else socket.AF_INET)
     sock.settimeout(deployment.deadline)
     try:
         if source is not None:
@@ -363,7 +390,7 @@ def _dial(deployment: Deployment, source: str | None = None) -> socket.socket:
 
 
 def _probe_source(deployment: Deployment) -> str | None:
-    return PROBE_SOURCE if deployment.host.startswith("127.") else None
+    return PROBE_SOURCE if deployment.ip.startswith("127.") else None
 
 
 def _handshake(
@@ -820,10 +847,9 @@ class HostileMachine(RuleBasedStateMachine):
 
 
 def hostile_machine(deployment: Deployment, summary: Summary | None = None) -> type[HostileMachine]:
-    """A `HostileMachine` class bound to ``deployment`` (checked by `check_target`), counting
-    into ``summary``. Run it with hypothesis (``run_state_machine_as_test``, or
+    """A `HostileMachine` class bound to ``deployment`` (checked by `check_target` when it was
+    made), counting into ``summary``. Run it with hypothesis (``run_state_machine_as_test``, or
     ``Machine.TestCase`` in a unittest/pytest module)."""
-    check_target(deployment.host, deployment.allowed_hosts)
     try:
         world_size = discover_world_size(deployment)
         probe(deployment, world_size)

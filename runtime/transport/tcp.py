@@ -37,9 +37,12 @@ from paramsync.runtime.config import DistributedConfig, advertised_host
 from paramsync.runtime.errors import (
     CollectiveError,
     FrameAuthenticationError,
+    HandshakeAbandoned,
     HandshakeError,
+    InvalidKeyShare,
     ListenerBusy,
     PeerClosed,
+    ProofUnanswered,
     ProtocolError,
     StallError,
     one_line,
@@ -829,13 +832,13 @@ async def dial(
     stream = await trio.open_tcp_stream(*address)
     where = f"{address[0]}:{address[1]}"
     conn: Connection | None = None
+    state = DialerHandshake(secret, me)
     try:
         with trio.fail_after(handshake_seconds):
             conn = Connection(
                 stream if tls is None else await tls.wrap_client(stream, where), peer=where
             )
             conn.tensors = False  # until the listener has proven the secret
-            state = DialerHandshake(secret, me)
             await conn.send(*state.hello())
             reply = await conn.recv(HANDSHAKE_MAX_FRAME)
             await conn.send(*state.on_challenge(reply))
@@ -845,6 +848,12 @@ async def dial(
             conn.tensors = True
     except trio.TooSlowError:
         await _close(conn, stream)
+        if state.proof_sent:
+            raise ProofUnanswered(
+                f"the listener took this side's proof and gave none of its own within "
+                f"{handshake_seconds} s",
+                peer=where,
+            ) from None
         raise HandshakeError(
             f"no handshake answer from {where} within {handshake_seconds} s"
         ) from None
@@ -859,12 +868,30 @@ async def dial(
                 "the listener speaks TLS: this side needs --tls-cert, --tls-key and --tls-ca",
                 peer=where,
             ) from None
-        raise
+        raise _handshake_failure(exc, state.proof_sent, where) from None
     except BaseException:
         await _close(conn, stream)
         raise
     conn.peer = peer.rank if peer.rank >= 0 else conn.peer
     return conn, peer
+
+
+def _handshake_failure(exc: ProtocolError, proof_sent: bool, where: str) -> ProtocolError:
+    """What a dialer's failed handshake says happened, naming the listener at ``where``: a
+    refusal or a failed proof as they are; the listener closing, or its bytes not being a
+    message, as breaking the handshake off before its proof (`ProofUnanswered` once this side's
+    proof was sent, else `HandshakeAbandoned`), never as a wrong secret."""
+    if isinstance(exc, InvalidKeyShare | HandshakeAbandoned):
+        return exc.with_peer(where)
+    if isinstance(exc, HandshakeError):
+        return exc
+    if isinstance(exc, PeerClosed):
+        what = "closed the connection"
+    else:
+        what = f"sent what is not a handshake message ({exc.reason})"
+    if proof_sent:
+        return ProofUnanswered(f"the listener {what} before its proof", peer=where)
+    return HandshakeAbandoned(f"the listener {what} before its challenge", peer=where)
 
 
 async def accept(
