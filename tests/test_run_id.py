@@ -31,7 +31,7 @@ from paramsync.runtime.coordinator.core import CoordinatorCore
 from paramsync.runtime.coordinator.events import Broadcast
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.protocol.handshake import stretch_secret
-from paramsync.runtime.protocol.messages import Joined, StartRun
+from paramsync.runtime.protocol.messages import SALT_SIZE, Joined, StartRun
 
 ROOT = Path(__file__).resolve().parent.parent
 SIG = (("w", (2,), "float32", True),)
@@ -96,7 +96,9 @@ def secret_functions(secret: bytes, coordinator: str) -> dict[str, bytes]:
     """Every value the project computes from the secret outside a handshake's fresh nonces
     (`load_secret`, `stretch_secret`; the CPace generator, ISK and session keys also take both
     sides' fresh nonces), the former run id, and plain hashes of either."""
-    key = stretch_secret(secret)
+    # Each listener stretches under its own random salt, unknown here; the key under a fixed
+    # salt still catches a value stretched by the secret alone.
+    key = stretch_secret(secret, bytes(SALT_SIZE))
     former = hashlib.sha256(b"paramsync-run-id\0" + secret + coordinator.encode()).hexdigest()
     return {
         "the secret": secret,

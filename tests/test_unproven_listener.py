@@ -50,7 +50,9 @@ async def rogue_listener(
             if mode == "closes before its challenge":
                 return
             if mode == "sends a low-order share":
-                await conn.send("challenge", {"nonce": b"\x01" * 32, "share": bytes(32)})
+                await conn.send(
+                    "challenge", {"nonce": b"\x01" * 32, "salt": b"\x02" * 16, "share": bytes(32)}
+                )
                 await trio.sleep(1)
                 return
             await conn.send(*state.on_hello(hello))
