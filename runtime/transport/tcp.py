@@ -49,6 +49,7 @@ from paramsync.runtime.protocol.frame_auth import FrameSealer, frame_session
 from paramsync.runtime.protocol.frame_reader import (
     BUFFER_SIZE,
     CONTROL_DUE,
+    NO_TENSORS,
     Frame,
     FrameReader,
     Into,
@@ -362,11 +363,15 @@ class Connection:
             raise self._refuse(exc) from None
 
     async def _read_frame(
-        self, max_frame: int, placement: Placement, expected: bytes | None = None
+        self,
+        max_frame: int,
+        placement: Placement,
+        expected: bytes | None = None,
+        kinds: frozenset[str] | None = None,
     ) -> Frame:
         """Read one frame (trio): its bytes from the socket wherever the reader asks."""
         reader = self._reader
-        reader.start(max_frame, placement, expected)
+        reader.start(max_frame, placement, expected, kinds=kinds)
         while True:
             try:
                 step = reader.next()
@@ -439,15 +444,21 @@ class Connection:
         self._reader.filled(count)
         return True
 
-    async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    async def recv(
+        self, max_frame: int = DEFAULT_MAX_FRAME, *, kinds: frozenset[str] | None = None
+    ) -> dict[str, Any]:
         """Receive one message; a bulk tensor is allocated and filled.
 
         With no destination given, the bulk counts against ``max_frame`` too: a peer cannot
-        make this side allocate more than that (before authentication: 4 KiB). The frame's tag
-        is checked before anything of it is decoded (docs/protocol.md §5.4)."""
+        make this side allocate more than that. On a connection that takes no tensors
+        (`tensors` false: a handshake, a coordinator's control link) any bulk is refused from
+        the prefix, unread. ``kinds``: the only message kinds accepted (None: any), any other
+        refused from the prefix and the peek at its kind. The frame's tag is checked before
+        anything of it is decoded (docs/protocol.md §5.4)."""
+        placement = Scratch(max_frame) if self.tensors else NO_TENSORS
         async with self._holding(self._recv_lock):
             try:
-                frame = await self._read_frame(max_frame, Scratch(max_frame))
+                frame = await self._read_frame(max_frame, placement, kinds=kinds)
                 message, spec = await self._decode(frame.head, frame.bulk_len)
                 if spec is not None:
                     assert isinstance(frame.bulk, bytearray)
