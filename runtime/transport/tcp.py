@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -131,6 +132,7 @@ __all__ = [
     "dial_with_retry",
     "accept",
     "form_mesh",
+    "listener_gate",
 ]
 
 log = logging.getLogger("paramsync.tcp")
@@ -1273,6 +1275,22 @@ async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -
             nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
 
 
+_LISTENER_GATES: weakref.WeakKeyDictionary[trio.SocketListener, AdmissionGate] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def listener_gate(listener: trio.SocketListener, name: str) -> AdmissionGate:
+    """The admission gate of a worker's ``listener``: one for the listener's life, so its
+    budgets of failed proofs (`paramsync.runtime.transport.guess_budget`) hold across the
+    meshes formed on it (a run keeps one listener for all its epochs). ``name`` names a gate
+    made now; a gate already made keeps its name."""
+    gate = _LISTENER_GATES.get(listener)
+    if gate is None:
+        gate = _LISTENER_GATES[listener] = AdmissionGate(name)
+    return gate
+
+
 def _admit_ranks(
     me: Identity, claimed: set[int], allowed: range | set[int], granted: list[int] | None = None
 ) -> Any:
@@ -1344,7 +1362,7 @@ async def _serve_until(
     async with trio.open_nursery() as nursery:
 
         async def accept_loop() -> None:
-            await AdmissionGate(f"rank {me.rank}").serve(listener, nursery, handle)
+            await listener_gate(listener, f"rank {me.rank}").serve(listener, nursery, handle)
 
         if expected - mesh.keys():
             nursery.start_soon(accept_loop)
