@@ -15,6 +15,7 @@ loopback, while a worker dials from 127.0.0.3 (distinct sources on Linux loopbac
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -33,9 +34,11 @@ from paramsync.runtime.transport import tcp
 from paramsync.runtime.transport.admission import AdmissionGate, AdmissionLimits
 from paramsync.runtime.transport.guess_budget import GuessBudget, GuessLimits
 
-SECRET = "guess-budget-tests-secret"
-DICTIONARY = [f"Summer202{i % 10}!team{i}" for i in range(40)]
-"""Wrong guesses, as a guesser's small dictionary."""
+SECRET = secrets.token_hex(16)
+"""The run's secret: one `paramsync secret` would make, so that only guessing is tested."""
+DICTIONARY = [f"Summer202{i % 10}!team{i}".encode() for i in range(40)]
+"""Wrong guesses, as a guesser's small dictionary: tried as they are (a guesser's dialer does
+not check its guesses' strength)."""
 ADMITTED_WITHIN = 1.0
 """A worker's admission time while a guesser runs (RELIABILITY.md, Admission: milliseconds)."""
 
@@ -149,7 +152,7 @@ class Guesser(threading.Thread):
     def __init__(self, address: tuple[str, int], me: Identity) -> None:
         super().__init__(daemon=True)
         self.address, self.me = address, me
-        self.keys = [load_secret(guess, {}) for guess in DICTIONARY]
+        self.keys = DICTIONARY
         self.stop = threading.Event()
         self.proofs = 0
         self.throttled = 0
