@@ -40,6 +40,14 @@ duplicate_rank ``--duplicate-trials`` trials of two dialers holding the secret a
                free rank, their auths sent back to back: how many trials welcomed both
 ============== ==============================================================================
 
+Online guessing (issue 39 row 2, `guessing`; ``--guessing-only`` runs it alone, in about 20 s):
+a guesser thread from 127.0.0.2 tries a small dictionary (``--guessing-words`` wrong secrets,
+over and over) as fast as it is let in, for ``--guessing-seconds``, against a coordinator daemon
+and against a worker's listener (rank 0 of ``paramsync allreduce``, its rendezvous listener);
+meanwhile a legitimate dialer holding the secret from 127.0.0.3 is admitted every 0.5 s and
+hangs up. Reported: the proofs each target checked a second (the guess rate), the connections
+it refused at once (throttled), and the legitimate dialer's admission times.
+
 Relay attacks (issue 18 row 1): an on-path relay on 127.0.0.1 that holds no secret
 (`paramsync.runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames
 after it. Every attack must be refused by frame authentication, naming the peer:
@@ -81,7 +89,7 @@ row 6          an elastic run kept alive by rank 0; 20 times rank 1 joins and go
 
 After each, a legitimate worker dials the attacked (or a free) rank: its admission latency.
 
-Attempts connect from 127.0.0.1-8 in turn (`ATTACK_SOURCES`), so the cap per source address
+Attempts connect from 127.0.0.11-18 in turn (`ATTACK_SOURCES`), so the cap per source address
 does not refuse them before the global cap would. Each attempt's local address is what the
 coordinator logs as the peer, so every attempt is
 matched with the coordinator's log line naming it, or with the count a rate-limit summary line
@@ -112,10 +120,12 @@ import random
 import re
 import secrets
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
@@ -134,8 +144,10 @@ if str(ROOT) not in sys.path:
 
 from paramsync.runtime.collectives.ring import all_reduce  # noqa: E402
 from paramsync.runtime.errors import (  # noqa: E402
+    AuthenticationError,
     FrameAuthenticationError,
     HandshakeError,
+    ListenerBusy,
     PeerClosed,
     ProtocolError,
     pick_error,
@@ -196,6 +208,8 @@ __all__ = [
     "ReviewSizes",
     "second_review",
     "print_second_review",
+    "guessing",
+    "print_guessing",
     "main",
 ]
 
@@ -255,9 +269,11 @@ class Attempt:
         return not self.outcome.startswith("welcome")
 
 
-ATTACK_SOURCES = tuple(f"127.0.0.{i}" for i in range(1, 9))
+ATTACK_SOURCES = tuple(f"127.0.0.{i}" for i in range(11, 19))
 """The attacks connect from these eight loopback addresses in turn, so the coordinator's cap
-per source (8) does not refuse them before the global cap (64) would."""
+per source (8) does not refuse them before the global cap (64) would. Not 127.0.0.1, where the
+workers dial from: the failed proofs of ``wrong_secret`` and ``forged_auth`` close their sources
+for up to 5 minutes (issue 39 row 2), which must not be the workers'."""
 _next_source = itertools.cycle(ATTACK_SOURCES)
 
 
@@ -334,6 +350,8 @@ async def oversized(target: Target, index: int) -> list[Attempt]:
 
 
 WRONG_AUTH = "authentication failed: wrong shared secret"
+THROTTLED = "failed authentications"
+"""In the reason of a connection refused by its source's budget of failed proofs."""
 
 
 async def wrong_secret(target: Target, index: int) -> list[Attempt]:
@@ -342,7 +360,7 @@ async def wrong_secret(target: Target, index: int) -> list[Attempt]:
     stream, where = await _open(target)
     conn = Connection(stream)
     dialer = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size))
-    attempt = Attempt("wrong_secret", where, ("authentication",), WRONG_AUTH, "")
+    attempt = Attempt("wrong_secret", where, ("authentication", "throttled"), WRONG_AUTH, "")
     try:
         await conn.send(*dialer.hello())
         await conn.send(*dialer.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME)))
@@ -361,7 +379,7 @@ async def forged_auth(target: Target, index: int) -> list[Attempt]:
     stream, where = await _open(target)
     conn = Connection(stream)
     dialer = DialerHandshake(WRONG_SECRET, _me(target, index % target.world_size))
-    attempt = Attempt("forged_auth", where, ("authentication",), WRONG_AUTH, "")
+    attempt = Attempt("forged_auth", where, ("authentication", "throttled"), WRONG_AUTH, "")
     try:
         await conn.send(*dialer.hello())
         challenge = await conn.recv(HANDSHAKE_MAX_FRAME)
@@ -1047,7 +1065,8 @@ def account(attempts: list[Attempt], log: AdmissionLog) -> dict[str, dict[str, A
             matched[key] += 1
             row = rows[attempt.attack]
             row["logged"] += 1
-            if category not in attempt.expect or attempt.text not in reason:
+            text = THROTTLED if category == "throttled" else attempt.text
+            if category not in attempt.expect or text not in reason:
                 row["unexpected"].append(f"{address} [{category}]: {reason}")
         else:
             _share_summary(rows, attempts, current, entry[1])
@@ -1271,6 +1290,168 @@ class LiveRun:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# ----------------------------------------------------------------------------- guessing
+
+GUESSER_SOURCE = "127.0.0.2"
+LEGIT_SOURCE = "127.0.0.3"
+
+
+async def _dial_from(
+    address: tuple[str, int], secret: bytes, me: Identity, source: str
+) -> tuple[str, float]:
+    """One handshake from ``source`` (`paramsync.runtime.transport.tcp.dial`'s steps): its
+    outcome (``welcome``, ``failed proof``, ``throttled``, ``busy`` or the error) and seconds."""
+    start = time.perf_counter()
+    stream = await trio.open_tcp_stream(*address, local_address=source)
+    conn = Connection(stream)
+    dialer = DialerHandshake(secret, me)
+    try:
+        await conn.send(*dialer.hello())
+        await conn.send(*dialer.on_challenge(await conn.recv(HANDSHAKE_MAX_FRAME)))
+        dialer.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
+        outcome = "welcome"
+    except ListenerBusy as exc:
+        outcome = "throttled" if THROTTLED in str(exc) else "busy"
+    except AuthenticationError:
+        outcome = "failed proof"
+    except (ProtocolError, OSError) as exc:
+        outcome = type(exc).__name__
+    finally:
+        await conn.aclose()
+    return outcome, time.perf_counter() - start
+
+
+def _guess_for(
+    address: tuple[str, int], me: Identity, words: int, stop: threading.Event
+) -> Counter[str]:
+    """The guesser (a thread's trio run): the dictionary's wrong secrets, one handshake each,
+    round and round until ``stop``; the outcomes counted."""
+    dictionary = [f"Summer20{i % 100:02d}!team{i}".encode() for i in range(words)]
+    seen: Counter[str] = Counter()
+
+    async def guess() -> None:
+        for word in itertools.cycle(dictionary):
+            if stop.is_set():
+                return
+            outcome, _ = await _dial_from(address, word, me, GUESSER_SOURCE)
+            seen[outcome] += 1
+            if outcome != "failed proof":
+                await trio.sleep(0.001)  # refused before the key exchange: the next at once
+
+    trio.run(guess)
+    return seen
+
+
+async def _guessed_at(
+    address: tuple[str, int], secret: bytes, guesser_me: Identity, legit_me: Identity,
+    seconds: float, words: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A guesser thread against ``address`` for ``seconds``; a legitimate dialer meanwhile."""
+    stop = threading.Event()
+    seen: Counter[str] = Counter()
+
+    def run_guesser() -> None:
+        seen.update(_guess_for(address, guesser_me, words, stop))
+
+    admissions: list[float] = []
+    refused: Counter[str] = Counter()
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, run_guesser)
+        await trio.sleep(0.5)
+        while time.perf_counter() - started < seconds:
+            began = time.perf_counter()
+            while True:  # as `dial_with_retry`: retry while busy
+                outcome, _ = await _dial_from(address, secret, legit_me, LEGIT_SOURCE)
+                if outcome != "busy":
+                    break
+                await trio.sleep(0.01)
+            if outcome == "welcome":
+                admissions.append(time.perf_counter() - began)
+            else:
+                refused[outcome] += 1
+            await trio.sleep(0.5)
+        stop.set()
+    elapsed = time.perf_counter() - started
+    admissions.sort()
+    return {
+        "seconds": round(elapsed, 2),
+        "guesses_checked": seen["failed proof"],
+        "guesses_per_second": round(seen["failed proof"] / elapsed, 2),
+        "throttled": seen["throttled"],
+        "guesser_outcomes": dict(seen),
+        "legit_admitted": len(admissions),
+        "legit_refused": dict(refused),
+        "legit_median_ms": round(admissions[len(admissions) // 2] * 1e3, 1) if admissions else None,
+        "legit_max_ms": round(admissions[-1] * 1e3, 1) if admissions else None,
+    }
+
+
+def guessing(workdir: Path, seconds: float = 8.0, words: int = 50) -> dict[str, dict[str, Any]]:
+    """Issue 39 row 2: a guesser against a coordinator daemon and against a worker's listener
+    (rank 0 of ``paramsync allreduce``), a legitimate dialer meanwhile (module doc)."""
+    results: dict[str, dict[str, Any]] = {}
+    run = LiveRun(workdir / "coordinator", world_size=2)
+    run.workdir.mkdir(parents=True)
+    try:
+        run.start_coordinator()
+        target = run.target()
+        results["coordinator"] = trio.run(
+            _guessed_at, target.address, target.secret, _me(target, 1), _me(target, 0),
+            seconds, words,
+        )  # fmt: skip
+    finally:
+        run.kill()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = subprocess.Popen(
+        [
+            sys.executable, "-m", "paramsync.runtime.cli.main", "allreduce", "--rank", "0",
+            "--world-size", "2", "--coordinator", f"127.0.0.1:{port}",
+        ],
+        cwd=ROOT, env=run.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening(port):
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the worker's listener did not start")
+            time.sleep(0.05)
+        me = Identity(DEFAULT_GROUP, 2, 1)
+        results["worker listener"] = trio.run(
+            _guessed_at, ("127.0.0.1", port), run.secret.encode(), me, me, seconds, words
+        )
+    finally:
+        worker.kill()
+        worker.wait()
+    for row in results.values():
+        row["ok"] = (
+            row["legit_admitted"] > 0
+            and not row["legit_refused"]
+            and (row["legit_max_ms"] or 0) < 1000
+            and row["guesses_checked"] <= 16
+        )
+    return results
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def print_guessing(results: dict[str, dict[str, Any]]) -> None:
+    print("online guessing (issue 39 row 2): a guesser from 127.0.0.2, a worker from 127.0.0.3")
+    for name, row in results.items():
+        print(
+            f"  {name}: {row['guesses_checked']} proofs checked in {row['seconds']} s "
+            f"({row['guesses_per_second']}/s), {row['throttled']} refused at once; the worker "
+            f"admitted {row['legit_admitted']} times, median {row['legit_median_ms']} ms, "
+            f"max {row['legit_max_ms']} ms, refused {row['legit_refused'] or 'never'}; "
+            f"{'ok' if row['ok'] else 'FAILED'}"
+        )
 
 
 # ----------------------------------------------------------------------------- second review
@@ -1872,8 +2053,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--second-review-evictions", type=int, default=20, help="row 6: members evicted"
     )
+    parser.add_argument(
+        "--guessing-only", action="store_true", help="run the online guessing phase only"
+    )
+    parser.add_argument(
+        "--guessing-seconds", type=float, default=8.0, help="how long each guesser runs"
+    )
+    parser.add_argument(
+        "--guessing-words", type=int, default=50, help="the guesser's dictionary (wrong secrets)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.guessing_only:
+        with tempfile.TemporaryDirectory(prefix="paramsync-guessing-") as tmp:
+            guessed = guessing(Path(tmp), args.guessing_seconds, args.guessing_words)
+        print_guessing(guessed)
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"guessing": guessed}, indent=2))
+            print(f"wrote {path}")
+        return 0 if all(row["ok"] for row in guessed.values()) else 1
     sizes = ReviewSizes(mib=args.second_review_mib, evictions=args.second_review_evictions)
     if args.second_review_only:
         print("second review (issue 31 rows 2-6), a coordinator daemon each", flush=True)
@@ -1967,6 +2167,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_second_review:
             print("second review (issue 31 rows 2-6), a coordinator daemon each", flush=True)
             review = trio.run(second_review, Path(tmp) / "review", sizes)
+        print("online guessing (issue 39 row 2)", flush=True)
+        guessed = guessing(Path(tmp) / "guessing", args.guessing_seconds, args.guessing_words)
 
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
@@ -2026,6 +2228,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"admission daemon totals: {parse_admission_log(free_log).totals}")
     if review:
         print_second_review(review)
+    print_guessing(guessed)
     same_as_baseline = None
     if baseline is not None:
         quiet0 = baseline.summaries.get(0, {})
@@ -2074,6 +2277,7 @@ def main(argv: list[str] | None = None) -> int:
         "relay_attacks": relay,
         "relay_live_run": live,
         "second_review": review,
+        "guessing": guessed,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -2095,6 +2299,7 @@ def main(argv: list[str] | None = None) -> int:
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
         and relay_ok(relay, live)
         and all(row["ok"] for row in review)
+        and all(row["ok"] for row in guessed.values())
     )
     return 0 if ok else 1
 

@@ -53,7 +53,7 @@ BROKEN_COORDINATOR = (
     "import sys\n"
     "from paramsync.runtime.testing.faults import forged_report_core\n"
     "from paramsync.runtime.cli.main import main\n"
-    "sys.exit(main(sys.argv[1:], coordinator_core=forged_report_core('finished')))\n"
+    "sys.exit(main(sys.argv[1:], coordinator_core=forged_report_core('heartbeat')))\n"
 )
 
 
@@ -342,10 +342,10 @@ def test_a_coordinator_acting_on_a_report_from_a_stranger_is_caught(
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
     assert "result            FAILURE" in out
-    assert "acted on a finished from a peer that never joined" in out
+    assert "acted on a heartbeat from a peer that never joined" in out
     example = out[out.index("minimal reproducing example:") :]
     assert "state.start_as_member()" in example
-    assert "Frame(label='valid finished'" in example
+    assert "Frame(label='valid heartbeat'" in example
     assert "state.report_without_joining(" in example or "state.send_as_member(" in example
 
 

@@ -14,13 +14,25 @@ legitimately needs (`member_frame_cap`), checked from the frame's prefix before 
 So the cap is a fixed allowance for the small fields plus a multiple of the signature's own
 wire size that covers the digest's names; a model of 150 parameter tensors gets about 200 KiB,
 one of 10,000 about 11 MiB.
+
+Before a peer has joined, it may send only what a joining peer sends (`JOINING_KINDS`: its join,
+and the heartbeats that follow it), each frame at most what a join needs (`join_frame_cap`); any
+other kind (a digest, a bucket report) is refused from the frame's prefix and the peek at its
+kind, unread and undecoded.
 """
 
 from __future__ import annotations
 
 from paramsync.runtime.protocol.messages import Signature
 
-__all__ = ["MEMBER_FRAME_ALLOWANCE", "STATE_ENTRIES_PER_PARAM", "member_frame_cap"]
+__all__ = [
+    "JOINING_KINDS",
+    "JOIN_ENTRIES_PER_PARAM",
+    "MEMBER_FRAME_ALLOWANCE",
+    "STATE_ENTRIES_PER_PARAM",
+    "join_frame_cap",
+    "member_frame_cap",
+]
 
 MEMBER_FRAME_ALLOWANCE = 64 * 1024
 """Bytes every member frame may hold beside its model-sized part (groups, a layout, a step
@@ -29,6 +41,14 @@ report's fields, the scheduler's and the loss scaler's digest entries)."""
 STATE_ENTRIES_PER_PARAM = 8
 """Digest entries (and their names) a parameter may account for: itself and its optimizer's
 state tensors (Adam's step, exp_avg, exp_avg_sq; more for others), with room."""
+
+JOINING_KINDS = frozenset({"join", "heartbeat"})
+"""What a peer that has not joined may send: its join (and the heartbeats a worker starts once
+its join is sent, should one arrive before the join is taken)."""
+
+JOIN_ENTRIES_PER_PARAM = 2
+"""Signature entries a join may hold per parameter of the run's model: its own model lists each
+once; twice leaves room for a joiner whose model differs, so it hears which parameter does."""
 
 
 def _entry_bytes(name: str, shape: tuple[int, ...], dtype: str) -> int:
@@ -41,3 +61,12 @@ def member_frame_cap(signature: Signature, default: int) -> int:
     (never above ``default``, the schema's cap)."""
     model = sum(_entry_bytes(name, tuple(shape), dtype) for name, shape, dtype, _ in signature)
     return min(default, MEMBER_FRAME_ALLOWANCE + STATE_ENTRIES_PER_PARAM * model)
+
+
+def join_frame_cap(signature: Signature | None, default: int) -> int:
+    """The largest frame a peer that has not joined may send: a join of the run's model
+    (``signature``; None while no model is known, then the join's schema cap ``default``)."""
+    if signature is None:
+        return default
+    model = sum(_entry_bytes(name, tuple(shape), dtype) for name, shape, dtype, _ in signature)
+    return min(default, MEMBER_FRAME_ALLOWANCE + JOIN_ENTRIES_PER_PARAM * model)

@@ -34,11 +34,16 @@ from paramsync.runtime.coordinator.events import (
     Send,
     Tick,
 )
-from paramsync.runtime.coordinator.frame_caps import member_frame_cap
+from paramsync.runtime.coordinator.frame_caps import (
+    JOINING_KINDS,
+    join_frame_cap,
+    member_frame_cap,
+)
 from paramsync.runtime.coordinator.run_state import RunState
 from paramsync.runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
 from paramsync.runtime.observe.metrics import Metrics
 from paramsync.runtime.protocol.handshake import Identity, load_secret
+from paramsync.runtime.protocol.limits import kind_max_frame
 from paramsync.runtime.protocol.messages import (
     Commit,
     Digest,
@@ -389,12 +394,14 @@ class Coordinator:
         joined = False
         while True:
             try:
-                max_frame = self._member_max_frame()
                 if joined:  # no deadline scope per message once the member is in
-                    message = await member.link.recv(max_frame)
-                else:
+                    message = await member.link.recv(self._member_max_frame())
+                else:  # only what a joining peer sends, at most what a join needs
+                    max_frame = join_frame_cap(
+                        self.core.view.reference_signature, kind_max_frame(Joined.KIND)
+                    )
                     with trio.CancelScope(deadline=join_by) as waiting:
-                        message = await member.link.recv(max_frame)
+                        message = await member.link.recv(max_frame, kinds=JOINING_KINDS)
                     if waiting.cancelled_caught:
                         log.warning(
                             "rank %d authenticated but sent no join within %g s; dropped",
@@ -409,7 +416,8 @@ class Coordinator:
                 return
             except ProtocolError as exc:
                 log.warning("rank %d sent a bad message: %s", rank, one_line(exc))
-                self._apply(self.core.handle(Malformed(rank, exc.reason)), source=rank)
+                reason = exc.reason if joined else f"rank {rank} has not joined: {exc.reason}"
+                self._apply(self.core.handle(Malformed(rank, reason)), source=rank)
                 return
             log.debug("event %r", event)
             if self.metrics is not None:

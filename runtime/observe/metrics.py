@@ -23,7 +23,9 @@ from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
+from paramsync.runtime.observe.admission_tally import TALLY
 from paramsync.runtime.observe.trace import Span, TraceRecorder
 
 __all__ = [
@@ -120,6 +122,7 @@ class Metrics:
         )
         for reason in ("handshake", "join"):
             self.refused.labels(reason=reason)
+        r.register(_AdmissionCollector(role))
         self._bucket_labels: dict[int, tuple[Any, Any]] = {}
         self._phase_labels: dict[str, Any] = {}
 
@@ -159,6 +162,34 @@ class Metrics:
             self.digest_check_seconds.observe(seconds)
         else:
             self.observe_phase(name, seconds)
+
+
+class _AdmissionCollector:
+    """The admission gates' counts of failed authentications and throttled connections
+    (`paramsync.runtime.observe.admission_tally`): the coordinator's, or for a worker those of
+    every other listener of its process."""
+
+    def __init__(self, role: str) -> None:
+        self._coordinator = role == "coordinator"
+
+    def _mine(self, endpoint: str) -> bool:
+        return (endpoint == "coordinator") == self._coordinator
+
+    def collect(self) -> list[CounterMetricFamily]:
+        failed = CounterMetricFamily(
+            "paramsync_failed_authentications",
+            "Handshakes whose peer failed to prove the secret (a guess, or a wrong secret).",
+            value=TALLY.failed(self._mine),
+        )
+        throttled = CounterMetricFamily(
+            "paramsync_throttled_connections",
+            "Connections refused before any handshake work because their source spent its "
+            "budget of failed authentications (scope=source) or every source did (global).",
+            labels=["scope"],
+        )
+        for scope, count in TALLY.refused(self._mine).items():
+            throttled.add_metric([scope], count)
+        return [failed, throttled]
 
 
 class _MetricsSpan(Span):

@@ -10,8 +10,9 @@ The rules, in the order they apply (docs/protocol.md §1 and §5.4):
 
 1. the 8-byte prefix: an empty item, a bulk longer than its item and a head (item minus bulk)
    over the receiver's limit are refused (`paramsync.runtime.protocol.wire.parse_prefix`);
-2. a peek at the head's first bytes (`paramsync.runtime.protocol.limits`): a head over its kind's
-   cap, a bulk announced where a control message is due or by a kind that carries none, and a bulk
+2. a peek at the head's first bytes (`paramsync.runtime.protocol.limits`): a kind the read does
+   not accept (``kinds``), a head over its kind's cap, a bulk announced where a control message is
+   due, by a kind that carries none or on a link that takes no tensors (`NO_TENSORS`), and a bulk
    that does not fit where it would land are refused before the head is read;
 3. the head is read undecoded, then the bulk lands where the read's `Placement` says: the
    caller's destination (`Into`, a landing buffer of exactly the announced size) or a fresh
@@ -32,13 +33,19 @@ from collections.abc import Callable
 
 from paramsync.runtime.errors import FrameTooLarge, ProtocolError
 from paramsync.runtime.protocol.frame_auth import FrameOpener
-from paramsync.runtime.protocol.limits import PEEK_SIZE, check_bulk_kind, check_kind_size
+from paramsync.runtime.protocol.limits import (
+    PEEK_SIZE,
+    check_bulk_kind,
+    check_kind_accepted,
+    check_kind_size,
+)
 from paramsync.runtime.protocol.wire import PREFIX_SIZE, TRAILER_SIZE, parse_prefix
 
 __all__ = [
     "BUFFER_SIZE",
     "DIRECT_READ",
     "Scratch",
+    "NO_TENSORS",
     "Into",
     "ControlDue",
     "CONTROL_DUE",
@@ -67,6 +74,11 @@ class Scratch:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+
+
+NO_TENSORS = Scratch(0)
+"""Placement of every read on a link that takes no tensors (a coordinator's control link, a
+handshake): any bulk is refused from the prefix and the peek at its kind, unread."""
 
 
 class Into:
@@ -186,6 +198,7 @@ class FrameReader:
         self._placement: Placement = CONTROL_DUE
         self._expected: bytes | None = None
         self._direct_read = DIRECT_READ
+        self._kinds: frozenset[str] | None = None
         self._prefix = b""
         self._head_len = 0
         self._bulk_len = 0
@@ -236,16 +249,20 @@ class FrameReader:
         placement: Placement,
         expected: bytes | None = None,
         direct_read: int = DIRECT_READ,
+        kinds: frozenset[str] | None = None,
     ) -> None:
         """Begin reading the next frame: its head at most ``max_frame`` bytes, its bulk placed
         as ``placement`` says. ``expected``: the frame a control read expects (its encoding),
         recognised by its bytes. ``direct_read``: a bulk remainder shorter than this comes
-        through the receive buffer (0: every bulk byte is asked for in place)."""
+        through the receive buffer (0: every bulk byte is asked for in place). ``kinds``: the
+        only message kinds this read accepts (None: any); a frame of another kind is refused
+        from its prefix and the peek at its kind, unread."""
         self._state = _PREFIX
         self._max_frame = max_frame
         self._placement = placement
         self._expected = expected
         self._direct_read = direct_read
+        self._kinds = kinds
 
     def next(self) -> Need | Frame:
         """Go as far as the buffered bytes allow: the `Need` that stops the read, or the
@@ -284,7 +301,10 @@ class FrameReader:
                 self._state = _PEEK
                 return self._need(peek)
             start = self._start
-            self._kind = check_kind_size(self._view[start : start + peek], self._head_len)
+            peeked = self._view[start : start + peek]
+            if self._kinds is not None:
+                check_kind_accepted(peeked, self._kinds)
+            self._kind = check_kind_size(peeked, self._head_len)
             if self._bulk_len:
                 self._check_placement()
             state = _HEAD
@@ -365,6 +385,11 @@ class FrameReader:
             raise ProtocolError(_BULK_NOT_EXPECTED.format(kind or "frame", bulk_len))
         check_bulk_kind(kind, bulk_len)
         if type(placement) is Scratch:
+            if not placement.limit:
+                raise ProtocolError(
+                    f"a {kind} message announces {bulk_len} bulk bytes on a link that takes no "
+                    f"tensors"
+                )
             if bulk_len > placement.limit:
                 raise FrameTooLarge(
                     f"{kind or 'frame'} message carries {bulk_len} bulk bytes, more than this "

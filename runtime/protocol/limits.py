@@ -40,6 +40,7 @@ __all__ = [
     "peek_kind",
     "PEEK_SIZE",
     "check_kind_size",
+    "check_kind_accepted",
     "count_items",
     "INLINE_TENSOR_MAX",
     "BULK_KINDS",
@@ -159,6 +160,17 @@ def check_kind_size(
     if size > cap:
         what = "a frame not led by 'v' and a known 'kind'" if kind is None else f"{kind} frame"
         raise FrameTooLarge(f"{what} of {size} bytes exceeds the {cap}-byte cap of its kind")
+    return kind
+
+
+def check_kind_accepted(head: bytes | bytearray | memoryview, kinds: frozenset[str]) -> str:
+    """Peek the kind of a frame's head (its first `PEEK_SIZE` bytes suffice) and refuse it
+    unless it is one of ``kinds``: a read that accepts only some kinds (a coordinator before the
+    peer has joined) refuses any other before its head is read."""
+    kind = peek_kind(head)
+    if kind is None or kind not in kinds:
+        what = "a frame not led by 'v' and a known 'kind'" if kind is None else f"a {kind} frame"
+        raise ProtocolError(f"sent {what} where only {', '.join(sorted(kinds))} is accepted")
     return kind
 
 

@@ -197,12 +197,15 @@ def commit_fault_core(fault: Fault) -> type[CoordinatorCore]:
     return CommitFaultCore
 
 
-def forged_report_core(kind: str = "finished") -> type[CoordinatorCore]:
+def forged_report_core(kind: str = "heartbeat") -> type[CoordinatorCore]:
     """A broken `CoordinatorCore` that acts on a ``kind`` report (one of the worker's kinds)
     from a rank that never joined: it tells the sender the run is over, where a correct core
-    refuses the sender. The fault the hostile-peer machine (`paramsync.runtime.testing.hostile`)
-    must catch; pass it as a `paramsync.runtime.coordinator.service.Coordinator`'s ``core_type`` (or
-    to `paramsync.runtime.cli.main.main` as ``coordinator_core``)."""
+    refuses the sender. The daemon's shell passes a peer that has not joined only a join or a
+    heartbeat (`paramsync.runtime.coordinator.frame_caps.JOINING_KINDS`), so only a forged
+    ``heartbeat`` core is reachable through it. The fault the hostile-peer machine
+    (`paramsync.runtime.testing.hostile`) must catch; pass it as a
+    `paramsync.runtime.coordinator.service.Coordinator`'s ``core_type`` (or to
+    `paramsync.runtime.cli.main.main` as ``coordinator_core``)."""
     if kind not in WORKER_KINDS or kind == "join":
         raise ValueError(
             f"forged report kind {kind!r}: expected one of "

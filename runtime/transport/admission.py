@@ -15,6 +15,9 @@ all three for one serving endpoint (the coordinator's listeners, or a worker's d
   source or from many, cannot keep the workers out for the length of the deadline;
 * running out of file descriptors (EMFILE and friends) makes the accept loop back off and retry
   instead of crashing the listener;
+* a failed proof of the secret costs its source (*Guessing* below): a source over its budget
+  of failed proofs is refused at once, like a connection over a cap, before any handshake
+  work (no task, no key exchange);
 * refusals are logged one line each, naming the remote address and a category in brackets,
   at most ``log_lines_per_second`` a second; the rest are counted and summed up in one line.
 
@@ -103,6 +106,21 @@ newcomer from a source that has held less:
    worker's host running hostile code, or an attacker on the workers' own IPv6 subnet, is out
    of scope).
 
+Guessing (issue 39, row 2). Each handshake tests one guess of the secret, and a dialer that
+does not know it learns nothing else (docs/protocol.md section 5.1), so the guesses a source may
+make are what protects a human secret. Every gate keeps a `GuessBudget`
+(`paramsync.runtime.transport.guess_budget`, limits in ``AdmissionLimits.guesses``): a source
+(`source_key`) that failed 4 proofs is refused for 1 s after its next failure, 2 s after the one
+after, doubling to 5 minutes; all sources together have 32 failures, refilled at one every 5 s,
+and once those are spent a source that has failed before is refused until they refill. A
+refusal is a ``refuse`` frame marked busy (category ``throttled`` in the log, counted in
+``AdmissionStats.throttled``); a failed proof's log line gives the source's count and back-off;
+both are counted for the metrics (`paramsync.runtime.observe.admission_tally`). A source that
+has never failed is never throttled, so workers from other sources are admitted as usual while
+a guesser is held back (tests/test_guess_budget.py). A worker's listener keeps one gate, and
+its budget, for the listener's life (`paramsync.runtime.transport.tcp.listener_gate`), not one
+per mesh it forms.
+
 Once the proof is checked, the rank claim is atomic (the listener's ``admit`` callback
 reserves the rank before the welcome is sent; see `paramsync.runtime.coordinator.service` and
 `paramsync.runtime.transport.tcp._admit_ranks`), so two dialers claiming one rank at once cannot
@@ -153,8 +171,10 @@ from paramsync.runtime.errors import (
     ProtocolError,
     one_line,
 )
+from paramsync.runtime.observe.admission_tally import TALLY
 from paramsync.runtime.protocol.messages import Refusal
 from paramsync.runtime.protocol.wire import encode_frame_bytes
+from paramsync.runtime.transport.guess_budget import GuessBudget, GuessLimits
 
 __all__ = [
     "AdmissionGate",
@@ -217,6 +237,9 @@ class AdmissionLimits:
     max_pending_per_source: int = 8
     """Handshakes in progress at once from one source (`source_key`: an IPv4 address or an IPv6
     /64; at most ``max_pending``)."""
+    guesses: GuessLimits = field(default_factory=GuessLimits)
+    """The budgets of failed proofs of the secret, per source and in all (module doc,
+    *Guessing*)."""
     evict_after_seconds: float = 1.0
     """A handshake this old (or ``handshake_seconds``, if shorter) may be evicted to make room
     for a newcomer from its own source at that source's cap; also the time constant of the
@@ -303,6 +326,9 @@ class AdmissionStats:
     peak_pending: int = 0
     accept_errors: int = 0
     """Accepts that failed for lack of resources (EMFILE, ...) and were retried."""
+    throttled: Counter[str] = field(default_factory=Counter)
+    """Refused at once because their source spent its budget of failed proofs (``source``)
+    or every source did (``global``): not in ``refused_by_cap``."""
     log_lines_suppressed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -317,6 +343,7 @@ class AdmissionStats:
             "pending": self.pending,
             "peak_pending": self.peak_pending,
             "accept_errors": self.accept_errors,
+            "throttled": dict(self.throttled),
             "log_lines_suppressed": self.log_lines_suppressed,
         }
 
@@ -480,7 +507,10 @@ class HandshakeTicket:
             category = classify_failure(error, elapsed, self.seconds)
             self.gate.stats.failed[category] += 1
             reason = error.reason if isinstance(error, ProtocolError) else str(error)
-            self.gate._log_refusal(self.where, category, reason or type(error).__name__)
+            reason = reason or type(error).__name__
+            if category == "authentication":
+                reason += self.gate._charge_failed_proof(self.source)
+            self.gate._log_refusal(self.where, category, reason)
         self.release()
 
     def release(self) -> None:
@@ -505,6 +535,8 @@ class AdmissionGate:
         self.name = name
         self.limits = limits or AdmissionLimits()
         self.stats = AdmissionStats()
+        self.guesses = GuessBudget(self.limits.guesses)
+        """The budgets of failed proofs (`paramsync.runtime.transport.guess_budget`)."""
         self._pending: dict[str, list[HandshakeTicket]] = {}
         """Pending handshakes by source, oldest first."""
         self._loads: dict[str, SourceLoad] = {}
@@ -556,6 +588,16 @@ class AdmissionGate:
         self.stats.connections += 1
         where, source = _remote_address(stream)
         now = trio.current_time()
+        throttled = self.guesses.check(source, now)
+        if throttled is not None:  # before any handshake work: no task, no key exchange
+            self.stats.throttled[throttled.scope] += 1
+            TALLY.throttled(self.name, throttled.scope)
+            reason = throttled.reason(source)
+            _refuse_at_once(stream, f"{self.name} is busy: {reason}; try again later")
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            self._log_refusal(where, "throttled", f"{reason}; closed at once")
+            return None
         refusal = self._make_room(source, now)
         if refusal is not None:
             self.stats.refused_by_cap += 1
@@ -573,6 +615,19 @@ class AdmissionGate:
         self.stats.pending += 1
         self.stats.peak_pending = max(self.stats.peak_pending, self.stats.pending)
         return ticket
+
+    def _charge_failed_proof(self, source: str) -> str:
+        """``source`` failed a proof: charge its budget; what to add to the refusal's line."""
+        TALLY.failed_authentication(self.name)
+        now = trio.current_time()
+        backoff = self.guesses.backoff_after_failure(source, now)
+        failures = self.guesses.failures_of(source, now)
+        if not backoff:
+            return f" ({failures} failed authentication(s) from {source})"
+        return (
+            f" ({failures} failed authentications from {source}: its handshakes are refused "
+            f"for {backoff:g} s)"
+        )
 
     def pending_from(self, source: str) -> int:
         """Handshakes in progress from one source (`source_key`)."""
@@ -739,7 +794,7 @@ class AdmissionGate:
         failed = " ".join(f"{name}={stats.failed[name]}" for name in FAILURE_CATEGORIES)
         log.info(
             "%s admission totals: connections=%d admitted=%d over_cap=%d %s peak_pending=%d "
-            "accept_errors=%d over_source_cap=%d",
+            "accept_errors=%d over_source_cap=%d throttled=%d",
             self.name,
             stats.connections,
             stats.admitted,
@@ -748,6 +803,7 @@ class AdmissionGate:
             stats.peak_pending,
             stats.accept_errors,
             stats.refused_by_source,
+            sum(stats.throttled.values()),
         )
 
 

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import trio
 
 from paramsync.runtime.errors import PeerClosed, ProtocolError
-from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME, decode_frame, encode_frame_bytes
+from paramsync.runtime.protocol.limits import PEEK_SIZE, check_kind_accepted
+from paramsync.runtime.protocol.wire import (
+    DEFAULT_MAX_FRAME,
+    PREFIX_SIZE,
+    decode_frame,
+    encode_frame_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,8 +39,12 @@ class Link(Protocol):
         """Send one message."""
         ...
 
-    async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-        """Receive the next message; PeerClosed when the other end is gone."""
+    async def recv(
+        self, max_frame: int = DEFAULT_MAX_FRAME, *, kinds: frozenset[str] | None = None
+    ) -> dict[str, Any]:
+        """Receive the next message; PeerClosed when the other end is gone. ``kinds``: the only
+        message kinds accepted (None: any); a frame of another kind is refused (ProtocolError)
+        before its head is decoded."""
         ...
 
     async def wait_readable(self) -> None:
@@ -98,7 +108,9 @@ class MemoryLink:
         else:
             await trio.lowlevel.checkpoint()
 
-    async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    async def recv(
+        self, max_frame: int = DEFAULT_MAX_FRAME, *, kinds: frozenset[str] | None = None
+    ) -> dict[str, Any]:
         frame, self._ahead = self._ahead, None
         if frame is None:
             try:
@@ -108,6 +120,8 @@ class MemoryLink:
         else:
             await trio.lowlevel.checkpoint()
         try:
+            if kinds is not None:
+                check_kind_accepted(frame[PREFIX_SIZE : PREFIX_SIZE + PEEK_SIZE], kinds)
             return decode_frame(frame, max_frame)
         except ProtocolError as exc:
             raise exc.with_peer(self.peer) from None

@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ from paramsync.runtime.protocol.frame_auth import FrameSealer, frame_session
 from paramsync.runtime.protocol.frame_reader import (
     BUFFER_SIZE,
     CONTROL_DUE,
+    NO_TENSORS,
     Frame,
     FrameReader,
     Into,
@@ -134,6 +136,7 @@ __all__ = [
     "dial_with_retry",
     "accept",
     "form_mesh",
+    "listener_gate",
 ]
 
 log = logging.getLogger("paramsync.tcp")
@@ -366,11 +369,15 @@ class Connection:
             raise self._refuse(exc) from None
 
     async def _read_frame(
-        self, max_frame: int, placement: Placement, expected: bytes | None = None
+        self,
+        max_frame: int,
+        placement: Placement,
+        expected: bytes | None = None,
+        kinds: frozenset[str] | None = None,
     ) -> Frame:
         """Read one frame (trio): its bytes from the socket wherever the reader asks."""
         reader = self._reader
-        reader.start(max_frame, placement, expected)
+        reader.start(max_frame, placement, expected, kinds=kinds)
         while True:
             try:
                 step = reader.next()
@@ -443,15 +450,21 @@ class Connection:
         self._reader.filled(count)
         return True
 
-    async def recv(self, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    async def recv(
+        self, max_frame: int = DEFAULT_MAX_FRAME, *, kinds: frozenset[str] | None = None
+    ) -> dict[str, Any]:
         """Receive one message; a bulk tensor is allocated and filled.
 
         With no destination given, the bulk counts against ``max_frame`` too: a peer cannot
-        make this side allocate more than that (before authentication: 4 KiB). The frame's tag
-        is checked before anything of it is decoded (docs/protocol.md §5.4)."""
+        make this side allocate more than that. On a connection that takes no tensors
+        (`tensors` false: a handshake, a coordinator's control link) any bulk is refused from
+        the prefix, unread. ``kinds``: the only message kinds accepted (None: any), any other
+        refused from the prefix and the peek at its kind. The frame's tag is checked before
+        anything of it is decoded (docs/protocol.md §5.4)."""
+        placement = Scratch(max_frame) if self.tensors else NO_TENSORS
         async with self._holding(self._recv_lock):
             try:
-                frame = await self._read_frame(max_frame, Scratch(max_frame))
+                frame = await self._read_frame(max_frame, placement, kinds=kinds)
                 message, spec = await self._decode(frame.head, frame.bulk_len)
                 if spec is not None:
                     assert isinstance(frame.bulk, bytearray)
@@ -1292,6 +1305,22 @@ async def _attach_all(transports: list[TcpTransport], options: dict[str, Any]) -
             nursery.start_soon(functools.partial(attach_shared_memory, transport, **options))
 
 
+_LISTENER_GATES: weakref.WeakKeyDictionary[trio.SocketListener, AdmissionGate] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def listener_gate(listener: trio.SocketListener, name: str) -> AdmissionGate:
+    """The admission gate of a worker's ``listener``: one for the listener's life, so its
+    budgets of failed proofs (`paramsync.runtime.transport.guess_budget`) hold across the
+    meshes formed on it (a run keeps one listener for all its epochs). ``name`` names a gate
+    made now; a gate already made keeps its name."""
+    gate = _LISTENER_GATES.get(listener)
+    if gate is None:
+        gate = _LISTENER_GATES[listener] = AdmissionGate(name)
+    return gate
+
+
 def _admit_ranks(
     me: Identity, claimed: set[int], allowed: range | set[int], granted: list[int] | None = None
 ) -> Any:
@@ -1363,7 +1392,7 @@ async def _serve_until(
     async with trio.open_nursery() as nursery:
 
         async def accept_loop() -> None:
-            await AdmissionGate(f"rank {me.rank}").serve(listener, nursery, handle)
+            await listener_gate(listener, f"rank {me.rank}").serve(listener, nursery, handle)
 
         if expected - mesh.keys():
             nursery.start_soon(accept_loop)
