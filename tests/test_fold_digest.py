@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -318,3 +319,51 @@ def test_cpu_and_cuda_give_equal_digests() -> None:
     gpu = pending.result()
     assert gpu.algorithm == FOLD_NAME
     assert dict(gpu.tensors)["param/0.weight"] == dict(cpu.tensors)["param/0.weight"]
+
+
+# --------------------------------------------------------------------------- in a run
+
+
+async def test_a_run_forced_to_the_fold_reports_it_and_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two ranks with ``state_digest="fold"``: every digest the coordinator compares is a fold
+    (the trainer's overlapped check included), and the run commits."""
+    import trio
+
+    from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
+    from paramsync.actors.train.worker import train_in_process
+    from paramsync.runtime.coordinator import commits
+
+    seen: list[str] = []
+    original = commits.digest_verdict
+
+    def spy(step: int, reports, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.extend(report.algorithm for report in reports.values())
+        return original(step, reports, *args, **kwargs)
+
+    def make_replica(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    async def body(trainer: DistributedTrainer) -> Any:
+        generator = torch.Generator().manual_seed(trainer.dist_config.rank)
+        for _ in range(3):
+            x = torch.randn(4, 4, generator=generator)
+            await trainer.train_batch((x, x.sum(1, keepdim=True)))
+        await trainer.verified()
+        return trainer.run.state_digest()
+
+    monkeypatch.setattr(commits, "digest_verdict", spy)
+    with trio.fail_after(60):
+        results = await train_in_process(
+            2, make_replica, mse, body, options=TrainerOptions(state_digest="fold")
+        )
+    assert results[0] == results[1] and results[0].algorithm == FOLD_NAME
+    assert seen and set(seen) == {FOLD_NAME}
+    with pytest.raises(ValueError, match="state_digest"):
+        TrainerOptions(state_digest="sha256")  # type: ignore[arg-type]
