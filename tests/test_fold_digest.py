@@ -107,7 +107,13 @@ def test_entries_spanning_several_rows_and_batches_are_the_definition(
     monkeypatch.setattr(fold_digest, "_BLOCK_ROWS", 3)
     named = [(f"t{i}", random_tensor(torch.float32, (300 + 257 * i,), i)) for i in range(4)]
     named.append(("odd", random_tensor(torch.uint8, (1001,), 9)))
-    assert fold_digests(named) == [reference(n, t) for n, t in named]
+    expected = [reference(n, t) for n, t in named]
+    assert fold_digests(named) == expected
+    # The row sums CUDA takes (broadcast products, no integer matrix product), on the CPU.
+    tensors = [t for _, t in named]
+    layout = FoldLayout([entry_header(n, t.shape, t.dtype) for n, t in named], tensors)
+    layout._integer_mm = False
+    assert layout.entries(layout.launch(tensors).numpy()) == expected
 
 
 views = st.sampled_from(["transposed", "sliced", "expanded", "offset", "strided"])
