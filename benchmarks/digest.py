@@ -11,10 +11,17 @@ half as much, and is not what a training step pays):
 - ``bytes only``: XXH3 over the same tensors' bytes, nothing else: the floor.
 
 It reports each one's median thread CPU time (and the optimizer step's, for scale), also
-as a multiple of the bytes-only floor, which drifts less with the machine's speed. To
-compare with an older commit, copy this file into a worktree of it and run it there.
+as a multiple of the bytes-only floor, which drifts less with the machine's speed; and, in the
+same rotation, a `StateHasher` forced to the fold (docs/digest.md) on the CPU, which is what
+``state_digest="auto"`` weighs XXH3 against for a CPU state. To compare with an older commit,
+copy this file into a worktree of it and run it there.
 
     python benchmarks/digest.py --steps 300
+
+``--state-params N`` times instead both algorithms over a synthetic state of N float32
+parameters (tensors of 4 Mi elements, no optimizer), a few digests each, wall and thread CPU:
+
+    python benchmarks/digest.py --state-params 100000000
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ def measure(steps: int, d_model: int, layers: int, context: int, batch: int) -> 
     model = CharTransformer(97, d_model, 4, layers, context, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 97, (batch, context), generator=torch.Generator().manual_seed(0))
-    hasher = StateHasher()
+    hasher = StateHasher(algorithm="xxh3")
+    folder = StateHasher(algorithm="fold")
     views: list = []
 
     def bytes_only() -> None:
@@ -53,6 +61,7 @@ def measure(steps: int, d_model: int, layers: int, context: int, batch: int) -> 
         "hasher": lambda: hasher.digest(model, optimizer),
         "fresh": lambda: state_digest(model, optimizer),
         "bytes only": bytes_only,
+        "fold": lambda: folder.digest(model, optimizer),
     }
     spent: dict[str, list[float]] = {name: [] for name in (*ways, "optimizer step")}
     warmup = 5
@@ -64,18 +73,44 @@ def measure(steps: int, d_model: int, layers: int, context: int, batch: int) -> 
         stepped = time.thread_time()
         if not views:
             views = [tensor.numpy() for _, tensor in named_state(model, optimizer)]
-        name = list(ways)[step % len(ways)]
+        name = list(ways)[(step - warmup) % len(ways)]
         ways[name]()
         done = time.thread_time()
         if step >= warmup:
             spent["optimizer step"].append(stepped - started)
             spent[name].append(done - stepped)
     state_bytes = sum(view.nbytes for view in views)
+    fold = spent.pop("fold")
     return {
         "state_bytes": state_bytes,
         "tensors": len(views),
         "median_cpu_seconds": {name: statistics.median(v) for name, v in spent.items()},
+        "fold_median_cpu_seconds": statistics.median(fold) if fold else None,
     }
+
+
+def measure_state(params: int, repeats: int) -> dict:
+    """Median wall and thread CPU seconds of each algorithm's digest of ``params`` float32
+    parameters (one intra-op thread)."""
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    chunk = 1 << 22
+    sizes = [min(chunk, params - start) for start in range(0, params, chunk)]
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(size, generator=generator)) for size in sizes
+    )
+    figures: dict[str, dict[str, float]] = {}
+    for name in ("xxh3", "fold"):
+        hasher = StateHasher(algorithm=name)
+        hasher.digest(model)  # the layout's first walk and tables
+        walls, cpus = [], []
+        for _ in range(repeats):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            hasher.digest(model)
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.thread_time() - cpu)
+        figures[name] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+    return {"params": params, "tensors": len(sizes), "seconds": figures}
 
 
 def main() -> None:
@@ -86,7 +121,21 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--state-params", type=int, help="time both algorithms on this many float32 parameters"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.state_params is not None:
+        state = measure_state(args.state_params, args.repeats)
+        print(f"state: {state['params']} float32 parameters in {state['tensors']} tensors")
+        for name, figures in state["seconds"].items():
+            wall, cpu = figures["wall"] * 1e3, figures["cpu"] * 1e3
+            print(f"  {name:>5}: {wall:9.1f} ms wall, {cpu:9.1f} ms CPU")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(state, indent=2))
+        return
     if args.steps < 3:
         raise SystemExit("--steps must be at least 3 (one for each way of hashing)")
     result = measure(args.steps, args.d_model, args.layers, args.context, args.batch_size)
@@ -98,6 +147,9 @@ def main() -> None:
     for name, seconds in result["median_cpu_seconds"].items():
         # Against the floor too: the machine's speed drifts between runs, the ratio less.
         print(f"  {name:>14}: {seconds * 1e6:8.0f} us  ({seconds / floor:.2f}x bytes only)")
+    fold = result["fold_median_cpu_seconds"]
+    if fold is not None:
+        print(f"  {'fold (on CPU)':>14}: {fold * 1e6:8.0f} us  ({fold / floor:.2f}x bytes only)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -247,6 +247,18 @@ def test_sharded_verdict_names_every_failing_shard() -> None:
     assert flat.abort is not None and "shard" not in flat.abort
 
 
+def test_sharded_verdict_refuses_mixed_digest_algorithms_across_shards() -> None:
+    shards = Shards(("tp", "dp"), (2, 2))
+    names = ("fold31x4", "fold31x4", "xxh3-128", "xxh3-128")  # each shard agrees within
+    reports = {
+        rank: Digest(rank, 4, b"s", ((TENSORS[0], b"x"),), algorithm=names[rank])
+        for rank in range(4)
+    }
+    verdict = sharded_verdict(4, reports, shards, TensorNames(), resync=True)
+    assert verdict.resyncs == () and verdict.abort is not None
+    assert "ranks [0, 1] report fold31x4; ranks [2, 3] report xxh3-128" in verdict.abort
+
+
 # --------------------------------------------------------------------------- the layout check
 
 

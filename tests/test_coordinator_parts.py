@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramsync.runtime.coordinator.commits import CommitRecord, Commits, TensorNames, digest_verdict
+from paramsync.runtime.coordinator.commits import (
+    CommitRecord,
+    Commits,
+    TensorNames,
+    digest_verdict,
+    divergence_of,
+)
 from paramsync.runtime.coordinator.events import Resync, agreement_hash, spec_hash
 from paramsync.runtime.coordinator.liveness import Liveness, Stall
 from paramsync.runtime.coordinator.membership import EpochRecord, Membership, resume_plan
@@ -342,6 +348,33 @@ def test_the_verdict_names_the_diverging_ranks_and_their_first_tensor() -> None:
     )
     resynced = digest_verdict(5, reports, 3, TensorNames(), resync=True)
     assert resynced.abort is None and resynced.resync == Resync(5, 0, (1,))
+
+
+def test_ranks_of_different_digest_algorithms_are_refused_not_diverged() -> None:
+    def named(rank: int, value: bytes, algorithm: str) -> Digest:
+        return Digest(rank, 6, value, (("w", value),), algorithm=algorithm)
+
+    reports = {
+        0: named(0, b"x", "fold31x4"),
+        1: named(1, b"y", "xxh3-128"),
+        2: named(2, b"x", "fold31x4"),
+        3: named(3, b"z", ""),
+    }
+    for resync in (False, True):
+        verdict = digest_verdict(6, reports, 4, TensorNames(), resync=resync)
+        assert verdict.resync is None
+        assert verdict.abort == (
+            "step 6: the ranks computed their state digests with different algorithms, which "
+            "cannot be compared: ranks [0, 2] report fold31x4; ranks [1] report xxh3-128; "
+            "ranks [3] name no algorithm (choose one for every rank: TrainerOptions.state_digest, "
+            "or PARAMSYNC_STATE_DIGEST for the torch backend)"
+        )
+        assert "\n" not in verdict.abort and divergence_of(verdict.abort) is None
+    # Equal digests of one algorithm still commit; the same bytes under two names do not.
+    same = {r: named(r, b"x", "fold31x4") for r in range(3)}
+    assert digest_verdict(6, same, 3, TensorNames(), resync=False).abort is None
+    same[1] = named(1, b"x", "xxh3-128")
+    assert digest_verdict(6, same, 3, TensorNames(), resync=False).abort is not None
 
 
 def test_without_a_majority_every_group_is_listed() -> None:

@@ -149,6 +149,10 @@ def test_frames_keep_the_field_order_and_leave_defaults_out() -> None:
         ("cached", "xxh3:1"),
     ]
     assert Digest(0, 9, b"d", (("w", b"1"),)).to_wire()[1]["tensors"] == [["w", b"1"]]
+    named = Digest(0, 9, b"d", packed=b"ab", names=("w", "v"), algorithm="fold31x4")
+    assert list(named.to_wire()[1])[-1] == "algorithm"
+    assert named.to_wire()[1]["algorithm"] == "fold31x4"
+    assert "algorithm" not in packed.to_wire()[1]
     joined = Joined(2, (("w", (3,), "float32", True),), ("h", 9), now=1.0, fold=True)
     assert list(joined.to_wire()[1]) == [
         "host",

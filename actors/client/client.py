@@ -461,11 +461,13 @@ class CoordinatorClient:
         epoch: int = 1,
         *,
         names: Sequence[str] | None = None,
+        algorithm: str = "",
     ) -> None:
         """Report the state digest after ``step``'s optimizer step. ``tensors``: the per-tensor
         digests as (name, digest) pairs, or packed (concatenated, in the order of ``names``;
-        ``names`` None: those of this worker's last digest in the epoch)."""
-        await self._feed(ReportDigest(step, digest, tensors, epoch, names))
+        ``names`` None: those of this worker's last digest in the epoch); ``algorithm``: the
+        name of the algorithm that computed them (`StateDigest.algorithm`)."""
+        await self._feed(ReportDigest(step, digest, tensors, epoch, names, algorithm))
 
     async def step_done(self, step: int, epoch: int = 1) -> None:
         """Report ``step`` done on a step without a digest check."""

@@ -158,13 +158,15 @@ class ReportReduced:
 @dataclass(frozen=True)
 class ReportDigest:
     """The state digest after ``step``'s optimizer step; ``tensors``: (name, digest) pairs,
-    or packed bytes in the order of ``names`` (None: the names of the last packed digest)."""
+    or packed bytes in the order of ``names`` (None: the names of the last packed digest);
+    ``algorithm``: the name of the algorithm that computed them (empty: unnamed)."""
 
     step: int
     digest: bytes
     tensors: Sequence[tuple[str, bytes]] | bytes
     epoch: int
     names: Sequence[str] | None = None
+    algorithm: str = ""
 
 
 @dataclass(frozen=True)

@@ -662,8 +662,18 @@ class WorkerProtocol:
         if isinstance(event.tensors, bytes | bytearray):
             names = None if event.names is None else tuple(event.names)
             packed = bytes(event.tensors)
-            return Digest(rank, event.step, event.digest, (), epoch, packed, names, cached)
-        return Digest(rank, event.step, event.digest, tuple(event.tensors), epoch, cached=cached)
+            return Digest(
+                rank, event.step, event.digest, (), epoch, packed, names, cached, event.algorithm
+            )
+        return Digest(
+            rank,
+            event.step,
+            event.digest,
+            tuple(event.tensors),
+            epoch,
+            cached=cached,
+            algorithm=event.algorithm,
+        )
 
 
 # --------------------------------------------------------------------------- the tables

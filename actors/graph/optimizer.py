@@ -26,7 +26,7 @@ import torch
 from paramsync.actors.client.client import CoordinatorClient
 from paramsync.actors.graph.messages import OptimizerStep, Verify
 from paramsync.actors.graph.precision import GradScalerDigests, MixedPrecision
-from paramsync.actors.state.digest import Scheduler, StateDigest, StateHasher
+from paramsync.actors.state.digest import PendingDigest, Scheduler, StateDigest, StateHasher
 from paramsync.runtime.actor.base import Actor, run_in_thread
 from paramsync.runtime.observe.trace import TraceRecorder
 
@@ -85,6 +85,27 @@ class CheckCost:
     digests: int = 0
 
 
+class _Started:
+    """A state digest started right after an optimizer step, with the loss scaler's entry of
+    that moment (if the digests cover a scaler)."""
+
+    __slots__ = ("_scaler", "entry", "pending")
+
+    def __init__(self, pending: PendingDigest, scaler: GradScalerDigests | None) -> None:
+        self.pending = pending
+        self._scaler = scaler
+        self.entry = scaler.entry() if scaler is not None else None
+
+    def ready(self) -> bool:
+        return self.pending.ready()
+
+    def result(self) -> StateDigest:
+        digest = self.pending.result()
+        if self._scaler is not None:
+            digest = self._scaler.extend(digest, self.entry)
+        return digest
+
+
 class OptimizerActor(Actor):
     """Applies the averaged gradients and reports the state digest (C-DDP-001).
 
@@ -96,6 +117,10 @@ class OptimizerActor(Actor):
     for the commit right after the report instead woke the event loop in the middle of the
     next compute, when the commit came in; it now waits in the socket until the compute ends,
     see `CoordinatorClient.reads_deferred`.)
+
+    A state on a CUDA device is folded there (`paramsync.actors.state.fold_digest`): the fold is
+    enqueued right after the step and its few bytes read when they have landed, the wait (if
+    any) on a worker thread, so the event loop runs step s+1 meanwhile.
     """
 
     accepts = (OptimizerStep, Verify)
@@ -116,6 +141,7 @@ class OptimizerActor(Actor):
         on_skipped: Callable[[int], None] | None = None,
         scheduler: Scheduler | None = None,
         digest_buffers: bool = True,
+        digest_algorithm: str | None = None,
     ) -> None:
         super().__init__("optimizer", mailbox_size=2)
         self.model = model
@@ -136,9 +162,11 @@ class OptimizerActor(Actor):
         self.check_cost = check_cost if check_cost is not None else CheckCost()
         self.scheduler = scheduler
         """Stepped right after each optimizer step (torch's order); None: no scheduler."""
-        self._hasher = StateHasher(buffers=digest_buffers)
+        self._hasher = StateHasher(buffers=digest_buffers, algorithm=digest_algorithm)
         """``digest_buffers``: the digest covers the model's buffers (not when each rank keeps
-        its own, ``buffer_sync="local"``)."""
+        its own, ``buffer_sync="local"``); ``digest_algorithm``: a
+        `paramsync.actors.state.digest.DigestChoice` (None: the environment's, see
+        `StateHasher`)."""
         self.precision = precision
         """Steps through its loss scaler, if it has one (None: ``optimizer.step()``)."""
         self._on_skipped = on_skipped
@@ -146,8 +174,8 @@ class OptimizerActor(Actor):
         scaler = precision.scaler if precision is not None else None
         self._scaler_digests = GradScalerDigests(scaler) if scaler is not None else None
         self._names_sent: tuple[str, ...] | None = None
-        self._hashed: tuple[int, StateDigest, int, int] | None = None
-        """(step, digest, start ns, end ns): hashed right after ``step``'s optimizer step."""
+        self._hashed: tuple[int, _Started, int, int] | None = None
+        """(step, digest, start ns, end ns): started right after ``step``'s optimizer step."""
 
     def digest_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Cover ``scaler``'s state in every digest from now on (a loss scaler the caller's
@@ -175,15 +203,26 @@ class OptimizerActor(Actor):
         hashed, self._hashed = self._hashed, None
         if force or step % self.client.digest_interval == 0:
             if hashed is not None and hashed[0] == step and not force:
-                _, digest, started, ended = hashed
+                _, pending, started, ended = hashed
                 self.trace.complete("digest", started, ended, actor="optimizer", step=step)
+                if pending.ready():
+                    digest = pending.result()
+                else:  # the device has yet to finish the fold: wait beside the event loop
+                    digest = await run_in_thread(pending.result)
             else:  # an epoch's opening check: the state may have just arrived from a donor
                 with self.trace.span("digest", actor="optimizer", step=step):
                     digest = await run_in_thread(self._timed_digest)
             self.last_digest = digest.digest
             # The tensor names travel with the epoch's first digest and when they change.
             names = None if digest.names is self._names_sent else digest.names
-            await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
+            await self.client.digest(
+                step,
+                digest.digest,
+                digest.packed,
+                self.epoch,
+                names=names,
+                algorithm=digest.algorithm,
+            )
             self.check_cost.digests += 1
             self._names_sent = digest.names
         else:
@@ -193,12 +232,14 @@ class OptimizerActor(Actor):
                 await self.client.wait_commit(step)
 
     def _timed_digest(self) -> StateDigest:
+        return self._timed_start().result()
+
+    def _timed_start(self) -> _Started:
+        """Start the state's digest now (the loss scaler's entry taken now too)."""
         cpu = time.thread_time()
         try:
-            digest = self._hasher.digest(self.model, self.optimizer, self.scheduler)
-            if self._scaler_digests is not None:
-                digest = self._scaler_digests.extend(digest)
-            return digest
+            pending = self._hasher.start(self.model, self.optimizer, self.scheduler)
+            return _Started(pending, self._scaler_digests)
         finally:
             self.check_cost.hash_cpu_seconds += time.thread_time() - cpu
 
@@ -239,5 +280,5 @@ class OptimizerActor(Actor):
     def _hash_applied(self, step: int) -> None:
         if step % self.client.digest_interval == 0:
             started = time.perf_counter_ns()
-            digest = self._timed_digest()
-            self._hashed = (step, digest, started, time.perf_counter_ns())
+            pending = self._timed_start()
+            self._hashed = (step, pending, started, time.perf_counter_ns())

@@ -233,13 +233,18 @@ class GradScalerDigests:
         self._base: tuple[str, ...] | None = None
         self._names: tuple[str, ...] = ()
 
-    def extend(self, digest: StateDigest) -> StateDigest:
-        """``digest`` with one more entry, `GRAD_SCALER_DIGEST_ENTRY`: the hash of the scaler's
-        state dict (scale, growth tracker, factors, interval) as canonical CBOR."""
+    def entry(self) -> tuple[str, bytes]:
+        """The scaler's entry now: `GRAD_SCALER_DIGEST_ENTRY` and the hash of its state dict
+        (scale, growth tracker, factors, interval) as canonical CBOR."""
+        return GRAD_SCALER_DIGEST_ENTRY, xxhash.xxh3_128_digest(_scaler_bytes(self.scaler))
+
+    def extend(self, digest: StateDigest, entry: tuple[str, bytes] | None = None) -> StateDigest:
+        """``digest`` with one more entry, the scaler's (``entry``, taken earlier; None: now)."""
         if digest.names is not self._base:
             self._base, self._names = digest.names, (*digest.names, GRAD_SCALER_DIGEST_ENTRY)
-        entry = (GRAD_SCALER_DIGEST_ENTRY, xxhash.xxh3_128_digest(_scaler_bytes(self.scaler)))
-        return StateDigest(None, [*digest.tensors, entry], self._names)
+        if entry is None:
+            entry = self.entry()
+        return StateDigest(None, [*digest.tensors, entry], self._names, algorithm=digest.algorithm)
 
 
 def autocast_of(precision: MixedPrecision | None) -> AbstractContextManager[Any]:

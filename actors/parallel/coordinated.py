@@ -90,7 +90,9 @@ class CoordinatorStepHooks:
         """Report the shard digest; wait until the coordinator commits the step."""
         names = None if self._sent_names else digest.names
         self._sent_names = True
-        await self.client.digest(step, digest.digest, digest.packed, self.epoch, names=names)
+        await self.client.digest(
+            step, digest.digest, digest.packed, self.epoch, names=names, algorithm=digest.algorithm
+        )
         await self.client.wait_commit(step)
         self.commits += 1
 

@@ -26,23 +26,46 @@ shapes, strides and dtypes, which it checks in a few C-level passes before every
 skips the per-tensor Python altogether; any change sends it through the full walk, so a
 swapped or resized tensor is never hashed stale. The param groups' encoding is kept while they
 hold the very same immutable values.
+
+Two algorithms compute the per-tensor digests, and every digest names its own
+(`StateDigest.algorithm`): XXH3-128 over the host bytes (``"xxh3-128"``), and the fold
+(``"fold31x4"``, `paramsync.actors.state.fold_digest`, docs/digest.md), exact integer arithmetic
+run on the tensors' own device, so a CUDA state is digested without a synchronize or a copy of
+its bytes to the host. ``StateHasher(algorithm="auto")`` (the default, or the
+``PARAMSYNC_STATE_DIGEST`` environment variable's value) folds a state that has a tensor off the
+CPU and hashes a state entirely on the CPU with XXH3, the faster there (benchmarks/digest.py); a
+run mixing CPU and CUDA ranks forces one algorithm everywhere (``"xxh3"`` or ``"fold"``).
 """
 
 from __future__ import annotations
 
+import os
 from itertools import chain
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, Literal
 
 import cbor2
 import torch
 import xxhash
 
+from paramsync.actors.state.fold_digest import (
+    FOLD_NAME,
+    DeviceReadback,
+    FoldLayout,
+    entry_header,
+)
 from paramsync.runtime.protocol.wire import tensor_buffer
 
 __all__ = [
+    "ALGORITHMS",
+    "DIGEST_ENV",
+    "FOLD_NAME",
+    "XXH3_NAME",
+    "DigestChoice",
+    "PendingDigest",
     "StateDigest",
     "StateHasher",
+    "check_digest_choice",
     "state_digest",
     "named_state",
     "Scheduler",
@@ -60,6 +83,25 @@ _dtype = attrgetter("dtype")
 _flatten = chain.from_iterable
 _REGISTRIES = attrgetter("_modules", "_parameters", "_buffers")
 _REGISTRIES_NO_BUFFERS = attrgetter("_modules", "_parameters")
+
+XXH3_NAME = "xxh3-128"
+"""The XXH3 algorithm's name in a digest report."""
+ALGORITHMS = (XXH3_NAME, FOLD_NAME)
+"""The per-tensor digest algorithms, by the names digest reports carry."""
+DigestChoice = Literal["auto", "xxh3", "fold"]
+"""Which algorithm a `StateHasher` uses: ``"auto"`` (the fold for a state with a tensor off the
+CPU, XXH3 for a state entirely on the CPU), or one forced."""
+DIGEST_ENV = "PARAMSYNC_STATE_DIGEST"
+"""The environment variable a `StateHasher` built without ``algorithm`` reads its choice from
+(unset: ``"auto"``); the torch backend's proof takes its choice from there."""
+_CHOICES = ("auto", "xxh3", "fold")
+
+
+def check_digest_choice(choice: str, where: str = "state_digest") -> DigestChoice:
+    """``choice`` if it is a `DigestChoice`; ValueError naming ``where`` otherwise."""
+    if choice not in _CHOICES:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, _CHOICES))}, got {choice!r}")
+    return choice  # type: ignore[return-value]
 
 
 class _Dicts:
@@ -117,7 +159,9 @@ class StateDigest:
 
     ``names`` and ``packed`` are the same per-tensor digests as the coordinator's packed form:
     the names in order, and the digests concatenated (16 bytes each). The whole digest is the
-    XXH3-128 of ``packed``: without ``digest``, it is computed.
+    XXH3-128 of ``packed``: without ``digest``, it is computed. ``algorithm``: the name of the
+    algorithm that computed the tensors' digests (`ALGORITHMS`); digests of different
+    algorithms are never equal.
     """
 
     def __init__(
@@ -125,20 +169,30 @@ class StateDigest:
         digest: bytes | None,
         tensors: list[tuple[str, bytes]],
         names: tuple[str, ...] | None = None,
+        *,
+        algorithm: str = XXH3_NAME,
     ) -> None:
+        self.algorithm = algorithm
         self.tensors = tensors
         self.names = names if names is not None else tuple(name for name, _ in tensors)
         self.packed = b"".join(value for _, value in tensors)
         self.digest = _digest128(self.packed) if digest is None else digest
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StateDigest) and self.digest == other.digest
+        return (
+            isinstance(other, StateDigest)
+            and self.digest == other.digest
+            and self.algorithm == other.algorithm
+        )
 
     def __hash__(self) -> int:
         return hash(self.digest)
 
     def __repr__(self) -> str:
-        return f"StateDigest({self.digest.hex()[:16]}..., {len(self.tensors)} tensors)"
+        return (
+            f"StateDigest({self.digest.hex()[:16]}..., {len(self.tensors)} tensors, "
+            f"{self.algorithm})"
+        )
 
 
 def _state_tensors(
@@ -424,6 +478,43 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
     return [len(group["params"]) for group in optimizer.param_groups]
 
 
+class PendingDigest:
+    """A `StateDigest` on its way: `ready` tells whether its device work has landed on the host,
+    `result` gives it (waiting for the device if it has not). A digest computed on the host is
+    ready at once."""
+
+    __slots__ = ("_done", "_entries", "_meta", "_names", "_parts")
+
+    def __init__(
+        self,
+        done: StateDigest | None = None,
+        *,
+        names: tuple[str, ...] = (),
+        parts: list[tuple[list[int], FoldLayout, DeviceReadback]] | None = None,
+        meta: list[tuple[str, bytes]] | None = None,
+    ) -> None:
+        self._done = done
+        self._names = names
+        self._parts = parts or []
+        self._meta = meta or []
+        self._entries = len(names) - len(self._meta)
+
+    def ready(self) -> bool:
+        return self._done is not None or all(readback.ready() for *_, readback in self._parts)
+
+    def result(self) -> StateDigest:
+        if self._done is None:
+            digests: list[bytes] = [b""] * self._entries
+            for indexes, layout, readback in self._parts:
+                for index, entry in zip(indexes, layout.entries(readback.result()), strict=True):
+                    digests[index] = entry
+            digests += [digest for _, digest in self._meta]
+            per_tensor = list(zip(self._names, digests, strict=True))
+            self._done = StateDigest(None, per_tensor, self._names, algorithm=FOLD_NAME)
+            self._parts = []
+        return self._done
+
+
 class StateHasher:
     """Computes `StateDigest`s of one model, optimizer and scheduler, step after step, cheaply.
 
@@ -431,14 +522,22 @@ class StateHasher:
     tensors that left the state are dropped at the next digest. ``buffers=False`` leaves the
     model's buffers out (buffers kept local on each rank, see the module docstring). The param
     groups' encoding is kept while the groups hold the very same immutable values.
+    ``algorithm``: a `DigestChoice` (None: the ``PARAMSYNC_STATE_DIGEST`` environment
+    variable's, ``"auto"`` when it is unset).
     """
 
-    def __init__(self, *, buffers: bool = True) -> None:
+    def __init__(self, *, buffers: bool = True, algorithm: str | None = None) -> None:
         self.buffers = buffers
+        if algorithm is None:
+            choice = check_digest_choice(os.environ.get(DIGEST_ENV, "auto"), DIGEST_ENV)
+        else:
+            choice = check_digest_choice(algorithm)
+        self.algorithm: DigestChoice = choice
         self._views: dict[str, _View] = {}
         self._names: tuple[str, ...] = ()
         self._plan: _Plan | None = None
         self._groups: _EncodedGroups | None = None
+        self._layouts: dict[torch.device, tuple[tuple[str, ...], FoldLayout]] = {}
 
     def digest(
         self,
@@ -447,13 +546,57 @@ class StateHasher:
         scheduler: Scheduler | None = None,
     ) -> StateDigest:
         """The digest of the model's parameters and buffers, the optimizer's state and the
-        scheduler's state now (CUDA tensors are copied to the host after their stream is
-        synchronized, C-STREAMSYNC-001)."""
+        scheduler's state now (waiting for a device fold's result, `start`)."""
+        return self.start(model, optimizer, scheduler).result()
+
+    def start(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Scheduler | None = None,
+    ) -> PendingDigest:
+        """Start the digest of the state now: the fold's work is enqueued on each device after
+        the work already there (the optimizer step), and its result read when it has landed;
+        XXH3 hashes the host bytes at once (a CUDA tensor copied to the host after its stream
+        is synchronized, C-STREAMSYNC-001)."""
         meta = self._meta(optimizer, scheduler)
         plan = self._plan
-        if plan is not None and plan.holds(model, optimizer, scheduler):
-            return plan.digest(meta)
-        return self._walk(model, optimizer, scheduler, meta)
+        if (
+            self.algorithm != "fold"
+            and plan is not None
+            and plan.holds(model, optimizer, scheduler)
+        ):
+            return PendingDigest(plan.digest(meta))
+        items = _state_tensors(model, optimizer, self.buffers)
+        if self.algorithm == "fold" or (self.algorithm == "auto" and _off_cpu(items)):
+            self._plan = None
+            return self._fold(items, meta)
+        return PendingDigest(self._walk(model, optimizer, scheduler, meta, items))
+
+    def _fold(self, items: list[tuple[str, Any]], meta: list[tuple[str, bytes]]) -> PendingDigest:
+        """Enqueue the fold of ``items``' tensors, one pass per device."""
+        by_device: dict[torch.device, list[int]] = {}
+        tensors: list[torch.Tensor] = []
+        for index, (_, value) in enumerate(items):
+            tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors.append(tensor)
+            by_device.setdefault(tensor.device, []).append(index)
+        parts = []
+        layouts: dict[torch.device, tuple[tuple[str, ...], FoldLayout]] = {}
+        for device, indexes in by_device.items():
+            names = tuple(items[i][0] for i in indexes)
+            group = [tensors[i] for i in indexes]
+            kept = self._layouts.get(device)
+            if kept is not None and kept[0] == names and kept[1].fits(group):
+                layout = kept[1]
+            else:
+                headers = [entry_header(n, t.shape, t.dtype) for n, t in zip(names, group)]
+                layout = FoldLayout(headers, group)
+            layouts[device] = (names, layout)
+            parts.append((indexes, layout, DeviceReadback(layout.launch(group))))
+        self._layouts = layouts
+        names = tuple(name for name, _ in items) + tuple(name for name, _ in meta)
+        return PendingDigest(names=names, parts=parts, meta=meta)
 
     def _meta(
         self, optimizer: torch.optim.Optimizer | None, scheduler: Scheduler | None
@@ -482,11 +625,12 @@ class StateHasher:
         optimizer: torch.optim.Optimizer | None,
         scheduler: Scheduler | None,
         meta: list[tuple[str, bytes]],
+        items: list[tuple[str, Any]],
     ) -> StateDigest:
-        """The full walk: every tensor listed, its view reused if it still fits; a plan for
-        later digests once the same layout was seen twice."""
+        """The full walk (XXH3): every tensor of ``items`` hashed, its view reused if it still
+        fits; a plan for later digests once the same layout was seen twice."""
         self._plan = None
-        items = _state_tensors(model, optimizer, self.buffers)
+        self._layouts = {}
         views = self._views
         fresh: dict[str, _View] = {}
         per_tensor = []
@@ -520,6 +664,11 @@ class StateHasher:
         return StateDigest(None, per_tensor, names)
 
 
+def _off_cpu(items: list[tuple[str, Any]]) -> bool:
+    """Whether a tensor of ``items`` lives off the CPU (on an accelerator)."""
+    return any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for _, v in items)
+
+
 def _host_copy(value: Any) -> torch.Tensor:
     """A contiguous CPU tensor holding ``value`` (a scalar, a strided view or a CUDA tensor,
     whose stream is synchronized before the copy)."""
@@ -537,8 +686,9 @@ def state_digest(
     scheduler: Scheduler | None = None,
     *,
     buffers: bool = True,
+    algorithm: str | None = None,
 ) -> StateDigest:
     """Hash the model's parameters and buffers (unless ``buffers`` is False), the optimizer's
-    state and the scheduler's state once (a training loop that digests every step keeps a
-    `StateHasher` instead)."""
-    return StateHasher(buffers=buffers).digest(model, optimizer, scheduler)
+    state and the scheduler's state once, with ``algorithm`` (a `DigestChoice`, None: as
+    `StateHasher`); a training loop that digests every step keeps a `StateHasher` instead."""
+    return StateHasher(buffers=buffers, algorithm=algorithm).digest(model, optimizer, scheduler)

@@ -333,6 +333,7 @@ class EpochSupervisor:
             on_skipped=run.history.skipped,
             scheduler=run.scheduler,
             digest_buffers=run.options.buffer_sync != "local",
+            digest_algorithm=run.options.state_digest,
         )
         if run.watched_scaler is not None:
             optimizer.digest_grad_scaler(run.watched_scaler)

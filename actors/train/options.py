@@ -11,7 +11,7 @@ import torch
 
 from paramsync.actors.graph.precision import check_precision_options
 from paramsync.actors.state.buckets import DEFAULT_BUCKET_BYTES
-from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.state.digest import DigestChoice, Scheduler, check_digest_choice
 from paramsync.actors.train.buffer_sync import BufferSync, check_buffer_sync
 from paramsync.runtime.collectives.compression import check_comm_options
 from paramsync.runtime.collectives.ring import DEFAULT_CHUNK_BYTES, TRAINING_THREADED_MIN_BYTES
@@ -116,6 +116,13 @@ class TrainerOptions:
     digest covers the buffers in the first two modes and leaves them out in ``"local"``, where
     they legitimately differ."""
 
+    state_digest: DigestChoice = "auto"
+    """The algorithm of the state digest (docs/digest.md): ``"auto"`` folds a state that has a
+    tensor on an accelerator on that device (``"fold31x4"``) and hashes a state entirely on the
+    CPU with XXH3 (``"xxh3-128"``, the faster there); ``"xxh3"`` or ``"fold"`` forces one. Every
+    rank of a run must use the same algorithm (the coordinator refuses a step whose ranks report
+    different ones): a run mixing CPU and CUDA ranks forces one."""
+
     # -- data plane
     data_plane: DataPlane = DataPlane.PARAMSYNC
     """Which data plane carries the bulk data (bucket all-reduces, broadcasts, state transfer,
@@ -149,6 +156,7 @@ class TrainerOptions:
 
     def __post_init__(self) -> None:
         check_buffer_sync(self.buffer_sync)
+        check_digest_choice(self.state_digest)
         object.__setattr__(self, "data_plane", check_data_plane(self.data_plane))
         if not self.collective_seconds > 0:
             raise ValueError(f"collective_seconds must be positive, got {self.collective_seconds}")

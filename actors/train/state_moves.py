@@ -124,11 +124,12 @@ async def sync_initial_weights(run: TrainingRun, transport: Transport) -> None:
 
 async def check_starting_state(run: TrainingRun, transport: Transport, start: StartRun) -> None:
     """After a broadcast epoch's initial broadcast, before its first step: every member's
-    parameters and buffers hash (per tensor, XXH3-128) to position 0's, or every member
+    parameters and buffers hash (per tensor, with the run's state digest algorithm) to
+    position 0's, or every member
     raises `StartingStateDiffers` naming the ranks that differ (and, on those ranks, the
     first tensor). What a state-transfer epoch's opening check (its digests of the step
     before) gives the coordinator, a broadcast epoch gets here, on its own data plane."""
-    mine = state_digest(run.model, None, buffers=True)
+    mine = state_digest(run.model, None, buffers=True, algorithm=run.options.state_digest)
     packed = torch.frombuffer(bytearray(mine.packed), dtype=torch.uint8)
     theirs = packed.clone()
     await broadcast(transport, theirs, root=0, chunk_bytes=run.options.chunk_bytes, in_place=True)

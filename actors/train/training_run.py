@@ -104,6 +104,7 @@ class TrainingRun:
             self.optimizer,
             self.scheduler,
             buffers=self.options.buffer_sync != "local",
+            algorithm=self.options.state_digest,
         )
 
     def state_digest(self) -> StateDigest:

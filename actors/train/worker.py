@@ -204,9 +204,13 @@ async def join_run(
         port = listeners[0].socket.getsockname()[1]
         try:
             with trio.fail_after(join_seconds):
-                local = (options or TrainerOptions()).buffer_sync == "local"
+                chosen = options or TrainerOptions()
+                local = chosen.buffer_sync == "local"
+                algorithm = chosen.state_digest
                 digest = (
-                    state_digest(model, optimizer, scheduler, buffers=not local).digest
+                    state_digest(
+                        model, optimizer, scheduler, buffers=not local, algorithm=algorithm
+                    ).digest
                     if resume_step
                     else b""
                 )

@@ -33,6 +33,7 @@ __all__ = [
     "Verdict",
     "digest_verdict",
     "divergence_of",
+    "mixed_algorithms",
     "sharded_verdict",
     "Commits",
 ]
@@ -121,11 +122,16 @@ def digest_verdict(
 ) -> Verdict:
     """The verdict on step ``step``'s digests ``reports`` of all ``members`` members.
 
-    All equal: commit. A strict majority agrees: resync the others from the lowest rank of the
-    majority (``resync``), or abort naming the diverging ranks. No majority: abort listing
+    Digests of different algorithms are not compared: the step is refused naming each
+    algorithm's ranks (`mixed_algorithms`). All equal: commit. A strict majority agrees:
+    resync the others from the lowest rank of the majority (``resync``), or abort naming the
+    diverging ranks. No majority: abort listing
     every group. An abort names, for each diverging rank, the first tensor that differs.
     ``shard``: the reports are one shard's replicas, named so in an abort (``(tp=1, pp=0)``).
     """
+    mixed = mixed_algorithms(step, reports)
+    if mixed is not None:
+        return Verdict(abort=mixed)
     counts = Counter(d.digest for d in reports.values())
     if len(counts) == 1:
         return Verdict()
@@ -197,6 +203,25 @@ def divergence_of(reason: str) -> tuple[int, list[list[int]], str | None] | None
     return int(found["step"]), groups, first_tensor
 
 
+def mixed_algorithms(step: int, reports: Mapping[int, Digest]) -> str | None:
+    """Why ``reports`` cannot be compared: they name different digest algorithms (one line
+    naming each algorithm's ranks); None when they all name the same one."""
+    ranks: dict[str, list[int]] = {}
+    for rank in sorted(reports):
+        ranks.setdefault(reports[rank].algorithm, []).append(rank)
+    if len(ranks) < 2:
+        return None
+    listing = "; ".join(
+        f"ranks {members} report {algorithm}" if algorithm else f"ranks {members} name no algorithm"
+        for algorithm, members in ranks.items()
+    )
+    return (
+        f"step {step}: the ranks computed their state digests with different algorithms, "
+        f"which cannot be compared: {listing} (choose one for every rank: "
+        f"TrainerOptions.state_digest, or PARAMSYNC_STATE_DIGEST for the torch backend)"
+    )
+
+
 def sharded_verdict(
     step: int,
     reports: Mapping[int, Digest],
@@ -208,7 +233,11 @@ def sharded_verdict(
     """C-DDP-001 per shard: each rank's digest is compared with the other replicas of its
     shard only (`digest_verdict` within each shard, majorities counted there). Any shard that
     cannot commit stops the run, naming every such shard and its ranks; otherwise the shards
-    whose minority diverged are resynced (``resync``), each from a replica of its own."""
+    whose minority diverged are resynced (``resync``), each from a replica of its own.
+    Reports of different algorithms are refused first, across all shards (`mixed_algorithms`)."""
+    mixed = mixed_algorithms(step, reports)
+    if mixed is not None:
+        return Verdict(abort=mixed)
     by_shard: dict[int, dict[int, Digest]] = {}
     for rank, report in reports.items():
         by_shard.setdefault(shards.of(rank), {})[rank] = report

@@ -224,6 +224,8 @@ CALL_PREFIX = "call:"
 tensor (its shape is empty): ``[[], "call:allreduce(sum)"], [[4, 3], "float32"]`` is an
 all-reduce of one tensor (`paramsync.actors.torch_backend.calls`)."""
 CACHED = Str(256)
+ALGORITHM = Str(64)
+"""A digest algorithm's name (``"xxh3-128"``, ``"fold31x4"``)."""
 """A folding report's response-cache agreement hash (empty: none)."""
 GROUP_NAME = Str(256, min_len=1)
 """A process group's name (`paramsync.runtime.coordinator.group_decl` says how a mesh's are
@@ -774,6 +776,9 @@ class Digest(WireMessage):
     is None when they are the names of this rank's previous digest in the epoch (a worker lists
     them once, not on every step; the core keeps them). On the wire both are field
     ``tensors``: a list of pairs, or the packed bytes. ``cached``: as in a `Reduced` report.
+    ``algorithm``: the name of the algorithm that computed the per-tensor digests
+    (``"xxh3-128"`` or ``"fold31x4"``, docs/digest.md; empty: unnamed); the coordinator compares
+    digests of one algorithm only.
     """
 
     KIND: ClassVar[str] = "digest"
@@ -784,6 +789,7 @@ class Digest(WireMessage):
         "tensors",
         "names",
         "cached",
+        "algorithm",
     )
     rank: int = local()
     step: int = wire(STEP)
@@ -795,6 +801,7 @@ class Digest(WireMessage):
     packed: bytes | None = wire(Bytes(_MAX_ITEMS), default=None, key="tensors", omit=None)
     names: tuple[str, ...] | None = wire(Seq(NAME, _MAX_ITEMS), default=None, omit=None)
     cached: str = wire(CACHED, default="", omit="")
+    algorithm: str = wire(ALGORITHM, default="", omit="")
 
     def invariants(self) -> None:
         """Names come only with packed digests, and the packed bytes split into one equal
