@@ -158,7 +158,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     binding = _BINDINGS.get(optimizer)
     if binding is None:
         binding = _BINDINGS[optimizer] = _bind(optimizer)
-    per_group: dict[int, tuple[ProcessGroupParamsync, list[tuple[str, bytes]]]] = {}
+    per_group: dict[int, tuple[ProcessGroupParamsync, list[tuple[str, bytes]], set[str]]] = {}
     for index, ((module_ref, group_ref), hasher, part) in enumerate(
         zip(binding.modules, binding.hashers, binding.parts, strict=True)
     ):
@@ -167,7 +167,11 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             continue
         digest = hasher.digest(module, part)
         prefix = f"ddp{index}." if len(binding.modules) > 1 else ""
-        entry = per_group.setdefault(id(group), (group, []))
+        entry = per_group.setdefault(id(group), (group, [], set()))
         entry[1].extend((prefix + name, value) for name, value in digest.tensors)
-    for group, tensors in per_group.values():
-        group.session.end_step(StateDigest(None, tensors))
+        entry[2].add(digest.algorithm)
+    for group, tensors, algorithms in per_group.values():
+        # The report names its algorithm (the coordinator compares like with like); modules of
+        # one group hashed by different ones (one on the CPU, one on a GPU) name both.
+        algorithm = "+".join(sorted(algorithms))
+        group.session.end_step(StateDigest(None, tensors, algorithm=algorithm))

@@ -405,7 +405,13 @@ class GroupSession:
                 if self.step > 0:
                     await client.wait_commit(self.step - 1)
                 digest = item.digest
-                await client.digest(self.step, digest.digest, digest.packed, names=digest.names)
+                await client.digest(
+                    self.step,
+                    digest.digest,
+                    digest.packed,
+                    names=digest.names,
+                    algorithm=digest.algorithm,
+                )
                 self.step += 1
                 self._bucket = 0
                 continue
