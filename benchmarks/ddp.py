@@ -503,14 +503,14 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
                 if step == args.warmup - 1:
                     counter[0] = 0
                     cpu_start = time.process_time()
-                    check_start = trainer.run.check_cost.hash_cpu_seconds
+                    check_start = _run_of(trainer).check_cost.hash_cpu_seconds
                     loop_start = (time.thread_time(), task_steps.count)
             # train_batch returns before its step's digest check ends (it overlaps the next
             # step); count the last one's wait in the overall time.
             await trainer.verified()
             overall = time.perf_counter() - ends[args.warmup - 1]
             cpu = (cpu_start, time.process_time())
-            check = trainer.run.check_cost.hash_cpu_seconds - check_start
+            check = _run_of(trainer).check_cost.hash_cpu_seconds - check_start
             loop_cpu = time.thread_time() - loop_start[0]  # this task runs on the loop's thread
             loop_steps = task_steps.count - loop_start[1]
         if args.trace:
@@ -537,6 +537,12 @@ def _worker_paramsync(args: argparse.Namespace) -> dict:
 
     task_steps = TaskSteps()
     return trio.run(main, instruments=[task_steps])
+
+
+def _run_of(trainer):
+    """What the trainer's parts share (its ``TrainingRun``); a ``--baseline`` checkout from
+    before the trainer had one holds the same fields itself."""
+    return getattr(trainer, "run", trainer)
 
 
 def _paramsync_options(args: argparse.Namespace, *, clip: bool = True):

@@ -151,6 +151,8 @@ class FrameStreamMachine(RuleBasedStateMachine):
             elif how == 3:  # a control message was due
                 placement = CONTROL_DUE
                 refusal = "where a control message was expected"
+            elif limit == 0:  # a scratch of no bytes: a link that takes no tensors
+                refusal = "on a link that takes no tensors"
             elif bulk_len > limit:
                 refusal = "more than this receiver's limit"
         else:
