@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.soak  # four processes, about 4 s: make soak
 def test_the_allreduce_benchmark_times_a_baseline_checkout_beside_this_code(
     tmp_path: Path,
 ) -> None:

@@ -260,6 +260,7 @@ def test_clip_grad_norm_goes_to_train_batch_as_an_option_and_stays_in_the_own_lo
     assert flags[flags.index("--clip-grad-norm") + 1] == "0.5"
 
 
+@pytest.mark.soak  # three systems of processes, about 11 s: make soak
 def test_world_size_one_runs_a_plain_loop_beside_ddp_and_paramsync(tmp_path: Path) -> None:
     """``--worlds 1 --plain``: one worker of each system and the plain torch loop (no process
     group, no DDP) in the same rounds; each system's cost over it and rank 0's CPU a step."""

@@ -383,6 +383,7 @@ def test_the_lazy_package_names_resolve_to_their_modules() -> None:
         runtime.nothing  # noqa: B018
 
 
+@pytest.mark.soak  # two timed launches, about 8 s: make soak
 def test_the_launch_time_benchmark_times_a_run_against_a_baseline() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "launch_time.py"), "--rounds", "1"]
     command += ["--steps", "3", "--baseline", str(ROOT)]  # this checkout as its own baseline

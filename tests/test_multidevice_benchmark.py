@@ -115,6 +115,7 @@ def test_the_optimizer_flag_picks_adamws_implementation_for_every_system() -> No
         bench.build_parser().parse_args(["--optimizer", "sgd"])
 
 
+@pytest.mark.soak  # a threads worker in a fresh process, about 5 s: make soak
 def test_the_baseline_column_is_paired_per_round_and_a_worker_imports_the_code_asked() -> None:
     bench = _module()
     baseline = bench.BASELINE

@@ -313,6 +313,7 @@ def test_ranks_calling_different_shapes_are_named(tmp_path: Path, inner: str) ->
     assert f"ranks [1] report 'allreduce(sum){on}' of [(5,), float32]" in line, line
 
 
+@pytest.mark.soak  # a refused join waits out the group's timeout, about 4 s: make soak
 def test_ranks_asking_for_different_inner_groups_are_refused_at_joining(tmp_path: Path) -> None:
     """Rank 1 asks for the native plane where rank 0 asks for gloo inside: the coordinator
     refuses rank 1 at joining, naming the setting; rank 0 stops at the group's timeout."""
