@@ -139,12 +139,16 @@ class CountingCudaOps(CudaDeviceOps):
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])
 async def test_workers_sharing_a_gpu_train_like_one_cpu_process(transport: str) -> None:
     """Training on the GPU is one CPU process's training, and no step synchronizes the device:
-    the bytes copied to the host are the gradient buckets, once a step each (the digest's own
-    copies do not go through the device operations)."""
+    the bytes copied to the host are the gradient buckets, once a step each, and the proof's
+    digest lanes (the fold, computed on the GPU: never a state tensor's bytes)."""
     ops = CountingCudaOps()
     check(await train_on(torch.device("cuda", 0), transport, ops))
     assert ops.synchronized == 0
-    assert {purpose for purpose, _ in ops.to_host} == {"gradients"}
+    assert {purpose for purpose, _ in ops.to_host} == {"gradients", "digest"}
     buckets = plan_buckets(list(_model(0).named_parameters()), BUCKET_BYTES)
     sizes = [b.numel * torch.empty((), dtype=b.dtype).element_size() for b in buckets]
-    assert Counter(n for _, n in ops.to_host) == Counter(sizes * (WORLD * STEPS))
+    gradients = [n for purpose, n in ops.to_host if purpose == "gradients"]
+    assert Counter(gradients) == Counter(sizes * (WORLD * STEPS))
+    state_bytes = sum(p.numel() * p.element_size() for p in _model(0).parameters())
+    digests = [n for purpose, n in ops.to_host if purpose == "digest"]
+    assert len(digests) >= WORLD * STEPS and max(digests) < state_bytes

@@ -4,9 +4,10 @@
 path (device bucket buffers, ready events, pinned host staging, copies back) with CPU tensors
 and records each device call. Per step: nothing synchronizes the device; the only bytes copied
 to the host are the gradient buckets (none at all on the torch data plane, which reduces them
-where they lie); each bucket's ready event is recorded before its copy, and the host reads the
-copy only after querying its event (C-STREAMSYNC-001). The device path trains bitwise like the
-host path.
+where they lie) and, for the proof (C-DDP-001), the state digest's lanes, computed on the device
+(never a state tensor's bytes); each bucket's ready event is recorded before its copy, and the
+host reads the copy only after querying its event (C-STREAMSYNC-001). The device path trains
+bitwise like the host path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from paramsync.actors.graph.device_staging import GRADIENTS, DeviceStaging
 from paramsync.actors.graph.factory import ActorFactory
 from paramsync.actors.graph.gradcomm import GradCommActor
 from paramsync.actors.state.buckets import plan_buckets
+from paramsync.actors.state.fold_digest import DIGEST_PURPOSE, LANES
 from paramsync.actors.state.training_state import capture_state
 from paramsync.actors.train.trainer import DistributedTrainer, TrainerOptions
 from paramsync.actors.train.worker import train_in_process
@@ -126,7 +128,9 @@ def _check_staging_order(calls: list[DeviceCall]) -> None:
     the compute stream (the bucket's ready event), and the host read that buffer only after
     querying (or waiting for) the copy's event."""
     recorded_on = {c.event: (i, c.stream) for i, c in enumerate(calls) if c.op == "record_event"}
-    copies = [(i, c) for i, c in enumerate(calls) if c.op == "copy_to_host"]
+    copies = [
+        (i, c) for i, c in enumerate(calls) if c.op == "copy_to_host" and c.purpose == GRADIENTS
+    ]
     assert copies
     for at, copy in copies:
         before = [c for c in calls[:at] if c.stream == copy.stream and c.op != "use_stream"]
@@ -144,6 +148,27 @@ def _check_staging_order(calls: list[DeviceCall]) -> None:
         ), f"the host read the copy of event {copy.event} before its event said it was done"
 
 
+def _proof_copies(ops: RecordingDeviceOps, norm: bool = False) -> list[DeviceCall]:
+    """The proof's copies to the host: at least one digest per rank and step, each the fold's
+    lanes (`LANES` int64) of at most every entry of the state (a parameter, its Adam state, a
+    buffer), never a state tensor's bytes; and no synchronize for them."""
+    digests = [c for c in ops.ops("copy_to_host") if c.purpose == DIGEST_PURPOSE]
+    assert len(digests) >= WORLD * STEPS
+    model = _model(0, norm)
+    entries = 4 * len(list(model.parameters())) + len(list(model.buffers()))
+    assert all(c.nbytes % (LANES * 8) == 0 for c in digests)
+    assert max(c.nbytes for c in digests) <= LANES * 8 * entries
+    return digests
+
+
+def _pinned_for_gradients(ops: RecordingDeviceOps, digests: list[DeviceCall]) -> Counter[int]:
+    """The pinned buffers made, less the digests' (one a digest, of its lanes' size)."""
+    pinned = Counter(c.nbytes for c in ops.ops("pinned_empty"))
+    pinned.subtract(Counter(c.nbytes for c in digests))
+    assert all(count >= 0 for count in pinned.values())
+    return +pinned
+
+
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 async def test_a_host_staged_step_copies_only_its_buckets_and_never_synchronizes(
     accumulation_steps: int,
@@ -154,9 +179,11 @@ async def test_a_host_staged_step_copies_only_its_buckets_and_never_synchronizes
     calls = ops.calls
     assert ops.ops("synchronize") == []
     to_host = ops.ops("copy_to_host")
-    assert {c.purpose for c in to_host} == {GRADIENTS}
+    assert {c.purpose for c in to_host} == {GRADIENTS, DIGEST_PURPOSE}
+    digests = _proof_copies(ops)
     sizes = _bucket_bytes()
-    assert Counter(c.nbytes for c in to_host) == Counter(sizes * (WORLD * STEPS))
+    gradients = [c.nbytes for c in to_host if c.purpose == GRADIENTS]
+    assert Counter(gradients) == Counter(sizes * (WORLD * STEPS))
     # the averaged buckets come back, and the compute stream waits on each before reading
     back = ops.ops("copy_to_device")
     assert Counter(c.nbytes for c in back) == Counter(sizes * (WORLD * STEPS))
@@ -164,7 +191,7 @@ async def test_a_host_staged_step_copies_only_its_buckets_and_never_synchronizes
         at = calls.index(copy)
         assert DeviceCall("wait_event", "compute", copy.event) in calls[at + 1 :]
     # one pinned buffer per bucket and rank, made once
-    assert Counter(c.nbytes for c in ops.ops("pinned_empty")) == Counter(sizes * WORLD)
+    assert _pinned_for_gradients(ops, digests) == Counter(sizes * WORLD)
     _check_staging_order(calls)
 
 
@@ -176,7 +203,11 @@ async def test_on_the_torch_plane_no_gradient_byte_goes_through_the_host() -> No
     got = await train(ops, DataPlane.TORCH)
     _same(got, await train(None, DataPlane.TORCH))
     calls = ops.calls
-    assert ops.ops("synchronize", "copy_to_host", "copy_to_device", "pinned_empty") == []
+    assert ops.ops("synchronize", "copy_to_device") == []
+    # What reaches the host is the proof's digest lanes, and nothing of the gradients.
+    digests = _proof_copies(ops)
+    assert ops.ops("copy_to_host") == digests
+    assert _pinned_for_gradients(ops, digests) == Counter()
     reads = [i for i, c in enumerate(calls) if c.op == "all_reduce"]
     assert len(reads) == len(_bucket_bytes()) * WORLD * STEPS
     ready = {c.event for c in ops.ops("record_event")}
@@ -202,7 +233,8 @@ async def test_buffers_travel_as_buffers_beside_the_gradient_buckets() -> None:
     norm_bytes = 16 * 4 * 2  # running mean and variance (float32), one copy a step
     counter_bytes = 8  # num_batches_tracked (int64)
     assert buffers == Counter({norm_bytes: WORLD * STEPS, counter_bytes: WORLD * STEPS})
-    assert {c.purpose for c in to_host} == {GRADIENTS, "buffers"}
+    assert {c.purpose for c in to_host} == {GRADIENTS, "buffers", DIGEST_PURPOSE}
+    _proof_copies(ops, norm=True)
 
 
 async def test_a_bucket_packed_on_its_side_stream_waits_on_both_ready_events() -> None:

@@ -49,12 +49,14 @@ import torch
 import xxhash
 
 from paramsync.actors.state.fold_digest import (
+    DIGEST_PURPOSE,
     FOLD_NAME,
     DeviceReadback,
     FoldLayout,
     entry_header,
 )
 from paramsync.runtime.protocol.wire import tensor_buffer
+from paramsync.runtime.transport.device_ops import DeviceOps, context_device_ops
 
 __all__ = [
     "ALGORITHMS",
@@ -557,8 +559,9 @@ class StateHasher:
     ) -> PendingDigest:
         """Start the digest of the state now: the fold's work is enqueued on each device after
         the work already there (the optimizer step), and its result read when it has landed;
-        XXH3 hashes the host bytes at once (a CUDA tensor copied to the host after its stream
-        is synchronized, C-STREAMSYNC-001)."""
+        XXH3 hashes the host bytes at once (a device tensor copied to the host through the
+        device-operations seam and waited for by that copy's event, C-STREAMSYNC-001). The
+        seam (`context_device_ops`) also says which tensors are on the device."""
         meta = self._meta(optimizer, scheduler)
         plan = self._plan
         if (
@@ -568,12 +571,15 @@ class StateHasher:
         ):
             return PendingDigest(plan.digest(meta))
         items = _state_tensors(model, optimizer, self.buffers)
-        if self.algorithm == "fold" or (self.algorithm == "auto" and _off_cpu(items)):
+        ops = context_device_ops()
+        if self.algorithm == "fold" or (self.algorithm == "auto" and _on_device(items, ops)):
             self._plan = None
-            return self._fold(items, meta)
+            return self._fold(items, meta, ops)
         return PendingDigest(self._walk(model, optimizer, scheduler, meta, items))
 
-    def _fold(self, items: list[tuple[str, Any]], meta: list[tuple[str, bytes]]) -> PendingDigest:
+    def _fold(
+        self, items: list[tuple[str, Any]], meta: list[tuple[str, bytes]], ops: DeviceOps
+    ) -> PendingDigest:
         """Enqueue the fold of ``items``' tensors, one pass per device."""
         by_device: dict[torch.device, list[int]] = {}
         tensors: list[torch.Tensor] = []
@@ -593,7 +599,7 @@ class StateHasher:
                 headers = [entry_header(n, t.shape, t.dtype) for n, t in zip(names, group)]
                 layout = FoldLayout(headers, group)
             layouts[device] = (names, layout)
-            parts.append((indexes, layout, DeviceReadback(layout.launch(group))))
+            parts.append((indexes, layout, DeviceReadback(layout.launch(group), ops)))
         self._layouts = layouts
         names = tuple(name for name, _ in items) + tuple(name for name, _ in meta)
         return PendingDigest(names=names, parts=parts, meta=meta)
@@ -640,7 +646,7 @@ class StateHasher:
                 if _cacheable(value):
                     view = _View(name, value)
                 else:
-                    view = _View(name, _host_copy(value))
+                    view = _View(name, _host_copy(value, context_device_ops()))
                     view.tensor = None  # a one-off copy: never reused
             if view.tensor is not None:
                 fresh[name] = view
@@ -664,20 +670,23 @@ class StateHasher:
         return StateDigest(None, per_tensor, names)
 
 
-def _off_cpu(items: list[tuple[str, Any]]) -> bool:
-    """Whether a tensor of ``items`` lives off the CPU (on an accelerator)."""
-    return any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for _, v in items)
+def _on_device(items: list[tuple[str, Any]], ops: DeviceOps) -> bool:
+    """Whether a tensor of ``items`` lives on the device (an accelerator, as ``ops`` says)."""
+    return any(isinstance(v, torch.Tensor) and ops.on_device(v) for _, v in items)
 
 
-def _host_copy(value: Any) -> torch.Tensor:
-    """A contiguous CPU tensor holding ``value`` (a scalar, a strided view or a CUDA tensor,
-    whose stream is synchronized before the copy)."""
+def _host_copy(value: Any, ops: DeviceOps) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``value`` (a scalar, a strided view, or a device tensor
+    copied through ``ops`` and waited for by that copy's own event, never a synchronize)."""
     if not isinstance(value, torch.Tensor):
         return torch.tensor(value)
     value = value.detach()
-    if value.device.type == "cuda":
-        torch.cuda.current_stream(value.device).synchronize()
-    return value.to("cpu").contiguous()
+    if value.device.type == "cpu" or not ops.on_device(value):
+        return value.to("cpu").contiguous()
+    host = torch.empty(value.shape, dtype=value.dtype)
+    stream = ops.current_stream(value.device)
+    ops.wait_host(ops.copy_to_host(value.contiguous(), host, stream, DIGEST_PURPOSE))
+    return host
 
 
 def state_digest(

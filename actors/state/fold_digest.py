@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
+
+from paramsync.runtime.transport.device_ops import DeviceOps, context_device_ops
 
 __all__ = [
     "BASES",
@@ -33,6 +36,7 @@ __all__ = [
     "MAX_WORDS",
     "MODULUS",
     "DeviceReadback",
+    "DIGEST_PURPOSE",
     "FoldLayout",
     "entry_header",
     "fold_digests",
@@ -227,27 +231,34 @@ def _batches(sizes: list[int]) -> list[tuple[int, int]]:
     return batches
 
 
+DIGEST_PURPOSE = "digest"
+"""The purpose a digest's copy to the host is recorded under (`DeviceOps.copy_to_host`)."""
+
+
 class DeviceReadback:
     """Where a fold's lanes cross from their device to the host, the only device calls of the
-    digest path: for a CUDA result, a pinned host buffer, a non-blocking copy on the current
-    stream and a CUDA event recorded after it; `result` is read once the event has completed
-    (polled, never a stream or device synchronize). A CPU result is read as it is."""
+    digest path, all through the device-operations seam (`DeviceOps`: the context's, else
+    CUDA's): for a result on the device, a pinned host buffer, a non-blocking copy on the
+    current stream (purpose ``"digest"``) and the event recorded after it; `result` is read
+    once that event has completed (polled, never a stream or device synchronize). A result on
+    the host is read as it is."""
 
-    __slots__ = ("_event", "_host")
+    __slots__ = ("_event", "_host", "_ops")
 
-    def __init__(self, result: torch.Tensor) -> None:
-        if result.device.type == "cpu":
+    def __init__(self, result: torch.Tensor, ops: DeviceOps | None = None) -> None:
+        self._ops = context_device_ops() if ops is None else ops
+        self._event: Any = None
+        if not self._ops.on_device(result):
             self._host = result
-            self._event: torch.cuda.Event | None = None
             return
-        self._host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-        self._host.copy_(result, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(result.device))
+        pinned = self._ops.pinned_empty(result.numel(), result.dtype)
+        self._host = pinned.view(result.shape)
+        stream = self._ops.current_stream(result.device)
+        self._event = self._ops.copy_to_host(result, self._host, stream, DIGEST_PURPOSE)
 
     def ready(self) -> bool:
         """Whether the copy has landed on the host."""
-        return self._event is None or bool(self._event.query())
+        return self._event is None or bool(self._ops.query(self._event))
 
     def result(self) -> np.ndarray:
         """The lanes on the host, once the copy has landed (waiting for it, polled)."""
