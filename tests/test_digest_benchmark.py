@@ -34,3 +34,19 @@ def test_too_few_steps_are_refused() -> None:
     )
     assert done.returncode != 0
     assert "--steps must be at least 3" in done.stderr
+
+
+def test_the_device_mode_times_the_trainers_digest_against_its_step(tmp_path: Path) -> None:
+    """What make gpu-check's row (c) reads, here on the CPU (XXH3, nothing copied through the
+    device operations)."""
+    out = tmp_path / "digest.json"
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--params", "200k"]
+    command += ["--steps", "3", "--batch-size", "2", "--json", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert 150_000 <= result["params"] <= 250_000
+    assert result["algorithm"] == "xxh3-128"
+    assert result["step_seconds"] > 0 and result["digest_seconds"] > 0
+    assert result["host_bytes"] == 0
+    assert "% of the step" in done.stdout
