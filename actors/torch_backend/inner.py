@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.transport.torch_plane import GLOO_DTYPES as TORCH_PLANE_GLOO_DTYPES
 
 __all__ = ["INNER_ENV", "INNER_KINDS", "InnerGroups", "inner_kind", "route_for"]
 
@@ -44,20 +45,9 @@ INNER_ENV = "PARAMSYNC_TORCH_INNER"
 
 INNER_KINDS = ("auto", "nccl", "gloo", "native")
 
-GLOO_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.uint8,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
-)
-"""The dtypes torch's gloo group reduces (not int16: those calls stay on the native plane)."""
+GLOO_DTYPES = TORCH_PLANE_GLOO_DTYPES | {torch.bool}
+"""The dtypes torch's gloo group takes here: the torch plane's, and bool (not int16: those calls
+stay on the native plane)."""
 
 
 def inner_kind(backend_options: Any = None) -> str:
