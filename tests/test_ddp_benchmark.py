@@ -154,6 +154,7 @@ def test_a_tiny_run_of_the_own_loop_and_a_baseline_checkout(tmp_path: Path) -> N
     assert "this code / baseline" in done.stdout
 
 
+@pytest.mark.soak  # four systems of processes, about 17 s: make soak
 def test_a_tiny_run_trains_both_systems_and_reports_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
     command = [*_tiny_command(out), "--check-split", "3"]
