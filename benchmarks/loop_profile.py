@@ -43,7 +43,12 @@ _TIMED = {
     "paramsync.runtime.transport.tcp": [(None, "encode_frame"), (None, "decode_head")],
     "paramsync.runtime.coordinator.service": [(None, "event_from_wire")],
     "paramsync.runtime.coordinator.core": [("CoordinatorCore", "handle")],
-    "paramsync.actors.state.digest": [("StateHasher", "digest")],
+    # The trainer starts a step's digest after the optimizer step and reads it when it reports:
+    # both halves are the digest's work.
+    "paramsync.actors.state.digest": [
+        ("StateHasher", "start", "digest"),
+        ("PendingDigest", "result", "digest"),
+    ],
 }
 MANDATED = {
     "rank": ("digest", "copy_in", "reduce", "reduce_whole", "copy_out"),
@@ -104,10 +109,11 @@ def _wrapped(out: Path, window: tuple[float, float], target: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     for module_name, names in _TIMED.items():
         module = __import__(module_name, fromlist=["_"])
-        for owner_name, name in names:
-            owner = getattr(module, owner_name) if owner_name else module
+        for owner_name, name, *label in names:
+            owner = getattr(module, owner_name, None) if owner_name else module
             if hasattr(owner, name):  # an older checkout may lack one
-                setattr(owner, name, _timer(getattr(owner, name), name, parts, inside))
+                part = label[0] if label else name
+                setattr(owner, name, _timer(getattr(owner, name), part, parts, inside))
 
     def sample() -> None:
         ident = threading.main_thread().ident
