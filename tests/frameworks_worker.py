@@ -1,10 +1,11 @@
 """One rank of a framework's own training loop on a torch.distributed backend (gloo or
-paramsync), for tests/test_frameworks.py. Run under torchrun (2 processes, CPU):
+paramsync), for tests/test_frameworks.py. Run under torchrun, or Accelerate's launcher
+(``accelerate launch --multi_gpu --num_processes 2``: torchrun underneath), 2 processes, CPU:
 
     frameworks_worker.py FRAMEWORK OUT RUN... [--steps N]
 
 FRAMEWORK is ``lightning`` (``Trainer(strategy=DDPStrategy(process_group_backend=BACKEND))``),
-``accelerate`` (the group initialized first, then ``Accelerator()``; ``prepare``,
+``accelerate`` (the group initialized first, then ``Accelerator(cpu=True)``; ``prepare``,
 ``accumulate``, ``backward``, ``clip_grad_norm_``) or ``transformers`` (the group initialized
 first, then the HF ``Trainer`` on a 2-layer GPT-2 built from a config). Nothing is downloaded:
 models are built from code or a config, data is generated from a fixed seed, identical on
@@ -12,7 +13,10 @@ every rank (each framework's distributed sampler gives every rank its share).
 
 Each RUN, in order, in this one job: ``gloo``, ``paramsync``, or ``paramsync@K`` (named
 ``diverge``: rank 1 nudges one weight after the backward of optimizer step K, 0-based, and
-before that step, so the state after step K differs between the ranks). A run writes to
+before that step, so the state after step K differs between the ranks), or, for
+``accelerate``, ``notparallel`` (``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(
+backend="paramsync")])`` on the CPU: Accelerate's DistributedType.NO, which the backend refuses
+as not data-parallel). A run writes to
 ``OUT/NAME/``: the initial weights (``initial.safetensors``, rank 0), each rank's final weights
 (``rank{R}.safetensors``) and prints ``[NAME] rank R: done after N steps``; or, when it
 stops, the error (``rank{R}.error``) and ``[NAME] rank R: stopped: <error>``. The default
@@ -137,12 +141,36 @@ def run_lightning(backend: str, out: Path, steps: int, diverge: int | None) -> N
 
 
 def run_accelerate(backend: str, out: Path, steps: int, diverge: int | None) -> None:
+    """The README's path: the group first (on the CPU Accelerate names only gloo or mpi and
+    refuses another name), then ``Accelerator(cpu=True)``, which finds it: MULTI_CPU."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
     dist.init_process_group(backend)
-    accumulation = 2
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU, accelerator.distributed_type
     assert accelerator.num_processes == 2 and dist.get_backend() == backend
+    _accelerate_loop(accelerator, out, steps, diverge)
+
+
+def run_accelerate_not_parallel(backend: str, out: Path, steps: int, diverge: int | None) -> None:
+    """What Accelerate does with a third-party backend named on the CPU without ``cpu=True``:
+    it makes the group, shards the data over the ranks and sets DistributedType.NO, so no
+    gradient is reduced. The backend refuses it at the step past its local allowance."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=2,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend)],
+    )
+    assert accelerator.distributed_type == DistributedType.NO, accelerator.distributed_type
+    assert accelerator.num_processes == 2 and dist.get_backend() == backend
+    _accelerate_loop(accelerator, out, steps, diverge)
+
+
+def _accelerate_loop(accelerator: Any, out: Path, steps: int, diverge: int | None) -> None:
+    accumulation = accelerator.gradient_accumulation_steps
     torch.manual_seed(SEED)
     model = MLP()
     _save_initial(model, out)
@@ -243,15 +271,19 @@ def _reset_frameworks() -> None:
 
 
 def run_once(framework: str, spec: str, out: Path, steps: int) -> bool:
-    """One run: ``spec`` is a backend (``gloo``, ``paramsync``) or ``paramsync@K`` (rank 1
-    diverges at step K; the run is then named ``diverge``). True when it ended normally."""
-    backend, _, at = spec.partition("@")
-    diverge = int(at) if at else None
-    folder = out / ("diverge" if at else backend)
+    """One run: ``spec`` is a backend (``gloo``, ``paramsync``), ``paramsync@K`` (rank 1
+    diverges at step K; the run is then named ``diverge``) or ``notparallel`` (Accelerate's
+    DistributedType.NO on paramsync). True when it ended normally."""
+    if spec == "notparallel":
+        run, backend, diverge, folder = NOT_PARALLEL[framework], "paramsync", None, out / spec
+    else:
+        backend, _, at = spec.partition("@")
+        diverge = int(at) if at else None
+        run, folder = RUNS[framework], out / ("diverge" if at else backend)
     folder.mkdir(parents=True, exist_ok=True)
     ok = True
     try:
-        RUNS[framework](backend, folder, steps, diverge)
+        run(backend, folder, steps, diverge)
     except Exception as exc:
         ok = False
         text = f"{type(exc).__name__}: {exc}"
@@ -266,13 +298,16 @@ def run_once(framework: str, spec: str, out: Path, steps: int) -> bool:
 
 
 RUNS = {"lightning": run_lightning, "accelerate": run_accelerate, "transformers": run_transformers}
+NOT_PARALLEL = {"accelerate": run_accelerate_not_parallel}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("framework", choices=sorted(RUNS))
     parser.add_argument("out", type=Path)
-    parser.add_argument("runs", nargs="+", help="gloo, paramsync or paramsync@K, in order")
+    parser.add_argument(
+        "runs", nargs="+", help="gloo, paramsync, paramsync@K or notparallel, in order"
+    )
     parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -1,13 +1,17 @@
-"""Lightning, Accelerate and the HF Trainer run unchanged on the paramsync backend.
+"""Lightning, Accelerate and the HF Trainer run on the paramsync backend by the README's paths.
 
-Each test is one torchrun job of 2 CPU processes (tests/frameworks_worker.py) running the
-framework's own training loop three times: on gloo, on paramsync, and on paramsync with rank 1
-nudging one weight before optimizer step 2. Nothing is downloaded: the models are built from
-code or a config, the data is generated. Checked: gloo's and paramsync's final weights agree
-to float tolerance (and training moved them), paramsync's two ranks end bitwise identical with
-the identical-state proof on, and the nudge is caught at step 2, each rank's error naming
-rank 1 and the tensor nudged. The frameworks come with the ``frameworks`` extra (installed by
-``make setup``).
+Each framework is one job of 2 CPU processes (tests/frameworks_worker.py), started as the
+README starts it (Lightning and the HF Trainer under torchrun, Accelerate under its own
+``accelerate launch --multi_gpu --num_processes 2``), running the framework's own training
+loop three times: on gloo, on paramsync, and on paramsync with rank 1 nudging one weight before
+optimizer step 2; the Accelerate job then runs Accelerate's DistributedType.NO on paramsync
+(``InitProcessGroupKwargs(backend="paramsync")`` without ``cpu=True``), which the backend
+refuses as not data-parallel. Nothing is downloaded: the models are built from code or a
+config, the data is generated. Checked: paramsync's final weights are bitwise gloo's (and
+training moved them), paramsync's two ranks end bitwise identical with the identical-state
+proof on, the nudge is caught at step 2, each rank's error naming rank 1 and the tensor nudged,
+and the run that is not data-parallel stops at its third optimizer step with one line on each
+rank. The frameworks come with the ``frameworks`` extra (installed by ``make setup``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import re
 import secrets
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +32,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "frameworks_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+ACCELERATE = Path(sys.executable).with_name("accelerate")
 TIMEOUT = 300  # seconds; a job takes 30-40 s on a busy 2-core machine
 DIVERGE_STEP = 2
 
@@ -58,8 +64,21 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(args: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return _run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *args], timeout)
+
+
+def _accelerate_launch(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Accelerate's launcher, as the README gives it: ``--multi_gpu`` is the launcher that
+    starts local processes (torchrun underneath; ``--cpu`` starts one unless MPI starts
+    them); the script's ``Accelerator(cpu=True)`` runs them on the CPU."""
+    launch = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return _run([*launch, "--main_process_port", "0", *args], TIMEOUT)
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *args],
+        command,
         cwd=ROOT,
         env=_env(),
         capture_output=True,
@@ -72,16 +91,39 @@ def _weights(folder: Path) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(folder / f"rank{rank}.safetensors")) for rank in (0, 1)]
 
 
+Job = tuple[subprocess.CompletedProcess[str], Path]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Job]:
+    """Each framework's job, run once for the tests that read it: its process and folder."""
+    done: dict[str, Job] = {}
+
+    def job(framework: str) -> Job:
+        if framework not in done:
+            module, _ = FRAMEWORKS[framework]
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"{module} is not installed (pip install -e '.[frameworks]')")
+            out = tmp_path_factory.mktemp(framework)
+            runs = [str(WORKER), framework, str(out), "gloo", "paramsync"]
+            diverge = f"paramsync@{DIVERGE_STEP}"  # last: its failed group outlives its run
+            if framework == "accelerate":
+                if not ACCELERATE.exists():
+                    pytest.skip("accelerate's launcher is not installed")
+                done[framework] = (_accelerate_launch([*runs, "notparallel", diverge]), out)
+            else:
+                done[framework] = (_torchrun([*runs, diverge]), out)
+        return done[framework]
+
+    return job
+
+
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_the_framework_trains_on_paramsync_as_on_gloo_and_a_divergence_is_named(
-    framework: str, tmp_path: Path
+    framework: str, jobs: Callable[[str], Job]
 ) -> None:
-    module, nudged = FRAMEWORKS[framework]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install -e '.[frameworks]')")
-    proc = _torchrun(
-        [str(WORKER), framework, str(tmp_path), "gloo", "paramsync", f"paramsync@{DIVERGE_STEP}"]
-    )
+    _, nudged = FRAMEWORKS[framework]
+    proc, tmp_path = jobs(framework)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr[-6000:]}"
     for run in ("gloo", "paramsync"):
@@ -92,9 +134,10 @@ def test_the_framework_trains_on_paramsync_as_on_gloo_and_a_divergence_is_named(
     gloo, paramsync = _weights(tmp_path / "gloo"), _weights(tmp_path / "paramsync")
     assert sorted(paramsync[0]) == sorted(gloo[0]) == sorted(initial)
     for name in paramsync[0]:
-        # paramsync's ranks: bitwise the same state (the proof held at every step)
+        # paramsync's ranks: bitwise the same state (the proof held at every step), and
+        # bitwise torch DDP's on gloo
         assert torch.equal(paramsync[0][name], paramsync[1][name]), name
-        torch.testing.assert_close(paramsync[0][name], gloo[0][name], rtol=1e-5, atol=1e-6)
+        assert torch.equal(paramsync[0][name], gloo[0][name]), name
     moved = [n for n in initial if not torch.equal(initial[n], paramsync[0][n])]
     assert nudged in moved and len(moved) >= len(initial) // 2, moved
 
@@ -112,6 +155,27 @@ def test_the_framework_trains_on_paramsync_as_on_gloo_and_a_divergence_is_named(
         assert re.search(diverged, lines[0]), lines[0]
         assert not (tmp_path / "diverge" / f"rank{rank}.safetensors").exists()
     assert "Segmentation fault" not in proc.stderr and "SIGSEGV" not in proc.stderr
+
+
+def test_accelerate_not_data_parallel_on_paramsync_is_refused_with_one_line(
+    jobs: Callable[[str], Job],
+) -> None:
+    """Accelerate's DistributedType.NO on a paramsync group of 2 (a third-party backend named
+    on the CPU without ``cpu=True``): every rank steps on its own share of the data and no
+    gradient is reduced. Each rank is refused at its third optimizer step (two local steps
+    allowed), with one line naming its rank, the world size and the likely cause."""
+    proc, out = jobs("accelerate")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    for rank in (0, 1):
+        prefix = f"[notparallel] rank {rank}:"
+        lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+        assert len(lines) == 1, proc.stdout
+        assert lines[0].startswith(
+            f"[notparallel] rank {rank}: stopped: NotDataParallel: paramsync group 0, rank "
+            f"{rank} of 2: optimizer step 3 applies this rank's own gradients"
+        ), lines[0]
+        assert "DistributedType.NO" in lines[0] and "Accelerator(cpu=True)" in lines[0]
+        assert not (out / "notparallel" / f"rank{rank}.safetensors").exists()
 
 
 _INIT_TWICE = """

@@ -47,6 +47,7 @@ from paramsync.actors.torch_backend.inner_ops import (
     inner_send,
     on_stream,
 )
+from paramsync.actors.torch_backend.not_parallel import watch_parallel
 from paramsync.actors.torch_backend.ops import (
     allgather_op,
     allreduce_op,
@@ -251,6 +252,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
                     f"not form within {options.timeout_seconds:g} s: {first}"
                 ) from None
         watch_group(self, prove=proof_enabled())
+        self.parallel_watch = watch_parallel(name, rank, size)  # refuses a run never reducing
 
     # ------------------------------------------------------------------ identity
 
@@ -293,6 +295,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         if inner is not None:
             plane, on_inner = inner
             call = replace(call, plane=plane)
+        self.parallel_watch.saw(call.op)
         self.session.submit(_Op(call, run, future, result, p2p=p2p, inner=on_inner))
         return _work(future)
 
@@ -677,11 +680,13 @@ class ProcessGroupParamsync(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Finish this rank's part of the group (``destroy_process_group`` calls it)."""
+        self.parallel_watch.forget()
         self.session.close()
         if self.session.inner is not None:
             self.session.inner.shutdown()
 
     def abort(self) -> None:
+        self.parallel_watch.forget()
         self.session.close()
         if self.session.inner is not None:
             self.session.inner.abort()
