@@ -40,6 +40,8 @@ SEED = 1234
 STEPS = 6
 BATCH = 4
 """Examples per rank per optimizer step (after accumulation)."""
+NOT_PARALLEL_STEPS = 24
+"""Optimizer steps of the run that is not data-parallel: past the backend's 20 local steps."""
 NUDGED = "layers.0.weight"
 """The weight rank 1 nudges in the MLP of the Lightning and Accelerate runs."""
 NUDGED_LM = "transformer.h.1.mlp.c_fc.weight"
@@ -156,7 +158,7 @@ def run_accelerate(backend: str, out: Path, steps: int, diverge: int | None) -> 
 def run_accelerate_not_parallel(backend: str, out: Path, steps: int, diverge: int | None) -> None:
     """What Accelerate does with a third-party backend named on the CPU without ``cpu=True``:
     it makes the group, shards the data over the ranks and sets DistributedType.NO, so no
-    gradient is reduced. The backend refuses it at the step past its local allowance."""
+    gradient is reduced. The backend refuses it at the step past its local allowance (20)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
@@ -166,7 +168,7 @@ def run_accelerate_not_parallel(backend: str, out: Path, steps: int, diverge: in
     )
     assert accelerator.distributed_type == DistributedType.NO, accelerator.distributed_type
     assert accelerator.num_processes == 2 and dist.get_backend() == backend
-    _accelerate_loop(accelerator, out, steps, diverge)
+    _accelerate_loop(accelerator, out, max(steps, NOT_PARALLEL_STEPS), diverge)
 
 
 def _accelerate_loop(accelerator: Any, out: Path, steps: int, diverge: int | None) -> None:

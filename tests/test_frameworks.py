@@ -10,7 +10,7 @@ refuses as not data-parallel. Nothing is downloaded: the models are built from c
 config, the data is generated. Checked: paramsync's final weights are bitwise gloo's (and
 training moved them), paramsync's two ranks end bitwise identical with the identical-state
 proof on, the nudge is caught at step 2, each rank's error naming rank 1 and the tensor nudged,
-and the run that is not data-parallel stops at its third optimizer step with one line on each
+and the run that is not data-parallel stops at its 21st optimizer step with one line on each
 rank. The frameworks come with the ``frameworks`` extra (installed by ``make setup``).
 """
 
@@ -162,7 +162,7 @@ def test_accelerate_not_data_parallel_on_paramsync_is_refused_with_one_line(
 ) -> None:
     """Accelerate's DistributedType.NO on a paramsync group of 2 (a third-party backend named
     on the CPU without ``cpu=True``): every rank steps on its own share of the data and no
-    gradient is reduced. Each rank is refused at its third optimizer step (two local steps
+    gradient is reduced. Each rank is refused at its 21st optimizer step (20 local steps
     allowed), with one line naming its rank, the world size and the likely cause."""
     proc, out = jobs("accelerate")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
@@ -172,7 +172,7 @@ def test_accelerate_not_data_parallel_on_paramsync_is_refused_with_one_line(
         assert len(lines) == 1, proc.stdout
         assert lines[0].startswith(
             f"[notparallel] rank {rank}: stopped: NotDataParallel: paramsync group 0, rank "
-            f"{rank} of 2: optimizer step 3 applies this rank's own gradients"
+            f"{rank} of 2: optimizer step 21 applies this rank's own gradients"
         ), lines[0]
         assert "DistributedType.NO" in lines[0] and "Accelerator(cpu=True)" in lines[0]
         assert not (out / "notparallel" / f"rank{rank}.safetensors").exists()

@@ -22,9 +22,10 @@ from paramsync.runtime.errors import ConfigError
 
 
 @pytest.fixture
-def group() -> Iterator[ParallelWatch]:
+def group(monkeypatch: pytest.MonkeyPatch) -> Iterator[ParallelWatch]:
     """The watch of group "7", rank 1 of 2, forgotten afterwards (as destroy_process_group
-    does), so no other test's optimizer steps are counted."""
+    does), so no other test's optimizer steps are counted; two local steps allowed."""
+    monkeypatch.setenv(LOCAL_STEPS_ENV, "2")
     watch = watch_parallel("7", 1, 2)
     try:
         yield watch
@@ -44,12 +45,12 @@ def _step(model: torch.nn.Linear, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-def test_the_third_local_step_is_refused_naming_the_rank_the_size_and_the_cause(
+def test_the_step_past_the_allowance_is_refused_naming_the_rank_the_size_and_the_cause(
     group: ParallelWatch,
 ) -> None:
     model, optimizer = _model()
     _step(model, optimizer)
-    _step(model, optimizer)  # two local steps are allowed (a warm-up)
+    _step(model, optimizer)  # two local steps are allowed here (a warm-up)
     before = model.weight.detach().clone()
     with pytest.raises(NotDataParallel) as caught:
         _step(model, optimizer)
@@ -104,12 +105,23 @@ def test_local_steps_are_configurable_and_the_check_can_be_off(
         _step(model, optimizer)
 
 
+def test_twenty_local_steps_are_allowed_by_default(
+    group: ParallelWatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(LOCAL_STEPS_ENV)
+    model, optimizer = _model()
+    for _ in range(20):  # a local reference model trained first, as torch's DDP tests do
+        _step(model, optimizer)
+    with pytest.raises(NotDataParallel, match="optimizer step 21 "):
+        _step(model, optimizer)
+
+
 def test_a_group_of_one_rank_or_an_ended_group_is_never_armed() -> None:
     model, optimizer = _model()
     alone = watch_parallel("8", 0, 1)
     ended = watch_parallel("9", 0, 2)
     ended.forget()
-    for _ in range(5):
+    for _ in range(25):
         _step(model, optimizer)
     alone.forget()
 

@@ -22,15 +22,16 @@ before the step changes anything) when all of these hold:
 - the step applies a gradient: some parameter it steps has a gradient with a non-zero
   element (a step with no gradients or all-zero ones, as torch's distributed checkpoint takes
   to create an optimizer's state, is not counted);
-- and this is more than ``PARAMSYNC_LOCAL_STEPS`` such steps (default 2) on this rank.
+- and this is more than ``PARAMSYNC_LOCAL_STEPS`` such steps (default 20) on this rank.
 
 So a rank may take up to ``PARAMSYNC_LOCAL_STEPS`` local steps before its first reduction (a
-warm-up before the model is wrapped, an optimizer state made by a step) and is refused at the
-next one, with `NotDataParallel` naming the group, the rank, the world size, the step and the
-likely cause. A longer local phase (local SGD that first averages after H steps) sets
-``PARAMSYNC_LOCAL_STEPS=H``; ``PARAMSYNC_LOCAL_STEPS=off`` turns the check off. A reduction of
-any tensor disarms it (it cannot tell a gradient from a loss averaged for a log), so a
-non-parallel run that all-reduces a metric before its optimizer steps is not refused.
+warm-up before the model is wrapped, a local reference model trained first, as torch's own DDP
+tests do) and is refused at the next one, with `NotDataParallel` naming the group, the rank,
+the world size, the step and the likely cause. A longer local phase (local SGD that first
+averages after H steps) sets ``PARAMSYNC_LOCAL_STEPS=H``; ``PARAMSYNC_LOCAL_STEPS=off`` turns the
+check off. A reduction of any tensor disarms it (it cannot tell a gradient from a loss averaged
+for a log), so a non-parallel run that all-reduces a metric before its optimizer steps is not
+refused.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ __all__ = [
 
 LOCAL_STEPS_ENV = "PARAMSYNC_LOCAL_STEPS"
 """Optimizer steps with gradients a rank may take before its group's first reduction (default
-2); ``off`` turns the check off."""
+20); ``off`` turns the check off."""
 
-DEFAULT_LOCAL_STEPS = 2
+DEFAULT_LOCAL_STEPS = 20
 
 REDUCING_CALLS = frozenset(
     {
