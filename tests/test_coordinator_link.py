@@ -22,7 +22,11 @@ import pytest
 import trio
 
 from paramsync.runtime.coordinator.frame_caps import (
+    FIRST_JOIN_MAX_FRAME,
+    JOIN_ENTRY_BYTES,
     JOINING_KINDS,
+    MAX_MODEL_TENSORS,
+    MEMBER_FRAME_ALLOWANCE,
     join_frame_cap,
     member_frame_cap,
 )
@@ -30,9 +34,10 @@ from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOption
 from paramsync.runtime.errors import PeerClosed, ProtocolError
 from paramsync.runtime.protocol.frame_reader import NO_TENSORS, FrameReader, Need
 from paramsync.runtime.protocol.handshake import Identity, load_secret
-from paramsync.runtime.protocol.limits import PEEK_SIZE
+from paramsync.runtime.protocol.limits import MAX_ITEMS, PEEK_SIZE, count_items
+from paramsync.runtime.protocol.messages import Joined
 from paramsync.runtime.protocol.schema import PROTOCOL_VERSION
-from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME
+from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME, encode_frame_bytes
 from paramsync.runtime.transport.link import MemoryLink
 from paramsync.runtime.transport.tcp import DEFAULT_GROUP, Connection, dial
 
@@ -87,8 +92,28 @@ def test_a_read_of_some_kinds_refuses_any_other_from_the_peek() -> None:
     assert isinstance(reader.next(), Need)  # a join of 1 MiB: its head is asked for
 
 
-def test_a_join_before_the_model_is_known_keeps_the_schema_cap_then_the_models() -> None:
-    assert join_frame_cap(None, DEFAULT_MAX_FRAME) == DEFAULT_MAX_FRAME
+def _head_of_join(signature: tuple[Any, ...]) -> tuple[int, bytes]:
+    """The head size of a join of ``signature`` as a worker sends it, and its CBOR item."""
+    frame = encode_frame_bytes(*Joined(0, signature, ("10.0.0.1", 29500)).to_wire())
+    item_len, bulk_len = struct.unpack(">II", frame[:8])
+    return item_len - bulk_len, frame[8:]
+
+
+def test_a_join_before_the_model_is_known_is_capped_at_what_the_largest_model_needs() -> None:
+    """Before any model is known a join may hold `MAX_MODEL_TENSORS` entries of
+    `JOIN_ENTRY_BYTES`: some 6 MiB, not the join's 64 MiB schema cap. A mixture of experts with
+    that many tensors and long names fits (in bytes and in CBOR items); once the model is known,
+    the cap is the model's."""
+    assert join_frame_cap(None, DEFAULT_MAX_FRAME) == FIRST_JOIN_MAX_FRAME
+    assert FIRST_JOIN_MAX_FRAME == MEMBER_FRAME_ALLOWANCE + MAX_MODEL_TENSORS * JOIN_ENTRY_BYTES
+    assert FIRST_JOIN_MAX_FRAME < 8 << 20 < DEFAULT_MAX_FRAME
+    experts = tuple(
+        (f"model.layers.{i // 768}.block_sparse_moe.experts.{i % 768 // 3}.w{i % 3 + 1}.weight",
+         (14336, 4096), "bfloat16", True)
+        for i in range(MAX_MODEL_TENSORS)
+    )  # fmt: skip
+    size, item = _head_of_join(experts)
+    assert size < FIRST_JOIN_MAX_FRAME and count_items(item) <= MAX_ITEMS, size
     cap = join_frame_cap(SIG, DEFAULT_MAX_FRAME)
     assert cap < member_frame_cap(SIG, DEFAULT_MAX_FRAME) and cap < 128 * 1024
 
@@ -126,15 +151,16 @@ async def test_a_peer_that_never_joined_has_no_60_mib_digest_read(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A peer holding the secret authenticates as rank 1 and, before any join, announces a
-    60 MiB digest: the daemon refuses it at once (join_refused, the connection closed) without
-    reading it, and the real rank 1 is admitted afterwards."""
+    digest: the daemon refuses it at once (join_refused, the connection closed) without reading
+    it, and the real rank 1 is admitted afterwards. 4 MiB: within a first join's cap, so its
+    kind refuses it (a 60 MiB one is refused by its size first, as below)."""
     caplog.set_level(logging.WARNING, logger="paramsync.coordinator")
     coordinator = Coordinator(2, CoordinatorOptions(heartbeat_deadline=5.0), secret=SECRET)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             address = await nursery.start(coordinator.serve_tcp, "127.0.0.1", 0)
             squatter = await dial_as(address, 1)
-            await squatter.stream.send_all(announced("digest", 60 << 20))
+            await squatter.stream.send_all(announced("digest", 4 << 20))
             assert await closed_by_the_daemon(squatter, 2.0) == ["join_refused"]
             await squatter.aclose()
             real = await dial_as(address, 1)
@@ -142,6 +168,34 @@ async def test_a_peer_that_never_joined_has_no_60_mib_digest_read(
             await real.aclose()
             nursery.cancel_scope.cancel()
     assert "sent a digest frame where only heartbeat, join is accepted" in caplog.text
+
+
+async def test_a_first_join_beyond_what_a_join_needs_is_refused_from_its_prefix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before any model is known, a peer holding the secret authenticates as rank 1 and
+    announces a 10 MiB join (under the join's 64 MiB schema cap): refused from the prefix, not
+    a byte of the head waited for, in one line naming the rank, the frame's size and the
+    limit; the real rank 1 joins afterwards."""
+    caplog.set_level(logging.WARNING, logger="paramsync.coordinator")
+    coordinator = Coordinator(2, CoordinatorOptions(heartbeat_deadline=5.0), secret=SECRET)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(coordinator.serve_tcp, "127.0.0.1", 0)
+            squatter = await dial_as(address, 1)
+            await squatter.stream.send_all(announced("join", 10 << 20))
+            assert await closed_by_the_daemon(squatter, 2.0) == ["join_refused"]
+            await squatter.aclose()
+            real = await dial_as(address, 1)
+            await real.send("join", join(1))
+            await real.aclose()
+            nursery.cancel_scope.cancel()
+    lines = [r.getMessage() for r in caplog.records if "sent a bad message" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("rank 1 sent a bad message")
+    limit = f"frame of {10 << 20} bytes exceeds this receiver's limit of {FIRST_JOIN_MAX_FRAME}"
+    assert limit in lines[0], lines[0]
+    assert "only a join" in lines[0] and "FIRST_JOIN_MAX_FRAME" in lines[0]
 
 
 async def test_a_member_announcing_a_bulk_to_the_coordinator_is_refused_unread() -> None:

@@ -259,6 +259,7 @@ def test_section_1s_limits_are_the_code_s() -> None:
     """Every row of section 1's table of limits names a constant of the wire or the limits
     module and gives its value (the number before any parenthesis, spaces as thousands
     separators); the limits the readers enforce are all in the table."""
+    from paramsync.runtime.coordinator import frame_caps
     from paramsync.runtime.protocol import limits, wire
 
     table = section(PROTOCOL, "### Limits").split("\n\n")[1]
@@ -267,14 +268,15 @@ def test_section_1s_limits_are_the_code_s() -> None:
     for name, value in rows:
         number = value.split("(")[0].replace(" ", "")
         documented[name] = int(number)
+    modules = (wire, limits, frame_caps)
     code = {
-        name: getattr(wire, name, None) if hasattr(wire, name) else getattr(limits, name)
-        for name in documented
+        name: next(getattr(m, name) for m in modules if hasattr(m, name)) for name in documented
     }
     assert documented == code
     enforced = {"PREFIX_SIZE", "DEFAULT_MAX_FRAME", "HANDSHAKE_MAX_FRAME", "MAX_DEPTH"}
     enforced |= {"TAG_SIZE", "TRAILER_SIZE", "CONTROL_MAX_FRAME", "BULK_MAX_FRAME"}
     enforced |= {"INLINE_TENSOR_MAX", "PEEK_SIZE", "SCAN_THRESHOLD", "MAX_ITEMS"}
+    enforced |= {"MAX_MODEL_TENSORS", "JOIN_ENTRY_BYTES", "FIRST_JOIN_MAX_FRAME"}
     assert set(documented) == enforced
 
 

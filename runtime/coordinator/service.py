@@ -36,11 +36,18 @@ from paramsync.runtime.coordinator.events import (
 )
 from paramsync.runtime.coordinator.frame_caps import (
     JOINING_KINDS,
+    join_cap_refusal,
     join_frame_cap,
     member_frame_cap,
 )
 from paramsync.runtime.coordinator.run_state import RunState
-from paramsync.runtime.errors import ParamsyncError, PeerClosed, ProtocolError, one_line
+from paramsync.runtime.errors import (
+    FrameTooLarge,
+    ParamsyncError,
+    PeerClosed,
+    ProtocolError,
+    one_line,
+)
 from paramsync.runtime.observe.metrics import Metrics
 from paramsync.runtime.protocol.handshake import Identity, load_secret
 from paramsync.runtime.protocol.limits import kind_max_frame
@@ -397,11 +404,14 @@ class Coordinator:
                 if joined:  # no deadline scope per message once the member is in
                     message = await member.link.recv(self._member_max_frame())
                 else:  # only what a joining peer sends, at most what a join needs
-                    max_frame = join_frame_cap(
-                        self.core.view.reference_signature, kind_max_frame(Joined.KIND)
-                    )
+                    model = self.core.view.reference_signature
+                    max_frame = join_frame_cap(model, kind_max_frame(Joined.KIND))
                     with trio.CancelScope(deadline=join_by) as waiting:
-                        message = await member.link.recv(max_frame, kinds=JOINING_KINDS)
+                        try:
+                            message = await member.link.recv(max_frame, kinds=JOINING_KINDS)
+                        except FrameTooLarge as exc:  # from the prefix, unread
+                            why = join_cap_refusal(exc.reason, max_frame, model is not None)
+                            raise FrameTooLarge(why, peer=exc.peer) from None
                     if waiting.cancelled_caught:
                         log.warning(
                             "rank %d authenticated but sent no join within %g s; dropped",
