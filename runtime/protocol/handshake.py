@@ -10,8 +10,10 @@ Four messages, each one frame::
 
 The shares are CPace's (`paramsync.runtime.protocol.pake`): X25519 multiples of a generator derived
 from the secret (stretched by scrypt with the listener's salt, `stretch_secret`), the group and
-the dialer's nonce. The salt is the listener process's own random one (`PROCESS_SALT`), so a
-dictionary stretched for one listener is worthless against any other. Both
+the dialer's nonce. The salt is the listener's: its process's own random one (`PROCESS_SALT`),
+or the one its process adopted from its coordinator
+(`paramsync.runtime.transport.deployment_salt`), so a dictionary stretched for one deployment is
+worthless against any other. Both
 sides derive the intermediate session key (ISK) from the exchange, and every proof and the session
 key are HMACs keyed by the ISK: whoever watches a handshake (no TLS) or answers a dialer (a rogue
 listener) has nothing to test guesses of the secret against offline; an active attacker tests one
@@ -114,9 +116,10 @@ KEY_SIZE = 32
 32 bytes (16 MiB of memory and about 50 ms of one core per derivation), ``salt`` being the
 listener's (`PROCESS_SALT`, carried in its challenge)."""
 PROCESS_SALT = secrets.token_bytes(SALT_SIZE)
-"""This process's listeners' scrypt salt: random, drawn once per process and sent in every
-challenge, so a coordinator's salt is its deployment's and a precomputed (stretched)
-dictionary serves one listener at most."""
+"""This process's own scrypt salt: random, drawn once per process and sent in every challenge
+of its listeners unless they adopted another (a worker's: its coordinator's,
+`paramsync.runtime.transport.deployment_salt`), so a coordinator's salt is its deployment's and
+a precomputed (stretched) dictionary serves one deployment at most."""
 
 
 def new_secret() -> str:
@@ -206,8 +209,9 @@ def stretch_secret(secret: bytes, salt: bytes) -> bytes:
     """The key the CPace generator is derived from: the shared secret stretched by scrypt
     (salt `KDF_SALT_LABEL` || ``salt``, N=2^14, r=8, p=1, 32 bytes), ``salt`` being a
     listener's (`SALT_SIZE` bytes). Memory-hard and slow on purpose, so every guess of the
-    secret costs one derivation per listener; cached per process, secret and salt, so a
-    listener pays it once and a dialer once per listener it dials."""
+    secret costs one derivation per deployment; cached per process, secret and salt (in
+    memory only), so a process of a deployment, whose links all use its coordinator's salt,
+    pays it once."""
     if len(salt) != SALT_SIZE:
         raise ValueError(f"a scrypt salt is {SALT_SIZE} bytes, got {len(salt)}")
     return _stretch(bytes(secret), bytes(salt))
@@ -297,6 +301,9 @@ class DialerHandshake:
         guess of the secret against it)."""
         self.peer: Identity | None = None
         """The listener's identity, once its proof in the welcome has verified."""
+        self.listener_salt: bytes | None = None
+        """The listener's scrypt salt, from its challenge (proven with the secret once `peer`
+        is set)."""
 
     def hello(self) -> tuple[str, dict[str, Any]]:
         """The first message to send."""
@@ -323,6 +330,7 @@ class DialerHandshake:
         if len(salt) != SALT_SIZE:
             raise HandshakeAbandoned(f"the challenge's salt is not {SALT_SIZE} bytes")
         key = stretch_secret(self._secret, salt)
+        self.listener_salt = bytes(salt)
         cpace = Cpace(generator(key, self.me.group, self.me.world_size, self._nonce), self._scalar)
         share = message["share"]
         self._key = cpace.isk(share, dialer_share=cpace.share, listener_share=share)

@@ -78,7 +78,7 @@ from paramsync.runtime.protocol.wire import (
     landed_as_sent,
     tensor_buffer,
 )
-from paramsync.runtime.transport import keylog
+from paramsync.runtime.transport import deployment_salt, keylog
 from paramsync.runtime.transport.admission import AdmissionGate
 from paramsync.runtime.transport.base import BulkRoute
 from paramsync.runtime.transport.capabilities import (
@@ -856,6 +856,8 @@ async def dial(
             reply = await conn.recv(HANDSHAKE_MAX_FRAME)
             await conn.send(*state.on_challenge(reply))
             peer = state.on_verdict(await conn.recv(HANDSHAKE_MAX_FRAME))
+            assert state.listener_salt is not None
+            deployment_salt.adopt(secret, state.listener_salt)  # it proved the secret
             conn.authenticate_frames(state.session_key(), dialer=True)
             keylog.log_connection(state.nonces(), state.session_key())
             conn.tensors = True
@@ -915,9 +917,12 @@ async def accept(
     *,
     handshake_seconds: float = 10.0,
     tls: TlsConfig | None = None,
+    salt: bytes | None = None,
 ) -> tuple[Connection, Identity]:
     """Run the listener's handshake on an accepted stream (with ``tls``: TLS first, within
-    the same deadline).
+    the same deadline). ``salt``: the scrypt salt of the challenge; None: the one this process
+    adopted for ``secret`` from the first listener that proved it
+    (`paramsync.runtime.transport.deployment_salt`), else the process's own.
 
     Any failure closes the stream and raises a ProtocolError naming the remote address; the
     caller logs it and keeps serving.
@@ -928,7 +933,9 @@ async def accept(
     except OSError:
         where = "unknown peer"
     conn: Connection | None = None
-    state = ListenerHandshake(secret, me, admit)
+    if salt is None:
+        salt = deployment_salt.listener_salt(secret)
+    state = ListenerHandshake(secret, me, admit, salt=salt)
     try:
         with trio.fail_after(handshake_seconds):
             secured: _Stream = stream
