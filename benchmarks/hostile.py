@@ -48,6 +48,17 @@ meanwhile a legitimate dialer holding the secret from 127.0.0.3 is admitted ever
 hangs up. Reported: the proofs each target checked a second (the guess rate), the connections
 it refused at once (throttled), and the legitimate dialer's admission times.
 
+The run-id and artefact scan (issue 39 row 1, `artefact_scan`; ``--artefact-scan-only`` runs it
+alone, in about 30 s): a two-node-shaped launch on this host's network address (node 0 with the
+coordinator, node 1; one rank each, the LM demo job with checkpoints every 5 steps, traces,
+summaries, logs at INFO, metrics endpoints scraped; ``PARAMSYNC_KEYLOG_FILE`` unset), then every
+file it wrote searched for every value the project computes from the secret: the secret, the
+scrypt-stretched key under each salt the run's listeners sent (each listener of its processes
+probed with a hello while it runs) and under version 3's constant salt, SHA-256 of each, the
+version-3 run id, raw, hex and base64, and a key log line
+(`paramsync.runtime.testing.artefact_scan`). Reported: files, bytes, values and forms searched,
+hits per value (must be 0), and the random run id both ranks recorded.
+
 Relay attacks (issue 18 row 1): an on-path relay on 127.0.0.1 that holds no secret
 (`paramsync.runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames
 after it. Every attack must be refused by frame authentication, naming the peer:
@@ -155,6 +166,7 @@ from paramsync.runtime.errors import (  # noqa: E402
 from paramsync.runtime.protocol.handshake import (  # noqa: E402
     DialerHandshake,
     Identity,
+    new_secret,
 )
 from paramsync.runtime.protocol.wire import (  # noqa: E402
     HANDSHAKE_MAX_FRAME,
@@ -163,6 +175,7 @@ from paramsync.runtime.protocol.wire import (  # noqa: E402
     encode_frame_bytes,
     encode_tag_trailer,
 )
+from paramsync.runtime.testing import artefact_scan  # noqa: E402
 from paramsync.runtime.testing.process_watch import (  # noqa: E402
     PROBE_SOURCE,
     process_descriptors,
@@ -1454,6 +1467,63 @@ def print_guessing(results: dict[str, dict[str, Any]]) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- artefact scan
+
+
+def artefact_scan_run(workdir: Path, steps: int = 20) -> dict[str, Any]:
+    """Issue 39 row 1: a two-node-shaped launch, then every file it wrote searched for every
+    function of its secret (module doc); ``ok`` when the run finished and nothing was found."""
+    host = artefact_scan.this_hosts_address()
+    if host is None:
+        return {"skipped": "this host has no address but loopback", "ok": True}
+    secret = new_secret().encode()
+    run = artefact_scan.run_two_nodes(workdir, secret, host, steps=steps)
+    files = run.files()
+    values = artefact_scan.secret_functions(secret, run.coordinator, run.salts)
+    report = artefact_scan.scan(files, values, workdir)
+    run_id = run.checkpoint_dir / "run-id"
+    recorded = run_id.read_text().strip() if run_id.exists() else None
+    told = sorted(
+        set(re.findall(r"checkpoints of run '([^']+)' \(the coordinator's\)", run.log_text))
+    )
+    return {
+        "coordinator": run.coordinator,
+        "exit_codes": run.exit_codes,
+        "seconds": round(run.seconds, 1),
+        "listeners_probed": run.ports_probed,
+        "salts": sorted(salt.hex() for salt in run.salts),
+        "files": report.files,
+        "bytes": report.bytes,
+        "kinds_of_file": sorted({p.suffix or p.name for p in files}),
+        "values": report.values,
+        "forms": report.forms,
+        "hits": report.hits,
+        "found": report.found,
+        "run_id_recorded": recorded,
+        "run_ids_told": told,
+        "ok": run.exit_codes == [0, 0]
+        and bool(run.salts)
+        and report.clean
+        and recorded is not None
+        and told == [recorded],
+    }
+
+
+def print_artefact_scan(row: dict[str, Any]) -> None:
+    if "skipped" in row:
+        print(f"artefact scan (issue 39 row 1): skipped: {row['skipped']}")
+        return
+    hits = sum(row["hits"].values())
+    print(
+        f"artefact scan (issue 39 row 1): a two-node launch at {row['coordinator']} (exit "
+        f"{row['exit_codes']}, {row['seconds']} s); {row['files']} files, {row['bytes']} bytes "
+        f"searched for {row['values']} values of the secret in {row['forms']} forms (salts of "
+        f"{row['listeners_probed']} listeners probed: {len(row['salts'])} distinct); {hits} hits"
+        f"{': ' + '; '.join(row['found'][:5]) if hits else ''}; run id {row['run_id_recorded']} "
+        f"recorded, told {row['run_ids_told']}; {'ok' if row['ok'] else 'FAILED'}"
+    )
+
+
 # ----------------------------------------------------------------------------- second review
 
 PROBE_INTERVAL = 0.05
@@ -2062,8 +2132,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--guessing-words", type=int, default=50, help="the guesser's dictionary (wrong secrets)"
     )
+    parser.add_argument(
+        "--artefact-scan-only",
+        action="store_true",
+        help="run the run-id and artefact scan only (issue 39 row 1)",
+    )
+    parser.add_argument(
+        "--no-artefact-scan", action="store_true", help="skip the run-id and artefact scan"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.artefact_scan_only:
+        with tempfile.TemporaryDirectory(prefix="paramsync-artefacts-") as tmp:
+            scanned = artefact_scan_run(Path(tmp))
+        print_artefact_scan(scanned)
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"artefact_scan": scanned}, indent=2))
+            print(f"wrote {path}")
+        return 0 if scanned["ok"] else 1
     if args.guessing_only:
         with tempfile.TemporaryDirectory(prefix="paramsync-guessing-") as tmp:
             guessed = guessing(Path(tmp), args.guessing_seconds, args.guessing_words)
@@ -2168,7 +2256,11 @@ def main(argv: list[str] | None = None) -> int:
             print("second review (issue 31 rows 2-6), a coordinator daemon each", flush=True)
             review = trio.run(second_review, Path(tmp) / "review", sizes)
         print("online guessing (issue 39 row 2)", flush=True)
-        guessed = guessing(Path(tmp) / "guessing", args.guessing_seconds, args.guessing_words)
+        online = guessing(Path(tmp) / "guessing", args.guessing_seconds, args.guessing_words)
+        scanned: dict[str, Any] | None = None
+        if not args.no_artefact_scan:
+            print("run-id and artefact scan (issue 39 row 1)", flush=True)
+            scanned = artefact_scan_run(Path(tmp) / "artefacts")
 
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
@@ -2228,7 +2320,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"admission daemon totals: {parse_admission_log(free_log).totals}")
     if review:
         print_second_review(review)
-    print_guessing(guessed)
+    print_guessing(online)
+    if scanned is not None:
+        print_artefact_scan(scanned)
     same_as_baseline = None
     if baseline is not None:
         quiet0 = baseline.summaries.get(0, {})
@@ -2277,7 +2371,8 @@ def main(argv: list[str] | None = None) -> int:
         "relay_attacks": relay,
         "relay_live_run": live,
         "second_review": review,
-        "guessing": guessed,
+        "guessing": online,
+        "artefact_scan": scanned,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -2299,7 +2394,8 @@ def main(argv: list[str] | None = None) -> int:
         and all(not row["unexpected"] and row["unaccounted"] == 0 for row in rows.values())
         and relay_ok(relay, live)
         and all(row["ok"] for row in review)
-        and all(row["ok"] for row in guessed.values())
+        and all(row["ok"] for row in online.values())
+        and (scanned is None or scanned["ok"])
     )
     return 0 if ok else 1
 
