@@ -90,7 +90,8 @@ async def test_a_workers_listener_challenges_with_its_coordinators_salt() -> Non
         link, _ = await dial(coordinator, secret, Identity(DEFAULT_GROUP, 3, 0))
         await link.aclose()
         worker = await _listen(nursery, secret, Identity(DEFAULT_GROUP, 3, 0))
-        seen = [await _challenge_salt(worker, secret, Identity(DEFAULT_GROUP, 3, r)) for r in (1, 2)]
+        peers = [Identity(DEFAULT_GROUP, 3, rank) for rank in (1, 2)]
+        seen = [await _challenge_salt(worker, secret, peer) for peer in peers]
         return seen, _stretches() - before
 
     seen, stretched = await _within(20, body)
