@@ -319,13 +319,14 @@ def test_coordinator_refuses_admission_limits_that_cannot_work(
     assert words in result.stderr
 
 
-def test_a_16_mib_join_of_empty_arrays_is_refused_fast_and_the_daemon_serves_on(
+def test_a_join_of_empty_arrays_is_refused_fast_and_the_daemon_serves_on(
     tmp_path: Path,
 ) -> None:
     """Issue 18, row 4, against a daemon: an authenticated peer takes the free rank 1 and sends
-    a 16 MiB `join` whose ``params`` is an array of empty arrays (about 72x amplification if
-    decoded). The coordinator refuses it from the raw bytes, quickly, naming the item bound;
-    then the real workers join and train."""
+    a 4 MiB `join` whose ``params`` is an array of empty arrays (about 72x amplification if
+    decoded; 4 MiB is within a first join's cap, `FIRST_JOIN_MAX_FRAME`, so the item bound is
+    what refuses it). The coordinator refuses it from the raw bytes, quickly, naming the item
+    bound; then the real workers join and train."""
     run = hostile.LiveRun(tmp_path, steps=30)
     try:
         run.start_coordinator()
@@ -337,7 +338,7 @@ def test_a_16_mib_join_of_empty_arrays_is_refused_fast_and_the_daemon_serves_on(
             )
             replies = []
             try:
-                bomb = hostile.join_bomb(16 * 1024 * 1024)
+                bomb = hostile.join_bomb(4 * 1024 * 1024)
                 await conn.send_frame(bomb)  # with its tag: the peer holds the session key
                 sent = time.monotonic()
                 with trio.fail_after(30):
