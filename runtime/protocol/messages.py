@@ -17,7 +17,11 @@ The kinds, by who sends them:
   `ResyncOrder`, `Shutdown`, `AbortRun`, `JoinRefused` (:func:`message_from_wire`);
   worker -> coordinator: `Joined`, `Ready`, `Reduced`, `Digest`, `StepDone`, `Heartbeat`,
   `Finished` (:func:`event_from_wire`; their ``rank``, and ``now`` where they have one, are
-  the receiver's, never on the wire).
+  the receiver's, never on the wire);
+- the coordinator tree, a host's sub-coordinator -> the root: `HostJoined`, `HostReady`,
+  `HostReduced`, `HostDigest`, `HostStepDone`, `HostFinished`, `HostLost`, `HostAbort`
+  (:func:`host_event_from_wire`; their ``host`` is the root's index of the connection); the
+  root answers with the coordinator -> worker kinds, which each host fans out.
 
 `docs/protocol.md` describes the frames; `tests/test_wire.py` pins their bytes.
 """
@@ -108,6 +112,22 @@ __all__ = [
     "Heartbeat",
     "Finished",
     "WorkerReport",
+    # host -> root (the coordinator tree)
+    "MEMBER_JOIN",
+    "MemberJoin",
+    "DIGEST_GROUP",
+    "DigestGroup",
+    "HostJoined",
+    "HostReady",
+    "HostReduced",
+    "HostDigest",
+    "HostStepDone",
+    "HostFinished",
+    "HostLost",
+    "HostAbort",
+    "HostReport",
+    "HOST_KINDS",
+    "host_event_from_wire",
     # the closed tables and the codec bound to them
     "KINDS",
     "COORDINATOR_KINDS",
@@ -864,6 +884,183 @@ WorkerReport = Joined | Ready | Reduced | Digest | StepDone | Heartbeat | Finish
 """What a worker sends the coordinator (the coordinator core's wire events)."""
 
 
+# --------------------------------------------------------------------------- host -> root
+
+MEMBER_JOIN = Record(
+    ("rank", RANK),
+    ("host", Str(256)),
+    ("port", PORT),
+    ("step", STEP),
+    ("digest", DIGEST),
+    ("epoch", EPOCH),
+    ("committed", Bool()),
+    ("fold", Bool()),
+)
+"""One worker's join as its host forwards it: [rank, host, port, step, digest, epoch,
+committed, fold] (the fields of its `Joined`, the model signature sent once per host)."""
+
+MemberJoin = tuple[int, str, int, int, bytes, int, bool, bool]
+
+DIGEST_GROUP = Record(
+    ("ranks", RANKS),
+    ("digest", DIGEST),
+    ("algorithm", ALGORITHM),
+    ("tensors", Bytes(_MAX_ITEMS)),
+    ("listed", Bool()),
+    ("names", Seq(NAME, _MAX_ITEMS)),
+)
+"""The ranks of one host that hold one state: [ranks, digest, algorithm, tensors, listed,
+names]: their digest, the algorithm of their per-tensor digests, those digests packed (one
+size each) and, when ``listed``, their names (else the names this host listed last in the
+epoch)."""
+
+DigestGroup = tuple[tuple[int, ...], bytes, str, bytes, bool, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class HostJoined(WireMessage):
+    """Host ``host`` (the root's index of its connection) joins with every local worker:
+    ``name`` (its host name, for messages), ``members`` (each worker's join) and the model
+    ``signature`` every one of them announced."""
+
+    KIND: ClassVar[str] = "host_join"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("name", "members", "params")
+    host: int = local()
+    name: str = wire(Str(256, min_len=1))
+    members: tuple[MemberJoin, ...] = wire(Seq(MEMBER_JOIN, _MAX_WORLD))
+    signature: Signature = wire(SIGNATURE, key="params")
+
+    def invariants(self) -> None:
+        ranks = [member[0] for member in self.members]
+        if not ranks:
+            raise Invalid(" lists no worker", "'members'")
+        if len(set(ranks)) != len(ranks):
+            raise Invalid(" lists a rank twice", "'members'")
+
+
+@dataclass(frozen=True)
+class HostReady(WireMessage):
+    """Every member of host ``host`` reported bucket ``bucket`` of ``step`` ready with
+    ``spec`` (``cached``: every one of them reduces it from the response cache, and ``spec``
+    is the agreed spec's hash)."""
+
+    KIND: ClassVar[str] = "host_ready"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "bucket", "spec", "cached")
+    host: int = local()
+    step: int = wire(STEP)
+    bucket: int = wire(BUCKET)
+    spec: BucketSpec = wire(BUCKET_SPEC)
+    epoch: int = wire(EPOCH)
+    cached: bool = wire(Bool(), default=False, omit=False)
+
+
+@dataclass(frozen=True)
+class HostReduced(WireMessage):
+    """Every member of host ``host`` holds step ``step``'s reduced gradients (elastic runs).
+    ``cached``: some member reduced buckets from the response cache without a ``ready`` each,
+    under this `agreement_hash`: every agreed bucket the host did not report is reduced so."""
+
+    KIND: ClassVar[str] = "host_reduced"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "cached")
+    host: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+    cached: str = wire(CACHED, default="", omit="")
+
+
+@dataclass(frozen=True)
+class HostDigest(WireMessage):
+    """Every member of host ``host`` reported its digest of ``step``: ``groups``, one per
+    state its members hold (`DIGEST_GROUP`), every member in exactly one; ``cached``: as in
+    `HostReduced`."""
+
+    KIND: ClassVar[str] = "host_digest"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "groups", "cached")
+    host: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+    groups: tuple[DigestGroup, ...] = wire(Seq(DIGEST_GROUP, _MAX_WORLD))
+    cached: str = wire(CACHED, default="", omit="")
+
+    def invariants(self) -> None:
+        ranks = [rank for group in self.groups for rank in group[0]]
+        if not ranks or any(not group[0] for group in self.groups):
+            raise Invalid(" must give every group at least one rank", "'groups'")
+        if len(set(ranks)) != len(ranks):
+            raise Invalid(" names a rank in two groups", "'groups'")
+        for group in self.groups:
+            if group[4] and packed_size(group[3], len(group[5])) is None:
+                raise Invalid(
+                    f" of ranks {list(group[0])} holds {len(group[3])} bytes of digests for "
+                    f"{len(group[5])} names",
+                    "'groups'",
+                )
+
+
+@dataclass(frozen=True)
+class HostStepDone(WireMessage):
+    """Every member of host ``host`` finished ``step`` (a step without a digest check);
+    ``cached``: as in `HostReduced`."""
+
+    KIND: ClassVar[str] = "host_step_done"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "cached")
+    host: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+    cached: str = wire(CACHED, default="", omit="")
+
+
+@dataclass(frozen=True)
+class HostFinished(WireMessage):
+    """Every member of host ``host`` ran all its steps; ``step``: the first it will not run."""
+
+    KIND: ClassVar[str] = "host_finished"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step")
+    host: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+
+
+@dataclass(frozen=True)
+class HostLost(WireMessage):
+    """Host ``host`` lost ``ranks`` of its members (dead, silent or evicted: ``reason``, as
+    the flat coordinator words it after "rank r") in ``epoch`` of an elastic run."""
+
+    KIND: ClassVar[str] = "host_lost"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "ranks", "reason")
+    host: int = local()
+    epoch: int = wire(EPOCH)
+    ranks: tuple[int, ...] = wire(RANKS)
+    reason: str = wire(REASON)
+
+    def invariants(self) -> None:
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise Invalid(" must list distinct ranks, at least one", "'ranks'")
+
+
+@dataclass(frozen=True)
+class HostAbort(WireMessage):
+    """Host ``host`` found what stops the run (a static run's loss or fault, members that
+    disagree on a bucket): ``reason``, the flat coordinator's words."""
+
+    KIND: ClassVar[str] = "host_abort"
+    host: int = local()
+    reason: str = wire(REASON)
+
+
+HostReport = (
+    HostJoined
+    | HostReady
+    | HostReduced
+    | HostDigest
+    | HostStepDone
+    | HostFinished
+    | HostLost
+    | HostAbort
+)
+"""What a host's sub-coordinator sends the root coordinator (the root core's wire events)."""
+
+
 # --------------------------------------------------------------------------- the kind tables
 
 
@@ -883,6 +1080,18 @@ COORDINATOR_KINDS = _table(
 """The kinds the coordinator sends a worker."""
 WORKER_KINDS = _table(Joined, Ready, Reduced, Digest, StepDone, Heartbeat, Finished)
 """The kinds a worker sends the coordinator."""
+HOST_KINDS = _table(
+    HostJoined,
+    HostReady,
+    HostReduced,
+    HostDigest,
+    HostStepDone,
+    HostFinished,
+    HostLost,
+    HostAbort,
+)
+"""The kinds a host's sub-coordinator sends the root (the root answers with the coordinator's
+kinds, which the host fans out to its workers)."""
 KINDS = _table(
     Hello,
     Challenge,
@@ -905,6 +1114,7 @@ KINDS = _table(
     StateTensor,
     *COORDINATOR_KINDS.values(),
     *WORKER_KINDS.values(),
+    *HOST_KINDS.values(),
 )
 """Every kind a frame may carry, by its ``kind``: the closed set of the protocol."""
 
@@ -928,6 +1138,17 @@ def message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> Coordi
     if spec.kind not in COORDINATOR_KINDS:
         raise ProtocolError(f"a {spec.kind} message does not come from the coordinator", peer=peer)
     return decode_as(spec, item, peer, {})
+
+
+def host_event_from_wire(item: Mapping[str, Any], *, host: int) -> HostReport:
+    """Parse a decoded host -> root message from the sub-coordinator of host index ``host``
+    (the root's, from the connection). ProtocolError names the kind, the field and the host."""
+    peer = f"host {host}"
+    spec = check_envelope(item, KINDS, peer)
+    assert spec is not None
+    if spec.kind not in HOST_KINDS:
+        raise ProtocolError(f"a {spec.kind} message is not for the root coordinator", peer=peer)
+    return decode_as(spec, item, peer, {"host": host})
 
 
 def event_from_wire(item: Mapping[str, Any], *, rank: int, now: float) -> WorkerReport:
