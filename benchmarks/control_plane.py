@@ -51,7 +51,10 @@ from paramsync.runtime.coordinator.events import (  # noqa: E402
     agreement_hash,
     spec_hash,
 )
+from paramsync.runtime.coordinator.host_fold import HostFold  # noqa: E402
+from paramsync.runtime.coordinator.root_core import RootCore  # noqa: E402
 from paramsync.runtime.coordinator.run_state import RunState  # noqa: E402
+from paramsync.runtime.coordinator.tree_events import FromRoot, ToHosts, Up  # noqa: E402
 from paramsync.runtime.protocol.messages import (  # noqa: E402
     Apply,
     Commit,
@@ -64,6 +67,8 @@ from paramsync.runtime.protocol.messages import (  # noqa: E402
     StepDone,
     WireMessage,
     event_from_wire,
+    host_event_from_wire,
+    message_from_wire,
 )
 from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes  # noqa: E402
 
@@ -219,6 +224,243 @@ class SimulatedRun:
         return elapsed
 
 
+class TreeRun:
+    """``workers`` simulated workers on ``hosts`` hosts (as even as they split), a `HostFold`
+    per host and a `RootCore` above them, every message a real CBOR frame both ways.
+
+    `step` plays one step: each worker's reports are built and encoded first (untimed); then
+    each host's sub-coordinator is timed decoding its workers' frames, folding them and
+    encoding its report to the root, and the root is timed decoding the hosts' frames,
+    deciding and encoding its answer (once: the same frame goes to every host), and each host
+    again taking the answer and fanning it out. It returns the root's seconds and keeps each
+    host's in ``host_seconds``."""
+
+    def __init__(
+        self,
+        workers: int,
+        hosts: int,
+        *,
+        buckets: int = 6,
+        tensors: int = 48,
+        digest_interval: int = 1,
+        fold: bool = True,
+    ) -> None:
+        if not 1 <= hosts <= workers:
+            raise ValueError(f"--hosts must be in [1, {workers}], got {hosts}")
+        self.workers, self.buckets, self.fold = workers, buckets, fold
+        self.tensors = tuple(name for name, *_ in signature(tensors))
+        self.specs = bucket_specs(buckets, tensors)
+        self.hashes = [spec_hash(spec) for spec in self.specs]
+        self.agreement = agreement_hash(dict(enumerate(self.hashes)))
+        self.interval = digest_interval
+        self.root = RootCore(workers, digest_interval=digest_interval, heartbeat_deadline=60.0)
+        self.groups = [list(range(workers))[h::hosts] for h in range(hosts)]
+        self.hosts = [
+            HostFold(f"node{h}", h, ranks, world_size=workers, elastic=False)
+            for h, ranks in enumerate(self.groups)
+        ]
+        self.epoch = 0
+        self.next_step = 0
+        self._named: set[int] = set()
+        self._up: list[tuple[int, bytes]] = []
+        self._down: list[tuple[tuple[int, ...], bytes]] = []
+        self._answers: list[Any] = []
+        self.host_seconds: list[float] = []
+        self.host_cpu_seconds: list[float] = []
+        self.last_cpu_seconds = 0.0
+        sig = signature(tensors)
+        for h, ranks in enumerate(self.groups):
+            frames = [
+                (r, self._frame(Joined(r, sig, ("10.0.0.1", 20_000 + r), now=0.0, fold=fold)))
+                for r in ranks
+            ]
+            self._host_step(h, frames)
+        self._deliver()
+        for h in range(hosts):
+            self._fan_out(h)
+        self._down.clear()
+        if self.root.state is not RunState.RUNNING:
+            raise RuntimeError(f"the tree did not start: {self.root.abort_reason}")
+        self.epoch = self.root.epoch
+
+    @staticmethod
+    def _frame(message: WireMessage) -> bytes:
+        kind, fields = message.to_wire()
+        return encode_frame_bytes(kind, fields)
+
+    def _host_step(self, h: int, frames: list[tuple[int, bytes]]) -> None:
+        """Host ``h`` takes its workers' frames; its frames up are queued for the root."""
+        host, up = self.hosts[h], self._up
+        for rank, data in frames:
+            for action in host.handle(event_from_wire(decode_frame(data), rank=rank, now=0.0)):
+                if isinstance(action, Up):
+                    up.append((h, self._frame(action.message)))
+
+    def _deliver(self) -> None:
+        """The root takes the queued host frames; its answers (one frame each) are queued
+        for the hosts (`_fan_out`)."""
+        root = self.root
+        while self._up:
+            h, data = self._up.pop(0)
+            for action in root.handle(host_event_from_wire(decode_frame(data), host=h)):
+                if isinstance(action, ToHosts):
+                    self._answers.append(action.message)
+                    self._down.append((action.hosts, self._frame(action.message)))
+                else:
+                    raise RuntimeError(f"the root answered {action!r}")
+
+    def _fan_out(self, h: int) -> None:
+        """Host ``h`` takes the root's answers and fans them out (its reports go up)."""
+        for hosts, data in self._down:
+            if h in hosts:
+                message = message_from_wire(decode_frame(data))
+                for action in self.hosts[h].handle(FromRoot(message)):
+                    if isinstance(action, Up):
+                        self._up.append((h, self._frame(action.message)))
+
+    def reports(self, step: int) -> list[tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]]:
+        """Each host's workers' frames of ``step`` (as `SimulatedRun.reports` builds them):
+        its bucket reports, then its step ends (which follow the root's gos)."""
+        cached = step > 0
+        folded = self.agreement if cached and self.fold else ""
+        out = []
+        digest_step = step % self.interval == 0
+        for ranks in self.groups:
+            readies, ends = [], []
+            for bucket in reversed(range(self.buckets) if not folded else ()):
+                spec: Any = self.hashes[bucket] if cached else self.specs[bucket]
+                for rank in ranks:
+                    ready = Ready(rank, step, bucket, spec, self.epoch, cached=cached)
+                    readies.append((rank, self._frame(ready)))
+            for rank in ranks:
+                end: WireMessage
+                if digest_step:
+                    packed = bytes([step % 251]) * (DIGEST_BYTES * len(self.tensors))
+                    names = None if rank in self._named else self.tensors
+                    self._named.add(rank)
+                    digest = b"d%015d" % step
+                    end = Digest(rank, step, digest, (), self.epoch, packed, names, folded)
+                else:
+                    end = StepDone(rank, step, self.epoch, folded)
+                ends.append((rank, self._frame(end)))
+            out.append((readies, ends))
+        return out
+
+    def step(self) -> float:
+        """Play the next step; the root's seconds (decoding, deciding, encoding its answer)."""
+        step = self.next_step
+        per_host = self.reports(step)
+        self.host_seconds = [0.0] * len(per_host)
+        self.host_cpu_seconds = [0.0] * len(per_host)
+        root = root_cpu = 0.0
+        self._answers = []
+        for phase in (0, 1):  # the bucket reports (and their gos), then the step ends
+            for h, frames in enumerate(per_host):
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                self._host_step(h, frames[phase])
+                self.host_seconds[h] += time.perf_counter() - start
+                self.host_cpu_seconds[h] += time.thread_time() - start_cpu
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            self._deliver()
+            root += time.perf_counter() - start
+            root_cpu += time.thread_time() - start_cpu
+            for h in range(len(per_host)):
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                self._fan_out(h)
+                self.host_seconds[h] += time.perf_counter() - start
+                self.host_cpu_seconds[h] += time.thread_time() - start_cpu
+            self._down.clear()
+        answers = self._answers
+        self.last_cpu_seconds = root_cpu
+        if not any(isinstance(a, Commit) and a.step == step for a in answers):
+            raise RuntimeError(f"step {step}: no commit; the root: {self.root.abort_reason}")
+        self.next_step += 1
+        return root
+
+
+def time_tree(run: TreeRun, steps: int, warmup: int) -> dict[str, float]:
+    """The root's and the sub-coordinators' milliseconds a step (median, p99 over steps; the
+    hosts' over every host of every step)."""
+    for _ in range(warmup):
+        run.step()
+    gc.collect()
+    root_ms, host_ms, root_cpu, host_cpu = [], [], [], []
+    for _ in range(steps):
+        root_ms.append(run.step() * 1e3)
+        root_cpu.append(run.last_cpu_seconds * 1e3)
+        host_ms += [s * 1e3 for s in run.host_seconds]
+        host_cpu += [s * 1e3 for s in run.host_cpu_seconds]
+    return {
+        "root_median_ms": statistics.median(root_ms),
+        "root_p99_ms": percentile(root_ms, 0.99),
+        "root_cpu_median_ms": statistics.median(root_cpu),
+        "root_cpu_p99_ms": percentile(root_cpu, 0.99),
+        "host_median_ms": statistics.median(host_ms),
+        "host_p99_ms": percentile(host_ms, 0.99),
+        "host_cpu_median_ms": statistics.median(host_cpu),
+        "host_cpu_p99_ms": percentile(host_cpu, 0.99),
+    }
+
+
+def _cell(row: dict[str, float], who: str) -> str:
+    """``median / p99 (cpu median / cpu p99)`` of ``who`` ("root", "host", "" for flat)."""
+    p = f"{who}_" if who else ""
+    return (
+        f"{row[p + 'median_ms']:.3f} / {row[p + 'p99_ms']:.3f} "
+        f"({row[p + 'cpu_median_ms']:.3f} / {row[p + 'cpu_p99_ms']:.3f})"
+    )
+
+
+def tree_main(args: argparse.Namespace) -> int:
+    """``--hosts``: the tree at each count of hosts, against the flat core at the same N."""
+    options = {"buckets": args.buckets, "tensors": args.tensors, "fold": args.fold}
+    print(
+        f"coordinator tree: {args.buckets} buckets, {args.tensors} tensors, digest every "
+        f"{args.digest_interval} step(s), fold={args.fold}, {args.steps} timed steps; every "
+        "report a CBOR frame, decoding timed"
+    )
+    print("ms a step, wall median / p99 (the thread's cpu median / p99)")
+    print(f"{'workers':>8} {'hosts':>6} {'root':>34} {'one host':>34} {'flat core +CBOR':>34}")
+    rows: list[dict[str, Any]] = []
+    ok = True
+    for workers in args.workers:
+        flat = time_steps(
+            SimulatedRun(workers, **options, digest_interval=args.digest_interval, wire=True),
+            args.flat_steps,
+            min(args.warmup, 3),
+        )
+        for hosts in args.hosts:
+            run = TreeRun(workers, hosts, **options, digest_interval=args.digest_interval)
+            tree = time_tree(run, args.steps, args.warmup)
+            rows.append({"workers": workers, "hosts": hosts, "tree": tree, "flat_wire": flat})
+            print(
+                f"{workers:>8} {hosts:>6} {_cell(tree, 'root'):>34} {_cell(tree, 'host'):>34} "
+                f"{_cell(flat, ''):>34}"
+            )
+            clock = "" if args.target_clock == "wall" else "cpu_"
+            if tree[f"root_{clock}p99_ms"] >= args.target_ms or tree[f"host_{clock}p99_ms"] >= 1:
+                ok = False
+    verdict = f"root p99 < {args.target_ms} ms, host p99 < 1 ms ({args.target_clock} time)"
+    print(("met: " if ok else "MISSED: ") + verdict)
+    result: dict[str, Any] = {"options": options, "steps": args.steps, "tree": rows}
+    if args.memory_steps > 0:
+        workers, hosts = max(args.workers), max(args.hosts)
+        print(f"memory of the tree at {workers} workers on {hosts} hosts (rss):")
+        run = TreeRun(workers, hosts, **options, digest_interval=args.digest_interval)
+        run.step()
+        samples = list(memory_samples(run, args.memory_steps, args.sample_every))  # type: ignore[arg-type]
+        for sample in samples:
+            print(f"{sample['step']:>8} {sample['current_bytes'] / 1024:>12.1f} KiB")
+        first, last = samples[min(1, len(samples) - 1)], samples[-1]
+        growth = last["current_bytes"] - first["current_bytes"]
+        print(f"growth from step {first['step']} to step {last['step']}: {growth} bytes")
+        result["memory"] = {"workers": workers, "hosts": hosts, "samples": samples}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0 if ok else 1
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
@@ -325,8 +567,20 @@ def main(argv: list[str] | None = None) -> int:
         help="check the target against wall time (default) or the thread's CPU time (on a "
         "machine shared with other work)",
     )
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        nargs="+",
+        help="time the coordinator tree (a sub-coordinator per host under a root) at each "
+        "count of hosts, against the flat coordinator with decoding at the same --workers",
+    )
+    parser.add_argument(
+        "--flat-steps", type=int, default=50, help="timed steps of the flat core with --hosts"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.hosts:
+        return tree_main(args)
 
     options = {
         "buckets": args.buckets,

@@ -241,6 +241,7 @@ class Workers:
         self.hashes = [spec_hash(s) for s in self.specs]
         self.agreement = agreement_hash(dict(enumerate(self.hashes)))
         self.starts = 0
+        self.host_ranks: list[list[int]] = []
         self.alive = set(range(world))
         for rank in range(world):
             join = Joined(rank, SIGNATURE, ("10.0.0.1", 20_000 + rank), now=0.0, fold=fold)
@@ -350,8 +351,6 @@ class Workers:
         ranks = tuple(r for r in self.host_ranks[target] if r in self.alive)
         self.alive -= set(ranks)
         self.system.lose_host(target, ranks)
-
-    host_ranks: list[list[int]] = []
 
 
 # --------------------------------------------------------------------------- the machine
