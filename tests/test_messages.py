@@ -104,9 +104,9 @@ def test_every_kind_round_trips_through_a_frame(kind: str, data: st.DataObject) 
 @given(data=st.data())
 def test_every_valid_field_map_decodes_and_encodes_back(kind: str, data: st.DataObject) -> None:
     fields = data.draw(wire_fields(KINDS[kind]))
-    message = decode_message(item(kind, fields), rank=1, now=2.0)
+    message = decode_message(item(kind, fields), rank=1, host=1, now=2.0)
     again = message.to_wire()[1]
-    assert same(decode_message(item(kind, again), rank=1, now=2.0), message)
+    assert same(decode_message(item(kind, again), rank=1, host=1, now=2.0), message)
     # The same map up to CBOR's view (tuples are lists), except that an optional field at the
     # value the encoder leaves out is left out, and a default may be written.
     omitted = {key: omit for _, key, _, _, omit in schema(KINDS[kind]).slots}
@@ -221,7 +221,7 @@ def bad_values(ftype: WireType) -> list[Any]:
 
 def refused(kind: str, fields: dict[str, Any]) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
-        decode_message(item(kind, fields), peer=PEER, rank=PEER, now=0.0)
+        decode_message(item(kind, fields), peer=PEER, rank=PEER, host=PEER, now=0.0)
     return info.value
 
 
@@ -414,4 +414,4 @@ def test_bad_group_fields_are_refused_by_name(
         else {"host": "h", "port": 2, "params": []}
     )
     with pytest.raises(ProtocolError, match=problem):
-        decode_message(item(kind, {**base, **fields}), peer=PEER, rank=1, now=0.0)
+        decode_message(item(kind, {**base, **fields}), peer=PEER, rank=1, host=1, now=0.0)

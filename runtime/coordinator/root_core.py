@@ -279,6 +279,8 @@ class RootCore:
             return [RefuseHost(host, f"host {host} ({event.name!r}) has already joined")]
         if self.state is not RunState.RENDEZVOUS:
             return [RefuseHost(host, f"host {event.name!r} cannot join: the run has started")]
+        if not event.members:
+            return [RefuseHost(host, f"host {event.name!r} joined with no worker")]
         reference = self.membership.reference, self.membership.reference_rank
         admitted: list[int] = []
         for rank, address, port, step, digest, epoch, committed, fold in event.members:

@@ -930,13 +930,6 @@ class HostJoined(WireMessage):
     members: tuple[MemberJoin, ...] = wire(Seq(MEMBER_JOIN, _MAX_WORLD))
     signature: Signature = wire(SIGNATURE, key="params")
 
-    def invariants(self) -> None:
-        ranks = [member[0] for member in self.members]
-        if not ranks:
-            raise Invalid(" lists no worker", "'members'")
-        if len(set(ranks)) != len(ranks):
-            raise Invalid(" lists a rank twice", "'members'")
-
 
 @dataclass(frozen=True)
 class HostReady(WireMessage):
@@ -982,20 +975,6 @@ class HostDigest(WireMessage):
     groups: tuple[DigestGroup, ...] = wire(Seq(DIGEST_GROUP, _MAX_WORLD))
     cached: str = wire(CACHED, default="", omit="")
 
-    def invariants(self) -> None:
-        ranks = [rank for group in self.groups for rank in group[0]]
-        if not ranks or any(not group[0] for group in self.groups):
-            raise Invalid(" must give every group at least one rank", "'groups'")
-        if len(set(ranks)) != len(ranks):
-            raise Invalid(" names a rank in two groups", "'groups'")
-        for group in self.groups:
-            if group[4] and packed_size(group[3], len(group[5])) is None:
-                raise Invalid(
-                    f" of ranks {list(group[0])} holds {len(group[3])} bytes of digests for "
-                    f"{len(group[5])} names",
-                    "'groups'",
-                )
-
 
 @dataclass(frozen=True)
 class HostStepDone(WireMessage):
@@ -1032,10 +1011,6 @@ class HostLost(WireMessage):
     epoch: int = wire(EPOCH)
     ranks: tuple[int, ...] = wire(RANKS)
     reason: str = wire(REASON)
-
-    def invariants(self) -> None:
-        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
-            raise Invalid(" must list distinct ranks, at least one", "'ranks'")
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,7 @@ def instances(draw: st.DrawFn, cls: type) -> Any:
     for f in dataclasses.fields(cls):
         spec: WireField = f.metadata["wire"]
         if spec.local:
-            if f.name == "rank":
+            if f.name in ("rank", "host"):  # a worker's rank, a host's index at the root
                 kwargs[f.name] = draw(st.integers(0, 1 << 16))
             elif f.name == "now":
                 kwargs[f.name] = draw(st.floats(allow_nan=False))
