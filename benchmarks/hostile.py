@@ -59,6 +59,18 @@ version-3 run id, raw, hex and base64, and a key log line
 (`paramsync.runtime.testing.artefact_scan`). Reported: files, bytes, values and forms searched,
 hits per value (must be 0), and the random run id both ranks recorded.
 
+The key log read against a captured run (issue 39 row 10, `keylog_run`; ``--keylog-run`` runs it
+alone, in about 40 s): ``paramsync launch --nproc 3`` of the LM demo job (a coordinator and
+three workers, 6 steps, ``PARAMSYNC_KEYLOG_FILE`` set, ``PARAMSYNC_SHM=0`` so the data plane is
+TCP) in a fresh network namespace, every packet of its loopback captured by a raw socket opened
+in the namespace by a process of its own (`paramsync.runtime.testing.captured_run`); the TCP
+streams rebuilt from the capture, and every frame tag of every connection checked with the key
+log by section 8's reader, run out of docs/protocol.md (`paramsync.runtime.testing.keylog_check`).
+Reported: connections (to the coordinator, between workers), frames, tags verified, key log
+lines, the capture's packets and kernel drops (must be 0), and each failure (must be none: a
+connection without a key log line, a tag that does not verify, a key log line no captured
+connection used). Skipped, with the reason, without root or network namespaces.
+
 Relay attacks (issue 18 row 1): an on-path relay on 127.0.0.1 that holds no secret
 (`paramsync.runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames
 after it. Every attack must be refused by frame authentication, naming the peer:
@@ -175,7 +187,8 @@ from paramsync.runtime.protocol.wire import (  # noqa: E402
     encode_frame_bytes,
     encode_tag_trailer,
 )
-from paramsync.runtime.testing import artefact_scan  # noqa: E402
+from paramsync.runtime.testing import artefact_scan, captured_run  # noqa: E402
+from paramsync.runtime.testing.keylog_check import check_pcap, document_reader  # noqa: E402
 from paramsync.runtime.testing.process_watch import (  # noqa: E402
     PROBE_SOURCE,
     process_descriptors,
@@ -1524,6 +1537,60 @@ def print_artefact_scan(row: dict[str, Any]) -> None:
     )
 
 
+# ----------------------------------------------------------------------------- key log run
+
+
+def keylog_run(workdir: Path, workers: int = 3, steps: int = 6) -> dict[str, Any]:
+    """Issue 39 row 10: a captured training run, every tag of every connection checked with
+    its key log (module doc); ``ok`` when the run finished, the capture lost nothing, and
+    every connection and every key log line checked out."""
+    reason = captured_run.unavailable_reason()
+    if reason is not None:
+        return {"skipped": reason, "ok": True}
+    run = captured_run.run_captured(workdir, workers=workers, steps=steps)
+    key_log = run.key_log.read_text() if run.key_log.exists() else ""
+    check = check_pcap(run.pcap, key_log, document_reader(ROOT / "docs" / "protocol.md"))
+    found = re.search(r"coordinator at (\S+)", run.log_text)
+    coordinator = found.group(1) if found else None
+    to_coordinator = check.by_listener.get(coordinator, 0) if coordinator else 0
+    return {
+        "command": " ".join(run.command),
+        "workers": workers,
+        "steps": steps,
+        "exit_code": run.exit_code,
+        "seconds": round(run.seconds, 1),
+        "packets": run.capture.packets,
+        "kernel_drops": run.capture.kernel_drops,
+        "truncated": run.capture.truncated,
+        "pcap_bytes": run.pcap.stat().st_size,
+        "coordinator": coordinator,
+        "to_coordinator": to_coordinator,
+        "between_workers": check.verified - to_coordinator,
+        **check.summary(),
+        "ok": run.exit_code == 0
+        and run.capture.kernel_drops == 0
+        and run.capture.truncated == 0
+        and check.ok
+        and to_coordinator == workers,
+    }
+
+
+def print_keylog_run(row: dict[str, Any]) -> None:
+    if "skipped" in row:
+        print(f"key log run (issue 39 row 10): skipped: {row['skipped']}")
+        return
+    print(
+        f"key log run (issue 39 row 10): a coordinator and {row['workers']} workers, "
+        f"{row['steps']} steps in a network namespace (exit {row['exit_code']}, "
+        f"{row['seconds']} s); {row['packets']} packets captured ({row['kernel_drops']} dropped); "
+        f"{row['connections']} connections ({row['to_coordinator']} to the coordinator, "
+        f"{row['between_workers']} between workers, {row['connections_without_bytes']} without "
+        f"bytes), {row['connections_verified']} verified: {row['frames']} frames, "
+        f"{row['tags_verified']} tags verified with {row['key_log_lines']} key log lines; "
+        f"{'ok' if row['ok'] else 'FAILED: ' + '; '.join(row['failures'][:5])}"
+    )
+
+
 # ----------------------------------------------------------------------------- second review
 
 PROBE_INTERVAL = 0.05
@@ -2140,8 +2207,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-artefact-scan", action="store_true", help="skip the run-id and artefact scan"
     )
+    parser.add_argument(
+        "--keylog-run",
+        action="store_true",
+        help="run the captured run checked with its key log only (issue 39 row 10)",
+    )
+    parser.add_argument(
+        "--no-keylog-run", action="store_true", help="skip the captured run and its key log"
+    )
+    parser.add_argument("--keylog-workers", type=int, default=3, help="workers of the captured run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.keylog_run:
+        with tempfile.TemporaryDirectory(prefix="paramsync-keylog-") as tmp:
+            captured = keylog_run(Path(tmp), args.keylog_workers)
+        print_keylog_run(captured)
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"keylog_run": captured}, indent=2))
+            print(f"wrote {path}")
+        return 0 if captured["ok"] else 1
     if args.artefact_scan_only:
         with tempfile.TemporaryDirectory(prefix="paramsync-artefacts-") as tmp:
             scanned = artefact_scan_run(Path(tmp))
@@ -2261,6 +2347,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_artefact_scan:
             print("run-id and artefact scan (issue 39 row 1)", flush=True)
             scanned = artefact_scan_run(Path(tmp) / "artefacts")
+        captured: dict[str, Any] | None = None
+        if not args.no_keylog_run:
+            print("the key log against a captured run (issue 39 row 10)", flush=True)
+            captured = keylog_run(Path(tmp) / "keylog", args.keylog_workers)
 
     log = parse_admission_log(outcome.coordinator_log)
     rows = account(attempts, log)
@@ -2323,6 +2413,8 @@ def main(argv: list[str] | None = None) -> int:
     print_guessing(online)
     if scanned is not None:
         print_artefact_scan(scanned)
+    if captured is not None:
+        print_keylog_run(captured)
     same_as_baseline = None
     if baseline is not None:
         quiet0 = baseline.summaries.get(0, {})
@@ -2373,6 +2465,7 @@ def main(argv: list[str] | None = None) -> int:
         "second_review": review,
         "guessing": online,
         "artefact_scan": scanned,
+        "keylog_run": captured,
         "sample_attempts": [asdict(a) for a in attempts[:: max(1, len(attempts) // 20)]],
     }
     if args.json:
@@ -2396,6 +2489,7 @@ def main(argv: list[str] | None = None) -> int:
         and all(row["ok"] for row in review)
         and all(row["ok"] for row in online.values())
         and (scanned is None or scanned["ok"])
+        and (captured is None or captured["ok"])
     )
     return 0 if ok else 1
 

@@ -108,5 +108,5 @@ def run_captured(
         capture=stats,
         seconds=time.perf_counter() - started,
         log_text=log.read_text(errors="replace"),
-        command=["paramsync", *command[3:]],
+        command=[f"PARAMSYNC_KEYLOG_FILE={key_log}", "PARAMSYNC_SHM=0", "paramsync", *command[3:]],
     )

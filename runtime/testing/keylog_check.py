@@ -25,10 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paramsync.runtime.testing.tcp_streams import Connection
+from paramsync.runtime.testing.packet_capture import read_pcap
+from paramsync.runtime.testing.tcp_streams import Connection, parse_frame, reassemble
 from paramsync.runtime.transport.keylog import KEYLOG_LABEL
 
-__all__ = ["CaptureCheck", "check_capture", "check_connection", "document_reader", "parse_key_log"]
+__all__ = [
+    "CaptureCheck",
+    "check_capture",
+    "check_connection",
+    "check_pcap",
+    "document_reader",
+    "parse_key_log",
+]
 
 Keys = dict[tuple[str, str], tuple[bytes, bytes]]
 _LINE = re.compile(rf"{KEYLOG_LABEL}( [0-9a-f]{{64}}){{4}}")
@@ -63,20 +71,27 @@ def parse_key_log(text: str) -> Keys:
 
 
 def check_connection(
-    to_listener: bytes, to_dialer: bytes, keys: Keys, reader: dict[str, Any]
-) -> tuple[tuple[str, str], int, int]:
-    """Check one connection's every tag, both ways: (its nonces, frames read, tags verified).
-    Raises ValueError saying which direction and frame failed, or that no line has its keys."""
+    to_listener: bytes,
+    to_dialer: bytes,
+    keys: Keys,
+    reader: dict[str, Any],
+    found: set[tuple[str, str]] | None = None,
+) -> tuple[int, int]:
+    """Check one connection's every tag, both ways: (frames read, tags verified); its nonces
+    go into ``found`` once its key log line is found. Raises ValueError saying which direction
+    and frame failed, or that no line has the connection's nonces."""
     dialer = _Way("dialer", to_listener, reader)
     listener = _Way("listener", to_dialer, reader)
     hello, challenge = dialer.expect("hello"), listener.expect("challenge")
     nonces = (bytes(hello["nonce"]).hex(), bytes(challenge["nonce"]).hex())
     if nonces not in keys:
         raise ValueError(f"no key log line for the nonces {nonces[0][:16]}.. / {nonces[1][:16]}..")
+    if found is not None:
+        found.add(nonces)
     dialer.expect("auth")
     listener.expect("welcome")
     tags = dialer.check_rest(keys[nonces][0]) + listener.check_rest(keys[nonces][1])
-    return nonces, 4 + tags, tags
+    return 4 + tags, tags
 
 
 class _Way:
@@ -133,6 +148,8 @@ class CaptureCheck:
     tags_verified: int = 0
     key_log_lines: int = 0
     """Distinct lines of the key log (both ends may write a connection's line)."""
+    by_listener: dict[str, int] = field(default_factory=dict)
+    """Verified connections per listening address (``host:port``)."""
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -147,6 +164,7 @@ class CaptureCheck:
             "frames": self.frames,
             "tags_verified": self.tags_verified,
             "key_log_lines": self.key_log_lines,
+            "by_listener": self.by_listener,
             "failures": self.failures,
             "ok": self.ok,
         }
@@ -158,7 +176,7 @@ def check_capture(
     """Check every tag of every captured connection with ``key_log`` (module doc)."""
     keys = parse_key_log(key_log)
     result = CaptureCheck(connections=len(connections), key_log_lines=len(keys))
-    used: set[tuple[str, str]] = set()
+    found: set[tuple[str, str]] = set()
     for connection in connections:
         to_listener, to_dialer, problems = connection.streams()
         if not to_listener and not to_dialer and not problems:
@@ -169,17 +187,24 @@ def check_capture(
             result.failures.append(f"{name}: not captured whole: {'; '.join(problems)}")
             continue
         try:
-            nonces, frames, tags = check_connection(to_listener, to_dialer, keys, reader)
+            frames, tags = check_connection(to_listener, to_dialer, keys, reader, found)
         except ValueError as exc:
             result.failures.append(f"{name}: {exc}")
             continue
-        used.add(nonces)
         result.verified += 1
         result.frames += frames
         result.tags_verified += tags
-    for nonce_d, nonce_l in sorted(set(keys) - used):
+        listener = connection.listener_name
+        result.by_listener[listener] = result.by_listener.get(listener, 0) + 1
+    for nonce_d, nonce_l in sorted(set(keys) - found):
         result.failures.append(
             f"the key log's line for the nonces {nonce_d[:16]}.. / {nonce_l[:16]}.. matches no "
             f"captured connection (the capture missed a connection of the run)"
         )
     return result
+
+
+def check_pcap(pcap: Path, key_log: str, reader: dict[str, Any]) -> CaptureCheck:
+    """`check_capture` of every TCP connection in the pcap file ``pcap``."""
+    segments = [s for _, frame in read_pcap(pcap) if (s := parse_frame(frame)) is not None]
+    return check_capture(reassemble(segments), key_log, reader)

@@ -146,7 +146,13 @@ class Connection:
         return sent, answered, problems + more
 
     def describe(self) -> str:
+        """``dialer -> listener``, each as ``host:port``."""
         return f"{_name(self.dialer)} -> {_name(self.listener)}"
+
+    @property
+    def listener_name(self) -> str:
+        """The listener as ``host:port`` (``[host]:port`` for IPv6)."""
+        return _name(self.listener)
 
 
 def reassemble(segments: Iterable[Segment]) -> list[Connection]:
