@@ -61,7 +61,7 @@ hits per value (must be 0), and the random run id both ranks recorded.
 
 The key log read against a captured run (issue 39 row 10, `keylog_run`; ``--keylog-run`` runs it
 alone, in about 40 s): ``paramsync launch --nproc 3`` of the LM demo job (a coordinator and
-three workers, 6 steps, ``PARAMSYNC_KEYLOG_FILE`` set, ``PARAMSYNC_SHM=0`` so the data plane is
+three workers, 20 steps, ``PARAMSYNC_KEYLOG_FILE`` set, ``PARAMSYNC_SHM=0`` so the data plane is
 TCP) in a fresh network namespace, every packet of its loopback captured by a raw socket opened
 in the namespace by a process of its own (`paramsync.runtime.testing.captured_run`); the TCP
 streams rebuilt from the capture, and every frame tag of every connection checked with the key
@@ -70,6 +70,8 @@ Reported: connections (to the coordinator, between workers), frames, tags verifi
 lines, the capture's packets and kernel drops (must be 0), and each failure (must be none: a
 connection without a key log line, a tag that does not verify, a key log line no captured
 connection used). Skipped, with the reason, without root or network namespaces.
+``--keylog-dir DIR`` keeps the capture (``run.pcap``, which Wireshark opens), the key log and the
+run's log.
 
 Relay attacks (issue 18 row 1): an on-path relay on 127.0.0.1 that holds no secret
 (`paramsync.runtime.testing.relay.FrameRelay`) passes the handshake through, then attacks the frames
@@ -1540,7 +1542,7 @@ def print_artefact_scan(row: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- key log run
 
 
-def keylog_run(workdir: Path, workers: int = 3, steps: int = 6) -> dict[str, Any]:
+def keylog_run(workdir: Path, workers: int = 3, steps: int = 20) -> dict[str, Any]:
     """Issue 39 row 10: a captured training run, every tag of every connection checked with
     its key log (module doc); ``ok`` when the run finished, the capture lost nothing, and
     every connection and every key log line checked out."""
@@ -2216,11 +2218,18 @@ def main(argv: list[str] | None = None) -> int:
         "--no-keylog-run", action="store_true", help="skip the captured run and its key log"
     )
     parser.add_argument("--keylog-workers", type=int, default=3, help="workers of the captured run")
+    parser.add_argument(
+        "--keylog-dir",
+        help="keep the captured run's run.pcap, keys.log and launch.log here (with --keylog-run)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.keylog_run:
-        with tempfile.TemporaryDirectory(prefix="paramsync-keylog-") as tmp:
-            captured = keylog_run(Path(tmp), args.keylog_workers)
+        if args.keylog_dir:
+            captured = keylog_run(Path(args.keylog_dir), args.keylog_workers)
+        else:
+            with tempfile.TemporaryDirectory(prefix="paramsync-keylog-") as tmp:
+                captured = keylog_run(Path(tmp), args.keylog_workers)
         print_keylog_run(captured)
         if args.json:
             path = Path(args.json)

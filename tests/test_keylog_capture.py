@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from paramsync.runtime.protocol.frame_auth import FrameSealer
+from paramsync.runtime.protocol.frame_auth import FrameSealer, direction_keys
 from paramsync.runtime.protocol.wire import encode_frame_bytes
 from paramsync.runtime.testing.captured_run import unavailable_reason
 from paramsync.runtime.testing.keylog_check import (
@@ -43,7 +43,7 @@ from paramsync.runtime.testing.tcp_streams import (
     parse_frame,
     reassemble,
 )
-from paramsync.runtime.transport.keylog import KEYLOG_LABEL
+from paramsync.runtime.transport.keylog import keylog_line
 
 ROOT = Path(__file__).resolve().parent.parent
 READER = document_reader(ROOT / "docs" / "protocol.md")
@@ -160,14 +160,15 @@ def test_a_reused_port_is_a_new_connection_and_a_refused_dial_has_no_bytes() -> 
 
 
 def frames_of_a_connection(frames_each_way: int = 3) -> tuple[bytes, bytes, str]:
-    """A connection's two directions, built frame by frame as section 5.4 says, and its key
-    log line (section 5.5)."""
-    nonce_d, nonce_l = secrets.token_bytes(32), secrets.token_bytes(32)
-    k_dl, k_ld = secrets.token_bytes(32), secrets.token_bytes(32)
+    """A connection's two directions, built frame by frame as section 5.4 says, and the line
+    `paramsync.runtime.transport.keylog` writes for it."""
+    nonce_d, nonce_l, session_key = (secrets.token_bytes(32) for _ in range(3))
     ways = []
-    for first, second, key in (
-        (("hello", {"nonce": nonce_d}), ("auth", {"proof": bytes(32)}), k_dl),
-        (("challenge", {"nonce": nonce_l}), ("welcome", {"proof": bytes(32)}), k_ld),
+    for first, second, key in zip(
+        (("hello", {"nonce": nonce_d}), ("challenge", {"nonce": nonce_l})),
+        (("auth", {"proof": bytes(32)}), ("welcome", {"proof": bytes(32)})),
+        direction_keys(session_key),
+        strict=True,
     ):
         data = encode_frame_bytes(*first) + encode_frame_bytes(*second)
         sealer = FrameSealer(key)
@@ -175,8 +176,7 @@ def frames_of_a_connection(frames_each_way: int = 3) -> tuple[bytes, bytes, str]
             frame = encode_frame_bytes("coll", {"op": 1, "hop": 0, "part": n})
             data += frame + sealer.seal([frame])  # the 17-byte trailer
         ways.append(data)
-    line = f"{KEYLOG_LABEL} {nonce_d.hex()} {nonce_l.hex()} {k_dl.hex()} {k_ld.hex()}\n"
-    return ways[0], ways[1], line
+    return ways[0], ways[1], keylog_line(nonce_d, nonce_l, session_key)
 
 
 def as_connection(to_listener: bytes, to_dialer: bytes, port: int) -> Connection:
@@ -239,14 +239,16 @@ def test_check_pcap_reads_a_capture_file(tmp_path: Path) -> None:
 @pytest.mark.soak
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
 def test_every_tag_of_a_captured_training_run_verifies_with_the_key_log(tmp_path: Path) -> None:
-    out = tmp_path / "keylog.json"
+    """The key log phase of benchmarks/hostile.py: every connection of a real run (a
+    coordinator and three workers) found in the capture and every tag verified; then the same
+    capture checked with one key log line left out, and with one captured byte flipped, fails
+    naming the connection."""
+    out, kept = tmp_path / "keylog.json", tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "benchmarks/hostile.py", "--keylog-run", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+        [sys.executable, "benchmarks/hostile.py", "--keylog-run", "--keylog-dir", str(kept),
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     row = json.loads(out.read_text())["keylog_run"]
     assert row["exit_code"] == 0 and row["kernel_drops"] == 0 and row["failures"] == []
@@ -254,3 +256,20 @@ def test_every_tag_of_a_captured_training_run_verifies_with_the_key_log(tmp_path
     assert row["between_workers"] >= 3  # the ring's links at least
     assert row["connections_verified"] == row["connections"] - row["connections_without_bytes"]
     assert row["tags_verified"] >= 100 and row["key_log_lines"] == row["connections_verified"]
+
+    lines = (kept / "keys.log").read_text().splitlines(keepends=True)
+    partial = "".join(line for line in lines if line != lines[0])
+    missing = check_pcap(kept / "run.pcap", partial, READER)
+    assert missing.verified == row["connections_verified"] - 1
+    assert len(missing.failures) == 1 and "no key log line for the nonces" in missing.failures[0]
+
+    packets = list(read_pcap(kept / "run.pcap"))
+    last = max(i for i, (_, frame) in enumerate(packets) if (s := parse_frame(frame)) and s.payload)
+    flipped = bytearray(packets[last][1])
+    flipped[-1] ^= 1  # the last byte of the capture's last payload: a trailer's
+    with open(tmp_path / "flipped.pcap", "wb") as stream:
+        writer = PcapWriter(stream)
+        for i, (when, frame) in enumerate(packets):
+            writer.write(bytes(flipped) if i == last else frame, when)
+    spoiled = check_pcap(tmp_path / "flipped.pcap", "".join(lines), READER)
+    assert len(spoiled.failures) == 1 and "the tag does not match" in spoiled.failures[0]
