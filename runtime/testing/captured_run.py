@@ -75,9 +75,9 @@ def run_captured(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
+        stdout = capture.stdout
         try:
-            assert capture.stdout is not None
-            ready = capture.stdout.readline().decode().strip()
+            ready = stdout.readline().decode().strip() if stdout is not None else ""
             if ready != READY_LINE:
                 capture.kill()
                 _, err = capture.communicate(timeout=10)

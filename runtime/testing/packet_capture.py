@@ -101,9 +101,9 @@ def read_pcap(path: Path) -> Iterator[tuple[float, bytes]]:
             index += 1
 
 
-def capture(out: Path, stop_after: float | None = None) -> CaptureStats:
+def capture(out: Path) -> CaptureStats:
     """Capture every interface of this process's network namespace into ``out`` until SIGTERM
-    or SIGINT (or ``stop_after`` seconds), then drain the socket; prints `READY_LINE` first."""
+    or SIGINT, then drain the socket; prints `READY_LINE` first."""
     stopping: list[bool] = []
 
     def stop(_signum: int, _frame: FrameType | None) -> None:
@@ -120,13 +120,12 @@ def capture(out: Path, stop_after: float | None = None) -> CaptureStats:
     buffer = bytearray(SNAPLEN)
     view = memoryview(buffer)
     packets = truncated = 0
-    deadline = None if stop_after is None else time.monotonic() + stop_after
     print(READY_LINE, flush=True)
     with open(out, "wb") as stream:
         writer = PcapWriter(stream)
         draining = False
         while True:
-            if not draining and (stopping or (deadline and time.monotonic() > deadline)):
+            if not draining and stopping:
                 draining = True
                 sock.setblocking(False)
             try:
