@@ -43,6 +43,7 @@ from paramsync.runtime.config import (
     parse_int,
 )
 from paramsync.runtime.errors import ConfigError, one_line
+from paramsync.runtime.launcher_env import launcher_env
 from paramsync.runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from paramsync.runtime.transport.tls import TlsConfig
 
@@ -60,6 +61,7 @@ __all__ = [
     "RENAMED_ENV_VARS",
     "TLS_ENV_VARS",
     "resolve_tls",
+    "role_is_given",
     "shared_secret",
 ]
 
@@ -259,7 +261,8 @@ class DistributedTrainConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributedTrainConfig:
         """Build from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_DEVICE); unset ones take defaults. A variable
+        MASTER_PORT, plus PARAMSYNC_ROLE and PARAMSYNC_DEVICE), else Slurm's or Open MPI's
+        (`paramsync.runtime.launcher_env`); unset ones take defaults. A variable
         of `RENAMED_ENV_VARS` still set is a `ConfigError` naming its new name."""
         return cls(**_LAYERING.from_env(os.environ if environ is None else environ))
 
@@ -349,6 +352,27 @@ def _address_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return {"coordinator_addr": addr}
 
 
+def _launcher_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The coordinator's address (`_address_from_env`) and, when torch's RANK and WORLD_SIZE
+    are absent, the rank, world size, local rank and rank 0's address that Slurm or Open MPI
+    give (`paramsync.runtime.launcher_env`; LOCAL_RANK and PARAMSYNC_COORDINATOR_ADDR, when
+    set, still win)."""
+    out = _address_from_env(environ)
+    found = launcher_env(environ)
+    if found is None:
+        return out
+    out.update(rank=found.rank, world_size=found.world_size)
+    if "LOCAL_RANK" not in environ:
+        out["local_rank"] = found.local_rank
+    if COORDINATOR_ADDR_ENV not in environ:
+        try:
+            parse_address(found.address)
+        except ValueError as exc:
+            raise ConfigError(f"{found.launcher.value}: rank 0's address: {exc}") from None
+        out["coordinator_addr"] = found.address
+    return out
+
+
 _LAYERING = Layering(
     table="distributed",
     fields=tuple(f.name for f in fields(DistributedTrainConfig)),
@@ -365,10 +389,21 @@ _LAYERING = Layering(
     renamed_env=RENAMED_ENV_VARS,
     paths=tuple(TLS_ENV_VARS),
     flag_source="override",
-    env_extra=_address_from_env,
+    env_extra=_launcher_from_env,
 )
 """`DistributedTrainConfig`'s sources: the ``[distributed]`` TOML table, torchrun's and
-paramsync's variables, flags (named "override" in errors)."""
+paramsync's variables (else Slurm's or Open MPI's), flags (named "override" in errors)."""
+
+
+def role_is_given(
+    toml_path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> bool:
+    """Whether a source names this process's role (PARAMSYNC_ROLE, the TOML key, the flag):
+    then the run's coordinator may be a process of its own (``paramsync coordinator``), not
+    rank 0's (`paramsync.actors.train.rendezvous`)."""
+    return "role" in _LAYERING.resolve(toml_path, environ, overrides)
 
 
 def resolve_tls(

@@ -180,6 +180,7 @@ class CoordinatorClient:
         redial: Redial | None = None,
         reconnect_seconds: float = 60.0,
         address: str = "the coordinator's address",
+        host_rank: int | None = None,
     ) -> None:
         self.link = link
         self.rank = rank
@@ -190,6 +191,9 @@ class CoordinatorClient:
         """How long to keep redialing a lost coordinator before giving up."""
         self.address = address
         """Where ``redial`` dials (HOST:PORT), as the worker's lines name it."""
+        self.host_rank = host_rank
+        """The rank whose process hosts the coordinator (None: a process of its own): losing
+        the coordinator then means losing that rank, and the error names it."""
         self.resume_point: ResumePoint | None = None
         """Set by the trainer: what to rejoin with after the coordinator was lost."""
         self.reconnects = 0
@@ -517,6 +521,8 @@ class CoordinatorClient:
                 lost = group.exceptions[0]
                 held = self.protocol.handle(ConnectionLost(str(lost), self.redial is not None))
                 if self.redial is None or self.done.is_set():
+                    if self.host_rank is not None and not self.done.is_set():
+                        raise self._host_lost(lost) from lost
                     raise
             await self._rejoin(lost, held)
 
@@ -525,6 +531,15 @@ class CoordinatorClient:
             message = await self._receive(self.protocol.silence_seconds)
             if message is not None:
                 await self._feed(Received(message, trio.current_time()))
+
+    def _host_lost(self, lost: BaseException) -> CoordinatorLost:
+        """The error of a coordinator lost with the rank whose process hosted it."""
+        error = CoordinatorLost(
+            f"rank {self.host_rank} is lost, and the run's coordinator with it (it ran in rank "
+            f"{self.host_rank}'s process; {lost}): the run ends"
+        )
+        error.peer = f"rank {self.host_rank}"
+        return error
 
     async def _rejoin(self, lost: BaseException, held: list[WorkerAction]) -> None:
         """Hold the trainer (``held``: the protocol's answer to the loss), then redial with

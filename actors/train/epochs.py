@@ -94,6 +94,10 @@ class EpochSupervisor:
         """The caller's own loop, when one drives the trainer (`OwnLoop.attach_caller`)."""
         self._announced: list[StartRun | Hold] = []
         self._announced_event = trio.Event()
+        self.announced_in = 0
+        """The generation of the epoch during (or after) which the coordinator last
+        announced its next word (a new epoch or a hold)."""
+        self._word = trio.Event()
 
     def live_epoch(self) -> Epoch:
         """The live epoch (its data plane, its actors); RuntimeError between epochs."""
@@ -117,6 +121,9 @@ class EpochSupervisor:
         """The coordinator announced a new epoch or a hold: end the live epoch now."""
         self._announced.append(message)
         self._announced_event.set()
+        self.announced_in = self.lifecycle.generation
+        self._word.set()
+        self._word = trio.Event()
         # Before the epoch's actors go: nothing more runs in it, and whatever they fail
         # with next belongs to the dropped step, which then reruns.
         self.lifecycle.announce()
@@ -127,6 +134,13 @@ class EpochSupervisor:
         epoch = self.current
         if epoch is not None:
             epoch.transport.abort()  # wake collective threads blocked on dead peers
+
+    async def word_after(self, generation: int) -> None:
+        """Wait until the coordinator announced what follows epoch ``generation`` (a new epoch
+        or a hold: the membership changed). A run that ends instead (aborted, its coordinator
+        lost) cancels the wait with everything else."""
+        while self.announced_in < generation:
+            await self._word.wait()
 
     async def resync(self, order: ResyncOrder) -> None:
         """The coordinator's re-sync order: copy the source rank's state to the diverged ranks

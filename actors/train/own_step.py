@@ -237,14 +237,14 @@ class OwnLoop:
         async def finish(epoch: Epoch) -> None:
             await self.steps.apply_reduced(epoch, own.step)
 
-        return self._own_step_ended(own, await self._own_phase(own, finish))
+        return await self._own_step_ended(own, await self._own_phase(own, finish))
 
-    def _own_step_ended(self, own: OwnStep, ran: bool) -> bool:
+    async def _own_step_ended(self, own: OwnStep, ran: bool) -> bool:
         """The last phase of ``own`` ran (``ran``) or the epoch ended under it: whether the
         step was taken; a taken one is recorded and the next one begun in the event loop."""
         self.epochs.lifecycle.end(own.epoch.generation, own.step)
         if own_step_outcome(own.step, self.run.step, ran=ran) is not StepOutcome.TAKEN:
-            return self._own_step_dropped(own.step)
+            return await self._own_step_dropped(own)
         self.run.history.record(own.step, None, time.perf_counter() - own.started)
         self._prepare_own_step(own.epoch)
         return True
@@ -263,7 +263,7 @@ class OwnLoop:
         if await self._own_phase(own, reduce):
             return True
         self.epochs.lifecycle.end(own.epoch.generation, own.step)
-        self._own_step_dropped(own.step)
+        await self._own_step_dropped(own)
         return False
 
     async def begin_caller_apply(self, own: OwnStep) -> bool:
@@ -301,7 +301,7 @@ class OwnLoop:
             await epoch.optimizer.ask(Verify(own.step, wait=wait))
             self.epochs.lifecycle.applied(epoch.generation, own.step)
 
-        return self._own_step_ended(own, await self._own_phase(own, report, at=own.step + 1))
+        return await self._own_step_ended(own, await self._own_phase(own, report, at=own.step + 1))
 
     async def _own_phase(
         self,
@@ -332,12 +332,18 @@ class OwnLoop:
             self.epochs.step_scope = None
         return not scope.cancelled_caught
 
-    def _own_step_dropped(self, step: int) -> bool:
-        """A step of the caller's own loop ended by a membership change: its gradients (some
-        maybe backward wrote after the new epoch bound them) must not reach the next step."""
+    async def _own_step_dropped(self, own: OwnStep) -> bool:
+        """A step of the caller's own loop whose epoch ended under it: its gradients (some
+        maybe backward wrote after the new epoch bound them) must not reach the next step.
+
+        An epoch a failure ended (a peer's connection lost) is not yet a membership change:
+        the coordinator says what follows, a new epoch (the step is dropped, and says so) or
+        the run's end (the crossing is then cancelled, and the caller gets the run's error)."""
+        step = own.step
         self.run.optimizer.zero_grad(set_to_none=False)
         if own_step_outcome(step, self.run.step, ran=False) is StepOutcome.DONE:
             return True  # taken while leaving the epoch, or received with a peer's state
+        await self.epochs.word_after(own.epoch.generation)
         log.warning(
             "rank %d: step %d dropped by a membership change: its gradients are lost, the "
             "next step starts from the new epoch's state",

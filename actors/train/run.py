@@ -23,14 +23,20 @@ import torch
 import trio
 
 from paramsync.actors.state.digest import Scheduler
+from paramsync.actors.train.rendezvous import Rendezvous, find_rendezvous
 from paramsync.actors.train.trainer import DistributedTrainer, LossFn, TrainerOptions
 from paramsync.actors.train.worker import join_run
-from paramsync.runtime.cli.torchrun import COORDINATOR_PORT_ENV, TorchrunEnv
-from paramsync.runtime.config import DataPlane, DistributedConfig
+from paramsync.runtime.cli.torchrun import COORDINATOR_PORT_ENV
+from paramsync.runtime.config import ADVERTISE_ENV, DataPlane, DistributedConfig
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, configuration_error, one_line, pick_error
 from paramsync.runtime.observe.trace import TraceRecorder
-from paramsync.runtime.train_config import DistributedRole, DistributedTrainConfig, shared_secret
+from paramsync.runtime.train_config import (
+    DistributedRole,
+    DistributedTrainConfig,
+    role_is_given,
+    shared_secret,
+)
 from paramsync.runtime.transport.tls import TlsConfig
 
 __all__ = ["trainer_from_env", "run_script", "SUMMARY_ENV", "write_summary"]
@@ -75,12 +81,16 @@ async def trainer_from_env(
     line naming what to set), raised as it is, never inside an exception group; `run_script`
     turns it into that line and exit code 2.
 
-    Under torchrun (TORCHELASTIC_RUN_ID set) the coordinator listens on a free port of
-    MASTER_ADDR, not on MASTER_PORT (torchrun's own store has it), and the ranks find it
-    through torchrun's store (`paramsync.runtime.cli.torchrun`).
+    Where the coordinator listens and how the ranks find it is
+    `paramsync.actors.train.rendezvous`'s: under torchrun, a free port of MASTER_ADDR published
+    in torchrun's store; after the script's own ``init_process_group`` (any launcher), a free
+    port published in the default group's store, the rank and world size the group's; else
+    MASTER_ADDR:MASTER_PORT or what Slurm's or Open MPI's variables give.
 
     ``resume_step``/``resume_committed``: the checkpoint this worker restored (`join_run`);
-    ``reconnect_seconds``: how long a worker redials a lost coordinator (`join_run`);
+    ``reconnect_seconds``: how long a worker redials a lost coordinator of its own process
+    (``paramsync launch``'s, a daemon's: `join_run`); rank 0's coordinator dies with rank 0,
+    so it is never waited for: losing it ends the run at once, naming rank 0;
     ``join_seconds``: how long joining may take.
     ``scheduler``: an LR scheduler of ``optimizer``, stepped after each optimizer step.
     """
@@ -88,26 +98,30 @@ async def trainer_from_env(
         config = DistributedTrainConfig.resolve(toml_path=toml_path, overrides=overrides)
         tls = config.tls_config()
         key = shared_secret(secret)
-        torchrun = TorchrunEnv.from_env()
+
+        def rebuild(rank: int, world_size: int) -> DistributedTrainConfig:
+            placed = {**(overrides or {}), "rank": rank, "world_size": world_size}
+            return DistributedTrainConfig.resolve(toml_path=toml_path, overrides=placed)
+
+        meet = find_rendezvous(
+            config, rebuild, role_given=role_is_given(toml_path, overrides=overrides)
+        )
+        config = meet.config
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(one_line(exc)) from None
     try:
         async with trio.open_nursery() as nursery:
-            host, port = config.address
-            if torchrun is not None:
-                host = torchrun.store_host
-                port = torchrun.coordinator_port or 0
+            host, port = meet.host, meet.port
             if config.role is DistributedRole.COORDINATOR:
                 coordinator = Coordinator(config.world_size, coordinator_options, secret=key)
-                port = await _serve_coordinator(nursery, coordinator, host, port, tls, torchrun)
-                if torchrun is not None and torchrun.coordinator_port is None:
-                    await trio.to_thread.run_sync(torchrun.publish_coordinator_port, port)
-            elif torchrun is not None and torchrun.coordinator_port is None:
-                port = await trio.to_thread.run_sync(
-                    partial(torchrun.lookup_coordinator_port, seconds=join_seconds),
-                    abandon_on_cancel=True,
+                port = await _serve_coordinator(nursery, coordinator, host, port, tls, meet)
+                if meet.publish is not None:
+                    await trio.to_thread.run_sync(meet.publish, host, port)
+            elif meet.lookup is not None:
+                host, port = await trio.to_thread.run_sync(
+                    meet.lookup, join_seconds, abandon_on_cancel=True
                 )
             dist_config = DistributedConfig(
                 config.world_size,
@@ -127,9 +141,10 @@ async def trainer_from_env(
                 tls=tls,
                 resume_step=resume_step,
                 resume_committed=resume_committed,
-                reconnect_seconds=reconnect_seconds,
+                reconnect_seconds=reconnect_seconds if meet.daemon else None,
                 join_seconds=join_seconds,
                 scheduler=scheduler,
+                coordinator_rank=meet.host_rank,
             ) as trainer:
                 yield trainer
                 summary_path = os.environ.get(SUMMARY_ENV)
@@ -148,20 +163,24 @@ async def _serve_coordinator(
     host: str,
     port: int,
     tls: TlsConfig | None,
-    torchrun: TorchrunEnv | None,
+    meet: Rendezvous,
 ) -> int:
     """Start ``coordinator`` listening at host:port in ``nursery``; return the bound port. A
     port that cannot be bound is a `ConfigError` naming the variable to change."""
     try:
         bound = await nursery.start(partial(coordinator.serve_tcp, host, port, tls=tls))
     except OSError as exc:
-        if torchrun is not None:
+        if meet.publish is not None or port != meet.config.address[1]:
             what = (
-                f"MASTER_ADDR must be an address of this host (rank 0's), and "
-                f"{COORDINATOR_PORT_ENV}, if set, a free port"
+                f"MASTER_ADDR (or {ADVERTISE_ENV}) must be an address of this host (rank 0's), "
+                f"and {COORDINATOR_PORT_ENV}, if set, a free port"
             )
         else:
-            what = "set MASTER_ADDR to an address of this host and MASTER_PORT to a free port"
+            what = (
+                "set MASTER_ADDR to an address of this host and MASTER_PORT to a free port "
+                "(a script that calls init_process_group first leaves MASTER_PORT to torch's "
+                "store and the coordinator takes another port)"
+            )
         raise ConfigError(
             f"the coordinator cannot listen on {host}:{port} ({exc.strerror or exc}): {what}"
         ) from None

@@ -61,6 +61,8 @@ class SyncTrainer:
         self._ready = threading.Event()
         self._release: trio.Event | None = None
         self._error: BaseException | None = None
+        self._reported = False
+        """Whether a call already raised the run's error (leaving then raises it no more)."""
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> SyncTrainer:
@@ -87,7 +89,8 @@ class SyncTrainer:
             except trio.RunFinishedError:
                 pass
         self._thread.join()
-        if self._error is not None and exc is None:
+        if self._error is not None and exc is None and not self._reported:
+            self._reported = True
             raise self._error
 
     def _run(self) -> None:
@@ -110,11 +113,20 @@ class SyncTrainer:
         if self._trainer is None or self._token is None:
             raise RuntimeError("use SyncTrainer inside a `with` block")
         if self._error is not None:
-            raise self._error
+            raise self._ended()
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except trio.RunFinishedError:
-            raise self._error or RuntimeError("the trainer's run has ended") from None
+        except (trio.RunFinishedError, trio.Cancelled):
+            # The run ended while this call waited in it (an abort, a lost rank): its
+            # cancellation is no error of the call's; the run's own error is.
+            raise self._ended() from None
+
+    def _ended(self) -> BaseException:
+        """The run's error, once its thread is done (a call that raises it reports it)."""
+        if self._thread is not None:
+            self._thread.join()
+        self._reported = True
+        return self._error or RuntimeError("the trainer's run has ended")
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await fn(*args)`` in the trainer's trio thread and return its result (an

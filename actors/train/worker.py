@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import trio
 
-from paramsync.actors.client.client import CoordinatorClient
+from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost, RunAborted
 from paramsync.actors.graph.factory import ActorFactory
 from paramsync.actors.state.digest import Scheduler, state_digest
 from paramsync.actors.train.trainer import Connect, DistributedTrainer, LossFn, TrainerOptions
@@ -78,25 +78,44 @@ async def _trainer_session(
 ) -> AsyncIterator[DistributedTrainer]:
     """Listen to the coordinator from the start, so an abort reaches this worker even while
     it is still connecting an epoch's data plane (``connect``), then train; at the end say
-    finished (again after any membership change) until the run is over."""
-    async with trio.open_nursery() as nursery:
-        await nursery.start(client.serve)
-        async with DistributedTrainer.open(
-            model,
-            optimizer,
-            loss_fn,
-            config,
-            None,
-            client,
-            options,
-            trace,
-            connect=connect,
-            scheduler=scheduler,
-            actors=actors,
-        ) as trainer:
-            yield trainer
-            await trainer.finish()
-        # client.serve returns when the coordinator says the run is over.
+    finished (again after any membership change) until the run is over.
+
+    When the run ends on the coordinator's word (it aborted the run) or on the coordinator's
+    loss, that is the run's error, not whatever else broke with it (a data-plane link to the
+    same lost peer): one account of what happened."""
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.serve)
+            async with DistributedTrainer.open(
+                model,
+                optimizer,
+                loss_fn,
+                config,
+                None,
+                client,
+                options,
+                trace,
+                connect=connect,
+                scheduler=scheduler,
+                actors=actors,
+            ) as trainer:
+                yield trainer
+                await trainer.finish()
+            # client.serve returns when the coordinator says the run is over.
+    except BaseExceptionGroup as group:
+        verdict = _run_verdict(group)
+        if verdict is None:
+            raise
+        raise verdict from None
+
+
+def _run_verdict(group: BaseExceptionGroup) -> BaseException | None:
+    """The coordinator's abort or its loss among ``group``'s leaves, if there is one."""
+    matched, _ = group.split((RunAborted, CoordinatorLost))
+    leaf: BaseException | None = matched
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
 
 
 @asynccontextmanager
@@ -116,6 +135,7 @@ async def join_run(
     resume_committed: bool = False,
     reconnect_seconds: float | None = 60.0,
     scheduler: Scheduler | None = None,
+    coordinator_rank: int | None = None,
 ) -> AsyncIterator[DistributedTrainer]:
     """Join the run whose coordinator listens at ``config.coordinator_addr``.
 
@@ -128,7 +148,9 @@ async def join_run(
     majority behind it (`paramsync.runtime.coordinator.membership.resume_plan`).
     ``reconnect_seconds``: if the coordinator is lost (its connection breaks, or it stays silent
     past the heartbeat deadline), keep the state and redial it with backoff for this long, then
-    rejoin where the workers stand (None: losing the coordinator ends the run). ``scheduler``: an LR
+    rejoin where the workers stand (None: losing the coordinator ends the run).
+    ``coordinator_rank``: the rank whose process hosts the coordinator (None: a process of its
+    own), named when it is lost. ``scheduler``: an LR
     scheduler of ``optimizer``, stepped after each optimizer step (`DistributedTrainer.open`). No
     secret, no coordinator answering within ``join_seconds``, or a run that does not start within
     ``join_seconds`` of joining (ranks missing: WORLD_SIZE too large) is a `ConfigError`.
@@ -170,6 +192,7 @@ async def join_run(
         redial=None if reconnect_seconds is None else redial,
         reconnect_seconds=reconnect_seconds or 0.0,
         address=config.coordinator_addr,
+        host_rank=coordinator_rank,
     )
 
     async def connect(start: StartRun) -> Transport:
