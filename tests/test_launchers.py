@@ -75,8 +75,13 @@ def test_slurm_variables_give_the_rank_and_rank_0s_node_as_lightning_reads_them(
 
 @pytest.mark.parametrize(
     ("nodes", "root"),
-    [("host0 host1", "host0"), ("host0,host1", "host0"), ("host[5-9]", "host5"),
-     ("host[5]", "host5"), ("gpu[07-08,11],cpu3", "gpu07")],
+    [
+        ("host0 host1", "host0"),
+        ("host0,host1", "host0"),
+        ("host[5-9]", "host5"),
+        ("host[5]", "host5"),
+        ("gpu[07-08,11],cpu3", "gpu07"),
+    ],
 )
 def test_the_root_node_is_the_first_of_the_node_list(nodes: str, root: str) -> None:
     assert slurm_root_node(nodes) == root
@@ -175,8 +180,11 @@ def test_after_init_process_group_rank_0_publishes_its_coordinator_in_the_groups
     assert meet.publish is not None and meet.lookup is not None
     meet.publish("127.0.0.1", 4321)
     assert meet.lookup(5.0) == ("127.0.0.1", 4321)
-    key = [k for k in (GROUP_STORE_KEY, *(f"{GROUP_STORE_KEY}/{n}" for n in range(2, 9)))
-           if dist.distributed_c10d._get_default_store().check([k])]
+    key = [
+        k
+        for k in (GROUP_STORE_KEY, *(f"{GROUP_STORE_KEY}/{n}" for n in range(2, 9)))
+        if dist.distributed_c10d._get_default_store().check([k])
+    ]
     assert key, "nothing published under the trainer's key"
     # The next trainer of this process reads a key of its own.
     again = find_rendezvous(config, _rebuild, role_given=False, environ=env)
@@ -347,7 +355,9 @@ def test_a_hand_launched_script_meets_through_its_own_store_and_rank_0s_death_en
         ("open_mpi", "tcp"),
     ],
 )
-def test_the_import_swap_trains_under_each_launchers_variables(shape: str, init: str | None) -> None:
+def test_the_import_swap_trains_under_each_launchers_variables(
+    shape: str, init: str | None
+) -> None:
     """Two ranks train to bitwise identical weights under each launcher's variables: with the
     script's own ``init_process_group`` (``env``: torch's variables; ``tcp``: the rank and
     world size the script reads from Slurm's or Open MPI's, as its scripts do) or without."""

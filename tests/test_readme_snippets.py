@@ -11,6 +11,11 @@ block runs and which names it takes from its surroundings (``given``):
 - ``<!-- snippet: launch N [async]; given: ... -->``: a training script, run under ``paramsync
   launch --nproc N`` (``async``: as the body of an async function under trio); each takes half
   a minute on the 2-core machine, so these run in ``make soak``.
+- ``<!-- snippet: launcher N NAME; given: ... -->``: a training script, run on N ranks as the
+  launcher NAME starts them: ``env`` (a hand-written launcher: torch's RANK, WORLD_SIZE,
+  LOCAL_RANK, MASTER_ADDR, MASTER_PORT), ``slurm`` (srun's SLURM_* variables only), ``mpirun``
+  (Open MPI's OMPI_COMM_WORLD_* variables, with MASTER_ADDR and MASTER_PORT as ``mpirun -x``
+  passes them) or ``torchrun`` (torchrun itself); in ``make soak`` too.
 
 The given names are defined by this file (`GIVEN`), and only those: every name a snippet reads
 and never binds must be given, and every given name must be read, so a snippet that leans on an
@@ -84,6 +89,7 @@ class Snippet:
     is_async: bool
     given: tuple[str, ...]
     code: str
+    launcher: str = ""
 
     @property
     def name(self) -> str:
@@ -104,6 +110,7 @@ def snippets() -> list[Snippet]:
                 is_async="async" in words[2:],
                 given=tuple(name.strip() for name in given.split(",") if name.strip()),
                 code=found["code"],
+                launcher=words[2] if words[0] == "launcher" and len(words) > 2 else "",
             )
         )
     return out
@@ -147,7 +154,9 @@ def test_every_python_block_says_how_it_runs() -> None:
     blocks = README.read_text().count("```python\n")
     assert blocks == len(SNIPPETS) >= 6, "a ```python block without its <!-- snippet: --> line"
     for snippet in SNIPPETS:
-        assert snippet.mode in ("script", "main", "ranks", "launch"), snippet.name
+        assert snippet.mode in ("script", "main", "ranks", "launch", "launcher"), snippet.name
+        if snippet.mode == "launcher":
+            assert snippet.launcher in LAUNCHERS, snippet.name
         assert set(snippet.given) <= set(GIVEN) | PARAMETERS, snippet.name
 
 
@@ -197,7 +206,7 @@ def program(snippet: Snippet) -> str:
             + "        for transport in world:\n"
             + "            nursery.start_soon(_rank, transport)\n\n\n_trio.run(_all)\n"
         )
-    assert snippet.mode == "launch"
+    assert snippet.mode in ("launch", "launcher")
     if snippet.is_async:
         return (
             prelude(snippet.given)
@@ -209,12 +218,87 @@ def program(snippet: Snippet) -> str:
     return prelude(snippet.given) + imports + code
 
 
+LAUNCHERS = ("env", "slurm", "mpirun", "torchrun")
+"""The launchers a ``launcher`` snippet names."""
+
+
+def launcher_vars(launcher: str, rank: int, count: int, port: int) -> dict[str, str]:
+    """What ``launcher`` sets for ``rank`` of ``count`` (one node; rank 0's address on
+    loopback, ``port`` for it)."""
+    if launcher == "env":
+        return dict(
+            RANK=str(rank),
+            WORLD_SIZE=str(count),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    if launcher == "slurm":
+        return dict(
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS=str(count),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODELIST="127.0.0.1",
+            SLURM_JOB_NAME="snippet",
+            MASTER_PORT=str(port),  # the job id's port may be taken on a shared machine
+        )
+    assert launcher == "mpirun", launcher
+    return dict(
+        OMPI_COMM_WORLD_RANK=str(rank),
+        OMPI_COMM_WORLD_SIZE=str(count),
+        OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+        OMPI_COMM_WORLD_LOCAL_SIZE=str(count),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def run_launched(
+    snippet: Snippet, path: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """Run ``path`` on the snippet's ranks as its launcher starts them."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    if snippet.launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+        command += [str(snippet.count), "--master-port", str(free_port()), str(path)]
+        return subprocess.run(
+            command, cwd=path.parent, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path)],
+            cwd=path.parent,
+            env={**env, **launcher_vars(snippet.launcher, rank, snippet.count, port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(snippet.count)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    failed = [proc.returncode for proc in procs if proc.returncode]
+    return subprocess.CompletedProcess(
+        [str(path)],
+        failed[0] if failed else 0,
+        "".join(out for out, _ in outputs),
+        "".join(err for _, err in outputs),
+    )
+
+
 def run(snippet: Snippet, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
     path = tmp_path / "snippet.py"
     path.write_text(program(snippet))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     secret = "readme-snippets-test-secret-0123456789"
     env["PARAMSYNC_SECRET"] = secret
+    if snippet.mode == "launcher":
+        return run_launched(snippet, path, env, timeout)
     if snippet.mode == "launch":
         command = [sys.executable, "-m", "paramsync.runtime.cli.main", "launch"]
         command += ["--nproc", str(snippet.count), "--", str(path)]
@@ -228,10 +312,12 @@ def run(snippet: Snippet, tmp_path: Path, timeout: float) -> subprocess.Complete
 @pytest.mark.parametrize(
     "snippet",
     [
-        pytest.param(s, id=s.name, marks=[pytest.mark.soak] if s.mode == "launch" else [])
+        pytest.param(
+            s, id=s.name, marks=[pytest.mark.soak] if s.mode in ("launch", "launcher") else []
+        )
         for s in SNIPPETS
     ],
 )
 def test_the_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
-    done = run(snippet, tmp_path, timeout=240 if snippet.mode == "launch" else 120)
+    done = run(snippet, tmp_path, timeout=240 if snippet.mode in ("launch", "launcher") else 120)
     assert done.returncode == 0, f"{snippet.name}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
