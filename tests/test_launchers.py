@@ -372,11 +372,17 @@ def test_the_import_swap_trains_under_each_launchers_variables(
 
 
 @pytest.mark.soak
-def test_rank_1s_death_is_one_account_the_run_aborted_naming_it() -> None:
-    """Rank 1 SIGKILLed at step 3 (rank 0 hosts the coordinator, which aborts the run): rank 0
-    ends within the bound on one line naming rank 1, and says nothing of a step dropped by a
-    membership change, since none happened."""
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_killed_rank_is_one_account_without_a_torch_group(dead: int) -> None:
+    """A rank SIGKILLed at step 3, the script calling no ``init_process_group`` (rank 0's
+    coordinator then listens on MASTER_PORT itself): the survivor ends within the bound on
+    one line naming the dead rank: rank 0's coordinator died with it and is not redialed;
+    rank 1's death makes rank 0's coordinator abort the run. Neither survivor says a step
+    was dropped by a membership change, since none happened."""
     port = _free_port()
-    procs = _start([_torch_vars(r, port) for r in (0, 1)], ["--init", "env", "--kill", "1", "3"])
-    line = _killed(procs, dead=1)
-    assert "rank 1" in line and ("RunAborted" in line or "lost" in line), line
+    procs = _start([_torch_vars(r, port) for r in (0, 1)], ["--kill", str(dead), "3"])
+    line = _killed(procs, dead=dead)
+    if dead == 0:
+        assert "rank 0 is lost, and the run's coordinator with it" in line, line
+    else:
+        assert "RunAborted: coordinator stopped the run: rank 1 disconnected" in line, line
