@@ -148,8 +148,11 @@ class DistributedDataParallel(torch.nn.Module):
     rejoin a run in progress must pass (otherwise the optimizer stepping this module's
     parameters is found at its first step), and ``grad_scaler``: a ``torch.amp.GradScaler``
     the loop drives, covered by the state digest (`register_grad_scaler`). Constructing it
-    joins the run this environment describes (torchrun's or ``paramsync launch``'s
-    variables): rank 0's parameters and buffers are everywhere when it returns. Like torch
+    joins the run this environment describes (torchrun's, ``paramsync launch``'s, any
+    launcher's that sets torch's variables, Slurm's or Open MPI's; after the script's own
+    ``init_process_group``, the default group's rank and world size, and its store for the
+    coordinator's address: `paramsync.actors.train.rendezvous`): rank 0's parameters and
+    buffers are everywhere when it returns. Like torch
     DDP's, ``state_dict`` keys carry the ``module.`` prefix; `trainer`'s ``state_dict`` is the
     plain module's.
     """
