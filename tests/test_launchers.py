@@ -325,6 +325,7 @@ def _killed(procs: list[subprocess.Popen[str]], dead: int) -> str:
     assert ended - died < SURVIVOR_BOUND, f"the survivor took {ended - died:.1f} s:\n{out[-3000:]}"
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, out[-3000:]
+    print(f"rank {dead} SIGKILLed: rank {1 - dead} ended {ended - died:.2f} s later: {errors[0]}")
     assert "retry_scheduled" not in out.split("step 0", 1)[-1], out[-3000:]
     assert "dropped by a membership change" not in out, out[-3000:]
     return errors[0]
