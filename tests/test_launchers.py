@@ -29,11 +29,16 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import trio
+import trio.testing
 
+from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
 from paramsync.actors.train.rendezvous import GROUP_STORE_KEY, find_rendezvous
 from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.launcher_env import Launcher, launcher_env, slurm_root_node
+from paramsync.runtime.protocol.messages import StartRun
 from paramsync.runtime.train_config import DistributedTrainConfig
+from paramsync.runtime.transport.link import MemoryLink
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("launcher_worker.py")
@@ -198,6 +203,36 @@ def test_a_rank_the_environment_contradicts_is_one_line_naming_both(one_rank_gro
     config = DistributedTrainConfig.from_env(env)
     with pytest.raises(ConfigError, match=r"says rank 0 of 1, but .* says rank 1 of 2"):
         find_rendezvous(config, _rebuild, role_given=False, environ=env)
+
+
+# -- a coordinator lost with the rank that hosted it ----------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["closed", "silent"])
+async def test_a_coordinator_hosted_by_rank_0_is_lost_with_it_at_once_naming_it(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """Its connection closed (rank 0 SIGKILLed) or silent past the heartbeat deadline (rank
+    0's host gone): the worker does not redial a coordinator that cannot come back; it ends
+    on one error naming rank 0, within the deadline."""
+    coordinator, worker = MemoryLink.pair("worker", "coordinator")
+    client = CoordinatorClient(worker, rank=1, heartbeat_seconds=100.0, host_rank=0)
+    client.begin_epoch(
+        StartRun(addresses=(("127.0.0.1", 1),) * 2, ring=(0, 1), heartbeat_deadline=3)
+    )
+    if how == "closed":
+        await coordinator.aclose()
+    started = trio.current_time()
+    with pytest.raises(CoordinatorLost) as caught:
+        with trio.fail_after(10):
+            try:
+                await client.serve()
+            except BaseExceptionGroup as group:
+                [leaf] = group.exceptions
+                raise leaf from None
+    assert trio.current_time() - started <= 3.5
+    assert str(caught.value).startswith("rank 0 is lost, and the run's coordinator with it")
+    assert caught.value.peer == "rank 0" and "\n" not in str(caught.value)
 
 
 # -- two processes under each launcher's variables ---------------------------------------------
