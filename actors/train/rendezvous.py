@@ -140,10 +140,12 @@ def find_rendezvous(
     if group is not None:
         config = _with_group_place(config, group[1], group[2], env, rebuild)
     host, port = config.address
-    daemon = COORDINATOR_ADDR_ENV in env or (role_given and not config.is_coordinator)
-    host_rank = None if daemon else 0
     if COORDINATOR_ADDR_ENV in env:  # ``paramsync launch``'s coordinator
         return Rendezvous(config, host, port, host_rank=None)
+    # A worker told its role may have a ``paramsync coordinator`` daemon (or, under torchrun,
+    # a coordinator started by hand) rather than rank 0's.
+    daemon = role_given and not config.is_coordinator
+    host_rank = None if daemon else 0
     torchrun = TorchrunEnv.from_env(env)
     if torchrun is not None:
         if torchrun.coordinator_port is not None:

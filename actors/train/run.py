@@ -31,12 +31,7 @@ from paramsync.runtime.config import ADVERTISE_ENV, DataPlane, DistributedConfig
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, configuration_error, one_line, pick_error
 from paramsync.runtime.observe.trace import TraceRecorder
-from paramsync.runtime.train_config import (
-    DistributedRole,
-    DistributedTrainConfig,
-    role_is_given,
-    shared_secret,
-)
+from paramsync.runtime.train_config import DistributedTrainConfig, role_is_given, shared_secret
 from paramsync.runtime.transport.tls import TlsConfig
 
 __all__ = ["trainer_from_env", "run_script", "SUMMARY_ENV", "write_summary"]
@@ -114,7 +109,7 @@ async def trainer_from_env(
     try:
         async with trio.open_nursery() as nursery:
             host, port = meet.host, meet.port
-            if config.role is DistributedRole.COORDINATOR:
+            if meet.hosts:
                 coordinator = Coordinator(config.world_size, coordinator_options, secret=key)
                 port = await _serve_coordinator(nursery, coordinator, host, port, tls, meet)
                 if meet.publish is not None:
