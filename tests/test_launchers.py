@@ -164,7 +164,7 @@ def one_rank_group() -> object:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))
+    store = dist.TCPStore("localhost", port, 1, True, timedelta(seconds=10))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield store
@@ -182,6 +182,8 @@ def test_after_init_process_group_rank_0_publishes_its_coordinator_in_the_groups
     config = DistributedTrainConfig.from_env(env)
     meet = find_rendezvous(config, _rebuild, role_given=False, environ=env)
     assert (meet.host, meet.port, meet.host_rank) == ("127.0.0.1", 0, 0)
+    # No MASTER_ADDR (``init_method="tcp://HOST:PORT"``): the store's host is rank 0's.
+    assert find_rendezvous(config, _rebuild, role_given=False, environ={}).host == "localhost"
     assert meet.publish is not None and meet.lookup is not None
     meet.publish("127.0.0.1", 4321)
     assert meet.lookup(5.0) == ("127.0.0.1", 4321)

@@ -10,7 +10,8 @@ rank). Rank 0's coordinator needs a port, and MASTER_PORT is usually taken:
 * **a script that called ``init_process_group``**, under any launcher that set torch's
   variables (a hand-written one, Slurm or mpirun with MASTER_ADDR/MASTER_PORT exported,
   ``mp.spawn``): rank 0's own TCP store holds MASTER_PORT. The coordinator takes a free port
-  on rank 0's host and rank 0 publishes ``host port`` in the default group's store, which
+  on rank 0's host (PARAMSYNC_ADVERTISE_ADDR, MASTER_ADDR, else the host the ranks reach that
+  store at) and rank 0 publishes ``host port`` in the default group's store, which
   every rank already reaches, under a key of its own per trainer this process makes (as the
   torch backend publishes its group's coordinator, `paramsync.actors.torch_backend`). The
   rank and world size are then the default group's; environment variables that say
@@ -91,6 +92,16 @@ def _group_store() -> tuple[Any, int, int] | None:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store(), dist.get_rank(), dist.get_world_size()
+
+
+def _store_host(store: Any) -> str | None:
+    """The host the ranks reach the default group's TCP store at (rank 0's, which serves it),
+    under any prefixes; None for another kind of store."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return str(store.host) if isinstance(store, dist.TCPStore) else None
 
 
 def _with_group_place(
@@ -186,5 +197,8 @@ def find_rendezvous(
             ) from None
         return _address_of(bytes(store.get(key)).decode("ascii", errors="replace"), key)
 
-    bind_host = advertised_host(env) or host
+    # Rank 0's host: as named for paramsync or torch, else where the ranks reach rank 0's
+    # store (an ``init_method="tcp://HOST:PORT"`` names no MASTER_ADDR), else the launcher's.
+    named = advertised_host(env) or env.get("MASTER_ADDR", "").strip()
+    bind_host = named or _store_host(store) or host
     return Rendezvous(config, bind_host, 0, publish=publish, lookup=lookup, host_rank=0)
