@@ -1,13 +1,15 @@
 """A torch DDP script with its import swapped, as tests/test_launchers.py starts it under each
 launcher's variables (no torchrun, no ``paramsync launch``).
 
-    python tests/launcher_worker.py [--init env|tcp://HOST:PORT] [--kill RANK STEP] [--steps N]
+    python tests/launcher_worker.py [--init env|tcp://HOST:PORT] [--place RANK WORLD]
+                                    [--kill RANK STEP] [--steps N]
 
 ``--init env``: ``init_process_group("gloo")`` first, from torch's variables (rank 0's TCP
 store then holds MASTER_PORT); ``--init tcp://...``: ``init_process_group`` with the rank and
 world size the script reads from Slurm's or Open MPI's variables itself, as scripts written
-for those launchers do; none: paramsync's DDP alone reads the environment. ``--kill RANK STEP``:
-that rank SIGKILLs itself before the forward of STEP. Each rank prints ``rank R step S`` per
+for those launchers do, or from ``--place`` (what ``torch.multiprocessing.spawn`` hands a
+script's function: no variable says it); none: paramsync's DDP alone reads the environment.
+``--kill RANK STEP``: that rank SIGKILLs itself before the forward of STEP. Each rank prints ``rank R step S`` per
 step, and at the end ``final rank R world W checksum C`` (C: the sum of every parameter, the
 same on every rank). A run that ends on an error prints ``error: <its line>`` and exits 1.
 """
@@ -41,6 +43,7 @@ def _launcher_place() -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--init", default=None)
+    parser.add_argument("--place", type=int, nargs=2, default=None)
     parser.add_argument("--kill", type=int, nargs=2, default=None)
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
@@ -48,7 +51,7 @@ def main() -> None:
     if args.init == "env":
         dist.init_process_group("gloo")
     elif args.init is not None:
-        rank, world = _launcher_place()
+        rank, world = args.place if args.place is not None else _launcher_place()
         dist.init_process_group("gloo", init_method=args.init, rank=rank, world_size=world)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))

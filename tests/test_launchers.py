@@ -33,6 +33,7 @@ import trio
 import trio.testing
 
 from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
+from paramsync.actors.train import rendezvous
 from paramsync.actors.train.rendezvous import GROUP_STORE_KEY, find_rendezvous
 from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.launcher_env import Launcher, launcher_env, slurm_root_node
@@ -198,6 +199,16 @@ def test_after_init_process_group_rank_0_publishes_its_coordinator_in_the_groups
     assert again.lookup is not None
     with pytest.raises(ConfigError, match="did not publish its coordinator's address"):
         again.lookup(0.2)
+
+
+def test_a_group_made_with_arguments_gives_the_rank_and_world_size() -> None:
+    """``mp.spawn``'s shape: no variable names the rank, ``init_process_group(rank=1,
+    world_size=2)`` does: the configuration is resolved again with the group's numbers (the
+    role follows the rank)."""
+    config = DistributedTrainConfig.from_env({})
+    placed = rendezvous._with_group_place(config, 1, 2, {}, _rebuild)
+    assert (placed.rank, placed.world_size, placed.is_coordinator) == (1, 2, False)
+    assert rendezvous._with_group_place(config, 0, 1, {}, _rebuild) is config
 
 
 def test_a_rank_the_environment_contradicts_is_one_line_naming_both(one_rank_group: object) -> None:
@@ -391,6 +402,7 @@ def test_a_hand_launched_script_meets_through_its_own_store_and_rank_0s_death_en
         ("slurm", "tcp"),
         ("open_mpi", None),
         ("open_mpi", "tcp"),
+        ("spawn", "tcp"),
     ],
 )
 def test_the_import_swap_trains_under_each_launchers_variables(
@@ -398,8 +410,14 @@ def test_the_import_swap_trains_under_each_launchers_variables(
 ) -> None:
     """Two ranks train to bitwise identical weights under each launcher's variables: with the
     script's own ``init_process_group`` (``env``: torch's variables; ``tcp``: the rank and
-    world size the script reads from Slurm's or Open MPI's, as its scripts do) or without."""
+    world size the script reads from Slurm's or Open MPI's, as its scripts do, or, for
+    ``mp.spawn``'s shape, from its arguments with no variable at all) or without."""
     port = _slurm_port() if shape == "slurm" else _free_port()
+    if shape == "spawn":  # mp.spawn's shape: the rank is an argument, no variable says it
+        store = f"tcp://127.0.0.1:{_free_port()}"
+        procs = [_start([{}], ["--init", store, "--place", str(r), "2"])[0] for r in (0, 1)]
+        _trained(procs)
+        return
     make = {"torch": _torch_vars, "slurm": _slurm_vars, "open_mpi": _open_mpi_vars}[shape]
     args = []
     if init == "env":
