@@ -9,9 +9,10 @@ store then holds MASTER_PORT); ``--init tcp://...``: ``init_process_group`` with
 world size the script reads from Slurm's or Open MPI's variables itself, as scripts written
 for those launchers do, or from ``--place`` (what ``torch.multiprocessing.spawn`` hands a
 script's function: no variable says it); none: paramsync's DDP alone reads the environment.
-``--kill RANK STEP``: that rank SIGKILLs itself before the forward of STEP. Each rank prints ``rank R step S`` per
-step, and at the end ``final rank R world W checksum C`` (C: the sum of every parameter, the
-same on every rank). A run that ends on an error prints ``error: <its line>`` and exits 1.
+``--kill RANK STEP``: that rank SIGKILLs itself before the forward of STEP. Each rank prints
+``rank R step S`` per step, and at the end ``final rank R world W checksum C`` (C: the sum of
+every parameter, the same on every rank). A run that ends on an error prints
+``error: <its line>`` and exits 1.
 """
 
 from __future__ import annotations
