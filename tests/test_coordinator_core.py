@@ -25,6 +25,7 @@ from paramsync.runtime.coordinator.events import (
     Event,
     Malformed,
     Refuse,
+    Report,
     Resync,
     Tick,
     agreement_hash,
@@ -753,6 +754,38 @@ def test_disconnect_and_malformed_abort_naming_the_rank() -> None:
     assert the_abort(core.handle(Malformed(1, str(error)))) == (
         "rank 1 sent a malformed message: peer 1: ready message: field 'step'=-1 is below 0"
     )
+
+
+def two_hosts(deadline: float = 5.0, elastic: bool = False) -> CoordinatorCore:
+    """4 ranks started on two hosts, ranks 0 and 1 on 10.0.0.1, ranks 2 and 3 on 10.0.0.2."""
+    kwargs: dict[str, Any] = {"min_workers": 1} if elastic else {}
+    core = CoordinatorCore(4, heartbeat_deadline=deadline, **kwargs)
+    for rank in range(4):
+        core.handle(Joined(rank, SIG, (f"10.0.0.{1 + rank // 2}", 7000 + rank), now=0.0))
+    assert core.view.state is RunState.RUNNING
+    return core
+
+
+def test_a_loss_on_ranks_of_two_hosts_names_the_host_and_the_ranks_it_runs() -> None:
+    """A host that dies takes all its ranks: the first one lost says which host it ran on
+    and which ranks run there too (torchrun --nnodes 2, one host killed)."""
+    assert the_abort(two_hosts().handle(Disconnected(2, "connection reset"))) == (
+        "rank 2 disconnected: connection reset; host 10.0.0.2 runs ranks 2, 3"
+    )
+    core = two_hosts(deadline=2.0)
+    for rank in (0, 1):
+        core.handle(Heartbeat(rank, 3.0))
+    assert the_abort(core.handle(Tick(3.5))) == (
+        "rank 2 missed heartbeats for 3.5 s; rank 3 missed heartbeats for 3.5 s (deadline "
+        "2.0 s); host 10.0.0.2 runs ranks 2, 3"
+    )
+    actions = two_hosts(elastic=True).handle(Disconnected(0, "connection reset"))
+    reports = [a.text for a in actions if isinstance(a, Report)]
+    assert reports[0].endswith(
+        "rank 0 disconnected: connection reset; host 10.0.0.1 runs ranks 0, 1"
+    )
+    # One host: the address says nothing the rank does not.
+    assert the_abort(started(3).handle(Disconnected(2, "eof"))) == "rank 2 disconnected: eof"
 
 
 def test_a_static_rendezvous_abort_keeps_the_joined_ranks() -> None:

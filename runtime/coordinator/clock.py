@@ -29,7 +29,9 @@ def tick(run: Run, now: float) -> list[Action]:
             parts = [
                 f"rank {rank} missed heartbeats for {format_seconds(gap)} s" for rank, gap in silent
             ]
-            return run.abort(f"{'; '.join(parts)} (deadline {format_seconds(live.deadline)} s)")
+            deadline = f"(deadline {format_seconds(live.deadline)} s)"
+            where = run.membership.hosts_note(rank for rank, _ in silent)
+            return run.abort(f"{'; '.join(parts)} {deadline}{where}")
         for rank, gap in silent:
             reason = live.missed(gap)
             actions += [Evict(rank, reason), *run.lose(rank, reason)]

@@ -10,7 +10,7 @@ kept as an :class:`EpochRecord`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -234,6 +234,20 @@ class Membership:
     def __len__(self) -> int:
         """The number of live joins."""
         return len(self._addresses)
+
+    def hosts_note(self, ranks: Iterable[int]) -> str:
+        """Where ``ranks`` run, for a loss's account: ``"; host H runs ranks 2, 3"`` for each
+        host of ``ranks``, with every joined rank on it (the ranks a dead host takes with it),
+        or "" when every joined rank is on one host. A host is the address a rank joined
+        with (its peers dial it there)."""
+        hosts = {address[0] for address in self._addresses.values()}
+        if len(hosts) < 2:
+            return ""
+        notes = []
+        for host in dict.fromkeys(self._addresses[r][0] for r in ranks if r in self._addresses):
+            on = ", ".join(str(r) for r in self.joined if self._addresses[r][0] == host)
+            notes.append(f"; host {plain_or_quoted(host)} runs rank{'s' * (',' in on)} {on}")
+        return "".join(notes)
 
     def survivors(self) -> tuple[int, ...]:
         """The current epoch's members that are still joined, by ring position."""

@@ -335,16 +335,17 @@ class Run:
         """``rank`` is gone (dead, silent, cut off or evicted)."""
         if rank not in self.membership:
             return []
+        where = self.membership.hosts_note([rank])
         if not self.elastic:
             # A static run ends with its membership as it was (every joined rank a member).
-            return self.abort(f"rank {rank} {reason}")
+            return self.abort(f"rank {rank} {reason}{where}")
         self.membership.remove(rank)
         self.liveness.forget(rank)
         if self.state is RunState.RENDEZVOUS:
             return [Report(f"rank {rank} left before the start: {reason}")]
         if not self.membership.is_member(rank):
             return [Report(f"joining rank {rank} left: {reason}")]
-        lost = f"rank {rank} {reason}"
+        lost = f"rank {rank} {reason}{where}"
         head = f"step {self.current.resume_step}, epoch {self.membership.epoch}: {lost}"
         if len(self.membership) >= self.min_workers and self.membership.survivors():
             return [Report(head, "error"), *self.next_epoch(lost, self.membership.joiners())]
