@@ -388,6 +388,8 @@ def test_a_killed_rank_is_named_to_every_survivor(tmp_path: Path, killed: int, i
         assert results[rank][0] == 3, results[rank]
         seconds, line = error_line(tmp_path, rank)
         assert f"rank {killed}" in line, line
+        if killed == 0:  # the coordinator went with it: named with its host
+            assert "rank 0 (host 127.0.0.1), which hosts the group's coordinator" in line, line
         assert seconds < 30, seconds
     assert time.monotonic() - started < 90
 

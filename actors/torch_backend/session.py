@@ -48,7 +48,7 @@ from paramsync.actors.torch_backend.calls import Call
 from paramsync.actors.torch_backend.inner import INNER_ENV, InnerGroups
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
-from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed
+from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed, plain_or_quoted
 from paramsync.runtime.protocol.handshake import Identity
 from paramsync.runtime.protocol.messages import Go, StartRun
 from paramsync.runtime.transport.base import Transport
@@ -241,6 +241,8 @@ class GroupSession:
         self.transport: TcpTransport | None = None
         self.p2p: Transport | None = None
         self.client: CoordinatorClient | None = None
+        self.coordinator_address: tuple[str, int] | None = None
+        """Where the group's coordinator listens (set when the session opens)."""
         self.coordinator: Coordinator | None = None
         self.inner: InnerGroups | None = None
         """The group's inner torch groups (`paramsync.actors.torch_backend.inner`), aborted
@@ -295,6 +297,7 @@ class GroupSession:
     def open(self, coordinator: tuple[str, int]) -> None:
         """Join the group's coordinator at ``coordinator``, form the meshes and start the
         executor (blocks until the group can run collectives)."""
+        self.coordinator_address = coordinator
         try:
             self.loop.run(self._open, coordinator)
         except trio.TooSlowError:
@@ -631,6 +634,8 @@ def _as_backend_error(
         return BackendError(f"paramsync group {session.name}, rank {session.rank}{where}: {reason}")
     if isinstance(exc, CoordinatorLost) or (from_coordinator and isinstance(exc, PeerClosed)):
         host = "paramsync launch" if session.launched else "rank 0"
+        if session.coordinator_address is not None:  # where it ran: a host lost with it
+            host += f" (host {plain_or_quoted(session.coordinator_address[0])})"
         return BackendError(
             f"paramsync group {session.name}, rank {session.rank}{where}: {host}, which hosts "
             f"the group's coordinator, is gone ({exc})"
