@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-multidevice bench-multihost bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup api-docs
+.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-multidevice bench-multihost bench-torchrun-hosts bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup api-docs
 
 setup: $(STAMP)
 
@@ -56,6 +56,9 @@ bench: $(STAMP)
 
 bench-multihost: $(STAMP)
 	$(BIN)/python benchmarks/multihost.py --json out/multihost.json
+
+bench-torchrun-hosts: $(STAMP)
+	$(BIN)/python benchmarks/torchrun_hosts.py --rounds 3 --nproc 2 --json out/torchrun_hosts.json
 
 bench-groups: $(STAMP)
 	$(BIN)/python benchmarks/groups.py --json out/groups.json

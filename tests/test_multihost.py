@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,6 +31,9 @@ from paramsync.runtime.testing.netns import Shaping, VirtualHost, unavailable_re
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(job.__file__).resolve()
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import torchrun_hosts  # noqa: E402  (benchmarks/torchrun_hosts.py: the torchrun c10d trials)
+
 PORT = 29517
 TIMEOUT = 240.0
 
@@ -288,3 +293,98 @@ def test_the_multihost_benchmark_runs_both_systems_on_a_shaped_link(tmp_path: Pa
     for system in ("paramsync", "gloo"):
         # Shaped: never above the link's rate (tbf's burst lets a little through at once).
         assert 0 < row[system]["fraction_of_rate"] < 1.5, row
+
+
+# torch DDP on the backend under torchrun's c10d rendezvous (benchmarks/torchrun_hosts.py).
+
+
+def readme_torchrun_commands() -> list[list[str]]:
+    """The two ``torchrun ... --rdzv-backend c10d`` commands of README's "Several machines"."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```sh\n(.*?)```", text, re.S) if "--rdzv-backend c10d" in b]
+    assert len(blocks) == 1, "README has no (or several) torchrun c10d blocks"
+    joined = blocks[0].replace("\\\n", " ")
+    commands = [shlex.split(line) for line in joined.splitlines() if line.startswith("torchrun ")]
+    assert len(commands) == 2, commands
+    return commands
+
+
+def readme_command(hosts: list[VirtualHost]) -> torchrun_hosts.Command:
+    """Node ``node`` runs README's command for its host: its addresses those of the
+    namespaces, one rank a host (the sums of two ranks are bitwise gloo's in any order),
+    ``train.py`` the job; plus ``is_host`` (torch cannot tell a namespace's address as its
+    own, as README says)."""
+    commands = readme_torchrun_commands()
+    readme_hosts = ["10.0.0.1", "10.0.0.2"]
+
+    def command(node: int, script: list[str]) -> list[str]:
+        argv = [sys.executable, "-m", "torch.distributed.run"]
+        for word in commands[node][1:]:
+            for readme_host, host in zip(readme_hosts, hosts, strict=True):
+                word = word.replace(readme_host, host.address)
+            argv += script if word == "train.py" else [word]
+        argv[argv.index("--nproc-per-node") + 1] = "1"
+        index = argv.index(str(script[0]))
+        return [*argv[:index], "--rdzv-conf", f"is_host={int(node == 0)}", *argv[index:]]
+
+    return command
+
+
+@pytest.mark.soak  # two torchrun jobs of two hosts, ~60 s under load: make soak
+def test_torch_ddp_on_the_backend_under_torchrun_c10d_on_two_hosts_equals_gloo_bitwise(
+    tmp_path: Path,
+) -> None:
+    """README's two torchrun commands, one a namespace, c10d rendezvous on host a: torch DDP
+    on the paramsync backend ends, on both hosts, with bitwise the weights of the same
+    commands on gloo, and training moved them."""
+    states: dict[str, list[dict[str, Any]]] = {}
+    with virtual_hosts(2) as hosts:
+        command = readme_command(hosts)
+        for backend in ("paramsync", "gloo"):
+            out = tmp_path / backend
+            codes = torchrun_hosts.train_on_two_hosts(hosts, out, backend, command=command)
+            logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*.log"))
+            assert codes == [0, 0], f"{backend}: {codes}\n{logs}"
+            states[backend] = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+    for rank in (0, 1):
+        ours, gloos = states["paramsync"][rank], states["gloo"][rank]
+        assert ours["world"] == gloos["world"] == 2
+        assert sorted(ours["state"]) == sorted(gloos["state"])
+        for name, value in ours["state"].items():
+            assert torch.equal(value, gloos["state"][name]), f"rank {rank}: {name} differs"
+            assert not torch.equal(value, ours["initial"][name]), f"{name} never moved"
+
+
+HEARTBEAT_DEADLINE = 3.0
+CHECK_PERIOD = min(1.0, HEARTBEAT_DEADLINE / 4)
+"""How often the coordinator looks for silent ranks (`Coordinator._ticker`)."""
+
+
+@pytest.mark.soak  # a torchrun job of two hosts a case, ~35 s under load: make soak
+@pytest.mark.parametrize(
+    ("way", "lost"),
+    [("kill", "node1"), ("link", "node1"), ("kill", "node0"), ("link", "node0")],
+)
+def test_a_host_lost_under_torchrun_is_named_on_the_other_host(
+    tmp_path: Path, way: str, lost: str
+) -> None:
+    """Two ranks a host, torch DDP on the backend; one host dies mid-training (every process
+    in its namespace SIGKILLed, or its link down). Each rank of the other host fails its
+    collective with one line naming the lost ranks and their host: at once on a kill (the
+    kernel closes the sockets), within the heartbeat deadline of silence, plus one check of
+    the coordinator's clock, on a link down."""
+    with virtual_hosts(2) as hosts:
+        loss = torchrun_hosts.host_loss_trial(
+            hosts, tmp_path, way=way, lost=lost, nproc=2, heartbeat_deadline=HEARTBEAT_DEADLINE
+        )
+    dead = hosts[int(lost[-1])].address
+    assert sorted(loss.lines) == ([0, 1] if lost == "node1" else [2, 3]), loss
+    for rank, line in loss.lines.items():
+        assert line.startswith(f"paramsync group 0, rank {rank}"), line
+        if lost == "node1":  # the coordinator (rank 0's) names a rank lost first, and the host
+            assert re.search(r"coordinator stopped the run: rank [23] ", line), line
+            assert f"host {dead} runs ranks 2, 3" in line, line
+        else:  # the coordinator went with host a: its host is named
+            assert f"rank 0 (host {dead}), which hosts the group's coordinator, is gone" in line
+        bound = 2.0 if way == "kill" else HEARTBEAT_DEADLINE + CHECK_PERIOD + 1.0
+        assert loss.seconds[rank] < bound, (loss.seconds, line)
