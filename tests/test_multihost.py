@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -388,3 +389,47 @@ def test_a_host_lost_under_torchrun_is_named_on_the_other_host(
             assert f"rank 0 (host {dead}), which hosts the group's coordinator, is gone" in line
         bound = 2.0 if way == "kill" else HEARTBEAT_DEADLINE + CHECK_PERIOD + 1.0
         assert loss.seconds[rank] < bound, (loss.seconds, line)
+
+
+@contextmanager
+def names_on_loopback(hosts: list[VirtualHost], names: list[str]) -> Iterator[None]:
+    """Each host resolves its own name to 127.0.1.1 (Debian's ``/etc/hosts``) and the other
+    hosts' names to their addresses (their DNS): ``/etc/netns/<namespace>/hosts``, which
+    ``ip netns exec`` puts in place of ``/etc/hosts``; removed on exit."""
+    folders = [Path("/etc/netns") / host.namespace for host in hosts]
+    try:
+        for index, folder in enumerate(folders):
+            folder.mkdir(parents=True)
+            lines = ["127.0.0.1 localhost"] + [
+                f"{'127.0.1.1' if other == index else host.address} {names[other]}"
+                for other, host in enumerate(hosts)
+            ]
+            (folder / "hosts").write_text("\n".join(lines) + "\n")
+        yield
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.soak  # a torchrun job of two hosts, ~30 s under load: make soak
+def test_hosts_whose_own_name_is_loopback_train_on_the_backend(tmp_path: Path) -> None:
+    """``--local-addr nodea`` / ``nodeb``, each host resolving its own name to 127.0.1.1 as
+    Debian's /etc/hosts does: MASTER_ADDR is ``nodea``, which torch's store (listening on
+    every interface) serves; rank 0's coordinator and the mesh listeners of host a's ranks
+    listen on every interface and are told by that name, so host b reaches them (they listened
+    on 127.0.1.1 and host b retried until the group's timeout)."""
+    names = ["nodea", "nodeb"]
+    with virtual_hosts(2) as hosts, names_on_loopback(hosts, names):
+        endpoint = f"{hosts[0].address}:{torchrun_hosts.RDZV_PORT}"
+
+        def command(node: int, script: list[str]) -> list[str]:
+            argv = torchrun_hosts.torchrun_argv(node, names[node], endpoint, "names", 1, [])
+            return [*argv[: argv.index(str(torchrun_hosts.THIS))], *script]
+
+        codes = torchrun_hosts.train_on_two_hosts(
+            hosts, tmp_path, "paramsync", command=command, timeout=150
+        )
+        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log"))
+        assert codes == [0, 0], f"{codes}\n{logs}"
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt")["state"] for rank in (0, 1)]
+    assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0])

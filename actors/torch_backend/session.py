@@ -46,6 +46,7 @@ from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
 from paramsync.actors.state.digest import StateDigest
 from paramsync.actors.torch_backend.calls import Call
 from paramsync.actors.torch_backend.inner import INNER_ENV, InnerGroups
+from paramsync.actors.torch_backend.reach import coordinator_reach, mesh_reach
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
 from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed, plain_or_quoted
@@ -283,14 +284,15 @@ class GroupSession:
             self.size, options, secret=self._secret, group=f"torch:{self.name}"
         )
         self.coordinator = coordinator
-        address: tuple[str, int] = await self.loop.start(self._serve_coordinator, coordinator)
-        return address
+        bind, advertised = await coordinator_reach(self.options.host)
+        address: tuple[str, int] = await self.loop.start(self._serve_coordinator, coordinator, bind)
+        return (address[0] if advertised == bind else advertised), address[1]
 
     async def _serve_coordinator(
-        self, coordinator: Coordinator, task_status: trio.TaskStatus[tuple[str, int]]
+        self, coordinator: Coordinator, bind: str, task_status: trio.TaskStatus[tuple[str, int]]
     ) -> None:
         try:
-            await coordinator.serve_tcp(self.options.host, 0, task_status=task_status)
+            await coordinator.serve_tcp(bind, 0, task_status=task_status)
         except Exception as exc:  # the members hear it from their clients
             log.warning("group %s: its coordinator stopped: %s", self.name, exc)
 
@@ -323,8 +325,8 @@ class GroupSession:
         seconds = self.options.timeout_seconds
         with trio.fail_after(seconds):
             conn, _ = await dial_with_retry(coordinator, self._secret, me)
-        local_host = conn.socket.getsockname()[0]
-        listeners = await trio.open_tcp_listeners(0, host=local_host)
+        bind, local_host = mesh_reach(coordinator[0], conn.socket.getsockname()[0])
+        listeners = await trio.open_tcp_listeners(0, host=bind)
         port = listeners[0].socket.getsockname()[1]
         client = CoordinatorClient(conn, self.rank)
         # The launcher's coordinator is a trainer's: only calls at an agreed place run cached.
