@@ -97,7 +97,9 @@ def job(argv: list[str]) -> int:
     except Exception as exc:  # the backend's error: when, and its line
         lines = str(exc).strip().splitlines()
         line = lines[-1] if lines else type(exc).__name__
-        (args.out / f"rank{rank}.err").write_text(f"{time.monotonic():.6f}\n{line}\n")
+        partial = args.out / f"rank{rank}.err.partial"  # renamed whole: read whole
+        partial.write_text(f"{time.monotonic():.6f}\n{line}\n")
+        partial.rename(args.out / f"rank{rank}.err")
         print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
         os._exit(ERROR_EXIT)  # the group is gone: nothing to tear down
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
@@ -262,7 +264,7 @@ def host_loss_trial(
                 raise RuntimeError(f"the job never reached step {kill_step}\n{nodes.logs()}")
             time.sleep(0.05)
         host = hosts[victim]
-        died = time.monotonic()
+        died = time.monotonic()  # before the death: the times measured are never short
         if way == "kill":
             for pid in host.pids():
                 try:
@@ -271,18 +273,16 @@ def host_loss_trial(
                     pass
         else:
             subprocess.run(["ip", "link", "set", host.outer_veth, "down"], check=True)
-            died = time.monotonic()
         errors = [out / f"rank{r}.err" for r in survivors]
         while not all(path.exists() for path in errors):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the survivors never named the loss\n{nodes.logs()}")
             time.sleep(0.05)
-        time.sleep(0.1)  # the files are written whole before the process exits; be sure
         seconds, lines = {}, {}
         for rank, path in zip(survivors, errors, strict=True):
             stamp, line = path.read_text().splitlines()[:2]
             seconds[rank], lines[rank] = float(stamp) - died, line
-        try:  # torchrun's agent may wait on for the rendezvous store of the host lost
+        try:  # torchrun's agent may wait on for a rendezvous store on the host lost
             nodes.procs[1 - victim].wait(AGENT_SECONDS)
         except subprocess.TimeoutExpired:
             pass

@@ -3,7 +3,10 @@
 Each namespace is a host (`paramsync.runtime.testing.netns`): its own network stack and address, the
 kernel and ``/dev/shm`` shared with the others. The runs use ``paramsync launch --nnodes``,
 one launcher per namespace, on `multihost_job` (a small MLP whose gradient buckets take the
-ring), and compare with one process training on the whole batch. Skipped, with the reason,
+ring), and compare with one process training on the whole batch. The torchrun runs use
+``torchrun --nnodes 2``, one a namespace: a paramsync script with static rendezvous, and torch
+DDP on the ``paramsync`` backend with c10d rendezvous (`benchmarks/torchrun_hosts.py`: against
+gloo, a host lost, hosts that resolve their own name to loopback). Skipped, with the reason,
 where namespaces cannot be made (not root, no iproute2).
 """
 
