@@ -235,6 +235,9 @@ class GroupSession:
         """The coordinator is ``paramsync launch``'s (its handshake group is the default one)."""
         self.rank = rank
         self.size = size
+        self.global_ranks: tuple[int, ...] = tuple(range(size))
+        """The group's ranks as global ranks (a subgroup's, set by its process group): a
+        coordinator's reason, in group ranks, is followed by them."""
         self._secret = secret
         self.options = options
         self.loop = backend_loop()
@@ -628,6 +631,9 @@ def _as_backend_error(
         reason = str(client.failure)
     where = f" in {op.call} (step {op.step}, call {op.bucket})" if op is not None else ""
     if reason:
+        ranks = list(session.global_ranks)
+        if ranks != list(range(len(ranks))):  # a subgroup: its ranks are not the global ones
+            reason += f" (the group's ranks {list(range(len(ranks)))} are global ranks {ranks})"
         return BackendError(f"paramsync group {session.name}, rank {session.rank}{where}: {reason}")
     if isinstance(exc, CoordinatorLost) or (from_coordinator and isinstance(exc, PeerClosed)):
         host = "paramsync launch" if session.launched else "rank 0"
