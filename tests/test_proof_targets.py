@@ -65,7 +65,12 @@ def test_hsdp_shards_are_compared_across_the_replicas_holding_them(world: None) 
     assert entry.dimension == "'replicate'" and entry.replicas == [[0, 2], [1, 3]]
     # Named by their fully qualified names, from torch's registry of fully_shard's modules.
     assert [name for name, _ in entry.params] == [
-        "0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "2.weight",
+        "2.bias",
     ]
     assert plan.bare == [mesh.get_group(1)] and plan.unproven == {} and plan.ddp == []
     line = notice(plan)

@@ -34,10 +34,10 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PARAMSYNC_SECRET=SECRET, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(WORKER), scenario, backend]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, backend, str(rank), str(world)]
-            + [str(out / "store"), str(out), *extra],
+            [*command, str(rank), str(world), str(out / "store"), str(out), *extra],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -90,7 +90,7 @@ def trained(
             2,
             "2 DTensor parameters replicated over mesh dimension 'tp' and their optimizer "
             "state, across ranks [0, 1]",
-            "2 parameters sharded on every mesh dimension",
+            "3 parameters sharded on every mesh dimension",
         ),
     ],
 )

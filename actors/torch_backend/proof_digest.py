@@ -48,10 +48,14 @@ class LocalHasher:
         key = (name, tuple(tensor.shape), tensor.dtype)
         seed = self._seeds.get(key)
         if seed is None:
-            seed = self._seeds[key] = _seed64(f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode())
+            seed = self._seeds[key] = _seed64(
+                f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode()
+            )
         return name, _digest128(tensor_buffer(tensor), seed)
 
-    def digest(self, params: list[tuple[str, Any]], optimizer: torch.optim.Optimizer) -> StateDigest:
+    def digest(
+        self, params: list[tuple[str, Any]], optimizer: torch.optim.Optimizer
+    ) -> StateDigest:
         """The digest of ``params`` (name, parameter) and of their state in ``optimizer``."""
         entries = []
         states = optimizer.state

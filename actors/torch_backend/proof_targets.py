@@ -145,10 +145,10 @@ def plan_for(optimizer: torch.optim.Optimizer, watched: Watched) -> Plan:
     plan = Plan()
     in_ddp: set[int] = set()
     for ddp in ddp_modules():
-        group = ddp.process_group
+        group: Any = ddp.process_group
         if not watched(group):
             continue
-        inner = ddp.module
+        inner: torch.nn.Module = ddp.module  # type: ignore[assignment]
         ids = {id(p) for p in inner.parameters()}
         if ids & stepped:
             plan.ddp.append((inner, group))
@@ -218,7 +218,9 @@ def _dtensor_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
     optimizer's own (built from ``named_parameters()``), else under the outermost module a
     composable API registered (``fully_shard``, ``replicate``)."""
     found: dict[int, str] = {}
-    registry = getattr(sys.modules.get("torch.distributed._composable_state"), "_module_state_mapping", None)
+    registry = getattr(
+        sys.modules.get("torch.distributed._composable_state"), "_module_state_mapping", None
+    )
     for module in list(registry.keys()) if registry is not None else []:
         for name, param in module.named_parameters():
             if len(name) > len(found.get(id(param), "")):
