@@ -80,7 +80,8 @@ _BROKEN_CHECKED: weakref.WeakSet[ProcessGroupParamsync] = weakref.WeakSet()
 def watch_group(group: ProcessGroupParamsync, *, prove: bool) -> None:
     """Refuse every optimizer step once ``group`` has failed (a torch DDP bucket that failed
     in backward could not raise there: `GroupSession._complete`), and with ``prove``, prove
-    the state of the group's DDP modules after every optimizer step."""
+    the state the group's ranks hold alike (its DDP modules, the DTensor parameters replicated
+    over it) after every optimizer step."""
     global _HOOKED
     with _LOCK:
         _BROKEN_CHECKED.add(group)

@@ -18,7 +18,8 @@ thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
   the group's inner torch group (`paramsync.actors.torch_backend.inner`) always waits for the
   go and runs on a worker thread; the group's failure aborts the inner group.
 
-A step ends when an optimizer stepping a DDP module of this group has stepped
+A step ends when an optimizer stepping state this group's ranks hold alike (a DDP module,
+DTensor parameters replicated or sharded over it) has stepped
 (`paramsync.actors.torch_backend.proof`): its state digest is reported, and the coordinator compares
 every rank's (C-DDP-001) and commits the step, one step behind the collectives at most.
 
