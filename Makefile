@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-multidevice bench-multihost bench-torchrun-hosts bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup api-docs
+.PHONY: test torch-suite demo demo-3d demo-lora demo-allreduce bench bench-ddp bench-torch-backend bench-torchdist bench-multidevice bench-multihost bench-torchrun-hosts bench-groups bench-control-plane gpu-check reliability-hostile soak lint format clean setup api-docs
 
 setup: $(STAMP)
 
@@ -68,6 +68,9 @@ bench-ddp: $(STAMP)
 
 bench-torch-backend: $(STAMP)
 	$(BIN)/python benchmarks/torch_backend.py --rounds 3 --proof-cost --json out/torch_backend.json
+
+bench-torchdist: $(STAMP)
+	$(BIN)/python benchmarks/torchdist.py --rounds 3 --json out/torchdist.json
 
 bench-multidevice: $(STAMP)
 	$(BIN)/python benchmarks/multidevice.py --rounds 15 --steps 30 --json out/multidevice.json

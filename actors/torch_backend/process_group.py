@@ -223,6 +223,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         self.session = GroupSession(
             name, rank, size, secret, options, launched=coordinator is not None
         )
+        self.session.global_ranks = self.global_ranks
         key = _coordinator_key(name)
         if coordinator is not None:  # ``paramsync launch`` runs the world's coordinator
             address = coordinator

@@ -1,29 +1,38 @@
-"""The identical-state proof (C-DDP-001) for torch DDP on the paramsync backend.
+"""The identical-state proof (C-DDP-001) on the paramsync backend: torch DDP, FSDP2, HSDP and
+tensor parallelism.
 
-torch's `DistributedDataParallel` replicates a module's parameters and buffers over its
-process group, and every rank's optimizer applies the same averaged gradients to them, so
-after every optimizer step every rank holds bitwise the same module state and optimizer
-state. The backend proves it: a global optimizer step post-hook (torch's
-``register_optimizer_step_post_hook``) notices the optimizer that just stepped; when it steps
-parameters of a torch DDP module whose process group is a paramsync group, the module's
-parameters and buffers and the optimizer's state are hashed (`paramsync.actors.state.digest`, in the
-stepping thread) and reported to that group's coordinator as the end of the group's step
-(`GroupSession.end_step`). The coordinator compares the ranks' digests and stops the run at
-the first step where they differ, naming the ranks and the first tensor that differs.
+After every optimizer step, the state torch keeps identical on several ranks is hashed (in the
+stepping thread) and reported to the coordinator of the group whose ranks hold it
+(`GroupSession.end_step`); each group's coordinator compares its ranks' digests and stops the
+run at the first step where they differ, naming the ranks and the first tensor that differs.
+What is compared, and across which ranks (`paramsync.actors.torch_backend.proof_targets`,
+found where torch builds it, never by a search of the heap):
 
-Only what DDP replicates is claimed identical: a module that is not wrapped in torch DDP on
-a paramsync group (FSDP's shards, tensor-parallel layers, a rank-local head) is never hashed,
-so it is never falsely flagged. ``PARAMSYNC_STATE_PROOF=0`` turns the proof off.
+* a torch DDP module on a paramsync group: its parameters and buffers and the optimizer's
+  state of its parameters, across the DDP group's ranks;
+* a DTensor parameter (FSDP2, HSDP, tensor parallelism) with a ``Replicate`` placement on a
+  mesh dimension whose group is a paramsync group: its local tensor and its optimizer state,
+  across that dimension's group: HSDP's shards across the replicas holding the same shard, a
+  tensor-parallel LayerNorm across the tensor-parallel ranks
+  (`paramsync.actors.torch_backend.proof_digest`).
 
-DDP modules are found without a hook in the forward: the first time an optimizer steps, the
-live DDP modules are looked up once among the garbage collector's objects and matched to the
-optimizer by parameter identity (again whenever an optimizer not seen before steps).
+Nothing else is claimed identical, so nothing else is ever falsely flagged: a pure FSDP shard
+(no replica to compare), a rank-local head, state on a group of another backend. At each
+optimizer's first step, global rank 0 prints one line saying what is proven and what is not
+(`paramsync.actors.torch_backend.proof_notice`). A paramsync group of a stepped DTensor's mesh
+that holds no replica (FSDP's shard dimension) ends its step too, with the digest of nothing,
+so its collectives are numbered by step like every other group's. ``PARAMSYNC_STATE_PROOF=0``
+turns the proof off.
+
+The optimizer is met at its first step by a global optimizer step post-hook (torch's
+``register_optimizer_step_post_hook``); what it steps is planned then (again for an optimizer
+not seen before), and each later step only hashes and reports.
 """
 
 from __future__ import annotations
 
-import gc
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Protocol
@@ -35,6 +44,9 @@ from torch.optim.optimizer import (
 )
 
 from paramsync.actors.state.digest import StateDigest, StateHasher
+from paramsync.actors.torch_backend.proof_digest import LocalHasher
+from paramsync.actors.torch_backend.proof_notice import notice
+from paramsync.actors.torch_backend.proof_targets import Plan, install, plan_for
 from paramsync.actors.torch_backend.session import GroupSession
 
 
@@ -68,16 +80,26 @@ _BROKEN_CHECKED: weakref.WeakSet[ProcessGroupParamsync] = weakref.WeakSet()
 def watch_group(group: ProcessGroupParamsync, *, prove: bool) -> None:
     """Refuse every optimizer step once ``group`` has failed (a torch DDP bucket that failed
     in backward could not raise there: `GroupSession._complete`), and with ``prove``, prove
-    the state of the group's DDP modules after every optimizer step."""
+    the state the group's ranks hold alike (its DDP modules, the DTensor parameters replicated
+    over it) after every optimizer step."""
     global _HOOKED
     with _LOCK:
         _BROKEN_CHECKED.add(group)
         if prove:
             _GROUPS.add(group)
         if not _HOOKED:
+            install(_proven)
             register_optimizer_step_pre_hook(_before_step)
             register_optimizer_step_post_hook(_after_step)
             _HOOKED = True
+
+
+def _proven(group: Any) -> bool:
+    """Whether ``group`` is a paramsync group whose state is proven."""
+    try:
+        return group in _GROUPS
+    except TypeError:  # not weakly referenceable: not a paramsync group
+        return False
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -110,46 +132,40 @@ class _ReplicatedPart:
 
 
 class _Binding:
-    """What one optimizer steps: the DDP modules (of paramsync groups) among its parameters,
-    and what of the optimizer to hash with each (all of it when it steps only the module)."""
+    """What one optimizer's step proves (its `Plan`), held weakly, with a hasher for each
+    part and what of the optimizer to hash with each DDP module (all of it when it steps only
+    the module)."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        modules: list[tuple[torch.nn.Module, ProcessGroupParamsync]],
-    ) -> None:
-        self.modules = [(weakref.ref(m), weakref.ref(g)) for m, g in modules]
-        self.hashers: list[StateHasher] = [StateHasher() for _ in modules]
+    def __init__(self, optimizer: torch.optim.Optimizer, plan: Plan) -> None:
+        self.modules = [(weakref.ref(m), weakref.ref(g)) for m, g in plan.ddp]
+        self.hashers: list[StateHasher] = [StateHasher() for _ in plan.ddp]
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self.parts: list[Any] = []
-        for module, _ in modules:
+        for module, _ in plan.ddp:
             if stepped <= {id(p) for p in module.parameters()}:
                 self.parts.append(optimizer)
             else:
                 self.parts.append(_ReplicatedPart(optimizer, module))
+        self.replicated = [
+            (weakref.ref(entry.group), entry.params, LocalHasher()) for entry in plan.replicated
+        ]
+        self.bare = [weakref.ref(group) for group in plan.bare]
 
 
 _BINDINGS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Binding] = weakref.WeakKeyDictionary()
 
 
-def _ddp_modules() -> list[Any]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)]
-
-
 def _bind(optimizer: torch.optim.Optimizer) -> _Binding:
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    found: list[tuple[torch.nn.Module, ProcessGroupParamsync]] = []
-    for ddp in _ddp_modules():
-        group = ddp.process_group
-        if group not in _GROUPS:  # not a paramsync group (or its proof is off)
-            continue
-        if any(id(p) in stepped for p in ddp.module.parameters()):
-            found.append((ddp.module, group))
-    # The same order on every rank: by the module's parameter names and shapes.
-    found.sort(key=lambda pair: [(n, tuple(p.shape)) for n, p in pair[0].named_parameters()])
-    return _Binding(optimizer, found)
+    plan = plan_for(optimizer, _proven)
+    if _global_rank() == 0:
+        print(notice(plan), file=sys.stderr, flush=True)
+    return _Binding(optimizer, plan)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -170,8 +186,23 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         entry = per_group.setdefault(id(group), (group, [], set()))
         entry[1].extend((prefix + name, value) for name, value in digest.tensors)
         entry[2].add(digest.algorithm)
+    for group_ref, params, local_hasher in binding.replicated:
+        group = group_ref()
+        if group is None:
+            continue
+        digest = local_hasher.digest(params, optimizer)
+        entry = per_group.setdefault(id(group), (group, [], set()))
+        entry[1].extend(digest.tensors)
+        entry[2].add(digest.algorithm)
+    for group_ref in binding.bare:
+        group = group_ref()
+        if group is not None:
+            per_group.setdefault(id(group), (group, [], set()))
     for group, tensors, algorithms in per_group.values():
         # The report names its algorithm (the coordinator compares like with like); modules of
         # one group hashed by different ones (one on the CPU, one on a GPU) name both.
         algorithm = "+".join(sorted(algorithms))
-        group.session.end_step(StateDigest(None, tensors, algorithm=algorithm))
+        if algorithms:
+            group.session.end_step(StateDigest(None, tensors, algorithm=algorithm))
+        else:  # a group holding no replica: the digest of nothing ends its step
+            group.session.end_step(StateDigest(None, []))

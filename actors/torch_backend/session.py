@@ -18,7 +18,8 @@ thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
   the group's inner torch group (`paramsync.actors.torch_backend.inner`) always waits for the
   go and runs on a worker thread; the group's failure aborts the inner group.
 
-A step ends when an optimizer stepping a DDP module of this group has stepped
+A step ends when an optimizer stepping state this group's ranks hold alike (a DDP module,
+DTensor parameters replicated or sharded over it) has stepped
 (`paramsync.actors.torch_backend.proof`): its state digest is reported, and the coordinator compares
 every rank's (C-DDP-001) and commits the step, one step behind the collectives at most.
 
@@ -236,6 +237,9 @@ class GroupSession:
         """The coordinator is ``paramsync launch``'s (its handshake group is the default one)."""
         self.rank = rank
         self.size = size
+        self.global_ranks: tuple[int, ...] = tuple(range(size))
+        """The group's ranks as global ranks (a subgroup's, set by its process group): a
+        coordinator's reason, in group ranks, is followed by them."""
         self._secret = secret
         self.options = options
         self.loop = backend_loop()
@@ -633,6 +637,9 @@ def _as_backend_error(
         reason = str(client.failure)
     where = f" in {op.call} (step {op.step}, call {op.bucket})" if op is not None else ""
     if reason:
+        ranks = list(session.global_ranks)
+        if ranks != list(range(len(ranks))):  # a subgroup: its ranks are not the global ones
+            reason += f" (the group's ranks {list(range(len(ranks)))} are global ranks {ranks})"
         return BackendError(f"paramsync group {session.name}, rank {session.rank}{where}: {reason}")
     if isinstance(exc, CoordinatorLost) or (from_coordinator and isinstance(exc, PeerClosed)):
         host = "paramsync launch" if session.launched else "rank 0"
