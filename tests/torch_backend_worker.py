@@ -7,6 +7,8 @@ Plain torch code: ``init_process_group("paramsync")`` after ``import torch``, no
 imported from paramsync. Each rank writes what it saw to OUT (``rank<r>.pt``: the results;
 ``rank<r>.err``: the one error line a failed collective raised; ``rank<r>.planes.json``: how
 many of the world group's calls each plane ran) and exits 0 unless the scenario says otherwise.
+The ``train`` scenario ends without ``barrier`` or ``destroy_process_group``, as many scripts
+do: the backend closes the group at the interpreter's exit.
 ``PARAMSYNC_TORCH_INNER`` (the launcher's environment) chooses the inner torch group.
 """
 
@@ -217,6 +219,8 @@ def main() -> None:
             raise SystemExit(f"unknown scenario {scenario}")
         planes = dict(getattr(dist.group.WORLD, "calls_by_plane", {}))
         (out / f"rank{rank}.planes.json").write_text(json.dumps(planes))
+        if scenario == "train":
+            return  # as many scripts end (Lightning's among them): no barrier, no destroy
         dist.barrier()
     except Exception as exc:
         line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

@@ -35,7 +35,9 @@ import collections
 import logging
 import math
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,12 +205,33 @@ _EXIT_SECONDS = 5.0
 """How long the interpreter's exit waits for the backend loop to wind down."""
 
 
+_OPEN_SESSIONS: weakref.WeakSet[GroupSession] = weakref.WeakSet()
+"""The sessions opened in this process and not yet closed (`_stop_the_loop_at_exit`)."""
+
+
+def _ended_by_an_uncaught_exception() -> bool:
+    """Whether the interpreter is exiting because an exception reached the top of the main
+    thread (the default ``sys.excepthook`` records it in ``sys.last_value`` first)."""
+    return getattr(sys, "last_value", None) is not None
+
+
 @atexit.register
 def _stop_the_loop_at_exit() -> None:
-    """Wind the loop down before the interpreter does. Its threads are daemons, which the
-    interpreter freezes where they stand when it shuts down; one inside a torch operation
-    then ends the process with ``terminate called without an active exception`` (SIGABRT)
-    instead of its exit code. Its groups' links close as they would when the process ends."""
+    """Wind the loop down before the interpreter does.
+
+    A script that ends without ``destroy_process_group`` (torch only warns about it; Lightning
+    leaves its group open) has its open groups closed here as ``destroy_process_group`` would,
+    so the other ranks hear that this rank finished rather than that it was lost. A process
+    ending on an uncaught exception closes nothing: its links just end, and the others name it
+    lost, as they would a crash.
+
+    Then the loop stops. Its threads are daemons, which the interpreter freezes where they
+    stand when it shuts down; one inside a torch operation then ends the process with
+    ``terminate called without an active exception`` (SIGABRT) instead of its exit code."""
+    if not _ended_by_an_uncaught_exception():
+        for session in list(_OPEN_SESSIONS):
+            if session.failure is None:
+                session.close()
     loop = _LOOP
     if loop is not None:
         loop.stop(_EXIT_SECONDS)
@@ -268,6 +291,7 @@ class GroupSession:
         self._go_arrived = trio.Event()
         self._scope: trio.CancelScope | None = None
         self._closed = threading.Event()
+        _OPEN_SESSIONS.add(self)
 
     # ------------------------------------------------------------------ opening
 
@@ -375,6 +399,7 @@ class GroupSession:
                     await self.p2p.aclose()
                 await client.link.aclose()
             self._closed.set()
+            _OPEN_SESSIONS.discard(self)
 
     async def _mesh(
         self, start: StartRun, listener: trio.SocketListener, suffix: str
