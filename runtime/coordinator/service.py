@@ -13,7 +13,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,6 @@ import trio
 from paramsync.runtime.coordinator.core import CoordinatorCore
 from paramsync.runtime.coordinator.events import (
     Abort,
-    Action,
     Broadcast,
     Disconnected,
     Evict,
@@ -41,6 +40,7 @@ from paramsync.runtime.coordinator.frame_caps import (
     member_frame_cap,
 )
 from paramsync.runtime.coordinator.run_state import RunState
+from paramsync.runtime.coordinator.shell_core import ShellCore
 from paramsync.runtime.errors import (
     FrameTooLarge,
     ParamsyncError,
@@ -61,6 +61,7 @@ from paramsync.runtime.protocol.messages import (
     StartRun,
     event_from_wire,
 )
+from paramsync.runtime.protocol.schema import WireMessage
 from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME
 from paramsync.runtime.transport.admission import AdmissionGate, HandshakeTicket
 from paramsync.runtime.transport.link import Link
@@ -180,6 +181,13 @@ class _RankClaim:
 class Coordinator:
     """Sequences one run of ``world_size`` workers around a `CoordinatorCore`."""
 
+    PEER = "rank"
+    """What the log lines call a connected peer (a worker's rank; the root: a host's index)."""
+    JOIN_KIND: type[WireMessage] = Joined
+    """The event whose acceptance ends a peer's join deadline."""
+    JOINING_KINDS: frozenset[str] = JOINING_KINDS
+    """The only kinds a peer that has not joined may send (`frame_caps.JOINING_KINDS`)."""
+
     def __init__(
         self,
         world_size: int,
@@ -189,9 +197,12 @@ class Coordinator:
         group: str = DEFAULT_GROUP,
         metrics: Metrics | None = None,
         core_type: type[CoordinatorCore] = CoordinatorCore,
+        core: ShellCore | None = None,
     ) -> None:
         """``core_type``: the class of the core to build, a `CoordinatorCore` or a subclass
-        (the fault harness passes one that dies at a commit, `paramsync.runtime.testing.faults`)."""
+        (the fault harness passes one that dies at a commit, `paramsync.runtime.testing.faults`).
+        ``core``: a core already built to serve instead (`shell_core.ShellCore`: the coordinator
+        tree's drivers, `paramsync.runtime.coordinator.tree_service`)."""
         self.options = options or CoordinatorOptions()
         self.run_id = self.options.run_id or secrets.token_hex(8)
         """This run's id: the options', else a random one (never derived from the secret)."""
@@ -201,7 +212,7 @@ class Coordinator:
         """Fed as the run goes (`paramsync.runtime.observe.metrics`; None: off). Serve its registry
         with `paramsync.runtime.observe.metrics.serve_metrics`."""
         self._last_commit_at: float | None = None
-        self.core = core_type(
+        self.core: ShellCore = core or core_type(
             world_size,
             digest_interval=self.options.digest_interval,
             resync=self.options.resync,
@@ -405,28 +416,31 @@ class Coordinator:
                     message = await member.link.recv(self._member_max_frame())
                 else:  # only what a joining peer sends, at most what a join needs
                     model = self.core.view.reference_signature
-                    max_frame = join_frame_cap(model, kind_max_frame(Joined.KIND))
+                    max_frame = join_frame_cap(model, kind_max_frame(self.JOIN_KIND.KIND))
                     with trio.CancelScope(deadline=join_by) as waiting:
                         try:
-                            message = await member.link.recv(max_frame, kinds=JOINING_KINDS)
+                            message = await member.link.recv(max_frame, kinds=self.JOINING_KINDS)
                         except FrameTooLarge as exc:  # from the prefix, unread
                             why = join_cap_refusal(exc.reason, max_frame, model is not None)
                             raise FrameTooLarge(why, peer=exc.peer) from None
                     if waiting.cancelled_caught:
                         log.warning(
-                            "rank %d authenticated but sent no join within %g s; dropped",
+                            "%s %d authenticated but sent no join within %g s; dropped",
+                            self.PEER,
                             rank,
                             join_seconds,
                         )
                         return
-                event = event_from_wire(message, rank=rank, now=trio.current_time())
+                event = self._decode(message, rank)
             except PeerClosed as exc:
                 if not self.finished.is_set():
                     self._apply(self.core.handle(Disconnected(rank, exc.reason)))
                 return
             except ProtocolError as exc:
-                log.warning("rank %d sent a bad message: %s", rank, one_line(exc))
-                reason = exc.reason if joined else f"rank {rank} has not joined: {exc.reason}"
+                log.warning("%s %d sent a bad message: %s", self.PEER, rank, one_line(exc))
+                reason = exc.reason
+                if not joined:
+                    reason = f"{self.PEER} {rank} has not joined: {exc.reason}"
                 self._apply(self.core.handle(Malformed(rank, reason)), source=rank)
                 return
             log.debug("event %r", event)
@@ -436,10 +450,14 @@ class Coordinator:
                 refused = self._apply(self.core.handle(event), source=rank)
             if refused or member.evicted:
                 return
-            if not joined and isinstance(event, Joined):
+            if not joined and isinstance(event, self.JOIN_KIND):
                 # Only a join the core took ends the deadline: any other first frame (a
                 # heartbeat) held the rank for ever (issue 31, row 5).
                 joined = rank in self.core.view.joined
+
+    def _decode(self, message: dict[str, Any], rank: int) -> object:
+        """The event a peer's decoded message is (ProtocolError: it is none)."""
+        return event_from_wire(message, rank=rank, now=trio.current_time())
 
     async def _writer(self, member: _Member) -> None:
         """Drain the member's queue; once the member has heard its first answer (the start),
@@ -466,7 +484,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ metrics
 
-    def _handle_measured(self, event: Any) -> list[Action]:
+    def _handle_measured(self, event: Any) -> Sequence[object]:
         """``core.handle(event)``, feeding the metrics: the digest verdict's time (the digest
         that completes a step) and joins into a run already started (rejoins)."""
         metrics = self.metrics
@@ -487,7 +505,7 @@ class Coordinator:
             metrics.rejoins.inc()
         return actions
 
-    def _observe(self, action: Action) -> None:
+    def _observe(self, action: object) -> None:
         """Feed the metrics from one action the core asked for."""
         metrics = self.metrics
         assert metrics is not None
@@ -522,7 +540,7 @@ class Coordinator:
         except trio.ClosedResourceError:
             pass
 
-    def _apply(self, actions: list[Action], source: int | None = None) -> bool:
+    def _apply(self, actions: Sequence[object], source: int | None = None) -> bool:
         """Execute the core's actions; True when the source connection was refused."""
         refused = False
         for action in actions:
@@ -564,6 +582,8 @@ class Coordinator:
                 for rank in list(self._members):
                     self._enqueue(rank, action.message)
                 self._finish()
+            else:
+                raise TypeError(f"not a coordinator action: {action!r}")
         return refused
 
     def _finish(self) -> None:
