@@ -7,6 +7,7 @@ no installed console script. Every process has a timeout well under 30 s.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -49,8 +50,8 @@ def env_without_secret() -> dict[str, str]:
     ("args", "expected"),
     [
         ((), ["coordinator", "worker", "launch"]),
-        (("launch",), ["--nproc", "--summary-json", "--master-port"]),
-        (("coordinator",), ["--world-size", "--bind", "--heartbeat-deadline"]),
+        (("launch",), ["--nproc", "--summary-json", "--master-port", "--coordinator-kind"]),
+        (("coordinator",), ["--world-size", "--bind", "--heartbeat-deadline", "--tree"]),
     ],
     ids=["paramsync", "launch", "coordinator"],
 )
@@ -309,9 +310,29 @@ def test_max_restarts_makes_the_run_elastic_down_to_one_node_less() -> None:
     assert given.min_workers == 3
 
 
+def test_the_coordinator_tree_is_the_default_past_one_node_and_can_be_forced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PARAMSYNC_COORDINATOR_KIND", raising=False)
+    nodes = ("--nnodes", "2", "--nproc", "2", "--coordinator", "10.0.0.5:1")
+    assert _plan(*nodes).tree  # a sub-coordinator per node, the root on node 0
+    assert not _plan("--nproc", "2").tree  # one node: the flat coordinator
+    assert not _plan(*nodes, "--coordinator-kind", "flat").tree
+    assert _plan("--nproc", "2", "--coordinator-kind", "tree").tree  # forced, one node too
+    # Restarted workers rejoin a running run, which the tree does not take: flat.
+    assert not _plan(*nodes, "--max-restarts", "1").tree
+    monkeypatch.setenv("PARAMSYNC_COORDINATOR_KIND", "tree")
+    assert _plan("--nproc", "2").tree
+    assert not _plan("--nproc", "2", "--coordinator-kind", "flat").tree  # the flag wins
+    monkeypatch.setenv("PARAMSYNC_COORDINATOR_KIND", "bushy")
+    with pytest.raises(ValueError, match=r"PARAMSYNC_COORDINATOR_KIND.*'bushy'"):
+        _plan("--nproc", "2")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (("--nproc", "2", "--coordinator-kind", "tree", "--max-restarts", "1"), "takes no join"),
         (("--nnodes", "2", "--nproc", "1"), "needs the coordinator's address"),
         (("--nnodes", "2", "--nproc", "1", "--coordinator", "127.0.0.1:5"), "loopback"),
         (("--nnodes", "2", "--node-rank", "2", "--nproc", "1"), "--node-rank must be in 0..1"),
@@ -396,3 +417,37 @@ def test_the_launch_time_benchmark_times_a_run_against_a_baseline() -> None:
         exited = float(line.split("exited after")[1].split("s")[0])
         assert 0 < launched < exited, line
     assert "this code / baseline, round by round: x" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--tree", "host"), "--tree host needs --root HOST:PORT, --host-index and --host-ranks"),
+        (
+            ("--tree", "host", "--root", "10.0.0.5:1", "--host-index", "4", "--host-ranks", "0-1"),
+            "--host-index must be in 0..3, got 4",
+        ),
+        (
+            ("--tree", "host", "--root", "10.0.0.5:1", "--host-index", "1", "--host-ranks", "2-9"),
+            "--host-ranks '2-9': not ranks of 0..3",
+        ),
+        (
+            ("--tree", "host", "--root", "10.0.0.5:1", "--host-index", "1", "--host-ranks", "x"),
+            "--host-ranks 'x': expected A-B or a,b,c (world ranks)",
+        ),
+    ],
+)
+def test_a_sub_coordinators_bad_flags_are_one_line_and_exit_2(
+    flags: tuple[str, ...],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from paramsync.runtime.cli.main import main
+
+    monkeypatch.setenv("PARAMSYNC_SECRET", os.urandom(16).hex())
+    with caplog.at_level(logging.ERROR, logger="paramsync.daemon"):
+        code = main(["coordinator", "--world-size", "4", "--bind", "127.0.0.1:0", *flags])
+    assert code == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line == f"bad configuration: {message}", line

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 
 import trio
 
@@ -13,6 +14,7 @@ from paramsync.runtime.cli.torchrun import TorchrunEnv, run_id_from_env
 from paramsync.runtime.config import parse_address
 from paramsync.runtime.coordinator.core import CoordinatorCore
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
+from paramsync.runtime.coordinator.tree_service import RootCoordinator, SubCoordinator
 from paramsync.runtime.errors import ParamsyncError, configuration_error, one_line, pick_error
 from paramsync.runtime.observe.metrics import (
     METRICS_HOST_ENV,
@@ -24,7 +26,14 @@ from paramsync.runtime.observe.metrics import (
 from paramsync.runtime.train_config import shared_secret
 from paramsync.runtime.transport.admission import AdmissionLimits
 
-__all__ = ["run_coordinator", "run_worker", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+__all__ = [
+    "run_coordinator",
+    "run_worker",
+    "parse_ranks",
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+]
 
 log = logging.getLogger("paramsync.daemon")
 
@@ -34,11 +43,56 @@ EXIT_USAGE = 2
 _SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
+def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
+    """``--host-ranks``: ``A-B`` (A to B) or ``a,b,c``; a ValueError naming the flag."""
+    try:
+        if "-" in text:
+            first, _, last = text.partition("-")
+            ranks = tuple(range(int(first), int(last) + 1))
+        else:
+            ranks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--host-ranks {text!r}: expected A-B or a,b,c (world ranks)") from None
+    if not ranks or not all(0 <= r < world_size for r in ranks):
+        raise ValueError(f"--host-ranks {text!r}: not ranks of 0..{world_size - 1}")
+    return ranks
+
+
+def _tree_coordinator(
+    args: argparse.Namespace, options: CoordinatorOptions, metrics: Metrics | None
+) -> Coordinator | None:
+    """The coordinator tree's root or a host's sub-coordinator, as ``--tree`` says (None:
+    the flat coordinator)."""
+    tree = getattr(args, "tree", None)
+    if tree == "root":
+        return RootCoordinator(args.world_size, options, secret=shared_secret(), metrics=metrics)
+    if tree != "host":
+        return None
+    if args.root is None or args.host_index is None or args.host_ranks is None:
+        raise ValueError("--tree host needs --root HOST:PORT, --host-index and --host-ranks")
+    parse_address(args.root)  # a ValueError naming it
+    if not 0 <= args.host_index < args.world_size:
+        raise ValueError(f"--host-index must be in 0..{args.world_size - 1}, got {args.host_index}")
+    name = args.host_name or f"node{args.host_index} ({socket.gethostname()})"
+    ranks = parse_ranks(args.host_ranks, args.world_size)
+    return SubCoordinator(
+        args.world_size,
+        name,
+        args.host_index,
+        ranks,
+        options,
+        secret=shared_secret(),
+        metrics=metrics,
+    )
+
+
 def run_coordinator(
     args: argparse.Namespace, *, core_type: type[CoordinatorCore] = CoordinatorCore
 ) -> int:
     """Serve one run until it finishes, aborts, or a signal stops it; returns the exit code.
-    ``core_type``: the class of the coordinator's core (`Coordinator`'s ``core_type``)."""
+    ``core_type``: the class of the coordinator's core (`Coordinator`'s ``core_type``).
+    ``--tree root``: the coordinator tree's root (its peers are the hosts' sub-coordinators);
+    ``--tree host``: a host's sub-coordinator, which dials the root at ``--root``."""
     try:
         host, port = parse_address(args.bind)
         options = CoordinatorOptions(
@@ -56,7 +110,7 @@ def run_coordinator(
         if metrics_port is not None:
             check_port(metrics_port, "--metrics-port")
         metrics = Metrics("coordinator") if metrics_port is not None else None
-        coordinator = Coordinator(
+        coordinator = _tree_coordinator(args, options, metrics) or Coordinator(
             args.world_size,
             options,
             secret=shared_secret(),
@@ -86,7 +140,13 @@ def run_coordinator(
 
             async def serve(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
                 tls = getattr(args, "tls", None)  # set by paramsync.runtime.cli.main from --tls-*
-                await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
+                if isinstance(coordinator, SubCoordinator):
+                    root = parse_address(args.root)
+                    await coordinator.serve_tcp(
+                        host, port, root=root, tls=tls, task_status=task_status
+                    )
+                else:
+                    await coordinator.serve_tcp(host, port, tls=tls, task_status=task_status)
                 nursery.cancel_scope.cancel()  # served to the end: stop watching signals
 
             if metrics is not None:
@@ -96,7 +156,10 @@ def run_coordinator(
                 )
                 log.info("metrics at http://%s:%d/metrics", *host_port)
             bound = await nursery.start(serve)
-            log.info("coordinator for %d workers listening on %s:%d", args.world_size, *bound)
+            what = {"root": "root coordinator", "host": "sub-coordinator"}.get(
+                getattr(args, "tree", None) or "", "coordinator"
+            )
+            log.info("%s for %d workers listening on %s:%d", what, args.world_size, *bound)
             if args.port_file:
                 await trio.Path(args.port_file).write_text(f"{bound[1]}\n")
 

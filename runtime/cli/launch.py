@@ -12,6 +12,14 @@ machine of its own). Every node must hold the same secret ($PARAMSYNC_SECRET or
 $PARAMSYNC_SECRET_FILE). Workers dial the coordinator at HOST, so they listen for their peers on
 the interface that reaches it, or on ``--advertise-addr`` ($PARAMSYNC_ADVERTISE_ADDR).
 
+The coordinator tree (``--coordinator-kind tree``, the default for ``--nnodes > 1`` without
+``--max-restarts``): every node also runs a sub-coordinator on its own address; the node's
+workers dial it as they dial a coordinator, and it dials the root at HOST:PORT (node 0's
+root daemon, started in the coordinator's place), so the root sees one link and one report per
+node, not one per worker. ``--coordinator-kind flat`` (or $PARAMSYNC_COORDINATOR_KIND) keeps one
+coordinator for all workers, the default on one node; ``tree`` forces the tree, one node
+included.
+
 ``--max-restarts M``: a worker that fails is started again, with its rank, up to M times on
 this node, and rejoins the running run live (the coordinator is then elastic: the survivors
 go on in a new epoch, and the restarted worker receives their whole state). Only the failed
@@ -42,7 +50,17 @@ from paramsync.runtime.errors import one_line
 from paramsync.runtime.protocol.handshake import SECRET_ENV, SECRET_FILE_ENV
 from paramsync.runtime.train_config import DEFAULT_COORDINATOR_PORT, shared_secret
 
-__all__ = ["LaunchPlan", "RESTART_COUNT_ENV", "run_launch", "merge_summaries", "free_port"]
+__all__ = [
+    "LaunchPlan",
+    "RESTART_COUNT_ENV",
+    "COORDINATOR_KIND_ENV",
+    "run_launch",
+    "merge_summaries",
+    "free_port",
+]
+
+COORDINATOR_KIND_ENV = "PARAMSYNC_COORDINATOR_KIND"
+"""``flat``, ``tree`` or ``auto`` (the default): ``paramsync launch --coordinator-kind``."""
 
 RESTART_COUNT_ENV = "PARAMSYNC_RESTART_COUNT"
 """How many times ``paramsync launch --max-restarts`` restarted this worker (0: first start),
@@ -117,6 +135,9 @@ class LaunchPlan:
     max_restarts: int
     min_workers: int | None
     """The coordinator's ``--min-workers`` (None: all, a static run)."""
+    tree: bool = False
+    """Whether the run uses the coordinator tree: a sub-coordinator on every node, the root
+    on node 0 (in the flat coordinator's place)."""
 
     @property
     def world_size(self) -> int:
@@ -186,6 +207,17 @@ class LaunchPlan:
             min_workers = max(1, world - nproc) if nnodes > 1 else world - 1
         if args.advertise_addr:
             advertised_host({ADVERTISE_ENV: args.advertise_addr})  # a ValueError naming it
+        kind = args.coordinator_kind or os.environ.get(COORDINATOR_KIND_ENV, "").strip() or "auto"
+        if kind not in ("auto", "flat", "tree"):
+            raise ValueError(
+                f"--coordinator-kind (or ${COORDINATOR_KIND_ENV}) must be auto, flat or tree, "
+                f"got {kind!r}"
+            )
+        if kind == "tree" and args.max_restarts > 0:
+            raise ValueError(
+                "--coordinator-kind tree does not take --max-restarts: the coordinator tree "
+                "takes no join once the run has started (use --coordinator-kind flat)"
+            )
         return cls(
             nnodes=nnodes,
             node_rank=node_rank,
@@ -196,6 +228,7 @@ class LaunchPlan:
             advertise=args.advertise_addr,
             max_restarts=args.max_restarts,
             min_workers=min_workers,
+            tree=kind == "tree" or (kind == "auto" and nnodes > 1 and args.max_restarts == 0),
         )
 
 
@@ -258,6 +291,10 @@ def run_launch(args: argparse.Namespace) -> int:
     )
     if plan.advertise:
         base[ADVERTISE_ENV] = plan.advertise
+    sub_address: tuple[str, int] | None = None
+    if plan.tree:  # the node's workers dial its sub-coordinator, on the node's own address
+        sub_address = (plan.advertise or _address_towards(plan.host), free_port())
+        base["PARAMSYNC_COORDINATOR_ADDR"] = _host_port(*sub_address)
     # Like torchrun: one intra-op thread per worker unless the user says otherwise, so N
     # workers do not oversubscribe the machine's cores.
     base.setdefault("OMP_NUM_THREADS", "1")
@@ -265,7 +302,19 @@ def run_launch(args: argparse.Namespace) -> int:
         "PARAMSYNC_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel())
     )
     summary_dir = Path(tempfile.mkdtemp(prefix="paramsync-launch-"))
-    coordinator = _start_coordinator(args, plan, port, base) if plan.hosts_coordinator else None
+    daemons: list[subprocess.Popen[bytes]] = []
+    if plan.hosts_coordinator:
+        root = ["--tree", "root"] if plan.tree else []
+        daemons.append(_start_coordinator(args, plan, _host_port(plan.host, port), base, root))
+    if sub_address is not None:
+        first = plan.ranks[0]
+        host_flags = [
+            "--tree", "host", "--root", _host_port(plan.host, port),
+            "--host-index", str(plan.node_rank),
+            "--host-ranks", f"{first}-{first + plan.nproc_per_node - 1}",
+        ]  # fmt: skip
+        daemons.append(_start_coordinator(args, plan, _host_port(*sub_address), base, host_flags))
+    names = dict(zip((d.pid for d in daemons), _daemon_names(plan), strict=False))
     envs: dict[int, dict[str, str]] = {}
     workers: dict[int, subprocess.Popen[bytes]] = {}
     for local, rank in enumerate(plan.ranks):
@@ -278,7 +327,7 @@ def run_launch(args: argparse.Namespace) -> int:
         "node %d of %d: launched %s%d workers (ranks %d-%d of %d), coordinator at %s:%d",
         plan.node_rank,
         plan.nnodes,
-        f"a coordinator (pid {coordinator.pid}) and " if coordinator is not None else "",
+        "".join(f"{names[d.pid]} (pid {d.pid}) and " for d in daemons),
         plan.nproc_per_node,
         plan.ranks[0],
         plan.ranks[-1],
@@ -290,8 +339,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
-        for proc in [coordinator, *workers.values()]:
-            if proc is not None and proc.poll() is None:
+        for proc in [*daemons, *workers.values()]:
+            if proc.poll() is None:
                 proc.send_signal(signum)
 
     def restart(rank: int) -> subprocess.Popen[bytes]:
@@ -303,19 +352,19 @@ def run_launch(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failed = _supervise(workers, coordinator, restart, plan.max_restarts, received)
+        failed = _supervise(workers, daemons, restart, plan.max_restarts, received)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failed is None:
-        if coordinator is not None:
+        for daemon in daemons:
             try:
-                coordinator.wait(timeout=_GRACE_SECONDS)
+                daemon.wait(timeout=_GRACE_SECONDS)
             except subprocess.TimeoutExpired:
-                coordinator.terminate()
-                coordinator.wait()
+                daemon.terminate()
+                daemon.wait()
     else:
-        _stop_all([p for p in (coordinator, *workers.values()) if p is not None])
+        _stop_all([*daemons, *workers.values()])
     code = 0
     if received:
         code = 128 + received[0]
@@ -324,7 +373,7 @@ def run_launch(args: argparse.Namespace) -> int:
         who = (
             f"worker rank {rank} (pid {proc.pid})"
             if rank >= 0
-            else f"the coordinator (pid {proc.pid})"
+            else f"{names.get(proc.pid, 'the coordinator')} (pid {proc.pid})"
         )
         if proc.returncode == EXIT_USAGE:
             log.error(
@@ -337,8 +386,10 @@ def run_launch(args: argparse.Namespace) -> int:
                 "%s failed with exit code %s%s: stopped the run", who, proc.returncode, restarts
             )
             code = 1
-    elif coordinator is not None and coordinator.returncode:
-        log.error("the coordinator exited with code %d", coordinator.returncode)
+    elif any(daemon.returncode for daemon in daemons):
+        for daemon in daemons:
+            if daemon.returncode:
+                log.error("%s exited with code %d", names[daemon.pid], daemon.returncode)
         code = 1
     if args.summary_json and code == 0:
         summaries = [json.loads(p.read_text()) for p in sorted(summary_dir.glob("rank*.json"))]
@@ -349,11 +400,28 @@ def run_launch(args: argparse.Namespace) -> int:
     return code
 
 
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the interface that reaches ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        address: str = probe.getsockname()[0]
+    return address
+
+
 def _start_coordinator(
-    args: argparse.Namespace, plan: LaunchPlan, port: int, env: dict[str, str]
+    args: argparse.Namespace,
+    plan: LaunchPlan,
+    bind: str,
+    env: dict[str, str],
+    tree: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """The coordinator daemon of the run, listening at the plan's host and ``port``."""
-    bind = f"[{plan.host}]:{port}" if ":" in plan.host else f"{plan.host}:{port}"
+    """A coordinator daemon of the run, listening at ``bind``: the flat coordinator, or with
+    ``tree`` flags the coordinator tree's root or this node's sub-coordinator."""
     command = [
         sys.executable, "-m", "paramsync.runtime.cli.main",
         "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
@@ -369,19 +437,28 @@ def _start_coordinator(
             # node that starts late is not left out of the first epoch.
             "--rendezvous-seconds", str(args.rendezvous_seconds),
         ]  # fmt: skip
-    return subprocess.Popen(command, env=env)
+    return subprocess.Popen(command + (tree or []), env=env)
+
+
+def _daemon_names(plan: LaunchPlan) -> list[str]:
+    """What the log calls each daemon this node starts, in the order it starts them."""
+    if not plan.tree:
+        return ["the coordinator"]
+    sub = f"node {plan.node_rank}'s sub-coordinator"
+    return ["the root coordinator", sub] if plan.hosts_coordinator else [sub]
 
 
 def _supervise(
     workers: dict[int, subprocess.Popen[bytes]],
-    coordinator: subprocess.Popen[bytes] | None,
+    coordinators: list[subprocess.Popen[bytes]],
     restart: Any = None,
     max_restarts: int = 0,
     stopping: list[int] | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]] | None:
-    """Wait for every worker; return the first that failed for good (rank -1: the
-    coordinator). A failed worker is started again by ``restart(rank)`` while fewer than
-    ``max_restarts`` restarts were made (none once a signal is in ``stopping``)."""
+    """Wait for every worker; return the first that failed for good (rank -1: a coordinator
+    daemon, which fails the run while workers still run). A failed worker is started again by
+    ``restart(rank)`` while fewer than ``max_restarts`` restarts were made (none once a signal
+    is in ``stopping``)."""
     pending = dict(workers)
     restarts = 0
     while pending:
@@ -406,7 +483,7 @@ def _supervise(
                 pending[rank] = restart(rank)
                 continue
             return rank, proc
-        if coordinator is not None:
+        for coordinator in coordinators:
             code = coordinator.poll()
             if code not in (None, 0) and pending:
                 return -1, coordinator

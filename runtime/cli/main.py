@@ -183,6 +183,22 @@ def build_parser(
         help="handshakes in progress at once; more connections are refused at once "
         "(default %(default)s)",
     )
+    tree = coordinator.add_argument_group(
+        "coordinator tree (paramsync launch --nnodes > 1 starts these)"
+    )
+    tree.add_argument(
+        "--tree",
+        choices=["root", "host"],
+        help="root: the tree's root, which the hosts' sub-coordinators dial (it sees hosts, "
+        "not workers); host: one host's sub-coordinator, which its workers dial as they dial "
+        "a coordinator (default: the flat coordinator)",
+    )
+    tree.add_argument("--root", metavar="HOST:PORT", help="--tree host: the root's address")
+    tree.add_argument("--host-index", type=int, help="--tree host: this host's index (its node)")
+    tree.add_argument(
+        "--host-ranks", metavar="A-B", help="--tree host: the world ranks of its workers"
+    )
+    tree.add_argument("--host-name", help="--tree host: its name in messages (default: nodeI)")
 
     worker = sub.add_parser(
         "worker",
@@ -251,6 +267,14 @@ def build_parser(
     )
     launch.add_argument(
         "--master-port", type=int, default=0, help="the coordinator's port (0: pick a free port)"
+    )
+    launch.add_argument(
+        "--coordinator-kind",
+        choices=["auto", "flat", "tree"],
+        help="tree: a sub-coordinator on every node, which the node's workers dial, under a "
+        "root on node 0 (at --coordinator); flat: one coordinator for every worker; auto "
+        "(default, or $PARAMSYNC_COORDINATOR_KIND): tree when --nnodes > 1 without "
+        "--max-restarts (the tree takes no join after the start), else flat",
     )
     launch.add_argument(
         "--no-coordinator",

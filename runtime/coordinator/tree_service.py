@@ -7,11 +7,11 @@ peers dropped) around a driver of the tree's sans-I/O cores:
 
 * a `SubCoordinator` listens for its host's workers, which speak the worker protocol and cannot
   tell it from the flat coordinator; it feeds their reports to its `host_fold.HostFold`
-  (through `host_driver.HostDriver`), holds one authenticated link to the root
-  (``uplink``), sends the host reports up it with a heartbeat every fraction of the heartbeat
-  deadline, and hands the root's answers to its fold, which fans them out. The root's link
-  closing, failing, or falling silent past the deadline (once the root has spoken) ends the
-  run on the host (`tree_events.RootLost`);
+  (through `host_driver.HostDriver`), holds one authenticated link to the root (dialled once
+  every worker of the host joined), sends the host reports up it with a heartbeat every
+  fraction of the heartbeat deadline, and hands the root's answers to its fold, which fans
+  them out. The root's link closing, failing, or falling silent past the deadline (once the
+  root has spoken) ends the run on the host (`tree_events.RootLost`);
 * a `RootCoordinator` listens for the hosts' sub-coordinators (group `host_group(group)`,
   each authenticated with its host index as its rank) and feeds `root_core.RootCore` through
   `root_driver.RootDriver`: a host link closed, failed or silent past the deadline is a lost
@@ -162,6 +162,10 @@ class SubCoordinator(Coordinator):
     # ------------------------------------------------------------------ the root's link
 
     async def _uplink(self, connect: Callable[[], Awaitable[Link]]) -> None:
+        """Dial the root once the host has its first report (its join: every worker joined,
+        so the root's join deadline runs from a join that is ready), then carry the reports
+        up and the root's answers down."""
+        first = await self._up_receive.receive()
         try:
             link = await connect()
         except (OSError, ProtocolError, trio.TooSlowError) as exc:
@@ -169,7 +173,7 @@ class SubCoordinator(Coordinator):
             return
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._up_writer, link)
+                nursery.start_soon(self._up_writer, link, first)
                 await self._down_reader(link)
                 nursery.cancel_scope.cancel()
         finally:
@@ -198,15 +202,17 @@ class SubCoordinator(Coordinator):
                 return
             self._apply(self.core.handle(FromRoot(message)))
 
-    async def _up_writer(self, link: Link) -> None:
-        """Send the host reports as the fold makes them, and a heartbeat whenever a heartbeat
-        period passed since the last one (reports or not: the root's deadline counts them)."""
+    async def _up_writer(self, link: Link, first: HostReport) -> None:
+        """Send the host reports as the fold makes them (``first`` first), and a heartbeat
+        whenever a heartbeat period passed since the last one (reports or not: the root's
+        deadline counts only heartbeats)."""
         period = _heartbeat_period(self.options.heartbeat_deadline)
         beat_at = trio.current_time() + period
+        message: HostReport | None = first
         while True:
-            message: HostReport | None = None
-            with trio.move_on_at(beat_at):
-                message = await self._up_receive.receive()
+            if message is None:
+                with trio.move_on_at(beat_at):
+                    message = await self._up_receive.receive()
             try:
                 if message is not None:
                     await link.send(*message.to_wire())
@@ -216,6 +222,7 @@ class SubCoordinator(Coordinator):
             except PeerClosed as exc:
                 self._lose_root(one_line(exc))
                 return
+            message = None
 
     def _lose_root(self, reason: str) -> None:
         if self._root_lost or self.finished.is_set():
