@@ -436,3 +436,72 @@ def test_hosts_whose_own_name_is_loopback_train_on_the_backend(tmp_path: Path) -
         assert codes == [0, 0], f"{codes}\n{logs}"
     ranks = [torch.load(tmp_path / f"rank{rank}.pt")["state"] for rank in (0, 1)]
     assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0])
+
+
+def tree_flags(node: int, coordinator: str, *extra: str) -> list[str]:
+    return [
+        "--nnodes", "3", "--node-rank", str(node), "--nproc-per-node", "2",
+        "--coordinator", coordinator, *extra,
+    ]  # fmt: skip
+
+
+def launch_three(run: Run, hosts: list[VirtualHost], steps: int, *extra: str) -> None:
+    coordinator = f"{hosts[0].address}:{PORT}"
+    for node, host in enumerate(hosts):
+        flags = tree_flags(node, coordinator, *extra)
+        run.launch(f"node{node}", host, flags, [str(steps), "--step-sleep", "0.05"])
+
+
+@pytest.mark.soak  # two launches of 3 namespaces x 2 ranks (~200 s under load): make soak
+def test_the_coordinator_tree_on_three_hosts_trains_bitwise_as_the_flat_coordinator(
+    tmp_path: Path,
+) -> None:
+    """3 namespaces x 2 ranks under ``paramsync launch --nnodes 3``: a sub-coordinator on
+    each node (the tree is the default past one node), the root on node 0. The run ends
+    bitwise identical to the same launch with ``--coordinator-kind flat``, and equal to one
+    process's training."""
+    steps = 8
+    outcomes: dict[str, list[dict[str, Any]]] = {}
+    for kind in ("tree", "flat"):
+        out = tmp_path / kind
+        out.mkdir()
+        with virtual_hosts(3) as hosts, run_in(out) as run:
+            launch_three(run, hosts, steps, "--coordinator-kind", kind)
+            codes = run.wait("node0", "node1", "node2")
+            assert codes == {"node0": 0, "node1": 0, "node2": 0}, run.logs()
+            outcomes[kind] = run.results(6)
+            node0_log = (out / "node0.log").read_text()
+        launched = "the root coordinator" if kind == "tree" else "launched the coordinator"
+        assert launched in node0_log, node0_log
+    tree, flat = outcomes["tree"], outcomes["flat"]
+    assert [r["params"] for r in tree] == [r["params"] for r in flat]  # bit for bit
+    check_parity(tree, steps)
+
+
+@pytest.mark.soak  # 3 namespaces x 2 ranks, one killed mid-run (~100 s under load): make soak
+def test_the_coordinator_tree_loses_a_whole_host_and_the_run_goes_on(tmp_path: Path) -> None:
+    """An elastic run (``--min-workers 4``) under the tree loses node 2's whole namespace
+    mid-run (every process in it killed): the root names the host and its ranks once, and the
+    4 survivors on 2 hosts finish every step together, holding one state. (The step in flight
+    when the host died is retrained on the survivors' shards of it: not one process's run.)"""
+    steps = 16
+    out = tmp_path
+    with virtual_hosts(3) as hosts, run_in(out) as run:
+        launch_three(run, hosts, steps, "--min-workers", "4", "--heartbeat-deadline", "5")
+        run.wait_for("step 3 on every rank", lambda: min(map(run.step_of, range(6))) >= 3)
+        for pid in hosts[2].pids():  # node 2's machine is gone: every process in it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        codes = run.wait("node0", "node1")
+        assert codes == {"node0": 0, "node1": 0}, run.logs()
+        survivors = run.results(4)
+        node0_log = (out / "node0.log").read_text()
+    assert len({json.dumps(r["params"]) for r in survivors}) == 1, "the survivors differ"
+    assert len({r["summary"]["digest"] for r in survivors}) == 1
+    assert all(r["summary"]["final_step"] == steps for r in survivors)
+    lost = [line for line in node0_log.splitlines() if "(ranks [4, 5])" in line]
+    assert len(lost) == 1 and "host 'node2" in lost[0], node0_log[-4000:]
+    epochs = [tuple(e["members"]) for e in survivors[0]["summary"]["epochs"]]
+    assert epochs == [(0, 1, 2, 3, 4, 5), (0, 1, 2, 3)], epochs
