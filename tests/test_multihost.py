@@ -501,7 +501,10 @@ def test_the_coordinator_tree_loses_a_whole_host_and_the_run_goes_on(tmp_path: P
     assert len({json.dumps(r["params"]) for r in survivors}) == 1, "the survivors differ"
     assert len({r["summary"]["digest"] for r in survivors}) == 1
     assert all(r["summary"]["final_step"] == steps for r in survivors)
-    lost = [line for line in node0_log.splitlines() if "(ranks [4, 5])" in line]
-    assert len(lost) == 1 and "host 'node2" in lost[0], node0_log[-4000:]
+    lines = node0_log.splitlines()
+    lost = [line for line in lines if "ERROR" in line and "(ranks [4, 5]) disconnected" in line]
+    assert len(lost) == 1 and "host 'node2" in lost[0], node0_log[-4000:]  # the root's report
+    opened = [line for line in lines if "epoch 2 starts" in line]
+    assert len(opened) == 1 and "with ranks [0, 1, 2, 3]" in opened[0], node0_log[-4000:]
     epochs = [tuple(e["members"]) for e in survivors[0]["summary"]["epochs"]]
     assert epochs == [(0, 1, 2, 3, 4, 5), (0, 1, 2, 3)], epochs
