@@ -11,6 +11,7 @@ rank and tensor.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,7 @@ class TreeRun:
         }
         self.hosts = hosts
         self.outcomes: dict[str, BaseException | None] = {}
+        self.scopes: dict[int, trio.CancelScope] = {}
 
     def link(self, rank: int) -> MemoryLink:
         return self.pairs[rank][1]
@@ -86,13 +88,33 @@ class TreeRun:
             self.root.serve_links,
             {i: pair[0] for i, pair in enumerate(self.uplinks)},
         )
-        for i, sub in enumerate(self.subs):
-            links = {rank: self.pairs[rank][0] for rank in self.hosts[i]}
-            nursery.start_soon(
-                lambda s=sub, ls=links, i=i: self._capture(
-                    f"node{i}", s.serve_links, ls, root=self.uplinks[i][1]
-                )
-            )
+        for i in range(len(self.subs)):
+            self._start_host(nursery, i)
+
+    def _start_host(self, nursery: trio.Nursery, i: int) -> None:
+        sub, links = self.subs[i], {rank: self.pairs[rank][0] for rank in self.hosts[i]}
+        scope = self.scopes[i] = trio.CancelScope()
+
+        async def serve() -> None:
+            with scope:
+                await self._capture(f"node{i}", sub.serve_links, links, root=self.uplinks[i][1])
+
+        nursery.start_soon(serve)
+
+    def kill_host(self, i: int) -> None:
+        """Host ``i``'s sub-coordinator process dies: its tasks end, its links close."""
+        self.scopes[i].cancel()
+
+    def restart_host(self, nursery: trio.Nursery, i: int, options: CoordinatorOptions) -> None:
+        """Host ``i``'s sub-coordinator starts again: a fresh one, new links to its workers
+        and to the root (which serves the new link as it serves an accepted connection)."""
+        world = sum(len(ranks) for ranks in self.hosts)
+        self.subs[i] = SubCoordinator(world, f"node{i}", i, self.hosts[i], options)
+        self.uplinks[i] = MemoryLink.pair(f"root of node{i}", f"host {i}")
+        for rank in self.hosts[i]:
+            self.pairs[rank] = MemoryLink.pair(f"node{i}", f"rank {rank}")
+        nursery.start_soon(self.root._serve_member, i, self.uplinks[i][0])
+        self._start_host(nursery, i)
 
 
 # --------------------------------------------------------------------------- real trainers
@@ -328,6 +350,43 @@ async def test_a_silent_worker_is_lost_on_its_host_after_the_heartbeat_deadline(
     assert len(changes) == 1 and changes[0].startswith(
         "step 1, epoch 1: rank 2 disconnected: missed heartbeats for"
     ), changes
+
+
+async def test_a_restarted_sub_coordinator_rejoins_and_its_workers_take_the_state(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="paramsync.coordinator")
+    tree = TreeRun(HOSTS, ELASTIC)
+    with trio.fail_after(RUN_SECONDS):
+        async with trio.open_nursery() as nursery:
+            tree.start(nursery)
+            workers = Workers(tree, nursery, elastic=True)
+            await workers.join()
+            assert await workers.step(0, 1) is Commit
+            tree.kill_host(1)  # node1's sub-coordinator dies; its workers keep their state
+            for rank in (2, 3):
+                with pytest.raises(PeerClosed):
+                    await workers.alive.pop(rank).expect(StartRun)
+            without = await workers.started()
+            assert (without.epoch, without.members) == (2, (0, 1))
+            await workers.check(0, 2)
+            assert await workers.step(1, 2) is Commit
+            tree.restart_host(nursery, 1, ELASTIC)
+            for rank in (2, 3):  # they redial their host and join where they stand
+                worker = workers.alive[rank] = workers.all[rank] = Scripted(rank, tree.link(rank))
+                address = ("10.0.0.1", 20_000 + rank)
+                await worker.send(Joined(rank, SIGNATURE, address, step=1, epoch=1))
+                nursery.start_soon(worker.beat)
+            whole = await workers.started()
+            assert (whole.epoch, whole.members) == (3, (0, 1, 2, 3))
+            assert (whole.donor, whole.receivers) == (0, (2, 3))  # the state goes to them
+            await workers.check(1, 3)
+            assert await workers.step(2, 3) is Commit
+            nursery.cancel_scope.cancel()
+    opened = [t for t in _reports(caplog) if t.startswith("epoch 3 starts")]
+    assert opened == [
+        "epoch 3 starts at step 2 with ranks [0, 1, 2, 3] (host 'node1' (ranks [2, 3]) joined)"
+    ], opened
 
 
 async def test_a_lost_host_link_is_one_membership_change_naming_the_host_and_its_ranks(

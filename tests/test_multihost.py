@@ -445,11 +445,13 @@ def tree_flags(node: int, coordinator: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def launch_three(run: Run, hosts: list[VirtualHost], steps: int, *extra: str) -> None:
+def launch_three(
+    run: Run, hosts: list[VirtualHost], steps: int, *extra: str, sleep: float = 0.05
+) -> None:
     coordinator = f"{hosts[0].address}:{PORT}"
     for node, host in enumerate(hosts):
         flags = tree_flags(node, coordinator, *extra)
-        run.launch(f"node{node}", host, flags, [str(steps), "--step-sleep", "0.05"])
+        run.launch(f"node{node}", host, flags, [str(steps), "--step-sleep", str(sleep)])
 
 
 @pytest.mark.soak  # two launches of 3 namespaces x 2 ranks (~200 s under load): make soak
@@ -508,3 +510,34 @@ def test_the_coordinator_tree_loses_a_whole_host_and_the_run_goes_on(tmp_path: P
     assert len(opened) == 1 and "with ranks [0, 1, 2, 3]" in opened[0], node0_log[-4000:]
     epochs = [tuple(e["members"]) for e in survivors[0]["summary"]["epochs"]]
     assert epochs == [(0, 1, 2, 3, 4, 5), (0, 1, 2, 3)], epochs
+
+
+@pytest.mark.soak  # 3 namespaces x 2 ranks, a sub-coordinator killed (~100 s under load)
+def test_a_killed_sub_coordinator_is_restarted_and_its_host_rejoins(tmp_path: Path) -> None:
+    """An elastic run under the tree: node 1's sub-coordinator alone is SIGKILLed mid-run.
+    The root names the host and its ranks once and the others go on; node 1's launcher starts
+    the sub-coordinator again at its address, node 1's workers redial it with their state, and
+    the host rejoins in a new epoch, taking the survivors' state: all 6 ranks finish together
+    with one state. The steps are slow (0.5 s each) so that the others still run when the
+    restarted sub-coordinator is up (a Python start under load)."""
+    steps = 60
+    with virtual_hosts(3) as hosts, run_in(tmp_path) as run:
+        flags = ("--min-workers", "4", "--heartbeat-deadline", "5")
+        launch_three(run, hosts, steps, *flags, sleep=0.5)
+        run.wait_for("step 3 on every rank", lambda: min(map(run.step_of, range(6))) >= 3)
+        node1_log = (tmp_path / "node1.log").read_text()
+        [pid] = re.findall(r"node 1's sub-coordinator \(pid (\d+)\)", node1_log)
+        os.kill(int(pid), signal.SIGKILL)
+        codes = run.wait("node0", "node1", "node2")
+        assert codes == {"node0": 0, "node1": 0, "node2": 0}, run.logs()
+        results = run.results(6)
+        node0_log = (tmp_path / "node0.log").read_text()
+        node1_log = (tmp_path / "node1.log").read_text()
+    assert "restarting it (restart 1 of 3)" in node1_log, node1_log[-4000:]
+    assert len({json.dumps(r["params"]) for r in results}) == 1, "the ranks' weights differ"
+    assert len({r["summary"]["digest"] for r in results}) == 1
+    lines = node0_log.splitlines()
+    lost = [line for line in lines if "ERROR" in line and "(ranks [2, 3]) disconnected" in line]
+    assert len(lost) == 1, node0_log[-4000:]
+    epochs = [tuple(e["members"]) for e in results[0]["summary"]["epochs"]]
+    assert epochs == [(0, 1, 2, 3, 4, 5), (0, 1, 4, 5), (0, 1, 2, 3, 4, 5)], epochs

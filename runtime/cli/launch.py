@@ -18,7 +18,8 @@ workers dial it as they dial a coordinator, and it dials the root at HOST:PORT (
 root daemon, started in the coordinator's place), so the root sees one link and one report per
 node, not one per worker. ``--coordinator-kind flat`` (or $PARAMSYNC_COORDINATOR_KIND) keeps one
 coordinator for all workers, the default on one node; ``tree`` forces the tree, one node
-included.
+included. In an elastic tree run a node's failed sub-coordinator is started again at its
+address (up to `SUB_RESTARTS` times): its workers redial it and the host rejoins the run.
 
 ``--max-restarts M``: a worker that fails is started again, with its rank, up to M times on
 this node, and rejoins the running run live (the coordinator is then elastic: the survivors
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,10 @@ __all__ = [
     "merge_summaries",
     "free_port",
 ]
+
+SUB_RESTARTS = 3
+"""How many times the launcher starts a node's failed sub-coordinator again in an elastic run
+(its workers redial it and rejoin; a static run stops when a host is lost)."""
 
 COORDINATOR_KIND_ENV = "PARAMSYNC_COORDINATOR_KIND"
 """``flat``, ``tree`` or ``auto`` (the default): ``paramsync launch --coordinator-kind``."""
@@ -306,6 +312,7 @@ def run_launch(args: argparse.Namespace) -> int:
     if plan.hosts_coordinator:
         root = ["--tree", "root"] if plan.tree else []
         daemons.append(_start_coordinator(args, plan, _host_port(plan.host, port), base, root))
+    host_flags: list[str] = []
     if sub_address is not None:
         first = plan.ranks[0]
         host_flags = [
@@ -343,6 +350,30 @@ def run_launch(args: argparse.Namespace) -> int:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
+    sub_restarts: list[int] = []
+
+    def restart_daemon(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes] | None:
+        """This node's sub-coordinator failed: in an elastic run, start it again at its
+        address (up to `SUB_RESTARTS` times); its workers redial it and rejoin the run."""
+        elastic = plan.min_workers is not None and plan.min_workers < plan.world_size
+        if sub_address is None or proc is not daemons[-1] or not elastic:
+            return None
+        if len(sub_restarts) >= SUB_RESTARTS:
+            return None
+        sub_restarts.append(proc.pid)
+        log.warning(
+            "%s (pid %d) failed with exit code %s: restarting it (restart %d of %d); its "
+            "workers rejoin the run",
+            names[proc.pid],
+            proc.pid,
+            proc.returncode,
+            len(sub_restarts),
+            SUB_RESTARTS,
+        )
+        again = _start_coordinator(args, plan, _host_port(*sub_address), base, host_flags)
+        names[again.pid] = names[proc.pid]
+        return again
+
     def restart(rank: int) -> subprocess.Popen[bytes]:
         env = envs[rank]
         env[RESTART_COUNT_ENV] = str(int(env[RESTART_COUNT_ENV]) + 1)
@@ -352,7 +383,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failed = _supervise(workers, daemons, restart, plan.max_restarts, received)
+        failed = _supervise(workers, daemons, restart, plan.max_restarts, received, restart_daemon)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -454,11 +485,14 @@ def _supervise(
     restart: Any = None,
     max_restarts: int = 0,
     stopping: list[int] | None = None,
+    restart_daemon: Callable[[subprocess.Popen[bytes]], subprocess.Popen[bytes] | None]
+    | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]] | None:
     """Wait for every worker; return the first that failed for good (rank -1: a coordinator
     daemon, which fails the run while workers still run). A failed worker is started again by
     ``restart(rank)`` while fewer than ``max_restarts`` restarts were made (none once a signal
-    is in ``stopping``)."""
+    is in ``stopping``); a failed coordinator daemon, by ``restart_daemon(proc)`` when it
+    returns a new process (None: the run fails)."""
     pending = dict(workers)
     restarts = 0
     while pending:
@@ -483,10 +517,15 @@ def _supervise(
                 pending[rank] = restart(rank)
                 continue
             return rank, proc
-        for coordinator in coordinators:
+        for index, coordinator in enumerate(coordinators):
             code = coordinator.poll()
             if code not in (None, 0) and pending:
-                return -1, coordinator
+                again = None
+                if restart_daemon is not None and code != EXIT_USAGE and not stopping:
+                    again = restart_daemon(coordinator)
+                if again is None:
+                    return -1, coordinator
+                coordinators[index] = again
         time.sleep(0.05)
     return None
 

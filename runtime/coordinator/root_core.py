@@ -18,7 +18,8 @@ run's states (`paramsync.runtime.coordinator.run_state`).
 
 Not taken by the tree: process groups and parallel layouts (a host refuses such joins), the
 resync of a diverged minority (the run stops), holding below ``min_workers`` for joiners
-(the run stops) and joins after the start.
+(the run stops) and a worker's join after the start (a host's join after the start, its
+restarted sub-coordinator's, opens a new epoch in an elastic run).
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ class RootCore:
         host = event.host
         if host in self.hosts:
             return [RefuseHost(host, f"host {host} ({event.name!r}) has already joined")]
-        if self.state is not RunState.RENDEZVOUS:
+        rejoining = self.elastic and self.state is RunState.RUNNING
+        if self.state is not RunState.RENDEZVOUS and not rejoining:
             return [RefuseHost(host, f"host {event.name!r} cannot join: the run has started")]
         if not event.members:
             return [RefuseHost(host, f"host {event.name!r} joined with no worker")]
@@ -306,9 +308,23 @@ class RootCore:
         self.hosts[host] = HostRecord(event.name, ranks)
         for rank in ranks:
             self.host_of[rank] = host
+        if rejoining:
+            return self._rejoin(host, ranks)
         if len(self.membership) < self.world_size:
             return []
         return self._first_epoch()
+
+    def _rejoin(self, host: int, ranks: tuple[int, ...]) -> list[RootAction]:
+        """Host ``host`` (a restarted sub-coordinator) joined an elastic run with ``ranks``:
+        as the flat core takes a joiner, a new epoch now, its ranks receiving the state of the
+        lowest surviving member."""
+        survivors = self.membership.survivors()
+        joined = f"{self.describe(host)} joined"
+        if not survivors:
+            return self._abort(f"{joined}: no worker holding the run's state remains")
+        members = tuple(sorted({*survivors, *ranks}))
+        step = self.current.resume_step
+        return self._start_epoch(step, members, joined, min(survivors), ranks)
 
     # ------------------------------------------------------------------- reports
 
