@@ -7,6 +7,9 @@ rank writes ``OUT/pid<rank>`` at the start, ``OUT/step<rank>`` after every step,
 ``OUT/rank<rank>.json`` at the end: its final weights (hex of the raw bytes), the trainer's
 summary, its host identity and whether its transport had a shared-memory plane.
 
+``--nudge RANK:STEP`` adds 1e-3 to rank RANK's last bias after step STEP (a replica that
+diverges: the coordinator's digest check names it).
+
 A restarted worker (``PARAMSYNC_RESTART_COUNT`` > 0) writes ``OUT/rejoined`` after its first
 step; with ``--until-rejoined`` every rank trains on past STEPS until that file exists (with
 ``TrainerOptions(join=True)``, so ranks that stop at different steps still end together).
@@ -84,7 +87,9 @@ def decode_params(hexes: dict[str, str]) -> dict[str, torch.Tensor]:
     }
 
 
-async def main(out: Path, steps: int, until_rejoined: bool, step_sleep: float) -> None:
+async def main(
+    out: Path, steps: int, until_rejoined: bool, step_sleep: float, nudge: str | None = None
+) -> None:
     from paramsync.actors.train.run import trainer_from_env
     from paramsync.actors.train.trainer import TrainerOptions
     from paramsync.runtime.transport.shm import host_identity
@@ -116,6 +121,9 @@ async def main(out: Path, steps: int, until_rejoined: bool, step_sleep: float) -
                 shard(batch(step), trainer.supervisor.position, trainer.world_size)
             )
             (out / f"step{rank}").write_text(str(trainer.step))
+            if nudge is not None and nudge == f"{rank}:{step}":
+                with torch.no_grad():
+                    model[2].bias.add_(1e-3)
             if restarted and not (out / "rejoined").exists():
                 (out / "rejoined").write_text(str(trainer.step))
             if step_sleep:
@@ -145,5 +153,6 @@ if __name__ == "__main__":
     parser.add_argument("steps", type=int)
     parser.add_argument("--until-rejoined", action="store_true")
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--nudge", metavar="RANK:STEP")
     args = parser.parse_args()
-    run_script(main, args.out, args.steps, args.until_rejoined, args.step_sleep)
+    run_script(main, args.out, args.steps, args.until_rejoined, args.step_sleep, args.nudge)

@@ -541,3 +541,22 @@ def test_a_killed_sub_coordinator_is_restarted_and_its_host_rejoins(tmp_path: Pa
     assert len(lost) == 1, node0_log[-4000:]
     epochs = [tuple(e["members"]) for e in results[0]["summary"]["epochs"]]
     assert epochs == [(0, 1, 2, 3, 4, 5), (0, 1, 4, 5), (0, 1, 2, 3, 4, 5)], epochs
+
+
+@pytest.mark.soak  # 3 namespaces x 2 ranks, one replica nudged (~70 s under load)
+def test_a_nudged_worker_on_one_host_is_named_by_the_root_with_its_rank(tmp_path: Path) -> None:
+    """Under the tree, rank 3 (node 1) adds 1e-3 to a bias after step 2: the root's digest
+    check, from the hosts' folded digest groups, stops the run naming rank 3 and the tensor,
+    and every node's launcher fails."""
+    with virtual_hosts(3) as hosts, run_in(tmp_path) as run:
+        coordinator = f"{hosts[0].address}:{PORT}"
+        for node, host in enumerate(hosts):
+            flags = tree_flags(node, coordinator)
+            run.launch(f"node{node}", host, flags, ["8", "--step-sleep", "0.05", "--nudge", "3:2"])
+        codes = run.wait("node0", "node1", "node2")
+        node0_log = (tmp_path / "node0.log").read_text()
+    assert all(code != 0 for code in codes.values()), codes
+    lines = node0_log.splitlines()
+    named = [line for line in lines if "ranks [3] differ from the majority" in line]
+    assert named, node0_log[-4000:]
+    assert "rank 3 first differs from rank 0 at tensor 'param/2.bias'" in named[0], named[0]
