@@ -26,8 +26,13 @@ from paramsync.actors.train.trainer import DistributedTrainer
 from paramsync.runtime.config import DistributedConfig
 from paramsync.runtime.coordinator.events import model_signature
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
-from paramsync.runtime.coordinator.tree_service import RootCoordinator, SubCoordinator
-from paramsync.runtime.errors import PeerClosed
+from paramsync.runtime.coordinator.tree_service import (
+    RootCoordinator,
+    SubCoordinator,
+    host_group,
+)
+from paramsync.runtime.errors import HandshakeError, PeerClosed
+from paramsync.runtime.protocol.handshake import Identity, load_secret
 from paramsync.runtime.protocol.messages import (
     AbortRun,
     Apply,
@@ -42,6 +47,7 @@ from paramsync.runtime.protocol.messages import (
 )
 from paramsync.runtime.transport.base import InProcessTransport
 from paramsync.runtime.transport.link import MemoryLink
+from paramsync.runtime.transport.tcp import DEFAULT_GROUP, dial
 
 RUN_SECONDS = 30.0
 HOSTS = [[0, 1], [2, 3]]
@@ -466,3 +472,24 @@ async def test_a_nudged_worker_is_named_with_its_rank_and_tensor(
     assert "rank 3 first differs from rank 0 at tensor '0.bias'" in text, text
     for host in ("node0", "node1"):  # each host's workers got the root's reason
         assert str(tree.outcomes[host]) == text
+
+
+async def test_the_root_admits_hosts_by_group_and_index_and_refuses_a_worker() -> None:
+    """The root's listener is the flat coordinator's (handshake, admission) in the group of
+    the hosts' links: a worker dialing it is refused naming the group; a host index is
+    admitted once."""
+    secret = "tree-service-tests-secret"
+    root = RootCoordinator(WORLD, CoordinatorOptions(heartbeat_deadline=DEADLINE), secret=secret)
+    key = load_secret(secret, {})
+    with trio.fail_after(RUN_SECONDS):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(root.serve_tcp, "127.0.0.1", 0)
+            worker = Identity(DEFAULT_GROUP, WORLD, 0)
+            with pytest.raises(HandshakeError, match="group 'paramsync' does not match"):
+                await dial(address, key, worker)
+            host = Identity(host_group(DEFAULT_GROUP), WORLD, 1)
+            conn, _ = await dial(address, key, host)
+            with pytest.raises(HandshakeError, match="rank 1 is already taken"):
+                await dial(address, key, host)
+            await conn.aclose()
+            nursery.cancel_scope.cancel()
