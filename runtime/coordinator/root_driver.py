@@ -44,6 +44,10 @@ class RootDriver:
             stall_seconds=deadline,
             stall_deadline=None,
         )
+        self._hosts = 0
+        """How many hosts the root held when the driver last looked (per step it does O(1):
+        the hosts are looked through only when their number changed)."""
+        self._largest = 1
 
     # ------------------------------------------------------------------- the view
 
@@ -84,7 +88,7 @@ class RootDriver:
     @property
     def largest_host(self) -> int:
         """The most workers a joined host runs (1 before any joined)."""
-        return max((len(record.ranks) for record in self.root.hosts.values()), default=1)
+        return self._largest
 
     # ------------------------------------------------------------------- events
 
@@ -132,7 +136,17 @@ class RootDriver:
                 out.append(action)
             else:
                 raise TypeError(f"not a root coordinator action: {action!r}")
-        for host in self.liveness.last_heartbeat:
-            if host not in self.root.hosts:
-                self.liveness.forget(host)
+        self._hosts_changed()
         return out
+
+    def _hosts_changed(self) -> None:
+        """After a join or a loss: forget the liveness of hosts the root no longer holds and
+        take the largest host's size (for the frame cap)."""
+        hosts = self.root.hosts
+        if len(hosts) == self._hosts:
+            return
+        self._hosts = len(hosts)
+        for host in self.liveness.last_heartbeat:
+            if host not in hosts:
+                self.liveness.forget(host)
+        self._largest = max((len(record.ranks) for record in hosts.values()), default=1)
