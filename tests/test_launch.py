@@ -332,7 +332,10 @@ def test_the_coordinator_tree_is_the_default_past_one_node_and_can_be_forced(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--nproc", "2", "--coordinator-kind", "tree", "--max-restarts", "1"), "takes no join"),
+        (
+            ("--nproc", "2", "--coordinator-kind", "tree", "--max-restarts", "1"),
+            "a worker restarted alone cannot rejoin the coordinator tree",
+        ),
         (("--nnodes", "2", "--nproc", "1"), "needs the coordinator's address"),
         (("--nnodes", "2", "--nproc", "1", "--coordinator", "127.0.0.1:5"), "loopback"),
         (("--nnodes", "2", "--node-rank", "2", "--nproc", "1"), "--node-rank must be in 0..1"),

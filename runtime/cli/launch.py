@@ -221,8 +221,8 @@ class LaunchPlan:
             )
         if kind == "tree" and args.max_restarts > 0:
             raise ValueError(
-                "--coordinator-kind tree does not take --max-restarts: the coordinator tree "
-                "takes no join once the run has started (use --coordinator-kind flat)"
+                "--coordinator-kind tree does not take --max-restarts: a worker restarted "
+                "alone cannot rejoin the coordinator tree (use --coordinator-kind flat)"
             )
         return cls(
             nnodes=nnodes,
