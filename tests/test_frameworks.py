@@ -166,9 +166,12 @@ def test_accelerate_not_data_parallel_on_paramsync_is_refused_with_one_line(
     allowed), with one line naming its rank, the world size and the likely cause."""
     proc, out = jobs("accelerate")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    # The two ranks share the launcher's output, which may join one rank's line to the
+    # other's: each report is cut at the next one's prefix.
+    reports = re.split(r"(?=\[\w+\] rank \d: )", proc.stdout)
     for rank in (0, 1):
         prefix = f"[notparallel] rank {rank}:"
-        lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+        lines = [report.strip() for report in reports if report.startswith(prefix)]
         assert len(lines) == 1, proc.stdout
         assert lines[0].startswith(
             f"[notparallel] rank {rank}: stopped: NotDataParallel: paramsync group 0, rank "

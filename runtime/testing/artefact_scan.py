@@ -250,11 +250,8 @@ def _watch(
     """While the run lasts: each listener of its processes probed once for its salt, and every
     worker's metrics endpoint (its address from its log line) scraped into ``out``."""
     while not done.is_set():
-        for port in listening_ports(p.pid for p in procs) - probed:
-            salt = probe_salt(host, port) or probe_salt("127.0.0.1", port)
-            probed.add(port)
-            if salt is not None:
-                salts.add(salt)
+        # The endpoints first: they live only while the ranks train, and probing the
+        # listeners can take a while on a loaded machine.
         text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
         for rank, mhost, port in re.findall(r"rank (\d+): metrics at http://([^:]+):(\d+)/", text):
             try:
@@ -262,6 +259,11 @@ def _watch(
                     (out / f"metrics-rank{rank}.txt").write_bytes(page.read())
             except OSError:
                 pass
+        for port in listening_ports(p.pid for p in procs) - probed:
+            salt = probe_salt(host, port) or probe_salt("127.0.0.1", port)
+            probed.add(port)
+            if salt is not None:
+                salts.add(salt)
         time.sleep(0.05)
 
 
