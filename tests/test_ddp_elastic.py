@@ -30,7 +30,11 @@ WORKER = Path(__file__).with_name("ddp_elastic_worker.py")
 SECONDS = 120
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["unwrapped", "wrap_optimizer"])
+@pytest.mark.parametrize(
+    "wrapped",
+    [False, pytest.param(True, marks=pytest.mark.soak)],  # wrap_optimizer: make soak
+    ids=["unwrapped", "wrap_optimizer"],
+)
 def test_a_lost_worker_drops_the_step_and_the_survivors_go_on_identical(
     tmp_path: Path, wrapped: bool
 ) -> None:

@@ -112,6 +112,7 @@ def test_ddp_style_loop_under_launch_with_no_sync_accumulation() -> None:
     _check_ddp_style_loop(out, 40)
 
 
+@pytest.mark.soak
 def test_ddp_style_loop_under_torchrun() -> None:
     args = ["examples/ddp_style_loop.py", "--steps", "40", "--log-every", "10"]
     _check_ddp_style_loop(_torchrun(args).stdout, 40)

@@ -84,7 +84,7 @@ def test_a_killed_worker_is_survived_at_any_phase(phase: str, step: int) -> None
     check_trial(phase, step)
 
 
-@pytest.mark.parametrize("phase", ["allreduce", "optimizer"])
+@pytest.mark.parametrize("phase", ["allreduce", pytest.param("optimizer", marks=pytest.mark.soak)])
 def test_a_worker_killed_mid_all_reduce_or_optimizer_is_survived(phase: str) -> None:
     check_trial(phase, 2)
 

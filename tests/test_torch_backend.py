@@ -10,10 +10,10 @@
   within the deadline: nothing hangs;
 * the backend's registration at ``import torch`` costs little and never breaks it.
 
-The collectives and DDP also run in wrapper mode (``PARAMSYNC_TORCH_INNER=gloo``: the bytes
-through an inner gloo group, the coordinator's agreement and proof unchanged); the soak run
-(``-m soak``) runs the other scenarios in wrapper mode too: the mismatches, the nudged replica,
-the killed ranks, the stall and the idle group.
+The collectives also run in wrapper mode (``PARAMSYNC_TORCH_INNER=gloo``: the bytes through an
+inner gloo group, the coordinator's agreement and proof unchanged); the soak run (``-m soak``)
+runs the other scenarios in wrapper mode too: DDP, the mismatches, the nudged replica, the
+killed ranks, the stall and the idle group.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def test_ranks_asking_for_different_inner_groups_are_refused_at_joining(tmp_path
     ), results[1][1][-2000:]
 
 
-@INNER
+@INNER_SOAK
 def test_ddp_replicas_end_bitwise_identical(tmp_path: Path, inner: str) -> None:
     results = launch("train", 2, tmp_path, PARAMSYNC_TORCH_INNER=inner)
     assert [code for code, _ in results] == [0, 0], results

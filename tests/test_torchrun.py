@@ -82,6 +82,7 @@ def _free_port_below_a_free_port() -> tuple[int, socket.socket]:
     raise RuntimeError("no pair of free ports found")
 
 
+@pytest.mark.soak
 def test_own_training_loop_runs_unchanged_under_torchrun_with_master_port_plus_one_busy() -> None:
     """The example of `paramsync launch`, as it is, under torchrun: rank 0 hosts the
     coordinator, MASTER_PORT is torchrun's store, and MASTER_PORT + 1 being taken does not
