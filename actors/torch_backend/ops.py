@@ -22,21 +22,24 @@ is an `UnsupportedCall` naming it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from paramsync.actors.torch_backend.calls import UnsupportedCall
+from paramsync.runtime.collectives.p2p import post_recv, post_send
 from paramsync.runtime.collectives.p2p import recv as p2p_recv
 from paramsync.runtime.collectives.p2p import send as p2p_send
 from paramsync.runtime.collectives.ring import all_gather, all_reduce, barrier, broadcast
+from paramsync.runtime.errors import CollectiveError, ProtocolError
 from paramsync.runtime.transport.base import Transport
 from paramsync.runtime.transport.segments import SUPPORTED_DTYPES
 
 __all__ = [
     "allreduce_op",
     "broadcast_op",
+    "sparse_allreduce_op",
     "allgather_op",
     "reduce_scatter_op",
     "alltoall_op",
@@ -194,6 +197,41 @@ async def allreduce_op(group: Transport, tensors: Sequence[torch.Tensor], op: st
             _store(tensor, await _reduce(group, flat, op, work))
 
 
+async def sparse_allreduce_op(group: Transport, tensor: torch.Tensor) -> None:
+    """Sum a sparse COO ``tensor`` across the group, in place (gloo's sparse all-reduce): each
+    rank's entries are gathered (the ranks' entry counts first, then every rank's indices and
+    values, padded to the largest count) and added in rank order on every rank, so every rank
+    ends with bitwise the same coalesced sum."""
+    mine = tensor.detach().coalesce()
+    indices, values = mine.indices(), mine.values()
+    counts = await all_gather(group, torch.tensor([indices.shape[1]], dtype=torch.int64))
+    sizes = [int(c) for c in counts.view(-1)]
+    most = max(sizes)
+    total = torch.sparse_coo_tensor(
+        indices[:, :0], values[:0], tensor.shape, dtype=values.dtype
+    ).coalesce()
+    if most:
+        padded_indices = indices.new_zeros((indices.shape[0], most))
+        padded_indices[:, : sizes[group.rank]] = indices
+        padded_values = values.new_zeros((most, *values.shape[1:]))
+        padded_values[: sizes[group.rank]] = values
+        all_indices = await all_gather(group, padded_indices.reshape(-1))
+        all_values = await all_gather(group, _host(padded_values).reshape(-1))
+        for rank, size in enumerate(sizes):
+            rank_indices = all_indices[rank].view(indices.shape[0], most)[:, :size]
+            rank_values = _values_of(all_values[rank], padded_values)[:size]
+            total = total + torch.sparse_coo_tensor(rank_indices, rank_values, tensor.shape)
+    with torch.no_grad():
+        tensor.copy_(total.coalesce())
+
+
+def _values_of(row: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+    """A gathered row of values (flat, complex as its real view) in ``padded``'s shape."""
+    if padded.is_complex():
+        return torch.view_as_complex(row.view(*padded.shape, 2))
+    return row.view(padded.shape)
+
+
 async def broadcast_op(group: Transport, tensors: Sequence[torch.Tensor], root: int) -> None:
     """Copy ``root``'s tensors into every rank's, in place."""
     for tensor in tensors:
@@ -239,9 +277,9 @@ async def alltoall_op(
     source = _host(inputs)
     rows_in = _splits(source.shape[0] if source.dim() else 0, input_splits, n, "input")
     rows_out = _splits(output.shape[0] if output.dim() else 0, output_splits, n, "output")
+    gathered = _scratch(output, _host(output))  # complex: its real view, as ``source``
     row_elems = source[0].numel() if source.dim() and source.shape[0] else 0
-    out_row = output[0].numel() if output.dim() and output.shape[0] else 0
-    gathered = _scratch(output, _host(output))
+    out_row = gathered[0].numel() if gathered.dim() and gathered.shape[0] else 0
     flat_in, flat_out = source.view(-1), gathered.view(-1)
     starts_in = [sum(rows_in[:p]) for p in range(n)]
     starts_out = [sum(rows_out[:p]) for p in range(n)]
@@ -256,7 +294,15 @@ async def alltoall_op(
         if me < dst:
             await p2p_send(group, part.contiguous(), dst, tag=k)
         incoming = land.clone()
-        await p2p_recv(group, incoming, src, tag=k)
+        try:
+            await p2p_recv(group, incoming, src, tag=k)
+        except ProtocolError as exc:
+            raise CollectiveError(
+                f"all_to_all_single: rank {src} sends this rank (rank {me}) a part that is not "
+                f"the {rows_out[src]} row(s) of output_split_sizes[{src}] here "
+                f"(its input_split_sizes[{me}] must equal this rank's "
+                f"output_split_sizes[{src}]): {exc}"
+            ) from None
         land.copy_(incoming)
         if me >= dst:
             await p2p_send(group, part.contiguous(), dst, tag=k)
@@ -282,13 +328,34 @@ async def barrier_op(group: Transport) -> None:
     await barrier(group)
 
 
-async def send_op(group: Transport, tensor: torch.Tensor, dst: int, tag: int) -> None:
-    """Send ``tensor`` to ``dst`` (matched by ``tag`` at the receiver)."""
-    await p2p_send(group, _scratch(tensor, _host(tensor)), dst, tag)
+def send_op(
+    group: Transport, tensors: Sequence[torch.Tensor], dst: int, tag: int
+) -> Awaitable[None]:
+    """Post a send of each of ``tensors`` to ``dst`` now (matched by ``tag`` at the
+    receiver; sends to one peer leave in posting order); await the result to complete them.
+    The tensors are copied as they are now: the caller may change them meanwhile."""
+    posted = [post_send(group, _scratch(t, _host(t)), dst, tag) for t in tensors]
+
+    async def complete() -> None:
+        for send in posted:
+            await send()
+
+    return complete()
 
 
-async def recv_op(group: Transport, tensor: torch.Tensor, src: int, tag: int) -> None:
-    """Receive into ``tensor`` from ``src`` (the send with the same ``tag``)."""
-    host = _scratch(tensor, _host(tensor))
-    await p2p_recv(group, host, src, tag)
-    _store(tensor, host)
+def recv_op(
+    group: Transport, tensors: Sequence[torch.Tensor], src: int, tag: int
+) -> Awaitable[None]:
+    """Post a receive into each of ``tensors`` from ``src`` now (the sends with the same
+    ``tag``, in their order): a message that arrives from this moment on matches it, whatever
+    this rank posts or waits for meanwhile (an ``irecv`` posted before its ``isend``). Await
+    the result to complete them."""
+    hosts = [_scratch(t, _host(t)) for t in tensors]
+    posted = [post_recv(group, host, src, tag) for host in hosts]
+
+    async def complete() -> None:
+        for tensor, host, recv in zip(tensors, hosts, posted, strict=True):
+            await recv()
+            _store(tensor, host)
+
+    return complete()

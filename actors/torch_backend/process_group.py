@@ -58,7 +58,10 @@ from paramsync.actors.torch_backend.ops import (
     recv_op,
     reduce_scatter_op,
     send_op,
+    sparse_allreduce_op,
 )
+from paramsync.actors.torch_backend.monitored import install as install_monitored_barrier
+from paramsync.actors.torch_backend.monitored import monitored_barrier_op, seconds_of
 from paramsync.actors.torch_backend.proof import proof_enabled, watch_group
 from paramsync.actors.torch_backend.session import (
     COORDINATOR_KEY,
@@ -326,6 +329,11 @@ class ProcessGroupParamsync(dist.ProcessGroup):
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
         for tensor in tensors:
+            if tensor.layout != torch.strided:
+                raise UnsupportedCall(
+                    f"{op} of a {tensor.layout} tensor: the paramsync backend takes dense "
+                    "tensors here (all_reduce with SUM also takes a sparse COO tensor)"
+                )
             check_dtype(tensor, op)
         if self.session.failure is not None:
             raise self.session.failure
@@ -334,10 +342,32 @@ class ProcessGroupParamsync(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
+        if any(t.layout != torch.strided for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         self._check("allreduce", tensors)
         call = Call.of("allreduce", tensors, op)
         inner = self._inner(tensors, lambda group, _: inner_allreduce(group, tensors, op))
         return self._submit(call, partial(_allreduce, tensors, op), tensors, inner=inner)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> Any:
+        """All-reduce of one sparse COO tensor with SUM, as gloo runs it (on the native plane)."""
+        (tensor,) = tensors if len(tensors) == 1 else (None,)
+        if tensor is None or tensor.layout != torch.sparse_coo or op != "sum":
+            raise UnsupportedCall(
+                f"allreduce of sparse tensors ({tensors[0].layout}, {op.upper()}): the paramsync "
+                "backend reduces one sparse COO tensor with SUM (as gloo does)"
+            )
+        if tensor.device.type != "cpu":
+            raise UnsupportedCall(
+                f"allreduce of a sparse tensor on {tensor.device}: the paramsync backend "
+                "reduces sparse tensors on the CPU (move it with .cpu())"
+            )
+        check_dtype(tensor, "allreduce")
+        if self.session.failure is not None:
+            raise self.session.failure
+        self.calls_by_plane["native"] += 1
+        call = Call.of("allreduce", tensors, "sum, sparse")
+        return self._submit(call, partial(sparse_allreduce_op, tensor=tensor), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = reduce_op_name(opts.reduceOp) if opts is not None else "sum"
@@ -485,7 +515,10 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         opts: Any = None,
     ) -> Any:
         self._check("all_to_all_single", [tensor, output])
-        call = Call.of("alltoall", [tensor], f"splits {list(input_splits)}->{list(output_splits)}")
+        # Each rank's splits are its own (rank i sends rank j what rank j expects from i, which
+        # the exchange checks pair by pair): the members agree on the rows' shape and dtype.
+        rows = [t.new_empty((0, *t.shape[1:])) if t.dim() else t for t in (tensor, output)]
+        call = Call.of("alltoall", rows, "uneven" if input_splits or output_splits else "even")
         run = partial(_alltoall, output, tensor, list(output_splits), list(input_splits))
         inner = self._inner(
             [tensor, output],
@@ -534,10 +567,7 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         self._check("send", tensors)
         call = Call.of("send", tensors, f"to {dst} tag {tag}")
-
-        async def run(group: Transport) -> None:
-            for tensor in tensors:
-                await send_op(group, tensor, dst, tag)
+        run = partial(send_op, tensors=tensors, dst=dst, tag=tag)  # posted when it is its turn
 
         # gloo sends once the receiver has posted its receive, which would hold the executor
         # (an isend before its irecv): point-to-point stays on the native plane but on NCCL.
@@ -548,14 +578,28 @@ class ProcessGroupParamsync(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         self._check("recv", tensors)
         call = Call.of("recv", tensors, f"from {src} tag {tag}")
-
-        async def run(group: Transport) -> None:
-            for tensor in tensors:
-                await recv_op(group, tensor, src, tag)
+        run = partial(recv_op, tensors=tensors, src=src, tag=tag)  # posted when it is its turn
 
         run_inner = partial(inner_recv, tensors=tensors, src=src, tag=tag)
         inner = self._inner(tensors, lambda group, _: run_inner(group), planes=("nccl",))
         return self._submit(call, run, tensors, p2p=True, inner=inner)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier`` (`paramsync.actors.torch_backend.monitored`): rank 0
+        names the ranks that did not arrive within ``timeout`` (default: the group's); blocks
+        until this rank's part is done."""
+        if self.session.failure is not None:
+            raise self.session.failure
+        seconds = self.session.options.timeout_seconds if timeout is None else seconds_of(timeout)
+        where = f"paramsync group {self._group_name}, rank {self._rank}"
+        call = Call("monitored_barrier", f"timeout {seconds:g} s", ())
+        run = partial(
+            monitored_barrier_op, seconds=seconds, wait_all_ranks=wait_all_ranks, where=where
+        )
+        self.calls_by_plane["native"] += 1
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        self.session.submit(_Op(call, run, future, None, p2p=True, own_verdict=True))
+        future.wait()
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         raise UnsupportedCall(
@@ -732,3 +776,5 @@ async def _alltoall(
 
 
 __all__ += ["BackendError"]
+
+install_monitored_barrier(lambda group: isinstance(group, ProcessGroupParamsync))

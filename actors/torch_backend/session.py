@@ -49,6 +49,7 @@ from paramsync.actors.client.client import CoordinatorClient, CoordinatorLost
 from paramsync.actors.state.digest import StateDigest
 from paramsync.actors.torch_backend.calls import Call
 from paramsync.actors.torch_backend.inner import INNER_ENV, InnerGroups
+from paramsync.actors.torch_backend.monitored import MonitoredBarrierError
 from paramsync.actors.torch_backend.reach import coordinator_reach, mesh_reach
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
@@ -107,6 +108,9 @@ class _Op:
     inner: Callable[[], None] | None = None
     """The call on the group's inner torch group (run on a worker thread), instead of ``run``
     on paramsync's mesh."""
+    own_verdict: bool = False
+    """A point-to-point call whose `MonitoredBarrierError` fails the call only (a monitored
+    barrier's verdict), not the group."""
 
 
 @dataclass(eq=False)
@@ -482,9 +486,23 @@ class GroupSession:
         await client.ready(op.step, op.bucket, digest if op.cached else spec, cached=op.cached)
 
     async def _runner(self, runs: trio.MemoryReceiveChannel[_Op]) -> None:
+        async with trio.open_nursery() as p2p:
+            await self._run_in_order(runs, p2p)
+
+    async def _run_in_order(
+        self, runs: trio.MemoryReceiveChannel[_Op], p2p: trio.Nursery
+    ) -> None:
+        """Run the calls in the callers' order: a collective to its end before the next
+        call; a point-to-point call (on the p2p mesh) is posted in its turn and completes in
+        ``p2p`` meanwhile, so an ``irecv`` posted before its ``isend`` does not hold the
+        ``isend`` (nor the peer's) back."""
         async for op in runs:
             if op.call.op == "close":
                 return
+            if op.p2p and op.inner is None:
+                assert self.p2p is not None
+                p2p.start_soon(self._complete_p2p, op, op.run(self.p2p))  # posted now
+                continue
             try:
                 if not op.p2p and not op.cached:
                     while (op.step, op.bucket) not in self._gos:
@@ -515,6 +533,32 @@ class GroupSession:
                 self._fail(exc, op)
                 raise
             self._complete(op)
+
+    async def _complete_p2p(self, op: _Op, posted: Awaitable[None]) -> None:
+        """Complete a posted point-to-point call within the group's timeout; one that cannot
+        complete in it (its peer never sends, or never receives) fails the group naming the
+        call and the peer."""
+        seconds = self.options.timeout_seconds
+        try:
+            with trio.fail_after(seconds):
+                await posted
+        except trio.TooSlowError:
+            failure = _p2p_timeout(self, op)
+            self._fail(failure, op)
+            raise failure from None
+        except MonitoredBarrierError as exc:
+            if not op.own_verdict:
+                raise
+            self._complete(op, exc)
+            return
+        except Exception as exc:
+            client = self.client  # the coordinator's reason, if it has one (see _runner)
+            if client is not None:
+                with trio.move_on_after(min(2.0, self.options.heartbeat_deadline)):
+                    await client.done.wait()
+            self._fail(exc, op)
+            raise
+        self._complete(op)
 
     async def _finish(self, client: CoordinatorClient) -> None:
         """Tell the coordinator this rank is done (ending the step in flight first, if it ran
@@ -650,6 +694,19 @@ def _done_future() -> torch.futures.Future[Any]:
     return future
 
 
+def _p2p_timeout(session: GroupSession, op: _Op) -> BackendError:
+    """The error of a point-to-point call that did not complete within the group's timeout:
+    the call, and the peer that did not do its part."""
+    peer = op.call.detail.split()[1] if op.call.detail else "?"
+    missing = (
+        f"rank {peer} sent it nothing" if op.call.op == "recv" else f"rank {peer} did not receive it"
+    )
+    return BackendError(
+        f"paramsync group {session.name}, rank {session.rank}: {op.call} did not complete "
+        f"within the group's timeout of {session.options.timeout_seconds:g} s ({missing})"
+    )
+
+
 def _as_backend_error(
     session: GroupSession, exc: BaseException, op: _Op | None, from_coordinator: bool = False
 ) -> BackendError:
@@ -660,7 +717,9 @@ def _as_backend_error(
     reason = None
     if client is not None and client.protocol.ended and client.failure is not None:
         reason = str(client.failure)
-    where = f" in {op.call} (step {op.step}, call {op.bucket})" if op is not None else ""
+    where = ""
+    if op is not None:
+        where = f" in {op.call}" if op.p2p else f" in {op.call} (step {op.step}, call {op.bucket})"
     if reason:
         ranks = list(session.global_ranks)
         if ranks != list(range(len(ranks))):  # a subgroup: its ranks are not the global ones

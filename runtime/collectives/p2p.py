@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ __all__ = [
     "recv",
     "isend",
     "irecv",
+    "post_send",
+    "post_recv",
     "send_on_links",
     "recv_on_links",
 ]
@@ -283,7 +285,12 @@ def _check(transport: Transport, tensor: torch.Tensor, peer: int, tag: int, what
 # ------------------------------------------------------------------------------ API
 
 
-def _post_send(group: Transport, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+def post_send(
+    group: Transport, tensor: torch.Tensor, dst: int, tag: int = 0
+) -> Callable[[], Awaitable[torch.Tensor]]:
+    """Post a send of ``tensor`` to ``dst`` now (sends to one peer leave in the order they
+    were posted); awaiting the returned function sends it. For a caller that owns its tasks
+    (`isend` is this in a nursery)."""
     _check(group, tensor, dst, tag, "send")
     outbox = _peers(group).outbox(dst)
     ticket = outbox.ticket()
@@ -295,7 +302,12 @@ def _post_send(group: Transport, tensor: torch.Tensor, dst: int, tag: int) -> An
     return run
 
 
-def _post_recv(group: Transport, tensor: torch.Tensor, src: int, tag: int) -> Any:
+def post_recv(
+    group: Transport, tensor: torch.Tensor, src: int, tag: int = 0
+) -> Callable[[], Awaitable[torch.Tensor]]:
+    """Post a receive into ``tensor`` from ``src`` now (it can match a message from this
+    moment); awaiting the returned function completes it. For a caller that owns its tasks
+    (`irecv` is this in a nursery)."""
     _check(group, tensor, src, tag, "recv")
     inbox = _peers(group).inbox(src)
     entry = inbox.post(tag, tensor)
@@ -309,13 +321,13 @@ def _post_recv(group: Transport, tensor: torch.Tensor, src: int, tag: int) -> An
 async def send(group: Transport, tensor: torch.Tensor, dst: int, tag: int = 0) -> torch.Tensor:
     """Send ``tensor`` to rank ``dst`` of ``group`` under ``tag``; returns once the transport
     took it (the tensor's memory leaves uncopied: do not modify it before this returns)."""
-    return await _post_send(group, tensor, dst, tag)()
+    return await post_send(group, tensor, dst, tag)()
 
 
 async def recv(group: Transport, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     """Receive the message ``src`` sent under ``tag`` into ``tensor`` (same dtype and shape,
     else a ProtocolError) and return ``tensor``."""
-    return await _post_recv(group, tensor, src, tag)()
+    return await post_recv(group, tensor, src, tag)()
 
 
 def _start(nursery: trio.Nursery, what: str, run: Any) -> P2PHandle:
@@ -338,7 +350,7 @@ def isend(
 ) -> P2PHandle:
     """Start `send` in ``nursery``; it is posted now (sends to one peer leave in the order they
     were posted). A failure also propagates into the nursery."""
-    return _start(nursery, f"send to {dst} tag {tag}", _post_send(group, tensor, dst, tag))
+    return _start(nursery, f"send to {dst} tag {tag}", post_send(group, tensor, dst, tag))
 
 
 def irecv(
@@ -346,7 +358,7 @@ def irecv(
 ) -> P2PHandle:
     """Start `recv` in ``nursery``; the receive is posted now, so irecvs started together
     take their messages in any arrival order. A failure also propagates into the nursery."""
-    return _start(nursery, f"recv from {src} tag {tag}", _post_recv(group, tensor, src, tag))
+    return _start(nursery, f"recv from {src} tag {tag}", post_recv(group, tensor, src, tag))
 
 
 # ------------------------------------------------------------------------------ from a thread

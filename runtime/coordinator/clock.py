@@ -55,6 +55,30 @@ def tick(run: Run, now: float) -> list[Action]:
     return actions
 
 
+def _stalled_call(
+    run: Run, call: tuple[str, int, tuple[int, ...]], waited: float, give_up: bool
+) -> list[Action]:
+    """A torch.distributed group waiting in a call some ranks have not made: named with the
+    call, the ranks that did not call it and those waiting in it; past the stall deadline (the
+    group's timeout) the run stops."""
+    name, number, missing = call
+    waiting = [r for r in run.membership.members if r not in missing]
+    where = f"{name} (step {run.current.resume_step}, call {number})"
+    if not give_up:
+        return [
+            Report(
+                f"stall: {where}: ranks {waiting} have waited {format_seconds(waited)} s for "
+                f"ranks {list(missing)}, which have not called it"
+            )
+        ]
+    deadline = run.liveness.stall_deadline
+    assert deadline is not None
+    return run.abort(
+        f"{where}: ranks {list(missing)} did not call it within the timeout of "
+        f"{format_seconds(deadline)} s (ranks {waiting} waited in it)"
+    )
+
+
 def _check_stall(run: Run, now: float) -> list[Action]:
     stall = run.liveness.check_stall(now)
     if stall is None:
@@ -63,6 +87,9 @@ def _check_stall(run: Run, now: float) -> list[Action]:
         return []  # every member at the same point between calls: idle, not stalled
     phase, ranks = run.current.waiting_for(run.membership.members)
     step, waited = run.current.resume_step, format_seconds(stall.waited)
+    call = run.current.waiting_call(run.membership.members)
+    if call is not None and not run.elastic:
+        return _stalled_call(run, call, stall.waited, stall.give_up)
     if not stall.give_up:
         return [
             Report(

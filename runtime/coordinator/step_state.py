@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paramsync.runtime.protocol.messages import BucketSpec, Digest, Ready, StepDone
+from paramsync.runtime.protocol.messages import CALL_PREFIX, BucketSpec, Digest, Ready, StepDone
 
 __all__ = ["StepState", "MAX_EARLY_READIES", "MAX_EARLY_READY_BYTES", "spec_bytes"]
 
@@ -130,6 +130,22 @@ class StepState:
     def partly_reported(self, members: tuple[int, ...]) -> bool:
         """Whether some members reported a bucket or the step's end that others have not."""
         return bool(self.pending) or 0 < len(self.done) < len(members)
+
+    def waiting_call(self, members: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]] | None:
+        """The torch.distributed call the step waits in, when it waits for some members to
+        make a call others made (its spec names it: `CALL_PREFIX`): the call's name, its
+        number (bucket) and the ranks of ``members`` that have not called it; else None."""
+        if self.verifying or self.applied or self.reduced or not self.pending:
+            return None
+        bucket = min(self.pending)
+        reports = self.pending[bucket]
+        spec = next(iter(reports.values()))
+        if isinstance(spec, str) or not spec or not isinstance(spec[0][1], str):
+            return None
+        if not spec[0][1].startswith(CALL_PREFIX):
+            return None
+        missing = tuple(r for r in members if r not in reports)
+        return spec[0][1][len(CALL_PREFIX) :], bucket, missing
 
     def waiting_for(self, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """What the step waits for: a phase and the ranks of ``members`` it waits on."""

@@ -1,47 +1,100 @@
 """torch's own distributed test suite (``DistributedTest._DistTestBase``) on the paramsync backend.
 
-Imported by ``run_torch_suite.py`` (with ``BACKEND=paramsync``, ``WORLD_SIZE`` and ``TEMP_DIR``
-set, as torch's ``test/distributed/test_distributed_spawn.py`` expects them) and, by reference,
-in every rank process the tests spawn. Importing it:
+Imported by ``run_torch_suite.py`` (with ``WORLD_SIZE`` and ``TEMP_DIR`` set, as torch's
+``test/distributed/test_distributed_spawn.py`` expects them) and, by reference, in every rank
+process the tests spawn. The selection is gloo's: every test torch runs with ``BACKEND=gloo``
+on a CPU-only machine runs, and every group those tests make runs on paramsync. Importing it:
 
 * registers the backend (the ``torch.backends`` entry point does it too; this makes a
   checkout that is not installed work the same);
-* declares what the backend implements the way out-of-tree backends do, in
-  `DistTestCases.backend_feature` (DDP, subgroups, CUDA tensors staged through host memory,
-  a plugin backend) and `DistTestCases.skip_collective` (the collectives it refuses), before
-  ``distributed_test`` is imported, since its decorators read them at import time;
+* sets ``BACKEND=gloo`` before ``distributed_test`` is imported, so torch's gates (its
+  decorators, read at import time, and the branches of the test bodies, read when they run)
+  decide as they do for gloo: what gloo runs, with gloo's expectations;
+* makes the groups paramsync groups: ``init_process_group`` and ``new_group`` called with
+  ``backend="gloo"`` (the suite's ``BACKEND``), or with none (the default group's), create
+  ``paramsync`` groups (`_as_paramsync`), so every collective of the selection runs on the
+  backend and ``dist.get_backend()`` answers ``paramsync``;
 * defines `TestDistBackendWithSpawn`, torch's ``_DistTestBase`` on ``MultiProcessTestCase``
   spawning, and marks as skipped, with the reason, the tests that need accelerators this
-  machine does not have;
-* runs the tests of `skip_groups.GLOO_GATED_RUN`, which torch gates on the backend's name
-  alone (``@require_backend_is_available({"gloo"})``) and whose bodies use nothing of gloo's.
+  machine does not have.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import unittest
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from skip_groups import GLOO_GATED_RUN, accelerator_skips
-from torch.testing._internal.common_distributed import DistTestCases
+from skip_groups import accelerator_skips
 
 import paramsync.torch_entry as entry
 
 entry.register()
-BACKEND = os.environ["BACKEND"]
-
-for _feature in ("ddp", "subgroup", "gpu", "cuda", "plugin"):
-    DistTestCases.backend_feature[_feature].add(BACKEND)
-# recv without a named source is refused (UnsupportedCall names the source to give).
-DistTestCases.skip_collective["sendrecv anysource"].add(BACKEND)
+GATES_AS = "gloo"
+"""The backend torch's gates decide for: the selection is what torch runs for it."""
+BACKEND_NAME = entry.BACKEND_NAME
+"""The backend every group of the selection runs on."""
+os.environ["BACKEND"] = GATES_AS
 
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as c10d  # noqa: E402
+from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
     _build_tensor,
 )
+
+
+def _paramsync_backend(backend: Any) -> Any:
+    """``backend`` for a group the suite makes: gloo's becomes paramsync's."""
+    if backend is not None and str(backend).lower() == GATES_AS:
+        return BACKEND_NAME
+    return backend
+
+
+_BACKEND_POSITION = {"init_process_group": 0, "new_group": 2}
+"""Where each wrapped function takes ``backend`` positionally."""
+
+
+def _as_paramsync(make: Callable[..., Any]) -> Callable[..., Any]:
+    """``make`` (torch's ``init_process_group`` or ``new_group``) creating a paramsync group
+    where the suite asks for a gloo one."""
+
+    @functools.wraps(make)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "backend" in kwargs:
+            kwargs["backend"] = _paramsync_backend(kwargs["backend"])
+        position = _BACKEND_POSITION[make.__name__]
+        if len(args) > position:
+            args = (*args[:position], _paramsync_backend(args[position]), *args[position + 1 :])
+        return make(*args, **kwargs)
+
+    wrapper.__paramsync_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+for _module in (dist, c10d):
+    for _name in ("init_process_group", "new_group"):
+        _make = getattr(_module, _name)
+        if not getattr(_make, "__paramsync_wrapped__", False):
+            setattr(_module, _name, _as_paramsync(_make))
+
+
+@contextlib.contextmanager
+def _suite_backend(name: str) -> Iterator[None]:
+    """The suite's ``BACKEND`` is ``name`` inside (for a test that compares names only)."""
+    before = distributed_test.BACKEND
+    distributed_test.BACKEND = name
+    try:
+        yield
+    finally:
+        distributed_test.BACKEND = before
+
 
 START_METHOD_ENV = "PARAMSYNC_TORCH_SUITE_START"
 """How the rank processes start: ``fork`` (the default) or ``spawn``."""
@@ -66,6 +119,12 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase): 
         else:
             raise ValueError(f"{START_METHOD_ENV}={method!r}: use fork or spawn")
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+    def test_get_backend(self) -> None:
+        """torch's test_get_backend, comparing each group's backend with the backend the
+        groups run on (paramsync), not with the backend the gates decide for (gloo)."""
+        with _suite_backend(BACKEND_NAME):
+            super().test_get_backend()
 
     # torch's suite tests reduce-scatter on CUDA tensors only (test_reduce_scatter_v_cuda,
     # test_reduce_scatter_tensor_cuda). These two are their bodies on CPU tensors, with the
@@ -105,17 +164,6 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase): 
             self._barrier()
 
 
-def _unskip_gloo_gated() -> None:
-    """Run the tests torch gates on gloo by name only (`skip_groups.GLOO_GATED_RUN`)."""
-    for name in GLOO_GATED_RUN:
-        method = getattr(TestDistBackendWithSpawn, name)
-        why = getattr(method, "__unittest_skip_why__", "")
-        if "to be one of {'gloo'}" not in why:
-            raise ValueError(f"{name} is not gated on gloo by name in this torch ({why!r})")
-        del method.__unittest_skip__
-        del method.__unittest_skip_why__
-
-
 def _mark_skips() -> dict[str, str]:
     """Mark the tests that need accelerators this machine lacks; returns test -> reason."""
     reasons: dict[str, str] = {}
@@ -129,5 +177,4 @@ def _mark_skips() -> dict[str, str]:
     return reasons
 
 
-_unskip_gloo_gated()
 SKIPPED_HERE = _mark_skips()

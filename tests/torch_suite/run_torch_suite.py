@@ -76,6 +76,10 @@ class _Recorder(unittest.TestResult):
 
     def _failed(self, test: unittest.TestCase, err: Any) -> None:
         text = "".join(traceback.format_exception(*err))
+        refusal = _refusal(text)
+        if refusal is not None:
+            self._row(test, "refused", error=refusal, text=text[-6000:])
+            return
         self._row(test, "failed", error=_error_line(text), text=text[-6000:])
 
     def addFailure(self, test: unittest.TestCase, err: Any) -> None:
@@ -97,6 +101,20 @@ class _Recorder(unittest.TestResult):
     def addExpectedFailure(self, test: unittest.TestCase, err: Any) -> None:
         super().addExpectedFailure(test, err)
         self._row(test, "passed", note="expected failure")
+
+
+REFUSAL = "UnsupportedCall"
+"""The exception with which the backend refuses an operation it does not run, at the call."""
+
+
+def _refusal(text: str) -> str | None:
+    """The backend's refusal in a failed test's text (a rank's traceback), or None: the line
+    ``UnsupportedCall: <operation>: <why>``."""
+    for line in text.splitlines():
+        head, _, message = line.strip().partition(": ")
+        if message and head.rsplit(".", 1)[-1] == REFUSAL:
+            return f"{REFUSAL}: {message}"[:400]
+    return None
 
 
 def _error_line(text: str) -> str:
@@ -124,7 +142,6 @@ def run_one(
     temp = tempfile.mkdtemp(prefix="paramsync-torch-suite-")
     (Path(temp) / "barrier").mkdir()
     os.environ.update(
-        BACKEND=BACKEND,
         WORLD_SIZE=str(world_size),
         TEMP_DIR=temp,
         INIT_METHOD=os.environ.get("INIT_METHOD", "env://"),
@@ -181,6 +198,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "seconds": result["seconds"],
         "passed": sorted(r["test"] for r in rows if r["outcome"] == "passed"),
         "failed": {r["test"]: r["error"] for r in rows if r["outcome"] == "failed"},
+        "refused": {r["test"]: r["error"] for r in rows if r["outcome"] == "refused"},
         "skipped": sum(1 for r in rows if r["outcome"] == "skipped"),
         "skip_groups": dict(sorted(groups.items(), key=lambda kv: -len(kv[1]["tests"]))),
     }
@@ -196,19 +214,23 @@ def markdown(summaries: list[dict[str, Any]], command: str) -> str:
         "",
         f"`{command}` on {today}, torch {torch.__version__}.",
         "",
-        "| world size | passed | failed | skipped | seconds |",
-        "|---|---|---|---|---|",
+        "| world size | selected | passed | refused | failed | skipped | seconds |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         out.append(
-            f"| {_label(s)} | {len(s['passed'])} | {len(s['failed'])} | "
-            f"{s['skipped']} | {s['seconds']:.0f} |"
+            f"| {_label(s)} | {_selected(s)} | {len(s['passed'])} | {len(s['refused'])} | "
+            f"{len(s['failed'])} | {s['skipped']} | {s['seconds']:.0f} |"
         )
     for s in summaries:
         out += ["", f"## World size {_label(s)}", ""]
         if s["failed"]:
             out += ["Failed:", ""]
             out += [f"* `{t}`: `{line}`" for t, line in sorted(s["failed"].items())]
+            out.append("")
+        if s["refused"]:
+            out += ["Refused by the backend at the call, with its one line:", ""]
+            out += [f"* `{t}`: `{line}`" for t, line in sorted(s["refused"].items())]
             out.append("")
         out += [f"Passed ({len(s['passed'])}): " + ", ".join(f"`{t}`" for t in s["passed"]), ""]
         out += ["Skipped, by group (torch: torch's own skip, with torch's reason):", ""]
@@ -220,6 +242,11 @@ def markdown(summaries: list[dict[str, Any]], command: str) -> str:
             out.append(f"| {label} | {reason} | {tests} |")
         out.append("")
     return "\n".join(out)
+
+
+def _selected(summary: dict[str, Any]) -> int:
+    """The tests that ran (passed, refused or failed): the selection less the skipped."""
+    return len(summary["passed"]) + len(summary["refused"]) + len(summary["failed"])
 
 
 def _label(summary: dict[str, Any]) -> str:
@@ -319,9 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(report + "\n")
     for s in summaries:
         print(
-            f"world size {_label(s)}: {len(s['passed'])} passed, {len(s['failed'])} "
-            f"failed, {s['skipped']} skipped in {s['seconds']:.0f} s"
+            f"world size {_label(s)}: {_selected(s)} ran: {len(s['passed'])} passed, "
+            f"{len(s['refused'])} refused, {len(s['failed'])} failed; {s['skipped']} "
+            f"skipped in {s['seconds']:.0f} s"
         )
+        for test, line in sorted(s["refused"].items()):
+            print(f"  REFUSED {test}: {line}")
         for test, line in sorted(s["failed"].items()):
             print(f"  FAILED {test}: {line}")
     failed = any(s["failed"] for s in summaries)
