@@ -48,8 +48,15 @@ def launch(world: int, out: Path, seconds: float = 120) -> Results:
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), SECTIONS, str(rank), str(world), str(out / "store")]
-            + [str(out)],
+            [
+                sys.executable,
+                str(WORKER),
+                SECTIONS,
+                str(rank),
+                str(world),
+                str(out / "store"),
+                str(out),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -138,4 +145,3 @@ def test_a_barrier_some_ranks_skip_is_named_within_the_timeout(edges: Results) -
     assert f"barrier() (step 0, call 0): ranks {others} did not call it" in got["line"], got
     assert " timeout " in got["line"], got  # torch's test matches " (Timed out|closed|timeout) "
     assert 0.9 < got["seconds"] < 10, got
-

@@ -74,7 +74,9 @@ def p2p(rank: int, world: int) -> dict[str, Any]:
             ops.append(dist.P2POp(dist.irecv, received[peer], peer, group, **tags))
             send_tags = {"tag": rank} if tagged else {}
             ops.append(
-                dist.P2POp(dist.isend, torch.full((rank + 1, 3), float(rank)), peer, group, **send_tags)
+                dist.P2POp(
+                    dist.isend, torch.full((rank + 1, 3), float(rank)), peer, group, **send_tags
+                )
             )
         started = time.monotonic()
         if not _wait_all(dist.batch_isend_irecv(ops), P2P_SECONDS):

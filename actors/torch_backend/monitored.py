@@ -125,7 +125,7 @@ def install(is_paramsync: Callable[[Any], bool]) -> None:
         group: Any = None, timeout: Any = None, wait_all_ranks: bool = False
     ) -> Any:
         member = not c10d._rank_not_in_group(group)
-        pg = c10d._get_default_group() if group is None and member else group
+        pg: Any = c10d._get_default_group() if group is None and member else group
         if member and is_paramsync(pg):  # None: the group's own timeout
             return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
         return original(group, timeout, wait_all_ranks)

@@ -47,6 +47,8 @@ from paramsync.actors.torch_backend.inner_ops import (
     inner_send,
     on_stream,
 )
+from paramsync.actors.torch_backend.monitored import install as install_monitored_barrier
+from paramsync.actors.torch_backend.monitored import monitored_barrier_op, seconds_of
 from paramsync.actors.torch_backend.not_parallel import watch_parallel
 from paramsync.actors.torch_backend.ops import (
     allgather_op,
@@ -60,8 +62,6 @@ from paramsync.actors.torch_backend.ops import (
     send_op,
     sparse_allreduce_op,
 )
-from paramsync.actors.torch_backend.monitored import install as install_monitored_barrier
-from paramsync.actors.torch_backend.monitored import monitored_barrier_op, seconds_of
 from paramsync.actors.torch_backend.proof import proof_enabled, watch_group
 from paramsync.actors.torch_backend.session import (
     COORDINATOR_KEY,

@@ -489,9 +489,7 @@ class GroupSession:
         async with trio.open_nursery() as p2p:
             await self._run_in_order(runs, p2p)
 
-    async def _run_in_order(
-        self, runs: trio.MemoryReceiveChannel[_Op], p2p: trio.Nursery
-    ) -> None:
+    async def _run_in_order(self, runs: trio.MemoryReceiveChannel[_Op], p2p: trio.Nursery) -> None:
         """Run the calls in the callers' order: a collective to its end before the next
         call; a point-to-point call (on the p2p mesh) is posted in its turn and completes in
         ``p2p`` meanwhile, so an ``irecv`` posted before its ``isend`` does not hold the
@@ -699,7 +697,9 @@ def _p2p_timeout(session: GroupSession, op: _Op) -> BackendError:
     the call, and the peer that did not do its part."""
     peer = op.call.detail.split()[1] if op.call.detail else "?"
     missing = (
-        f"rank {peer} sent it nothing" if op.call.op == "recv" else f"rank {peer} did not receive it"
+        f"rank {peer} sent it nothing"
+        if op.call.op == "recv"
+        else f"rank {peer} did not receive it"
     )
     return BackendError(
         f"paramsync group {session.name}, rank {session.rank}: {op.call} did not complete "
