@@ -15,8 +15,10 @@ on a CPU-only machine runs, and every group those tests make runs on paramsync. 
   ``paramsync`` groups (`_as_paramsync`), so every collective of the selection runs on the
   backend and ``dist.get_backend()`` answers ``paramsync``;
 * defines `TestDistBackendWithSpawn`, torch's ``_DistTestBase`` on ``MultiProcessTestCase``
-  spawning, and marks as skipped, with the reason, the tests that need accelerators this
-  machine does not have.
+  spawning, runs the tests torch skips for gloo though gloo runs them
+  (`skip_groups.GLOO_APPLICABLE_RUN`: CPU ``all_to_all_single``, which torch gates on MPI), and
+  marks as skipped, with the reason, the tests that need accelerators this machine does not
+  have.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from skip_groups import accelerator_skips
+from skip_groups import GLOO_APPLICABLE_RUN, accelerator_skips
 
 import paramsync.torch_entry as entry
 
@@ -164,6 +166,17 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase): 
             self._barrier()
 
 
+def _run_gloo_applicable() -> None:
+    """Run the tests torch skips for gloo that gloo runs (`skip_groups.GLOO_APPLICABLE_RUN`)."""
+    for name, reason in GLOO_APPLICABLE_RUN.items():
+        method = getattr(TestDistBackendWithSpawn, name)
+        why = getattr(method, "__unittest_skip_why__", "")
+        if why != reason:
+            raise ValueError(f"{name}: torch no longer skips it as {reason!r} ({why!r})")
+        del method.__unittest_skip__
+        del method.__unittest_skip_why__
+
+
 def _mark_skips() -> dict[str, str]:
     """Mark the tests that need accelerators this machine lacks; returns test -> reason."""
     reasons: dict[str, str] = {}
@@ -177,4 +190,5 @@ def _mark_skips() -> dict[str, str]:
     return reasons
 
 
+_run_gloo_applicable()
 SKIPPED_HERE = _mark_skips()

@@ -5,12 +5,14 @@
   skips them inside every rank; deciding it here, from the decorators in torch's source,
   gives the same verdict without starting the ranks. Their skip message starts with
   ``[accelerator]``, the group the report files them under (`group_of`).
-* `GLOO_GATED_RUN`: tests torch gates on gloo by name alone that the run runs.
+* `GLOO_APPLICABLE_RUN`: tests torch skips for gloo that gloo runs (CPU ``all_to_all_single``,
+  gated on MPI): the run runs them.
 * `large_world_tests`: the tests torch runs only from 8 ranks up.
 
-torch's other skips (NCCL-only, gloo-only, MPI-only, world size) stay torch's, each its own
-group, with torch's reason. The backend's refusals are declared where torch looks for them
-(`DistTestCases.skip_collective`, in `paramsync_case`), so torch skips those tests itself.
+torch's gates decide as for gloo (`paramsync_case`): its other skips (NCCL-only, MPI-only,
+world size, known torch issues) stay torch's, each its own group, with torch's reason. Nothing
+is skipped for the backend's sake: an operation it does not run is refused by the test, at the
+call, with one line (the runner counts it apart, as refused).
 """
 
 from __future__ import annotations
@@ -21,25 +23,24 @@ import inspect
 import torch
 
 __all__ = [
-    "GLOO_GATED_RUN",
+    "GLOO_APPLICABLE_RUN",
     "accelerator_skips",
     "large_world_tests",
     "group_of",
 ]
 
 
-GLOO_GATED_RUN: tuple[str, ...] = (
-    *(
-        f"test_all_reduce_coalesced_{scope}{op}"
-        for scope in ("", "group_", "full_group_")
-        for op in ("sum", "product", "min", "max")
-    ),
-    "test_grads_same_across_ranks_with_no_sync",
-    "test_scatter_object_list",
-)
-"""Tests torch skips for any backend but gloo by name alone
-(``@require_backend_is_available({"gloo"})``) whose bodies call only torch.distributed's
-public API on CPU tensors (no gloo-specific branch): the paramsync run runs them."""
+CPU_ALL_TO_ALL_SINGLE = "Only MPI supports CPU all_to_all_single"
+"""torch's reason for skipping its CPU ``all_to_all_single`` tests on any backend but MPI."""
+
+GLOO_APPLICABLE_RUN: dict[str, str] = {
+    f"test_all_to_all_single_{split}_split{scope}": CPU_ALL_TO_ALL_SINGLE
+    for split in ("equal", "unequal")
+    for scope in ("", "_complex", "_full_group", "_group")
+}
+"""Tests torch gates on MPI that gloo runs all the same (test -> torch's reason): gloo runs
+``all_to_all_single`` on CPU tensors, equal and unequal splits (``ProcessGroupGloo``'s
+``alltoall_base``), and their bodies are the same calls; the paramsync run runs them."""
 
 
 ACCELERATOR_GROUP = "accelerator"
