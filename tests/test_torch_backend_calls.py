@@ -14,7 +14,7 @@ from paramsync.actors.client.events import Received, ReportReady
 from paramsync.actors.client.protocol import LocalProtocolError, WorkerProtocol
 from paramsync.actors.torch_backend.calls import Call, UnsupportedCall, reduce_op_name
 from paramsync.runtime.coordinator.core import CoordinatorCore
-from paramsync.runtime.coordinator.events import Broadcast, spec_hash
+from paramsync.runtime.coordinator.events import Broadcast, Report, Tick, spec_hash
 from paramsync.runtime.coordinator.negotiation import spec_groups
 from paramsync.runtime.protocol.messages import BucketSpec, Go, Ready
 
@@ -94,3 +94,29 @@ def test_a_worker_caches_a_call_agreed_elsewhere_only_when_told() -> None:
         else:
             with pytest.raises(LocalProtocolError, match="agreed on no spec for it"):
                 protocol.handle(ReportReady(0, 1, spec_hash(CALL_A), 1, cached=True))
+
+
+def test_a_call_some_ranks_never_make_is_named_with_them_at_the_timeout() -> None:
+    """torch's test_barrier_timeout_*: only rank 0 calls barrier(); at the group's timeout
+    (the coordinator's stall deadline) the run stops naming the call, the ranks that did not
+    call it and those waiting in it, with the word torch's test looks for."""
+    core = started(
+        3,
+        cache_by_spec=True,
+        idle_stalls=False,
+        stall_seconds=1.0,
+        stall_deadline=2.0,
+        heartbeat_deadline=100.0,
+    )
+    assert core.handle(Ready(0, 0, 0, Call("barrier", "", ()).spec())) == []
+    core.handle(Tick(0.5))
+    (report,) = core.handle(Tick(1.6))
+    assert report == Report(
+        "stall: barrier() (step 0, call 0): ranks [0] have waited 1.1 s for ranks [1, 2], "
+        "which have not called it"
+    )
+    reason = the_abort(core.handle(Tick(2.7)))
+    assert reason == (
+        "barrier() (step 0, call 0): ranks [1, 2] did not call it within the timeout of 2.0 s "
+        "(ranks [0] waited in it)"
+    )

@@ -9,7 +9,7 @@ gloo tests make it (tests/torch_backend_edges_worker.py, one launch for them all
 * ``monitored_barrier``: passed by every rank, then rank 0 names the rank that did not arrive
   (gloo's words) and the group goes on;
 * a barrier only some ranks call is named within the group's timeout: the barrier, and the
-  ranks that did not call it.
+  ranks that did not call it; so is a receive whose sender never sends (it hung).
 
 The default run has 2 ranks; the soak run 3 (an arrived rank that gets no answer from rank 0).
 """
@@ -29,7 +29,7 @@ import pytest
 
 WORKER = Path(__file__).with_name("torch_backend_edges_worker.py")
 SECRET = "torch-backend-edges-Secret-0123456789-abcdefghij"
-SECTIONS = "p2p,alltoall,sparse,monitored,barrier_timeout"
+SECTIONS = "p2p,alltoall,sparse,monitored,barrier_timeout,recv_alone"
 P2P_SECONDS = 5
 """A batch of point-to-point requests that takes longer hangs (a few seconds: it takes
 milliseconds)."""
@@ -145,3 +145,13 @@ def test_a_barrier_some_ranks_skip_is_named_within_the_timeout(edges: Results) -
     assert f"barrier() (step 0, call 0): ranks {others} did not call it" in got["line"], got
     assert " timeout " in got["line"], got  # torch's test matches " (Timed out|closed|timeout) "
     assert 0.9 < got["seconds"] < 10, got
+
+
+def test_a_receive_nobody_sends_is_named_within_the_timeout(edges: Results) -> None:
+    got = section(edges, "recv_alone")(0)
+    assert (
+        "recv(from 1 tag 0) of [[2] float32] did not complete within the group's timeout "
+        in (got["line"])
+    ), got
+    assert "rank 1 sent it nothing" in got["line"], got
+    assert 0.9 < got["seconds"] < P2P_SECONDS, got

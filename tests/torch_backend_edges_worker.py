@@ -12,7 +12,8 @@ comma-separated list of:
 * ``alltoall``: ``all_to_all_single`` with per-rank unequal splits, real and complex;
 * ``sparse``: ``all_reduce`` (SUM) of sparse COO tensors of torch's own test cases;
 * ``monitored``: ``monitored_barrier`` passed by every rank, then with rank 1 away;
-* ``barrier_timeout``: a barrier only rank 0 calls, on a group with a 1 s timeout.
+* ``barrier_timeout``: a barrier only rank 0 calls, on a group with a 1 s timeout;
+* ``recv_alone``: a receive from a rank that never sends, on a group with a 1 s timeout.
 
 Each section runs on a group of its own (a section that breaks its group leaves the others
 alone) and records what it saw in OUT/rank<r>.json: the results, or the one error line.
@@ -142,12 +143,27 @@ def barrier_timeout(rank: int, world: int) -> dict[str, Any]:
         return {"line": _line(exc), "seconds": round(time.monotonic() - started, 3)}
 
 
+def recv_alone(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 receives from rank 1, which never sends, on a group with a 1 s timeout."""
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    if rank != 0:
+        return {}
+    started = time.monotonic()
+    try:
+        if not _wait_all([dist.irecv(torch.empty(2), src=1, group=group)], P2P_SECONDS):
+            return {"error": f"timed out after {P2P_SECONDS:g} s"}
+        return {"error": "the receive completed"}
+    except RuntimeError as exc:
+        return {"line": _line(exc), "seconds": round(time.monotonic() - started, 3)}
+
+
 SECTIONS = {
     "p2p": p2p,
     "alltoall": alltoall,
     "sparse": sparse,
     "monitored": monitored,
     "barrier_timeout": barrier_timeout,
+    "recv_alone": recv_alone,
 }
 
 
