@@ -536,7 +536,8 @@ class GroupSession:
         """Complete a posted point-to-point call within the group's timeout; one that cannot
         complete in it (its peer never sends, or never receives) fails the group naming the
         call and the peer."""
-        seconds = self.options.timeout_seconds
+        # A monitored barrier bounds its waits by its own timeout, which may be the longer.
+        seconds = math.inf if op.own_verdict else self.options.timeout_seconds
         try:
             with trio.fail_after(seconds):
                 await posted
