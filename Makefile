@@ -34,7 +34,7 @@ test: $(STAMP) $(WHEEL_STAMP)
 	$(BIN)/python -m pytest -q
 
 torch-suite: $(STAMP)
-	$(BIN)/python tests/torch_suite/run_torch_suite.py --world-sizes 2 3 --large-world-size 8 --json out/torch_suite.json --markdown out/torch_suite.md
+	$(BIN)/python tests/torch_suite/run_torch_suite.py --world-sizes 2 3 4 --large-world-size 8 --json out/torch_suite.json --markdown out/torch_suite.md
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak
