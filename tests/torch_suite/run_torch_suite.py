@@ -6,14 +6,16 @@ torch ships its distributed tests in the wheel
 ``test/distributed/test_distributed_spawn.py`` does: a TestCase combining ``_DistTestBase``
 with ``MultiProcessTestCase`` spawning (one process per rank), driven by the environment
 variables ``BACKEND``, ``WORLD_SIZE``, ``TEMP_DIR`` and ``INIT_METHOD``. This script does that
-with ``BACKEND=paramsync`` (`paramsync_case`: the ranks are forked unless
-``PARAMSYNC_TORCH_SUITE_START=spawn``) at each world size asked for, one child process per
+with the selection torch runs for ``BACKEND=gloo`` on a CPU-only machine, every group made a
+paramsync group (`paramsync_case`: the ranks are forked unless
+``PARAMSYNC_TORCH_SUITE_START=spawn``), at each world size asked for, one child process per
 world size (torch reads the variables at import time), and writes a report: the tests that
-pass, the tests that fail with their error line, and the skipped tests by group with the
-group's reason (`skip_groups`). ``--large-world-size 8`` also runs, at 8 ranks, the tests
-torch runs only from 8 ranks up (its ``*_group`` tests).
+pass, the tests the backend refuses at the call (its one ``UnsupportedCall`` line), the tests
+that fail with their error line, and the skipped tests by group with the group's reason
+(`skip_groups`). ``--large-world-size 8`` also runs, at 8 ranks, the tests torch runs only
+from 8 ranks up (its ``*_group`` tests).
 
-    python tests/torch_suite/run_torch_suite.py                       # world sizes 2 and 3
+    python tests/torch_suite/run_torch_suite.py                       # world sizes 2, 3 and 4
     python tests/torch_suite/run_torch_suite.py --world-sizes 2 -k all_reduce -k broadcast
     python tests/torch_suite/run_torch_suite.py --json out/torch_suite.json \\
         --markdown out/torch_suite.md
@@ -271,7 +273,7 @@ def _child_env() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("-k", dest="select", action="append", default=[], metavar="TEXT")
     parser.add_argument("--tests", nargs="+", default=[], metavar="NAME")
     parser.add_argument("--json", type=Path, help="write the full results here")
