@@ -497,11 +497,11 @@ class GroupSession:
         async for op in runs:
             if op.call.op == "close":
                 return
-            if op.p2p and op.inner is None:
-                assert self.p2p is not None
-                p2p.start_soon(self._complete_p2p, op, op.run(self.p2p))  # posted now
-                continue
             try:
+                if op.p2p and op.inner is None:
+                    assert self.p2p is not None
+                    p2p.start_soon(self._complete_p2p, op, op.run(self.p2p))  # posted now
+                    continue
                 if not op.p2p and not op.cached:
                     while (op.step, op.bucket) not in self._gos:
                         await self._go_arrived.wait()
