@@ -273,7 +273,14 @@ def _child_env() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="*",
+        default=[2, 3, 4],
+        help="the world sizes to run the suite at (default %(default)s; none: only the "
+        "--large-world-size run)",
+    )
     parser.add_argument("-k", dest="select", action="append", default=[], metavar="TEXT")
     parser.add_argument("--tests", nargs="+", default=[], metavar="NAME")
     parser.add_argument("--json", type=Path, help="write the full results here")
