@@ -44,6 +44,7 @@ from pathlib import Path
 from paramsync.runtime.protocol.handshake import DialerHandshake, Identity, stretch_secret
 from paramsync.runtime.protocol.messages import SALT_SIZE
 from paramsync.runtime.protocol.wire import HANDSHAKE_MAX_FRAME, decode_frame, encode_frame_bytes
+from paramsync.runtime.testing.process_watch import listening_sockets
 from paramsync.runtime.transport.keylog import KEYLOG_LABEL
 
 __all__ = [
@@ -182,17 +183,7 @@ def listening_ports(pids: Iterable[int]) -> set[int]:
                     inodes.add(target[8:-1])
         except OSError:
             continue
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+    return {port for port, inode in listening_sockets() if inode in inodes}
 
 
 def probe_salt(host: str, port: int, seconds: float = 2.0) -> bytes | None:

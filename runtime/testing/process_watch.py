@@ -54,8 +54,9 @@ def process_descriptors(pid: int) -> int | None:
         return None
 
 
-def _listening_inodes(port: int) -> set[str]:
-    inodes: set[str] = set()
+def listening_sockets() -> list[tuple[int, str]]:
+    """Every listening TCP socket of this network namespace, as (port, socket inode)."""
+    found: list[tuple[int, str]] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -63,11 +64,13 @@ def _listening_inodes(port: int) -> set[str]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
-                continue
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    return inodes
+            if len(fields) >= 10 and fields[3] == "0A":  # 0A: LISTEN
+                found.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+    return found
+
+
+def _listening_inodes(port: int) -> set[str]:
+    return {inode for listening, inode in listening_sockets() if listening == port}
 
 
 def listening_pid(host: str, port: int) -> int | None:
