@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_processes import run_ranks
 from torch_backend_worker import REDUCE_OPS, values
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
@@ -60,29 +61,15 @@ def launch(
 ) -> list[tuple[int, str]]:
     """Run ``scenario`` on ``world`` ranks; returns each rank's (exit code, output)."""
     env = dict(os.environ, PARAMSYNC_SECRET=SECRET, OMP_NUM_THREADS="1", **env_extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
     store = str(out / "store")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), str(world), store, str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    deadline = time.monotonic() + seconds
-    for proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-            output += "\n[killed: the test's deadline passed]"
-        results.append((proc.returncode, output))
-    return results
+    return run_ranks(
+        [
+            [sys.executable, str(WORKER), scenario, str(rank), str(world), store, str(out)]
+            for rank in range(world)
+        ],
+        env,
+        seconds=seconds,
+    )
 
 
 def error_line(out: Path, rank: int) -> tuple[float, str]:

@@ -15,13 +15,12 @@ rest in ``make soak``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from rank_processes import run_ranks
 
 WORKER = Path(__file__).with_name("torchdist_worker.py")
 SECRET = "torch-proof-tests-Secret-0123456789-abcdefghijklm"
@@ -33,29 +32,15 @@ def launch(
     """Run ``scenario`` on ``world`` ranks of ``backend``; each rank's (exit code, output)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PARAMSYNC_SECRET=SECRET, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
     command = [sys.executable, str(WORKER), scenario, backend]
-    procs = [
-        subprocess.Popen(
-            [*command, str(rank), str(world), str(out / "store"), str(out), *extra],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    deadline = time.monotonic() + seconds
-    for proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-            output += "\n[killed: the test's deadline passed]"
-        results.append((proc.returncode, output))
-    return results
+    return run_ranks(
+        [
+            [*command, str(rank), str(world), str(out / "store"), str(out), *extra]
+            for rank in range(world)
+        ],
+        env,
+        seconds=seconds,
+    )
 
 
 def error_line(out: Path, rank: int) -> str:
