@@ -68,7 +68,7 @@ from paramsync.runtime.protocol.messages import (  # noqa: E402
     WireMessage,
     event_from_wire,
     host_event_from_wire,
-    message_from_wire,
+    root_message_from_wire,
 )
 from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes  # noqa: E402
 
@@ -313,7 +313,7 @@ class TreeRun:
         """Host ``h`` takes the root's answers and fans them out (its reports go up)."""
         for hosts, data in self._down:
             if h in hosts:
-                message = message_from_wire(decode_frame(data))
+                message = root_message_from_wire(decode_frame(data))
                 for action in self.hosts[h].handle(FromRoot(message)):
                     if isinstance(action, Up):
                         self._up.append((h, self._frame(action.message)))

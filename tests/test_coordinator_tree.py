@@ -50,9 +50,11 @@ from paramsync.runtime.protocol.messages import (
     AbortRun,
     Commit,
     Digest,
+    DigestQuery,
     Go,
     HostDigest,
     HostReady,
+    HostTensors,
     Joined,
     Ready,
     Reduced,
@@ -61,6 +63,7 @@ from paramsync.runtime.protocol.messages import (
     event_from_wire,
     host_event_from_wire,
     message_from_wire,
+    root_message_from_wire,
 )
 from paramsync.runtime.protocol.wire import decode_frame, encode_frame_bytes
 
@@ -158,6 +161,7 @@ class Tree:
         self.seen = Seen()
         self.received: dict[int, list[Any]] = {rank: [] for rank in self.host_of}
         self.up: list[Any] = []
+        self.queries: list[tuple[DigestQuery, tuple[int, ...]]] = []
 
     def feed(self, rank: int, event: Any) -> None:
         index = self.host_of[rank]
@@ -188,6 +192,8 @@ class Tree:
         for action in actions:
             if isinstance(action, ToHosts):
                 self.seen.take(action.message)
+                if isinstance(action.message, DigestQuery):
+                    self.queries.append((action.message, action.hosts))
                 for index in action.hosts:
                     self._down(index, action.message)
             elif isinstance(action, Abort):
@@ -202,7 +208,7 @@ class Tree:
     def _down(self, index: int, message: Any) -> None:
         if index in self.dead or self.hosts[index].state is HostState.DONE:
             return
-        decoded = message_from_wire(frame(message))
+        decoded = root_message_from_wire(frame(message))
         self._host(index, self.hosts[index].handle(FromRoot(decoded)))
 
     def kill(self, rank: int, reason: str) -> None:
@@ -446,6 +452,23 @@ class TreeAgainstFlat(RuleBasedStateMachine):
                     assert got[-1] == last[0]
 
     @invariant()
+    def per_tensor_digests_only_after_a_disagreement(self) -> None:
+        """The root asks for per-tensor digests only when a step's digests disagree (the
+        run then stops on the divergence), and each host asked answers once."""
+        if not hasattr(self, "tree"):
+            return
+        tree = self.tree
+        if not tree.queries:
+            assert not any(isinstance(m, HostTensors) for m in tree.up)
+            return
+        assert len(tree.queries) == 1, "one divergence stops the run"
+        assert tree.seen.abort is not None and divergence_of(tree.seen.abort) is not None
+        query, asked = tree.queries[0]
+        answered = [m.host for m in tree.up if isinstance(m, HostTensors)]
+        assert sorted(answered) == sorted(h for h in asked if h not in tree.dead)
+        assert query.epoch == tree.seen.starts[-1].epoch
+
+    @invariant()
     def one_report_per_host_per_step(self) -> None:
         """The root hears one digest per host of the epoch per step, never one per worker."""
         if not hasattr(self, "tree"):
@@ -501,7 +524,9 @@ def test_the_root_hears_one_report_per_host_when_workers_fold() -> None:
     assert tree.seen.commits == [0, 1, 2]
     later = [m for m in tree.up if not isinstance(m, HostReady)][-2:]
     assert [type(m) for m in later] == [HostDigest, HostDigest]
-    assert all(len(m.groups) == 1 and not m.groups[0][4] for m in later)  # names listed once
+    # One group per host, its members as one byte; no per-tensor digest travels.
+    assert [m.groups for m in later] == [((b"\x0f", b"d%015d" % 2, "xxh3-128"),)] * 2
+    assert not tree.queries and not any(isinstance(m, HostTensors) for m in tree.up)
 
 
 def test_a_lost_host_is_one_membership_change_naming_its_ranks() -> None:

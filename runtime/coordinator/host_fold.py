@@ -13,6 +13,8 @@ the host kinds):
         report: the host's own step report then says ``cached``)
     every member reduced (elastic runs)      -> host_reduced {step, cached}
     every member's digest                    -> host_digest {step, groups, cached}
+        (the members grouped by digest and algorithm; the per-tensor digests stay here)
+    the root's digest_query of the step      -> host_tensors {step, groups}
       or every member's step_done            -> host_step_done {step, cached}
     every member finished                    -> host_finished {step}
     a member lost or evicted (elastic)       -> host_lost {ranks, reason}
@@ -21,7 +23,8 @@ the host kinds):
 
 The root answers with the coordinator's kinds (start_run, go, apply, commit, shutdown, abort,
 join_refused), which the host takes (a commit starts its next step and replays the early
-reports it held) and sends to each of its members. Transitions are `EVENTS`, a
+reports it held) and sends to each of its members, and asks with a digest_query for the
+per-tensor digests of a step whose digests disagree (answered here, never sent on). Transitions are `EVENTS`, a
 `paramsync.runtime.protocol.state_machine.Table` over (`HostState`, event type).
 """
 
@@ -32,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paramsync.runtime.coordinator.commits import Commits
-from paramsync.runtime.coordinator.digest_groups import fold_digests, unfoldable
+from paramsync.runtime.coordinator.digest_groups import summarize, tensor_groups, unfoldable
 from paramsync.runtime.coordinator.events import (
     Abort,
     Action,
@@ -55,6 +58,7 @@ from paramsync.runtime.protocol.messages import (
     Apply,
     Commit,
     Digest,
+    DigestQuery,
     Finished,
     Go,
     Heartbeat,
@@ -66,6 +70,7 @@ from paramsync.runtime.protocol.messages import (
     HostReady,
     HostReduced,
     HostStepDone,
+    HostTensors,
     Joined,
     JoinRefused,
     MemberJoin,
@@ -128,8 +133,6 @@ class HostFold:
         self.current = StepState(0)
         self.negotiation = Negotiation()
         self.commits = Commits(digest_interval=1, resync=False, elastic=elastic)
-        self._up_names: tuple[str, ...] | None = None
-        """The tensor names this host listed to the root last in the epoch."""
         self._explicit: set[int] = set()
         """Buckets of the step some member reported with a ready (not folded)."""
         self._folded = False
@@ -171,6 +174,7 @@ class HostFold:
         if rank in self._member_set:
             self.members = tuple(r for r in self.members if r != rank)
             self._member_set = frozenset(self.members)
+            self.current.done.pop(rank, None)  # the host's step counts its members only
         return [self._up(HostLost(self.index, self.epoch, (rank,), reason))]
 
     # ------------------------------------------------------------------- joins
@@ -355,9 +359,8 @@ class HostFold:
         cached = self.negotiation.cache.fold_hash() if self._folded and not self.elastic else ""
         if not self.commits.expects_digest(state):
             return [*actions, self._up(HostStepDone(self.index, state.step, self.epoch, cached))]
-        reports = {r: d for r, d in state.done.items() if isinstance(d, Digest)}
-        groups, self._up_names = fold_digests(reports, self.commits.names, self._up_names)
-        digest = HostDigest(self.index, state.step, self.epoch, tuple(groups), cached)
+        groups = tuple(summarize(state.done, self.members))
+        digest = HostDigest(self.index, state.step, self.epoch, groups, cached)
         return [*actions, self._up(digest)]
 
     def _on_finished(self, event: Finished) -> list[HostAction]:
@@ -417,7 +420,6 @@ class HostFold:
         self.negotiation.new_epoch(fold=start.fold)
         self.commits.interval = start.digest_interval
         self.commits.new_epoch()
-        self._up_names = None
         self._new_step()
         return self._fan_out(start)
 
@@ -450,6 +452,25 @@ class HostFold:
                 break
         return actions
 
+    def _query(self, query: DigestQuery) -> list[HostAction]:
+        """The root asks for the step's per-tensor digests (its hosts' digests disagree)."""
+        state = self.current
+        if query.epoch < self.epoch:
+            return []  # it raced a membership change
+        if (
+            query.epoch != self.epoch
+            or query.step != state.step
+            or len(state.done) < len(self.members)
+            or not self.commits.expects_digest(state)
+        ):
+            return self._end(
+                f"the root asked for the per-tensor digests of step {query.step} of epoch "
+                f"{query.epoch}, but host {self.name!r} has not sent its digests of it (at "
+                f"step {state.step} of epoch {self.epoch})"
+            )
+        groups = tensor_groups(state.done, self.commits.names, self.members)
+        return [self._up(HostTensors(self.index, state.step, self.epoch, tuple(groups)))]
+
     def _stop(self, message: Shutdown | AbortRun) -> list[HostAction]:
         self.state = HostState.DONE
         if isinstance(message, AbortRun):
@@ -477,6 +498,7 @@ _ROOT_MESSAGES: dict[type, _RootHandler] = {
     Shutdown: HostFold._stop,
     AbortRun: HostFold._stop,
     JoinRefused: HostFold._refused,
+    DigestQuery: HostFold._query,
 }
 
 _Handler = Callable[[HostFold, Any], list[HostAction]]

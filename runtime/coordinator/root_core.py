@@ -4,15 +4,18 @@ Each host's sub-coordinator (`paramsync.runtime.coordinator.host_fold.HostFold`)
 workers' reports into one report per host; the root agrees on every bucket among the hosts
 (`paramsync.runtime.coordinator.root_step`), passes the apply barrier, decides each step's
 digest verdict from the hosts' digest groups (`paramsync.runtime.coordinator.digest_groups`:
-the flat `digest_verdict`, so a divergence names the same ranks and tensor), commits, and
+one (digest, algorithm) everywhere commits; else it asks the hosts for their per-tensor
+digests, `DigestQuery`, and decides with the flat `digest_verdict`, so a divergence names the
+same ranks and tensor), commits, and
 changes the membership: a host's lost member is one epoch change, and so is a whole host lost
 (its link gone), naming the host and its ranks. The root keeps the run's ranks in the flat
 coordinator's `Membership` (joins, the restart's donor rule, epochs), touched only at joins
-and membership changes; per step it does O(hosts) work.
+and membership changes; per step it does O(1) work per host, none per rank, until a digest
+check disagrees.
 
 Events: the host kinds (`HostJoined`, `HostReady`, `HostReduced`, `HostDigest`,
-`HostStepDone`, `HostFinished`, `HostLost`, `HostAbort`), `HostGone`, `HostMalformed` and
-`Tick`. Actions: `ToHosts` (the coordinator's kinds, for every host of the epoch),
+`HostStepDone`, `HostFinished`, `HostLost`, `HostAbort`, `HostTensors`), `HostGone`,
+`HostMalformed` and `Tick`. Actions: `ToHosts` (the root's kinds, for every host of the epoch),
 `RefuseHost`, `Abort` and `Report`. The dispatch is `EVENTS`, a transition table over the
 run's states (`paramsync.runtime.coordinator.run_state`).
 
@@ -29,7 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from paramsync.runtime.coordinator.commits import CommitRecord
-from paramsync.runtime.coordinator.digest_groups import tree_verdict
+from paramsync.runtime.coordinator.digest_groups import (
+    check_cover,
+    check_tensors,
+    full_mask,
+    tree_verdict,
+)
 from paramsync.runtime.coordinator.events import (
     MAX_WORLD,
     Abort,
@@ -50,7 +58,7 @@ from paramsync.runtime.coordinator.tree_events import (
 from paramsync.runtime.protocol.messages import (
     Apply,
     Commit,
-    DigestGroup,
+    DigestQuery,
     Go,
     HostAbort,
     HostDigest,
@@ -60,10 +68,10 @@ from paramsync.runtime.protocol.messages import (
     HostReady,
     HostReduced,
     HostStepDone,
+    HostTensors,
     Joined,
     Shutdown,
     StartRun,
-    packed_size,
 )
 from paramsync.runtime.protocol.state_machine import Row, Table
 
@@ -119,10 +127,10 @@ class RootCore:
         """The hosts with members in the current epoch."""
         self.host_members: dict[int, tuple[int, ...]] = {}
         """host -> its members in the current epoch."""
+        self.full_masks: dict[int, bytes] = {}
+        """host -> the `MEMBERS_MASK` of all its members in the current epoch."""
         self.current = RootStep(start_step)
         self.negotiation = HostNegotiation(self.describe, self._ranks_of)
-        self.names: dict[int, tuple[str, ...]] = {}
-        """host -> the tensor names it listed last in the epoch."""
         self.last_commit: CommitRecord | None = None
         self.recovering = False
 
@@ -240,13 +248,13 @@ class RootCore:
             donor, receivers = -1, ()
         self.current = RootStep.opening(step, broadcast=broadcast)
         self.negotiation.new_epoch(fold=opening.fold)
-        self.names.clear()
         self.recovering = not opening.first
         by_host: dict[int, list[int]] = {}
         for rank in members:
             by_host.setdefault(self.host_of[rank], []).append(rank)
         self.host_members = {host: tuple(ranks) for host, ranks in sorted(by_host.items())}
         self.epoch_hosts = tuple(self.host_members)
+        self.full_masks = {host: full_mask(len(r)) for host, r in self.host_members.items()}
         addresses = self.membership.addresses
         start = StartRun(
             addresses=tuple(addresses[r] for r in members),
@@ -459,53 +467,70 @@ class RootCore:
             return actions  # a fault of the host ended its report
         ended: Ended
         if isinstance(event, HostDigest):
-            named = self._named_groups(host, event)
-            if isinstance(named, str):
-                return self._fault(host, named)
-            ended = named
+            groups = event.groups
+            if len(groups) != 1 or groups[0][0] != self.full_masks[host]:
+                why = check_cover([g[0] for g in groups], len(self.host_members[host]))
+                if why is not None:
+                    return self._fault(
+                        host,
+                        f"step {event.step}: {self.describe(host)} sent digests that do not "
+                        f"fit its members: {why}",
+                    )
+            first = state.state_key
+            for _, digest, algorithm in groups:
+                if first is None:
+                    first = state.state_key = (digest, algorithm)
+                elif digest != first[0] or algorithm != first[1]:
+                    state.split = True
+            ended = groups
         else:
             ended = event
         state.done[host] = ended
         if len(state.done) < len(self.epoch_hosts):
             return actions
-        if not digest_step:
+        if not digest_step or not state.split:
             return actions + self._commit()
-        groups = [g for done in state.done.values() if isinstance(done, list) for g in done]
-        verdict = tree_verdict(state.step, self.epoch, groups, len(self.members))
-        if verdict.abort is not None:
-            return actions + self._abort(verdict.abort)
-        return actions + self._commit()
+        state.querying = True
+        return [*actions, self._to_hosts(DigestQuery(state.step, self.epoch))]
 
-    def _named_groups(
-        self, host: int, event: HostDigest
-    ) -> list[tuple[DigestGroup, tuple[str, ...]]] | str:
-        """The host's digest groups, each with its tensor names; why not (a text)."""
-        ranks = sorted(r for group in event.groups for r in group[0])
-        if ranks != list(self.host_members[host]):
-            return (
-                f"step {event.step}: {self.describe(host)} sent digests of ranks {ranks}, but "
-                f"its members are {list(self.host_members[host])}"
+    def _on_tensors(self, event: HostTensors) -> list[RootAction]:
+        """A host's per-tensor digests, answering the root's query of a split digest check;
+        once every host answered, the flat verdict."""
+        host, state = event.host, self.current
+        early = self._cannot_take(host, event.epoch, "per-tensor digests")
+        if early is not None:
+            return early
+        wrong = self._wrong_step(host, event.step, "per-tensor digests")
+        if wrong is not None:
+            return wrong
+        who = self.describe(host)
+        if not state.querying:
+            return self._fault(
+                host, f"step {state.step}: {who} sent per-tensor digests the root did not ask for"
             )
-        named = []
-        for group in event.groups:
-            if group[4]:
-                self.names[host] = group[5]
-            names = self.names.get(host)
-            if names is None or packed_size(group[3], len(names)) is None:
-                return (
-                    f"step {event.step}: {self.describe(host)} sent packed digests of ranks "
-                    f"{list(group[0])} without names that fit them"
-                )
-            named.append((group, names))
-        return named
+        if host in state.answers:
+            return self._fault(host, f"step {state.step}: {who} sent per-tensor digests twice")
+        summary = state.done[host]
+        assert isinstance(summary, tuple), "the root asks only after every host's digests"
+        why = check_tensors(event.groups, summary, len(self.host_members[host]))
+        if why is not None:
+            return self._fault(
+                host, f"step {state.step}: {who} sent per-tensor digests that do not fit: {why}"
+            )
+        state.answers[host] = event.groups
+        if len(state.answers) < len(self.epoch_hosts):
+            return []
+        answers = [
+            (group, self.host_members[h]) for h, groups in state.answers.items() for group in groups
+        ]
+        verdict = tree_verdict(state.step, self.epoch, answers, len(self.members))
+        if verdict.abort is not None:
+            return self._abort(verdict.abort)
+        return self._commit()
 
     def _commit(self) -> list[RootAction]:
         ended, epoch = self.current, self.epoch
-        digests = (
-            self.members
-            if ended.done and any(isinstance(d, list) for d in ended.done.values())
-            else ()
-        )
+        digests = self.members if ended.state_key is not None else ()
         self.last_commit = CommitRecord(ended.step, epoch, self.members, digests)
         actions: list[RootAction] = [self._to_hosts(Commit(ended.step, epoch))]
         if self.recovering and not ended.verifying:
@@ -598,6 +623,7 @@ _HANDLERS: dict[type, _Handler] = {
     HostFinished: _C._on_finished,
     HostLost: _C._on_lost,
     HostAbort: _C._on_host_abort,
+    HostTensors: _C._on_tensors,
     HostGone: _C._on_gone,
     HostMalformed: _C._on_malformed,
     Tick: _C._on_tick,

@@ -27,13 +27,13 @@ from paramsync.runtime.protocol.messages import (
     DigestGroup,
     Go,
     HostStepDone,
+    TensorGroup,
 )
 
 __all__ = ["RootStep", "HostNegotiation"]
 
-Ended = list[tuple[DigestGroup, tuple[str, ...]]] | HostStepDone
-"""A host's step end as the root keeps it: its digest groups, each with its tensor names,
-or its step_done."""
+Ended = tuple[DigestGroup, ...] | HostStepDone
+"""A host's step end as the root keeps it: its digest groups, or its step_done."""
 
 
 @dataclass(slots=True, eq=False)
@@ -59,6 +59,14 @@ class RootStep:
     reduced: set[int] = field(default_factory=set)
     done: dict[int, Ended] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    state_key: tuple[bytes, str] | None = None
+    """The (digest, algorithm) of the step's first digest group (None: no digest yet)."""
+    split: bool = False
+    """Whether some digest group differs from ``state_key`` (the step cannot commit at once)."""
+    querying: bool = False
+    """Whether the root asked the hosts for their per-tensor digests (`DigestQuery`)."""
+    answers: dict[int, tuple[TensorGroup, ...]] = field(default_factory=dict)
+    """host -> its per-tensor digest groups, answering the query."""
 
     @classmethod
     def opening(cls, step: int, *, broadcast: bool) -> RootStep:

@@ -5,14 +5,14 @@ are fed that never travels, and the actions that address the other level of the 
 The worker-facing actions are the flat core's (`paramsync.runtime.coordinator.events`: `Send`,
 `Broadcast` to the host's members, `Refuse`, `Abort`, `Evict`, `Report`); the messages between
 the levels are declared in `paramsync.runtime.protocol.messages` (the host kinds up, the
-coordinator kinds down).
+root kinds down: the coordinator's and `DigestQuery`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paramsync.runtime.protocol.messages import CoordinatorMessage, HostReport, JoinRefused
+from paramsync.runtime.protocol.messages import HostReport, JoinRefused, RootMessage
 
 __all__ = [
     "FromRoot",
@@ -31,9 +31,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FromRoot:
-    """The root sent the host ``message`` (decoded by `message_from_wire`)."""
+    """The root sent the host ``message`` (decoded by `root_message_from_wire`)."""
 
-    message: CoordinatorMessage
+    message: RootMessage
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,14 @@ class ToHost:
     """Send ``message`` to host ``host`` (which fans it out to its members)."""
 
     host: int
-    message: CoordinatorMessage
+    message: RootMessage
 
 
 @dataclass(frozen=True)
 class ToHosts:
     """Send ``message`` to every host with a member in the current epoch (``hosts``)."""
 
-    message: CoordinatorMessage
+    message: RootMessage
     hosts: tuple[int, ...]
 
 

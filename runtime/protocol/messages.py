@@ -19,9 +19,11 @@ The kinds, by who sends them:
   `Finished` (:func:`event_from_wire`; their ``rank``, and ``now`` where they have one, are
   the receiver's, never on the wire);
 - the coordinator tree, a host's sub-coordinator -> the root: `HostJoined`, `HostReady`,
-  `HostReduced`, `HostDigest`, `HostStepDone`, `HostFinished`, `HostLost`, `HostAbort`
-  (:func:`host_event_from_wire`; their ``host`` is the root's index of the connection); the
-  root answers with the coordinator -> worker kinds, which each host fans out.
+  `HostReduced`, `HostDigest`, `HostStepDone`, `HostFinished`, `HostLost`, `HostAbort`,
+  `HostTensors` (:func:`host_event_from_wire`; their ``host`` is the root's index of the
+  connection); the root answers with the coordinator -> worker kinds, which each host fans
+  out, and asks for the per-tensor digests of a step whose digests disagree with
+  `DigestQuery` (:func:`root_message_from_wire`, the host's side).
 
 `docs/protocol.md` describes the frames; `tests/test_wire.py` pins their bytes.
 """
@@ -115,8 +117,11 @@ __all__ = [
     # host -> root (the coordinator tree)
     "MEMBER_JOIN",
     "MemberJoin",
+    "MEMBERS_MASK",
     "DIGEST_GROUP",
     "DigestGroup",
+    "TENSOR_GROUP",
+    "TensorGroup",
     "HostJoined",
     "HostReady",
     "HostReduced",
@@ -125,9 +130,15 @@ __all__ = [
     "HostFinished",
     "HostLost",
     "HostAbort",
+    "HostTensors",
     "HostReport",
     "HOST_KINDS",
     "host_event_from_wire",
+    # root -> host (the coordinator tree)
+    "DigestQuery",
+    "RootMessage",
+    "ROOT_KINDS",
+    "root_message_from_wire",
     # the closed tables and the codec bound to them
     "KINDS",
     "COORDINATOR_KINDS",
@@ -901,20 +912,30 @@ committed, fold] (the fields of its `Joined`, the model signature sent once per 
 
 MemberJoin = tuple[int, str, int, int, bytes, int, bool, bool]
 
-DIGEST_GROUP = Record(
-    ("ranks", RANKS),
+MEMBERS_MASK = Bytes(_MAX_WORLD // 8)
+"""Some of a host's members in the current epoch, as a bit set over their positions: bit ``i``
+(byte ``i // 8``, bit ``i % 8``, least significant first) is the host's ``i``-th member, its
+members ranked ascending. One byte string whatever the ranks: the root checks that a host's
+groups cover its members by comparing them with its full mask, with no per-rank work."""
+
+DIGEST_GROUP = Record(("members", MEMBERS_MASK), ("digest", DIGEST), ("algorithm", ALGORITHM))
+"""The members of one host that hold one state: [members, digest, algorithm]: which of them
+(`MEMBERS_MASK`), their whole-state digest and the algorithm of their per-tensor digests."""
+
+DigestGroup = tuple[bytes, bytes, str]
+
+TENSOR_GROUP = Record(
+    ("members", MEMBERS_MASK),
     ("digest", DIGEST),
     ("algorithm", ALGORITHM),
     ("tensors", Bytes(_MAX_ITEMS)),
-    ("listed", Bool()),
     ("names", Seq(NAME, _MAX_ITEMS)),
 )
-"""The ranks of one host that hold one state: [ranks, digest, algorithm, tensors, listed,
-names]: their digest, the algorithm of their per-tensor digests, those digests packed (one
-size each) and, when ``listed``, their names (else the names this host listed last in the
-epoch)."""
+"""The members of one host that hold one state, tensor by tensor: [members, digest, algorithm,
+tensors, names]: as a `DIGEST_GROUP`, with their per-tensor digests packed (one size each) in
+the order of ``names``."""
 
-DigestGroup = tuple[tuple[int, ...], bytes, str, bytes, bool, tuple[str, ...]]
+TensorGroup = tuple[bytes, bytes, str, bytes, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -964,8 +985,9 @@ class HostReduced(WireMessage):
 @dataclass(frozen=True)
 class HostDigest(WireMessage):
     """Every member of host ``host`` reported its digest of ``step``: ``groups``, one per
-    state its members hold (`DIGEST_GROUP`), every member in exactly one; ``cached``: as in
-    `HostReduced`."""
+    (digest, algorithm) its members hold (`DIGEST_GROUP`), every member in exactly one;
+    ``cached``: as in `HostReduced`. The per-tensor digests stay on the host until the root
+    asks for them (`DigestQuery`)."""
 
     KIND: ClassVar[str] = "host_digest"
     WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "groups", "cached")
@@ -974,6 +996,20 @@ class HostDigest(WireMessage):
     epoch: int = wire(EPOCH)
     groups: tuple[DigestGroup, ...] = wire(Seq(DIGEST_GROUP, _MAX_WORLD))
     cached: str = wire(CACHED, default="", omit="")
+
+
+@dataclass(frozen=True)
+class HostTensors(WireMessage):
+    """Host ``host``'s answer to a `DigestQuery` for ``step``: ``groups``, one per state its
+    members hold (`TENSOR_GROUP`: digest, algorithm, per-tensor digests and their names),
+    every member in exactly one."""
+
+    KIND: ClassVar[str] = "host_tensors"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step", "groups")
+    host: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+    groups: tuple[TensorGroup, ...] = wire(Seq(TENSOR_GROUP, _MAX_WORLD))
 
 
 @dataclass(frozen=True)
@@ -1032,8 +1068,28 @@ HostReport = (
     | HostFinished
     | HostLost
     | HostAbort
+    | HostTensors
 )
 """What a host's sub-coordinator sends the root coordinator (the root core's wire events)."""
+
+
+# --------------------------------------------------------------------------- root -> host
+
+
+@dataclass(frozen=True)
+class DigestQuery(WireMessage):
+    """The root -> every host of epoch ``epoch``: the hosts' digests of ``step`` disagree;
+    answer with your members' per-tensor digests (`HostTensors`), so the root names the
+    diverging ranks and the first tensor that differs. Never sent on to a worker."""
+
+    KIND: ClassVar[str] = "digest_query"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ("epoch", "step")
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+
+
+RootMessage = CoordinatorMessage | DigestQuery
+"""What the root coordinator sends a host's sub-coordinator."""
 
 
 # --------------------------------------------------------------------------- the kind tables
@@ -1064,9 +1120,12 @@ HOST_KINDS = _table(
     HostFinished,
     HostLost,
     HostAbort,
+    HostTensors,
 )
-"""The kinds a host's sub-coordinator sends the root (the root answers with the coordinator's
-kinds, which the host fans out to its workers)."""
+"""The kinds a host's sub-coordinator sends the root (the root answers with `ROOT_KINDS`)."""
+ROOT_KINDS = _table(*COORDINATOR_KINDS.values(), DigestQuery)
+"""The kinds the root sends a host: the coordinator's (which the host fans out to its
+workers) and the host's own `DigestQuery`."""
 KINDS = _table(
     Hello,
     Challenge,
@@ -1090,6 +1149,7 @@ KINDS = _table(
     *COORDINATOR_KINDS.values(),
     *WORKER_KINDS.values(),
     *HOST_KINDS.values(),
+    DigestQuery,
 )
 """Every kind a frame may carry, by its ``kind``: the closed set of the protocol."""
 
@@ -1112,6 +1172,16 @@ def message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> Coordi
     assert spec is not None
     if spec.kind not in COORDINATOR_KINDS:
         raise ProtocolError(f"a {spec.kind} message does not come from the coordinator", peer=peer)
+    return decode_as(spec, item, peer, {})
+
+
+def root_message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> RootMessage:
+    """Parse a decoded root -> host message (a host sub-coordinator's side): a coordinator
+    kind or a `DigestQuery`."""
+    spec = check_envelope(item, KINDS, peer)
+    assert spec is not None
+    if spec.kind not in ROOT_KINDS:
+        raise ProtocolError(f"a {spec.kind} message does not come from the root", peer=peer)
     return decode_as(spec, item, peer, {})
 
 
