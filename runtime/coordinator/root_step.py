@@ -187,8 +187,9 @@ class HostNegotiation:
         """Host ``host``'s step report says its members reduced every agreed bucket it did
         not report from the response cache under ``cached``: check that, and take it as the
         host's report of every bucket still pending (O(1) when none is)."""
-        who, step = self._describe(host), state.step
+        step = state.step
         if not self.cache.fold:
+            who = self._describe(host)
             return [
                 Fault(
                     f"step {step}: {who} folded its bucket reports into its step report, but "
@@ -197,6 +198,7 @@ class HostNegotiation:
             ]
         expected = self.cache.fold_hash()
         if cached != expected:
+            who = self._describe(host)
             return [
                 Fault(
                     f"step {step}: {who} reduced its buckets from the response cache under "
@@ -204,6 +206,8 @@ class HostNegotiation:
                 )
             ]
         state.folded.add(host)
+        if not state.pending:
+            return []
         outcomes: list[Outcome] = []
         for bucket in sorted(state.pending):
             if host in state.pending[bucket]:
@@ -216,6 +220,8 @@ class HostNegotiation:
 
     def unfinished(self, state: RootStep, host: int, what: str) -> str | None:
         """Why ``host`` cannot end the step (``what``) with a bucket outstanding for it."""
+        if not state.pending:
+            return None
         who, step = self._describe(host), state.step
         for bucket in sorted(state.pending):
             reports = state.pending[bucket]

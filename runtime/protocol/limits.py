@@ -122,24 +122,28 @@ def peek_kind(head: bytes | bytearray | memoryview) -> str | None:
     (a text string naming a known kind); None when the head does not open that way (such a
     frame is then held to `CONTROL_MAX_FRAME`, and the decoder names what is wrong with it).
     """
-    view = memoryview(head).cast("B")
-    if len(view) < 1 or view[0] >> 5 != 5:
+    lead = bytes(memoryview(head).cast("B")[:PEEK_SIZE])  # one copy; the rest is bytes ops
+    if not lead or lead[0] >> 5 != 5:
         return None
-    pos = 1 + {24: 1, 25: 2, 26: 4, 27: 8}.get(view[0] & 0x1F, 0)
-    if bytes(view[pos : pos + 2]) != _TEXT_V:
+    pos = 1 + _MAP_ARGUMENT.get(lead[0] & 0x1F, 0)
+    if not lead.startswith(_TEXT_V, pos):
         return None
     pos += 2
-    if pos >= len(view) or view[pos] > 0x17:  # "v": a small unsigned int
+    if pos >= len(lead) or lead[pos] > 0x17:  # "v": a small unsigned int
         return None
     pos += 1
-    if bytes(view[pos : pos + 5]) != _TEXT_KIND:
+    if not lead.startswith(_TEXT_KIND, pos):
         return None
     pos += 5
-    if pos >= len(view) or view[pos] >> 5 != 3 or view[pos] & 0x1F >= 24:
+    if pos >= len(lead) or lead[pos] >> 5 != 3 or lead[pos] & 0x1F >= 24:
         return None
-    length, pos = view[pos] & 0x1F, pos + 1
-    kind = bytes(view[pos : pos + length]).decode("utf-8", errors="replace")
+    length, pos = lead[pos] & 0x1F, pos + 1
+    kind = lead[pos : pos + length].decode("utf-8", errors="replace")
     return kind if kind in KINDS else None
+
+
+_MAP_ARGUMENT = {24: 1, 25: 2, 26: 4, 27: 8}
+"""A CBOR map head's extra argument bytes, by its additional information."""
 
 
 PEEK_SIZE = 48

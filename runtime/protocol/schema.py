@@ -298,6 +298,7 @@ class Record(WireType):
     def __init__(self, *parts: tuple[str, WireType]) -> None:
         self.parts = parts
         self.shape = "[" + ", ".join(label for label, _ in parts) + "]"
+        self._checks = tuple(part.check for _, part in parts)
 
     def __repr__(self) -> str:
         return f"Record{self.parts!r}"
@@ -311,13 +312,16 @@ class Record(WireType):
     def check(self, value: Any) -> tuple[Any, ...]:
         if (type(value) is not list and type(value) is not tuple) or len(value) != len(self.parts):
             raise Invalid(f" must be {self.shape}")
-        out = []
-        for (label, part), element in zip(self.parts, value):
+        try:
+            return tuple([check(element) for check, element in zip(self._checks, value)])
+        except Invalid:
+            pass
+        for (label, part), element in zip(self.parts, value):  # find the bad part to name it
             try:
-                out.append(part.check(element))
+                part.check(element)
             except Invalid as exc:
                 raise exc.within(f" {label}") from None
-        return tuple(out)
+        raise AssertionError("unreachable: a part failed once and passed again")
 
     def encode(self, value: Any) -> list[Any]:
         return [part.encode(element) for (_, part), element in zip(self.parts, value)]
