@@ -46,6 +46,7 @@ from paramsync.runtime.coordinator.host_fold import HostFold, HostState
 from paramsync.runtime.coordinator.root_core import RootCore
 from paramsync.runtime.coordinator.run_state import RunState
 from paramsync.runtime.coordinator.tree_events import FromRoot, HostGone, RefuseHost, ToHosts, Up
+from paramsync.runtime.errors import ProtocolError
 from paramsync.runtime.protocol.messages import (
     AbortRun,
     Commit,
@@ -550,3 +551,93 @@ def test_a_dead_worker_is_handled_on_its_host() -> None:
     static, sim = _tree([[0, 1], [2, 3]])
     sim.play(Move(0, fault=("kill", 3), at=2))
     assert static.seen.abort == "rank 3 disconnected: killed"
+
+
+# --------------------------------------------------------------------------- digest queries
+
+
+def test_per_tensor_digests_travel_only_after_a_disagreement() -> None:
+    tree, sim = _tree([[0, 3], [1, 2], [4, 5]])
+    sim.play(Move(1))
+    sim.play(Move(2))
+    assert tree.seen.commits == [0, 1] and not tree.queries
+    sim.play(Move(3, diverge=((4, 1),)))
+    assert [(q.step, hosts) for q, hosts in tree.queries] == [(2, (0, 1, 2))]
+    answers = [m for m in tree.up if isinstance(m, HostTensors)]
+    assert sorted(m.host for m in answers) == [0, 1, 2]
+    assert divergence_of(tree.seen.abort or "") == (2, [[0, 1, 2, 3, 5], [4]], TENSORS[1])
+    # Host 2 answers with two groups: rank 4 (position 0) and rank 5 (position 1).
+    (host_2,) = [m for m in answers if m.host == 2]
+    assert sorted(g[0] for g in host_2.groups) == [b"\x01", b"\x02"]
+
+
+def _root_at_a_split_digest() -> tuple[Tree, Workers]:
+    """Two hosts of two; step 0 commits; step 1's digests disagree: the root asked, host 0
+    answered, host 1's answer is the test's."""
+    tree, sim = _tree([[0, 1], [2, 3]])
+    sim.play(Move(0))
+    host = tree.hosts[1]
+    handle = host.handle
+
+    def mute(event: Any) -> list[Any]:  # host 1 leaves the query to the test
+        if isinstance(event, FromRoot) and isinstance(event.message, DigestQuery):
+            return []
+        return handle(event)
+
+    host.handle = mute  # type: ignore[method-assign]
+    sim.play(Move(1, diverge=((3, 0),)))
+    assert [q.step for q, _ in tree.queries] == [1] and tree.seen.abort is None
+    return tree, sim
+
+
+def _from_host(tree: Tree, message: Any) -> None:
+    host = message.host
+    tree._root(tree.root.handle(host_event_from_wire(frame(message), host=host)))
+
+
+def test_an_answer_that_contradicts_the_hosts_digests_stops_the_run() -> None:
+    tree, _ = _root_at_a_split_digest()
+    names = TENSORS
+    packed = bytes(SIZE * len(names))
+    # Host 1 reported ranks 2 and 3 as two states; it answers that both hold rank 2's.
+    lie = HostTensors(1, 1, 1, ((b"\x03", b"d%015d" % 1, "xxh3-128", packed, names),))
+    _from_host(tree, lie)
+    assert tree.seen.abort == (
+        "step 1: host 'node1' (ranks [2, 3]) sent per-tensor digests that do not fit: its "
+        "per-tensor digests do not match the digests it reported"
+    )
+
+
+def test_unasked_or_misfit_digest_reports_are_faults_of_the_host() -> None:
+    tree, sim = _tree([[0, 1], [2, 3]])
+    sim.play(Move(0))
+    packed = bytes(SIZE * len(TENSORS))
+    _from_host(tree, HostTensors(0, 1, 1, ((b"\x03", b"d", "xxh3-128", packed, TENSORS),)))
+    assert tree.seen.abort == (
+        "step 1: host 'node0' (ranks [0, 1]) sent per-tensor digests the root did not ask for"
+    )
+    tree, sim = _tree([[0, 1], [2, 3]])
+    sim.play(Move(0))
+    _from_host(tree, HostDigest(0, 1, 1, ((b"\x01", b"d", "xxh3-128"),)))
+    assert tree.seen.abort == (
+        "step 1: host 'node0' (ranks [0, 1]) sent digests that do not fit its members: its "
+        "group does not hold exactly its members"
+    )
+
+
+def test_a_host_asked_for_digests_it_has_not_sent_stops() -> None:
+    tree, sim = _tree([[0, 1], [2, 3]])
+    sim.play(Move(0))
+    actions = tree.hosts[0].handle(FromRoot(DigestQuery(step=1, epoch=1)))
+    assert [type(a) for a in actions] == [Abort]
+    assert "has not sent its digests of it (at step 1 of epoch 1)" in actions[0].reason
+    assert tree.hosts[0].state is HostState.DONE
+
+
+def test_a_digest_query_is_for_hosts_not_workers() -> None:
+    query = frame(DigestQuery(step=3, epoch=2))
+    assert root_message_from_wire(query) == DigestQuery(step=3, epoch=2)
+    with pytest.raises(ProtocolError, match="a digest_query message does not come from the"):
+        message_from_wire(query)
+    with pytest.raises(ProtocolError, match="a host_tensors message does not come from the"):
+        root_message_from_wire(frame(HostTensors(0, 1, 1, ())))
