@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,7 @@ class TreeRun:
         self.epoch = 0
         self.next_step = 0
         self._named: set[int] = set()
-        self._up: list[tuple[int, bytes]] = []
+        self._up: deque[tuple[int, bytes]] = deque()
         self._down: list[tuple[tuple[int, ...], bytes]] = []
         self._answers: list[Any] = []
         self.host_seconds: list[float] = []
@@ -301,7 +302,7 @@ class TreeRun:
         for the hosts (`_fan_out`)."""
         root = self.root
         while self._up:
-            h, data = self._up.pop(0)
+            h, data = self._up.popleft()
             for action in root.handle(host_event_from_wire(decode_frame(data), host=h)):
                 if isinstance(action, ToHosts):
                     self._answers.append(action.message)
@@ -423,6 +424,7 @@ def tree_main(args: argparse.Namespace) -> int:
     print(f"{'workers':>8} {'hosts':>6} {'root':>34} {'one host':>34} {'flat core +CBOR':>34}")
     rows: list[dict[str, Any]] = []
     ok = True
+    misses: list[str] = []
     for workers in args.workers:
         flat = time_steps(
             SimulatedRun(workers, **options, digest_interval=args.digest_interval, wire=True),
@@ -438,23 +440,38 @@ def tree_main(args: argparse.Namespace) -> int:
                 f"{_cell(flat, ''):>34}"
             )
             clock = "" if args.target_clock == "wall" else "cpu_"
-            if tree[f"root_{clock}p99_ms"] >= args.target_ms or tree[f"host_{clock}p99_ms"] >= 1:
-                ok = False
+            for who, target in (("root", args.target_ms), ("host", 1.0)):
+                p99 = tree[f"{who}_{clock}p99_ms"]
+                if p99 >= target:
+                    ok = False
+                    misses.append(
+                        f"{'the root' if who == 'root' else 'a host'} at {workers} workers on "
+                        f"{hosts} hosts: p99 {p99:.3f} ms >= {target} ms"
+                    )
     verdict = f"root p99 < {args.target_ms} ms, host p99 < 1 ms ({args.target_clock} time)"
     print(("met: " if ok else "MISSED: ") + verdict)
+    for miss in misses:
+        print(f"  missed: {miss}")
     result: dict[str, Any] = {"options": options, "steps": args.steps, "tree": rows}
+    result["missed"] = misses
     if args.memory_steps > 0:
         workers, hosts = max(args.workers), max(args.hosts)
         print(f"memory of the tree at {workers} workers on {hosts} hosts (rss):")
         run = TreeRun(workers, hosts, **options, digest_interval=args.digest_interval)
         run.step()
-        samples = list(memory_samples(run, args.memory_steps, args.sample_every))  # type: ignore[arg-type]
-        for sample in samples:
-            print(f"{sample['step']:>8} {sample['current_bytes'] / 1024:>12.1f} KiB")
+        samples = []
+        for sample in memory_samples(run, args.memory_steps, args.sample_every):  # type: ignore[arg-type]
+            samples.append(sample)  # printed as it comes: a long probe shows its progress
+            print(f"{sample['step']:>8} {sample['current_bytes'] / 1024:>12.1f} KiB", flush=True)
         first, last = samples[min(1, len(samples) - 1)], samples[-1]
         growth = last["current_bytes"] - first["current_bytes"]
         print(f"growth from step {first['step']} to step {last['step']}: {growth} bytes")
-        result["memory"] = {"workers": workers, "hosts": hosts, "samples": samples}
+        result["memory"] = {
+            "workers": workers,
+            "hosts": hosts,
+            "samples": samples,
+            "growth_bytes": growth,
+        }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

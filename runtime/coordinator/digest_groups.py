@@ -141,7 +141,7 @@ def check_tensors(
     why = check_cover([group[0] for group in groups], count)
     if why is not None:
         return why
-    said = {(digest, algorithm): int.from_bytes(mask, "little") for mask, digest, algorithm in summary}
+    said = {(digest, algo): int.from_bytes(mask, "little") for mask, digest, algo in summary}
     for mask, digest, algorithm, tensors, names in groups:
         if packed_size(tensors, len(names)) is None:
             return f"its {len(tensors)} bytes of per-tensor digests do not fit {len(names)} names"

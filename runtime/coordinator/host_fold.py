@@ -24,8 +24,9 @@ the host kinds):
 The root answers with the coordinator's kinds (start_run, go, apply, commit, shutdown, abort,
 join_refused), which the host takes (a commit starts its next step and replays the early
 reports it held) and sends to each of its members, and asks with a digest_query for the
-per-tensor digests of a step whose digests disagree (answered here, never sent on). Transitions are `EVENTS`, a
-`paramsync.runtime.protocol.state_machine.Table` over (`HostState`, event type).
+per-tensor digests of a step whose digests disagree (answered here, never sent on).
+Transitions are `EVENTS`, a `paramsync.runtime.protocol.state_machine.Table` over
+(`HostState`, event type).
 """
 
 from __future__ import annotations
