@@ -282,3 +282,28 @@ async def test_a_refused_bulk_is_not_kept_by_the_connection() -> None:
                 await rank0.recv(1)
             refusal = rank0.connections[1]._refusal
             assert refusal is not None and refusal.__traceback__ is None
+
+
+def test_a_decoded_map_is_checked_once_and_again_after_any_change() -> None:
+    """`decode_item` checks a frame's fields once; the message is built from that check, and
+    a map changed afterwards (any way a dict changes) is checked again when decoded."""
+    from paramsync.runtime.protocol.messages import StepDone, event_from_wire
+    from paramsync.runtime.protocol.schema import CheckedItem
+
+    frame = wire.encode_frame_bytes(*StepDone(0, 5, 2).to_wire())
+    item = wire.decode_frame(frame)
+    assert type(item) is CheckedItem and dict(item) == cbor2.loads(frame[wire.PREFIX_SIZE :])
+    assert event_from_wire(item, rank=3, now=0.0) == StepDone(3, 5, 2)
+    changes: list[Callable[[dict[str, Any]], Any]] = [
+        lambda m: m.__setitem__("step", -1),
+        lambda m: m.update(step="five"),
+        lambda m: m.__ior__({"step": 2**70}),
+        lambda m: m.setdefault("cached", 7),
+        lambda m: m.pop("step"),
+        lambda m: m.__delitem__("epoch") or m.__setitem__("epoch", "x"),
+    ]
+    for change in changes:
+        changed = wire.decode_frame(frame)
+        change(changed)
+        with pytest.raises(ProtocolError, match="step_done message"):
+            event_from_wire(changed, rank=3, now=0.0)

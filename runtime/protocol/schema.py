@@ -61,6 +61,7 @@ __all__ = [
     "decode",
     "decode_as",
     "check_item",
+    "CheckedItem",
     "check_envelope",
     "is_tensor",
 ]
@@ -731,17 +732,72 @@ def _fields(
     return out
 
 
+class CheckedItem(dict[str, Any]):
+    """A decoded map that `check_item` passed whole, with what its fields' checks made of it:
+    `decode_as` builds its kind's message from those values instead of checking every field
+    a second time. Any change to the map drops them (the next decode checks it again)."""
+
+    __slots__ = ("checked_spec", "checked_values")
+    checked_spec: Schema | None
+    checked_values: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, item: Mapping[str, Any], spec: Schema, values: dict[str, Any]) -> CheckedItem:
+        """``item``'s entries, checked as ``spec``'s kind into ``values``."""
+        checked = cls(item)  # dict's own constructor: a copy at C speed
+        checked.checked_spec, checked.checked_values = spec, values
+        return checked
+
+    def _changed(self) -> None:
+        self.checked_spec = self.checked_values = None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._changed()
+        super().__delitem__(key)
+
+    def __ior__(self, other: Any) -> CheckedItem:  # type: ignore[override,misc]
+        self._changed()
+        super().update(other)
+        return self
+
+    def pop(self, *args: Any) -> Any:
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, Any]:
+        self._changed()
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._changed()
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self._changed()
+        return super().setdefault(key, default)
+
+
 def check_item(
     item: Any, table: Mapping[str, type], *, peer: object = None, present: str | None = None
 ) -> dict[str, Any]:
     """Check a decoded map's version, kind and fields (types, ranges, lengths) against its
-    kind's declaration in ``table``; return it unchanged, for transports that pass maps on.
-    A kind's invariants between fields are `decode`'s to check. ``present``: a field whose
-    value is not in the map yet but counts as present (a bulk tensor still to be read)."""
+    kind's declaration in ``table``; return its items, for transports that pass maps on (a
+    `CheckedItem`, which `decode_as` builds from without checking again; with ``present``,
+    the map itself). A kind's invariants between fields are `decode`'s to check.
+    ``present``: a field whose value is not in the map yet but counts as present (a bulk
+    tensor still to be read)."""
     spec = check_envelope(item, table, peer)
     assert spec is not None
-    _fields(spec, item, peer, present)
-    return item
+    values = _fields(spec, item, peer, present)
+    return item if present is not None else CheckedItem.of(item, spec, values)
 
 
 def _build(spec: Schema, values: dict[str, Any], context: Mapping[str, Any]) -> Any:
@@ -783,7 +839,12 @@ def decode_as(
     spec: Schema, item: Mapping[str, Any], peer: object, context: Mapping[str, Any]
 ) -> Any:
     """`decode` for an item whose envelope was checked and whose kind is ``spec``'s."""
-    message = _build(spec, _fields(spec, item, peer, None), context)
+    if type(item) is CheckedItem and item.checked_spec is spec:
+        values = item.checked_values  # checked whole by `check_item`, unchanged since
+        assert values is not None
+    else:
+        values = _fields(spec, item, peer, None)
+    message = _build(spec, values, context)
     if spec.invariants is not None:
         _invariants(spec, message, peer)
     return message
