@@ -40,12 +40,12 @@ from paramsync.runtime.errors import PeerClosed, ProtocolError, one_line
 from paramsync.runtime.observe.metrics import Metrics
 from paramsync.runtime.protocol.handshake import Identity, load_secret
 from paramsync.runtime.protocol.messages import (
-    COORDINATOR_KINDS,
+    ROOT_KINDS,
     Heartbeat,
     HostJoined,
     HostReport,
     host_event_from_wire,
-    message_from_wire,
+    root_message_from_wire,
 )
 from paramsync.runtime.protocol.wire import DEFAULT_MAX_FRAME
 from paramsync.runtime.transport.link import Link
@@ -57,7 +57,7 @@ __all__ = ["RootCoordinator", "SubCoordinator", "host_group"]
 log = logging.getLogger("paramsync.coordinator")
 
 _UP_QUEUE = 1024
-_FROM_ROOT_KINDS = frozenset({*COORDINATOR_KINDS, Heartbeat.KIND})
+_FROM_ROOT_KINDS = frozenset({*ROOT_KINDS, Heartbeat.KIND})
 ROOT_DIAL_SECONDS = 60.0
 """How long a sub-coordinator dials the root before it gives up on the run."""
 
@@ -196,7 +196,7 @@ class SubCoordinator(Coordinator):
                 wait = deadline
                 if item["kind"] == Heartbeat.KIND:
                     continue
-                message = message_from_wire(item, peer="the root")
+                message = root_message_from_wire(item, peer="the root")
             except (PeerClosed, ProtocolError) as exc:
                 self._lose_root(one_line(exc))
                 return
