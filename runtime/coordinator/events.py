@@ -15,7 +15,6 @@ from paramsync.runtime.protocol.messages import (
     CALL_PREFIX,
     AbortRun,
     BucketSpec,
-    CoordinatorMessage,
     Digest,
     Finished,
     Heartbeat,
@@ -24,6 +23,7 @@ from paramsync.runtime.protocol.messages import (
     Ready,
     Reduced,
     ResyncOrder,
+    RootMessage,
     Signature,
     StepDone,
 )
@@ -55,8 +55,9 @@ __all__ = [
     "first_tensor_difference",
 ]
 
-Message = CoordinatorMessage
-"""What the coordinator sends a worker."""
+Message = RootMessage
+"""What a coordinator's shell sends a peer: a worker the coordinator's kinds
+(`CoordinatorMessage`); the tree's root a host those and `DigestQuery` (`RootMessage`)."""
 
 MAX_WORLD = 1 << 16
 
