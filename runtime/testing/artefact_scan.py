@@ -234,15 +234,27 @@ class RunArtefacts:
         return sorted(p for p in self.workdir.rglob("*") if p.is_file())
 
 
-def _watch(
-    procs: list[subprocess.Popen[bytes]], host: str, logs: list[Path], out: Path,
-    salts: set[bytes], probed: set[int], done: threading.Event,
+def _probe(
+    procs: list[subprocess.Popen[bytes]], host: str, salts: set[bytes], probed: set[int],
+    done: threading.Event,
 ) -> None:  # fmt: skip
-    """While the run lasts: each listener of its processes probed once for its salt, and every
-    worker's metrics endpoint (its address from its log line) scraped into ``out``."""
+    """While the run lasts: each listener of its processes probed once for its salt (a
+    listener that is not paramsync's, such as a metrics endpoint, holds a probe up to its
+    timeout)."""
     while not done.is_set():
-        # The endpoints first: they live only while the ranks train, and probing the
-        # listeners can take a while on a loaded machine.
+        for port in listening_ports(p.pid for p in procs) - probed:
+            salt = probe_salt(host, port) or probe_salt("127.0.0.1", port)
+            probed.add(port)
+            if salt is not None:
+                salts.add(salt)
+        time.sleep(0.05)
+
+
+def _scrape(logs: list[Path], out: Path, done: threading.Event) -> None:
+    """While the run lasts: every worker's metrics endpoint (its address from its log line)
+    scraped into ``out``, on a thread of its own, so no slow probe keeps it from an endpoint
+    that lives only while the ranks train."""
+    while not done.is_set():
         text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
         for rank, mhost, port in re.findall(r"rank (\d+): metrics at http://([^:]+):(\d+)/", text):
             try:
@@ -250,11 +262,6 @@ def _watch(
                     (out / f"metrics-rank{rank}.txt").write_bytes(page.read())
             except OSError:
                 pass
-        for port in listening_ports(p.pid for p in procs) - probed:
-            salt = probe_salt(host, port) or probe_salt("127.0.0.1", port)
-            probed.add(port)
-            if salt is not None:
-                salts.add(salt)
         time.sleep(0.05)
 
 
@@ -295,10 +302,12 @@ def run_two_nodes(
     done = threading.Event()
     salts: set[bytes] = set()
     probed: set[int] = set()
-    watcher = threading.Thread(
-        target=_watch, args=(procs, host, logs, out, salts, probed, done), daemon=True
-    )
-    watcher.start()
+    watchers = [
+        threading.Thread(target=_probe, args=(procs, host, salts, probed, done), daemon=True),
+        threading.Thread(target=_scrape, args=(logs, out, done), daemon=True),
+    ]
+    for watcher in watchers:
+        watcher.start()
     try:
         codes = [proc.wait(timeout=timeout) for proc in procs]
     finally:
@@ -307,7 +316,8 @@ def run_two_nodes(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        watcher.join(5)
+        for watcher in watchers:
+            watcher.join(5)
     text = "\n".join(log.read_text(errors="replace") for log in logs)
     return RunArtefacts(
         workdir, ckpt, coordinator, codes, text, salts, len(probed),
