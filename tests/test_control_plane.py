@@ -40,7 +40,9 @@ def _heap_after(run: object, steps: int) -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["cached-ready", "folded"])
+@pytest.mark.parametrize(
+    "fold", [pytest.param(False, marks=pytest.mark.soak), True], ids=["cached-ready", "folded"]
+)
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 def test_the_heap_stays_flat_over_300_steps_of_64_workers(elastic: bool, fold: bool) -> None:
     run = control_plane.SimulatedRun(

@@ -1,4 +1,5 @@
-"""benchmarks/digest.py: a tiny run times every way of hashing after real optimizer steps."""
+"""benchmarks/digest.py: a tiny run times every way of hashing after real optimizer steps (the
+runs in make soak; the refusal of too few steps in the default suite)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "digest.py"
 
 
+@pytest.mark.soak
 def test_a_tiny_run_times_each_way_of_hashing(tmp_path: Path) -> None:
     out = tmp_path / "digest.json"
     command = [sys.executable, str(SCRIPT), "--steps", "6", "--d-model", "16", "--layers", "1"]
@@ -36,6 +40,7 @@ def test_too_few_steps_are_refused() -> None:
     assert "--steps must be at least 3" in done.stderr
 
 
+@pytest.mark.soak
 def test_the_device_mode_times_the_trainers_digest_against_its_step(tmp_path: Path) -> None:
     """What make gpu-check's row (c) reads, here on the CPU (XXH3, nothing copied through the
     device operations)."""

@@ -180,6 +180,7 @@ def test_a_torch_ddp_script_runs_with_its_import_changed() -> None:
     assert launched == ours
 
 
+@pytest.mark.soak
 def test_torch_ddp_runs_on_the_paramsync_backend() -> None:
     """The same script with torch's own DDP and only the backend's name changed,
     ``init_process_group("paramsync")``, under torchrun and under ``paramsync launch``: the loss

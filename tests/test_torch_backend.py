@@ -409,6 +409,7 @@ def test_a_stalled_rank_is_named_within_the_deadline(tmp_path: Path, inner: str)
     assert seconds < 4 + 6, seconds
 
 
+@pytest.mark.soak  # sleeps past the group's timeout by design
 @INNER_SOAK
 def test_a_group_idle_past_its_timeout_is_not_stalled(tmp_path: Path, inner: str) -> None:
     """Only a call some ranks made and others did not counts as a stall: ranks that all sit

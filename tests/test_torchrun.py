@@ -185,6 +185,7 @@ def test_max_restarts_restarts_the_run_with_a_new_coordinator(tmp_path: Path) ->
     assert "rank 1 finished attempt 1 at step 6" in out, out
 
 
+@pytest.mark.soak
 def test_run_script_prints_a_configuration_error_as_one_line_with_exit_2() -> None:
     """Without torchrun or a launcher: a bad MASTER_ADDR, then no secret; each is one line on
     stderr naming what to set, exit code 2, no traceback."""
