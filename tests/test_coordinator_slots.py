@@ -109,6 +109,7 @@ async def test_heartbeats_kept_up_without_a_join_do_not_hold_the_rank() -> None:
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.soak
 async def test_an_evicted_members_connection_is_closed_no_descriptor_leaks() -> None:
     """An elastic run (min_workers 1): rank 0 stays (it heartbeats), and 20 times over a rank
     1 joins, goes silent and is evicted at the heartbeat deadline. Each evicted connection is

@@ -194,6 +194,7 @@ for attempt in range(2):
 """
 
 
+@pytest.mark.soak
 def test_the_default_group_made_twice_in_one_job_finds_its_own_coordinator(
     tmp_path: Path,
 ) -> None:

@@ -251,6 +251,7 @@ for attempt in range(attempts):
 """
 
 
+@pytest.mark.soak
 def test_a_process_that_closed_its_torch_group_exits_cleanly(tmp_path: Path) -> None:
     """A process opens a 2-rank torch group, reduces, sends a frame, closes and exits: exit
     status 0 every time. The threads the transport starts (receivers, the group's release) are

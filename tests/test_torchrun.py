@@ -171,6 +171,7 @@ run_script(main)
 """
 
 
+@pytest.mark.soak
 def test_max_restarts_restarts_the_run_with_a_new_coordinator(tmp_path: Path) -> None:
     """torchrun restarts every rank of a failed attempt: the new attempt's rank 0 hosts a new
     coordinator and publishes its port under the new attempt's key, so nobody dials the old
