@@ -4,8 +4,10 @@ drives a core (`shell_core.ShellCore`), sans-I/O.
 The fold takes its workers' reports and the root's answers; the driver adds what the fold
 leaves to its shell: the workers' liveness (`liveness.Liveness`: a worker silent past the
 heartbeat deadline is disconnected, which its host handles as the flat coordinator handles a
-lost member) and the run's state and abort reason as the shell reads them (`ShellView`). The
-fold's `tree_events.Up` actions pass through for the shell to send to the root.
+lost member), the run's state and abort reason as the shell reads them (`ShellView`), and a
+stall clock (`tree_stall.StallClock`): a step partly reported with no worker report for a
+quarter of ``stall_seconds`` is told to the root (`HostFold.stall_notice`). The fold's
+`tree_events.Up` actions pass through for the shell to send to the root.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from paramsync.runtime.coordinator.events import Abort, Disconnected, Evict, Tic
 from paramsync.runtime.coordinator.host_fold import HostAction, HostFold, HostState
 from paramsync.runtime.coordinator.liveness import Liveness
 from paramsync.runtime.coordinator.run_state import RunState
-from paramsync.runtime.coordinator.tree_events import FromRoot
+from paramsync.runtime.coordinator.tree_events import FromRoot, Up
+from paramsync.runtime.coordinator.tree_stall import NOTICE_FRACTION, StallClock
 from paramsync.runtime.protocol.messages import Heartbeat, Joined, JoinRefused, Signature
 
 __all__ = ["HostDriver"]
@@ -32,7 +35,9 @@ class HostDriver:
     """Drives ``fold`` for the shell; ``heartbeat_deadline``: seconds of silence after which
     a joined worker is lost. It is its own view (``driver.view is driver``)."""
 
-    def __init__(self, fold: HostFold, *, heartbeat_deadline: float) -> None:
+    def __init__(
+        self, fold: HostFold, *, heartbeat_deadline: float, stall_seconds: float = 60.0
+    ) -> None:
         if not heartbeat_deadline > 0:
             raise ValueError(f"heartbeat_deadline must be positive, got {heartbeat_deadline!r}")
         self.fold = fold
@@ -43,6 +48,9 @@ class HostDriver:
             stall_seconds=heartbeat_deadline,
             stall_deadline=None,
         )
+        self.stall_clock = StallClock(stall_seconds / NOTICE_FRACTION, None)
+        """Moved by every worker report and root message: a partly reported step that it
+        finds stalled is told to the root."""
         self.abort_reason: str | None = None
         """Why the run ended here, when it did not finish: an abort or the root's refusal."""
 
@@ -91,6 +99,7 @@ class HostDriver:
             return self._tick(event.now)
         if isinstance(event, Disconnected):
             live.forget(event.rank)
+        self.stall_clock.moved()
         actions = fold.handle(event)
         if isinstance(event, Joined) and event.rank in fold.joins:
             live.joined(event.rank, event.now)
@@ -119,4 +128,9 @@ class HostDriver:
             reason = live.missed(gap)
             lost = self.fold.handle(Disconnected(rank, reason))
             actions += [Evict(rank, reason), *lost] if lost else []
+        if self.fold.state is HostState.RUNNING:
+            stall = self.stall_clock.check(now)
+            notice = None if stall is None else self.fold.stall_notice(stall.waited)
+            if notice is not None:
+                actions.append(Up(notice))
         return actions

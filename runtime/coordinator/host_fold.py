@@ -32,7 +32,7 @@ Transitions are `EVENTS`, a `paramsync.runtime.protocol.state_machine.Table` ove
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from paramsync.runtime.coordinator.commits import Commits
@@ -57,6 +57,7 @@ from paramsync.runtime.coordinator.tree_events import FromRoot, RootLost, Up
 from paramsync.runtime.protocol.messages import (
     AbortRun,
     Apply,
+    BucketSpec,
     Commit,
     Digest,
     DigestQuery,
@@ -70,6 +71,7 @@ from paramsync.runtime.protocol.messages import (
     HostLost,
     HostReady,
     HostReduced,
+    HostStall,
     HostStepDone,
     HostTensors,
     Joined,
@@ -104,11 +106,20 @@ class HostState(enum.Enum):
 class HostFold:
     """The sub-coordinator of host ``name``: the root's index ``index`` for it, the world
     ranks ``ranks`` of its workers, the run's ``world_size`` and whether it is ``elastic``
-    (a lost member ends its epoch, not the run). Feed it events; execute what it returns.
+    (a lost member ends its epoch, not the run). ``by_spec``: a cached report may name any
+    spec agreed in the epoch (a torch.distributed group: `Negotiation.by_spec`). Feed it
+    events; execute what it returns.
     """
 
     def __init__(
-        self, name: str, index: int, ranks: Sequence[int], *, world_size: int, elastic: bool
+        self,
+        name: str,
+        index: int,
+        ranks: Sequence[int],
+        *,
+        world_size: int,
+        elastic: bool,
+        by_spec: bool = False,
     ) -> None:
         ranks = tuple(sorted(ranks))
         if not name:
@@ -132,7 +143,7 @@ class HostFold:
         """The current epoch's members on this host, ascending."""
         self._member_set: frozenset[int] = frozenset()
         self.current = StepState(0)
-        self.negotiation = Negotiation()
+        self.negotiation = Negotiation(by_spec=by_spec)
         self.commits = Commits(digest_interval=1, resync=False, elastic=elastic)
         self._explicit: set[int] = set()
         """Buckets of the step some member reported with a ready (not folded)."""
@@ -251,11 +262,16 @@ class HostFold:
         if event.step == state.step:
             self._explicit.add(event.bucket)
         outcome = self.negotiation.report(state, event, len(self.members), self.epoch)
-        actions, _ = self._bucket_outcome(event.rank, event.step, event.bucket, outcome)
+        actions, _ = self._bucket_outcome(event.rank, event.step, event.bucket, outcome, event.spec)
         return actions
 
     def _bucket_outcome(
-        self, rank: int, step: int, bucket: int, outcome: Outcome
+        self,
+        rank: int,
+        step: int,
+        bucket: int,
+        outcome: Outcome,
+        reported: BucketSpec | None = None,
     ) -> tuple[list[HostAction], bool]:
         """The actions after one bucket report's outcome, and whether they end the report."""
         if isinstance(outcome, Fault):
@@ -272,9 +288,12 @@ class HostFold:
         # member folded are covered by the host's step report (``cached``).
         if step == self.current.step and bucket in self.current.gone and bucket in self._explicit:
             self._explicit.discard(bucket)
-            spec = cache.spec(bucket)
+            # Every member's report matched the last one (``reported``): with ``by_spec`` it
+            # may be a spec agreed at another bucket of the epoch.
+            spec = cache.spec(bucket) if reported is None else reported
             assert spec is not None, "a cached report matched an agreement"
-            ready = HostReady(self.index, step, bucket, spec_hash(spec), self.epoch, True)
+            key = spec if isinstance(spec, str) else spec_hash(spec)
+            ready = HostReady(self.index, step, bucket, key, self.epoch, True)
             return [self._up(ready)], False
         return [], False
 
@@ -381,6 +400,26 @@ class HostFold:
         if len(self.current.finished) < len(self.members):
             return []
         return [self._up(HostFinished(self.index, event.step, self.epoch))]
+
+    def stall_notice(self, waited: float) -> HostStall | None:
+        """What the root hears when the host's step has not moved for ``waited`` seconds
+        while some members are in it and others not (None: the step is not partly reported
+        here, idle between calls or waiting on the root): the bucket it waits in (-1: the
+        step's end), the members that reported it, and the torch.distributed call's name."""
+        state, members = self.current, self.members
+        if self.state is not HostState.RUNNING or not state.partly_reported(members):
+            return None
+        reporters: Collection[int]
+        if state.pending:
+            bucket = min(state.pending)
+            reporters = state.pending[bucket]
+            call = state.waiting_call(members)
+            name = call[0] if call is not None and call[1] == bucket else ""
+        else:
+            bucket, reporters, name = -1, state.done, ""
+        bits = sum(1 << i for i, rank in enumerate(members) if rank in reporters)
+        mask = bits.to_bytes((len(members) + 7) // 8, "little")
+        return HostStall(self.index, state.step, self.epoch, bucket, mask, name, waited)
 
     def _on_heartbeat(self, event: Heartbeat) -> list[HostAction]:
         return []

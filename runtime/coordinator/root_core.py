@@ -67,6 +67,7 @@ from paramsync.runtime.protocol.messages import (
     HostLost,
     HostReady,
     HostReduced,
+    HostStall,
     HostStepDone,
     HostTensors,
     Joined,
@@ -102,6 +103,10 @@ class RootCore:
         start_step: int = 0,
         min_workers: int | None = None,
         run_id: str = "",
+        by_spec: bool = False,
+        stall_seconds: float = 60.0,
+        stall_deadline: float | None = None,
+        idle_stalls: bool = True,
     ) -> None:
         if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be in [1, {MAX_WORLD}], got {world_size!r}")
@@ -116,7 +121,19 @@ class RootCore:
         self.start_step = start_step
         self.min_workers = min_workers
         self.elastic = min_workers < world_size
+        if self.elastic and stall_deadline is not None:
+            raise ValueError(
+                "the coordinator tree does not drop the stalled ranks of an elastic run: "
+                "leave stall_deadline unset (stalls are reported)"
+            )
         self.run_id = run_id
+        self.stall_seconds = stall_seconds
+        self.stall_deadline = stall_deadline
+        self.idle_stalls = idle_stalls
+        """Whether a step no host reported anything of counts towards a stall
+        (`paramsync.runtime.coordinator.tree_stall`)."""
+        self.stall_notices: dict[int, HostStall] = {}
+        """host -> its latest `HostStall` (only those about the step in flight count)."""
         self.state = RunState.RENDEZVOUS
         self.abort_reason: str | None = None
         self.membership = Membership(world_size, ring=tuple(range(world_size)), reference=None)
@@ -130,7 +147,7 @@ class RootCore:
         self.full_masks: dict[int, bytes] = {}
         """host -> the `MEMBERS_MASK` of all its members in the current epoch."""
         self.current = RootStep(start_step)
-        self.negotiation = HostNegotiation(self.describe, self._ranks_of)
+        self.negotiation = HostNegotiation(self.describe, self._ranks_of, by_spec=by_spec)
         self.last_commit: CommitRecord | None = None
         self.recovering = False
 
@@ -172,6 +189,10 @@ class RootCore:
         self._move(Trigger.ABORT)
         self.abort_reason = reason
         return [Abort(reason)]
+
+    def stop(self, reason: str) -> list[RootAction]:
+        """Stop the run with ``reason`` (a stall past its deadline: `tree_stall`)."""
+        return self._abort(reason)
 
     def _fault(self, host: int, reason: str) -> list[RootAction]:
         """Host ``host`` broke the protocol: stop a static run, drop the host from an
@@ -593,6 +614,13 @@ class RootCore:
             del self.hosts[host]
         return self._after_loss(lost, gone)
 
+    def _on_stall(self, event: HostStall) -> list[RootAction]:
+        """A host's notice that its step waits for some of its members (`tree_stall`)."""
+        if event.host not in self.hosts:
+            return [RefuseHost(event.host, f"host {event.host} sent a stall but has not joined")]
+        self.stall_notices[event.host] = event
+        return []
+
     def _on_host_abort(self, event: HostAbort) -> list[RootAction]:
         if event.host not in self.hosts:
             return [RefuseHost(event.host, f"host {event.host} sent abort but has not joined")]
@@ -624,6 +652,7 @@ _HANDLERS: dict[type, _Handler] = {
     HostLost: _C._on_lost,
     HostAbort: _C._on_host_abort,
     HostTensors: _C._on_tensors,
+    HostStall: _C._on_stall,
     HostGone: _C._on_gone,
     HostMalformed: _C._on_malformed,
     Tick: _C._on_tick,

@@ -7,6 +7,8 @@ link is `tree_events.HostGone`, a bad frame `tree_events.HostMalformed`), keeps 
 host's liveness (`liveness.Liveness`: a host link silent past the heartbeat deadline is a lost
 host, one membership change naming the host and its ranks) and turns the root's actions into
 the shell's (`ToHosts` for the epoch's hosts: a `Broadcast`; `RefuseHost`: a `Refuse`).
+Its `tree_stall.StallClock`, moved by every host report and set forward by the hosts' stall
+notices, decides when a step stalled (`tree_stall.root_stall` names the ranks).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from paramsync.runtime.coordinator.liveness import Liveness
 from paramsync.runtime.coordinator.root_core import RootAction, RootCore
 from paramsync.runtime.coordinator.run_state import RunState
 from paramsync.runtime.coordinator.tree_events import HostGone, HostMalformed, RefuseHost, ToHosts
-from paramsync.runtime.protocol.messages import Heartbeat, HostJoined, Signature
+from paramsync.runtime.coordinator.tree_stall import StallClock, root_stall
+from paramsync.runtime.protocol.messages import Heartbeat, HostJoined, HostStall, Signature
 
 __all__ = ["RootDriver"]
 
@@ -48,6 +51,7 @@ class RootDriver:
         """How many hosts the root held when the driver last looked (per step it does O(1):
         the hosts are looked through only when their number changed)."""
         self._largest = 1
+        self.stall_clock = StallClock(root.stall_seconds, root.stall_deadline)
 
     # ------------------------------------------------------------------- the view
 
@@ -106,6 +110,11 @@ class RootDriver:
             return self._actions(root.handle(HostGone(event.rank, event.reason)))
         if isinstance(event, Malformed):
             return self._actions(root.handle(HostMalformed(event.rank, event.error)))
+        if isinstance(event, HostStall):
+            if live.now is not None:
+                self.stall_clock.moved_at(live.now - event.waited)
+        else:
+            self.stall_clock.moved()
         actions = self._actions(root.handle(event))
         if isinstance(event, HostJoined) and event.host in root.hosts:
             live.joined(event.host, live.now)
@@ -120,7 +129,12 @@ class RootDriver:
             live.forget(host)
             if self.root.state is not RunState.ABORTED:
                 actions += self._actions(self.root.handle(HostGone(host, live.missed(gap))))
-        return actions + self._actions(self.root.handle(Tick(now)))
+        actions += self._actions(self.root.handle(Tick(now)))
+        if self.root.state is RunState.RUNNING:
+            stall = self.stall_clock.check(now)
+            if stall is not None:
+                actions += self._actions(root_stall(self.root, stall))
+        return actions
 
     def _actions(self, actions: list[RootAction]) -> list[Action]:
         out: list[Action] = []

@@ -92,15 +92,22 @@ class HostNegotiation:
     members (a disagreement names the ranks)."""
 
     def __init__(
-        self, describe: Callable[[int], str], ranks_of: Callable[[int], tuple[int, ...]]
+        self,
+        describe: Callable[[int], str],
+        ranks_of: Callable[[int], tuple[int, ...]],
+        *,
+        by_spec: bool = False,
     ) -> None:
-        self.cache = ResponseCache()
+        self.by_spec = by_spec
+        """A cached report may name any spec the hosts agreed on in the epoch, not only its
+        bucket's (a torch.distributed group: `Negotiation.by_spec`)."""
+        self.cache = ResponseCache(by_spec=by_spec)
         self.seq = 0
         self._describe = describe
         self._ranks_of = ranks_of
 
     def new_epoch(self, *, fold: bool) -> None:
-        self.cache = ResponseCache(fold=fold)
+        self.cache = ResponseCache(fold=fold, by_spec=self.by_spec)
 
     def take(
         self,
@@ -119,7 +126,7 @@ class HostNegotiation:
         reports = state.pending.get(bucket)
         if bucket in state.gone or (reports is not None and host in reports):
             return Fault(f"step {step}: {who} reported bucket {bucket} twice")
-        if cached and not self.cache.matches(bucket, spec):
+        if cached and not self.cache.matches(bucket, spec) and self.cache.known(spec) is None:
             return Fault(
                 f"step {step} bucket {bucket}: {who} reduced it from the response cache as "
                 f"{spec!r}, but the hosts agreed on "

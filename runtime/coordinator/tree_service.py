@@ -92,8 +92,19 @@ class SubCoordinator(Coordinator):
     ) -> None:
         options = options or CoordinatorOptions()
         elastic = options.min_workers is not None and options.min_workers < world_size
-        fold = HostFold(name, index, ranks, world_size=world_size, elastic=elastic)
-        self.driver = HostDriver(fold, heartbeat_deadline=options.heartbeat_deadline)
+        fold = HostFold(
+            name,
+            index,
+            ranks,
+            world_size=world_size,
+            elastic=elastic,
+            by_spec=options.cache_by_spec,
+        )
+        self.driver = HostDriver(
+            fold,
+            heartbeat_deadline=options.heartbeat_deadline,
+            stall_seconds=options.stall_seconds,
+        )
         super().__init__(
             world_size, options, secret=secret, group=group, metrics=metrics, core=self.driver
         )
@@ -282,6 +293,10 @@ class RootCoordinator(Coordinator):
                 start_step=options.start_step,
                 min_workers=options.min_workers,
                 run_id="",  # set below, once the shell chose the run's id
+                by_spec=options.cache_by_spec,
+                stall_seconds=options.stall_seconds,
+                stall_deadline=options.stall_deadline,
+                idle_stalls=options.idle_stalls,
             )
         )
         super().__init__(

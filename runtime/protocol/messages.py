@@ -131,6 +131,7 @@ __all__ = [
     "HostLost",
     "HostAbort",
     "HostTensors",
+    "HostStall",
     "HostReport",
     "HOST_KINDS",
     "host_event_from_wire",
@@ -1059,6 +1060,33 @@ class HostAbort(WireMessage):
     reason: str = wire(REASON)
 
 
+@dataclass(frozen=True)
+class HostStall(WireMessage):
+    """Host ``host`` has had no report from some of its members for ``waited`` seconds while
+    others are inside ``step``: ``bucket`` (-1: the step's end) is what it waits in, named
+    ``call`` when it is a torch.distributed call (empty: not one), and ``members`` (a
+    `MEMBERS_MASK`) those of its members that reported it. Sent only when the host stalls
+    (at most once per quarter of the stall time), so the root can tell a stalled step from an
+    idle one and name the ranks it waits for."""
+
+    KIND: ClassVar[str] = "host_stall"
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = (
+        "epoch",
+        "step",
+        "bucket",
+        "members",
+        "call",
+        "waited",
+    )
+    host: int = local()
+    step: int = wire(STEP)
+    epoch: int = wire(EPOCH)
+    bucket: int = wire(Int(-1, MAX_INT))
+    members: bytes = wire(MEMBERS_MASK)
+    call: str = wire(Str(256))
+    waited: float = wire(Float(0.0))
+
+
 HostReport = (
     HostJoined
     | HostReady
@@ -1069,6 +1097,7 @@ HostReport = (
     | HostLost
     | HostAbort
     | HostTensors
+    | HostStall
 )
 """What a host's sub-coordinator sends the root coordinator (the root core's wire events)."""
 
@@ -1121,6 +1150,7 @@ HOST_KINDS = _table(
     HostLost,
     HostAbort,
     HostTensors,
+    HostStall,
 )
 """The kinds a host's sub-coordinator sends the root (the root answers with `ROOT_KINDS`)."""
 ROOT_KINDS = _table(*COORDINATOR_KINDS.values(), DigestQuery)
