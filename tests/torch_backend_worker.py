@@ -9,7 +9,10 @@ imported from paramsync. Each rank writes what it saw to OUT (``rank<r>.pt``: th
 many of the world group's calls each plane ran) and exits 0 unless the scenario says otherwise.
 The ``train`` scenario ends without ``barrier`` or ``destroy_process_group``, as many scripts
 do: the backend closes the group at the interpreter's exit.
-``PARAMSYNC_TORCH_INNER`` (the launcher's environment) chooses the inner torch group.
+``PARAMSYNC_TORCH_INNER`` (the launcher's environment) chooses the inner torch group;
+``TORCHDIST_FAKE_HOSTS=N`` puts the ranks on N fake hosts (``PARAMSYNC_HOST_KEY``, contiguous
+blocks of ranks), and the ``tree_train`` scenario trains under the coordinator tree and again
+on a flat group of the same ranks (``rank<r>.tree.json``: who hosted what).
 """
 
 from __future__ import annotations
@@ -123,12 +126,16 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
 
 
 def train(
-    rank: int, steps: int, nudge_at: int | None = None, kill_at: int | None = None
+    rank: int,
+    steps: int,
+    nudge_at: int | None = None,
+    kill_at: int | None = None,
+    group: Any = None,
 ) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     model.to(DEVICE)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
     for step in range(steps):
@@ -151,6 +158,9 @@ def main() -> None:
     rank_i, world_i = int(rank), int(world)
     out = Path(out_dir)
     timeout = timedelta(seconds=float(os.environ.get("TORCHDIST_TIMEOUT", "60")))
+    fake_hosts = int(os.environ.get("TORCHDIST_FAKE_HOSTS", "0"))
+    if fake_hosts:
+        os.environ["PARAMSYNC_HOST_KEY"] = f"fake{rank_i * fake_hosts // world_i}"
     if rank_i == 1 and "TORCHDIST_RANK1_INNER" in os.environ:  # rank 1 asks for another
         os.environ["PARAMSYNC_TORCH_INNER"] = os.environ["TORCHDIST_RANK1_INNER"]
     if DEVICE == "cuda" and torch.cuda.device_count() > rank_i:
@@ -189,6 +199,25 @@ def main() -> None:
         elif scenario == "train":
             state = train(rank_i, 6).state_dict()
             torch.save({key: value.cpu() for key, value in state.items()}, out / f"rank{rank}.pt")
+        elif scenario == "tree_train":
+            tree = train(rank_i, 4).state_dict()
+            session = dist.group.WORLD.session  # type: ignore[union-attr]
+            root = session.root.root if session.root is not None else None
+            hosted = {
+                "sub": session.sub.name if session.sub is not None else None,
+                "root_hosts": sorted(r.name for r in root.hosts.values()) if root else None,
+                "flat": session.coordinator is not None,
+            }
+            os.environ["PARAMSYNC_COORDINATOR_KIND"] = "flat"
+            flat_group = dist.new_group(backend="paramsync")
+            flat = train(rank_i, 4, group=flat_group).state_dict()
+            dist.destroy_process_group(flat_group)  # the world group closes at exit
+            (out / f"rank{rank}.tree.json").write_text(json.dumps(hosted))
+            states = {"tree": tree, "flat": flat}
+            torch.save(
+                {f"{k}/{n}": v.cpu() for k, state in states.items() for n, v in state.items()},
+                out / f"rank{rank}.pt",
+            )
         elif scenario == "local_head":
             # DDP replicates the body; a head kept per rank (different on each) is stepped by
             # the same optimizer: only the body and its optimizer state are compared.

@@ -70,6 +70,8 @@ from paramsync.actors.torch_backend.session import (
     SessionOptions,
     _Op,
 )
+from paramsync.actors.torch_backend.tree import TreeLayout
+from paramsync.actors.torch_backend.tree import decide as decide_layout
 from paramsync.runtime.config import advertised_host, parse_address
 from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.protocol.handshake import load_secret
@@ -109,6 +111,33 @@ def _coordinator_key(name: str) -> str:
         generation = _GENERATIONS.get(name, 0)
         _GENERATIONS[name] = generation + 1
     return COORDINATOR_KEY if generation == 0 else f"{COORDINATOR_KEY}/{generation}"
+
+
+def _publish(store: Any, key: str, address: tuple[str, int]) -> None:
+    store.set(key, f"{address[0]} {address[1]}")
+
+
+def _read(store: Any, key: str, seconds: float) -> tuple[str, int]:
+    store.wait([key], timedelta(seconds=seconds))
+    host, port_text = store.get(key).decode().rsplit(" ", 1)
+    return host, int(port_text)
+
+
+def _join_tree(
+    session: GroupSession, store: Any, key: str, layout: TreeLayout, seconds: float
+) -> tuple[str, int]:
+    """The coordinator tree (`paramsync.actors.torch_backend.tree`): rank 0 hosts the root
+    (its address under ``key``), each host's first rank the host's sub-coordinator (its
+    address under ``key/host/<index>``); returns the address of this rank's host's."""
+    if layout.rank == 0:
+        _publish(store, key, session.host_root(layout))
+    sub_key = f"{key}/host/{layout.index}"
+    if layout.first:
+        address = session.host_sub(layout, _read(store, key, seconds))
+        _publish(store, sub_key, address)
+        return address
+    session.layout = layout
+    return _read(store, sub_key, seconds)
 
 
 def _seconds(timeout: Any) -> float:
@@ -228,16 +257,18 @@ class ProcessGroupParamsync(dist.ProcessGroup):
         )
         self.session.global_ranks = self.global_ranks
         key = _coordinator_key(name)
+        seconds = options.timeout_seconds
         if coordinator is not None:  # ``paramsync launch`` runs the world's coordinator
             address = coordinator
-        elif rank == 0:
-            host, port = self.session.host_coordinator()
-            store.set(key, f"{host} {port}")
-            address = (host, port)
         else:
-            store.wait([key], timedelta(seconds=options.timeout_seconds))
-            host, port_text = store.get(key).decode().rsplit(" ", 1)
-            address = (host, int(port_text))
+            layout = decide_layout(store, key, name, rank, size, seconds)
+            if layout is not None:
+                address = _join_tree(self.session, store, key, layout, seconds)
+            elif rank == 0:
+                address = self.session.host_coordinator()
+                _publish(store, key, address)
+            else:
+                address = _read(store, key, seconds)
         self.session.open(address)
         if options.inner != "native":
             try:

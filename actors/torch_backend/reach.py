@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import trio
 
-__all__ = ["Reach", "coordinator_reach", "mesh_reach", "spans_hosts"]
+__all__ = ["Reach", "coordinator_reach", "mesh_reach", "spans_hosts", "local_address"]
 
 Reach = tuple[str, str]
 """``(bind, advertised)``: the host a listener binds, and the host the other ranks dial."""
@@ -87,3 +87,14 @@ async def coordinator_reach(host: str, *, spanning: bool | None = None) -> Reach
     if addresses and all(_loopback(address) for address in addresses):
         return _wildcard(addresses[0]), host
     return host, host
+
+
+async def local_address(host: str, port: int) -> str:
+    """The address of this machine that a connection to ``host:port`` leaves from (a
+    sub-coordinator of the coordinator tree listens there: its host's ranks reach it, and so
+    does a peer on another host that is given the address). No packet is sent."""
+    found = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    family, _, _, _, address = found[0]
+    with trio.socket.socket(family, socket.SOCK_DGRAM) as sock:
+        await sock.connect(address)
+        return str(sock.getsockname()[0])

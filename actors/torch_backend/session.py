@@ -6,7 +6,9 @@ thread (`BackendLoop`); a group's `GroupSession` owns, in that loop:
 
 * the group's coordinator, hosted by its rank 0 (its address goes through the group's torch
   store; the shared secret never does: it comes from ``PARAMSYNC_SECRET`` or
-  ``PARAMSYNC_SECRET_FILE``);
+  ``PARAMSYNC_SECRET_FILE``), or, when the group spans hosts
+  (`paramsync.actors.torch_backend.tree`), the coordinator tree: the root on rank 0, a
+  sub-coordinator on each host's first rank, which the host's ranks join;
 * a `CoordinatorClient` joined to it, with heartbeats;
 * the group's authenticated TCP mesh (shared memory between ranks on one host), and a
   second mesh for point-to-point messages, so a ``send`` never interleaves with a collective;
@@ -40,6 +42,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,9 +53,11 @@ from paramsync.actors.state.digest import StateDigest
 from paramsync.actors.torch_backend.calls import Call
 from paramsync.actors.torch_backend.inner import INNER_ENV, InnerGroups
 from paramsync.actors.torch_backend.monitored import MonitoredBarrierError
-from paramsync.actors.torch_backend.reach import coordinator_reach, mesh_reach
+from paramsync.actors.torch_backend.reach import coordinator_reach, local_address, mesh_reach
+from paramsync.actors.torch_backend.tree import TreeLayout
 from paramsync.runtime.coordinator.events import spec_hash
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions
+from paramsync.runtime.coordinator.tree_service import RootCoordinator, SubCoordinator
 from paramsync.runtime.errors import ConfigError, ParamsyncError, PeerClosed, plain_or_quoted
 from paramsync.runtime.protocol.handshake import Identity
 from paramsync.runtime.protocol.messages import Go, StartRun
@@ -276,6 +281,13 @@ class GroupSession:
         self.coordinator_address: tuple[str, int] | None = None
         """Where the group's coordinator listens (set when the session opens)."""
         self.coordinator: Coordinator | None = None
+        """The flat coordinator this rank hosts (rank 0 of a flat group)."""
+        self.layout: TreeLayout | None = None
+        """The group's hosts under the coordinator tree (None: a flat coordinator)."""
+        self.root: RootCoordinator | None = None
+        """The coordinator tree's root this rank hosts (rank 0 of a tree group)."""
+        self.sub: SubCoordinator | None = None
+        """The sub-coordinator this rank hosts (the first rank of its host, under the tree)."""
         self.inner: InnerGroups | None = None
         """The group's inner torch groups (`paramsync.actors.torch_backend.inner`), aborted
         when the group fails."""
@@ -304,29 +316,87 @@ class GroupSession:
         address: tuple[str, int] = self.loop.run(self._host_coordinator)
         return address
 
-    async def _host_coordinator(self) -> tuple[str, int]:
-        options = CoordinatorOptions(
+    def _coordinator_options(self) -> CoordinatorOptions:
+        """A torch group's coordinator, flat or tree: calls agreed at any place run cached,
+        a call some ranks never make is named at the group's timeout, idle is no stall."""
+        return CoordinatorOptions(
             heartbeat_deadline=self.options.heartbeat_deadline,
             stall_seconds=min(60.0, self.options.timeout_seconds),
             stall_deadline=self.options.timeout_seconds,
             cache_by_spec=True,
             idle_stalls=False,
         )
+
+    async def _host_coordinator(self) -> tuple[str, int]:
         coordinator = Coordinator(
-            self.size, options, secret=self._secret, group=f"torch:{self.name}"
+            self.size, self._coordinator_options(), secret=self._secret, group=self._group()
         )
         self.coordinator = coordinator
+        return await self._listen(coordinator, "its coordinator")
+
+    def _group(self) -> str:
+        return f"torch:{self.name}"
+
+    async def _listen(self, coordinator: Coordinator, what: str) -> tuple[str, int]:
+        """Serve ``coordinator`` (flat or the tree's root) where rank 0's coordinator
+        listens; the address the others dial."""
         bind, advertised = await coordinator_reach(self.options.host)
-        address: tuple[str, int] = await self.loop.start(self._serve_coordinator, coordinator, bind)
+        serve = partial(coordinator.serve_tcp, bind, 0)
+        address: tuple[str, int] = await self.loop.start(self._serve_coordinator, serve, what)
+        return (address[0] if advertised == bind else advertised), address[1]
+
+    def host_root(self, layout: TreeLayout) -> tuple[str, int]:
+        """Rank 0 of a group under the coordinator tree: start its root (whose peers are
+        the hosts' sub-coordinators); returns the address it listens on."""
+        self.layout = layout
+        address: tuple[str, int] = self.loop.run(self._host_root)
+        return address
+
+    async def _host_root(self) -> tuple[str, int]:
+        root = RootCoordinator(
+            self.size, self._coordinator_options(), secret=self._secret, group=self._group()
+        )
+        self.root = root
+        return await self._listen(root, "the coordinator tree's root")
+
+    def host_sub(self, layout: TreeLayout, root: tuple[str, int]) -> tuple[str, int]:
+        """The first rank of a host under the coordinator tree: start the host's
+        sub-coordinator, which dials the ``root`` once the host's ranks joined; returns the
+        address the host's ranks dial."""
+        self.layout = layout
+        address: tuple[str, int] = self.loop.run(self._host_sub, layout, root)
+        return address
+
+    async def _host_sub(self, layout: TreeLayout, root: tuple[str, int]) -> tuple[str, int]:
+        sub = SubCoordinator(
+            self.size,
+            layout.name,
+            layout.index,
+            layout.ranks,
+            self._coordinator_options(),
+            secret=self._secret,
+            group=self._group(),
+        )
+        self.sub = sub
+        if 0 in layout.ranks:  # rank 0's host: listen as its root does
+            bind, advertised = await coordinator_reach(self.options.host)
+        else:  # where this host reaches the root from, which its ranks reach too
+            bind = advertised = await local_address(*root)
+        serve = partial(sub.serve_tcp, bind, 0, root=root)
+        what = f"the sub-coordinator of host {layout.name!r}"
+        address: tuple[str, int] = await self.loop.start(self._serve_coordinator, serve, what)
         return (address[0] if advertised == bind else advertised), address[1]
 
     async def _serve_coordinator(
-        self, coordinator: Coordinator, bind: str, task_status: trio.TaskStatus[tuple[str, int]]
+        self,
+        serve: Callable[..., Awaitable[None]],
+        what: str,
+        task_status: trio.TaskStatus[tuple[str, int]],
     ) -> None:
         try:
-            await coordinator.serve_tcp(bind, 0, task_status=task_status)
+            await serve(task_status=task_status)
         except Exception as exc:  # the members hear it from their clients
-            log.warning("group %s: its coordinator stopped: %s", self.name, exc)
+            log.warning("group %s: %s stopped: %s", self.name, what, exc)
 
     def open(self, coordinator: tuple[str, int]) -> None:
         """Join the group's coordinator at ``coordinator``, form the meshes and start the
@@ -727,12 +797,17 @@ def _as_backend_error(
             reason += f" (the group's ranks {list(range(len(ranks)))} are global ranks {ranks})"
         return BackendError(f"paramsync group {session.name}, rank {session.rank}{where}: {reason}")
     if isinstance(exc, CoordinatorLost) or (from_coordinator and isinstance(exc, PeerClosed)):
+        layout = session.layout
         host = "paramsync launch" if session.launched else "rank 0"
+        what = "the group's coordinator"
+        if layout is not None:  # the tree: this rank's link is to its host's sub-coordinator
+            host = f"rank {layout.ranks[0]}"
+            what = f"the sub-coordinator of host {layout.name!r} (ranks {list(layout.ranks)})"
         if session.coordinator_address is not None:  # where it ran: a host lost with it
             host += f" (host {plain_or_quoted(session.coordinator_address[0])})"
         return BackendError(
             f"paramsync group {session.name}, rank {session.rank}{where}: {host}, which hosts "
-            f"the group's coordinator, is gone ({exc})"
+            f"{what}, is gone ({exc})"
         )
     if isinstance(exc, ConfigError | BackendError):
         return BackendError(str(exc))

@@ -1,0 +1,107 @@
+"""The torch backend under the coordinator tree: plain torch scripts
+(tests/torch_backend_worker.py) on several hosts, faked on this machine with
+``PARAMSYNC_HOST_KEY`` (``TORCHDIST_FAKE_HOSTS``) and the tree forced
+(``PARAMSYNC_COORDINATOR_KIND=tree``); across network namespaces in the soak run.
+
+Each host's first rank runs the host's sub-coordinator, rank 0 the root as well; every rank
+joins its host's. Training is bitwise what the flat coordinator's group trains, a stalled call
+and a killed rank are named as the flat coordinator names them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_torch_backend import error_line, launch
+
+from paramsync.actors.torch_backend.tree import plan
+from paramsync.runtime.errors import ConfigError
+
+TREE = {"PARAMSYNC_COORDINATOR_KIND": "tree", "TORCHDIST_FAKE_HOSTS": "2"}
+
+
+@pytest.mark.parametrize(
+    ("world", "subs"),
+    [
+        pytest.param(2, ["fake0", "fake1"], id="2 ranks, one a host"),
+        pytest.param(4, ["fake0", None, "fake1", None], id="4 ranks", marks=pytest.mark.soak),
+    ],
+)
+def test_ddp_under_the_tree_trains_bitwise_as_the_flat_coordinator(
+    tmp_path: Path, world: int, subs: list[str | None]
+) -> None:
+    """Ranks on 2 fake hosts: DDP trains 4 steps on the world group (the tree), then 4 on a
+    flat group of the same ranks; every rank ends both bitwise alike."""
+    results = launch("tree_train", world, tmp_path, seconds=120, **TREE)
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
+    hosted = [json.loads((tmp_path / f"rank{r}.tree.json").read_text()) for r in range(world)]
+    assert [h["sub"] for h in hosted] == subs  # each host's first rank runs its sub
+    assert hosted[0]["root_hosts"] == ["fake0", "fake1"]  # the root on rank 0 saw hosts
+    assert not any(h["flat"] for h in hosted)  # no flat coordinator for the world group
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    names = [k for k in states[0] if k.startswith("tree/")]
+    assert names
+    for state in states:
+        for name in names:
+            flat = name.replace("tree/", "flat/", 1)
+            assert torch.equal(state[name], states[0][name]), name
+            assert torch.equal(state[name], state[flat]), name
+
+
+def test_the_layout_comes_from_what_every_rank_published() -> None:
+    published = [("auto", "b"), ("auto", "a"), ("auto", "b"), ("auto", "a")]
+    layout = plan("0", published, 3)
+    assert layout is not None
+    assert layout.hosts == (("b", (0, 2)), ("a", (1, 3)))
+    assert layout.index == 1 and not layout.first and layout.name == "a"
+    assert plan("0", [("auto", "a"), ("auto", "a")], 0) is None  # one host: flat
+    assert plan("0", [("tree", "a"), ("tree", "a")], 1) is not None  # forced
+    assert plan("0", [("flat", "a"), ("flat", "b")], 1) is None
+    with pytest.raises(ConfigError, match=r"ranks \[0, 2\] say 'auto'; ranks \[1\] say 'flat'"):
+        plan("0", [("auto", "a"), ("flat", "b"), ("auto", "b")], 0)
+
+
+@pytest.mark.soak
+def test_a_stalled_call_is_named_with_its_ranks_under_the_tree(tmp_path: Path) -> None:
+    results = launch("stall", 4, tmp_path, seconds=60, TORCHDIST_TIMEOUT="4", **TREE)
+    assert results[0][0] == 3, results[0]
+    seconds, line = error_line(tmp_path, 0)
+    assert "allreduce" in line and "ranks [1] did not call it" in line, line
+    assert "ranks [0, 2, 3] waited in it" in line, line
+    assert seconds < 4 + 6, seconds
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize(
+    "killed",
+    [
+        pytest.param(3, id="a worker"),
+        pytest.param(2, id="a host's sub-coordinator"),
+    ],
+)
+def test_a_killed_rank_is_named_under_the_tree(tmp_path: Path, killed: int) -> None:
+    started = time.monotonic()
+    results = launch(
+        "kill",
+        4,
+        tmp_path,
+        seconds=90,
+        TORCHDIST_TIMEOUT="30",
+        TORCHDIST_KILL_RANK=str(killed),
+        **TREE,
+    )
+    assert results[killed][0] == -9, results[killed]
+    for rank in {0, 1, 2, 3} - {killed}:
+        assert results[rank][0] == 3, results[rank]
+        seconds, line = error_line(tmp_path, rank)
+        if killed == 3 or rank in (0, 1):
+            assert f"rank {killed}" in line or "ranks [2, 3]" in line, line
+        else:  # rank 3 lost its host's sub-coordinator with rank 2
+            assert "rank 2 (host" in line and "sub-coordinator of host 'fake1'" in line, line
+        assert seconds < 30, seconds
+    assert time.monotonic() - started < 90
