@@ -376,6 +376,7 @@ class GroupSession:
             self._coordinator_options(),
             secret=self._secret,
             group=self._group(),
+            root_name=f"the root coordinator on rank 0 (host {plain_or_quoted(root[0])})",
         )
         self.sub = sub
         if 0 in layout.ranks:  # rank 0's host: listen as its root does

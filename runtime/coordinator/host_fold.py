@@ -107,8 +107,9 @@ class HostFold:
     """The sub-coordinator of host ``name``: the root's index ``index`` for it, the world
     ranks ``ranks`` of its workers, the run's ``world_size`` and whether it is ``elastic``
     (a lost member ends its epoch, not the run). ``by_spec``: a cached report may name any
-    spec agreed in the epoch (a torch.distributed group: `Negotiation.by_spec`). Feed it
-    events; execute what it returns.
+    spec agreed in the epoch (a torch.distributed group: `Negotiation.by_spec`);
+    ``root_name``: the root as a lost root is named. Feed it events; execute what it
+    returns.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class HostFold:
         world_size: int,
         elastic: bool,
         by_spec: bool = False,
+        root_name: str = "the root coordinator",
     ) -> None:
         ranks = tuple(sorted(ranks))
         if not name:
@@ -133,6 +135,7 @@ class HostFold:
         self.ranks = ranks
         self._rank_set = frozenset(ranks)
         self.elastic = elastic
+        self.root_name = root_name
         self.state = HostState.JOINING
         self.joins: dict[int, Joined] = {}
         """The workers with a live join, by rank."""
@@ -526,7 +529,7 @@ class HostFold:
         return [Abort(reason)]
 
     def _on_root_lost(self, event: RootLost) -> list[HostAction]:
-        return self._end(f"host {self.name!r} lost the root coordinator: {event.reason}")
+        return self._end(f"host {self.name!r} lost {self.root_name}: {event.reason}")
 
 
 _RootHandler = Callable[[HostFold, Any], list[HostAction]]

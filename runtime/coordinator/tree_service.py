@@ -76,7 +76,8 @@ class SubCoordinator(Coordinator):
     """The sub-coordinator of host ``name`` (the root's index ``index``), whose workers are
     the world ranks ``ranks`` of a run of ``world_size``; ``options`` as the flat
     coordinator's (``min_workers`` below ``world_size``: an elastic run, ``heartbeat_deadline``
-    for the workers and the root's link)."""
+    for the workers and the root's link); ``root_name``: the root as its loss is told to the
+    workers (e.g. the torch rank that runs it)."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class SubCoordinator(Coordinator):
         secret: bytes | str | None = None,
         group: str = DEFAULT_GROUP,
         metrics: Metrics | None = None,
+        root_name: str = "the root coordinator",
     ) -> None:
         options = options or CoordinatorOptions()
         elastic = options.min_workers is not None and options.min_workers < world_size
@@ -99,6 +101,7 @@ class SubCoordinator(Coordinator):
             world_size=world_size,
             elastic=elastic,
             by_spec=options.cache_by_spec,
+            root_name=root_name,
         )
         self.driver = HostDriver(
             fold,
