@@ -9,7 +9,9 @@ rendezvous endpoint's) is node rank 0: torchrun ranks the nodes by their ``--loc
 Two trials:
 
 * ``train`` (`train_on_two_hosts`): the job to its end on the ``paramsync`` backend and on
-  ``gloo``, each rank saving its final state; the test compares them bitwise.
+  ``gloo``, each rank saving its final state and, on the backend, who ran which coordinator
+  (the group spans two hosts, so it runs the coordinator tree unless
+  ``PARAMSYNC_COORDINATOR_KIND`` says ``flat``); the test compares them bitwise.
 * ``loss`` (`host_loss_trial`): the job on the backend with a heartbeat deadline; once both hosts
   are past step ``--kill-step``, one host dies: ``kill`` SIGKILLs every process inside its
   namespace (its torchrun agent and its workers: their sockets close), ``link`` brings its veth
@@ -17,7 +19,7 @@ Two trials:
   surviving rank's collective fails with the backend's error, and that error's line.
 
 Reported (the benchmark, ``main``): per way of dying and per host lost (``node1``: a member's
-host; ``node0``: the host of rank 0 and so of the group's coordinator), the median over rounds
+host; ``node0``: the host of rank 0 and so of the group's root coordinator), the median over rounds
 of the time to name the loss, with the heartbeat deadline it is bounded by.
 
     python benchmarks/torchrun_hosts.py --rounds 5 --json out/torchrun_hosts.json
@@ -103,10 +105,26 @@ def job(argv: list[str]) -> int:
         print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
         os._exit(ERROR_EXIT)  # the group is gone: nothing to tear down
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
-    record = {"world": world, "initial": initial, "state": state}
+    record = {"world": world, "initial": initial, "state": state, "coordinators": _hosted()}
     torch.save(record, args.out / f"rank{rank}.pt")
     dist.destroy_process_group()
     return 0
+
+
+def _hosted() -> dict[str, Any]:
+    """Which coordinators this rank ran for the world group on the paramsync backend (its
+    process group's session; nothing on another backend)."""
+    import torch.distributed as dist
+
+    session = getattr(dist.group.WORLD, "session", None)
+    if session is None:
+        return {}
+    root = session.root.root if session.root is not None else None
+    return {
+        "sub": session.sub.name if session.sub is not None else None,
+        "root_hosts": sorted(r.name for r in root.hosts.values()) if root is not None else None,
+        "flat": session.coordinator is not None,
+    }
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -195,17 +213,19 @@ def train_on_two_hosts(
     steps: int = 8,
     timeout: float = 240.0,
     command: Command | None = None,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
 ) -> list[int | None]:
-    """The job on ``backend`` to its end, one rank a host; each rank's initial and final
-    state in ``out/rank<r>.pt``. ``command(node, script)``: the command node ``node`` runs
-    for the job's ``script`` (argv; default: `torchrun_argv`). Returns the two agents' exit
-    codes (None: still running at the timeout, then killed); their logs are
-    ``out/node<i>.log``."""
+    """The job on ``backend`` to its end, ``nproc`` ranks a host; each rank's initial and
+    final state in ``out/rank<r>.pt``. ``command(node, script)``: the command node ``node``
+    runs for the job's ``script`` (argv; default: `torchrun_argv`); ``env``: variables added
+    to the job's. Returns the two agents' exit codes (None: still running at the timeout,
+    then killed); their logs are ``out/node<i>.log``."""
     out.mkdir(parents=True, exist_ok=True)
-    nodes = Nodes(hosts, out, job_env())
+    nodes = Nodes(hosts, out, {**job_env(), **(env or {})})
     job_args = ["--backend", backend, "--out", str(out), "--steps", str(steps)]
     try:
-        nodes.start(1, job_args, backend, command)
+        nodes.start(nproc, job_args, f"{backend}-{nproc}", command)
         return nodes.wait(timeout)
     finally:
         nodes.stop()

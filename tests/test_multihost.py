@@ -339,8 +339,9 @@ def test_torch_ddp_on_the_backend_under_torchrun_c10d_on_two_hosts_equals_gloo_b
     tmp_path: Path,
 ) -> None:
     """README's two torchrun commands, one a namespace, c10d rendezvous on host a: torch DDP
-    on the paramsync backend ends, on both hosts, with bitwise the weights of the same
-    commands on gloo, and training moved them."""
+    on the paramsync backend, under the coordinator tree (chosen by ``auto``: the group
+    spans two hosts), ends, on both hosts, with bitwise the weights of the same commands on
+    gloo, and training moved them."""
     states: dict[str, list[dict[str, Any]]] = {}
     with virtual_hosts(2) as hosts:
         command = readme_command(hosts)
@@ -350,6 +351,9 @@ def test_torch_ddp_on_the_backend_under_torchrun_c10d_on_two_hosts_equals_gloo_b
             logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*.log"))
             assert codes == [0, 0], f"{backend}: {codes}\n{logs}"
             states[backend] = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+    hosted = [states["paramsync"][rank]["coordinators"] for rank in (0, 1)]
+    assert [h["sub"] for h in hosted] == ["node0", "node1"], hosted  # each node's first rank
+    assert hosted[0]["root_hosts"] == ["node0", "node1"] and not hosted[0]["flat"], hosted
     for rank in (0, 1):
         ours, gloos = states["paramsync"][rank], states["gloo"][rank]
         assert ours["world"] == gloos["world"] == 2
@@ -372,11 +376,12 @@ CHECK_PERIOD = min(1.0, HEARTBEAT_DEADLINE / 4)
 def test_a_host_lost_under_torchrun_is_named_on_the_other_host(
     tmp_path: Path, way: str, lost: str
 ) -> None:
-    """Two ranks a host, torch DDP on the backend; one host dies mid-training (every process
-    in its namespace SIGKILLed, or its link down). Each rank of the other host fails its
-    collective with one line naming the lost ranks and their host: at once on a kill (the
-    kernel closes the sockets), within the heartbeat deadline of silence, plus one check of
-    the coordinator's clock, on a link down."""
+    """Two ranks a host, torch DDP on the backend under the coordinator tree; one host dies
+    mid-training (every process in its namespace SIGKILLed, or its link down). Each rank of
+    the other host fails its collective with one line naming the lost host and its ranks (or
+    rank 0, which ran the root, and its host): at once on a kill (the kernel closes the
+    sockets), within the heartbeat deadline of silence, plus one check of the clock, on a
+    link down."""
     with virtual_hosts(2) as hosts:
         loss = torchrun_hosts.host_loss_trial(
             hosts, tmp_path, way=way, lost=lost, nproc=2, heartbeat_deadline=HEARTBEAT_DEADLINE
@@ -385,11 +390,10 @@ def test_a_host_lost_under_torchrun_is_named_on_the_other_host(
     assert sorted(loss.lines) == ([0, 1] if lost == "node1" else [2, 3]), loss
     for rank, line in loss.lines.items():
         assert line.startswith(f"paramsync group 0, rank {rank}"), line
-        if lost == "node1":  # the coordinator (rank 0's) names a rank lost first, and the host
-            assert re.search(r"coordinator stopped the run: rank [23] ", line), line
-            assert f"host {dead} runs ranks 2, 3" in line, line
-        else:  # the coordinator went with host a: its host is named
-            assert f"rank 0 (host {dead}), which hosts the group's coordinator, is gone" in line
+        if lost == "node1":  # the root (rank 0's) names the host lost and its ranks
+            assert "coordinator stopped the run: host 'node1' (ranks [2, 3])" in line, line
+        else:  # the root went with host a: host b's sub-coordinator names it and its host
+            assert f"host 'node1' lost the root coordinator on rank 0 (host {dead})" in line
         bound = 2.0 if way == "kill" else HEARTBEAT_DEADLINE + CHECK_PERIOD + 1.0
         assert loss.seconds[rank] < bound, (loss.seconds, line)
 

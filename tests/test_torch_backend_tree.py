@@ -11,8 +11,10 @@ and a killed rank are named as the flat coordinator names them.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,12 @@ from test_torch_backend import error_line, launch
 
 from paramsync.actors.torch_backend.tree import plan
 from paramsync.runtime.errors import ConfigError
+from paramsync.runtime.testing.netns import unavailable_reason, virtual_hosts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import torchrun_hosts  # benchmarks/torchrun_hosts.py: the torchrun c10d trials
+
+_NETNS = unavailable_reason()
 
 TREE = {"PARAMSYNC_COORDINATOR_KIND": "tree", "TORCHDIST_FAKE_HOSTS": "2"}
 
@@ -126,3 +134,35 @@ def test_a_killed_rank_is_named_under_the_tree(
         assert words in line, line
         assert seconds < 30, seconds
     assert time.monotonic() - started < 90
+
+
+@pytest.mark.soak  # two torchrun jobs of two namespaces x 2 ranks, ~40 s under load
+@pytest.mark.skipif(_NETNS is not None, reason=f"no network namespaces: {_NETNS}")
+def test_torchrun_on_two_hosts_runs_the_tree_by_default_bitwise_as_the_flat_coordinator(
+    tmp_path: Path,
+) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 2``, one node a network namespace, torch DDP on
+    the backend: the group spans two hosts, so ``auto`` runs the coordinator tree (each node's
+    first rank a sub-coordinator, rank 0 the root); its weights are bitwise those of the same
+    job on the flat coordinator (``PARAMSYNC_COORDINATOR_KIND=flat``)."""
+    states: dict[str, list[dict[str, Any]]] = {}
+    with virtual_hosts(2) as hosts:
+        for kind in ("auto", "flat"):
+            out = tmp_path / kind
+            codes = torchrun_hosts.train_on_two_hosts(
+                hosts, out, "paramsync", nproc=2, env={"PARAMSYNC_COORDINATOR_KIND": kind}
+            )
+            logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*.log"))
+            assert codes == [0, 0], f"{kind}: {codes}\n{logs}"
+            states[kind] = [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
+    tree = [states["auto"][rank]["coordinators"] for rank in range(4)]
+    assert [h["sub"] for h in tree] == ["node0", None, "node1", None], tree
+    assert tree[0]["root_hosts"] == ["node0", "node1"], tree
+    assert not any(h["flat"] for h in tree), tree
+    flat = [states["flat"][rank]["coordinators"] for rank in range(4)]
+    assert [h["flat"] for h in flat] == [True, False, False, False], flat
+    for rank in range(4):
+        ours, theirs = states["auto"][rank]["state"], states["flat"][rank]["state"]
+        for name, value in ours.items():
+            assert torch.equal(value, theirs[name]), f"rank {rank}: {name} differs"
+            assert torch.equal(value, states["auto"][0]["state"][name]), name
