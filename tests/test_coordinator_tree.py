@@ -107,12 +107,13 @@ class Seen:
 
 
 class Flat:
-    def __init__(self, world: int, *, elastic: bool, interval: int) -> None:
+    def __init__(self, world: int, *, elastic: bool, interval: int, by_spec: bool = False) -> None:
         self.core = CoordinatorCore(
             world,
             digest_interval=interval,
             heartbeat_deadline=60.0,
             min_workers=1 if elastic else None,
+            cache_by_spec=by_spec,
         )
         self.seen = Seen()
 
@@ -145,16 +146,23 @@ class Flat:
 
 class Tree:
     def __init__(
-        self, world: int, groups: list[list[int]], *, elastic: bool, interval: int
+        self,
+        world: int,
+        groups: list[list[int]],
+        *,
+        elastic: bool,
+        interval: int,
+        by_spec: bool = False,
     ) -> None:
         self.root = RootCore(
             world,
             digest_interval=interval,
             heartbeat_deadline=60.0,
             min_workers=1 if elastic else None,
+            by_spec=by_spec,
         )
         self.hosts = [
-            HostFold(f"node{i}", i, ranks, world_size=world, elastic=elastic)
+            HostFold(f"node{i}", i, ranks, world_size=world, elastic=elastic, by_spec=by_spec)
             for i, ranks in enumerate(groups)
         ]
         self.host_of = {rank: i for i, ranks in enumerate(groups) for rank in ranks}
@@ -237,6 +245,9 @@ class Move:
     diverge: tuple[tuple[int, int], ...] = ()
     fault: tuple[str, int] | None = None
     at: int = 0
+    rotate: int = 0
+    """A cached report of bucket b names the spec agreed at bucket b + ``rotate`` (a torch
+    group's calls in another order, each agreed before: taken only by spec)."""
 
 
 class Workers:
@@ -277,13 +288,15 @@ class Workers:
             return [(r, self._digest(r, step, dict(move.diverge), "")) for r in members]
         step, out = self.next, []
         folded = self.fold and len(self.agreed) == self.buckets
+        rotated = len(self.agreed) == self.buckets and move.rotate
         for bucket in reversed(range(self.buckets)):
             if folded:
                 break
             rng.shuffle(members)
             for r in members:
                 if bucket in self.agreed:
-                    out.append((r, Ready(r, step, bucket, self.hashes[bucket], self.epoch, True)))
+                    named = (bucket + move.rotate) % self.buckets if rotated else bucket
+                    out.append((r, Ready(r, step, bucket, self.hashes[named], self.epoch, True)))
                 else:
                     out.append((r, Ready(r, step, bucket, self.specs[bucket], self.epoch)))
         cached = self.agreement if folded else ""
@@ -374,9 +387,10 @@ class TreeAgainstFlat(RuleBasedStateMachine):
         interval = data.draw(st.integers(1, 2), label="interval")
         buckets = data.draw(st.integers(1, 3), label="buckets")
         fold = data.draw(st.booleans(), label="fold")
+        self.by_spec = data.draw(st.booleans(), label="by_spec")
         self.groups = groups
-        self.flat = Flat(world, elastic=elastic, interval=interval)
-        self.tree = Tree(world, groups, elastic=elastic, interval=interval)
+        self.flat = Flat(world, elastic=elastic, interval=interval, by_spec=self.by_spec)
+        self.tree = Tree(world, groups, elastic=elastic, interval=interval, by_spec=self.by_spec)
         self.sims = [Workers(s, world, buckets, fold) for s in (self.flat, self.tree)]
         for sim in self.sims:
             sim.host_ranks = groups
@@ -390,6 +404,13 @@ class TreeAgainstFlat(RuleBasedStateMachine):
     @rule(seed=st.integers(0, 2**16))
     def step(self, seed: int) -> None:
         self._play(Move(seed))
+
+    @precondition(lambda self: not self.flat.done)
+    @rule(seed=st.integers(0, 2**16), rotate=st.integers(1, 2))
+    def calls_in_another_order(self, seed: int, rotate: int) -> None:
+        """Cached reports naming specs agreed at other buckets: both systems take them by
+        spec, or both refuse them (without by-spec), with the same words."""
+        self._play(Move(seed, rotate=rotate))
 
     @precondition(lambda self: not self.flat.done)
     @rule(data=st.data())

@@ -32,6 +32,19 @@ _NETNS = unavailable_reason()
 TREE = {"PARAMSYNC_COORDINATOR_KIND": "tree", "TORCHDIST_FAKE_HOSTS": "2"}
 
 
+def hosted(out: Path, world: int) -> list[dict[str, Any]]:
+    """Which coordinators of the world group each rank ran (``rank<r>.tree.json``)."""
+    return [json.loads((out / f"rank{r}.tree.json").read_text()) for r in range(world)]
+
+
+def ran_the_tree(out: Path) -> None:
+    """4 ranks on 2 fake hosts ran the world group under the tree: ranks 0 and 2 a
+    sub-coordinator each, rank 0 the root, which saw both hosts."""
+    ran = hosted(out, 4)
+    assert [h["sub"] for h in ran] == ["fake0", None, "fake1", None], ran
+    assert ran[0]["root_hosts"] == ["fake0", "fake1"] and not ran[0]["flat"], ran
+
+
 @pytest.mark.parametrize(
     ("world", "subs"),
     [
@@ -47,10 +60,10 @@ def test_ddp_under_the_tree_trains_bitwise_as_the_flat_coordinator(
     results = launch("tree_train", world, tmp_path, seconds=120, **TREE)
     for rank, (code, output) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{output[-3000:]}"
-    hosted = [json.loads((tmp_path / f"rank{r}.tree.json").read_text()) for r in range(world)]
-    assert [h["sub"] for h in hosted] == subs  # each host's first rank runs its sub
-    assert hosted[0]["root_hosts"] == ["fake0", "fake1"]  # the root on rank 0 saw hosts
-    assert not any(h["flat"] for h in hosted)  # no flat coordinator for the world group
+    ran = hosted(tmp_path, world)
+    assert [h["sub"] for h in ran] == subs  # each host's first rank runs its sub
+    assert ran[0]["root_hosts"] == ["fake0", "fake1"]  # the root on rank 0 saw hosts
+    assert not any(h["flat"] for h in ran)  # no flat coordinator for the world group
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     names = [k for k in states[0] if k.startswith("tree/")]
     assert names
@@ -77,6 +90,7 @@ def test_the_layout_comes_from_what_every_rank_published() -> None:
 @pytest.mark.soak
 def test_a_stalled_call_is_named_with_its_ranks_under_the_tree(tmp_path: Path) -> None:
     results = launch("stall", 4, tmp_path, seconds=60, TORCHDIST_TIMEOUT="4", **TREE)
+    ran_the_tree(tmp_path)
     assert results[0][0] == 3, results[0]
     seconds, line = error_line(tmp_path, 0)
     assert "allreduce" in line and "ranks [1] did not call it" in line, line
@@ -127,6 +141,7 @@ def test_a_killed_rank_is_named_under_the_tree(
         TORCHDIST_KILL_RANK=str(killed),
         **TREE,
     )
+    ran_the_tree(tmp_path)
     assert results[killed][0] == -9, results[killed]
     for rank, words in expected.items():
         assert results[rank][0] == 3, results[rank]

@@ -11,8 +11,9 @@ The ``train`` scenario ends without ``barrier`` or ``destroy_process_group``, as
 do: the backend closes the group at the interpreter's exit.
 ``PARAMSYNC_TORCH_INNER`` (the launcher's environment) chooses the inner torch group;
 ``TORCHDIST_FAKE_HOSTS=N`` puts the ranks on N fake hosts (``PARAMSYNC_HOST_KEY``, contiguous
-blocks of ranks), and the ``tree_train`` scenario trains under the coordinator tree and again
-on a flat group of the same ranks (``rank<r>.tree.json``: who hosted what).
+blocks of ranks; ``rank<r>.tree.json``: which of the world group's coordinators the rank
+runs), and the ``tree_train`` scenario trains under the coordinator tree and again on a flat
+group of the same ranks.
 """
 
 from __future__ import annotations
@@ -173,6 +174,15 @@ def main() -> None:
         timeout=timeout,
     )
     assert dist.get_backend() == "paramsync", dist.get_backend()
+    if fake_hosts:  # who runs which coordinator of the world group
+        session = dist.group.WORLD.session  # type: ignore[union-attr]
+        root = session.root.root if session.root is not None else None
+        hosted = {
+            "sub": session.sub.name if session.sub is not None else None,
+            "root_hosts": sorted(r.name for r in root.hosts.values()) if root else None,
+            "flat": session.coordinator is not None,
+        }
+        (out / f"rank{rank}.tree.json").write_text(json.dumps(hosted))
     started = time.monotonic()
     try:
         if scenario == "collectives":
@@ -201,18 +211,10 @@ def main() -> None:
             torch.save({key: value.cpu() for key, value in state.items()}, out / f"rank{rank}.pt")
         elif scenario == "tree_train":
             tree = train(rank_i, 4).state_dict()
-            session = dist.group.WORLD.session  # type: ignore[union-attr]
-            root = session.root.root if session.root is not None else None
-            hosted = {
-                "sub": session.sub.name if session.sub is not None else None,
-                "root_hosts": sorted(r.name for r in root.hosts.values()) if root else None,
-                "flat": session.coordinator is not None,
-            }
             os.environ["PARAMSYNC_COORDINATOR_KIND"] = "flat"
             flat_group = dist.new_group(backend="paramsync")
             flat = train(rank_i, 4, group=flat_group).state_dict()
             dist.destroy_process_group(flat_group)  # the world group closes at exit
-            (out / f"rank{rank}.tree.json").write_text(json.dumps(hosted))
             states = {"tree": tree, "flat": flat}
             torch.save(
                 {f"{k}/{n}": v.cpu() for k, state in states.items() for n, v in state.items()},
