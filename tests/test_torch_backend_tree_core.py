@@ -279,3 +279,19 @@ def test_the_tree_refuses_a_stall_deadline_it_cannot_keep() -> None:
     drop single ranks of a host, so it refuses the deadline rather than ignore it."""
     with pytest.raises(ValueError, match="does not drop the stalled ranks of an elastic run"):
         RootCore(4, min_workers=2, stall_deadline=5.0)
+
+
+def test_a_call_some_ranks_report_cached_and_others_negotiate_gets_its_go() -> None:
+    """Step 1's call 0 is the broadcast agreed at step 0's call 1: rank 0 has not heard that
+    go yet and negotiates it, the others run it from the cache. Each host says which call it
+    is (not the one agreed at call 0 before), so the hosts agree and the go comes."""
+    flat, tree = _both([[0, 1], [2, 3]])
+    for system in (flat, tree):
+        _calls(system, [0, 1, 2, 3], 0, [ALLREDUCE, BROADCAST])
+        _end(system, [0, 1, 2, 3], 0)
+        _calls(system, [0], 1, [BROADCAST])
+        _calls(system, [1, 2, 3], 1, [spec_hash(BROADCAST)])
+        _end(system, [0, 1, 2, 3], 1)
+        assert system.seen.abort is None, system.seen.abort
+    assert tree.seen.gos == flat.seen.gos == [(0, 0), (0, 1), (1, 0)]
+    assert tree.seen.commits == flat.seen.commits == [0, 1]

@@ -283,7 +283,12 @@ class HostFold:
             return [self._up(HostAbort(self.index, outcome.reason))], True
         cache = self.negotiation.cache
         if isinstance(outcome, Go):
-            spec = cache.spec(bucket)
+            # Every member reported what the last one did: its spec, or (cached, by spec) the
+            # spec its hash names, which need not be the one agreed at this bucket before.
+            if reported is None or isinstance(reported, str):
+                spec = (cache.known(reported) if reported else None) or cache.spec(bucket)
+            else:
+                spec = reported
             assert spec is not None, "a go agrees on the bucket's spec"
             return [self._up(HostReady(self.index, step, bucket, spec, self.epoch))], False
         # A None outcome with the bucket gone: this report was its last, every one cached.
