@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_torch_backend import error_line, launch
 
-from paramsync.actors.torch_backend.tree import plan
+from paramsync.actors.torch_backend.tree import coordinator_kind, host_key, plan
 from paramsync.runtime.errors import ConfigError
 from paramsync.runtime.testing.netns import unavailable_reason, virtual_hosts
 
@@ -85,6 +85,11 @@ def test_the_layout_comes_from_what_every_rank_published() -> None:
     assert plan("0", [("flat", "a"), ("flat", "b")], 1) is None
     with pytest.raises(ConfigError, match=r"ranks \[0, 2\] say 'auto'; ranks \[1\] say 'flat'"):
         plan("0", [("auto", "a"), ("flat", "b"), ("auto", "b")], 0)
+    with pytest.raises(ConfigError, match="PARAMSYNC_COORDINATOR_KIND='star': expected one"):
+        coordinator_kind({"PARAMSYNC_COORDINATOR_KIND": "star"})
+    assert coordinator_kind({}) == "auto"
+    assert host_key({"PARAMSYNC_HOST_KEY": "rack1", "GROUP_RANK": "3"}) == "rack1"
+    assert host_key({"GROUP_RANK": "3"}) == "node3"  # torchrun's node
 
 
 @pytest.mark.soak

@@ -123,7 +123,10 @@ def decide(
     store.set(f"{key}/layout/{rank}", f"{kind} {host_key()}")
     keys = [f"{key}/layout/{r}" for r in range(size)]
     store.wait(keys, timedelta(seconds=seconds))
-    values = store.multi_get(keys)
+    try:
+        values = store.multi_get(keys)  # one round trip
+    except (AttributeError, NotImplementedError, RuntimeError):  # a store without it
+        values = [store.get(k) for k in keys]
     published = []
     for value in values:
         text = value.decode() if isinstance(value, bytes | bytearray) else str(value)
