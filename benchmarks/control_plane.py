@@ -141,7 +141,7 @@ class SimulatedRun:
     def feed(self, report: WireMessage | bytes, rank: int) -> list[Action]:
         """Hand the core one report of ``rank`` (a frame is decoded first, as the shell does)."""
         if isinstance(report, bytes):
-            event: Event = event_from_wire(decode_frame(report), rank=rank, now=0.0)
+            event: Event = event_from_wire(decode_frame(report, tensors=False), rank=rank, now=0.0)
         else:
             event = report  # type: ignore[assignment]
         return self.core.handle(event)
@@ -293,7 +293,9 @@ class TreeRun:
         """Host ``h`` takes its workers' frames; its frames up are queued for the root."""
         host, up = self.hosts[h], self._up
         for rank, data in frames:
-            for action in host.handle(event_from_wire(decode_frame(data), rank=rank, now=0.0)):
+            for action in host.handle(
+                event_from_wire(decode_frame(data, tensors=False), rank=rank, now=0.0)
+            ):
                 if isinstance(action, Up):
                     up.append((h, self._frame(action.message)))
 
@@ -303,7 +305,9 @@ class TreeRun:
         root = self.root
         while self._up:
             h, data = self._up.popleft()
-            for action in root.handle(host_event_from_wire(decode_frame(data), host=h)):
+            for action in root.handle(
+                host_event_from_wire(decode_frame(data, tensors=False), host=h)
+            ):
                 if isinstance(action, ToHosts):
                     self._answers.append(action.message)
                     self._down.append((action.hosts, self._frame(action.message)))
@@ -314,7 +318,7 @@ class TreeRun:
         """Host ``h`` takes the root's answers and fans them out (its reports go up)."""
         for hosts, data in self._down:
             if h in hosts:
-                message = root_message_from_wire(decode_frame(data))
+                message = root_message_from_wire(decode_frame(data, tensors=False))
                 for action in self.hosts[h].handle(FromRoot(message)):
                     if isinstance(action, Up):
                         self._up.append((h, self._frame(action.message)))

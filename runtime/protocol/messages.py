@@ -51,6 +51,7 @@ from paramsync.runtime.protocol.schema import (
     Str,
     Tensor,
     WireMessage,
+    build_checked,
     check_envelope,
     check_item,
     decode,
@@ -1198,6 +1199,9 @@ def decode_message(item: Any, *, peer: object = None, **context: Any) -> WireMes
 
 def message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> CoordinatorMessage:
     """Parse a decoded coordinator -> worker message (the worker's side)."""
+    message = build_checked(item, COORDINATOR_KINDS, {})
+    if message is not None:
+        return message
     spec = check_envelope(item, KINDS, peer)
     assert spec is not None
     if spec.kind not in COORDINATOR_KINDS:
@@ -1208,6 +1212,9 @@ def message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> Coordi
 def root_message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> RootMessage:
     """Parse a decoded root -> host message (a host sub-coordinator's side): a coordinator
     kind or a `DigestQuery`."""
+    message = build_checked(item, ROOT_KINDS, {})
+    if message is not None:
+        return message
     spec = check_envelope(item, KINDS, peer)
     assert spec is not None
     if spec.kind not in ROOT_KINDS:
@@ -1218,6 +1225,9 @@ def root_message_from_wire(item: Mapping[str, Any], *, peer: object = None) -> R
 def host_event_from_wire(item: Mapping[str, Any], *, host: int) -> HostReport:
     """Parse a decoded host -> root message from the sub-coordinator of host index ``host``
     (the root's, from the connection). ProtocolError names the kind, the field and the host."""
+    message = build_checked(item, HOST_KINDS, {"host": host})
+    if message is not None:
+        return message
     peer = f"host {host}"
     spec = check_envelope(item, KINDS, peer)
     assert spec is not None
@@ -1229,6 +1239,9 @@ def host_event_from_wire(item: Mapping[str, Any], *, host: int) -> HostReport:
 def event_from_wire(item: Mapping[str, Any], *, rank: int, now: float) -> WorkerReport:
     """Parse a decoded worker -> coordinator message from authenticated rank ``rank``, which
     arrived at the shell's time ``now``. ProtocolError names the kind, field and rank."""
+    message = build_checked(item, WORKER_KINDS, {"rank": rank, "now": now})
+    if message is not None:
+        return message
     spec = check_envelope(item, KINDS, rank)
     assert spec is not None
     if spec.kind not in WORKER_KINDS:

@@ -60,6 +60,7 @@ __all__ = [
     "encode",
     "decode",
     "decode_as",
+    "build_checked",
     "check_item",
     "CheckedItem",
     "check_envelope",
@@ -662,7 +663,13 @@ def encode(message: WireMessage) -> tuple[str, dict[str, Any]]:
 def check_envelope(
     item: Any, table: Mapping[str, type], peer: object = None, *, lookup: bool = True
 ) -> Schema | None:
-    """Check a decoded item's version and kind; return its kind's schema (``lookup``)."""
+    """Check a decoded item's version and kind; return its kind's schema (``lookup``). A
+    `CheckedItem` unchanged since `check_item` passed it has had both checked: its schema is
+    returned at once when ``table`` holds its kind."""
+    if type(item) is CheckedItem and lookup:
+        checked = item.checked_spec
+        if checked is not None and table.get(checked.kind) is checked.cls:
+            return checked
     if not isinstance(item, dict):
         raise ProtocolError(f"a frame must hold a CBOR map, got {_type_name(item)}", peer=peer)
     version = item.get("v")
@@ -812,6 +819,27 @@ def _build(spec: Schema, values: dict[str, Any], context: Mapping[str, Any]) -> 
             attributes[name] = spec.defaults[name]
         else:
             raise TypeError(f"decoding a {spec.kind} message needs {name}=")
+    return message
+
+
+def build_checked(item: Any, table: Mapping[str, type], context: Mapping[str, Any]) -> Any:
+    """The message a `CheckedItem` holds, built from the values `check_item` made of its
+    fields (``context``: its kind's `local` attributes), when it is unchanged since, its kind
+    is in ``table`` and the kind's invariants hold; else None (`decode` then checks it and
+    names what is wrong). A shell's decoding of a checked map, without a second pass."""
+    if type(item) is not CheckedItem:
+        return None
+    spec = item.checked_spec
+    if spec is None or table.get(spec.kind) is not spec.cls:
+        return None
+    values = item.checked_values
+    assert values is not None
+    message = _build(spec, values, context)
+    if spec.invariants is not None:
+        try:
+            spec.invariants(message)
+        except Invalid:
+            return None
     return message
 
 

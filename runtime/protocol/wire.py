@@ -39,6 +39,7 @@ from paramsync.runtime.errors import (
     ProtocolError,
     plain_or_quoted,
 )
+from paramsync.runtime.protocol.decode_memo import MEMO_MAX_ITEM, DecodeMemo
 from paramsync.runtime.protocol.limits import (
     SCAN_THRESHOLD,
     check_kind_size,
@@ -271,8 +272,11 @@ class _TagDecoder:
         self.tensors = tensors
         self.deferred = 0
         self.refused = 0
+        self.seen = 0
+        """How many tags the decoder handed this hook."""
 
     def __call__(self, tag: cbor2.CBORTag, _immutable: bool = False) -> Any:
+        self.seen += 1
         if not self.tensors and (tag.tag in _TYPED_ARRAY_TAGS or tag.tag == _MULTI_DIM_TAG):
             self.refused += 1
             return _NoTensor(tag.tag)
@@ -523,14 +527,33 @@ def _check_limits(head: bytes | bytearray | memoryview) -> None:
         count_items(head)
 
 
+MEMO = DecodeMemo()
+"""The items of the hot report kinds that decoded and passed every check lately, by their
+bytes (`paramsync.runtime.protocol.decode_memo`): `decode_item` answers the same bytes again
+from it, as a fresh copy."""
+
+
 def decode_item(item: bytes | bytearray | memoryview, *, tensors: bool = True) -> dict[str, Any]:
     """Decode and validate a complete CBOR item (prefix removed) carrying no bulk.
 
     With ``tensors`` false, an item holding a typed array (or tag 40) is refused naming its
     kind and field, and nothing is built from it: no tensor, no torch import (the handshake's
-    frames, a coordinator's control links)."""
-    _check_limits(item)
-    return validate_message(_loads_exact(bytes(item), _TagDecoder(tensors=tensors)))
+    frames, a coordinator's control links). Bytes equal to those of an item of a hot report
+    kind decoded lately are answered from `MEMO` (decoding is a pure function of the bytes)."""
+    if len(item) <= MEMO_MAX_ITEM:
+        data = bytes(item)
+        kept = MEMO.get(data)
+        if kept is not None:
+            return kept
+        _check_limits(data)
+    else:  # checked before it is copied: a head over its kind's cap is never copied
+        _check_limits(item)
+        data = bytes(item)
+    tags = _TagDecoder(tensors=tensors)
+    message = validate_message(_loads_exact(data, tags))
+    if not tags.seen:
+        MEMO.keep(data, message)
+    return message
 
 
 def decode_head(
@@ -574,12 +597,21 @@ def decode_head(
     return message, spec
 
 
-def decode_frame(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+def decode_frame(
+    frame: bytes, max_frame: int = DEFAULT_MAX_FRAME, *, tensors: bool = True
+) -> dict[str, Any]:
     """Decode one whole frame (prefix included) into a validated message.
 
-    A bulk tensor is materialised (copied) into ``message["data"]``.
+    A bulk tensor is materialised (copied) into ``message["data"]``. ``tensors`` false: as
+    `decode_head`'s (a coordinator's control link: the frame's item is decoded as a
+    `paramsync.runtime.transport.tcp.Connection` on such a link decodes it).
     """
-    view = memoryview(frame).cast("B")
+    small = type(frame) is bytes and len(frame) <= PREFIX_SIZE + MEMO_MAX_ITEM
+    if small and len(frame) > PREFIX_SIZE:
+        item_len, bulk_len = _PREFIX.unpack_from(frame)
+        if not bulk_len and item_len == len(frame) - PREFIX_SIZE and 0 < item_len <= max_frame:
+            return decode_item(frame[PREFIX_SIZE:], tensors=tensors)  # what parse_prefix takes
+    view = frame if small else memoryview(frame).cast("B")  # slices of a small one: copies
     if len(view) < PREFIX_SIZE:
         raise ProtocolError(f"frame of {len(view)} bytes is shorter than its prefix")
     item_len, bulk_len = parse_prefix(view[:PREFIX_SIZE], max_frame)
@@ -587,8 +619,10 @@ def decode_frame(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, 
         raise ProtocolError(
             f"frame announces a {item_len}-byte item but carries {len(view) - PREFIX_SIZE}"
         )
+    if not bulk_len:  # a control frame: its item is its head
+        return decode_item(view[PREFIX_SIZE:], tensors=tensors)
     item = view[PREFIX_SIZE:]
-    message, spec = decode_head(item[: item_len - bulk_len], bulk_len)
+    message, spec = decode_head(item[: item_len - bulk_len], bulk_len, tensors=tensors)
     if spec is not None:
         message["data"] = _tensor_from_bytes(spec.dtype, spec.shape, item[item_len - bulk_len :])
     return message
