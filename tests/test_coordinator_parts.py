@@ -330,6 +330,110 @@ def test_a_folded_report_must_carry_the_whole_agreement() -> None:
     )
 
 
+class _Folding:
+    """One step's bucket state of ``members`` ranks over ``buckets`` agreed buckets, fed the
+    way a host's sub-coordinator feeds it (`HostFold`): a folded step report is taken in O(1)
+    when ``defer`` and `StepState.defer_fold` allow, else bucket by bucket with `take`."""
+
+    def __init__(self, members: int, buckets: int, *, defer: bool) -> None:
+        self.members, self.defer = members, defer
+        self.negotiation = Negotiation()
+        self.negotiation.new_epoch(fold=True)
+        for bucket in range(buckets):
+            self.negotiation.cache.agree(bucket, spec(bucket))
+        self.state = StepState(3)
+
+    def fold(self, rank: int) -> tuple[object, ...]:
+        """What the rank's folded step report led to: its buckets' outcomes (those that are
+        not None), then why its step end was refused (None: taken)."""
+        negotiation, state = self.negotiation, self.state
+        if self.defer and state.defer_fold(rank, 3, negotiation.cache.agreed(), self.members):
+            state.end(rank)  # nothing is outstanding for it: `unfinished` would say None
+            return (None,)
+        outcomes: list[object] = []
+        for bucket, hashed in negotiation.cache.sorted_hashes():
+            outcome = negotiation.take(state, rank, 3, bucket, hashed, True, self.members, 1)
+            if outcome is not None:
+                outcomes.append(outcome)
+            if isinstance(outcome, Fault | Disagreement):
+                return tuple(outcomes)
+        return (*outcomes, self.end(rank))
+
+    def end(self, rank: int) -> object:
+        """The rank's step end, once its buckets are closed (`unfinished`), as `reduced`."""
+        reason = self.negotiation.unfinished(self.state, rank, 3, "sent reduced")
+        if reason is None and rank not in self.state.reduced:
+            self.state.end(rank)
+        return reason
+
+    def ready(self, rank: int, bucket: int, cached: bool, other: bool) -> object:
+        sent = spec(bucket + 1 if other else bucket)
+        report = spec_hash(sent) if cached else sent
+        return self.negotiation.take(self.state, rank, 3, bucket, report, cached, self.members, 1)
+
+    def buckets(self) -> tuple[object, ...]:
+        """The step's bucket state, every deferred fold written."""
+        state = self.state
+        state.settle()
+        ended = tuple(state.ended_without(b) for b in range(8))
+        return (state.pending, state.gone, state.plain, state.reported, ended, state.started)
+
+
+_FOLD_MOVES = st.lists(
+    st.tuples(
+        st.sampled_from(["fold", "ready", "end"]),
+        st.integers(0, 4),
+        st.integers(0, 3),
+        st.booleans(),
+        st.booleans(),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(members=st.integers(1, 5), buckets=st.integers(0, 3), moves=_FOLD_MOVES)
+def test_a_deferred_fold_is_the_fold_taken_bucket_by_bucket(
+    members: int, buckets: int, moves: list[tuple[str, int, int, bool, bool]]
+) -> None:
+    """Whatever the order of folded step reports, readies and plain step ends, taking a
+    folded report in O(1) (`StepState.defer_fold`, written by `settle` once something else
+    looks at the buckets) gives the outcomes and the state of taking it bucket by bucket."""
+    deferred, eager = (
+        _Folding(members, buckets, defer=True),
+        _Folding(members, buckets, defer=False),
+    )
+    for kind, rank, bucket, cached, other in moves:
+        rank %= members
+        results = []
+        for run in (deferred, eager):
+            if kind == "fold":
+                results.append(run.fold(rank))
+            elif kind == "ready":
+                results.append(run.ready(rank, bucket, cached, other))
+            else:
+                results.append(run.end(rank))
+        assert results[0] == results[1], (kind, rank, bucket, cached, other)
+    assert deferred.buckets() == eager.buckets()
+
+
+def test_every_member_folding_touches_no_bucket_until_settled() -> None:
+    """64 members fold over 6 agreed buckets: nothing is written per bucket until something
+    looks at the buckets; then it is what 64 x 6 takes would have written."""
+    run = _Folding(64, 6, defer=True)
+    for rank in range(63):
+        assert run.fold(rank) == (None,)
+    state = run.state
+    assert not state.pending and not state.reported and len(state.folded) == 63
+    assert state.started
+    state.settle()
+    assert sorted(state.pending) == list(range(6)) and not state.gone
+    assert all(list(reports) == list(range(63)) for reports in state.pending.values())
+    assert not state.ended_without(0)
+    assert run.fold(63) == (None,)
+    assert not state.pending and state.gone == set(range(6))
+
+
 # --------------------------------------------------------------------------- commits
 
 

@@ -43,6 +43,7 @@ from paramsync.runtime.coordinator.events import (
     spec_hash,
 )
 from paramsync.runtime.coordinator.host_fold import HostFold, HostState
+from paramsync.runtime.coordinator.negotiation import Negotiation
 from paramsync.runtime.coordinator.root_core import RootCore
 from paramsync.runtime.coordinator.run_state import RunState
 from paramsync.runtime.coordinator.tree_events import FromRoot, HostGone, RefuseHost, ToHosts, Up
@@ -662,3 +663,24 @@ def test_a_digest_query_is_for_hosts_not_workers() -> None:
         message_from_wire(query)
     with pytest.raises(ProtocolError, match="a host_tensors message does not come from the"):
         root_message_from_wire(frame(HostTensors(0, 1, 1, ())))
+
+
+def test_a_host_takes_its_members_folded_step_reports_in_one_step_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once every bucket is agreed, a member's folded step report costs its host O(1): no
+    bucket is taken one by one (`Negotiation.take`), whatever the number of buckets."""
+    tree, sim = _tree([[0, 1, 2, 3], [4, 5, 6, 7]])
+    sim.play(Move(0))  # step 0 negotiates every bucket
+    taken: list[int] = []
+    take = Negotiation.take
+
+    def counted(self: Negotiation, state: Any, rank: int, *args: Any) -> Any:
+        taken.append(rank)
+        return take(self, state, rank, *args)
+
+    monkeypatch.setattr(Negotiation, "take", counted)
+    for seed in (1, 2, 3):
+        sim.play(Move(seed))
+    assert tree.seen.commits == [0, 1, 2, 3]
+    assert not taken

@@ -315,8 +315,12 @@ class HostFold:
             if refusal is not None:
                 return self._fault(rank, refusal)
             self._folded = True
-            actions: list[HostAction] = []
             members = len(self.members)
+            if not self._explicit and state.defer_fold(
+                rank, step, negotiation.cache.agreed(), members
+            ):
+                return []  # O(1): every bucket taken as `take` would, nothing outstanding
+            actions: list[HostAction] = []
             for bucket, spec in negotiation.cache.sorted_hashes():
                 outcome = negotiation.take(
                     state, rank, step, bucket, spec, True, members, self.epoch

@@ -60,6 +60,7 @@ class ResponseCache:
         self._known: dict[str, BucketSpec] = {}
         """Every spec agreed in the epoch, at any bucket, by its hash (`known`)."""
         self._hashes: dict[int, str] | None = None
+        self._specs: tuple[tuple[int, BucketSpec], ...] | None = None
         self._fold_hash: str | None = None
         """`hashes` and `fold_hash`, kept until the next agreement (every folded report of
         every rank asks for them)."""
@@ -87,7 +88,7 @@ class ResponseCache:
         digest = spec_hash(spec)
         self._agreed[bucket] = (spec, digest)
         self._known[digest] = spec
-        self._hashes = self._fold_hash = None
+        self._hashes = self._fold_hash = self._specs = None
 
     def known(self, spec: BucketSpec) -> BucketSpec | None:
         """The spec, agreed at any bucket of the epoch, that ``spec`` (a spec or its hash)
@@ -107,6 +108,13 @@ class ResponseCache:
         if self._hashes is None:
             self._hashes = {bucket: agreement[1] for bucket, agreement in self._agreed.items()}
         return self._hashes
+
+    def agreed(self) -> tuple[tuple[int, BucketSpec], ...]:
+        """(bucket, agreed spec) of every agreement, by bucket (the same tuple until the
+        next agreement)."""
+        if self._specs is None:
+            self._specs = tuple((b, self._agreed[b][0]) for b in sorted(self._agreed))
+        return self._specs
 
     def sorted_hashes(self) -> list[tuple[int, str]]:
         """(bucket, hash) of every agreement, by bucket."""
@@ -175,6 +183,8 @@ class Negotiation:
     ) -> Outcome:
         """`report` of a report that is not for the next step, by its fields (a folded step
         report's buckets come here without a `Ready` built for each)."""
+        if state.folded:
+            state.settle()
         if step != state.step or state.verifying:
             return Fault(
                 f"rank {rank} reported bucket {bucket} ready for step {step}, "
@@ -317,6 +327,7 @@ class Negotiation:
         negotiated (no go yet), or one that peers reduced from the cache and it never
         reported (its peers' reports may still be on their way: those are checked as they
         come). None: no bucket is outstanding for it."""
+        state.settle()
         for bucket in sorted(state.pending):
             reports = state.pending[bucket]
             if bucket in state.plain:

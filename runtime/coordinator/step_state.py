@@ -70,6 +70,13 @@ class StepState:
     ended_with: dict[int, int] = field(default_factory=dict)
     """bucket -> how many ranks of `ended` reported it (kept by `end`, so a report can tell
     in O(1) whether some rank ended the step without its bucket)."""
+    folded: list[int] = field(default_factory=list)
+    """Ranks whose folded step report `defer_fold` took without writing it bucket by bucket
+    into ``pending``, ``gone``, ``reported`` and ``ended_with``; `settle` writes them."""
+    folded_buckets: tuple[tuple[int, BucketSpec], ...] = ()
+    """The agreed (bucket, spec) pairs the ranks of ``folded`` reported."""
+    folded_members: int = 0
+    """The members the step counted when ``folded`` was taken."""
     _ended: set[int] = field(default_factory=set)
 
     @classmethod
@@ -111,15 +118,73 @@ class StepState:
 
     def ended_without(self, bucket: int) -> bool:
         """Whether some rank ended the step without reporting ``bucket`` (O(1))."""
+        if self.folded:
+            self.settle()
         return len(self._ended) > self.ended_with.get(bucket, 0)
+
+    def defer_fold(
+        self, rank: int, step: int, agreed: tuple[tuple[int, BucketSpec], ...], members: int
+    ) -> bool:
+        """Take ``rank``'s folded step report of ``step`` as its cached report of every
+        ``agreed`` (bucket, spec), in O(1), when nothing but such reports touched the step's
+        buckets (no ready, no rank ended without folding, the same agreement and ``members``
+        for all): each would pass the per-bucket checks (`Negotiation.take`) and be written
+        the same way, which `settle` does once something else looks at the buckets. False:
+        not taken (the caller takes it bucket by bucket)."""
+        if (
+            not agreed
+            or step != self.step
+            or self.verifying
+            or self.applied
+            or rank in self.done
+            or rank in self.reduced
+            or self.pending
+            or self.gone
+            or self.plain
+            or self.reported
+            or len(self._ended) != len(self.folded)
+            or len(self.folded) >= members
+        ):
+            return False
+        if self.folded and (agreed is not self.folded_buckets or members != self.folded_members):
+            return False
+        self.folded.append(rank)
+        self.folded_buckets, self.folded_members = agreed, members
+        return True
+
+    def settle(self) -> None:
+        """Write the reports `defer_fold` took, as `Negotiation.take` would have written
+        them one bucket at a time (the buckets every member reported are gone)."""
+        if not self.folded:
+            return
+        ranks, self.folded = self.folded, []
+        agreed, members = self.folded_buckets, self.folded_members
+        buckets = [bucket for bucket, _ in agreed]
+        pending, ended_with = self.pending, self.ended_with
+        for rank in ranks:
+            for bucket, spec in agreed:
+                reports = pending.get(bucket)
+                if reports is None:
+                    reports = pending[bucket] = {}
+                reports[rank] = spec
+                if len(reports) >= members:
+                    del pending[bucket]
+                    self.gone.add(bucket)
+            self.reported[rank] = set(buckets)
+            if rank in self._ended:
+                for bucket in buckets:
+                    ended_with[bucket] = ended_with.get(bucket, 0) + 1
 
     @property
     def started(self) -> bool:
         """Whether any rank has reported anything for this step (or the next)."""
-        return bool(self.pending or self.gone or self.done or self.early or self.reduced)
+        return bool(
+            self.pending or self.gone or self.done or self.early or self.reduced or self.folded
+        )
 
     def active_ranks(self, members: tuple[int, ...]) -> list[int]:
         """The ranks known to have started this step, ascending."""
+        self.settle()
         active = self.ended | {rank for rank, _ in self.early}
         for reports in self.pending.values():
             active.update(reports)
@@ -129,12 +194,14 @@ class StepState:
 
     def partly_reported(self, members: tuple[int, ...]) -> bool:
         """Whether some members reported a bucket or the step's end that others have not."""
+        self.settle()
         return bool(self.pending) or 0 < len(self.done) < len(members)
 
     def waiting_call(self, members: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]] | None:
         """The torch.distributed call the step waits in, when it waits for some members to
         make a call others made (its spec names it: `CALL_PREFIX`): the call's name, its
         number (bucket) and the ranks of ``members`` that have not called it; else None."""
+        self.settle()
         if self.verifying or self.applied or self.reduced or not self.pending:
             return None
         bucket = min(self.pending)
@@ -149,6 +216,7 @@ class StepState:
 
     def waiting_for(self, members: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """What the step waits for: a phase and the ranks of ``members`` it waits on."""
+        self.settle()
         if self.verifying:
             missing = tuple(r for r in members if r not in self.done)
             return f"the epoch's state transfer and check of step {self.step}", missing
