@@ -102,6 +102,8 @@ class HostState(enum.Enum):
     DONE = "done"
     """The run ended here (finished, stopped, refused, or the root was lost)."""
 
+    __hash__ = object.__hash__  # by identity, at C speed (as `RunState`)
+
 
 class HostFold:
     """The sub-coordinator of host ``name``: the root's index ``index`` for it, the world
@@ -347,7 +349,7 @@ class HostFold:
     @staticmethod
     def _stops(actions: list[HostAction]) -> bool:
         """Whether ``actions`` drop the report (a fault of its rank or the run's end)."""
-        return any(
+        return bool(actions) and any(
             isinstance(a, Evict)
             or (isinstance(a, Up) and isinstance(a.message, HostAbort | HostLost))
             for a in actions

@@ -25,6 +25,10 @@ class RunState(enum.Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
 
+    # A member is its own singleton: hashed by identity, at C speed (the transition tables
+    # are looked up by (state, event type) on every event; Enum's own hash is Python code).
+    __hash__ = object.__hash__
+
 
 class Trigger(enum.Enum):
     """What moves the run from one state to the next."""
