@@ -355,6 +355,7 @@ class TreeRun:
         """Play the next step; the root's seconds (decoding, deciding, encoding its answer)."""
         step = self.next_step
         per_host = self.reports(step)
+        gc.collect(1)  # the collector's young objects are this step's reports: passed over now
         self.host_seconds = [0.0] * len(per_host)
         self.host_cpu_seconds = [0.0] * len(per_host)
         root = root_cpu = 0.0
