@@ -234,7 +234,11 @@ class TreeRun:
     encoding its report to the root, and the root is timed decoding the hosts' frames,
     deciding and encoding its answer (once: the same frame goes to every host), and each host
     again taking the answer and fanning it out. It returns the root's seconds and keeps each
-    host's in ``host_seconds``."""
+    host's in ``host_seconds``. A frame is decoded as the tree's shells decode one
+    (`paramsync.runtime.coordinator.tree_service`): its item by `decode_item` with no tensors
+    taken (what a control link's ``recv`` does once the frame's authentication tag checked,
+    which is the transport's and not timed here), then `event_from_wire`,
+    `host_event_from_wire` or `root_message_from_wire`."""
 
     def __init__(
         self,
