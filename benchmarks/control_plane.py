@@ -49,13 +49,16 @@ from paramsync.runtime.coordinator.events import (  # noqa: E402
     Action,
     Broadcast,
     Event,
+    Send,
     agreement_hash,
     spec_hash,
 )
+from paramsync.runtime.coordinator.host_driver import HostDriver  # noqa: E402
 from paramsync.runtime.coordinator.host_fold import HostFold  # noqa: E402
 from paramsync.runtime.coordinator.root_core import RootCore  # noqa: E402
+from paramsync.runtime.coordinator.root_driver import RootDriver  # noqa: E402
 from paramsync.runtime.coordinator.run_state import RunState  # noqa: E402
-from paramsync.runtime.coordinator.tree_events import FromRoot, ToHosts, Up  # noqa: E402
+from paramsync.runtime.coordinator.tree_events import FromRoot, Up  # noqa: E402
 from paramsync.runtime.protocol.messages import (  # noqa: E402
     Apply,
     Commit,
@@ -227,7 +230,8 @@ class SimulatedRun:
 
 class TreeRun:
     """``workers`` simulated workers on ``hosts`` hosts (as even as they split), a `HostFold`
-    per host and a `RootCore` above them, every message a real CBOR frame both ways.
+    per host and a `RootCore` above them, each driven by its driver as the tree's shells drive
+    it (`HostDriver`, `RootDriver`), every message a real CBOR frame both ways.
 
     `step` plays one step: each worker's reports are built and encoded first (untimed); then
     each host's sub-coordinator is timed decoding its workers' frames, folding them and
@@ -258,10 +262,14 @@ class TreeRun:
         self.hashes = [spec_hash(spec) for spec in self.specs]
         self.agreement = agreement_hash(dict(enumerate(self.hashes)))
         self.interval = digest_interval
-        self.root = RootCore(workers, digest_interval=digest_interval, heartbeat_deadline=60.0)
+        core = RootCore(workers, digest_interval=digest_interval, heartbeat_deadline=60.0)
+        self.root = RootDriver(core)
         self.groups = [list(range(workers))[h::hosts] for h in range(hosts)]
         self.hosts = [
-            HostFold(f"node{h}", h, ranks, world_size=workers, elastic=False)
+            HostDriver(
+                HostFold(f"node{h}", h, ranks, world_size=workers, elastic=False),
+                heartbeat_deadline=60.0,
+            )
             for h, ranks in enumerate(self.groups)
         ]
         self.epoch = 0
@@ -312,11 +320,14 @@ class TreeRun:
             for action in root.handle(
                 host_event_from_wire(decode_frame(data, tensors=False), host=h)
             ):
-                if isinstance(action, ToHosts):
-                    self._answers.append(action.message)
-                    self._down.append((action.hosts, self._frame(action.message)))
+                if isinstance(action, Broadcast):
+                    hosts, message = root.members, action.message
+                elif isinstance(action, Send):
+                    hosts, message = (action.rank,), action.message
                 else:
                     raise RuntimeError(f"the root answered {action!r}")
+                self._answers.append(message)
+                self._down.append((hosts, self._frame(message)))
 
     def _fan_out(self, h: int) -> None:
         """Host ``h`` takes the root's answers and fans them out (its reports go up)."""

@@ -17,6 +17,9 @@ from types import ModuleType
 
 import pytest
 
+from paramsync.runtime.coordinator.host_driver import HostDriver
+from paramsync.runtime.coordinator.root_driver import RootDriver
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "control_plane.py"
 
@@ -93,3 +96,22 @@ def test_the_wire_path_decodes_every_report_and_commits(fold: bool) -> None:
     assert (
         run.core.view.last_commit is not None and run.core.view.last_commit.digests == ()
     )  # step 3
+
+
+def test_the_tree_commits_every_step_through_the_shells_drivers_and_exits_1_on_a_miss(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--hosts`: the sub-coordinators and the root driven as the tree's shells drive them
+    (`HostDriver`, `RootDriver`), every report decoded as a control link decodes it; a missed
+    target is named and makes the exit status 1, met targets 0."""
+    run = control_plane.TreeRun(16, 4, buckets=3, tensors=6)
+    assert isinstance(run.root, RootDriver) and all(isinstance(h, HostDriver) for h in run.hosts)
+    for _ in range(3):
+        assert run.step() >= 0
+    assert run.root.root.membership.epoch == run.epoch and run.next_step == 3
+    argv = ["--workers", "16", "--hosts", "4", "--steps", "3", "--warmup", "1"]
+    argv += ["--flat-steps", "1", "--memory-steps", "0", "--buckets", "3", "--tensors", "6"]
+    assert control_plane.main([*argv, "--target-ms", "0"]) == 1
+    assert "missed: the root at 16 workers on 4 hosts" in capsys.readouterr().out
+    control_plane.main([*argv, "--target-ms", "1000", "--target-clock", "cpu"])
+    assert "missed: the root" not in capsys.readouterr().out

@@ -12,6 +12,7 @@ from paramsync.runtime.errors import ProtocolError
 from paramsync.runtime.protocol import wire
 from paramsync.runtime.protocol.decode_memo import MEMO_ENTRIES, MEMO_MAX_ITEM
 from paramsync.runtime.protocol.messages import (
+    Digest,
     HostDigest,
     Joined,
     Ready,
@@ -60,10 +61,11 @@ def test_the_same_bytes_are_decoded_and_checked_once(monkeypatch: pytest.MonkeyP
 
 def test_a_kept_map_is_handed_out_as_a_copy() -> None:
     frame = framed(DIGEST)
-    first = decode_frame(frame)
-    first["step"] = 99
-    first["groups"][0][2] = "changed"
-    first["groups"].append("more")
+    for _ in range(2):  # the map decoded (then kept), then one answered from the memo
+        first = decode_frame(frame)
+        first["step"] = 99
+        first["groups"][0][2] = "changed"
+        first["groups"].append("more")
     again = decode_frame(frame)
     assert again == {
         "v": PROTOCOL_VERSION,
@@ -104,3 +106,27 @@ def test_only_short_items_of_the_hot_report_kinds_are_kept() -> None:
     for step in range(MEMO_ENTRIES + 5):
         decode_frame(framed(Ready(0, step, 0, "xxh3:" + "2" * 32, 1, cached=True)))
         assert 1 <= len(MEMO) <= MEMO_ENTRIES
+
+
+@pytest.mark.parametrize(
+    ("message", "key"),
+    [
+        (
+            Ready(0, 0, 2, (((4, 4), "float32"), ((3,), "float16")), 1),
+            "spec",
+        ),  # lists of lists of lists
+        (Digest(0, 1, b"d" * 16, (), 1, b"\x01" * 32, ("a", "b")), "names"),  # a list of text
+    ],
+)
+def test_every_list_of_a_kept_map_is_a_copy(message: Any, key: str) -> None:
+    frame = framed(message)
+    pristine = cbor2.loads(frame[8:])[key]
+    for _ in range(2):  # the map decoded (then kept), then one answered from the memo
+        value = decode_frame(frame)[key]
+        value.append("more")
+        if type(value[0]) is list:
+            value[0].append("more")
+            if type(value[0][0]) is list:
+                value[0][0].append(7)
+    assert decode_frame(frame)[key] == pristine
+    assert event_from_wire(decode_frame(frame), rank=0, now=0.0) == message

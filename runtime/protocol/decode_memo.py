@@ -14,6 +14,7 @@ frame with a tag or a bulk tensor, a kind not listed) goes through the full deco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from paramsync.runtime.protocol.schema import CheckedItem
@@ -56,31 +57,33 @@ def _copy(value: list[Any]) -> list[Any]:
     return [_copy(element) if type(element) is list else element for element in value]
 
 
-def _copy_two(value: list[Any]) -> list[Any]:
-    """`_copy` of a list whose lists hold no list (a host's digest groups)."""
-    return [list(element) if type(element) is list else element for element in value]
+def _copy_rows(value: list[list[Any]]) -> list[list[Any]]:
+    """`_copy` of a list of lists of plain values (a host's digest groups)."""
+    return [row.copy() for row in value]
 
 
-def _depth(value: Any) -> int:
-    """How deep lists nest in ``value`` (0: not a list)."""
-    if type(value) is not list:
-        return 0
-    return 1 + max((_depth(element) for element in value), default=0)
+def _copier(value: list[Any]) -> Callable[[list[Any]], list[Any]]:
+    """The cheapest copy of ``value`` whole: `list.copy` for a list of plain values,
+    `_copy_rows` for a list of such lists, else `_copy`."""
+    if not any(type(element) is list for element in value):
+        return list.copy
+    rows = all(
+        type(row) is list and not any(type(element) is list for element in row) for row in value
+    )
+    return _copy_rows if rows else _copy
 
 
-def _copier(value: list[Any]) -> Any:
-    """The cheapest of `list`, `_copy_two` and `_copy` that copies ``value`` whole."""
-    depth = _depth(value)
-    return list if depth == 1 else _copy_two if depth == 2 else _copy
+_set_item = dict.__setitem__
+"""Sets an entry of a fresh `CheckedItem` (its checked values are given after)."""
 
 
 class DecodeMemo:
-    """Item bytes -> the `CheckedItem` they decoded to, for `MEMO_KINDS` (bounded by
+    """Item bytes -> the map they decoded to and its checked values, for `MEMO_KINDS` (bounded by
     `MEMO_ENTRIES` and `MEMO_MAX_ITEM`). Safe to share between threads: a lookup and an
     insertion are single dict operations, and a kept map is never handed out itself."""
 
     def __init__(self) -> None:
-        self._items: dict[bytes, tuple[CheckedItem, tuple[tuple[str, Any], ...]]] = {}
+        self._items: dict[bytes, tuple[dict[str, Any], Any, Any, tuple[tuple[str, Any], ...]]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -91,10 +94,11 @@ class DecodeMemo:
         kept = self._items.get(data)
         if kept is None:
             return None
-        item, nested = kept
-        fresh = CheckedItem.of(item, item.checked_spec, item.checked_values)  # type: ignore[arg-type]
+        item, spec, values, nested = kept
+        fresh = CheckedItem(item)
         for key, copy in nested:
-            dict.__setitem__(fresh, key, copy(item[key]))  # keeps the checked values
+            _set_item(fresh, key, copy(item[key]))
+        fresh.checked_spec, fresh.checked_values = spec, values
         return fresh
 
     def keep(self, data: bytes, item: dict[str, Any]) -> None:
@@ -110,10 +114,10 @@ class DecodeMemo:
         if len(self._items) >= MEMO_ENTRIES:
             self._items.clear()
         nested = tuple((k, _copier(v)) for k, v in item.items() if type(v) is list)
-        kept = CheckedItem.of(item, item.checked_spec, item.checked_values)  # type: ignore[arg-type]
+        kept = dict(item)  # its own copy: what the caller does with ``item`` changes nothing here
         for key, _ in nested:
-            dict.__setitem__(kept, key, _copy(item[key]))
-        self._items[data] = (kept, nested)
+            kept[key] = _copy(item[key])
+        self._items[data] = (kept, item.checked_spec, item.checked_values, nested)
 
     def clear(self) -> None:
         self._items.clear()
