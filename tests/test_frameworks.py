@@ -118,7 +118,19 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Job]:
     return job
 
 
-@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+SOAK_FRAMEWORKS = frozenset({"lightning", "transformers"})
+"""Run by ``make soak`` only (each a job of about 7 s): the default suite keeps Accelerate's,
+whose job crosses the same backend and proof paths and also carries the not-data-parallel
+refusal."""
+
+
+@pytest.mark.parametrize(
+    "framework",
+    [
+        pytest.param(name, marks=pytest.mark.soak) if name in SOAK_FRAMEWORKS else name
+        for name in sorted(FRAMEWORKS)
+    ],
+)
 def test_the_framework_trains_on_paramsync_as_on_gloo_and_a_divergence_is_named(
     framework: str, jobs: Callable[[str], Job]
 ) -> None:
