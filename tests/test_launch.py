@@ -176,7 +176,8 @@ def test_launch_exits_2_when_a_worker_exits_2(tmp_path: Path) -> None:
 
 def test_launch_keeps_a_secret_file_as_it_is(tmp_path: Path) -> None:
     """The user's PARAMSYNC_SECRET_FILE reaches every child as it is: no secret of the
-    launcher's own is put into their environment, and the run trains with the file's."""
+    launcher's own is put into their environment, and the run trains with the file's; the
+    coordinator kind asked reaches them too."""
     secret_file = tmp_path / "secret"
     secret_file.write_text(os.urandom(16).hex())
     secret_file.chmod(0o600)
@@ -184,12 +185,17 @@ def test_launch_keeps_a_secret_file_as_it_is(tmp_path: Path) -> None:
     script.write_text(
         "import os, runpy, sys\n"
         "assert 'PARAMSYNC_SECRET' not in os.environ, 'the launcher put a secret in the env'\n"
+        # The kind asked reaches the workers, for the groups a script makes itself.
+        "assert os.environ['PARAMSYNC_COORDINATOR_KIND'] == 'flat', os.environ\n"
         f"sys.argv = ['own_training_loop.py', '--steps', '4']\n"
         f"runpy.run_path({str(ROOT / 'examples/own_training_loop.py')!r}, run_name='__main__')\n"
     )
     env = dict(env_without_secret(), PARAMSYNC_SECRET_FILE=str(secret_file))
     env["PYTHONPATH"] = str(ROOT)
-    result = run_cli("launch", "--nproc", "2", "--", str(script), env=env, timeout=90)
+    result = run_cli(
+        "launch", "--nproc", "2", "--coordinator-kind", "flat", "--", str(script), env=env,
+        timeout=90,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     assert "after 4 steps" in result.stdout, result.stdout
 
@@ -318,6 +324,8 @@ def test_the_coordinator_tree_is_the_default_past_one_node_and_can_be_forced(
     assert _plan(*nodes).tree  # a sub-coordinator per node, the root on node 0
     assert not _plan("--nproc", "2").tree  # one node: the flat coordinator
     assert not _plan(*nodes, "--coordinator-kind", "flat").tree
+    assert _plan(*nodes, "--coordinator-kind", "flat").coordinator_kind == "flat"
+    assert _plan(*nodes).coordinator_kind == "auto"  # the workers' groups decide by hosts
     assert _plan("--nproc", "2", "--coordinator-kind", "tree").tree  # forced, one node too
     # Restarted workers rejoin a running run, which the tree does not take: flat.
     assert not _plan(*nodes, "--max-restarts", "1").tree

@@ -144,6 +144,10 @@ class LaunchPlan:
     tree: bool = False
     """Whether the run uses the coordinator tree: a sub-coordinator on every node, the root
     on node 0 (in the flat coordinator's place)."""
+    coordinator_kind: str = "auto"
+    """``--coordinator-kind`` (or $PARAMSYNC_COORDINATOR_KIND) as asked: the workers get it
+    in $PARAMSYNC_COORDINATOR_KIND, so the process groups a script makes besides the world's
+    (each hosting its own coordinators, `paramsync.actors.torch_backend.tree`) follow it."""
 
     @property
     def world_size(self) -> int:
@@ -235,6 +239,7 @@ class LaunchPlan:
             max_restarts=args.max_restarts,
             min_workers=min_workers,
             tree=kind == "tree" or (kind == "auto" and nnodes > 1 and args.max_restarts == 0),
+            coordinator_kind=kind,
         )
 
 
@@ -294,6 +299,7 @@ def run_launch(args: argparse.Namespace) -> int:
         GROUP_RANK=str(plan.node_rank),
         NODE_RANK=str(plan.node_rank),
         PARAMSYNC_ROLE="worker",
+        **{COORDINATOR_KIND_ENV: plan.coordinator_kind},
     )
     if plan.advertise:
         base[ADVERTISE_ENV] = plan.advertise
