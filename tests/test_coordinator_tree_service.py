@@ -29,6 +29,7 @@ from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOption
 from paramsync.runtime.coordinator.tree_service import (
     RootCoordinator,
     SubCoordinator,
+    dial_root,
     host_group,
 )
 from paramsync.runtime.errors import HandshakeError, PeerClosed
@@ -493,3 +494,22 @@ async def test_the_root_admits_hosts_by_group_and_index_and_refuses_a_worker() -
                 await dial(address, key, host)
             await conn.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_sub_coordinator_dialing_a_flat_coordinator_is_told_what_to_start() -> None:
+    """A flat coordinator (``paramsync coordinator`` without ``--tree root``) refuses a host's
+    link by its group; the sub-coordinator's error says the coordinator there is flat and what
+    to start instead."""
+    secret = "tree-service-tests-secret"
+    flat = Coordinator(WORLD, CoordinatorOptions(heartbeat_deadline=DEADLINE), secret=secret)
+    key = load_secret(secret, {})
+    with trio.fail_after(RUN_SECONDS):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(flat.serve_tcp, "127.0.0.1", 0)
+            host = Identity(host_group(DEFAULT_GROUP), WORLD, 0)
+            with pytest.raises(HandshakeError) as refused:
+                await dial_root(address, key, host)
+            nursery.cancel_scope.cancel()
+    text = str(refused.value)
+    assert "group 'paramsync/hosts' does not match" in text, text
+    assert "is a flat one" in text and "paramsync coordinator --tree root" in text, text

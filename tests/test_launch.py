@@ -329,6 +329,9 @@ def test_the_coordinator_tree_is_the_default_past_one_node_and_can_be_forced(
     assert _plan("--nproc", "2", "--coordinator-kind", "tree").tree  # forced, one node too
     # Restarted workers rejoin a running run, which the tree does not take: flat.
     assert not _plan(*nodes, "--max-restarts", "1").tree
+    # A coordinator started by hand is flat unless the launch says it is the tree's root.
+    assert not _plan(*nodes, "--no-coordinator").tree
+    assert _plan(*nodes, "--no-coordinator", "--coordinator-kind", "tree").tree
     monkeypatch.setenv("PARAMSYNC_COORDINATOR_KIND", "tree")
     assert _plan("--nproc", "2").tree
     assert not _plan("--nproc", "2", "--coordinator-kind", "flat").tree  # the flag wins

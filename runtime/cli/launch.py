@@ -13,13 +13,14 @@ $PARAMSYNC_SECRET_FILE). Workers dial the coordinator at HOST, so they listen fo
 the interface that reaches it, or on ``--advertise-addr`` ($PARAMSYNC_ADVERTISE_ADDR).
 
 The coordinator tree (``--coordinator-kind tree``, the default for ``--nnodes > 1`` without
-``--max-restarts``): every node also runs a sub-coordinator on its own address; the node's
-workers dial it as they dial a coordinator, and it dials the root at HOST:PORT (node 0's
-root daemon, started in the coordinator's place), so the root sees one link and one report per
-node, not one per worker. ``--coordinator-kind flat`` (or $PARAMSYNC_COORDINATOR_KIND) keeps one
-coordinator for all workers, the default on one node; ``tree`` forces the tree, one node
-included. In an elastic tree run a node's failed sub-coordinator is started again at its
-address (up to `SUB_RESTARTS` times): its workers redial it and the host rejoins the run.
+``--max-restarts`` or ``--no-coordinator``): every node also runs a sub-coordinator on its own
+address; the node's workers dial it as they dial a coordinator, and it dials the root at
+HOST:PORT (node 0's root daemon, started in the coordinator's place), so the root sees one link
+and one report per node, not one per worker. ``--coordinator-kind flat`` (or
+$PARAMSYNC_COORDINATOR_KIND) keeps one coordinator for all workers, the default on one node;
+``tree`` forces the tree, one node included. In an elastic tree run a node's failed
+sub-coordinator is started again at its address (up to `SUB_RESTARTS` times): its workers
+redial it and the host rejoins the run.
 
 ``--max-restarts M``: a worker that fails is started again, with its rank, up to M times on
 this node, and rejoins the running run live (the coordinator is then elastic: the survivors
@@ -238,7 +239,12 @@ class LaunchPlan:
             advertise=args.advertise_addr,
             max_restarts=args.max_restarts,
             min_workers=min_workers,
-            tree=kind == "tree" or (kind == "auto" and nnodes > 1 and args.max_restarts == 0),
+            # A coordinator started by hand (--no-coordinator) is flat unless it was started
+            # as the tree's root (--tree root): only ``tree`` asks for that.
+            tree=kind == "tree"
+            or (
+                kind == "auto" and nnodes > 1 and args.max_restarts == 0 and not args.no_coordinator
+            ),
             coordinator_kind=kind,
         )
 

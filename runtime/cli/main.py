@@ -274,7 +274,8 @@ def build_parser(
         help="tree: a sub-coordinator on every node, which the node's workers dial, under a "
         "root on node 0 (at --coordinator); flat: one coordinator for every worker; auto "
         "(default, or $PARAMSYNC_COORDINATOR_KIND): tree when --nnodes > 1 without "
-        "--max-restarts (a worker restarted alone cannot rejoin the tree), else flat; the "
+        "--max-restarts (a worker restarted alone cannot rejoin the tree) or --no-coordinator "
+        "(one started by hand is flat unless started with --tree root), else flat; the "
         "workers get it in $PARAMSYNC_COORDINATOR_KIND (the torch backend's other groups)",
     )
     launch.add_argument(

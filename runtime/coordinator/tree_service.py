@@ -36,7 +36,7 @@ from paramsync.runtime.coordinator.root_driver import RootDriver
 from paramsync.runtime.coordinator.run_state import RunState
 from paramsync.runtime.coordinator.service import Coordinator, CoordinatorOptions, RunFailed
 from paramsync.runtime.coordinator.tree_events import FromRoot, RootLost, Up
-from paramsync.runtime.errors import PeerClosed, ProtocolError, one_line
+from paramsync.runtime.errors import HandshakeError, PeerClosed, ProtocolError, one_line
 from paramsync.runtime.observe.metrics import Metrics
 from paramsync.runtime.protocol.handshake import Identity, load_secret
 from paramsync.runtime.protocol.messages import (
@@ -52,7 +52,7 @@ from paramsync.runtime.transport.link import Link
 from paramsync.runtime.transport.tcp import DEFAULT_GROUP, dial_with_retry
 from paramsync.runtime.transport.tls import TlsConfig
 
-__all__ = ["RootCoordinator", "SubCoordinator", "host_group"]
+__all__ = ["RootCoordinator", "SubCoordinator", "host_group", "dial_root"]
 
 log = logging.getLogger("paramsync.coordinator")
 
@@ -66,6 +66,28 @@ def host_group(group: str) -> str:
     """The handshake group of the links from the hosts to the root of run group ``group``: a
     worker that dials the root by mistake is refused (its group is the run's)."""
     return f"{group}/hosts"
+
+
+async def dial_root(
+    root: tuple[str, int], key: bytes, me: Identity, *, tls: TlsConfig | None = None
+) -> Link:
+    """A sub-coordinator's link to the root at ``root`` (dialing for up to
+    `ROOT_DIAL_SECONDS`). A coordinator there that refuses the hosts' group is a flat one
+    (``paramsync coordinator`` without ``--tree root``): the refusal says so, and what to
+    start instead."""
+    try:
+        with trio.fail_after(ROOT_DIAL_SECONDS):
+            conn, _ = await dial_with_retry(root, key, me, tls=tls)
+    except HandshakeError as exc:
+        if f"group {me.group!r} does not match" not in str(exc):
+            raise
+        raise HandshakeError(
+            f"{exc} (the coordinator at {root[0]}:{root[1]} is a flat one, not the coordinator "
+            "tree's root: start it with `paramsync coordinator --tree root`, or launch the "
+            "nodes with --coordinator-kind flat)"
+        ) from None
+    conn.tensors = False
+    return conn
 
 
 def _heartbeat_period(deadline: float) -> float:
@@ -143,14 +165,11 @@ class SubCoordinator(Coordinator):
         key = load_secret(self._secret)
         me = Identity(host_group(self.group), self.world_size, self.index)
 
-        async def dial_root() -> Link:
-            with trio.fail_after(ROOT_DIAL_SECONDS):
-                conn, _ = await dial_with_retry(root, key, me, tls=tls)
-            conn.tensors = False
-            return conn
+        async def connect() -> Link:
+            return await dial_root(root, key, me, tls=tls)
 
         await self._with_uplink(
-            dial_root, super().serve_tcp, host, port, tls=tls, task_status=task_status
+            connect, super().serve_tcp, host, port, tls=tls, task_status=task_status
         )
 
     async def _with_uplink(
