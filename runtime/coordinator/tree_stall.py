@@ -177,34 +177,35 @@ def root_stall(root: RootCore, stall: Stall) -> list[RootAction]:
         return []  # every member at the same point between calls: idle, not stalled
     state, epoch = root.current, root.epoch
     waited = format_seconds(stall.waited)
+    deadline = format_seconds(root.stall_deadline or stall.waited)
     call = _waiting_call(root, notices)
     if call is not None and not root.elastic:
         name, number, missing = call
         waiting = [r for r in root.members if r not in missing]
         where = f"{name} (step {state.resume_step}, call {number})"
-        if not stall.give_up:
-            return [
-                Report(
-                    f"stall: {where}: ranks {waiting} have waited {waited} s for "
-                    f"ranks {list(missing)}, which have not called it"
-                )
-            ]
-        deadline = format_seconds(root.stall_deadline or stall.waited)
-        return root.stop(
+        return _report_or_stop(
+            root,
+            stall,
+            f"stall: {where}: ranks {waiting} have waited {waited} s for "
+            f"ranks {list(missing)}, which have not called it",
             f"{where}: ranks {list(missing)} did not call it within the timeout of "
-            f"{deadline} s (ranks {waiting} waited in it)"
+            f"{deadline} s (ranks {waiting} waited in it)",
         )
     phase, ranks = _waiting_for(root, notices)
     step = state.resume_step
-    if not stall.give_up or root.elastic:
-        return [
-            Report(
-                f"stall: step {step} (epoch {epoch}) has waited {waited} s for ranks "
-                f"{list(ranks)} in {phase}"
-            )
-        ]
-    deadline = format_seconds(root.stall_deadline or stall.waited)
-    return root.stop(
+    return _report_or_stop(
+        root,
+        stall,
+        f"stall: step {step} (epoch {epoch}) has waited {waited} s for ranks "
+        f"{list(ranks)} in {phase}",
         f"step {step}: ranks {list(ranks)} stalled for {waited} s in {phase} "
-        f"(stall deadline {deadline} s)"
+        f"(stall deadline {deadline} s)",
     )
+
+
+def _report_or_stop(root: RootCore, stall: Stall, report: str, stop: str) -> list[RootAction]:
+    """Before the deadline (or in an elastic run, which the root never stops for a stall):
+    the ``report``; past it: the run's end with ``stop``."""
+    if not stall.give_up or root.elastic:
+        return [Report(report)]
+    return root.stop(stop)
