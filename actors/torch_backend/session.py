@@ -592,14 +592,7 @@ class GroupSession:
                     group.bind_next_op(op.op_id)
                 await op.run(group)
             except Exception as exc:
-                # A data-plane failure (a peer gone) usually has the coordinator's reason a
-                # moment later (the peer's link closed, or its heartbeats stopped): wait for
-                # it briefly, so the error names the rank and not only a closed socket.
-                client = self.client
-                if client is not None:
-                    with trio.move_on_after(min(2.0, self.options.heartbeat_deadline)):
-                        await client.done.wait()
-                self._fail(exc, op)
+                await self._fail_with_reason(exc, op)
                 raise
             self._complete(op)
 
@@ -622,13 +615,20 @@ class GroupSession:
             self._complete(op, exc)
             return
         except Exception as exc:
-            client = self.client  # the coordinator's reason, if it has one (see _runner)
-            if client is not None:
-                with trio.move_on_after(min(2.0, self.options.heartbeat_deadline)):
-                    await client.done.wait()
-            self._fail(exc, op)
+            await self._fail_with_reason(exc, op)
             raise
         self._complete(op)
+
+    async def _fail_with_reason(self, exc: BaseException, op: _Op) -> None:
+        """`_fail` for a call's data-plane failure (a peer gone), which usually has the
+        coordinator's reason a moment later (the peer's link closed, or its heartbeats
+        stopped): wait for it briefly first, so the error names the rank and not only a
+        closed socket."""
+        client = self.client
+        if client is not None:
+            with trio.move_on_after(min(2.0, self.options.heartbeat_deadline)):
+                await client.done.wait()
+        self._fail(exc, op)
 
     async def _finish(self, client: CoordinatorClient) -> None:
         """Tell the coordinator this rank is done (ending the step in flight first, if it ran
